@@ -1,0 +1,227 @@
+"""Reference engine: HF transformers' modules driven over a ragged batch and a paged KV cache.
+
+It runs on the CPU (and on a GPU when present) and serves as hcache's ground truth: the projection GEMMs,
+norms and MLPs are transformers' own modules; the attention reads the paged cache, and K/V are written
+with the same ops the restore path uses (:mod:`hcache.ops`). A restore fills the cache layer by layer
+with three primitives: :meth:`recompute_layers` (RE), :meth:`restore_from_hidden` (H) and
+:meth:`restore_kv` (KV).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InvalidRequestError
+from ..model_spec import ModelSpec
+from ..ops import KVProjection, apply_rope, gather_kv, rope_cos_sin, slot_mapping, write_kv
+from ..ops.kv_projection import linear_rows
+from .blocked_kv_cache import BlockedKVCache
+from .capture import BatchSegment, LayerCapture
+
+
+@dataclass
+class Sequence:
+    uid: int
+    tokens: list[int] = field(default_factory=list)  # tokens whose K/V are in the cache, in order
+    blocks: list[int] = field(default_factory=list)
+
+
+class _Decoder:
+    """The family-specific glue around a layer's attention: embedding, MLP block and LM head."""
+
+    def __init__(self, model: nn.Module, spec: ModelSpec):
+        self.spec = spec
+        self.lm_head = model.get_output_embeddings()
+        self.layers = model.get_submodule(spec.layers_prefix)
+        if spec.model_type == "opt":
+            dec = model.get_submodule("model.decoder")
+            self.embed_tokens, self.final_norm = dec.embed_tokens, dec.final_layer_norm
+            self.project_in, self.project_out = dec.project_in, dec.project_out
+            self.position_table = dec.embed_positions.weight
+        else:
+            self.embed_tokens, self.final_norm = model.model.embed_tokens, model.model.norm
+            self.project_in = self.project_out = self.position_table = None
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        if self.position_table is not None:
+            x = x + F.embedding(positions + self.spec.learned_position_offset, self.position_table)
+        return x
+
+    def mlp_block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.model_type == "opt":
+            return x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.final_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return self.lm_head(x)
+
+
+class ReferenceEngine:
+    """Ragged-batch forward over a :class:`BlockedKVCache`, plus the three restore primitives."""
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, num_blocks: int = 128, block_size: int = 64):
+        self.model = model.eval()
+        self.spec = spec
+        self.device = next(model.parameters()).device
+        self.dtype = getattr(torch, spec.dtype)
+        self.cache = BlockedKVCache(spec, num_blocks, block_size, self.device)
+        self.decoder = _Decoder(model, spec)
+        self.kv_proj = [KVProjection(spec, layer) for layer in self.decoder.layers]
+        self.q_rows = [linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for layer in self.decoder.layers]
+        self.sequences: dict[int, Sequence] = {}
+
+    # ---- sequences ---------------------------------------------------------------------------------
+    def sequence(self, uid: int) -> Sequence:
+        if uid not in self.sequences:
+            self.sequences[uid] = Sequence(uid)
+        return self.sequences[uid]
+
+    def flush(self, uid: int) -> None:
+        """Drop a sequence and free its KV blocks."""
+        seq = self.sequences.pop(uid, None)
+        if seq is not None:
+            self.cache.free(seq.blocks)
+
+    def flush_all(self) -> None:
+        for uid in list(self.sequences):
+            self.flush(uid)
+
+    def _reserve(self, seq: Sequence, total_tokens: int) -> None:
+        if total_tokens > self.spec.max_positions:
+            raise InvalidRequestError(
+                f"sequence {seq.uid} would hold {total_tokens} tokens, over the model's limit of {self.spec.max_positions}"
+            )
+        missing = self.cache.blocks_for(total_tokens) - len(seq.blocks)
+        if missing > 0:
+            seq.blocks.extend(self.cache.allocate(missing))
+
+    def _slots(self, seq: Sequence, start: int, length: int) -> torch.Tensor:
+        table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + length, device=self.device)
+        return slot_mapping(table, positions, self.cache.block_size)
+
+    # ---- forward -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, requests: list[tuple[int, list[int]]], capture: LayerCapture | None = None) -> torch.Tensor:
+        """Append each request's tokens to its sequence (prefill or decode) and return next-token logits
+        ``[len(requests), vocab]`` for the last token of each."""
+        hidden, segments = self._forward(requests, self.spec.num_layers, capture)
+        for uid, tokens in requests:
+            self.sequences[uid].tokens.extend(tokens)
+        last_rows = torch.tensor([s.row + s.length - 1 for s in segments], device=self.device)
+        return self.decoder.logits(hidden[last_rows]).float()
+
+    def _forward(
+        self, requests: list[tuple[int, list[int]]], num_layers: int, capture: LayerCapture | None
+    ) -> tuple[torch.Tensor, list[BatchSegment]]:
+        segments, ids, positions, slots = [], [], [], []
+        row = 0
+        for uid, tokens in requests:
+            if not tokens:
+                raise InvalidRequestError(f"sequence {uid}: no tokens to process")
+            seq = self.sequence(uid)
+            start = len(seq.tokens)
+            self._reserve(seq, start + len(tokens))
+            segments.append(BatchSegment(uid, start, len(tokens), row))
+            ids.extend(tokens)
+            positions.append(torch.arange(start, start + len(tokens), device=self.device))
+            slots.append(self._slots(seq, start, len(tokens)))
+            row += len(tokens)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos_t, slots_t = torch.cat(positions), torch.cat(slots)
+        cos_sin = rope_cos_sin(self.spec.rope, pos_t, self.dtype) if self.spec.rope else None
+
+        if capture is not None:
+            capture.begin_batch(segments)
+        x = self.decoder.embed(ids_t, pos_t)
+        for i in range(num_layers):
+            layer = self.decoder.layers[i]
+            h = layer.get_submodule(self.spec.capture_module)(x)
+            k, v = self.kv_proj[i](h)
+            if cos_sin is not None:
+                k = apply_rope(k, *cos_sin)
+            write_kv(self.cache.layers[i], slots_t, k, v)
+            if capture is not None:
+                capture.on_layer(i, h, k, v)
+            q = F.linear(h, *self.q_rows[i]).view(-1, self.spec.num_heads, self.spec.head_size)
+            if cos_sin is not None:
+                q = apply_rope(q, *cos_sin)
+            attn = self._attention(i, q, segments)
+            x = x + layer.get_submodule(self.spec.o_module)(attn)
+            x = self.decoder.mlp_block(layer, x)
+        if capture is not None:
+            capture.end_batch()
+        return x, segments
+
+    def _attention(self, layer: int, q: torch.Tensor, segments: list[BatchSegment]) -> torch.Tensor:
+        out = torch.empty(q.shape[0], self.spec.num_heads * self.spec.head_size, dtype=q.dtype, device=q.device)
+        window = self.spec.sliding_windows[layer] if self.spec.sliding_windows else None
+        for s in segments:
+            total = s.start + s.length
+            table = torch.tensor(self.sequences[s.uid].blocks, dtype=torch.long, device=self.device)
+            k, v = gather_kv(self.cache.layers[layer], table, total)
+            q_pos = torch.arange(s.start, total, device=q.device)[:, None]
+            k_pos = torch.arange(total, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            o = F.scaled_dot_product_attention(
+                q[s.row : s.row + s.length].transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=mask,
+                enable_gqa=True,
+            )
+            out[s.row : s.row + s.length] = o.transpose(0, 1).reshape(s.length, -1)
+        return out
+
+    # ---- restore primitives ------------------------------------------------------------------------
+    def begin_restore(self, uid: int, num_tokens: int) -> Sequence:
+        """Reserve blocks for restoring the first ``num_tokens`` of a new sequence."""
+        seq = self.sequence(uid)
+        if seq.tokens:
+            raise InvalidRequestError(f"sequence {uid} already holds {len(seq.tokens)} tokens; restore needs an empty one")
+        self._reserve(seq, num_tokens)
+        return seq
+
+    def end_restore(self, uid: int, tokens: list[int]) -> None:
+        """Mark ``tokens`` as present in every layer of the cache, once all layers are restored."""
+        self.sequences[uid].tokens = list(tokens)
+
+    @torch.no_grad()
+    def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:
+        """RE: run the first ``num_layers`` layers over ``tokens`` (from position 0), filling their K/V."""
+        if num_layers > 0:
+            self._forward([(uid, tokens)], num_layers, None)
+
+    @torch.no_grad()
+    def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
+        """H: K/V GEMM over the saved normalised input, RoPE at absolute positions, scatter into the cache."""
+        hidden = hidden.to(self.device, self.dtype)
+        k, v = self.kv_proj[layer](hidden)
+        slots = self._slots(self.sequences[uid], start, hidden.shape[0])
+        if self.spec.rope is not None:
+            positions = torch.arange(start, start + hidden.shape[0], device=self.device)
+            k = apply_rope(k, *rope_cos_sin(self.spec.rope, positions, self.dtype))
+        write_kv(self.cache.layers[layer], slots, k, v)
+
+    @torch.no_grad()
+    def restore_kv(self, uid: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """KV: scatter saved (already rotated) K and V into the cache."""
+        slots = self._slots(self.sequences[uid], start, k.shape[0])
+        write_kv(self.cache.layers[layer], slots, k.to(self.device), v.to(self.device))
+
+    def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached K and V of a sequence (for checks and for KV saving)."""
+        seq = self.sequences[uid]
+        table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
+        return gather_kv(self.cache.layers[layer], table, len(seq.tokens) if length is None else length)

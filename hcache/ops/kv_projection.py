@@ -1,0 +1,49 @@
+"""K/V-only projection: rebuild a layer's K and V from its saved (normalised) input.
+
+Only the K and V rows of the QKV weight are multiplied, so no Q is computed. The rows are gathered once
+into one ``[2·kv_dim, D]`` matrix per layer (a view when the model fuses QKV with K and V adjacent), so a
+restore is a single GEMM per row-chunk.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model_spec import ModelSpec, WeightRows
+
+# FastGen's linear modules share one output buffer of this many rows; restore GEMMs never exceed it.
+DEFAULT_MAX_ROWS = 768
+
+
+def linear_rows(module: nn.Linear, rows: WeightRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = module.weight[rows.start : rows.stop]
+    bias = module.bias[rows.start : rows.stop] if module.bias is not None else None
+    return weight, bias
+
+
+class KVProjection:
+    """The K/V rows of one layer's QKV projection."""
+
+    def __init__(self, spec: ModelSpec, layer: nn.Module, max_rows: int = DEFAULT_MAX_ROWS):
+        k_mod = layer.get_submodule(spec.k_weight.module)
+        v_mod = layer.get_submodule(spec.v_weight.module)
+        with torch.no_grad():
+            if k_mod is v_mod and spec.k_weight.stop == spec.v_weight.start:  # fused QKV: a view, no copy
+                self.weight, self.bias = linear_rows(k_mod, WeightRows("", spec.k_weight.start, spec.v_weight.stop))
+            else:
+                (wk, bk), (wv, bv) = linear_rows(k_mod, spec.k_weight), linear_rows(v_mod, spec.v_weight)
+                self.weight = torch.cat((wk, wv))
+                self.bias = None if bk is None else torch.cat((bk, bv))
+        self.kv_dim = spec.kv_dim
+        self.head_shape = (spec.num_kv_heads, spec.head_size)
+        self.max_rows = max_rows
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[T, n_kv_heads, head_size]`` (K not yet rotated) from hidden ``[T, D]``."""
+        out = torch.empty(hidden.shape[0], 2 * self.kv_dim, dtype=self.weight.dtype, device=self.weight.device)
+        for start in range(0, hidden.shape[0], self.max_rows):
+            rows = slice(start, start + self.max_rows)
+            out[rows] = torch.nn.functional.linear(hidden[rows].to(self.weight.dtype), self.weight, self.bias)
+        k, v = out.split(self.kv_dim, dim=-1)
+        return k.reshape(-1, *self.head_shape), v.reshape(-1, *self.head_shape)

@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hcache",
+    version="0.1.0",
+    description="Fast LLM state restoration from saved hidden states (HCache, EuroSys '25)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hcache", "hcache.*"]),
+    python_requires=">=3.10",
+    # torch is deliberately unpinned: install the build for your machine first (see README).
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.0,<6",
+        "gguf>=0.10",
+        "accelerate>=1.0",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "tqdm>=4.60",
+        "xxhash>=3.0",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+    entry_points={"console_scripts": ["hcache=hcache.cli:main"]},
+)
