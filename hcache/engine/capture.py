@@ -1,20 +1,11 @@
 """The contract between an engine's forward pass and whoever saves its per-layer state."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-
-@dataclass(frozen=True)
-class BatchSegment:
-    """Rows ``[row, row + length)`` of a ragged batch are tokens ``[start, start + length)`` of sequence ``uid``."""
-
-    uid: int
-    start: int
-    length: int
-    row: int
+from ..ragged import Segment
 
 
 class LayerCapture(Protocol):
@@ -25,7 +16,7 @@ class LayerCapture(Protocol):
     before returning.
     """
 
-    def begin_batch(self, segments: list[BatchSegment]) -> None: ...
+    def begin_batch(self, segments: list[Segment]) -> None: ...
 
     def on_layer(self, layer: int, hidden: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 

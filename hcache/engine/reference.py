@@ -19,7 +19,8 @@ from ..model_spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, rope_cos_sin, slot_mapping, write_kv
 from ..ops.kv_projection import linear_rows
 from .blocked_kv_cache import BlockedKVCache
-from .capture import BatchSegment, LayerCapture
+from ..ragged import Segment
+from .capture import LayerCapture
 
 
 @dataclass
@@ -122,7 +123,7 @@ class ReferenceEngine:
 
     def _forward(
         self, requests: list[tuple[int, list[int]]], num_layers: int, capture: LayerCapture | None
-    ) -> tuple[torch.Tensor, list[BatchSegment]]:
+    ) -> tuple[torch.Tensor, list[Segment]]:
         segments, ids, positions, slots = [], [], [], []
         row = 0
         for uid, tokens in requests:
@@ -131,7 +132,7 @@ class ReferenceEngine:
             seq = self.sequence(uid)
             start = len(seq.tokens)
             self._reserve(seq, start + len(tokens))
-            segments.append(BatchSegment(uid, start, len(tokens), row))
+            segments.append(Segment(uid, start, len(tokens), row))
             ids.extend(tokens)
             positions.append(torch.arange(start, start + len(tokens), device=self.device))
             slots.append(self._slots(seq, start, len(tokens)))
@@ -162,7 +163,7 @@ class ReferenceEngine:
             capture.end_batch()
         return x, segments
 
-    def _attention(self, layer: int, q: torch.Tensor, segments: list[BatchSegment]) -> torch.Tensor:
+    def _attention(self, layer: int, q: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         out = torch.empty(q.shape[0], self.spec.num_heads * self.spec.head_size, dtype=q.dtype, device=q.device)
         window = self.spec.sliding_windows[layer] if self.spec.sliding_windows else None
         for s in segments:

@@ -1,0 +1,77 @@
+"""Restore plans: which method rebuilds each layer's KV cache.
+
+A plan is layer-wise (§4.1.1 of the paper): the first layers by token recompute (RE), the middle ones from
+hidden states (H), the last ones from offloaded KV (KV). Any plan of that shape is valid; the scheduler
+chooses among them.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from .errors import InvalidRequestError
+from .model_spec import ModelSpec
+
+
+class Method(str, Enum):
+    RE = "RE"  # prefill from the tokens: nothing stored
+    H = "H"  # hidden states: K/V GEMM + RoPE
+    KV = "KV"  # offloaded K/V: copy only
+
+    @property
+    def stored_format(self) -> str | None:
+        return None if self is Method.RE else self.value
+
+
+_ORDER = {Method.RE: 0, Method.H: 1, Method.KV: 2}
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    layers: tuple[Method, ...]
+
+    def __post_init__(self):
+        ranks = [_ORDER[m] for m in self.layers]
+        if ranks != sorted(ranks):
+            raise InvalidRequestError(f"plan {self} is not of the form RE* H* KV* (RE first, KV last)")
+
+    @classmethod
+    def split(cls, num_layers: int, re: int = 0, kv: int = 0) -> "RestorePlan":
+        if re < 0 or kv < 0 or re + kv > num_layers:
+            raise InvalidRequestError(f"cannot split {num_layers} layers into {re} RE + {kv} KV")
+        return cls((Method.RE,) * re + (Method.H,) * (num_layers - re - kv) + (Method.KV,) * kv)
+
+    @classmethod
+    def uniform(cls, num_layers: int, method: Method | str) -> "RestorePlan":
+        return cls((Method(method),) * num_layers)
+
+    @classmethod
+    def parse(cls, text: str, num_layers: int) -> "RestorePlan":
+        """``"H"``, ``"KV"`` or ``"RE"`` for one method on every layer, or counts such as ``"2RE+20H+8KV"``."""
+        text = text.strip().upper()
+        if text in Method.__members__:
+            return cls.uniform(num_layers, text)
+        parts = re.fullmatch(r"(?:(\d+)RE)?\+?(?:(\d+)H)?\+?(?:(\d+)KV)?", text)
+        if not text or parts is None:
+            raise InvalidRequestError(f"cannot parse plan {text!r}: use RE, H, KV or counts like '2RE+20H+8KV'")
+        counts = [int(g or 0) for g in parts.groups()]
+        if sum(counts) != num_layers:
+            raise InvalidRequestError(f"plan {text!r} covers {sum(counts)} layers, the model has {num_layers}")
+        return cls.split(num_layers, re=counts[0], kv=counts[2])
+
+    def count(self, method: Method) -> int:
+        return sum(m is method for m in self.layers)
+
+    def stored_bytes_per_token(self, spec: ModelSpec) -> int:
+        per_layer = {Method.RE: 0, Method.H: spec.hidden_bytes_per_token_layer, Method.KV: spec.kv_bytes_per_token_layer}
+        return sum(per_layer[m] for m in self.layers)
+
+    def __str__(self) -> str:
+        return "+".join(f"{self.count(m)}{m.value}" for m in Method if self.count(m)) or "empty"
+
+
+def default_plan(spec: ModelSpec) -> RestorePlan:
+    """The plan without a hardware profile: H where hidden states are the smaller transfer (MHA, r > 1),
+    KV otherwise (GQA: KV moves no more bytes and needs no compute)."""
+    return RestorePlan.uniform(spec.num_layers, Method.H if spec.kv_to_hidden_ratio > 1 else Method.KV)

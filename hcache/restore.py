@@ -1,0 +1,111 @@
+"""Restore a stored token prefix into an engine's KV cache, layer by layer, by a :class:`RestorePlan`.
+
+Stored state is never trusted: a chunk that is missing, unreadable, saved by another model, for other
+tokens, or that fails its checksum ends the usable prefix there. Tokens past that point are prefilled
+from scratch, which is exact. A chunk found bad half-way through the layers is still safe: the prefill
+of the remaining tokens rewrites every layer's K/V from that position on.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .plan import Method, RestorePlan
+from .storage.chunk import ChunkInvalid, ChunkReader
+from .storage.chunk_key import CHUNK_TOKENS
+from .storage.chunk_store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+
+class RestoreEngine(Protocol):
+    """What a restore needs from an engine (the reference engine and FastGen's adapter provide it)."""
+
+    def begin_restore(self, uid: int, num_tokens: int) -> object: ...
+
+    def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None: ...
+
+    def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None: ...
+
+    def restore_kv(self, uid: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None: ...
+
+    def end_restore(self, uid: int, tokens: list[int]) -> None: ...
+
+
+@dataclass
+class RestoreOutcome:
+    tokens: int  # leading tokens whose KV is now in the cache
+    bytes_read: int
+    fallback: str | None  # why stored state stopped short of what the lookup found, if it did
+
+
+def restore_prefix(
+    engine: RestoreEngine,
+    store: ChunkStore,
+    uid: int,
+    tokens: list[int],
+    keys: list[str],
+    fingerprint: str,
+    plan: RestorePlan,
+) -> RestoreOutcome:
+    """Restore the longest verified prefix of ``keys`` (the chunk keys of ``tokens``) into sequence ``uid``."""
+    with ExitStack() as files:
+        readers, fallback = _open_prefix(store, files, keys, tokens, fingerprint, plan)
+        n = len(readers)
+        engine.begin_restore(uid, n * CHUNK_TOKENS)
+        if n and plan.count(Method.RE):
+            engine.recompute_layers(uid, tokens[: n * CHUNK_TOKENS], plan.count(Method.RE))
+        for layer, method in enumerate(plan.layers):
+            if method is Method.RE or n == 0:
+                continue
+            parts = []
+            for j, reader in enumerate(readers[:n]):
+                try:
+                    parts.append(reader.read(layer, method.stored_format))
+                except ChunkInvalid as exc:
+                    fallback = _reject(store, reader.key, j, exc)
+                    n = j
+                    break
+            if n == 0:
+                break
+            rows = torch.cat(parts[:n])
+            if method is Method.H:
+                engine.restore_from_hidden(uid, layer, rows)
+            else:
+                engine.restore_kv(uid, layer, rows[:, 0], rows[:, 1])
+        engine.end_restore(uid, tokens[: n * CHUNK_TOKENS])
+        return RestoreOutcome(n * CHUNK_TOKENS, sum(r.bytes_read for r in readers), fallback)
+
+
+def _open_prefix(
+    store: ChunkStore, files: ExitStack, keys: list[str], tokens: list[int], fingerprint: str, plan: RestorePlan
+) -> tuple[list[ChunkReader], str | None]:
+    needed = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
+    readers: list[ChunkReader] = []
+    for j, key in enumerate(keys):
+        file = store.open(key)
+        if file is None:
+            return readers, None  # the stored prefix simply ends here
+        files.enter_context(file)
+        try:
+            reader = ChunkReader.open(file, key, tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
+        except ChunkInvalid as exc:
+            return readers, _reject(store, key, j, exc)
+        missing = needed - set(reader.entries)
+        if missing:
+            reason = f"chunk {key} was saved without {sorted({f for _, f in missing})} state that plan {plan} needs"
+            log.info("%s; recomputing from token %d", reason, j * CHUNK_TOKENS)
+            return readers, reason
+        readers.append(reader)
+    return readers, None
+
+
+def _reject(store: ChunkStore, key: str, index: int, exc: ChunkInvalid) -> str:
+    """Log, drop the bad chunk so the prefill that follows can save a good one, and say why."""
+    log.warning("%s; discarding it and recomputing from token %d", exc, index * CHUNK_TOKENS)
+    store.discard(key)
+    return str(exc)

@@ -1,0 +1,206 @@
+"""The hcache runtime: serve prompts, restoring their stored history instead of recomputing it.
+
+For each request: look up the longest stored prefix of the prompt, restore it by a plan (or a forced
+method), prefill the rest, generate, and save the new state of the prompt and of the generated tokens.
+Like the paper's design, no KV stays on the device between requests: history lives in the store, and
+every request restores it.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine import ReferenceEngine
+from .errors import InvalidRequestError
+from .fingerprint import model_fingerprint
+from .model_loader import DEFAULT_MODEL, LoadedModel, load_model
+from .plan import Method, RestorePlan, default_plan
+from .ragged import Segment
+from .restore import restore_prefix
+from .storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+from .storage.chunk_store import DirectoryChunkStore
+from .storage.saver import ChunkSaver
+
+log = logging.getLogger(__name__)
+
+SAVE_POLICIES = ("plan", "all", "none")
+
+
+@dataclass
+class RequestResult:
+    output_ids: list[int]
+    prompt_tokens: int
+    restored_tokens: int
+    plan: str
+    ttft_s: float
+    bytes_read: int
+    fallback: str | None  # why stored state was used only in part, if it was
+
+
+class _SaveCapture:
+    """Feeds the engine's per-layer rows to the saver, in the formats chosen for each layer."""
+
+    def __init__(self, saver: ChunkSaver, formats: list[frozenset[str]]):
+        self.saver, self.formats = saver, formats
+
+    def begin_batch(self, segments: list[Segment]) -> None:
+        self.saver.begin_batch(segments)
+
+    def on_layer(self, layer: int, hidden: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = {}
+        if Method.H.value in self.formats[layer]:
+            rows[Method.H.value] = hidden
+        if Method.KV.value in self.formats[layer]:
+            rows[Method.KV.value] = torch.stack((k, v), dim=1)
+        self.saver.on_layer(layer, rows)
+
+    def end_batch(self) -> None:
+        self.saver.end_batch()
+
+
+class HCacheRuntime:
+    """Serve prompts on the reference engine with hcache's restore and save.
+
+    ``plan``: ``None`` for the default (H for MHA models, KV where KV is no larger), a method name or counts
+    such as ``"2RE+20H+8KV"``. ``save``: ``"plan"`` saves the formats the plan restores from, ``"all"`` saves
+    hidden states and KV for every layer (so any plan can restore later), ``"none"`` saves nothing.
+    """
+
+    def __init__(
+        self,
+        model: str | LoadedModel = DEFAULT_MODEL,
+        store_dir: str | Path = "hcache-store",
+        *,
+        plan: str | RestorePlan | None = None,
+        save: str = "plan",
+        namespace: str | None = None,
+        num_blocks: int = 256,
+        device: str = "cpu",
+    ):
+        if save not in SAVE_POLICIES:
+            raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
+        self.store = DirectoryChunkStore(store_dir)  # fails fast on an unwritable directory
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
+        self.spec = self.loaded.spec
+        self.engine = ReferenceEngine(self.loaded.model, self.spec, num_blocks=num_blocks)
+        self.fingerprint = model_fingerprint(self.loaded.model, self.spec)
+        self.plan = self.resolve_plan(plan)
+        self.namespace = namespace
+        self.saver = ChunkSaver(self.store, self.fingerprint)
+        every = frozenset(m.value for m in (Method.H, Method.KV))
+        self.save_formats = [
+            every if save == "all" else frozenset({m.stored_format} - {None}) if save == "plan" else frozenset()
+            for m in self.plan.layers
+        ]
+        self._capture = _SaveCapture(self.saver, self.save_formats) if any(self.save_formats) else None
+        self._uids = itertools.count()
+        eos = getattr(getattr(self.loaded.model, "generation_config", None), "eos_token_id", None)
+        self.default_stop_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
+
+    def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan:
+        if plan is None:
+            return default_plan(self.spec)
+        if isinstance(plan, RestorePlan):
+            if len(plan.layers) != self.spec.num_layers:
+                raise InvalidRequestError(f"plan {plan} covers {len(plan.layers)} layers, the model has {self.spec.num_layers}")
+            return plan
+        return RestorePlan.parse(plan, self.spec.num_layers)
+
+    def drop_device_cache(self) -> None:
+        """Free every sequence's device KV; the next request must restore from the store."""
+        self.engine.flush_all()
+
+    def generate(self, prompt: list[int], max_new_tokens: int = 32, **kwargs) -> RequestResult:
+        return self.generate_batch([prompt], max_new_tokens, **kwargs)[0]
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int = 32,
+        *,
+        plan: str | RestorePlan | None = None,
+        restore: bool = True,
+        namespace: str | None = None,
+        stop_token_ids: set[int] | frozenset[int] | None = None,
+    ) -> list[RequestResult]:
+        """Greedy generation for a batch of prompts. ``restore=False`` ignores stored state (full recompute)."""
+        prompts = [self._validate(prompt, max_new_tokens) for prompt in prompts]
+        plan = self.plan if plan is None else self.resolve_plan(plan)
+        stops = self.default_stop_ids if stop_token_ids is None else frozenset(stop_token_ids)
+        root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
+        uids = [next(self._uids) for _ in prompts]
+        start = time.perf_counter()
+        try:
+            restored = []
+            for uid, prompt in zip(uids, prompts):
+                # The last prompt token is always prefilled: its logits give the first output token.
+                keys = chunk_keys(prompt[:-1], root) if restore else []
+                outcome = restore_prefix(self.engine, self.store, uid, prompt, keys, self.fingerprint, plan)
+                restored.append(outcome)
+                if self._capture is not None:
+                    n_chunks = outcome.tokens // CHUNK_TOKENS
+                    self.saver.open(uid, keys[n_chunks - 1] if n_chunks else root)
+            requests = [(uid, prompt[r.tokens :]) for uid, prompt, r in zip(uids, prompts, restored)]
+            outputs, ttft = self._decode(requests, max_new_tokens, stops, start)
+        finally:
+            for uid in uids:
+                self.saver.close(uid)
+                self.engine.flush(uid)
+        return [
+            RequestResult(out, len(prompt), r.tokens, str(plan), ttft, r.bytes_read, r.fallback)
+            for out, prompt, r in zip(outputs, prompts, restored)
+        ]
+
+    def _decode(
+        self, requests: list[tuple[int, list[int]]], max_new_tokens: int, stops: frozenset[int], start: float
+    ) -> tuple[list[list[int]], float]:
+        """Prefill then decode greedily: each request's output ids, and the time from ``start`` to the first token."""
+        outputs: list[list[int]] = [[] for _ in requests]
+        active = list(range(len(requests)))
+        ttft = None
+        while active:
+            for uid, tokens in (requests[i] for i in active):
+                if self._capture is not None:
+                    self.saver.add_tokens(uid, tokens)
+            logits = self.engine.step([requests[i] for i in active], self._capture)
+            next_ids = logits.argmax(dim=-1).tolist()
+            ttft = time.perf_counter() - start if ttft is None else ttft
+            still = []
+            for i, tok in zip(active, next_ids):
+                outputs[i].append(tok)
+                if tok not in stops and len(outputs[i]) < max_new_tokens:
+                    requests[i] = (requests[i][0], [tok])
+                    still.append(i)
+            active = still
+        return outputs, ttft
+
+    def _validate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """The prompt as plain ints, or a clear error before anything is touched."""
+        if not prompt:
+            raise InvalidRequestError("empty prompt: at least one token id is needed")
+        if max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        ids, bad = [], []
+        for t in prompt:
+            try:
+                ids.append(operator.index(t))
+            except TypeError:
+                bad.append(t)
+        bad += [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{len(bad)} token id(s) outside the vocabulary [0, {self.spec.vocab_size}), e.g. {bad[0]!r}"
+            )
+        if len(prompt) + max_new_tokens > self.spec.max_positions:
+            raise InvalidRequestError(
+                f"prompt of {len(prompt)} tokens plus max_new_tokens={max_new_tokens} exceeds the context "
+                f"limit of {self.spec.max_positions}"
+            )
+        return ids

@@ -1,0 +1,114 @@
+"""The chunk, the unit of storage: 64 tokens' saved state for any subset of layers and formats.
+
+On disk a chunk is one safetensors file. Tensors are named ``L{layer:04d}.{format}`` so the file is
+layer-major (each layer's 64 rows are contiguous) for restore, which reads a layer of many chunks at a
+time. The header's metadata carries the token ids, the fingerprint of the state's producer, and an
+xxh3-64 checksum per tensor, so a restore that reads only some layers still verifies all it reads. The storage layer treats formats and fingerprints as opaque.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import safetensors.torch
+import torch
+import xxhash
+
+from .chunk_key import LAYOUT_VERSION
+
+
+class ChunkInvalid(Exception):
+    """A stored chunk that must not be served: corrupt, truncated, or not the state asked for."""
+
+
+@dataclass
+class Chunk:
+    key: str
+    tokens: list[int]
+    fingerprint: str
+    tensors: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (layer, format) -> rows
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def _name(layer: int, fmt: str) -> str:
+    return f"L{layer:04d}.{fmt}"
+
+
+def _checksum(name: str, data) -> str:
+    h = xxhash.xxh3_64(name.encode())
+    h.update(data)
+    return h.hexdigest()
+
+
+def encode(chunk: Chunk) -> bytes:
+    named = {_name(layer, fmt): t.detach().cpu().contiguous() for (layer, fmt), t in chunk.tensors.items()}
+    sums = {name: _checksum(name, t.view(torch.uint8).numpy()) for name, t in named.items()}
+    meta = {
+        "layout_version": str(LAYOUT_VERSION),
+        "key": chunk.key,
+        "tokens": json.dumps(chunk.tokens),
+        "fingerprint": chunk.fingerprint,
+        "xxh3": json.dumps(sums),
+    }
+    return safetensors.torch.save(named, metadata=meta)
+
+
+@dataclass
+class ChunkReader:
+    """An open stored chunk whose header is verified; tensors are read (and checksummed) on demand, so a
+    restore reads only the layers and formats its plan uses."""
+
+    file: BinaryIO
+    key: str
+    entries: dict[tuple[int, str], dict]
+    checksums: dict[str, str]
+    data_start: int
+    bytes_read: int
+
+    @classmethod
+    def open(cls, file: BinaryIO, key: str, tokens: list[int], fingerprint: str) -> "ChunkReader":
+        try:
+            head = file.read(8)
+            header_len = int.from_bytes(head, "little")
+            if len(head) != 8 or header_len > 1 << 24:
+                raise ValueError("bad header length")
+            header = json.loads(file.read(header_len))
+            meta = header.pop("__metadata__", None) or {}
+            entries = {}
+            for name, entry in header.items():
+                layer, fmt = name[1:].split(".", 1)
+                entries[(int(layer), fmt)] = dict(entry, name=name)
+            checksums = json.loads(meta.get("xxh3", "{}"))
+            stored_tokens = json.loads(meta.get("tokens", "null"))
+        except Exception as exc:  # any parse failure is corruption
+            raise ChunkInvalid(f"chunk {key}: unreadable header ({exc})") from exc
+        if meta.get("layout_version") != str(LAYOUT_VERSION):
+            raise ChunkInvalid(f"chunk {key}: layout version {meta.get('layout_version')!r}, expected {LAYOUT_VERSION}")
+        if meta.get("key") != key:
+            raise ChunkInvalid(f"chunk {key}: header names key {meta.get('key')!r}")
+        if meta.get("fingerprint") != fingerprint:
+            raise ChunkInvalid(f"chunk {key}: saved by another model (fingerprint {meta.get('fingerprint')!r})")
+        if stored_tokens != list(tokens):
+            raise ChunkInvalid(f"chunk {key}: token ids differ from the request's")
+        return cls(file, key, entries, checksums, 8 + header_len, 8 + header_len)
+
+    def formats(self, layer: int) -> set[str]:
+        return {fmt for (lay, fmt) in self.entries if lay == layer}
+
+    def read(self, layer: int, fmt: str) -> torch.Tensor:
+        entry = self.entries[(layer, fmt)]
+        begin, end = entry["data_offsets"]
+        self.file.seek(self.data_start + begin)
+        data = bytearray(end - begin)
+        if self.file.readinto(data) != len(data):
+            raise ChunkInvalid(f"chunk {self.key}: truncated at {entry['name']}")
+        self.bytes_read += len(data)
+        if self.checksums.get(entry["name"]) != _checksum(entry["name"], data):
+            raise ChunkInvalid(f"chunk {self.key}: checksum mismatch in {entry['name']}")
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ChunkInvalid(f"chunk {self.key}: unknown dtype {entry['dtype']}")
+        return torch.frombuffer(data, dtype=dtype).view(entry["shape"])

@@ -1,0 +1,38 @@
+"""Content addresses of 64-token chunks.
+
+A chunk's key chains over every token before it: ``key_i = H(key_{i-1} || tokens_i)``, rooted in the model
+fingerprint, the layout version and an optional namespace. So any client that resends a history finds the
+longest stored prefix without a session id, and two tenants with different namespaces never share a chunk.
+BLAKE2b (not a fast non-cryptographic hash) because a key collision would serve one user another's state.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+CHUNK_TOKENS = 64
+LAYOUT_VERSION = 1
+_DIGEST = 16
+
+
+def root_key(fingerprint: str, namespace: str | None = None) -> str:
+    """The chain's anchor: state is only shared under the same model, dtype, layout and namespace."""
+    seed = f"hcache/v{LAYOUT_VERSION}|{fingerprint}|{namespace or ''}".encode()
+    return hashlib.blake2b(seed, digest_size=_DIGEST).hexdigest()
+
+
+def next_key(parent: str, tokens: Sequence[int]) -> str:
+    h = hashlib.blake2b(bytes.fromhex(parent), digest_size=_DIGEST)
+    h.update(np.asarray(tokens, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+def chunk_keys(tokens: Sequence[int], root: str, chunk_tokens: int = CHUNK_TOKENS) -> list[str]:
+    """Keys of every full chunk of ``tokens``; a trailing partial chunk has none."""
+    keys, parent = [], root
+    for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
+        parent = next_key(parent, tokens[start : start + chunk_tokens])
+        keys.append(parent)
+    return keys
