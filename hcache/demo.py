@@ -1,0 +1,136 @@
+"""``hcache demo``: a scripted multi-turn chat where every turn after the first is restored by every method.
+
+Each turn is first answered by full recompute (no stored state): that reply continues the conversation
+and is the reference. Then, with the device KV dropped, the same turn is answered again by each restore
+method; its reply must be token-for-token identical.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .model_loader import DEFAULT_MODEL, load_model
+from .plan import RestorePlan
+from .runtime import HCacheRuntime
+
+SYSTEM = (
+    "You are a concise travel guide. Background for this conversation: Paris is the capital and largest "
+    "city of France, on the Seine river. It is known for the Eiffel Tower, completed in 1889 for the World's "
+    "Fair, the Louvre, the world's most visited museum and home of the Mona Lisa, and the Gothic cathedral "
+    "of Notre-Dame. The city has twenty districts called arrondissements, spiralling out from the centre. "
+    "Its metro opened in 1900. Lyon, Marseille and Bordeaux are other large French cities, and Bordeaux is "
+    "famous for its wine. Answer in one or two sentences."
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "When was the Eiffel Tower completed?",
+    "Which museum holds the Mona Lisa?",
+    "Name another large French city and what it is famous for.",
+    "When did the Paris metro open?",
+    "What are the districts of Paris called?",
+]
+
+
+@dataclass
+class MethodRow:
+    restored_tokens: int
+    ttft_s: float
+    stored_bytes_per_token: int
+    bytes_read: int
+    identical: bool
+    fallback: str | None
+
+
+def _methods(num_layers: int) -> dict[str, RestorePlan | None]:
+    mixed = RestorePlan.split(num_layers, re=num_layers // 5, kv=2 * num_layers // 5)
+    return {
+        "recompute": None,
+        "RE": RestorePlan.uniform(num_layers, "RE"),
+        "H": RestorePlan.uniform(num_layers, "H"),
+        "KV": RestorePlan.uniform(num_layers, "KV"),
+        f"mixed {mixed}": mixed,
+    }
+
+
+def run_demo(
+    model: str = DEFAULT_MODEL,
+    turns: int = 4,
+    max_new_tokens: int = 48,
+    store_dir: str | None = None,
+    json_path: str | None = None,
+) -> bool:
+    """Run the chat; print a table per turn; return whether every restored reply matched recompute."""
+    if not 1 <= turns <= len(QUESTIONS):
+        raise ValueError(f"turns must be between 1 and {len(QUESTIONS)}")
+    loaded = load_model(model)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise ValueError(f"the demo needs a model with a tokenizer; {model!r} has none")
+    tmp = None if store_dir else tempfile.mkdtemp(prefix="hcache-demo-")
+    try:
+        runtime = HCacheRuntime(loaded, store_dir or tmp, save="all")
+        methods = _methods(runtime.spec.num_layers)
+        report = {"model": model, "spec": runtime.spec.describe(), "turns": []}
+        ids = tok.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        all_ok = True
+        bar = tqdm(total=turns * len(methods), desc="demo", unit="run", leave=False)
+        for turn in range(turns):
+            rows: dict[str, MethodRow] = {}
+            for name, plan in methods.items():
+                runtime.drop_device_cache()
+                r = runtime.generate(ids, max_new_tokens, plan=plan, restore=plan is not None)
+                if plan is None:
+                    reference = r.output_ids
+                rows[name] = MethodRow(
+                    restored_tokens=r.restored_tokens,
+                    ttft_s=r.ttft_s,
+                    stored_bytes_per_token=plan.stored_bytes_per_token(runtime.spec) if plan else 0,
+                    bytes_read=r.bytes_read,
+                    identical=r.output_ids == reference,
+                    fallback=r.fallback,
+                )
+                bar.update()
+            all_ok &= all(row.identical for row in rows.values())
+            reply = tok.decode(reference, skip_special_tokens=True).strip()
+            tqdm.write(_table(turn + 1, len(ids), QUESTIONS[turn], reply, rows))
+            report["turns"].append(
+                {"turn": turn + 1, "prompt_tokens": len(ids), "question": QUESTIONS[turn], "reply": reply,
+                 "methods": {name: asdict(row) for name, row in rows.items()}}
+            )
+            if turn + 1 < turns:
+                end = [] if reference[-1] == tok.eos_token_id else tok.encode("<|im_end|>", add_special_tokens=False)
+                follow = f"\n<|im_start|>user\n{QUESTIONS[turn + 1]}<|im_end|>\n<|im_start|>assistant\n"
+                ids = ids + reference + end + tok.encode(follow, add_special_tokens=False)
+        bar.close()
+        report["all_identical"] = all_ok
+        print("all restored replies identical to recompute" if all_ok else "MISMATCH: a restored reply differs")
+        if json_path:
+            Path(json_path).write_text(json.dumps(report, indent=2))
+        return all_ok
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _table(turn: int, prompt_tokens: int, question: str, reply: str, rows: dict[str, MethodRow]) -> str:
+    lines = [
+        f"\nturn {turn}: {prompt_tokens} prompt tokens. Q: {question}",
+        f"A: {reply}",
+        f"{'method':<22}{'restored':>9}{'TTFT ms':>10}{'stored B/token':>16}{'read KiB':>10}  same reply",
+    ]
+    for name, r in rows.items():
+        lines.append(
+            f"{name:<22}{r.restored_tokens:>9}{r.ttft_s * 1e3:>10.1f}{r.stored_bytes_per_token:>16}"
+            f"{r.bytes_read / 1024:>10.0f}  {'yes' if r.identical else 'NO'}"
+        )
+    return "\n".join(lines)
