@@ -1,0 +1,180 @@
+import hashlib
+import logging
+
+import pytest
+from helpers import loaded, random_prompt
+
+from hcache.errors import InvalidRequestError, ModelNotFoundError, StorageError
+from hcache.model_loader import load_model, random_model
+from hcache.runtime import HCacheRuntime
+from hcache.storage.chunk import Chunk, ChunkReader, encode
+from hcache.storage.chunk_key import chunk_keys, root_key
+
+NO_STOP = set()
+
+
+@pytest.fixture
+def llama():
+    return loaded("random:llama")
+
+
+def _store_digest(runtime: HCacheRuntime) -> dict[str, str]:
+    return {key: hashlib.sha256(runtime.store.open(key).read()).hexdigest() for key in runtime.store.keys()}
+
+
+def _chunk_path(runtime: HCacheRuntime, key: str):
+    return runtime.store.root / "chunks" / key[:2] / f"{key}.safetensors"
+
+
+def test_conversations_sharing_a_system_prompt_share_its_chunks(smollm2, tmp_path):
+    runtime = HCacheRuntime(smollm2, tmp_path)
+    tok = smollm2.tokenizer
+    system = [{"role": "system", "content": "You answer questions about European geography. " * 24}]
+
+    def chat(question: str) -> list[int]:
+        messages = system + [{"role": "user", "content": question}]
+        return tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+    first, second = chat("Capital of France?"), chat("Longest river in Spain?")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared >= 128
+    runtime.generate(first, 4)
+    written = runtime.saver.chunks_written
+    result = runtime.generate(second, 4)
+    assert result.restored_tokens == shared // 64 * 64
+    assert runtime.saver.chunks_deduplicated == 0  # restored chunks are not saved again
+    # new chunks: the rest of the prompt plus the generated tokens fed back (all but the last)
+    processed = len(second) + len(result.output_ids) - 1
+    assert runtime.saver.chunks_written - written == processed // 64 - result.restored_tokens // 64
+    assert result.output_ids == runtime.generate(second, 4, restore=False).output_ids
+
+
+def test_namespaces_never_share_state(llama, tmp_path, rng):
+    runtime = HCacheRuntime(llama, tmp_path)
+    prompt = random_prompt(150, 256, rng)
+    runtime.generate(prompt, 2, namespace="tenant-a")
+    assert runtime.generate(prompt, 2, namespace="tenant-a").restored_tokens == 128
+    assert runtime.generate(prompt, 2, namespace="tenant-b").restored_tokens == 0
+
+
+@pytest.fixture
+def stored(llama, tmp_path, rng):
+    """A runtime whose store holds 3 chunks of ``prompt``, and the recompute output for it."""
+    runtime = HCacheRuntime(llama, tmp_path, save="all")
+    prompt = random_prompt(200, 256, rng)
+    expected = runtime.generate(prompt, 8, restore=False, stop_token_ids=NO_STOP).output_ids
+    keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
+    assert len(keys) == 3 and all(runtime.store.contains(k) for k in keys)
+    return runtime, prompt, keys, expected
+
+
+def test_missing_chunk_recomputes_from_there(stored):
+    runtime, prompt, keys, expected = stored
+    _chunk_path(runtime, keys[1]).unlink()
+    result = runtime.generate(prompt, 8, plan="H", stop_token_ids=NO_STOP)
+    assert result.restored_tokens == 64 and result.output_ids == expected
+    assert runtime.store.contains(keys[1])  # the recompute saved it again
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+def test_corrupt_chunk_is_logged_discarded_and_recomputed(stored, caplog, where):
+    runtime, prompt, keys, expected = stored
+    path = _chunk_path(runtime, keys[1])
+    data = bytearray(path.read_bytes())
+    data[20 if where == "header" else -3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="hcache.restore"):
+        result = runtime.generate(prompt, 8, plan="KV", stop_token_ids=NO_STOP)
+    assert result.restored_tokens == 64 and result.output_ids == expected
+    assert result.fallback and "recomputing from token 64" in caplog.text
+    with runtime.store.open(keys[1]) as f:  # replaced by a good chunk
+        reader = ChunkReader.open(f, keys[1], prompt[64:128], runtime.fingerprint)
+        reader.read(2, "KV")
+
+
+def test_corruption_found_mid_restore_still_gives_exact_output(stored):
+    """Layers 0-1 restore all 3 chunks; layer 2 of chunk 2 is corrupt, so the prefix shrinks to 2 chunks
+    after some layers already hold chunk 2's state: the prefill must overwrite it."""
+    runtime, prompt, keys, expected = stored
+    path = _chunk_path(runtime, keys[2])
+    with path.open("rb") as f:
+        reader = ChunkReader.open(f, keys[2], prompt[128:192], runtime.fingerprint)
+        begin = reader.data_start + reader.entries[(2, "H")]["data_offsets"][0]
+    data = bytearray(path.read_bytes())
+    data[begin + 7] ^= 0xFF
+    path.write_bytes(bytes(data))
+    result = runtime.generate(prompt, 8, plan="H", stop_token_ids=NO_STOP)
+    assert result.restored_tokens == 128 and "checksum" in result.fallback
+    assert result.output_ids == expected
+
+
+def test_state_of_another_model_is_never_served(stored, tmp_path, rng):
+    runtime, prompt, keys, _ = stored
+    other = load_model("random:llama")
+    other.model = random_model("llama", seed=1)
+    runtime_b = HCacheRuntime(other, runtime.store.root, save="none")
+    expected_b = runtime_b.generate(prompt, 8, restore=False, stop_token_ids=NO_STOP).output_ids
+    assert runtime_b.fingerprint != runtime.fingerprint
+    assert runtime_b.generate(prompt, 8, stop_token_ids=NO_STOP).restored_tokens == 0  # keys differ
+    # Even a chunk filed under B's key is refused when its header names A's weights.
+    key_b = chunk_keys(prompt[:64], root_key(runtime_b.fingerprint))[0]
+    with runtime.store.open(keys[0]) as f:
+        reader = ChunkReader.open(f, keys[0], prompt[:64], runtime.fingerprint)
+        tensors = {k: reader.read(*k) for k in reader.entries}
+    runtime.store.put(key_b, encode(Chunk(key_b, prompt[:64], runtime.fingerprint, tensors)))
+    result = runtime_b.generate(prompt, 8, plan="KV", stop_token_ids=NO_STOP)
+    assert result.restored_tokens == 0 and "another model" in result.fallback
+    assert result.output_ids == expected_b
+
+
+def test_plan_needing_unsaved_state_recomputes(llama, tmp_path, rng):
+    runtime = HCacheRuntime(llama, tmp_path, plan="H")  # saves hidden states only
+    prompt = random_prompt(150, 256, rng)
+    expected = runtime.generate(prompt, 6, restore=False, stop_token_ids=NO_STOP).output_ids
+    result = runtime.generate(prompt, 6, plan="KV", stop_token_ids=NO_STOP)
+    assert result.restored_tokens == 0 and "saved without ['KV']" in result.fallback
+    assert result.output_ids == expected
+    assert runtime.generate(prompt, 6, stop_token_ids=NO_STOP).restored_tokens == 128
+
+
+def test_batch_equals_requests_one_by_one(llama, tmp_path, rng):
+    runtime = HCacheRuntime(llama, tmp_path)
+    prompts = [random_prompt(n, 256, rng) for n in (140, 20, 90)]
+    runtime.generate_batch(prompts, 5, stop_token_ids=NO_STOP)
+    batched = runtime.generate_batch(prompts, 5, stop_token_ids=NO_STOP)
+    assert [r.restored_tokens for r in batched] == [128, 0, 64]
+    for prompt, r in zip(prompts, batched):
+        assert r.output_ids == runtime.generate(prompt, 5, restore=False, stop_token_ids=NO_STOP).output_ids
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, message",
+    [
+        ([], {}, "empty prompt"),
+        ([1] * 600, {}, "context limit"),
+        ([1] * 500, {"max_new_tokens": 20}, "context limit"),
+        ([1, 256, 3], {}, "outside the vocabulary"),
+        ([1, -1, 3], {}, "outside the vocabulary"),
+        ([1, 2.5, 3], {}, "outside the vocabulary"),
+        ([1, 2, 3], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([1, 2, 3], {"plan": "2H"}, "covers 2 layers"),
+    ],
+)
+def test_bad_requests_are_clear_errors_and_damage_nothing(stored, prompt, kwargs, message):
+    runtime = stored[0]
+    before = _store_digest(runtime)
+    with pytest.raises(InvalidRequestError, match=message):
+        runtime.generate(prompt, **kwargs)
+    assert _store_digest(runtime) == before
+    assert runtime.engine.cache.free_blocks == runtime.engine.cache.num_blocks
+
+
+def test_bad_model_or_store_is_a_clear_error(llama, tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no model at"):
+        HCacheRuntime(str(tmp_path / "nowhere"), tmp_path / "store")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(StorageError):
+        HCacheRuntime(llama, blocker / "store")
+    with pytest.raises(InvalidRequestError, match="save must be"):
+        HCacheRuntime(llama, tmp_path / "store", save="sometimes")
