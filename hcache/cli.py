@@ -40,7 +40,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hcache: error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

