@@ -222,7 +222,7 @@ class ReferenceEngine:
         write_kv(self.cache.layers[layer], slots, k.to(self.device), v.to(self.device))
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached K and V of a sequence (for checks and for KV saving)."""
+        """The cached K and V of a sequence, gathered from its blocks."""
         seq = self.sequences[uid]
         table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
         return gather_kv(self.cache.layers[layer], table, len(seq.tokens) if length is None else length)
