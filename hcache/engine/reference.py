@@ -79,6 +79,8 @@ class ReferenceEngine:
         self.kv_proj = [KVProjection(spec, layer) for layer in self.decoder.layers]
         self.q_rows = [linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for layer in self.decoder.layers]
         self.sequences: dict[int, Sequence] = {}
+        # uid -> (slots, RoPE cos/sin) of a restore in progress, shared by all its layers
+        self._restoring: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]] = {}
 
     # ---- sequences ---------------------------------------------------------------------------------
     def sequence(self, uid: int) -> Sequence:
@@ -88,6 +90,7 @@ class ReferenceEngine:
 
     def flush(self, uid: int) -> None:
         """Drop a sequence and free its KV blocks."""
+        self._restoring.pop(uid, None)
         seq = self.sequences.pop(uid, None)
         if seq is not None:
             self.cache.free(seq.blocks)
@@ -187,15 +190,20 @@ class ReferenceEngine:
 
     # ---- restore primitives ------------------------------------------------------------------------
     def begin_restore(self, uid: int, num_tokens: int) -> Sequence:
-        """Reserve blocks for restoring the first ``num_tokens`` of a new sequence."""
+        """Reserve blocks for restoring the first ``num_tokens`` of a new sequence, and compute once the
+        slots and RoPE tables that every layer's restore shares."""
         seq = self.sequence(uid)
         if seq.tokens:
             raise InvalidRequestError(f"sequence {uid} already holds {len(seq.tokens)} tokens; restore needs an empty one")
         self._reserve(seq, num_tokens)
+        positions = torch.arange(num_tokens, device=self.device)
+        cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype) if self.spec.rope else None
+        self._restoring[uid] = (self._slots(seq, 0, num_tokens), cos_sin)
         return seq
 
     def end_restore(self, uid: int, tokens: list[int]) -> None:
         """Mark ``tokens`` as present in every layer of the cache, once all layers are restored."""
+        self._restoring.pop(uid, None)
         self.sequences[uid].tokens = list(tokens)
 
     @torch.no_grad()
@@ -207,18 +215,17 @@ class ReferenceEngine:
     @torch.no_grad()
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
         """H: K/V GEMM over the saved normalised input, RoPE at absolute positions, scatter into the cache."""
-        hidden = hidden.to(self.device, self.dtype)
-        k, v = self.kv_proj[layer](hidden)
-        slots = self._slots(self.sequences[uid], start, hidden.shape[0])
-        if self.spec.rope is not None:
-            positions = torch.arange(start, start + hidden.shape[0], device=self.device)
-            k = apply_rope(k, *rope_cos_sin(self.spec.rope, positions, self.dtype))
-        write_kv(self.cache.layers[layer], slots, k, v)
+        rows = slice(start, start + hidden.shape[0])
+        slots, cos_sin = self._restoring[uid]
+        k, v = self.kv_proj[layer](hidden.to(self.device, self.dtype))
+        if cos_sin is not None:
+            k = apply_rope(k, cos_sin[0][rows], cos_sin[1][rows])
+        write_kv(self.cache.layers[layer], slots[rows], k, v)
 
     @torch.no_grad()
     def restore_kv(self, uid: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
         """KV: scatter saved (already rotated) K and V into the cache."""
-        slots = self._slots(self.sequences[uid], start, k.shape[0])
+        slots = self._restoring[uid][0][start : start + k.shape[0]]
         write_kv(self.cache.layers[layer], slots, k.to(self.device), v.to(self.device))
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
