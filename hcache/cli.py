@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from . import bench
 from .errors import HCacheError
 from .model_loader import DEFAULT_MODEL
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--json", dest="json_path", default=None, help="also write the figures to this file")
 
     sub.add_parser("prepare", help="convert the embedded default model once, so later loads are fast")
+    bench.add_parsers(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -30,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return 0 if run_demo(args.model, args.turns, args.max_new_tokens, args.store, args.json_path) else 1
+        if args.command == "bench":
+            return bench.run(args)
         if args.command == "prepare":
             from .model_loader import load_model
 

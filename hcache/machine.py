@@ -1,0 +1,65 @@
+"""Facts about this machine, recorded next to every profile and benchmark result.
+
+GPU facts come from NVML (nvidia-ml-py) when a GPU is present; on a CPU-only machine the GPU fields are
+None rather than guessed.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+
+import torch
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu() -> dict | None:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            name = pynvml.nvmlDeviceGetName(handle)
+            return {
+                "name": name.decode() if isinstance(name, bytes) else name,
+                "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                "driver": pynvml.nvmlSystemGetDriverVersion(),
+            }
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or unusable: fall back to what torch knows
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return {"name": props.name, "memory_bytes": int(props.total_memory), "driver": None}
+
+
+def machine_facts() -> dict:
+    gpu = _gpu()
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def machine_name() -> str:
+    """A short file-name-safe name for this kind of machine: the GPU model, or ``cpu<N>``."""
+    gpu = _gpu()
+    name = gpu["name"].replace("NVIDIA ", "") if gpu else f"cpu{os.cpu_count()}"
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
