@@ -7,6 +7,7 @@ import sys
 
 from . import bench
 from .errors import HCacheError
+from .layer_prefetch import DEFAULT_READERS
 from .model_loader import DEFAULT_MODEL
 
 
@@ -23,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--json", dest="json_path", default=None, help="also write the figures to this file")
 
     sub.add_parser("prepare", help="convert the embedded default model once, so later loads are fast")
+    profile = sub.add_parser("profile", help="measure per-layer restore costs of a model on this machine")
+    profile.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default), a HF model directory, 'random:<type>'")
+    profile.add_argument("--tokens", default=None, help="history lengths to measure, e.g. 256,1024,4096 (default: up to 16K)")
+    profile.add_argument("--repeats", type=int, default=3, help="timed runs per cost; the median is kept")
+    profile.add_argument("--readers", type=int, default=DEFAULT_READERS, help="reader threads, as in the runtime")
+    profile.add_argument("--out", default=None, help="output path (default: profiles/<machine>-<model>.json)")
     bench.add_parsers(sub)
 
     args = parser.parse_args(argv)
@@ -32,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return 0 if run_demo(args.model, args.turns, args.max_new_tokens, args.store, args.json_path) else 1
+        if args.command == "profile":
+            return _profile(args)
         if args.command == "bench":
-            return bench.run(args)
+            return bench.run(args, " ".join(["hcache", *(sys.argv[1:] if argv is None else argv)]))
         if args.command == "prepare":
             from .model_loader import load_model
 
@@ -43,4 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     except (HCacheError, ValueError) as exc:
         print(f"hcache: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .model_loader import load_model
+    from .profile import default_profile_path
+    from .profiler import default_tokens, measure_profile
+
+    loaded = load_model(args.model)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else default_tokens(loaded.spec.max_positions)
+    profile = measure_profile(loaded, tokens, args.repeats, args.readers)
+    out = args.out or default_profile_path(loaded.spec, loaded.name)
+    profile.save(out)
+    print(f"wrote {out}")
+    for n in profile.tokens:
+        costs = profile.costs(n)
+        ms = ", ".join(f"{name} {getattr(costs, name) * 1e3:.2f}" for name in ("c_token", "c_h", "c_kv", "io_h", "io_kv"))
+        print(f"  {n:>6} tokens: ms/layer {ms}; plan {profile.plan(loaded.spec, n)}")
     return 0

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from .layer_prefetch import LayerPrefetcher, ReaderPool
+from .model_spec import ModelSpec
 from .plan import Method, RestorePlan
 from .storage.chunk import ChunkInvalid, ChunkReader
 from .storage.chunk_key import CHUNK_TOKENS
@@ -24,6 +26,9 @@ log = logging.getLogger(__name__)
 
 class RestoreEngine(Protocol):
     """What a restore needs from an engine (the reference engine and FastGen's adapter provide it)."""
+
+    spec: ModelSpec
+    device: torch.device
 
     def begin_restore(self, uid: int, num_tokens: int) -> object: ...
 
@@ -43,6 +48,11 @@ class RestoreOutcome:
     fallback: str | None  # why stored state stopped short of what the lookup found, if it did
 
 
+def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The per-token shape of each stored format."""
+    return {Method.H.value: (spec.hidden_size,), Method.KV.value: (2, spec.num_kv_heads, spec.head_size)}
+
+
 def restore_prefix(
     engine: RestoreEngine,
     store: ChunkStore,
@@ -51,32 +61,32 @@ def restore_prefix(
     keys: list[str],
     fingerprint: str,
     plan: RestorePlan,
+    pool: ReaderPool | None = None,
 ) -> RestoreOutcome:
-    """Restore the longest verified prefix of ``keys`` (the chunk keys of ``tokens``) into sequence ``uid``."""
+    """Restore the longest verified prefix of ``keys`` (the chunk keys of ``tokens``) into sequence ``uid``.
+
+    With a ``pool`` the stored layers are read ahead, while the RE layers and earlier layers compute;
+    without one each layer is read just before it is restored. Both give the same cache."""
     with ExitStack() as files:
         readers, fallback = _open_prefix(store, files, keys, tokens, fingerprint, plan)
         n = len(readers)
         engine.begin_restore(uid, n * CHUNK_TOKENS)
-        if n and plan.count(Method.RE):
-            engine.recompute_layers(uid, tokens[: n * CHUNK_TOKENS], plan.count(Method.RE))
-        for layer, method in enumerate(plan.layers):
-            if method is Method.RE or n == 0:
-                continue
-            parts = []
-            for j, reader in enumerate(readers[:n]):
-                try:
-                    parts.append(reader.read(layer, method.stored_format))
-                except ChunkInvalid as exc:
-                    fallback = _reject(store, reader.key, j, exc)
-                    n = j
+        jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if n else []
+        spec = engine.spec
+        with LayerPrefetcher(readers, jobs, row_shapes(spec), getattr(torch, spec.dtype), engine.device, pool) as ahead:
+            if n and plan.count(Method.RE):
+                engine.recompute_layers(uid, tokens[: n * CHUNK_TOKENS], plan.count(Method.RE))
+            for got in ahead:
+                if got.bad is not None and got.bad[0] < n:
+                    j, exc = got.bad
+                    fallback, n = _reject(store, readers[j].key, j, exc), j
+                if n == 0:
                     break
-            if n == 0:
-                break
-            rows = torch.cat(parts[:n])
-            if method is Method.H:
-                engine.restore_from_hidden(uid, layer, rows)
-            else:
-                engine.restore_kv(uid, layer, rows[:, 0], rows[:, 1])
+                rows = got.rows[: n * CHUNK_TOKENS]
+                if got.fmt == Method.H.value:
+                    engine.restore_from_hidden(uid, got.layer, rows)
+                else:
+                    engine.restore_kv(uid, got.layer, rows[:, 0], rows[:, 1])
         engine.end_restore(uid, tokens[: n * CHUNK_TOKENS])
         return RestoreOutcome(n * CHUNK_TOKENS, sum(r.bytes_read for r in readers), fallback)
 

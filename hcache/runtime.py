@@ -20,7 +20,9 @@ from .engine import ReferenceEngine
 from .errors import InvalidRequestError
 from .fingerprint import model_fingerprint
 from .model_loader import DEFAULT_MODEL, LoadedModel, load_model
+from .layer_prefetch import DEFAULT_READERS, ReaderPool
 from .plan import Method, RestorePlan, default_plan
+from .profile import Profile, default_profile_path
 from .ragged import Segment
 from .restore import restore_prefix
 from .storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
@@ -30,6 +32,7 @@ from .storage.saver import ChunkSaver
 log = logging.getLogger(__name__)
 
 SAVE_POLICIES = ("plan", "all", "none")
+AUTO = "auto"
 
 
 @dataclass
@@ -67,9 +70,17 @@ class _SaveCapture:
 class HCacheRuntime:
     """Serve prompts on the reference engine with hcache's restore and save.
 
-    ``plan``: ``None`` for the default (H for MHA models, KV where KV is no larger), a method name or counts
-    such as ``"2RE+20H+8KV"``. ``save``: ``"plan"`` saves the formats the plan restores from, ``"all"`` saves
-    hidden states and KV for every layer (so any plan can restore later), ``"none"`` saves nothing.
+    ``plan``: ``None`` for the default, ``"auto"`` for the profile's bubble-free plan at each request's
+    history length, a method name, or counts such as ``"2RE+20H+8KV"``. The default is ``"auto"`` when a
+    ``profile`` is given (a :class:`Profile` or a path; ``plan="auto"`` alone looks for this machine's
+    profile under ``profiles/``), otherwise H for MHA models and KV where KV is no larger.
+
+    ``save``: ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of every plan it
+    picks over the context range), ``"all"`` saves hidden states and KV for every layer (so any plan can
+    restore later), ``"none"`` saves nothing.
+
+    ``readers``: threads that read stored layers ahead of the restore's compute; 0 reads each layer
+    inline. Call :meth:`close` (or use the runtime as a context manager) to stop them.
     """
 
     def __init__(
@@ -82,6 +93,8 @@ class HCacheRuntime:
         namespace: str | None = None,
         num_blocks: int = 256,
         device: str = "cpu",
+        profile: str | Path | Profile | None = None,
+        readers: int = DEFAULT_READERS,
     ):
         if save not in SAVE_POLICIES:
             raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
@@ -90,27 +103,68 @@ class HCacheRuntime:
         self.spec = self.loaded.spec
         self.engine = ReferenceEngine(self.loaded.model, self.spec, num_blocks=num_blocks)
         self.fingerprint = model_fingerprint(self.loaded.model, self.spec)
+        self.profile = self._load_profile(profile, plan)
         self.plan = self.resolve_plan(plan)
         self.namespace = namespace
         self.saver = ChunkSaver(self.store, self.fingerprint)
-        every = frozenset(m.value for m in (Method.H, Method.KV))
-        self.save_formats = [
-            every if save == "all" else frozenset({m.stored_format} - {None}) if save == "plan" else frozenset()
-            for m in self.plan.layers
-        ]
+        self.save_formats = self._save_formats(save)
+        self.reader_pool = ReaderPool(readers) if readers else None
         self._capture = _SaveCapture(self.saver, self.save_formats) if any(self.save_formats) else None
         self._uids = itertools.count()
         eos = getattr(getattr(self.loaded.model, "generation_config", None), "eos_token_id", None)
         self.default_stop_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
 
-    def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan:
+    def _load_profile(self, profile: str | Path | Profile | None, plan: object) -> Profile | None:
+        if isinstance(profile, Profile):
+            profile.check(self.spec)
+            return profile
+        if profile is None and not (isinstance(plan, str) and plan.strip().lower() == AUTO):
+            return None
+        return Profile.load(profile or default_profile_path(self.spec, self.loaded.name), self.spec)
+
+    def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
+        """A fixed plan, or None for the profile's plan per history length."""
         if plan is None:
-            return default_plan(self.spec)
+            return None if self.profile is not None else default_plan(self.spec)
+        if isinstance(plan, str) and plan.strip().lower() == AUTO:
+            if self.profile is None:
+                raise InvalidRequestError("plan 'auto' needs a profile: pass profile=... or run `hcache profile`")
+            return None
         if isinstance(plan, RestorePlan):
             if len(plan.layers) != self.spec.num_layers:
                 raise InvalidRequestError(f"plan {plan} covers {len(plan.layers)} layers, the model has {self.spec.num_layers}")
             return plan
         return RestorePlan.parse(plan, self.spec.num_layers)
+
+    def plan_for(self, plan: RestorePlan | None, history: int) -> RestorePlan:
+        return plan if plan is not None else self.profile.plan(self.spec, history)
+
+    def _save_formats(self, save: str) -> list[frozenset[str]]:
+        """Per layer, the formats to save: for the auto plan, every format it restores from at any length."""
+        if save == "none":
+            return [frozenset()] * self.spec.num_layers
+        if save == "all":
+            return [frozenset((Method.H.value, Method.KV.value))] * self.spec.num_layers
+        lengths = [0]
+        if self.plan is None:
+            lengths = sorted({*self.profile.tokens, *_powers_of_two(CHUNK_TOKENS, self.spec.max_positions)})
+        formats = [set() for _ in range(self.spec.num_layers)]
+        for length in lengths:
+            for layer, m in enumerate(self.plan_for(self.plan, length).layers):
+                formats[layer] |= {m.stored_format} - {None}
+        return [frozenset(f) for f in formats]
+
+    def close(self) -> None:
+        """Stop the reader threads. The runtime serves no more requests after this."""
+        if self.reader_pool is not None:
+            self.reader_pool.close()
+            self.reader_pool = None
+
+    def __enter__(self) -> "HCacheRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def drop_device_cache(self) -> None:
         """Free every sequence's device KV; the next request must restore from the store."""
@@ -138,12 +192,16 @@ class HCacheRuntime:
         uids = [next(self._uids) for _ in prompts]
         start = time.perf_counter()
         try:
-            restored = []
+            restored, plans = [], []
             for uid, prompt in zip(uids, prompts):
                 # The last prompt token is always prefilled: its logits give the first output token.
                 keys = chunk_keys(prompt[:-1], root) if restore else []
-                outcome = restore_prefix(self.engine, self.store, uid, prompt, keys, self.fingerprint, plan)
+                request_plan = self.plan_for(plan, self._stored_prefix(keys))
+                outcome = restore_prefix(
+                    self.engine, self.store, uid, prompt, keys, self.fingerprint, request_plan, self.reader_pool
+                )
                 restored.append(outcome)
+                plans.append(request_plan)
                 if self._capture is not None:
                     n_chunks = outcome.tokens // CHUNK_TOKENS
                     self.saver.open(uid, keys[n_chunks - 1] if n_chunks else root)
@@ -154,9 +212,16 @@ class HCacheRuntime:
                 self.saver.close(uid)
                 self.engine.flush(uid)
         return [
-            RequestResult(out, len(prompt), r.tokens, str(plan), ttft, r.bytes_read, r.fallback)
-            for out, prompt, r in zip(outputs, prompts, restored)
+            RequestResult(out, len(prompt), r.tokens, str(p), ttft, r.bytes_read, r.fallback)
+            for out, prompt, r, p in zip(outputs, prompts, restored, plans)
         ]
+
+    def _stored_prefix(self, keys: list[str]) -> int:
+        """Tokens covered by the leading chunks present in the store: the history a plan is chosen for."""
+        n = 0
+        while n < len(keys) and self.store.contains(keys[n]):
+            n += 1
+        return n * CHUNK_TOKENS
 
     def _decode(
         self, requests: list[tuple[int, list[int]]], max_new_tokens: int, stops: frozenset[int], start: float
@@ -204,3 +269,7 @@ class HCacheRuntime:
                 f"limit of {self.spec.max_positions}"
             )
         return ids
+
+
+def _powers_of_two(start: int, stop: int) -> list[int]:
+    return [start << i for i in range(max(1, stop // start).bit_length())]

@@ -3,6 +3,8 @@ import pytest
 import torch
 from helpers import random_prompt
 
+from hcache.model_loader import LoadedModel, random_model
+from hcache.model_spec import ModelSpec
 from hcache.plan import RestorePlan
 from hcache.restore import restore_prefix
 from hcache.runtime import HCacheRuntime
@@ -58,3 +60,20 @@ def test_smollm2_restore_is_exact(smollm2, tmp_path, plan):
     assert restored >= 64
     result = runtime.generate(prompt, 10, plan=plan)
     assert result.restored_tokens == restored and result.output_ids == expected
+
+
+@pytest.mark.parametrize("plan", ["2RE+3H+3KV", "H", "KV", "3RE+5KV"])
+def test_pipelined_restore_equals_sequential(tmp_path, rng, plan):
+    model = random_model("llama", num_hidden_layers=8)  # more layers than the prefetch depth
+    lm = LoadedModel("random:llama", model, ModelSpec.from_config(model.config, torch.float32), None)
+    with HCacheRuntime(lm, tmp_path, save="all", readers=3) as runtime:  # 5 chunks over 3 readers
+        prompt = random_prompt(330, lm.spec.vocab_size, rng)
+        runtime.generate(prompt, 1, restore=False)
+        keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
+        engine, plan = runtime.engine, runtime.resolve_plan(plan)
+        for uid, pool in ((1, None), (2, runtime.reader_pool)):
+            outcome = restore_prefix(engine, runtime.store, uid, prompt, keys, runtime.fingerprint, plan, pool)
+            assert outcome.tokens == 320 and outcome.fallback is None
+        for layer in range(lm.spec.num_layers):
+            for sequential, pipelined in zip(engine.kv(1, layer), engine.kv(2, layer)):
+                assert torch.equal(sequential, pipelined), f"layer {layer}"

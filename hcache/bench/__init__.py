@@ -10,7 +10,6 @@ import argparse
 import importlib
 import json
 import pkgutil
-import sys
 from pathlib import Path
 
 from ..machine import machine_facts
@@ -30,10 +29,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         module.add_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, command: str) -> int:
     result = importlib.import_module(available()[args.benchmark]).run(args)
     if args.json_path:
-        record = {"benchmark": args.benchmark, "command": " ".join(["hcache", *sys.argv[1:]]), "machine": machine_facts()}
+        record = {"benchmark": args.benchmark, "command": command, "machine": machine_facts()}
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps({**record, **result}, indent=2) + "\n")
         print(f"wrote {args.json_path}")

@@ -1,0 +1,135 @@
+"""A hardware profile: measured per-layer restore costs of one model on one machine.
+
+``hcache profile`` measures it (:mod:`hcache.profiler`); the scheduler reads it to choose a plan for each
+history length. Costs are measured on a grid of history lengths and interpolated linearly between them
+(extrapolated from the last two points), which follows the linear I/O and GEMM terms exactly and the
+quadratic attention term of ``C_token`` closely enough on a dense grid.
+
+A profile is only valid for the model shape and machine it was measured on, by the same measuring
+procedure; :meth:`Profile.check` refuses anything else with a message that says what differs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import HCacheError
+from .machine import machine_facts, machine_name
+from .model_spec import ModelSpec
+from .plan import Method, RestorePlan
+from .scheduler import LayerCosts, partition
+
+# Bump when what is measured, or how, changes: older profiles are then stale.
+PROFILE_VERSION = 1
+COST_NAMES = ("c_token", "c_h", "c_kv", "io_h", "io_kv")
+
+
+class ProfileMismatch(HCacheError):
+    """A profile measured for another model, on another machine, or by an older procedure."""
+
+
+def model_shape_key(spec: ModelSpec) -> str:
+    """Costs depend on a model's shape and dtype, not its weights: random-weight models share profiles."""
+    return hashlib.blake2b(spec.to_json().encode(), digest_size=8).hexdigest()
+
+
+def default_profile_path(spec: ModelSpec, model_name: str, root: str | Path = "profiles") -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(model_name).name).lower()
+    return Path(root) / f"{machine_name()}-{safe}.json"
+
+
+@dataclass
+class Profile:
+    model_name: str
+    model_shape: str  # model_shape_key of the profiled model
+    model: dict  # ModelSpec.describe(), for people reading the file
+    machine_name: str
+    machine: dict  # machine_facts()
+    tokens: list[int]  # the history lengths measured
+    seconds: dict[str, list[float]]  # cost name -> seconds per layer at each of ``tokens``
+    bandwidth: dict[str, float] = field(default_factory=dict)  # measured bytes/s, for people reading the file
+    version: int = PROFILE_VERSION
+    hcache_version: str = ""
+
+    def costs(self, history: int) -> LayerCosts:
+        return LayerCosts(**{name: _interp(history, self.tokens, self.seconds[name]) for name in COST_NAMES})
+
+    def plan(self, spec: ModelSpec, history: int) -> RestorePlan:
+        return partition(
+            self.costs(history), spec.num_layers, spec.hidden_bytes_per_token_layer, spec.kv_bytes_per_token_layer
+        )
+
+    def bound_seconds(self, spec: ModelSpec, history: int) -> float:
+        """The restore time the profile predicts for the best plan: the lower bound a pipelined executor
+        can approach."""
+        plan = self.plan(spec, history)
+        return self.costs(history).plan_time(*(plan.count(m) for m in Method))
+
+    def check(self, spec: ModelSpec) -> None:
+        """Raise :class:`ProfileMismatch` unless this profile fits ``spec`` on this machine."""
+        if self.version != PROFILE_VERSION:
+            raise ProfileMismatch(
+                f"profile is stale: measured by procedure v{self.version}, this hcache uses v{PROFILE_VERSION}; "
+                f"run `hcache profile` again"
+            )
+        if self.model_shape != model_shape_key(spec):
+            raise ProfileMismatch(
+                f"profile was measured for {_shape(self.model)}, not for this model ({_shape(spec.describe())}); "
+                f"run `hcache profile --model ...` for it"
+            )
+        here = machine_name()
+        if self.machine_name != here:
+            raise ProfileMismatch(
+                f"profile was measured on {self.machine_name!r}, this machine is {here!r}; "
+                f"run `hcache profile` here"
+            )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, spec: ModelSpec | None = None) -> "Profile":
+        try:
+            data = json.loads(Path(path).read_text())
+            profile = cls(**data)
+            if sorted(profile.seconds) != sorted(COST_NAMES) or any(
+                len(v) != len(profile.tokens) for v in profile.seconds.values()
+            ):
+                raise ValueError(f"expected costs {COST_NAMES} at each of {len(profile.tokens)} lengths")
+        except FileNotFoundError:
+            raise ProfileMismatch(f"no profile at {path}; run `hcache profile` to measure one") from None
+        except (OSError, ValueError, TypeError) as exc:
+            raise ProfileMismatch(f"{path} is not a valid hcache profile: {exc}") from exc
+        if spec is not None:
+            profile.check(spec)
+        return profile
+
+    @classmethod
+    def new(cls, model_name: str, spec: ModelSpec, tokens: list[int], seconds: dict, bandwidth: dict) -> "Profile":
+        from . import __version__
+
+        return cls(
+            model_name, model_shape_key(spec), spec.describe(), machine_name(), machine_facts(),
+            list(tokens), seconds, bandwidth, PROFILE_VERSION, __version__,
+        )
+
+
+def _shape(desc: dict) -> str:
+    keys = ("model_type", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "dtype")
+    return " ".join(f"{k}={desc.get(k)}" for k in keys)
+
+
+def _interp(x: float, xs: list[int], ys: list[float]) -> float:
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]  # one point: assume proportional to length
+    if x > xs[-1]:  # extrapolate along the last segment
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return max(0.0, ys[-1] + slope * (x - xs[-1]))
+    if x < xs[0]:
+        return ys[0] * x / xs[0]
+    return float(np.interp(x, xs, ys))

@@ -1,0 +1,132 @@
+"""``hcache profile``: measure a model's per-layer restore costs on this machine (§4.1.2's offline profiling).
+
+Every cost is measured through the same code a restore runs, so the scheduler plans with what restore
+will actually take:
+- ``io_h`` / ``io_kv``: a layer's rows read from real chunk files by the reader pool, verified and handed
+  to the device (:class:`~hcache.layer_prefetch.LayerPrefetcher`), averaged over several layers in flight.
+  The files were just written, so on a machine with free memory they come from the page cache, as a
+  recent conversation's chunks do;
+- ``c_h``: the engine's ``restore_from_hidden`` (K/V GEMM, RoPE, scatter);
+- ``c_kv``: the engine's ``restore_kv`` (scatter);
+- ``c_token``: the engine's forward over the whole history, per layer, attention included.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from .engine import ReferenceEngine
+from .errors import StorageError
+from .layer_prefetch import DEFAULT_READERS, LayerPrefetcher, ReaderPool
+from .model_loader import LoadedModel
+from .plan import Method
+from .profile import COST_NAMES, Profile
+from .restore import row_shapes
+from .storage.chunk import Chunk, ChunkReader, encode
+from .storage.chunk_key import CHUNK_TOKENS
+from .storage.chunk_store import DirectoryChunkStore
+
+DEFAULT_TOKENS = (256, 1024, 4096, 16384)
+_IO_LAYERS = 4  # layers per chunk file in the I/O measurement: reads of several layers overlap, as in a restore
+_FINGERPRINT = "hcache-profile"
+
+
+def default_tokens(max_positions: int) -> list[int]:
+    lengths = [t for t in DEFAULT_TOKENS if t <= max_positions]
+    return lengths if lengths and lengths[-1] == max_positions else [*lengths, max_positions]
+
+
+@torch.no_grad()
+def measure_profile(
+    loaded: LoadedModel, tokens: list[int], repeats: int = 3, readers: int = DEFAULT_READERS, device: str = "cpu"
+) -> Profile:
+    spec = loaded.spec
+    bad = [t for t in tokens if not CHUNK_TOKENS <= t <= spec.max_positions]
+    if bad or repeats < 1:
+        raise ValueError(
+            f"history lengths must lie in [{CHUNK_TOKENS}, {spec.max_positions}] (got {bad}) and repeats ≥ 1"
+        )
+    tokens = sorted({t // CHUNK_TOKENS * CHUNK_TOKENS for t in tokens})
+    engine = ReferenceEngine(loaded.model, spec, num_blocks=2 * -(-max(tokens) // 64) + 2)
+    dtype = getattr(torch, spec.dtype)
+    seconds: dict[str, list[float]] = {name: [] for name in COST_NAMES}
+    pool = ReaderPool(readers) if readers else None
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with tqdm(total=len(tokens) * len(COST_NAMES), desc=f"profiling {loaded.name}", unit="cost") as bar:
+            for n in tokens:
+                hidden = torch.randn(n, spec.hidden_size, generator=gen).to(engine.device, dtype)
+                kv = torch.randn(n, 2, spec.num_kv_heads, spec.head_size, generator=gen).to(engine.device, dtype)
+                ids = torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
+                measures: dict[str, Callable[[], object]] = {
+                    "c_token": lambda: engine.recompute_layers(0, ids, 1),
+                    "c_h": lambda: engine.restore_from_hidden(0, 0, hidden),
+                    "c_kv": lambda: engine.restore_kv(0, 0, kv[:, 0], kv[:, 1]),
+                }
+                engine.begin_restore(0, n)
+                for name, fn in measures.items():
+                    bar.set_postfix(tokens=n, cost=name)
+                    seconds[name].append(_median_time(fn, repeats, engine.device))
+                    bar.update()
+                engine.flush(0)
+                for fmt, rows in ((Method.H.value, hidden), (Method.KV.value, kv)):
+                    bar.set_postfix(tokens=n, cost=f"io_{fmt.lower()}")
+                    seconds[f"io_{fmt.lower()}"].append(_io_time(spec, fmt, rows, pool, engine.device, repeats))
+                    bar.update()
+    finally:
+        if pool is not None:
+            pool.close()
+    n = tokens[-1]
+    bandwidth = {
+        "io_h_bytes_per_s": n * spec.hidden_bytes_per_token_layer / seconds["io_h"][-1],
+        "io_kv_bytes_per_s": n * spec.kv_bytes_per_token_layer / seconds["io_kv"][-1],
+    }
+    return Profile.new(loaded.name, spec, tokens, seconds, bandwidth)
+
+
+def _median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _io_time(spec, fmt: str, rows: torch.Tensor, pool: ReaderPool | None, device: torch.device, repeats: int) -> float:
+    """Seconds per layer to bring ``rows`` (one layer's worth) from chunk files to the device."""
+    with tempfile.TemporaryDirectory(prefix="hcache-profile-") as root:
+        store = DirectoryChunkStore(root)
+        keys = []
+        for j in range(rows.shape[0] // CHUNK_TOKENS):
+            key = f"{j:032x}"
+            part = rows[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS]
+            tensors = {(layer, fmt): part.clone() for layer in range(_IO_LAYERS)}
+            store.put(key, encode(Chunk(key, [0] * CHUNK_TOKENS, _FINGERPRINT, tensors)))
+            keys.append(key)
+        jobs = [(layer, fmt) for layer in range(_IO_LAYERS)]
+
+        def read_all() -> None:
+            with ExitStack() as files:
+                readers = [
+                    ChunkReader.open(files.enter_context(store.open(k)), k, [0] * CHUNK_TOKENS, _FINGERPRINT) for k in keys
+                ]
+                with LayerPrefetcher(readers, jobs, row_shapes(spec), rows.dtype, device, pool) as ahead:
+                    for got in ahead:
+                        if got.bad is not None:
+                            raise StorageError(f"profiling store {root} returned a bad chunk: {got.bad[1]}")
+        return _median_time(read_all, repeats, device) / _IO_LAYERS

@@ -1,0 +1,18 @@
+"""Benchmarks run end to end on a tiny model and report the figures their issues name."""
+import json
+
+from hcache.cli import main
+
+
+def test_bench_restore_reports_every_method_the_bound_and_the_regret(tmp_path):
+    out = tmp_path / "restore.json"
+    args = ["bench", "restore", "--model", "random:llama", "--histories", "64,128", "--repeats", "1", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert set(result["methods"]) == {"RE", "H", "KV", "RE+KV", "auto"}
+    for method in result["methods"].values():
+        assert len(method["tokens_per_s"]) == 2 and all(x > 0 for x in method["tokens_per_s"])
+    assert "H" not in result["methods"]["RE+KV"]["plans"][0]
+    assert len(result["bound_tokens_per_s"]) == 2 and result["auto_regret"] == max(result["auto_regret_by_history"])
+    assert result["machine"]["cpu_count"] and result["command"].startswith("hcache bench restore")
+    assert (tmp_path / "restore.png").stat().st_size > 0
