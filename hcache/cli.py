@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("prepare", help="convert the embedded default model once, so later loads are fast")
     profile = sub.add_parser("profile", help="measure per-layer restore costs of a model on this machine")
     profile.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default), a HF model directory, 'random:<type>'")
+    profile.add_argument("--device", default=None, help="cuda when a GPU is present, else cpu")
+    profile.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: float16 on a GPU)")
     profile.add_argument("--tokens", default=None, help="history lengths to measure, e.g. 256,1024,4096 (default: up to 16K)")
     profile.add_argument("--repeats", type=int, default=3, help="timed runs per cost; the median is kept")
     profile.add_argument("--readers", type=int, default=DEFAULT_READERS, help="reader threads, as in the runtime")
@@ -56,11 +58,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from .model_loader import load_model
+    import torch
+
+    from .model_loader import load_model, model_dtype
     from .profile import default_profile_path
     from .profiler import default_tokens, measure_profile
 
-    loaded = load_model(args.model)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load_model(args.model, dtype=model_dtype(args.dtype, device), device=device)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else default_tokens(loaded.spec.max_positions)
     profile = measure_profile(loaded, tokens, args.repeats, args.readers)
     out = args.out or default_profile_path(loaded.spec, loaded.name)

@@ -46,7 +46,7 @@ class LayerRows:
     layer: int
     fmt: str
     rows: torch.Tensor  # [chunks·64, *row_shape] on the device; rows of chunks at or past ``bad`` are garbage
-    bad: tuple[int, ChunkInvalid] | None  # the first chunk whose rows of this layer failed to read or verify
+    bad: tuple[int, ChunkInvalid | OSError] | None  # the first chunk whose rows of this layer failed to read or verify
 
 
 class LayerPrefetcher:
@@ -110,7 +110,7 @@ class LayerPrefetcher:
         reads = [w.submit(self._read, layer, fmt, buf, k, workers) for k, w in enumerate(self.pool.readers)]
         self._futures.append(self.pool.uploader.submit(self._upload, layer, fmt, buf, reads))
 
-    def _read(self, layer: int, fmt: str, buf: torch.Tensor, first: int, step: int) -> tuple[int, ChunkInvalid] | None:
+    def _read(self, layer: int, fmt: str, buf: torch.Tensor, first: int, step: int) -> tuple[int, Exception] | None:
         """Fill the rows of chunks ``first, first+step, …``; stop at this reader's first bad chunk."""
         expected = (CHUNK_TOKENS, *self.row_shapes[fmt])
         for j in range(first, len(self.readers), step):
@@ -122,7 +122,7 @@ class LayerPrefetcher:
                         f"chunk {reader.key}: layer {layer} {fmt} is {list(rows.shape)} {rows.dtype}, "
                         f"expected {list(expected)} {self.dtype}"
                     )
-            except ChunkInvalid as exc:
+            except (ChunkInvalid, OSError) as exc:
                 return j, exc
             buf[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS] = rows
         return None

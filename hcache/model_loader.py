@@ -35,16 +35,27 @@ class LoadedModel:
     tokenizer: Any | None  # None for random-weight shapes
 
 
+def model_dtype(name: str | None, device: str) -> torch.dtype:
+    """A dtype by name; by default float16 on a GPU and float32 on the CPU."""
+    if name is None:
+        return torch.float16 if str(device).startswith("cuda") else torch.float32
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unknown dtype {name!r}: use float16, bfloat16 or float32")
+    return dtype
+
+
 def cache_home() -> Path:
     return Path(os.environ.get("HCACHE_HOME", Path.home() / ".cache" / "hcache"))
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
-    """``"smollm2"``, a directory with a HF ``config.json``, or ``"random:<model_type>"`` (tiny, seed 0)."""
+    """``"smollm2"``, a directory with a HF ``config.json``, or ``"random:<shape>"`` (random weights, seed 0:
+    a tiny model of a model type, or a full-size shape such as ``llama-2-7b``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name.startswith(_RANDOM_PREFIX):
-        model = random_model(name[len(_RANDOM_PREFIX) :], dtype=dtype).to(device)
+        model = random_model(name[len(_RANDOM_PREFIX) :], dtype=dtype, device=device)
         return LoadedModel(name, model, ModelSpec.from_config(model.config, dtype), None)
     path = _smollm2_dir() if name == DEFAULT_MODEL else Path(name)
     if not (path / "config.json").is_file():
@@ -108,17 +119,44 @@ _TINY: dict[str, dict[str, Any]] = {
 }
 
 
-def random_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A tiny random-weight model of ``model_type`` (or any shape, through ``overrides``)."""
+# Full-size shapes for GPU benchmarks: restore speed depends on the shape, not on the weights. The context is
+# widened to 32K so that histories up to 16K fit.
+_FULL: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-2-7b": ("llama", dict(
+        hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+        num_hidden_layers=32, vocab_size=32000, max_position_embeddings=32768,
+    )),
+    "llama-3-8b": ("llama", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        num_hidden_layers=32, vocab_size=128256, max_position_embeddings=32768,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )),
+}
+
+
+def random_model(
+    shape: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: str = "cpu", **overrides: Any
+) -> torch.nn.Module:
+    """A random-weight model: a tiny one of model type ``shape``, or a full-size named shape such as
+    ``llama-2-7b``; ``overrides`` change any config field."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if model_type not in _TINY:
-        raise ModelNotFoundError(f"no random shape for {model_type!r}; choose one of {', '.join(SUPPORTED_MODEL_TYPES)}")
-    fields = dict(num_hidden_layers=3, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
-    fields.update(_TINY[model_type], **overrides)
-    config = AutoConfig.for_model(model_type, **fields)
+    if shape in _FULL:
+        model_type, fields = _FULL[shape][0], dict(_FULL[shape][1], tie_word_embeddings=False)
+    elif shape in _TINY:
+        model_type = shape
+        fields = dict(num_hidden_layers=3, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
+        fields.update(_TINY[shape])
+    else:
+        raise ModelNotFoundError(
+            f"no random shape {shape!r}; choose a model type ({', '.join(SUPPORTED_MODEL_TYPES)}) or a full "
+            f"shape ({', '.join(_FULL)})"
+        )
+    config = AutoConfig.for_model(model_type, **{**fields, **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device(device):  # a 7B model is built where it will run, not copied there
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # HF initialises with std 0.02, which makes every logit nearly equal; widen so greedy decoding has clear winners.
     with torch.no_grad():
         for p in model.parameters():

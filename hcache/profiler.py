@@ -44,8 +44,9 @@ def default_tokens(max_positions: int) -> list[int]:
 
 @torch.no_grad()
 def measure_profile(
-    loaded: LoadedModel, tokens: list[int], repeats: int = 3, readers: int = DEFAULT_READERS, device: str = "cpu"
+    loaded: LoadedModel, tokens: list[int], repeats: int = 3, readers: int = DEFAULT_READERS
 ) -> Profile:
+    """Measure every cost at each history length in ``tokens``, on the device the model is on."""
     spec = loaded.spec
     bad = [t for t in tokens if not CHUNK_TOKENS <= t <= spec.max_positions]
     if bad or repeats < 1:

@@ -97,7 +97,10 @@ def _open_prefix(
     needed = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
     readers: list[ChunkReader] = []
     for j, key in enumerate(keys):
-        file = store.open(key)
+        try:
+            file = store.open(key)
+        except OSError as exc:
+            return readers, _reject(store, key, j, exc)
         if file is None:
             return readers, None  # the stored prefix simply ends here
         files.enter_context(file)
@@ -114,8 +117,16 @@ def _open_prefix(
     return readers, None
 
 
-def _reject(store: ChunkStore, key: str, index: int, exc: ChunkInvalid) -> str:
-    """Log, drop the bad chunk so the prefill that follows can save a good one, and say why."""
+def _reject(store: ChunkStore, key: str, index: int, exc: ChunkInvalid | OSError) -> str:
+    """Log and say why the prefix ends here. A chunk proven bad is dropped, so the prefill that follows can
+    save a good one; one that could not be read (an I/O error, perhaps passing) is kept."""
+    if isinstance(exc, OSError):
+        reason = f"chunk {key}: cannot read ({exc})"
+        log.warning("%s; recomputing from token %d", reason, index * CHUNK_TOKENS)
+        return reason
     log.warning("%s; discarding it and recomputing from token %d", exc, index * CHUNK_TOKENS)
-    store.discard(key)
+    try:
+        store.discard(key)
+    except OSError as err:  # it stays unusable either way: it fails verification on every read
+        log.warning("could not discard chunk %s: %s", key, err)
     return str(exc)

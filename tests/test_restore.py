@@ -1,13 +1,16 @@
 """Every restore method and mixed plans rebuild exactly the KV cache that recompute produces."""
+import errno
+
 import pytest
 import torch
-from helpers import random_prompt
+from helpers import loaded, random_prompt
 
 from hcache.model_loader import LoadedModel, random_model
 from hcache.model_spec import ModelSpec
 from hcache.plan import RestorePlan
 from hcache.restore import restore_prefix
 from hcache.runtime import HCacheRuntime
+from hcache.storage.chunk import ChunkReader
 from hcache.storage.chunk_key import chunk_keys, root_key
 
 # float32: K/V from a saved hidden state go through the same GEMM and RoPE as the forward, but the GEMM
@@ -77,3 +80,33 @@ def test_pipelined_restore_equals_sequential(tmp_path, rng, plan):
         for layer in range(lm.spec.num_layers):
             for sequential, pipelined in zip(engine.kv(1, layer), engine.kv(2, layer)):
                 assert torch.equal(sequential, pipelined), f"layer {layer}"
+
+
+def test_io_errors_while_restoring_fall_back_to_recompute(tmp_path, rng, monkeypatch):
+    lm = loaded("random:llama")
+    with HCacheRuntime(lm, tmp_path, save="all") as runtime:
+        prompt = random_prompt(200, lm.spec.vocab_size, rng)
+        expected = runtime.generate(prompt, 6, restore=False).output_ids
+        keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
+        read = ChunkReader.read
+
+        def failing_read(reader, layer, fmt):
+            if reader.key == keys[1] and layer == 2:
+                raise OSError(errno.EIO, "Input/output error")
+            return read(reader, layer, fmt)
+
+        monkeypatch.setattr(ChunkReader, "read", failing_read)
+        discarded = []
+        monkeypatch.setattr(runtime.store, "discard", discarded.append)
+        result = runtime.generate(prompt, 6, plan="H")
+        assert result.restored_tokens == 64 and "cannot read" in result.fallback
+        assert result.output_ids == expected
+        assert discarded == []  # an I/O error proves nothing about the chunk: it is kept
+
+        def failing_open(key):
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+        monkeypatch.setattr(runtime.store, "open", failing_open)
+        result = runtime.generate(prompt, 6, plan="KV")
+        assert result.restored_tokens == 0 and "Permission denied" in result.fallback
+        assert result.output_ids == expected

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from ..layer_prefetch import DEFAULT_READERS
-from ..model_loader import DEFAULT_MODEL, load_model
+from ..model_loader import DEFAULT_MODEL, load_model, model_dtype
 from ..plan import Method, RestorePlan
 from ..profile import Profile
 from ..profiler import measure_profile
@@ -32,7 +32,9 @@ FIXED = ("RE", "H", "KV", "RE+KV")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="e.g. random:llama-2-7b or random:llama-3-8b on a GPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: float16 on a GPU)")
     parser.add_argument("--histories", default="1024,2048,4096", help="history lengths in tokens (1K–16K on a GPU)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--readers", type=int, default=DEFAULT_READERS)
@@ -41,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=model_dtype(args.dtype, args.device), device=args.device)
     spec = loaded.spec
     histories = sorted({int(h) // 64 * 64 for h in args.histories.split(",")})
     if not histories or histories[0] < 64 or histories[-1] >= spec.max_positions:
