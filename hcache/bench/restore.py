@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> dict:
             for name in names
         },
         "bound_tokens_per_s": bound,
+        "profile": {"tokens": profile.tokens, "seconds_per_layer": profile.seconds},
         "auto_regret": max(regret),
         "auto_regret_by_history": regret,
     }
