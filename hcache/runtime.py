@@ -12,20 +12,21 @@ import logging
 import operator
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from .engine import ReferenceEngine
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, StorageError
 from .fingerprint import model_fingerprint
 from .model_loader import DEFAULT_MODEL, LoadedModel, load_model
 from .plan import Method, RestorePlan, default_plan
 from .ragged import Segment
 from .restore import restore_prefix
 from .storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
-from .storage.chunk_store import DirectoryChunkStore
 from .storage.saver import ChunkSaver
+from .storage.store_config import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -70,38 +71,58 @@ class HCacheRuntime:
     ``plan``: ``None`` for the default (H for MHA models, KV where KV is no larger), a method name or counts
     such as ``"2RE+20H+8KV"``. ``save``: ``"plan"`` saves the formats the plan restores from, ``"all"`` saves
     hidden states and KV for every layer (so any plan can restore later), ``"none"`` saves nothing.
+    ``store_dir``: one directory or a list (one per SSD). ``store``: quota, TTL, DRAM tier and saver
+    options. Saving runs in background threads; :meth:`close` (or leaving a ``with`` block) drains them.
     """
 
     def __init__(
         self,
         model: str | LoadedModel = DEFAULT_MODEL,
-        store_dir: str | Path = "hcache-store",
+        store_dir: str | Path | Sequence[str | Path] = "hcache-store",
         *,
         plan: str | RestorePlan | None = None,
         save: str = "plan",
         namespace: str | None = None,
         num_blocks: int = 256,
         device: str = "cpu",
+        store: StoreConfig = StoreConfig(),
     ):
         if save not in SAVE_POLICIES:
             raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
-        self.store = DirectoryChunkStore(store_dir)  # fails fast on an unwritable directory
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
         self.spec = self.loaded.spec
         self.engine = ReferenceEngine(self.loaded.model, self.spec, num_blocks=num_blocks)
         self.fingerprint = model_fingerprint(self.loaded.model, self.spec)
         self.plan = self.resolve_plan(plan)
         self.namespace = namespace
-        self.saver = ChunkSaver(self.store, self.fingerprint)
         every = frozenset(m.value for m in (Method.H, Method.KV))
         self.save_formats = [
             every if save == "all" else frozenset({m.stored_format} - {None}) if save == "plan" else frozenset()
             for m in self.plan.layers
         ]
+        chunk_bytes = CHUNK_TOKENS * sum(
+            (Method.H.value in f) * self.spec.hidden_bytes_per_token_layer
+            + (Method.KV.value in f) * self.spec.kv_bytes_per_token_layer
+            for f in self.save_formats
+        )
+        if store.quota_bytes is not None and store.quota_bytes < chunk_bytes:
+            raise StorageError(f"quota_bytes={store.quota_bytes} is smaller than one chunk ({chunk_bytes} bytes)")
+        self.store = store.open_store(store_dir, {"fingerprint": self.fingerprint, "dtype": self.spec.dtype})
+        self.saver = ChunkSaver(self.store, self.fingerprint, threads=store.saver_threads, staging_bytes=store.staging_bytes)
         self._capture = _SaveCapture(self.saver, self.save_formats) if any(self.save_formats) else None
         self._uids = itertools.count()
         eos = getattr(getattr(self.loaded.model, "generation_config", None), "eos_token_id", None)
         self.default_stop_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
+
+    def close(self) -> None:
+        """Wait for the saver to publish everything captured, and stop its threads."""
+        self.saver.shutdown()
+
+    def __enter__(self) -> "HCacheRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan:
         if plan is None:
