@@ -64,12 +64,9 @@ def write_file(path: Path, data: bytes | memoryview, direct: bool, sync: bool) -
     fd, direct = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct)
     try:
         if direct:
-            buf = mmap.mmap(-1, _round_up(len(data)) or ALIGN)
-            try:
-                buf[: len(data)] = data
-                _write_all(fd, memoryview(buf))
-            finally:
-                buf.close()
+            buf = mmap.mmap(-1, _round_up(len(data)) or ALIGN)  # unmapped when collected
+            buf[: len(data)] = data
+            _write_all(fd, memoryview(buf))
             os.ftruncate(fd, len(data))
         else:
             _write_all(fd, memoryview(data).cast("B"))
@@ -149,8 +146,6 @@ class AlignedReader(io.RawIOBase):
             start = pos - pos % ALIGN
             length = _round_up(max(pos + n - start, _MIN_WINDOW))
             if self._window is None or len(self._window) < length:
-                if self._window is not None:
-                    self._window.close()
                 self._window = mmap.mmap(-1, length)
             got = os.preadv(self._fd, [memoryview(self._window)[:length]], start)
             self._window_start, self._window_len = start, got
@@ -164,8 +159,7 @@ class AlignedReader(io.RawIOBase):
             return
         try:
             os.close(self._fd)
-            if self._window is not None:
-                self._window.close()
+            self._window = None
         finally:
             super().close()
             self._on_close()

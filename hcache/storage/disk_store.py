@@ -174,8 +174,12 @@ class DiskChunkStore:
         return self.dirs[dir_index] / "chunks" / key[:2] / f"{key}{_SUFFIX}"
 
     def contains(self, key: str) -> bool:
+        """Whether the chunk is stored; a hit counts as a use (LRU and TTL), as the saver's dedup is one."""
         with self._lock:
-            return self._lookup(key) is not None
+            if self._lookup(key) is None:
+                return False
+            self._index.touch(key)
+            return True
 
     def open(self, key: str) -> dio.AlignedReader | None:
         """The chunk as a seekable file, pinned (never evicted) until the file is closed; None if absent."""
