@@ -109,6 +109,10 @@ class ChunkSaver:
         """Times stage 1 waited for the ring (back-pressure on the forward pass)."""
         return self._ring.stalls if self._ring else 0
 
+    @property
+    def stall_seconds(self) -> float:
+        return self._ring.stall_s if self._ring else 0.0
+
     def open(self, uid: int, parent_key: str) -> None:
         """Start saving sequence ``uid`` whose tokens up to the chunk ``parent_key`` are already stored."""
         self._seqs[uid] = _Sequence(parent_key)
