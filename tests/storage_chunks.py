@@ -24,6 +24,10 @@ def chunk_bytes(i: int, **kw) -> tuple[str, bytes]:
 def check_served(store, key: str, expected: Chunk) -> None:
     """The store serves ``key`` whole: header, tokens and every tensor checksum verify and match."""
     with store.open(key) as f:
-        reader = ChunkReader.open(f, key, expected.tokens, FINGERPRINT)
-        for name, t in expected.tensors.items():
-            assert torch.equal(reader.read(*name), t)
+        check_file(f, key, expected)
+
+
+def check_file(f, key: str, expected: Chunk) -> None:
+    reader = ChunkReader.open(f, key, expected.tokens, FINGERPRINT)
+    for name, t in expected.tensors.items():
+        assert torch.equal(reader.read(*name), t)

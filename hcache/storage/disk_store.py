@@ -91,6 +91,7 @@ class DiskChunkStore:
         self._lock = threading.Lock()
         self._index = LruIndex(quota_bytes, ttl_s, clock)
         self._next_dir = 0
+        self._writing: set[str] = set()  # keys with a put in flight
         for d in self.dirs:
             self._prepare(d, dict(labels or {}))
         try:
@@ -206,6 +207,8 @@ class DiskChunkStore:
         """Publish a chunk atomically. Raises OSError (StoreFull, ENOSPC, EIO, ...) with nothing published."""
         size = len(data)
         with self._lock:
+            if key in self._writing:
+                return  # a key names its content: the put in flight publishes the same chunk
             if not self._index.fits(size):
                 raise StorageError(f"a chunk of {size} bytes exceeds the store's whole quota of {self.quota_bytes}")
             victims = self._index.make_room(size, replacing=key)
@@ -216,8 +219,11 @@ class DiskChunkStore:
             where = old.where if old is not None else self._next_dir
             if old is None:
                 self._next_dir = (self._next_dir + 1) % len(self.dirs)
-            # Reserve the space now, so concurrent puts cannot overshoot the quota together.
-            self._index.add(key, Entry(size, self._index.clock(), where, pins=1))
+            # Reserve the space now, so concurrent puts cannot overshoot the quota together; the pin
+            # keeps the reservation from being evicted before the file exists.
+            entry = Entry(size, self._index.clock(), where, pins=1)
+            self._index.add(key, entry)
+            self._writing.add(key)
         path = self.path(key, where)
         tmp = path.with_name(f".{key}.{uuid.uuid4().hex}.tmp")
         try:
@@ -230,15 +236,15 @@ class DiskChunkStore:
             tmp.unlink(missing_ok=True)
             with self._lock:
                 self.write_errors += 1
-                entry = self._index.entries.get(key)
-                if entry is not None and entry.size == size and entry.where == where:
+                self._writing.discard(key)
+                entry.pins -= 1
+                if self._index.entries.get(key) is entry:
                     self._index.remove(key)
             raise
         with self._lock:
             self.bytes_written += size
-            entry = self._index.entries.get(key)
-            if entry is not None:
-                entry.pins -= 1
+            self._writing.discard(key)
+            entry.pins -= 1
 
     def discard(self, key: str) -> None:
         """Delete a chunk now (a reader that has it open keeps reading the old file, as POSIX allows)."""
@@ -269,6 +275,8 @@ class DiskChunkStore:
 
     # ---- internals (called with the lock held) ------------------------------------------------------
     def _lookup(self, key: str) -> Entry | None:
+        if key in self._writing:
+            return None  # not published yet
         entry = self._index.entries.get(key)
         if entry is None:
             entry = self._adopt(key)
@@ -286,9 +294,10 @@ class DiskChunkStore:
                 st = self.path(key, i).stat()
             except OSError:
                 continue
-            if not self._index.fits(st.st_size):
-                return None
-            self._evict(self._index.make_room(st.st_size) or [])
+            victims = self._index.make_room(st.st_size) if self._index.fits(st.st_size) else None
+            if victims is None:
+                return None  # it would break the quota: leave it unserved
+            self._evict(victims)
             entry = Entry(st.st_size, self._index.clock(), i)
             self._index.add(key, entry)
             return entry
