@@ -252,12 +252,12 @@ class ChunkSaver:
                 batch.sealed.set()
 
     def _seal(self, batch: _Batch) -> None:
-        """Publish every chunk this batch completed (a chunk that spans batches is published by the last
-        of them to finish)."""
+        """Publish every chunk this batch touched that is now full. Batches finish out of order, so the
+        one that fills a chunk's last rows is not always the last to finish; whichever is, publishes it."""
         for p in batch.placements:
             ready = []
             with p.seq.lock:
-                for index in range(p.pos // CHUNK_TOKENS, (p.pos + p.length) // CHUNK_TOKENS):
+                for index in range(p.pos // CHUNK_TOKENS, -(-(p.pos + p.length) // CHUNK_TOKENS)):
                     buf = p.seq.chunks.get(index)
                     if buf is None or buf.done or index not in p.seq.keyed:
                         continue
