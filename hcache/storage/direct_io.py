@@ -12,12 +12,37 @@ import errno
 import io
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 ALIGN = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-_MIN_WINDOW = 64 << 10  # a first small read (the chunk header) pulls in this much, so the next is free
+_MIN_WINDOW = 1 << 20  # a read pulls in at least this much: the header and the first layers come in one request
+
+
+class _BufferPool:
+    """Page-aligned buffers for reuse across files and threads (at most ``keep`` are held idle)."""
+
+    def __init__(self, keep: int = 32):
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+        self._keep = keep
+
+    def take(self, size: int) -> mmap.mmap:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) >= size:
+                    return self._free.pop(i)
+        return mmap.mmap(-1, size)
+
+    def give(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+
+
+_WINDOWS = _BufferPool()
 
 
 def _round_up(n: int) -> int:
@@ -86,21 +111,13 @@ def _write_all(fd: int, view: memoryview) -> None:
         done += n
 
 
-def sync_directory(path: Path) -> None:
-    """Make a rename in ``path`` durable across a power loss (a process crash needs no fsync)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class AlignedReader(io.RawIOBase):
     """A seekable read-only file over an fd, safe to use from one thread while others use their own.
 
-    Reads use ``pread`` (no shared file offset). With O_DIRECT each read fetches the covering aligned
-    range into a page-aligned buffer and copies out the bytes asked for; the last window is kept, so the
-    small reads of a chunk header cost one device read. ``on_close`` runs once, when the file is closed
+    Reads use ``pread`` (no shared file offset). With O_DIRECT a read fetches the covering aligned range,
+    at least ``_MIN_WINDOW`` bytes, into a page-aligned buffer that is kept as a read-ahead window: the
+    header and the next layers cost one device request. Windows come from a pool and go back to it on
+    close: a fresh buffer per read costs more in page faults than the read itself. ``on_close`` runs once, when the file is closed
     (the store unpins the chunk there).
     """
 
@@ -141,25 +158,33 @@ class AlignedReader(io.RawIOBase):
         return got
 
     def _read_direct(self, out: memoryview) -> int:
-        pos, n = self._pos, len(out)
-        if not (self._window_start <= pos and pos + n <= self._window_start + self._window_len):
-            start = pos - pos % ALIGN
-            length = _round_up(max(pos + n - start, _MIN_WINDOW))
-            if self._window is None or len(self._window) < length:
-                self._window = mmap.mmap(-1, length)
-            got = os.preadv(self._fd, [memoryview(self._window)[:length]], start)
-            self._window_start, self._window_len = start, got
-        begin = pos - self._window_start
-        got = max(0, min(n, self._window_len - begin))
+        self._fill(self._pos, len(out))
+        begin = self._pos - self._window_start
+        got = max(0, min(len(out), self._window_len - begin))
         out[:got] = memoryview(self._window)[begin : begin + got]
         return got
+
+    def _fill(self, offset: int, n: int) -> None:
+        """Make the window cover ``[offset, offset + n)`` with one aligned request of at least the window size."""
+        if self._window_start <= offset and offset + n <= self._window_start + self._window_len:
+            return
+        start = offset - offset % ALIGN
+        length = _round_up(max(offset + n - start, _MIN_WINDOW))
+        if self._window is None or len(self._window) < length:
+            if self._window is not None:
+                _WINDOWS.give(self._window)
+            self._window = _WINDOWS.take(length)
+        self._window_start = start
+        self._window_len = os.preadv(self._fd, [memoryview(self._window)[:length]], start)
 
     def close(self) -> None:
         if self.closed:
             return
         try:
             os.close(self._fd)
-            self._window = None
+            if self._window is not None:
+                _WINDOWS.give(self._window)
+                self._window = None
         finally:
             super().close()
             self._on_close()

@@ -6,7 +6,8 @@ when the chunk is written. Each directory holds ``hcache-store.json``: the layou
 
 Crash safety. A chunk is written to a temporary name (``.<key>.<random>.tmp``), flushed to the device
 (``fdatasync``), and renamed into place, so a chunk name never refers to a torn file, whenever the writer
-dies. The index is in memory and rebuilt from the directories at start-up: temporary files are deleted,
+dies. The directory is not fsynced after each rename: a power loss may forget the newest renames, which
+costs a recompute of those chunks, never a wrong answer. The index is in memory and rebuilt from the directories at start-up: temporary files are deleted,
 every chunk file is checked (its header and length by default, every checksum with ``verify="full"``) and
 a bad one is deleted. So the index never lists a chunk that is not on disk whole.
 
@@ -229,9 +230,7 @@ class DiskChunkStore:
         try:
             path.parent.mkdir(exist_ok=True)
             self.direct[where] = dio.write_file(tmp, data, self.direct[where], self.fsync)
-            os.replace(tmp, path)
-            if self.fsync:
-                dio.sync_directory(path.parent)
+            os.replace(tmp, path)  # the data is on the device first, so a crash never leaves a torn chunk
         except BaseException:
             tmp.unlink(missing_ok=True)
             with self._lock:

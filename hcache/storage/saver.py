@@ -72,7 +72,8 @@ class _Batch:
     def __init__(self, placements: list[_Placement]):
         self.placements = placements
         self.layout: set[tuple[int, str]] = set()
-        self.pending = 1  # the end of the batch, plus one per layer task
+        self.pending = 1  # the end of the batch, plus one per stage-2 task
+        self.staged: list = []  # snapshots not yet handed to stage 2: (layer, {format: (region, rows)}, event)
         self.sealed = threading.Event()
         self.lock = threading.Lock()
 
@@ -162,28 +163,36 @@ class ChunkSaver:
                 p.seq.batches = [b for b in p.seq.batches if not b.sealed.is_set()] + [self._batch]
 
     def on_layer(self, layer: int, rows: dict[str, torch.Tensor]) -> None:
-        """Stage 1: snapshot this layer's rows of the whole batch, then hand them to stage 2."""
+        """Stage 1: snapshot this layer's rows of the whole batch. Stage 2 gets a batch's snapshots in one
+        hand-over at its end (one thread wake-up per step, not per layer: on a small CPU, waking threads
+        every layer disturbs the forward's own threads), or earlier if the ring fills."""
         batch = self._batch
         if batch is None or not rows:
             return
         snapshots, event = {}, None
         ring = self._staging(next(iter(rows.values())))
         for fmt, t in rows.items():
-            region, host = ring.snapshot(t)
+            region, host = ring.snapshot(t, before_wait=lambda: self._hand_over(batch))
             if t.is_cuda:
                 event = self._copy_async(host, t)
             else:
                 host.copy_(t)
             snapshots[fmt] = (region, host)
             batch.layout.add((layer, fmt))
-        with batch.lock:
-            batch.pending += 1
-        self._pool.submit(self._scatter, batch, layer, snapshots, event)
+        batch.staged.append((layer, snapshots, event))
 
     def end_batch(self) -> None:
         batch, self._batch = self._batch, None
         if batch is not None:
-            self._pool.submit(self._finish_part, batch)
+            self._hand_over(batch, ends_batch=True)
+
+    def _hand_over(self, batch: _Batch, ends_batch: bool = False) -> None:
+        staged, batch.staged = batch.staged, []
+        if staged:
+            with batch.lock:
+                batch.pending += 1
+        if staged or ends_batch:
+            self._pool.submit(self._scatter, batch, staged, ends_batch)
 
     # ---- stage 1 helpers ------------------------------------------------------------------------------
     def _staging(self, t: torch.Tensor) -> StagingRing:
@@ -205,19 +214,24 @@ class ChunkSaver:
         return event
 
     # ---- stage 2: the pool's threads -------------------------------------------------------------------
-    def _scatter(self, batch: _Batch, layer: int, snapshots: dict[str, tuple[Region | None, torch.Tensor]], event) -> None:
+    def _scatter(self, batch: _Batch, staged: list[tuple[int, dict[str, tuple[Region | None, torch.Tensor]], object]], ends_batch: bool) -> None:
         try:
-            if event is not None:
-                event.synchronize()
-            for fmt, (_, host) in snapshots.items():
-                self._scatter_rows(batch, (layer, fmt), host)
+            for layer, snapshots, event in staged:
+                if event is not None:
+                    event.synchronize()
+                for fmt, (_, host) in snapshots.items():
+                    self._scatter_rows(batch, (layer, fmt), host)
         except Exception:
-            log.exception("saver: scattering layer %d failed; the affected chunks are not saved", layer)
+            log.exception("saver: scattering a batch failed; the affected chunks are not saved")
             self._count_error()
         finally:
-            for region, _ in snapshots.values():
-                self._ring.release(region)
-            self._finish_part(batch)
+            for _, snapshots, _ in staged:
+                for region, _ in snapshots.values():
+                    self._ring.release(region)
+            if staged:
+                self._finish_part(batch)
+            if ends_batch:
+                self._finish_part(batch)
 
     @staticmethod
     def _scatter_rows(batch: _Batch, name: tuple[int, str], host: torch.Tensor) -> None:

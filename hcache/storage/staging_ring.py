@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -36,8 +37,10 @@ class StagingRing:
         self._live: deque[Region] = deque()
         self._head = 0
 
-    def snapshot(self, t: torch.Tensor) -> tuple[Region | None, torch.Tensor]:
-        """A host tensor shaped like ``t`` to copy it into, and its region (None for a one-off buffer)."""
+    def snapshot(self, t: torch.Tensor, before_wait: Callable[[], None] = lambda: None) -> tuple[Region | None, torch.Tensor]:
+        """A host tensor shaped like ``t`` to copy it into, and its region (None for a one-off buffer).
+        ``before_wait`` runs (without the ring's lock) when the ring is full, before waiting: the caller
+        hands what it has staged to whoever frees regions."""
         nbytes = t.numel() * t.element_size()
         size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
         if size > self.capacity:
@@ -46,13 +49,15 @@ class StagingRing:
         with self._cond:
             if self._buf is None:
                 self._buf = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self._pin)
-            start = self._place(size)
-            if start is None:
+            full = self._place(size) is None
+        if full:
+            before_wait()
+        with self._cond:
+            if (start := self._place(size)) is None:
                 self.stalls += 1
                 began = time.perf_counter()
-                while start is None:
+                while (start := self._place(size)) is None:
                     self._cond.wait()
-                    start = self._place(size)
                 self.stall_s += time.perf_counter() - began
             region = Region(start, size)
             self._live.append(region)
