@@ -137,12 +137,6 @@ class ChunkSaver:
             for batch in seq.batches:
                 batch.sealed.wait()
 
-    def drain(self) -> None:
-        """Wait until everything captured so far is published."""
-        for uid in list(self._seqs):
-            for batch in list(self._seqs[uid].batches):
-                batch.sealed.wait()
-
     def shutdown(self) -> None:
         """Drain, drop every open sequence and stop the threads."""
         for uid in list(self._seqs):
