@@ -140,3 +140,16 @@ def test_quota_smaller_than_one_chunk_is_a_clear_error(tmp_path):
     with pytest.raises(StorageError, match="smaller than one chunk"):
         HCacheRuntime(loaded("random:llama"), tmp_path, store=StoreConfig(quota_bytes=1000))
     assert not (tmp_path / "chunks").exists()
+
+
+def test_a_forward_that_fails_mid_batch_publishes_nothing_and_never_hangs(tmp_path, rng):
+    store = DiskChunkStore(tmp_path, fsync=False)
+    saver = ChunkSaver(store, FP, threads=2)
+    tokens = random_prompt(64, 1000, rng)
+    saver.open(0, root_key(FP, "0"))
+    saver.add_tokens(0, tokens)
+    saver.begin_batch([Segment(0, 0, 64, 0)])
+    saver.on_layer(0, _rows(0, range(64), 0))  # the forward raises after layer 0: no end_batch
+    saver.close(0)  # must return, not wait for a batch that never ends
+    assert store.keys() == [] and saver.chunks_written == 0
+    saver.shutdown()

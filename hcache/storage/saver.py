@@ -55,6 +55,7 @@ class _Sequence:
     rows_seen: int = 0  # tokens whose rows stage 1 has taken
     chunks: dict[int, _ChunkBuffer] = field(default_factory=dict)
     batches: list["_Batch"] = field(default_factory=list)
+    broken: bool = False  # a forward pass failed mid-batch: its rows are incomplete, publish nothing more
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -132,6 +133,7 @@ class ChunkSaver:
     def close(self, uid: int) -> None:
         """Wait until every full chunk of ``uid`` is published, then forget ``uid``; rows of its trailing
         partial chunk are dropped."""
+        self._abort_unfinished_batch()
         seq = self._seqs.pop(uid, None)
         if seq is not None:
             for batch in seq.batches:
@@ -145,6 +147,7 @@ class ChunkSaver:
 
     # ---- the capture side: called by the engine's forward ------------------------------------------
     def begin_batch(self, segments: list[Segment]) -> None:
+        self._abort_unfinished_batch()
         placements = []
         for s in segments:
             seq = self._seqs.get(s.uid)
@@ -179,6 +182,13 @@ class ChunkSaver:
         batch, self._batch = self._batch, None
         if batch is not None:
             self._hand_over(batch, ends_batch=True)
+
+    def _abort_unfinished_batch(self) -> None:
+        """A batch that began but never ended (its forward raised) publishes nothing; nor do its sequences."""
+        if self._batch is not None:
+            for p in self._batch.placements:
+                p.seq.broken = True
+            self.end_batch()
 
     def _hand_over(self, batch: _Batch, ends_batch: bool = False) -> None:
         staged, batch.staged = batch.staged, []
@@ -264,6 +274,8 @@ class ChunkSaver:
         one that fills a chunk's last rows is not always the last to finish; whichever is, publishes it."""
         for p in batch.placements:
             ready = []
+            if p.seq.broken:
+                continue
             with p.seq.lock:
                 for index in range(p.pos // CHUNK_TOKENS, -(-(p.pos + p.length) // CHUNK_TOKENS)):
                     buf = p.seq.chunks.get(index)
