@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--tokens", default=None, help="history lengths to measure, e.g. 256,1024,4096 (default: up to 16K)")
     profile.add_argument("--repeats", type=int, default=3, help="timed runs per cost; the median is kept")
     profile.add_argument("--readers", type=int, default=DEFAULT_READERS, help="reader threads, as in the runtime")
+    profile.add_argument("--store-dir", action="append", default=None, help="measure I/O on this store directory (repeat for each SSD; default: the temp dir)")
     profile.add_argument("--out", default=None, help="output path (default: profiles/<machine>-<model>.json)")
     bench.add_parsers(sub)
 
@@ -67,7 +68,7 @@ def _profile(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(args.model, dtype=model_dtype(args.dtype, device), device=device)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else default_tokens(loaded.spec.max_positions)
-    profile = measure_profile(loaded, tokens, args.repeats, args.readers)
+    profile = measure_profile(loaded, tokens, args.repeats, args.readers, args.store_dir)
     out = args.out or default_profile_path(loaded.spec, loaded.name)
     profile.save(out)
     print(f"wrote {out}")

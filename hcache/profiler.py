@@ -2,10 +2,10 @@
 
 Every cost is measured through the same code a restore runs, so the scheduler plans with what restore
 will actually take:
-- ``io_h`` / ``io_kv``: a layer's rows read from real chunk files by the reader pool, verified and handed
-  to the device (:class:`~hcache.layer_prefetch.LayerPrefetcher`), averaged over several layers in flight.
-  The files were just written, so on a machine with free memory they come from the page cache, as a
-  recent conversation's chunks do;
+- ``io_h`` / ``io_kv``: a layer's rows read by the reader pool from chunk files in the store's own
+  directories (O_DIRECT where the filesystem allows it, so from the disk, not the page cache), verified
+  and handed to the device (:class:`~hcache.layer_prefetch.LayerPrefetcher`), averaged over several
+  layers in flight;
 - ``c_h``: the engine's ``restore_from_hidden`` (K/V GEMM, RoPE, scatter);
 - ``c_kv``: the engine's ``restore_kv`` (scatter);
 - ``c_token``: the engine's forward over the whole history, per layer, attention included.
@@ -30,7 +30,7 @@ from .profile import COST_NAMES, Profile
 from .restore import row_shapes
 from .storage.chunk import Chunk, ChunkReader, encode
 from .storage.chunk_key import CHUNK_TOKENS
-from .storage.chunk_store import DirectoryChunkStore
+from .storage.disk_store import DiskChunkStore
 
 DEFAULT_TOKENS = (256, 1024, 4096, 16384)
 _IO_LAYERS = 4  # layers per chunk file in the I/O measurement: reads of several layers overlap, as in a restore
@@ -44,9 +44,14 @@ def default_tokens(max_positions: int) -> list[int]:
 
 @torch.no_grad()
 def measure_profile(
-    loaded: LoadedModel, tokens: list[int], repeats: int = 3, readers: int = DEFAULT_READERS
+    loaded: LoadedModel,
+    tokens: list[int],
+    repeats: int = 3,
+    readers: int = DEFAULT_READERS,
+    store_dirs: list[str] | None = None,
 ) -> Profile:
-    """Measure every cost at each history length in ``tokens``, on the device the model is on."""
+    """Measure every cost at each history length in ``tokens``, on the device the model is on. I/O is
+    measured in scratch directories inside ``store_dirs`` (the store's disks; default: the temp dir)."""
     spec = loaded.spec
     bad = [t for t in tokens if not CHUNK_TOKENS <= t <= spec.max_positions]
     if bad or repeats < 1:
@@ -78,7 +83,8 @@ def measure_profile(
                 engine.flush(0)
                 for fmt, rows in ((Method.H.value, hidden), (Method.KV.value, kv)):
                     bar.set_postfix(tokens=n, cost=f"io_{fmt.lower()}")
-                    seconds[f"io_{fmt.lower()}"].append(_io_time(spec, fmt, rows, pool, engine.device, repeats))
+                    io = _io_time(spec, fmt, rows, pool, engine.device, repeats, store_dirs)
+                    seconds[f"io_{fmt.lower()}"].append(io)
                     bar.update()
     finally:
         if pool is not None:
@@ -108,10 +114,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _io_time(spec, fmt: str, rows: torch.Tensor, pool: ReaderPool | None, device: torch.device, repeats: int) -> float:
+def _io_time(
+    spec, fmt: str, rows: torch.Tensor, pool: ReaderPool | None, device: torch.device, repeats: int,
+    store_dirs: list[str] | None,
+) -> float:
     """Seconds per layer to bring ``rows`` (one layer's worth) from chunk files to the device."""
-    with tempfile.TemporaryDirectory(prefix="hcache-profile-") as root:
-        store = DirectoryChunkStore(root)
+    with ExitStack() as scratch:
+        roots = [
+            scratch.enter_context(tempfile.TemporaryDirectory(prefix="hcache-profile-", dir=d))
+            for d in (store_dirs or [None])
+        ]
+        store = DiskChunkStore(roots, fsync=False)  # what is read is measured, not how safely it was written
         keys = []
         for j in range(rows.shape[0] // CHUNK_TOKENS):
             key = f"{j:032x}"
@@ -129,5 +142,5 @@ def _io_time(spec, fmt: str, rows: torch.Tensor, pool: ReaderPool | None, device
                 with LayerPrefetcher(readers, jobs, row_shapes(spec), rows.dtype, device, pool) as ahead:
                     for got in ahead:
                         if got.bad is not None:
-                            raise StorageError(f"profiling store {root} returned a bad chunk: {got.bad[1]}")
+                            raise StorageError(f"profiling store {roots} returned a bad chunk: {got.bad[1]}")
         return _median_time(read_all, repeats, device) / _IO_LAYERS

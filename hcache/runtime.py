@@ -12,12 +12,13 @@ import logging
 import operator
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from .engine import ReferenceEngine
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, StorageError
 from .fingerprint import model_fingerprint
 from .model_loader import DEFAULT_MODEL, LoadedModel, load_model
 from .layer_prefetch import DEFAULT_READERS, ReaderPool
@@ -26,8 +27,8 @@ from .profile import Profile, default_profile_path
 from .ragged import Segment
 from .restore import restore_prefix
 from .storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
-from .storage.chunk_store import DirectoryChunkStore
 from .storage.saver import ChunkSaver
+from .storage.store_config import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -81,24 +82,26 @@ class HCacheRuntime:
 
     ``readers``: threads that read stored layers ahead of the restore's compute; 0 reads each layer
     inline. Call :meth:`close` (or use the runtime as a context manager) to stop them.
+    ``store_dir``: one directory or a list (one per SSD). ``store``: quota, TTL, DRAM tier and saver
+    options. Saving runs in background threads; :meth:`close` (or leaving a ``with`` block) drains them.
     """
 
     def __init__(
         self,
         model: str | LoadedModel = DEFAULT_MODEL,
-        store_dir: str | Path = "hcache-store",
+        store_dir: str | Path | Sequence[str | Path] = "hcache-store",
         *,
         plan: str | RestorePlan | None = None,
         save: str = "plan",
         namespace: str | None = None,
         num_blocks: int = 256,
         device: str = "cpu",
+        store: StoreConfig = StoreConfig(),
         profile: str | Path | Profile | None = None,
         readers: int = DEFAULT_READERS,
     ):
         if save not in SAVE_POLICIES:
             raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
-        self.store = DirectoryChunkStore(store_dir)  # fails fast on an unwritable directory
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
         self.spec = self.loaded.spec
         self.engine = ReferenceEngine(self.loaded.model, self.spec, num_blocks=num_blocks)
@@ -106,8 +109,16 @@ class HCacheRuntime:
         self.profile = self._load_profile(profile, plan)
         self.plan = self.resolve_plan(plan)
         self.namespace = namespace
-        self.saver = ChunkSaver(self.store, self.fingerprint)
         self.save_formats = self._save_formats(save)
+        chunk_bytes = CHUNK_TOKENS * sum(
+            (Method.H.value in f) * self.spec.hidden_bytes_per_token_layer
+            + (Method.KV.value in f) * self.spec.kv_bytes_per_token_layer
+            for f in self.save_formats
+        )
+        if store.quota_bytes is not None and store.quota_bytes < chunk_bytes:
+            raise StorageError(f"quota_bytes={store.quota_bytes} is smaller than one chunk ({chunk_bytes} bytes)")
+        self.store = store.open_store(store_dir, {"fingerprint": self.fingerprint, "dtype": self.spec.dtype})
+        self.saver = ChunkSaver(self.store, self.fingerprint, threads=store.saver_threads, staging_bytes=store.staging_bytes)
         self.reader_pool = ReaderPool(readers) if readers else None
         self._capture = _SaveCapture(self.saver, self.save_formats) if any(self.save_formats) else None
         self._uids = itertools.count()
@@ -155,7 +166,9 @@ class HCacheRuntime:
         return [frozenset(f) for f in formats]
 
     def close(self) -> None:
-        """Stop the reader threads. The runtime serves no more requests after this."""
+        """Wait for the saver to publish everything captured, and stop the saver and reader threads. The
+        runtime serves no more requests after this."""
+        self.saver.shutdown()
         if self.reader_pool is not None:
             self.reader_pool.close()
             self.reader_pool = None

@@ -7,7 +7,7 @@ import torch
 from hcache.errors import StorageError
 from hcache.storage.chunk import Chunk, ChunkInvalid, ChunkReader, encode
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
-from hcache.storage.chunk_store import DirectoryChunkStore
+from hcache.storage.disk_store import DiskChunkStore
 
 
 def test_keys_chain_over_the_whole_prefix():
@@ -72,11 +72,11 @@ def test_flipped_byte_and_truncation_are_detected(rng):
 
 
 def test_store_publishes_atomically_and_discards(tmp_path):
-    store = DirectoryChunkStore(tmp_path)
-    store.put("ab" * 16, b"payload")
+    store = DiskChunkStore(tmp_path)
+    store.put("ab" * 16, b"payload" * 1000)
     assert store.contains("ab" * 16) and store.keys() == ["ab" * 16]
     with store.open("ab" * 16) as f:
-        assert f.read() == b"payload"
+        assert f.read() == b"payload" * 1000
     assert not [p for p in tmp_path.rglob("*.tmp")]
     store.discard("ab" * 16)
     assert store.open("ab" * 16) is None and not store.contains("ab" * 16)
@@ -86,11 +86,11 @@ def test_unwritable_or_foreign_store_is_a_clear_error(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     with pytest.raises(StorageError, match="not a writable directory"):
-        DirectoryChunkStore(not_a_dir / "store")
-    DirectoryChunkStore(tmp_path / "s")
+        DiskChunkStore(not_a_dir / "store")
+    DiskChunkStore(tmp_path / "s")
     (tmp_path / "s" / "hcache-store.json").write_text('{"layout_version": 99}')
     with pytest.raises(StorageError, match="layout version 99"):
-        DirectoryChunkStore(tmp_path / "s")
+        DiskChunkStore(tmp_path / "s")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
@@ -98,6 +98,6 @@ def test_read_only_directory_is_rejected(tmp_path):
     tmp_path.chmod(0o500)
     try:
         with pytest.raises(StorageError):
-            DirectoryChunkStore(tmp_path / "store")
+            DiskChunkStore(tmp_path / "store")
     finally:
         tmp_path.chmod(0o700)

@@ -70,30 +70,16 @@ class ChunkReader:
 
     @classmethod
     def open(cls, file: BinaryIO, key: str, tokens: list[int], fingerprint: str) -> "ChunkReader":
-        try:
-            head = file.read(8)
-            header_len = int.from_bytes(head, "little")
-            if len(head) != 8 or header_len > 1 << 24:
-                raise ValueError("bad header length")
-            header = json.loads(file.read(header_len))
-            meta = header.pop("__metadata__", None) or {}
-            entries = {}
-            for name, entry in header.items():
-                layer, fmt = name[1:].split(".", 1)
-                entries[(int(layer), fmt)] = dict(entry, name=name)
-            checksums = json.loads(meta.get("xxh3", "{}"))
-            stored_tokens = json.loads(meta.get("tokens", "null"))
-        except Exception as exc:  # any parse failure is corruption
-            raise ChunkInvalid(f"chunk {key}: unreadable header ({exc})") from exc
-        if meta.get("layout_version") != str(LAYOUT_VERSION):
-            raise ChunkInvalid(f"chunk {key}: layout version {meta.get('layout_version')!r}, expected {LAYOUT_VERSION}")
-        if meta.get("key") != key:
-            raise ChunkInvalid(f"chunk {key}: header names key {meta.get('key')!r}")
+        entries, meta, data_start = _read_header(file, key)
         if meta.get("fingerprint") != fingerprint:
             raise ChunkInvalid(f"chunk {key}: saved by another model (fingerprint {meta.get('fingerprint')!r})")
+        try:
+            stored_tokens = json.loads(meta.get("tokens", "null"))
+        except ValueError:
+            stored_tokens = None
         if stored_tokens != list(tokens):
             raise ChunkInvalid(f"chunk {key}: token ids differ from the request's")
-        return cls(file, key, entries, checksums, 8 + header_len, 8 + header_len)
+        return cls(file, key, entries, _checksums(meta, key), data_start, data_start)
 
     def formats(self, layer: int) -> set[str]:
         return {fmt for (lay, fmt) in self.entries if lay == layer}
@@ -108,7 +94,56 @@ class ChunkReader:
         self.bytes_read += len(data)
         if self.checksums.get(entry["name"]) != _checksum(entry["name"], data):
             raise ChunkInvalid(f"chunk {self.key}: checksum mismatch in {entry['name']}")
-        dtype = _DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ChunkInvalid(f"chunk {self.key}: unknown dtype {entry['dtype']}")
-        return torch.frombuffer(data, dtype=dtype).view(entry["shape"])
+        return torch.frombuffer(data, dtype=_DTYPES[entry["dtype"]]).view(entry["shape"])
+
+
+def _read_header(file: BinaryIO, key: str) -> tuple[dict[tuple[int, str], dict], dict, int]:
+    """The tensor entries, metadata and data offset of a chunk file, checked for consistency, so that a
+    damaged header is reported as :class:`ChunkInvalid` rather than failing later as a tensor view."""
+    try:
+        head = file.read(8)
+        header_len = int.from_bytes(head, "little")
+        if len(head) != 8 or header_len > 1 << 24:
+            raise ValueError("bad header length")
+        header = json.loads(file.read(header_len))
+        meta = header.pop("__metadata__", None) or {}
+        entries, end = {}, 0
+        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            layer, fmt = name[1:].split(".", 1)
+            begin, stop = entry["data_offsets"]
+            size = _DTYPES[entry["dtype"]].itemsize
+            for dim in entry["shape"]:
+                size *= dim
+            if begin != end or stop - begin != size:
+                raise ValueError(f"tensor {name} has inconsistent offsets")
+            entries[(int(layer), fmt)] = dict(entry, name=name)
+            end = stop
+    except Exception as exc:  # any parse failure is corruption
+        raise ChunkInvalid(f"chunk {key}: unreadable header ({exc})") from exc
+    if meta.get("layout_version") != str(LAYOUT_VERSION):
+        raise ChunkInvalid(f"chunk {key}: layout version {meta.get('layout_version')!r}, expected {LAYOUT_VERSION}")
+    if meta.get("key") != key:
+        raise ChunkInvalid(f"chunk {key}: header names key {meta.get('key')!r}")
+    return entries, meta, 8 + header_len
+
+
+def _checksums(meta: dict, key: str) -> dict[str, str]:
+    try:
+        return dict(json.loads(meta.get("xxh3", "{}")))
+    except (TypeError, ValueError) as exc:
+        raise ChunkInvalid(f"chunk {key}: unreadable checksums ({exc})") from exc
+
+
+def verify_stored(file: BinaryIO, key: str, full: bool) -> str:
+    """Check a stored chunk without knowing its request: header, key, layout version and length, and with
+    ``full`` every tensor's checksum. Returns the producer's fingerprint; raises :class:`ChunkInvalid`."""
+    entries, meta, data_start = _read_header(file, key)
+    data_end = data_start + max((e["data_offsets"][1] for e in entries.values()), default=0)
+    length = file.seek(0, 2)
+    if length != data_end:
+        raise ChunkInvalid(f"chunk {key}: {length} bytes on disk, its header describes {data_end}")
+    if full:
+        reader = ChunkReader(file, key, entries, _checksums(meta, key), data_start, data_start)
+        for layer, fmt in entries:
+            reader.read(layer, fmt)
+    return meta.get("fingerprint", "")

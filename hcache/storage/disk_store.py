@@ -1,0 +1,313 @@
+"""Chunk files over several directories (one per SSD), with a crash-safe index, a quota, LRU and TTL.
+
+Layout: ``<dir>/chunks/<key[:2]>/<key>.safetensors`` in one of the store's directories, chosen round-robin
+when the chunk is written. Each directory holds ``hcache-store.json``: the layout version, and the labels
+(for the runtime: model fingerprint and dtype) of everyone who has saved there. Labels are opaque here.
+
+Crash safety. A chunk is written to a temporary name (``.<key>.<random>.tmp``), flushed to the device
+(``fdatasync``), and renamed into place, so a chunk name never refers to a torn file, whenever the writer
+dies. The directory is not fsynced after each rename: a power loss may forget the newest renames, which
+costs a recompute of those chunks, never a wrong answer. The index is in memory and rebuilt from the directories at start-up: temporary files are deleted,
+every chunk file is checked (its header and length by default, every checksum with ``verify="full"``) and
+a bad one is deleted. So the index never lists a chunk that is not on disk whole.
+
+Capacity. ``quota_bytes`` bounds the bytes of chunk files; a put that does not fit evicts the least
+recently used chunks first (the order is rebuilt from file times at start-up). ``ttl_s`` expires chunks
+unused for that long. A chunk is pinned while a file returned by :meth:`open` is open, and a pinned chunk
+is never evicted, so an in-flight restore never loses a chunk under it.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from ..errors import StorageError
+from . import direct_io as dio
+from .chunk import ChunkInvalid, verify_stored
+from .chunk_key import LAYOUT_VERSION
+from .lru_index import Entry, LruIndex
+
+log = logging.getLogger(__name__)
+
+VERIFY_MODES = ("none", "header", "full")
+_KEY = re.compile(r"[0-9a-f]{32}")
+_MANIFEST = "hcache-store.json"
+_SUFFIX = ".safetensors"
+
+
+class StoreFull(OSError):
+    """The quota cannot take a chunk because pinned chunks hold the space (the saver skips that chunk)."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+
+class DiskChunkStore:
+    """A :class:`~hcache.storage.chunk_store.ChunkStore` over one or more directories.
+
+    ``dirs``: a directory or a list of them, one per device. ``quota_bytes``: the most bytes of chunk
+    files kept (None: unbounded). ``ttl_s``: expire chunks unused for this long. ``direct_io``: use
+    O_DIRECT where the filesystem allows it. ``fsync``: flush each chunk to the device before publishing
+    it (off only for throwaway stores). ``verify``: what start-up checks of each chunk file (``"none"``,
+    ``"header"``, ``"full"``). ``labels``: who saves here (recorded in each directory's manifest).
+    """
+
+    def __init__(
+        self,
+        dirs: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        quota_bytes: int | None = None,
+        ttl_s: float | None = None,
+        direct_io: bool = True,
+        fsync: bool = True,
+        verify: str = "header",
+        labels: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        paths = [dirs] if isinstance(dirs, (str, os.PathLike)) else list(dirs)
+        if not paths:
+            raise StorageError("a chunk store needs at least one directory")
+        self.dirs = [Path(p) for p in paths]
+        if len({p.resolve() for p in self.dirs}) != len(self.dirs):
+            raise StorageError(f"a directory is listed twice in {[str(p) for p in self.dirs]}")
+        if quota_bytes is not None and quota_bytes <= 0:
+            raise StorageError(f"quota_bytes must be positive, not {quota_bytes}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise StorageError(f"ttl_s must be positive, not {ttl_s}")
+        if verify not in VERIFY_MODES:
+            raise StorageError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
+        self.fsync = fsync
+        self.bytes_written = 0
+        self.write_errors = 0
+        self.evictions = 0
+        self.dropped_at_start = 0  # chunk files found bad at start-up
+        self._lock = threading.Lock()
+        self._index = LruIndex(quota_bytes, ttl_s, clock)
+        self._next_dir = 0
+        self._writing: set[str] = set()  # keys with a put in flight
+        for d in self.dirs:
+            self._prepare(d, dict(labels or {}))
+        try:
+            self.direct = [direct_io and dio.supports_direct(d) for d in self.dirs]
+        except OSError as exc:
+            raise StorageError(f"chunk store {self.dirs} is not writable: {exc}") from exc
+        self._rebuild(verify)
+
+    @property
+    def root(self) -> Path:
+        return self.dirs[0]
+
+    @property
+    def used_bytes(self) -> int:
+        return self._index.used_bytes
+
+    @property
+    def quota_bytes(self) -> int | None:
+        return self._index.quota_bytes
+
+    # ---- start-up ----------------------------------------------------------------------------------
+    @staticmethod
+    def _prepare(d: Path, labels: dict[str, str]) -> None:
+        try:
+            (d / "chunks").mkdir(parents=True, exist_ok=True)
+            manifest = d / _MANIFEST
+            record = json.loads(manifest.read_text()) if manifest.exists() else {"layout_version": LAYOUT_VERSION}
+            if record.get("layout_version") != LAYOUT_VERSION:
+                raise StorageError(
+                    f"store {d} has layout version {record.get('layout_version')}, this hcache reads "
+                    f"{LAYOUT_VERSION}; use a new directory"
+                )
+            producers = record.setdefault("producers", [])
+            if not manifest.exists() or (labels and labels not in producers):
+                if labels:
+                    producers.append(labels)
+                tmp = d / f".{_MANIFEST}.{uuid.uuid4().hex}.tmp"
+                tmp.write_text(json.dumps(record, indent=1))
+                os.replace(tmp, manifest)
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
+
+    def _rebuild(self, verify: str) -> None:
+        found: dict[str, tuple[Path, Entry]] = {}
+        for i, d in enumerate(self.dirs):
+            for path in (d / "chunks").glob("*/*"):
+                name = path.name
+                if name.startswith(".") and name.endswith(".tmp"):
+                    path.unlink(missing_ok=True)  # a write that never got published
+                    continue
+                key = name[: -len(_SUFFIX)]
+                if not name.endswith(_SUFFIX) or not _KEY.fullmatch(key) or path.parent.name != key[:2]:
+                    continue
+                try:
+                    st = path.stat()
+                    if verify != "none":
+                        with open(path, "rb") as f:
+                            verify_stored(f, key, full=verify == "full")
+                except (OSError, ChunkInvalid) as exc:
+                    log.warning("dropping chunk file %s at start-up: %s", path, exc)
+                    self.dropped_at_start += 1
+                    path.unlink(missing_ok=True)
+                    continue
+                entry = Entry(st.st_size, st.st_mtime, i)
+                if key in found:  # the same chunk in two directories: keep the newer copy
+                    older, newer = sorted([found[key], (path, entry)], key=lambda pe: pe[1].last_used)
+                    older[0].unlink(missing_ok=True)
+                    found[key] = newer
+                else:
+                    found[key] = (path, entry)
+        self._index.add_in_age_order([(key, entry) for key, (_, entry) in found.items()])
+        with self._lock:
+            self._evict(self._index.make_room(0) or [])
+
+    # ---- the ChunkStore protocol ------------------------------------------------------------------
+    def path(self, key: str, dir_index: int | None = None) -> Path:
+        if dir_index is None:
+            with self._lock:
+                entry = self._index.entries.get(key)
+            dir_index = entry.where if entry is not None else 0
+        return self.dirs[dir_index] / "chunks" / key[:2] / f"{key}{_SUFFIX}"
+
+    def contains(self, key: str) -> bool:
+        """Whether the chunk is stored; a hit counts as a use (LRU and TTL), as the saver's dedup is one."""
+        with self._lock:
+            if self._lookup(key) is None:
+                return False
+            self._index.touch(key)
+            return True
+
+    def open(self, key: str) -> dio.AlignedReader | None:
+        """The chunk as a seekable file, pinned (never evicted) until the file is closed; None if absent."""
+        with self._lock:
+            entry = self._lookup(key)
+            if entry is None:
+                return None
+            self._index.touch(key)
+            entry.pins += 1
+            where = entry.where
+        try:
+            fd, direct = dio.open_fd(self.path(key, where), os.O_RDONLY, self.direct[where])
+        except OSError as exc:
+            with self._lock:
+                entry.pins -= 1
+                if self._index.entries.get(key) is entry:
+                    self._index.remove(key)  # gone or unreadable behind our back: forget it
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("cannot open chunk %s: %s", key, exc)
+            return None
+        return dio.AlignedReader(fd, direct, on_close=lambda: self._unpin(entry))
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Publish a chunk atomically. Raises OSError (StoreFull, ENOSPC, EIO, ...) with nothing published."""
+        size = len(data)
+        with self._lock:
+            if key in self._writing:
+                return  # a key names its content: the put in flight publishes the same chunk
+            if not self._index.fits(size):
+                raise StorageError(f"a chunk of {size} bytes exceeds the store's whole quota of {self.quota_bytes}")
+            victims = self._index.make_room(size, replacing=key)
+            if victims is None:
+                raise StoreFull(f"quota of {self.quota_bytes} bytes is held by chunks being read")
+            self._evict(victims)
+            old = self._index.entries.get(key)
+            where = old.where if old is not None else self._next_dir
+            if old is None:
+                self._next_dir = (self._next_dir + 1) % len(self.dirs)
+            # Reserve the space now, so concurrent puts cannot overshoot the quota together; the pin
+            # keeps the reservation from being evicted before the file exists.
+            entry = Entry(size, self._index.clock(), where, pins=1)
+            self._index.add(key, entry)
+            self._writing.add(key)
+        path = self.path(key, where)
+        tmp = path.with_name(f".{key}.{uuid.uuid4().hex}.tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            self.direct[where] = dio.write_file(tmp, data, self.direct[where], self.fsync)
+            os.replace(tmp, path)  # the data is on the device first, so a crash never leaves a torn chunk
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self.write_errors += 1
+                self._writing.discard(key)
+                entry.pins -= 1
+                if self._index.entries.get(key) is entry:
+                    self._index.remove(key)
+            raise
+        with self._lock:
+            self.bytes_written += size
+            self._writing.discard(key)
+            entry.pins -= 1
+
+    def discard(self, key: str) -> None:
+        """Delete a chunk now (a reader that has it open keeps reading the old file, as POSIX allows)."""
+        with self._lock:
+            entry = self._index.remove(key)
+        if entry is not None:
+            self.path(key, entry.where).unlink(missing_ok=True)
+        else:
+            for i in range(len(self.dirs)):
+                self.path(key, i).unlink(missing_ok=True)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self._index.entries)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "chunks": len(self._index),
+                "used_bytes": self._index.used_bytes,
+                "quota_bytes": self._index.quota_bytes,
+                "bytes_written": self.bytes_written,
+                "write_errors": self.write_errors,
+                "evictions": self.evictions,
+                "dropped_at_start": self.dropped_at_start,
+                "direct_io": list(self.direct),
+            }
+
+    # ---- internals (called with the lock held) ------------------------------------------------------
+    def _lookup(self, key: str) -> Entry | None:
+        if key in self._writing:
+            return None  # not published yet
+        entry = self._index.entries.get(key)
+        if entry is None:
+            entry = self._adopt(key)
+        elif self._index.expired(entry):
+            self._evict([(key, self._index.remove(key))])
+            return None
+        return entry
+
+    def _adopt(self, key: str) -> Entry | None:
+        """A chunk published by another process (or another store object) over the same directories."""
+        if not _KEY.fullmatch(key):
+            return None
+        for i in range(len(self.dirs)):
+            try:
+                st = self.path(key, i).stat()
+            except OSError:
+                continue
+            victims = self._index.make_room(st.st_size) if self._index.fits(st.st_size) else None
+            if victims is None:
+                return None  # it would break the quota: leave it unserved
+            self._evict(victims)
+            entry = Entry(st.st_size, self._index.clock(), i)
+            self._index.add(key, entry)
+            return entry
+        return None
+
+    def _evict(self, victims: list[tuple[str, Entry]]) -> None:
+        for key, entry in victims:
+            self.evictions += 1
+            self.path(key, entry.where).unlink(missing_ok=True)
+
+    def _unpin(self, entry: Entry) -> None:
+        with self._lock:
+            entry.pins -= 1
+

@@ -1,0 +1,83 @@
+"""The capacity policy shared by the disk store and the DRAM tier: sizes, recency, pins, TTL and quota.
+
+Entries are kept in least-recently-used order. A chunk that is pinned (an open file of an in-flight
+restore reads it) is never chosen for eviction; a chunk unused for longer than the TTL is expired. Not
+thread-safe by itself: its owner holds a lock around every call.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Entry:
+    size: int
+    last_used: float
+    where: Any  # where the owner keeps the chunk: a directory index, or the bytes themselves
+    pins: int = 0
+
+
+class LruIndex:
+    def __init__(self, quota_bytes: int | None, ttl_s: float | None, clock: Callable[[], float]):
+        self.quota_bytes, self.ttl_s, self.clock = quota_bytes, ttl_s, clock
+        self.entries: OrderedDict[str, Entry] = OrderedDict()
+        self.used_bytes = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def expired(self, entry: Entry) -> bool:
+        return self.ttl_s is not None and entry.pins == 0 and self.clock() - entry.last_used > self.ttl_s
+
+    def touch(self, key: str) -> Entry:
+        entry = self.entries[key]
+        entry.last_used = self.clock()
+        self.entries.move_to_end(key)
+        return entry
+
+    def add(self, key: str, entry: Entry) -> None:
+        """Insert as most recently used; ``entry.last_used`` may be older (start-up), order is by call."""
+        self.remove(key)
+        self.entries[key] = entry
+        self.used_bytes += entry.size
+
+    def add_in_age_order(self, items: list[tuple[str, Entry]]) -> None:
+        for key, entry in sorted(items, key=lambda item: item[1].last_used):
+            self.add(key, entry)
+
+    def remove(self, key: str) -> Entry | None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.used_bytes -= entry.size
+        return entry
+
+    def fits(self, size: int) -> bool:
+        return self.quota_bytes is None or size <= self.quota_bytes
+
+    def make_room(self, size: int, replacing: str | None = None) -> list[tuple[str, Entry]] | None:
+        """Remove and return the entries to evict so ``size`` more bytes fit: the expired ones, then the
+        least recently used unpinned ones. None (and nothing removed) if pinned chunks leave too little.
+        Both kinds sit at the front of the LRU order, so the scan stops at the first entry it may keep."""
+        freed = self.entries[replacing].size if replacing in self.entries else 0
+        victims: list[str] = []
+
+        def over() -> bool:
+            return self.quota_bytes is not None and self.used_bytes - freed + size > self.quota_bytes
+
+        now = self.clock()
+        for key, entry in self.entries.items():
+            stale = self.ttl_s is not None and now - entry.last_used > self.ttl_s
+            if not stale and not over():
+                break
+            if entry.pins == 0 and key != replacing:
+                victims.append(key)
+                freed += entry.size
+        if over():
+            return None
+        return [(key, self.remove(key)) for key in victims]

@@ -1,0 +1,198 @@
+"""The disk store: placement over directories, O_DIRECT and its fallback, start-up rebuild, quota, LRU,
+TTL, pins, and write faults."""
+import errno
+import os
+
+import pytest
+from storage_chunks import chunk, chunk_bytes, check_served
+
+from hcache.errors import StorageError
+from hcache.storage import direct_io
+from hcache.storage.chunk_key import LAYOUT_VERSION
+from hcache.storage.disk_store import DiskChunkStore, StoreFull
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _dirs(tmp_path, n=2):
+    return [tmp_path / f"ssd{i}" for i in range(n)]
+
+
+def test_chunks_are_spread_round_robin_and_survive_a_restart(tmp_path):
+    dirs = _dirs(tmp_path, 3)
+    store = DiskChunkStore(dirs)
+    chunks = [chunk(i) for i in range(6)]
+    for i in range(6):
+        store.put(*chunk_bytes(i))
+    per_dir = [len(list((d / "chunks").glob("*/*.safetensors"))) for d in dirs]
+    assert per_dir == [2, 2, 2]
+    reopened = DiskChunkStore(dirs)
+    assert reopened.keys() == sorted(c.key for c in chunks)
+    assert reopened.used_bytes == store.used_bytes == sum(len(chunk_bytes(i)[1]) for i in range(6))
+    for c in chunks:
+        check_served(reopened, c.key, c)
+
+
+def test_reads_of_any_byte_range_match_with_and_without_o_direct(tmp_path):
+    key, data = chunk_bytes(0, width=300)  # a length that is not a multiple of the block
+    for direct in (True, False):
+        store = DiskChunkStore(tmp_path / str(direct), direct_io=direct)
+        store.put(key, data)
+        with store.open(key) as f:
+            assert f.direct == (direct and store.direct[0])
+            for begin, length in [(0, 8), (3, 5000), (4095, 2), (len(data) - 7, 100), (8192, 70000)]:
+                f.seek(begin)
+                assert f.read(length) == data[begin : begin + length]
+            f.seek(0)
+            assert f.read() == data
+    assert DiskChunkStore(tmp_path / "True").direct == [direct_io.supports_direct(tmp_path)]
+
+
+def test_buffered_fallback_where_o_direct_is_refused(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & direct_io.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT not supported")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(direct_io.os, "open", no_direct)
+    store = DiskChunkStore(tmp_path)
+    assert store.direct == [False]
+    c = chunk(1)
+    store.put(*chunk_bytes(1))
+    check_served(store, c.key, c)
+    with store.open(c.key) as f:
+        assert not f.direct
+
+
+def test_start_up_drops_temporary_torn_and_foreign_files(tmp_path):
+    store = DiskChunkStore(tmp_path)
+    good, torn, flipped = chunk(0), chunk(1), chunk(2)
+    for i in range(3):
+        store.put(*chunk_bytes(i))
+    p = store.path(torn.key)
+    p.write_bytes(p.read_bytes()[:-100])  # a file cut short (e.g. copied in by hand)
+    p = store.path(flipped.key)
+    data = bytearray(p.read_bytes())
+    data[-3] ^= 0xFF
+    p.write_bytes(bytes(data))
+    tmp = store.path(good.key).with_name(f".{good.key}.dead.tmp")
+    tmp.write_bytes(b"half a chunk")
+    assert DiskChunkStore(tmp_path).keys() == sorted([good.key, flipped.key])  # header check: length ok
+    assert not tmp.exists()
+    full = DiskChunkStore(tmp_path, verify="full")
+    assert full.keys() == [good.key] and full.dropped_at_start == 1
+    check_served(full, good.key, good)
+
+
+def test_lru_eviction_order_respects_quota_and_pins(tmp_path):
+    size = len(chunk_bytes(0)[1])
+    clock = Clock()
+    store = DiskChunkStore(_dirs(tmp_path), quota_bytes=3 * size, clock=clock)
+    keys = [chunk(i).key for i in range(5)]
+    for i in range(3):
+        clock.now += 1
+        store.put(*chunk_bytes(i))
+    clock.now += 1
+    store.open(keys[0]).close()  # 0 is now the most recently used: 1 goes first
+    store.put(*chunk_bytes(3))
+    assert set(store.keys()) == {keys[0], keys[2], keys[3]} and store.evictions == 1
+    assert not store.path(keys[1], 0).exists() and not store.path(keys[1], 1).exists()
+    with store.open(keys[2]):  # pinned by an in-flight read, then made the least recently used
+        for k in (keys[0], keys[3]):
+            clock.now += 1
+            store.open(k).close()
+        store.put(*chunk_bytes(4))  # 2 is skipped: 0 goes
+        assert set(store.keys()) == {keys[2], keys[3], keys[4]}
+        check_served(store, keys[2], chunk(2))
+    assert store.used_bytes <= 3 * size
+    # The order survives a restart (rebuilt from file times): the oldest file goes first.
+    os.utime(store.path(keys[3]), (1, 1))
+    reopened = DiskChunkStore(_dirs(tmp_path), quota_bytes=2 * size)
+    assert set(reopened.keys()) == {keys[2], keys[4]}
+
+
+def test_a_quota_held_by_pinned_chunks_refuses_with_enospc(tmp_path):
+    size = len(chunk_bytes(0)[1])
+    store = DiskChunkStore(tmp_path, quota_bytes=size + 10)
+    store.put(*chunk_bytes(0))
+    with store.open(chunk(0).key):
+        with pytest.raises(StoreFull) as info:
+            store.put(*chunk_bytes(1))
+        assert info.value.errno == errno.ENOSPC
+    store.put(*chunk_bytes(1))
+    assert store.keys() == [chunk(1).key]
+    with pytest.raises(StorageError, match="exceeds the store's whole quota"):
+        DiskChunkStore(tmp_path / "tiny", quota_bytes=100).put(*chunk_bytes(0))
+
+
+def test_ttl_expires_unused_chunks(tmp_path):
+    clock = Clock()
+    store = DiskChunkStore(tmp_path, ttl_s=60, clock=clock)
+    store.put(*chunk_bytes(0))
+    store.put(*chunk_bytes(1))
+    clock.now += 50
+    assert store.contains(chunk(0).key)  # a use renews it
+    clock.now += 20
+    assert store.open(chunk(1).key) is None and not store.path(chunk(1).key, 0).exists()
+    assert store.contains(chunk(0).key)
+    clock.now += 61
+    store.put(*chunk_bytes(2))  # a put sweeps expired chunks too
+    assert store.keys() == [chunk(2).key]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_write_fault_publishes_nothing_and_leaves_no_temporary(tmp_path, monkeypatch, code):
+    store = DiskChunkStore(tmp_path, quota_bytes=10 << 20)
+    store.put(*chunk_bytes(0))
+    real_write = direct_io._write_all
+
+    def failing(fd, view):
+        real_write(fd, view[: len(view) // 2])
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(direct_io, "_write_all", failing)
+    with pytest.raises(OSError) as info:
+        store.put(*chunk_bytes(1))
+    assert info.value.errno == code
+    assert store.keys() == [chunk(0).key] and store.write_errors == 1
+    assert store.used_bytes == len(chunk_bytes(0)[1])
+    assert not list(tmp_path.rglob("*.tmp")) and not store.path(chunk(1).key, 0).exists()
+    monkeypatch.undo()
+    store.put(*chunk_bytes(1))
+    check_served(store, chunk(1).key, chunk(1))
+
+
+def test_a_chunk_published_by_another_store_object_is_found(tmp_path):
+    a, b = DiskChunkStore(_dirs(tmp_path)), DiskChunkStore(_dirs(tmp_path))
+    for i in range(2):
+        a.put(*chunk_bytes(i))
+    for i in range(2):
+        check_served(b, chunk(i).key, chunk(i))
+
+
+def test_manifest_records_labels_and_bad_options_are_clear_errors(tmp_path):
+    DiskChunkStore(tmp_path / "s", labels={"fingerprint": "fp1", "dtype": "float32"})
+    DiskChunkStore(tmp_path / "s", labels={"fingerprint": "fp2", "dtype": "bfloat16"})
+    import json
+
+    manifest = json.loads((tmp_path / "s" / "hcache-store.json").read_text())
+    assert manifest["layout_version"] == LAYOUT_VERSION
+    assert [p["fingerprint"] for p in manifest["producers"]] == ["fp1", "fp2"]
+    with pytest.raises(StorageError, match="at least one directory"):
+        DiskChunkStore([])
+    with pytest.raises(StorageError, match="listed twice"):
+        DiskChunkStore([tmp_path / "x", tmp_path / "x"])
+    with pytest.raises(StorageError, match="quota_bytes must be positive"):
+        DiskChunkStore(tmp_path / "q", quota_bytes=0)
+    with pytest.raises(StorageError, match="ttl_s"):
+        DiskChunkStore(tmp_path / "q", ttl_s=-1)
+    with pytest.raises(StorageError, match="verify"):
+        DiskChunkStore(tmp_path / "q", verify="sometimes")
