@@ -195,3 +195,46 @@ def test_bench_ops_without_a_gpu_times_only_the_reference(monkeypatch, tmp_path)
     assert result["copy_peak_gbps"] is None and "no GPU" in result["note"]
     (case,) = result["cases"]
     assert case["torch_ms"] > 0 and case["kernel_ms"] is None and case["kernel_gbps"] is None
+
+
+@pytest.mark.parametrize("dtype, head_size, half", [(torch.float32, 128, 64), (torch.bfloat16, 80, 20)])
+def test_kernel_compiles_for_a_gpu_without_fma(dtype, head_size, half, monkeypatch):
+    """The interpreter accepts code the compiler rejects: compile for sm_90 too (ptxas ships with triton).
+    The reference's bits need FMA contraction off (float32 is where it would apply: 16-bit products are
+    rounded before the sum); 16-byte accesses are what bandwidth needs."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hcache.ops import rope_scatter_kernel as kernel
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fn = kernel._jit(kernel._rope_scatter, False)
+    elem = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}[dtype]
+    constexprs = dict(HEAD_SIZE=head_size, HALF=half, ROUND=kernel._jit(kernel._ROUND[dtype], False),
+                      BLOCK_T=4, BLOCK_H=8, BLOCK_D=128, BLOCK_HALF=64)
+    signature = {name: "constexpr" if name in constexprs else "*i64" if name == "slot_ptr" else elem
+                 if name.endswith("_ptr") else "i32" for name in fn.arg_names}
+    # what the JIT assumes of 16-byte-aligned pointers and strides that are multiples of 16
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if name.endswith("_ptr") or name.startswith("stride")}
+    compiled = triton_compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                              options=kernel.COMPILE_OPTIONS)
+    ptx = compiled.asm["ptx"]
+    assert "fma." not in ptx
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+
+
+def test_kernel_rejects_shapes_the_reference_would(interpret):
+    cache = torch.zeros(2, 16, 2, 2, 64)
+    k = v = torch.zeros(5, 2, 64)
+    slots = torch.arange(5)
+    cos = sin = torch.zeros(5, 64)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        rotate_and_write(cache, slots, torch.zeros(5, 4, 64), torch.zeros(5, 4, 64), None)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        rotate_and_write(cache, slots[:4], k, v, None)
+    with pytest.raises(ValueError, match="do not fit"):
+        rotate_and_write(cache, slots, k, v, (cos[:4], sin[:4]))
+    with pytest.raises(ValueError, match="dtype"):
+        rotate_and_write(cache, slots, k, v, (cos.half(), sin.half()))

@@ -21,7 +21,8 @@ import triton.language as tl
 # Elements of one [BLOCK_T, BLOCK_H, BLOCK_D] tile: enough bytes in flight per program to be memory bound,
 # few enough registers per thread at 4 warps.
 _TILE_ELEMENTS = 4096
-_NUM_WARPS = 4
+# No FMA contraction: a fused x·cos + y·sin rounds once where torch rounds twice.
+COMPILE_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 
 
 def _rope_scatter(
@@ -38,7 +39,7 @@ def _rope_scatter(
     rows_ok = t_ok & (h < n_heads)[None, :, None]
     t = t.to(tl.int64)[:, None, None]
     h = h.to(tl.int64)[None, :, None]
-    slot = tl.load(slot_ptr + t, mask=t_ok, other=0)
+    slot = tl.load(slot_ptr + t, mask=t_ok, other=0).to(tl.int64)
     dst = cache_ptr + slot * stride_slot + h * stride_head
     k_src = k_ptr + t * stride_kt + h * stride_kh
     out_ty = cache_ptr.dtype.element_ty
@@ -66,6 +67,7 @@ def _rope_scatter(
         tl.store(dst + d, tl.load(k_src + d, mask=passing).to(out_ty), mask=passing)
 
 
+# ROUND: a float32 result rounded to the input dtype's precision, as torch rounds each operation's result.
 def _round_fp32(x):
     return x
 
@@ -105,11 +107,19 @@ def launch(
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """Run the kernel; arguments as :func:`hcache.ops.rope_scatter.rotate_and_write`."""
+    # The kernel indexes raw pointers: a shape the torch path would reject must not reach it.
     n_tokens, n_heads, head_size = k.shape
+    if v.shape != k.shape or cache.shape[3:] != k.shape[1:] or slots.shape != (n_tokens,):
+        raise ValueError(f"shapes disagree: cache {tuple(cache.shape)}, slots {tuple(slots.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.dtype not in _ROUND:
         raise ValueError(f"the kernel takes float32, float16 or bfloat16 K; got {k.dtype}")
-    if cos_sin is not None and cos_sin[0].dtype != k.dtype:
-        raise ValueError(f"cos/sin must have K's dtype ({k.dtype}); got {cos_sin[0].dtype}")
+    if cos_sin is not None:
+        rows, rotary_dim = cos_sin[0].shape
+        if cos_sin[1].shape != (rows, rotary_dim) or rows != n_tokens or rotary_dim % 2 or rotary_dim > head_size:
+            raise ValueError(f"cos/sin {tuple(cos_sin[0].shape)} do not fit k {tuple(k.shape)}")
+        if cos_sin[0].dtype != k.dtype or cos_sin[1].dtype != k.dtype:
+            raise ValueError(f"cos/sin must have K's dtype ({k.dtype}); got {cos_sin[0].dtype}")
     if n_tokens == 0:
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -134,5 +144,5 @@ def launch(
         cache_rows.stride(0), cache_rows.stride(1), cache_rows.stride(2),
         HEAD_SIZE=head_size, HALF=half, ROUND=_jit(_ROUND[k.dtype], interpret),
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-        num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        **COMPILE_OPTIONS,
     )
