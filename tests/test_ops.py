@@ -20,10 +20,18 @@ from helpers import loaded, random_prompt
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# RoPE variants, as (model_type, rope_parameters) of a config: partial rotary is half the head, as in phi
+ROPES = {
+    "full": ("llama", {"rope_type": "default", "rope_theta": 10000.0}),
+    "partial": ("phi3", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "llama3": ("llama", LLAMA3),
+}
+HF_ROPE = {"llama": (LlamaRotaryEmbedding, llama_apply), "phi3": (Phi3RotaryEmbedding, phi3_apply)}
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
-def config(model_type: str, head_size: int, rope_parameters: dict):
+def config(kind: str, head_size: int):
+    model_type, rope_parameters = ROPES[kind]
     return AutoConfig.for_model(
         model_type, hidden_size=4 * head_size, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=131072, rope_parameters=rope_parameters,
@@ -31,30 +39,15 @@ def config(model_type: str, head_size: int, rope_parameters: dict):
 
 
 def rope_spec(kind: str, head_size: int) -> RopeSpec | None:
-    """RoPE as hcache derives it from a model config: full, partial (half the head, as phi/stablelm), llama3
-    scaling; or none (OPT)."""
-    if kind == "none":
-        return None
-    model_type, params = {
-        "full": ("llama", {"rope_type": "default", "rope_theta": 10000.0}),
-        "partial": ("phi3", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-        "llama3": ("llama", LLAMA3),
-    }[kind]
-    return ModelSpec.from_config(config(model_type, head_size, params)).rope
+    """RoPE as hcache derives it from a model config, or none (OPT)."""
+    return None if kind == "none" else ModelSpec.from_config(config(kind, head_size)).rope
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "model_type, params, hf_rotary, hf_apply",
-    [
-        ("llama", {"rope_type": "default", "rope_theta": 10000.0}, LlamaRotaryEmbedding, llama_apply),
-        ("llama", LLAMA3, LlamaRotaryEmbedding, llama_apply),
-        ("phi3", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, Phi3RotaryEmbedding, phi3_apply),
-    ],
-    ids=["full", "llama3", "partial"],
-)
-def test_reference_equals_transformers(model_type, params, hf_rotary, hf_apply, dtype, rng):
-    cfg = config(model_type, 64, params)
+@pytest.mark.parametrize("kind", ["full", "llama3", "partial"])
+def test_reference_equals_transformers(kind, dtype, rng):
+    cfg = config(kind, 64)
+    hf_rotary, hf_apply = HF_ROPE[cfg.model_type]
     rope = ModelSpec.from_config(cfg).rope
     positions = torch.randint(0, 20000, (37,), generator=rng)
     q, k = torch.randn(2, 37, 2, 64, generator=rng).to(dtype)
