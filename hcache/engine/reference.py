@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import InvalidRequestError
 from ..model_spec import ModelSpec
-from ..ops import KVProjection, apply_rope, gather_kv, rope_cos_sin, slot_mapping, write_kv
+from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
 from ..ops.kv_projection import linear_rows
 from .blocked_kv_cache import BlockedKVCache
 from ..ragged import Segment
@@ -151,11 +151,9 @@ class ReferenceEngine:
             layer = self.decoder.layers[i]
             h = layer.get_submodule(self.spec.capture_module)(x)
             k, v = self.kv_proj[i](h)
-            if cos_sin is not None:
-                k = apply_rope(k, *cos_sin)
-            write_kv(self.cache.layers[i], slots_t, k, v)
+            rotate_and_write(self.cache.layers[i], slots_t, k, v, cos_sin)
             if capture is not None:
-                capture.on_layer(i, h, k, v)
+                capture.on_layer(i, h, *read_kv(self.cache.layers[i], slots_t))  # K as rotated in the cache
             q = F.linear(h, *self.q_rows[i]).view(-1, self.spec.num_heads, self.spec.head_size)
             if cos_sin is not None:
                 q = apply_rope(q, *cos_sin)
@@ -218,15 +216,14 @@ class ReferenceEngine:
         rows = slice(start, start + hidden.shape[0])
         slots, cos_sin = self._restoring[uid]
         k, v = self.kv_proj[layer](hidden.to(self.device, self.dtype))
-        if cos_sin is not None:
-            k = apply_rope(k, cos_sin[0][rows], cos_sin[1][rows])
-        write_kv(self.cache.layers[layer], slots[rows], k, v)
+        rows_cos_sin = None if cos_sin is None else (cos_sin[0][rows], cos_sin[1][rows])
+        rotate_and_write(self.cache.layers[layer], slots[rows], k, v, rows_cos_sin)
 
     @torch.no_grad()
     def restore_kv(self, uid: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
         """KV: scatter saved (already rotated) K and V into the cache."""
         slots = self._restoring[uid][0][start : start + k.shape[0]]
-        write_kv(self.cache.layers[layer], slots, k.to(self.device), v.to(self.device))
+        rotate_and_write(self.cache.layers[layer], slots, k.to(self.device), v.to(self.device), None)
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks."""

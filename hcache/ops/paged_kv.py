@@ -21,6 +21,12 @@ def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     flat[slots, 1] = v.to(cache.dtype)
 
 
+def read_kv(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[T, n_kv_heads, head_size]`` (copies) at ``slots`` ``[T]``: what :func:`write_kv` wrote there."""
+    kv = cache.view(-1, *cache.shape[2:])[slots]
+    return kv[:, 0], kv[:, 1]
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[length, n_kv_heads, head_size]`` of the first ``length`` tokens of one sequence."""
     n_blocks = -(-length // cache.shape[1])
