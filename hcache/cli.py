@@ -42,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return 0 if run_demo(args.model, args.turns, args.max_new_tokens, args.store, args.json_path) else 1
+        command = " ".join(["hcache", *(sys.argv[1:] if argv is None else argv)])
         if args.command == "profile":
-            return _profile(args)
+            return _profile(args, command)
         if args.command == "bench":
-            return bench.run(args, " ".join(["hcache", *(sys.argv[1:] if argv is None else argv)]))
+            return bench.run(args, command)
         if args.command == "prepare":
             from .model_loader import load_model
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _profile(args: argparse.Namespace) -> int:
+def _profile(args: argparse.Namespace, command: str) -> int:
     import torch
 
     from .model_loader import load_model, model_dtype
@@ -70,6 +71,7 @@ def _profile(args: argparse.Namespace) -> int:
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else default_tokens(loaded.spec.max_positions)
     profile = measure_profile(loaded, tokens, args.repeats, args.readers, args.store_dir)
     out = args.out or default_profile_path(loaded.spec, loaded.name)
+    profile.command = command
     profile.save(out)
     print(f"wrote {out}")
     for n in profile.tokens:

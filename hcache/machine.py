@@ -59,7 +59,8 @@ def machine_facts() -> dict:
 
 
 def machine_name() -> str:
-    """A short file-name-safe name for this kind of machine: the GPU model, or ``cpu<N>``."""
+    """A file-name-safe name for this kind of machine: the GPU model, or the CPU model and core count."""
     gpu = _gpu()
-    name = gpu["name"].replace("NVIDIA ", "") if gpu else f"cpu{os.cpu_count()}"
-    return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
+    name = gpu["name"].replace("NVIDIA ", "") if gpu else f"cpu{os.cpu_count()}-{_cpu_name()}"
+    slug = "".join(c if c.isalnum() else "-" for c in name.replace("(R)", "").replace("(TM)", "")).lower()
+    return "-".join(part for part in slug.split("-") if part and part not in ("cpu", "processor"))[:60]

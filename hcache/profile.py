@@ -54,6 +54,7 @@ class Profile:
     bandwidth: dict[str, float] = field(default_factory=dict)  # measured bytes/s, for people reading the file
     version: int = PROFILE_VERSION
     hcache_version: str = ""
+    command: str = ""  # how it was measured, for people reading the file
 
     def costs(self, history: int) -> LayerCosts:
         return LayerCosts(**{name: _interp(history, self.tokens, self.seconds[name]) for name in COST_NAMES})
