@@ -70,7 +70,8 @@ class LayerPrefetcher:
         self.device, self.pool, self.depth = torch.device(device), pool, max(1, depth)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda and pool is not None else None
-        self._futures: list[Future] = []
+        self._futures: list[Future] = []  # per layer: its upload
+        self._reads: list[Future] = []  # every read submitted
 
     def __enter__(self) -> "LayerPrefetcher":
         if self.pool is not None:
@@ -79,7 +80,7 @@ class LayerPrefetcher:
         return self
 
     def __exit__(self, *exc) -> None:
-        for f in self._futures:  # the files close after this: no read may still be running
+        for f in (*self._reads, *self._futures):  # the files close after this: no read may still be running
             f.exception()
 
     def __iter__(self):
@@ -108,6 +109,7 @@ class LayerPrefetcher:
         buf = self._new_buffer(fmt)
         workers = len(self.pool.readers)
         reads = [w.submit(self._read, layer, fmt, buf, k, workers) for k, w in enumerate(self.pool.readers)]
+        self._reads += reads
         self._futures.append(self.pool.uploader.submit(self._upload, layer, fmt, buf, reads))
 
     def _read(self, layer: int, fmt: str, buf: torch.Tensor, first: int, step: int) -> tuple[int, Exception] | None:

@@ -102,6 +102,8 @@ class HCacheRuntime:
     ):
         if save not in SAVE_POLICIES:
             raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
+        if readers < 0:
+            raise InvalidRequestError(f"readers must be 0 (read inline) or more, not {readers}")
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
         self.spec = self.loaded.spec
         self.engine = ReferenceEngine(self.loaded.model, self.spec, num_blocks=num_blocks)

@@ -178,3 +178,5 @@ def test_bad_model_or_store_is_a_clear_error(llama, tmp_path):
         HCacheRuntime(llama, blocker / "store")
     with pytest.raises(InvalidRequestError, match="save must be"):
         HCacheRuntime(llama, tmp_path / "store", save="sometimes")
+    with pytest.raises(InvalidRequestError, match="readers must be"):
+        HCacheRuntime(llama, tmp_path / "store", readers=-1)
