@@ -114,19 +114,11 @@ class LayerPrefetcher:
 
     def _read(self, layer: int, fmt: str, buf: torch.Tensor, first: int, step: int) -> tuple[int, Exception] | None:
         """Fill the rows of chunks ``first, first+step, …``; stop at this reader's first bad chunk."""
-        expected = (CHUNK_TOKENS, *self.row_shapes[fmt])
         for j in range(first, len(self.readers), step):
-            reader = self.readers[j]
-            try:
-                rows = reader.read(layer, fmt)
-                if tuple(rows.shape) != expected or rows.dtype != self.dtype:
-                    raise ChunkInvalid(
-                        f"chunk {reader.key}: layer {layer} {fmt} is {list(rows.shape)} {rows.dtype}, "
-                        f"expected {list(expected)} {self.dtype}"
-                    )
+            try:  # straight into the layer buffer; a tensor of another shape or dtype is refused
+                self.readers[j].read_into(layer, fmt, buf[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS])
             except (ChunkInvalid, OSError) as exc:
                 return j, exc
-            buf[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS] = rows
         return None
 
     def _upload(self, layer: int, fmt: str, buf: torch.Tensor, reads: list[Future]) -> tuple[LayerRows, object]:

@@ -88,14 +88,14 @@ def test_io_errors_while_restoring_fall_back_to_recompute(tmp_path, rng, monkeyp
         prompt = random_prompt(200, lm.spec.vocab_size, rng)
         expected = runtime.generate(prompt, 6, restore=False).output_ids
         keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
-        read = ChunkReader.read
+        read_into = ChunkReader.read_into
 
-        def failing_read(reader, layer, fmt):
+        def failing_read(reader, layer, fmt, out):
             if reader.key == keys[1] and layer == 2:
                 raise OSError(errno.EIO, "Input/output error")
-            return read(reader, layer, fmt)
+            return read_into(reader, layer, fmt, out)
 
-        monkeypatch.setattr(ChunkReader, "read", failing_read)
+        monkeypatch.setattr(ChunkReader, "read_into", failing_read)
         discarded = []
         monkeypatch.setattr(runtime.store, "discard", discarded.append)
         result = runtime.generate(prompt, 6, plan="H")

@@ -47,6 +47,17 @@ def test_chunk_roundtrip_is_layer_major_and_reads_only_what_is_asked(rng):
     assert reader.bytes_read - reader.data_start == chunk.tensors[(1, "KV")].numel() * 4
 
 
+def test_read_into_fills_the_callers_buffer_and_refuses_another_shape_or_dtype(rng):
+    chunk = _chunk(rng)
+    reader = _open(encode(chunk), chunk)
+    buffer = torch.full((2 * CHUNK_TOKENS, 8), float("nan"))
+    reader.read_into(1, "H", buffer[CHUNK_TOKENS:])
+    assert torch.equal(buffer[CHUNK_TOKENS:], chunk.tensors[(1, "H")]) and buffer[:CHUNK_TOKENS].isnan().all()
+    for wrong in (torch.empty(CHUNK_TOKENS, 4), torch.empty(CHUNK_TOKENS, 8, dtype=torch.float16)):
+        with pytest.raises(ChunkInvalid, match="expected"):
+            reader.read_into(0, "H", wrong)
+
+
 @pytest.mark.parametrize(
     "override, message",
     [({"fingerprint": "other"}, "another model"), ({"tokens": [1] * 64}, "token ids"), ({"key": "cd" * 16}, "key")],

@@ -17,6 +17,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -96,12 +97,17 @@ def _io_benchmark(dirs: list[Path], args: argparse.Namespace) -> dict:
     raw_files = [d / "raw-sequential.bin" for d in dirs]
     share = -(-total // len(dirs))
 
+    local = threading.local()
+
     def read_chunk(c: tuple[Chunk, bytes]) -> None:
+        """As a restore reads: each tensor verified straight into a reused buffer (its layer buffer)."""
         chunk = c[0]
+        buffers = local.__dict__.setdefault("buffers", {})
         with store.open(chunk.key) as f:
             reader = ChunkReader.open(f, chunk.key, chunk.tokens, chunk.fingerprint)
-            for layer, fmt in reader.entries:
-                reader.read(layer, fmt)
+            for (layer, fmt), tensor in chunk.tensors.items():
+                out = buffers.setdefault((layer, fmt), torch.empty_like(tensor))
+                reader.read_into(layer, fmt, out)
 
     times: dict[str, list[float]] = {"store_write": [], "raw_write": [], "store_read": [], "raw_read": []}
     with ThreadPoolExecutor(args.threads) as pool, ThreadPoolExecutor(len(dirs)) as raw_pool:

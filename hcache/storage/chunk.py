@@ -86,15 +86,27 @@ class ChunkReader:
 
     def read(self, layer: int, fmt: str) -> torch.Tensor:
         entry = self.entries[(layer, fmt)]
+        return self.read_into(layer, fmt, torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]]))
+
+    def read_into(self, layer: int, fmt: str, out: torch.Tensor) -> torch.Tensor:
+        """Read and verify one tensor straight into ``out`` (a contiguous CPU tensor of its shape and
+        dtype), so a restore fills its layer buffer without an intermediate copy. On failure ``out``
+        holds garbage."""
+        entry = self.entries[(layer, fmt)]
+        if list(out.shape) != list(entry["shape"]) or out.dtype != _DTYPES[entry["dtype"]]:
+            raise ChunkInvalid(
+                f"chunk {self.key}: {entry['name']} is {list(entry['shape'])} {entry['dtype']}, "
+                f"expected {list(out.shape)} {out.dtype}"
+            )
         begin, end = entry["data_offsets"]
+        data = out.view(torch.uint8).reshape(-1).numpy()
         self.file.seek(self.data_start + begin)
-        data = bytearray(end - begin)
-        if self.file.readinto(data) != len(data):
+        if self.file.readinto(data) != end - begin:
             raise ChunkInvalid(f"chunk {self.key}: truncated at {entry['name']}")
-        self.bytes_read += len(data)
+        self.bytes_read += end - begin
         if self.checksums.get(entry["name"]) != _checksum(entry["name"], data):
             raise ChunkInvalid(f"chunk {self.key}: checksum mismatch in {entry['name']}")
-        return torch.frombuffer(data, dtype=_DTYPES[entry["dtype"]]).view(entry["shape"])
+        return out
 
 
 def _read_header(file: BinaryIO, key: str) -> tuple[dict[tuple[int, str], dict], dict, int]:
