@@ -88,14 +88,13 @@ class Trace:
                max_turns: int | None = None, think_scale: float = 1.0) -> "Trace":
         """A smaller copy for a slow machine: lengths times ``scale`` (at least 1 token), outputs capped at
         ``max_output``, think times times ``think_scale``, and each session cut to its first ``max_turns``
-        turns and to the turns whose whole history fits in ``max_tokens`` (as HCache caps ShareGPT at 16K)."""
+        turns and to the turns whose whole history fits in ``max_tokens`` (as HCache caps ShareGPT at 16K).
+        A session whose first turn does not fit is dropped."""
         if not scale > 0 or not think_scale >= 0:
             raise ValueError(f"scale must be > 0 and think_scale ≥ 0, got {scale} and {think_scale}")
         sessions = []
         for s in self.sessions:
             context = max(1, round(s.context_tokens * scale)) if s.context_tokens else 0
-            if max_tokens is not None and context >= max_tokens:
-                raise ValueError(f"a document of {context} tokens does not fit max_tokens={max_tokens}: lower --scale")
             total, turns = context, []
             for t in s.turns[:max_turns]:
                 out = max(1, round(t.output_tokens * scale))
