@@ -257,6 +257,8 @@ def _plot(result: dict, path: str) -> None:
     t = result["trace"]
     ax.set(xscale="log", yscale="log", xlabel="session arrival rate (per s)", ylabel="TTFT (s)",
            title=f"{t['name']} (scaled ×{t['scale']}) on {result['model']}")
+    ax.set_xticks(result["rates"], [f"{r:g}" for r in result["rates"]])
+    ax.minorticks_off()
     ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
