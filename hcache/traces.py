@@ -92,6 +92,9 @@ class Trace:
         A session whose first turn does not fit is dropped."""
         if not scale > 0 or not think_scale >= 0:
             raise ValueError(f"scale must be > 0 and think_scale ≥ 0, got {scale} and {think_scale}")
+        caps = {"max_output": max_output, "max_tokens": max_tokens, "max_turns": max_turns}
+        if any(v is not None and v < 1 for v in caps.values()):
+            raise ValueError(f"caps must be at least 1 (or None), got {caps}")
         sessions = []
         for s in self.sessions:
             context = max(1, round(s.context_tokens * scale)) if s.context_tokens else 0

@@ -90,6 +90,10 @@ def test_bad_trace_parameters_are_refused():
         chat_trace("sharegpt", 0)
     with pytest.raises(ValueError, match="unknown trace preset"):
         chat_trace("leval-quality")
+    with pytest.raises(ValueError, match="caps"):
+        chat_trace("sharegpt", 10).scaled(max_output=0)
+    with pytest.raises(ValueError, match="scale"):
+        chat_trace("sharegpt", 10).scaled(scale=-1)
 
 
 def test_sharegpt_file_loads_as_a_trace(tmp_path):
