@@ -11,7 +11,7 @@ import itertools
 import logging
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,6 +45,8 @@ class RequestResult:
     ttft_s: float
     bytes_read: int
     fallback: str | None  # why stored state was used only in part, if it was
+    restore_s: float = 0.0  # time in the restore (lookup, reads, rebuild), part of ttft_s
+    tbt_s: list[float] = field(default_factory=list)  # time between consecutive output tokens
 
 
 class _SaveCapture:
@@ -207,28 +209,30 @@ class HCacheRuntime:
         uids = [next(self._uids) for _ in prompts]
         start = time.perf_counter()
         try:
-            restored, plans = [], []
+            restored, plans, restore_s = [], [], []
             for uid, prompt in zip(uids, prompts):
+                restore_start = time.perf_counter()
                 # The last prompt token is always prefilled: its logits give the first output token.
                 keys = chunk_keys(prompt[:-1], root) if restore else []
                 request_plan = self.plan_for(plan, self._stored_prefix(keys))
                 outcome = restore_prefix(
                     self.engine, self.store, uid, prompt, keys, self.fingerprint, request_plan, self.reader_pool
                 )
+                restore_s.append(time.perf_counter() - restore_start)
                 restored.append(outcome)
                 plans.append(request_plan)
                 if self._capture is not None:
                     n_chunks = outcome.tokens // CHUNK_TOKENS
                     self.saver.open(uid, keys[n_chunks - 1] if n_chunks else root)
             requests = [(uid, prompt[r.tokens :]) for uid, prompt, r in zip(uids, prompts, restored)]
-            outputs, ttft = self._decode(requests, max_new_tokens, stops, start)
+            outputs, ttft, tbt = self._decode(requests, max_new_tokens, stops, start)
         finally:
             for uid in uids:
                 self.saver.close(uid)
                 self.engine.flush(uid)
         return [
-            RequestResult(out, len(prompt), r.tokens, str(p), ttft, r.bytes_read, r.fallback)
-            for out, prompt, r, p in zip(outputs, prompts, restored, plans)
+            RequestResult(out, len(prompt), r.tokens, str(p), ttft, r.bytes_read, r.fallback, rs, gaps)
+            for out, prompt, r, p, rs, gaps in zip(outputs, prompts, restored, plans, restore_s, tbt)
         ]
 
     def _stored_prefix(self, keys: list[str]) -> int:
@@ -240,18 +244,25 @@ class HCacheRuntime:
 
     def _decode(
         self, requests: list[tuple[int, list[int]]], max_new_tokens: int, stops: frozenset[int], start: float
-    ) -> tuple[list[list[int]], float]:
-        """Prefill then decode greedily: each request's output ids, and the time from ``start`` to the first token."""
+    ) -> tuple[list[list[int]], float, list[list[float]]]:
+        """Prefill then decode greedily: each request's output ids, the time from ``start`` to the first token,
+        and each request's times between consecutive tokens."""
         outputs: list[list[int]] = [[] for _ in requests]
+        gaps: list[list[float]] = [[] for _ in requests]
         active = list(range(len(requests)))
-        ttft = None
+        ttft, last = None, start
         while active:
             for uid, tokens in (requests[i] for i in active):
                 if self._capture is not None:
                     self.saver.add_tokens(uid, tokens)
             logits = self.engine.step([requests[i] for i in active], self._capture)
             next_ids = logits.argmax(dim=-1).tolist()
-            ttft = time.perf_counter() - start if ttft is None else ttft
+            now = time.perf_counter()
+            if ttft is not None:
+                for i in active:
+                    gaps[i].append(now - last)
+            ttft = now - start if ttft is None else ttft
+            last = now
             still = []
             for i, tok in zip(active, next_ids):
                 outputs[i].append(tok)
@@ -259,7 +270,7 @@ class HCacheRuntime:
                     requests[i] = (requests[i][0], [tok])
                     still.append(i)
             active = still
-        return outputs, ttft
+        return outputs, ttft, gaps
 
     def _validate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         """The prompt as plain ints, or a clear error before anything is touched."""

@@ -1,0 +1,266 @@
+"""End-to-end workload: replay a chat or long-context trace; TTFT and TBT of ideal, recompute, KV offload and hcache auto.
+
+The replay is event-driven on a simulated clock, with one engine serving requests first come, first served
+(the reference engine serves one request at a time). Sessions arrive by the trace; each later turn arrives
+its think time after the previous reply finished. Every request really runs on the runtime, and its
+measured times advance the clock, so TTFT = queueing wait + measured time to the first token (restore,
+prefill) and TBT is the measured time between consecutive tokens. Each (method, rate) replays the same
+trace, with the same token ids, in a store of its own, so no method reuses another's chunks:
+- ``ideal``: no eviction, as if every history stayed in device memory (prefix sharing included). It is
+  the KV-offload run with its restore time counted as zero: TTFT is the prefill of the new tokens over the
+  history already on the device. It stores nothing off the device: ``bytes_per_token`` 0. (The last 0–63
+  tokens of a history, which the store never holds, are still prefilled, so ideal is slightly pessimistic.)
+- ``recompute``: ignores stored state and prefills the whole history (``restore=False``, nothing saved).
+- ``kv``: KV offload: every layer's K/V saved, and restored from the store.
+- ``auto``: hcache's bubble-free plan per history length, from a profile (``--profile``, or measured at
+  start over the trace's history range). On a GQA model such as SmolLM2 on this CPU the plan is all-KV,
+  so auto is KV there; hidden states pay off on MHA models (Llama-2-7B).
+Replies are forced to the trace's lengths (no stop token). ``bytes_per_token`` is the store's bytes over
+the tokens it holds, chunk headers included. Throughput is output tokens over the replay's span (first
+arrival to last reply). ``restore_share`` is the share of the engine's busy time spent restoring.
+Absolute CPU times mean little; compare the methods within one run. Replays through DeepSpeed-MII are
+not built (no MII backend yet): this benchmark drives hcache's reference runtime.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import heapq
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..layer_prefetch import DEFAULT_READERS
+from ..model_loader import DEFAULT_MODEL, LoadedModel, load_model, model_dtype
+from ..profile import Profile
+from ..profiler import measure_profile
+from ..runtime import HCacheRuntime
+from ..storage.chunk_key import CHUNK_TOKENS
+from ..traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
+
+METHODS = ("ideal", "recompute", "kv", "auto")
+_RUNTIME = {  # method -> (plan, save policy, restore)
+    "ideal": ("KV", "plan", True),
+    "recompute": ("KV", "none", False),
+    "kv": ("KV", "plan", True),
+    "auto": ("auto", "plan", True),
+}
+METRICS = ("ttft_p50_s", "ttft_p99_s", "tbt_mean_s", "tbt_p99_s", "throughput_tok_s", "restore_tokens_per_s",
+           "bytes_per_token", "restore_share", "requests")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="e.g. random:llama-2-7b on a GPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: float16 on a GPU)")
+    parser.add_argument("--trace", default="sharegpt", choices=PRESETS, help="synthetic trace preset")
+    parser.add_argument("--sharegpt", default=None, help="replay this ShareGPT JSON file instead of a synthetic trace")
+    parser.add_argument("--sessions", type=int, default=6, help="sessions in the trace (the first ones of a file)")
+    parser.add_argument("--rates", default="0.25,1,4", help="session arrival rates to sweep, per second")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--zipf", type=float, default=None, help="L-Eval presets: Zipf exponent of document reuse")
+    parser.add_argument("--scale", type=float, default=0.25, help="token lengths times this (1 = the published means)")
+    parser.add_argument("--max-output", type=int, default=24, help="cap on reply lengths (decode is slow on a CPU)")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="cap on a session's whole history (at most the model's context)")
+    parser.add_argument("--max-turns", type=int, default=4, help="turns kept per session")
+    parser.add_argument("--think-scale", type=float, default=0.05, help="think times times this (1 = the published means)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
+    parser.add_argument("--profile", default=None, help="profile for the auto plan (default: measure one at start)")
+    parser.add_argument("--readers", type=int, default=DEFAULT_READERS)
+    parser.add_argument("--csv", dest="csv_path", default=None, help="write one row per method and rate here (default: next to --json)")
+    parser.add_argument("--plot", default=None, help="write the TTFT-against-rate plot here (default: next to --json, as .png)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    rates = _rates(args.rates)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or set(methods) - set(METHODS):
+        raise ValueError(f"--methods must name some of {', '.join(METHODS)}, not {args.methods!r}")
+    if args.zipf is not None and (args.sharegpt or args.trace not in LEVAL):
+        raise ValueError("--zipf applies to the L-Eval presets only")
+    loaded = load_model(args.model, dtype=model_dtype(args.dtype, args.device), device=args.device)
+    spec = loaded.spec
+    if not CHUNK_TOKENS <= args.max_tokens <= spec.max_positions:
+        raise ValueError(f"--max-tokens must lie in [{CHUNK_TOKENS}, {spec.max_positions}] for {loaded.name}, not {args.max_tokens}")
+    traces = [_trace(args, loaded, rate) for rate in rates]
+    profile = None
+    if "auto" in methods:
+        profile = (
+            Profile.load(args.profile, spec) if args.profile
+            else measure_profile(loaded, sorted({CHUNK_TOKENS, args.max_tokens}), repeats=2, readers=args.readers)
+        )
+    requests = sum(len(s.turns) for s in traces[0].sessions)
+    by_rate: dict[str, list[dict]] = {m: [] for m in methods}
+    with tqdm(total=requests * len(rates) * len(methods), desc="replay", unit="req") as bar:
+        for rate, trace in zip(rates, traces):
+            for method in methods:
+                bar.set_postfix(rate=rate, method=method)
+                by_rate[method].append(_replay(loaded, trace, rate, method, profile, args, bar))
+    sessions = traces[0].sessions
+    turns = [t for s in sessions for t in s.turns]
+    result = {
+        "model": loaded.name,
+        "trace": {
+            "name": traces[0].name, "sessions": len(sessions), "requests": requests, "seed": args.seed,
+            "scale": args.scale, "max_output": args.max_output, "max_tokens": args.max_tokens,
+            "max_turns": args.max_turns, "think_scale": args.think_scale, "zipf": args.zipf,
+            "mean_input_tokens": float(np.mean([t.input_tokens for t in turns])),
+            "mean_output_tokens": float(np.mean([t.output_tokens for t in turns])),
+            "mean_session_tokens": float(np.mean([s.total_tokens for s in sessions])),
+        },
+        "rates": rates,
+        "reference_rate": rates[0],
+        # the headline figures are at the lowest rate, where queueing least hides the method's own cost
+        "methods": {m: {**{k: runs[0][k] for k in METRICS}, "by_rate": runs} for m, runs in by_rate.items()},
+    }
+    _print(result)
+    stem = Path(args.json_path).with_suffix("") if args.json_path else None
+    csv_path = args.csv_path or (f"{stem}.csv" if stem else None)
+    if csv_path:
+        _write_csv(result, csv_path)
+    plot = args.plot or (f"{stem}.png" if stem else None)
+    if plot:
+        _plot(result, plot)
+    return result
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = sorted({float(r) for r in text.split(",") if r.strip()})
+    except ValueError:
+        raise ValueError(f"--rates must be comma-separated numbers, not {text!r}") from None
+    if not rates or not all(r > 0 and np.isfinite(r) for r in rates):
+        raise ValueError(f"--rates must be positive sessions per second, not {text!r}")
+    return rates
+
+
+def _trace(args: argparse.Namespace, loaded: LoadedModel, rate: float) -> Trace:
+    if args.sharegpt:
+        count = (lambda text: len(loaded.tokenizer.encode(text))) if loaded.tokenizer is not None else None
+        trace = load_sharegpt(args.sharegpt, count, rate=rate, seed=args.seed, limit=args.sessions)
+    else:
+        trace = make_trace(args.trace, args.sessions, rate, args.seed, args.zipf)
+    trace = trace.scaled(args.scale, args.max_output, args.max_tokens, args.max_turns, args.think_scale)
+    if not trace.sessions:
+        raise ValueError(f"no session of the trace fits --max-tokens {args.max_tokens}")
+    return trace
+
+
+def _ids(seed: int, key: tuple[int, ...], n: int, vocab: int) -> list[int]:
+    """Token ids that depend only on ``key``: every method and rate sends the same prompts."""
+    return np.random.default_rng([seed, *key]).integers(0, vocab, n).tolist()
+
+
+def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile: Profile | None, args, bar: tqdm) -> dict:
+    plan, save, restore = _RUNTIME[method]
+    vocab = loaded.spec.vocab_size
+    sessions = trace.sessions
+    ttft, tbt, restore_s, busy, restored, outputs, plans = [], [], 0.0, 0.0, 0, 0, set()
+    with tempfile.TemporaryDirectory(prefix=f"hcache-workload-{method}-") as store_dir:
+        with HCacheRuntime(
+            loaded, store_dir, plan=plan, save=save, profile=profile if plan == "auto" else None,
+            readers=args.readers, num_blocks=-(-args.max_tokens // CHUNK_TOKENS) + 2,
+        ) as runtime:
+            history = {
+                i: _ids(args.seed, (1, s.document), s.context_tokens, vocab) if s.context_tokens else []
+                for i, s in enumerate(sessions)
+            }
+            queue = [(s.arrival_s, i, 0) for i, s in enumerate(sessions)]
+            heapq.heapify(queue)
+            clock = first = queue[0][0]
+            while queue:
+                arrival, i, k = heapq.heappop(queue)
+                turn = sessions[i].turns[k]
+                prompt = history[i] + _ids(args.seed, (2, i, k), turn.input_tokens, vocab)
+                start = time.perf_counter()
+                r = runtime.generate(prompt, turn.output_tokens, restore=restore, stop_token_ids=())
+                service = time.perf_counter() - start
+                free = r.restore_s if method == "ideal" else 0.0  # ideal: the history is already on the device
+                begin = max(clock, arrival)
+                clock = begin + service - free
+                ttft.append(begin - arrival + r.ttft_s - free)
+                tbt += r.tbt_s
+                busy += service - free
+                restore_s += r.restore_s - free
+                restored += r.restored_tokens
+                outputs += len(r.output_ids)
+                plans.add(r.plan)
+                history[i] = prompt + r.output_ids
+                if k + 1 < len(sessions[i].turns):
+                    heapq.heappush(queue, (clock + sessions[i].turns[k + 1].think_s, i, k + 1))
+                bar.update()
+        stats = runtime.store.stats()  # after close: every chunk the saver captured is published
+    held = stats["chunks"] * CHUNK_TOKENS
+    return {
+        "rate": rate,
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "tbt_mean_s": float(np.mean(tbt)) if tbt else None,
+        "tbt_p99_s": float(np.percentile(tbt, 99)) if tbt else None,
+        "throughput_tok_s": outputs / (clock - first),
+        "restore_tokens_per_s": restored / restore_s if restored and restore_s > 0 else None,
+        "bytes_per_token": 0.0 if method == "ideal" or not held else stats["used_bytes"] / held,
+        "restore_share": restore_s / busy,
+        "requests": len(ttft),
+        "restored_tokens": restored,
+        "plans": sorted(plans),
+    }
+
+
+def _print(result: dict) -> None:
+    t = result["trace"]
+    print(f"workload {t['name']} on {result['model']}: {t['sessions']} sessions, {t['requests']} requests, "
+          f"mean input {t['mean_input_tokens']:.0f}, output {t['mean_output_tokens']:.0f}, session {t['mean_session_tokens']:.0f} tokens")
+    print(f"{'method':>10} {'rate/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TBT mean':>9} {'TBT p99':>9} "
+          f"{'tok/s':>7} {'restore tok/s':>13} {'B/token':>8} {'restoring':>9}")
+    for name, m in result["methods"].items():
+        for r in m["by_rate"]:
+            print(f"{name:>10} {r['rate']:>7.2f} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} {_f(r['tbt_mean_s'], 9, 4)} "
+                  f"{_f(r['tbt_p99_s'], 9, 4)} {r['throughput_tok_s']:>7.1f} {_f(r['restore_tokens_per_s'], 13, 0)} "
+                  f"{r['bytes_per_token']:>8.0f} {r['restore_share']:>9.1%}")
+    ref = result["methods"]
+    if "recompute" in ref:
+        ratios = ", ".join(f"{n} {ref['recompute']['ttft_p50_s'] / m['ttft_p50_s']:.2f}" for n, m in ref.items() if n != "recompute")
+        print(f"TTFT p50 speedup over recompute at {result['reference_rate']}/s: {ratios}")
+
+
+def _f(x: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
+
+
+def _write_csv(result: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["method", "rate", *METRICS])
+        for name, m in result["methods"].items():
+            for r in m["by_rate"]:
+                writer.writerow([name, r["rate"], *(r[k] for k in METRICS)])
+    print(f"wrote {path}")
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, m in result["methods"].items():
+        rates = [r["rate"] for r in m["by_rate"]]
+        line, = ax.plot(rates, [r["ttft_p50_s"] for r in m["by_rate"]], marker="o", label=f"{name} p50")
+        ax.plot(rates, [r["ttft_p99_s"] for r in m["by_rate"]], marker="x", linestyle="--", color=line.get_color(), label=f"{name} p99")
+    t = result["trace"]
+    ax.set(xscale="log", yscale="log", xlabel="session arrival rate (per s)", ylabel="TTFT (s)",
+           title=f"{t['name']} (scaled ×{t['scale']}) on {result['model']}")
+    ax.set_xticks(result["rates"], [f"{r:g}" for r in result["rates"]])
+    ax.minorticks_off()
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    print(f"wrote {path}")
