@@ -23,6 +23,10 @@ class Method(str, Enum):
     def stored_format(self) -> str | None:
         return None if self is Method.RE else self.value
 
+    def bytes_per_token_layer(self, spec: ModelSpec) -> int:
+        """Stored bytes per token per layer restored by this method."""
+        return {Method.RE: 0, Method.H: spec.hidden_bytes_per_token_layer, Method.KV: spec.kv_bytes_per_token_layer}[self]
+
 
 _ORDER = {Method.RE: 0, Method.H: 1, Method.KV: 2}
 
@@ -64,8 +68,7 @@ class RestorePlan:
         return sum(m is method for m in self.layers)
 
     def stored_bytes_per_token(self, spec: ModelSpec) -> int:
-        per_layer = {Method.RE: 0, Method.H: spec.hidden_bytes_per_token_layer, Method.KV: spec.kv_bytes_per_token_layer}
-        return sum(per_layer[m] for m in self.layers)
+        return sum(m.bytes_per_token_layer(spec) for m in self.layers)
 
     def __str__(self) -> str:
         return "+".join(f"{self.count(m)}{m.value}" for m in Method if self.count(m)) or "empty"

@@ -12,7 +12,7 @@ import logging
 import operator
 import time
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -58,12 +58,12 @@ class _SaveCapture:
     def begin_batch(self, segments: list[Segment]) -> None:
         self.saver.begin_batch(segments)
 
-    def on_layer(self, layer: int, hidden: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def on_layer(self, layer: int, hidden: torch.Tensor, kv: Callable[[], torch.Tensor]) -> None:
         rows = {}
         if Method.H.value in self.formats[layer]:
             rows[Method.H.value] = hidden
         if Method.KV.value in self.formats[layer]:
-            rows[Method.KV.value] = torch.stack((k, v), dim=1)
+            rows[Method.KV.value] = kv()  # [T, 2, n_kv, head]: the stored KV layout
         self.saver.on_layer(layer, rows)
 
     def end_batch(self) -> None:
@@ -114,11 +114,7 @@ class HCacheRuntime:
         self.plan = self.resolve_plan(plan)
         self.namespace = namespace
         self.save_formats = self._save_formats(save)
-        chunk_bytes = CHUNK_TOKENS * sum(
-            (Method.H.value in f) * self.spec.hidden_bytes_per_token_layer
-            + (Method.KV.value in f) * self.spec.kv_bytes_per_token_layer
-            for f in self.save_formats
-        )
+        chunk_bytes = CHUNK_TOKENS * sum(Method(f).bytes_per_token_layer(self.spec) for fs in self.save_formats for f in fs)
         if store.quota_bytes is not None and store.quota_bytes < chunk_bytes:
             raise StorageError(f"quota_bytes={store.quota_bytes} is smaller than one chunk ({chunk_bytes} bytes)")
         self.store = store.open_store(store_dir, {"fingerprint": self.fingerprint, "dtype": self.spec.dtype})
@@ -214,7 +210,8 @@ class HCacheRuntime:
                 restore_start = time.perf_counter()
                 # The last prompt token is always prefilled: its logits give the first output token.
                 keys = chunk_keys(prompt[:-1], root) if restore else []
-                request_plan = self.plan_for(plan, self._stored_prefix(keys))
+                # Only the auto plan depends on how much is stored; a fixed plan spares the lookups.
+                request_plan = plan if plan is not None else self.plan_for(None, self._stored_prefix(keys))
                 outcome = restore_prefix(
                     self.engine, self.store, uid, prompt, keys, self.fingerprint, request_plan, self.reader_pool
                 )

@@ -60,7 +60,7 @@ def test_reference_equals_transformers(kind, dtype, rng):
     cache = torch.zeros(4, 16, 2, 2, 64, dtype=dtype)
     slots = torch.randperm(64, generator=rng)[:37]
     rotate_and_write(cache, slots, k, q, (cos, sin), backend="torch")
-    k_cached, v_cached = read_kv(cache, slots)
+    k_cached, v_cached = read_kv(cache, slots).unbind(1)
     assert torch.equal(k_cached, k_hf[0].transpose(0, 1)) and torch.equal(v_cached, q)
 
 
@@ -148,8 +148,8 @@ class _Rows:
     def begin_batch(self, segments):
         self.layers = {}
 
-    def on_layer(self, layer, hidden, k, v):
-        self.layers[layer] = (hidden.clone(), k.clone(), v.clone())
+    def on_layer(self, layer, hidden, kv):
+        self.layers[layer] = (hidden.clone(), *kv().unbind(1))
 
     def end_batch(self):
         pass

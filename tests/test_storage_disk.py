@@ -1,6 +1,7 @@
 """The disk store: placement over directories, O_DIRECT and its fallback, start-up rebuild, quota, LRU,
 TTL, pins, and write faults."""
 import errno
+import json
 import os
 
 import pytest
@@ -181,8 +182,6 @@ def test_a_chunk_published_by_another_store_object_is_found(tmp_path):
 def test_manifest_records_labels_and_bad_options_are_clear_errors(tmp_path):
     DiskChunkStore(tmp_path / "s", labels={"fingerprint": "fp1", "dtype": "float32"})
     DiskChunkStore(tmp_path / "s", labels={"fingerprint": "fp2", "dtype": "bfloat16"})
-    import json
-
     manifest = json.loads((tmp_path / "s" / "hcache-store.json").read_text())
     assert manifest["layout_version"] == LAYOUT_VERSION
     assert [p["fingerprint"] for p in manifest["producers"]] == ["fp1", "fp2"]

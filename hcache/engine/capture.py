@@ -1,6 +1,7 @@
 """The contract between an engine's forward pass and whoever saves its per-layer state."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -11,13 +12,13 @@ from ..ragged import Segment
 class LayerCapture(Protocol):
     """Receives, once per layer per batch, the whole batch's normalised layer input and its K/V.
 
-    ``hidden`` is ``[T, D]``; ``k`` (rotated, as stored in the cache) and ``v`` are
-    ``[T, n_kv_heads, head_size]``. The tensors are views of buffers the engine reuses: copy what you keep
-    before returning.
+    ``hidden`` is ``[T, D]``, a view of a buffer the engine reuses: copy what you keep before returning.
+    ``kv()`` returns ``[T, 2, n_kv_heads, head_size]``: K (rotated, as in the cache) and V. It reads them back
+    from the cache, so a capture that saves only hidden states never pays for that read.
     """
 
     def begin_batch(self, segments: list[Segment]) -> None: ...
 
-    def on_layer(self, layer: int, hidden: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def on_layer(self, layer: int, hidden: torch.Tensor, kv: Callable[[], torch.Tensor]) -> None: ...
 
     def end_batch(self) -> None: ...

@@ -8,6 +8,7 @@ with three primitives: :meth:`recompute_layers` (RE), :meth:`restore_from_hidden
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -153,7 +154,7 @@ class ReferenceEngine:
             k, v = self.kv_proj[i](h)
             rotate_and_write(self.cache.layers[i], slots_t, k, v, cos_sin)
             if capture is not None:
-                capture.on_layer(i, h, *read_kv(self.cache.layers[i], slots_t))  # K as rotated in the cache
+                capture.on_layer(i, h, functools.partial(read_kv, self.cache.layers[i], slots_t))
             q = F.linear(h, *self.q_rows[i]).view(-1, self.spec.num_heads, self.spec.head_size)
             if cos_sin is not None:
                 q = apply_rope(q, *cos_sin)

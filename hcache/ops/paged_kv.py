@@ -21,10 +21,10 @@ def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     flat[slots, 1] = v.to(cache.dtype)
 
 
-def read_kv(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[T, n_kv_heads, head_size]`` (copies) at ``slots`` ``[T]``: what :func:`write_kv` wrote there."""
-    kv = cache.view(-1, *cache.shape[2:])[slots]
-    return kv[:, 0], kv[:, 1]
+def read_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``[T, 2, n_kv_heads, head_size]`` (a copy; K then V) at ``slots`` ``[T]``: what :func:`write_kv` wrote
+    there, in one gather."""
+    return cache.view(-1, *cache.shape[2:])[slots]
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
