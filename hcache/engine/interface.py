@@ -1,0 +1,65 @@
+"""The one interface both engines serve: the reference engine (HF transformers, any device) and the
+DeepSpeed-FastGen adapter (CUDA). hcache's serving layer drives either through it, and MII's batching
+loop drives the serving layer through the FastGen half of it (``put``/``query``/``flush``/``free_blocks``).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..model_spec import ModelSpec
+from .capture import LayerCapture
+
+
+class Engine(Protocol):
+    """A ragged-batch engine over a paged KV cache, with hcache's three restore primitives.
+
+    Capacity follows ``InferenceEngineV2``'s semantics, because MII schedules with them: ``free_blocks``
+    holds one count per KV-cache group (MII takes the min), and ``query`` answers how many of
+    ``max_request_tokens`` more tokens fit in ``max_request_blocks`` more blocks, and how many blocks they need.
+
+    A restore extends a sequence from its current length: ``begin_restore`` reserves blocks for
+    ``num_tokens`` more tokens, the primitives fill every layer's K/V at those positions, and
+    ``end_restore`` makes them count as seen, so the next ``step`` prefills after them.
+    """
+
+    spec: ModelSpec
+    device: torch.device
+    block_size: int
+
+    # ---- FastGen's scheduling interface -------------------------------------------------------------
+    @property
+    def free_blocks(self) -> torch.Tensor: ...
+
+    def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]: ...
+
+    def get_remaining_block_capacity(self, uid: int) -> int: ...
+
+    def flush(self, uid: int) -> None: ...
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def seen_tokens(self, uid: int) -> int:
+        """Tokens whose K/V the sequence holds; 0 for a sequence the engine does not track."""
+        ...
+
+    def step(self, requests: list[tuple[int, list[int]]], capture: LayerCapture | None = None) -> torch.Tensor:
+        """Append each request's tokens to its sequence; next-token logits ``[len(requests), vocab]``."""
+        ...
+
+    # ---- restore primitives (positions continue from the sequence's current length) -----------------
+    def begin_restore(self, uid: int, num_tokens: int) -> None: ...
+
+    def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:
+        """RE: run the first ``num_layers`` layers over ``tokens``, attending to what the sequence holds."""
+        ...
+
+    def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
+        """H: rows ``[start, start + len(hidden))`` of the restore from saved normalised layer inputs."""
+        ...
+
+    def restore_kv(self, uid: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """KV: rows ``[start, start + len(k))`` of the restore from saved (rotated) K and V."""
+        ...
+
+    def end_restore(self, uid: int, tokens: list[int]) -> None: ...
