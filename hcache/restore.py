@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
+from .engine.interface import Engine
 from .layer_prefetch import LayerPrefetcher, ReaderPool
 from .model_spec import ModelSpec
 from .plan import Method, RestorePlan
@@ -22,23 +21,6 @@ from .storage.chunk_key import CHUNK_TOKENS
 from .storage.chunk_store import ChunkStore
 
 log = logging.getLogger(__name__)
-
-
-class RestoreEngine(Protocol):
-    """What a restore needs from an engine (the reference engine and FastGen's adapter provide it)."""
-
-    spec: ModelSpec
-    device: torch.device
-
-    def begin_restore(self, uid: int, num_tokens: int) -> object: ...
-
-    def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None: ...
-
-    def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None: ...
-
-    def restore_kv(self, uid: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None: ...
-
-    def end_restore(self, uid: int, tokens: list[int]) -> None: ...
 
 
 @dataclass
@@ -54,7 +36,7 @@ def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def restore_prefix(
-    engine: RestoreEngine,
+    engine: Engine,
     store: ChunkStore,
     uid: int,
     tokens: list[int],
@@ -63,7 +45,10 @@ def restore_prefix(
     plan: RestorePlan,
     pool: ReaderPool | None = None,
 ) -> RestoreOutcome:
-    """Restore the longest verified prefix of ``keys`` (the chunk keys of ``tokens``) into sequence ``uid``.
+    """Restore the longest verified prefix of ``keys`` into sequence ``uid``, after the tokens it holds.
+
+    ``tokens`` follow what the sequence holds (all of a new sequence's prompt), and ``keys`` are the chain
+    keys of their full chunks: a sequence can be restored in steps, as its prompt arrives in parts.
 
     With a ``pool`` the stored layers are read ahead, while the RE layers and earlier layers compute;
     without one each layer is read just before it is restored. Both give the same cache."""

@@ -68,7 +68,8 @@ class _Decoder:
 
 
 class ReferenceEngine:
-    """Ragged-batch forward over a :class:`BlockedKVCache`, plus the three restore primitives."""
+    """Ragged-batch forward over a :class:`BlockedKVCache`, plus the three restore primitives; serves
+    :class:`~hcache.engine.interface.Engine`."""
 
     def __init__(self, model: nn.Module, spec: ModelSpec, num_blocks: int = 128, block_size: int = 64):
         self.model = model.eval()
@@ -76,6 +77,7 @@ class ReferenceEngine:
         self.device = next(model.parameters()).device
         self.dtype = getattr(torch, spec.dtype)
         self.cache = BlockedKVCache(spec, num_blocks, block_size, self.device)
+        self.block_size = block_size
         self.decoder = _Decoder(model, spec)
         self.kv_proj = [KVProjection(spec, layer) for layer in self.decoder.layers]
         self.q_rows = [linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for layer in self.decoder.layers]
@@ -88,6 +90,28 @@ class ReferenceEngine:
         if uid not in self.sequences:
             self.sequences[uid] = Sequence(uid)
         return self.sequences[uid]
+
+    def seen_tokens(self, uid: int) -> int:
+        seq = self.sequences.get(uid)
+        return len(seq.tokens) if seq is not None else 0
+
+    @property
+    def free_blocks(self) -> torch.Tensor:
+        return torch.tensor([self.cache.free_blocks])  # one KV-cache group
+
+    def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]:
+        """How many of ``max_request_tokens`` more tokens fit in ``max_request_blocks`` more blocks, and the
+        blocks they need (FastGen's ``get_kv_requirements``)."""
+        seq = self.sequences.get(uid)
+        seen, allocated = (len(seq.tokens), len(seq.blocks)) if seq is not None else (0, 0)
+        needed = self.cache.blocks_for(seen + max_request_tokens) - allocated
+        if needed <= max_request_blocks:
+            return max_request_tokens, max(needed, 0)
+        return (max_request_blocks + allocated) * self.block_size - seen, max_request_blocks
+
+    def get_remaining_block_capacity(self, uid: int) -> int:
+        seq = self.sequences.get(uid)
+        return len(seq.blocks) * self.block_size - len(seq.tokens) if seq is not None else 0
 
     def flush(self, uid: int) -> None:
         """Drop a sequence and free its KV blocks."""
@@ -188,26 +212,25 @@ class ReferenceEngine:
         return out
 
     # ---- restore primitives ------------------------------------------------------------------------
-    def begin_restore(self, uid: int, num_tokens: int) -> Sequence:
-        """Reserve blocks for restoring the first ``num_tokens`` of a new sequence, and compute once the
-        slots and RoPE tables that every layer's restore shares."""
+    def begin_restore(self, uid: int, num_tokens: int) -> None:
+        """Reserve blocks for ``num_tokens`` more tokens of the sequence, and compute once the slots and RoPE
+        tables that every layer's restore shares."""
         seq = self.sequence(uid)
-        if seq.tokens:
-            raise InvalidRequestError(f"sequence {uid} already holds {len(seq.tokens)} tokens; restore needs an empty one")
-        self._reserve(seq, num_tokens)
-        positions = torch.arange(num_tokens, device=self.device)
+        start = len(seq.tokens)
+        self._reserve(seq, start + num_tokens)
+        positions = torch.arange(start, start + num_tokens, device=self.device)
         cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype) if self.spec.rope else None
-        self._restoring[uid] = (self._slots(seq, 0, num_tokens), cos_sin)
-        return seq
+        self._restoring[uid] = (self._slots(seq, start, num_tokens), cos_sin)
 
     def end_restore(self, uid: int, tokens: list[int]) -> None:
         """Mark ``tokens`` as present in every layer of the cache, once all layers are restored."""
         self._restoring.pop(uid, None)
-        self.sequences[uid].tokens = list(tokens)
+        self.sequences[uid].tokens.extend(tokens)
 
     @torch.no_grad()
     def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:
-        """RE: run the first ``num_layers`` layers over ``tokens`` (from position 0), filling their K/V."""
+        """RE: run the first ``num_layers`` layers over ``tokens``, after what the sequence holds, filling
+        their K/V."""
         if num_layers > 0:
             self._forward([(uid, tokens)], num_layers, None)
 
