@@ -29,10 +29,25 @@ def next_key(parent: str, tokens: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-def chunk_keys(tokens: Sequence[int], root: str, chunk_tokens: int = CHUNK_TOKENS) -> list[str]:
+def chunk_keys(tokens: Sequence[int], root: str) -> list[str]:
     """Keys of every full chunk of ``tokens``; a trailing partial chunk has none."""
-    keys, parent = [], root
-    for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
-        parent = next_key(parent, tokens[start : start + chunk_tokens])
-        keys.append(parent)
-    return keys
+    return [key for key, _ in KeyChain(root).extend(tokens)]
+
+
+class KeyChain:
+    """The chain over a growing token sequence: ``key`` covers its full chunks so far, ``tail`` holds the
+    tokens after them."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.tail: list[int] = []
+
+    def extend(self, tokens: Sequence[int]) -> list[tuple[str, list[int]]]:
+        """Append ``tokens``; the key and tokens of each chunk they complete."""
+        self.tail.extend(tokens)
+        done = []
+        while len(self.tail) >= CHUNK_TOKENS:
+            chunk, self.tail = self.tail[:CHUNK_TOKENS], self.tail[CHUNK_TOKENS:]
+            self.key = next_key(self.key, chunk)
+            done.append((self.key, chunk))
+        return done

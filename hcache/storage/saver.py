@@ -28,7 +28,7 @@ import torch
 from ..errors import StorageError
 from ..ragged import Segment
 from .chunk import Chunk, encode
-from .chunk_key import CHUNK_TOKENS, next_key
+from .chunk_key import CHUNK_TOKENS, KeyChain
 from .chunk_store import ChunkStore
 from .staging_ring import Region, StagingRing
 
@@ -48,13 +48,12 @@ class _ChunkBuffer:
 
 @dataclass
 class _Sequence:
-    parent_key: str  # key of the last keyed chunk (or the stored prefix's last chunk, or the chain root)
-    tokens: list[int] = field(default_factory=list)  # tokens past the last keyed chunk
+    chain: KeyChain  # from the last keyed chunk (or the stored prefix's last chunk, or the chain root)
+    batches: list["_Batch"] = field(default_factory=list)
     keyed: dict[int, tuple[str, list[int]]] = field(default_factory=dict)  # chunk index -> key, tokens
     n_keyed: int = 0
     rows_seen: int = 0  # tokens whose rows stage 1 has taken
     chunks: dict[int, _ChunkBuffer] = field(default_factory=dict)
-    batches: list["_Batch"] = field(default_factory=list)
     broken: bool = False  # a forward pass failed mid-batch: its rows are incomplete, publish nothing more
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -116,18 +115,18 @@ class ChunkSaver:
         return self._ring.stall_s if self._ring else 0.0
 
     def open(self, uid: int, parent_key: str) -> None:
-        """Start saving sequence ``uid`` whose tokens up to the chunk ``parent_key`` are already stored."""
-        self._seqs[uid] = _Sequence(parent_key)
+        """Start saving sequence ``uid`` whose tokens up to the chunk ``parent_key`` are already stored.
+        Opening it again (after a restore skipped past stored chunks, on a chunk boundary) restarts the
+        chain there; batches still in flight keep publishing, and :meth:`close` still waits for them."""
+        old = self._seqs.get(uid)
+        self._seqs[uid] = _Sequence(KeyChain(parent_key), batches=old.batches if old is not None else [])
 
     def add_tokens(self, uid: int, tokens: list[int]) -> None:
         """Tokens about to be processed for ``uid``; their rows arrive with the next batch."""
         seq = self._seqs[uid]
-        seq.tokens.extend(tokens)
-        while len(seq.tokens) >= CHUNK_TOKENS:
-            chunk_tokens, seq.tokens = seq.tokens[:CHUNK_TOKENS], seq.tokens[CHUNK_TOKENS:]
-            seq.parent_key = next_key(seq.parent_key, chunk_tokens)
+        for key, chunk_tokens in seq.chain.extend(tokens):
             with seq.lock:
-                seq.keyed[seq.n_keyed] = (seq.parent_key, chunk_tokens)
+                seq.keyed[seq.n_keyed] = (key, chunk_tokens)
             seq.n_keyed += 1
 
     def close(self, uid: int) -> None:

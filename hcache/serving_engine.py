@@ -1,0 +1,285 @@
+"""hcache's serving engine: FastGen's engine interface over either engine, with restore before prefill and
+save during the forward.
+
+MII's batching loop calls ``put``/``query``/``flush``/``free_blocks`` as it would on FastGen's
+``InferenceEngineV2``, and never learns that part of a prompt came from the store. On each ``put``, the
+stored prefix of a sequence's new tokens is restored by the plan (§5 of the paper: a restore phase before
+prefill), and only the rest goes through the forward, where every layer's state is captured for the saver.
+A long prompt that Dynamic SplitFuse splits over several puts is restored in steps, one per put.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .engine.interface import Engine
+from .errors import InvalidRequestError, StorageError
+from .layer_prefetch import DEFAULT_READERS, ReaderPool
+from .plan import Method, RestorePlan, default_plan
+from .profile import Profile, default_profile_path
+from .ragged import Segment
+from .restore import restore_prefix
+from .storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
+from .storage.saver import ChunkSaver
+from .storage.store_config import StoreConfig
+
+log = logging.getLogger(__name__)
+
+SAVE_POLICIES = ("plan", "all", "none")
+AUTO = "auto"
+
+
+@dataclass
+class SequenceRecord:
+    """What one sequence cost, summed over its puts: tokens restored from the store and run through the forward."""
+
+    restored_tokens: int = 0
+    computed_tokens: int = 0
+    bytes_read: int = 0
+    restore_s: float = 0.0
+    plan: str = ""  # the plan of its last restore
+    fallback: str | None = None  # why stored state was used only in part, if it was
+
+
+@dataclass
+class _Sequence:
+    plan: RestorePlan | None  # None: the profile's plan for each restore's length
+    restore: bool
+    chain: KeyChain  # at the tokens the engine holds
+    record: SequenceRecord = field(default_factory=SequenceRecord)
+
+
+class _SaveCapture:
+    """Feeds the engine's per-layer rows to the saver, in the formats chosen for each layer."""
+
+    def __init__(self, saver: ChunkSaver, formats: list[frozenset[str]]):
+        self.saver, self.formats = saver, formats
+
+    def begin_batch(self, segments: list[Segment]) -> None:
+        self.saver.begin_batch(segments)
+
+    def on_layer(self, layer: int, hidden: torch.Tensor, kv: Callable[[], torch.Tensor]) -> None:
+        rows = {}
+        if Method.H.value in self.formats[layer]:
+            rows[Method.H.value] = hidden
+        if Method.KV.value in self.formats[layer]:
+            rows[Method.KV.value] = kv()  # [T, 2, n_kv, head]: the stored KV layout
+        self.saver.on_layer(layer, rows)
+
+    def end_batch(self) -> None:
+        self.saver.end_batch()
+
+
+class ServingEngine:
+    """An :class:`~hcache.engine.interface.Engine` served through FastGen's interface, with a chunk store.
+
+    ``store_dir``: one directory or a list (one per SSD); ``None`` serves without a store (nothing is
+    restored or saved: the recompute baseline). ``plan``: ``None`` for the default, ``"auto"`` for the
+    profile's bubble-free plan at each restore's length, a method name, or counts such as ``"2RE+20H+8KV"``.
+    The default is ``"auto"`` when a ``profile`` is given (a :class:`Profile` or a path; ``plan="auto"``
+    alone looks for this machine's profile under ``profiles/``), otherwise H for MHA models and KV where KV
+    is no larger. ``save``: ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of
+    every plan it picks over the context range), ``"all"`` hidden states and KV for every layer, ``"none"``
+    nothing. ``readers``: threads that read stored layers ahead of the restore's compute (0: inline).
+    ``request_log``: a file that gets one JSON line per finished sequence. ``config``: the engine config MII
+    schedules by (it reads ``_config.state_manager``).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        fingerprint: str,
+        store_dir: str | Path | Sequence[str | Path] | None,
+        *,
+        model_name: str,
+        plan: str | RestorePlan | None = None,
+        save: str = "plan",
+        namespace: str | None = None,
+        store: StoreConfig = StoreConfig(),
+        profile: str | Path | Profile | None = None,
+        readers: int = DEFAULT_READERS,
+        request_log: str | Path | None = None,
+        config: object = None,
+    ):
+        if save not in SAVE_POLICIES:
+            raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
+        if readers < 0:
+            raise InvalidRequestError(f"readers must be 0 (read inline) or more, not {readers}")
+        self.engine, self.spec, self.fingerprint = engine, engine.spec, fingerprint
+        self._config = config  # the name MII reads
+        self.profile = self._load_profile(profile, plan, model_name)
+        self.plan = self.resolve_plan(plan)
+        self.namespace = namespace
+        self.request_log = Path(request_log) if request_log is not None else None
+        self.store = self.saver = self.reader_pool = self._capture = None
+        self.save_formats = self._save_formats(save if store_dir is not None else "none")
+        if store_dir is not None:
+            chunk_bytes = CHUNK_TOKENS * sum(Method(f).bytes_per_token_layer(self.spec) for fs in self.save_formats for f in fs)
+            if store.quota_bytes is not None and store.quota_bytes < chunk_bytes:
+                raise StorageError(f"quota_bytes={store.quota_bytes} is smaller than one chunk ({chunk_bytes} bytes)")
+            self.store = store.open_store(store_dir, {"fingerprint": fingerprint, "dtype": self.spec.dtype})
+            self.saver = ChunkSaver(self.store, fingerprint, threads=store.saver_threads, staging_bytes=store.staging_bytes)
+            self.reader_pool = ReaderPool(readers) if readers else None
+            if any(self.save_formats):
+                self._capture = _SaveCapture(self.saver, self.save_formats)
+        self._seqs: dict[int, _Sequence] = {}
+
+    # ---- plans ----------------------------------------------------------------------------------------
+    def _load_profile(self, profile: str | Path | Profile | None, plan: object, model_name: str) -> Profile | None:
+        if isinstance(profile, Profile):
+            profile.check(self.spec)
+            return profile
+        if profile is None and not (isinstance(plan, str) and plan.strip().lower() == AUTO):
+            return None
+        return Profile.load(profile or default_profile_path(self.spec, model_name), self.spec)
+
+    def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
+        """A fixed plan, or None for the profile's plan per history length."""
+        if plan is None:
+            return None if self.profile is not None else default_plan(self.spec)
+        if isinstance(plan, str) and plan.strip().lower() == AUTO:
+            if self.profile is None:
+                raise InvalidRequestError("plan 'auto' needs a profile: pass profile=... or run `hcache profile`")
+            return None
+        if isinstance(plan, RestorePlan):
+            if len(plan.layers) != self.spec.num_layers:
+                raise InvalidRequestError(f"plan {plan} covers {len(plan.layers)} layers, the model has {self.spec.num_layers}")
+            return plan
+        return RestorePlan.parse(plan, self.spec.num_layers)
+
+    def plan_for(self, plan: RestorePlan | None, history: int) -> RestorePlan:
+        return plan if plan is not None else self.profile.plan(self.spec, history)
+
+    def _save_formats(self, save: str) -> list[frozenset[str]]:
+        """Per layer, the formats to save: for the auto plan, every format it restores from at any length."""
+        if save == "none":
+            return [frozenset()] * self.spec.num_layers
+        if save == "all":
+            return [frozenset((Method.H.value, Method.KV.value))] * self.spec.num_layers
+        lengths = [0]
+        if self.plan is None:
+            lengths = sorted({*self.profile.tokens, *_powers_of_two(CHUNK_TOKENS, self.spec.max_positions)})
+        formats = [set() for _ in range(self.spec.num_layers)]
+        for length in lengths:
+            for layer, m in enumerate(self.plan_for(self.plan, length).layers):
+                formats[layer] |= {m.stored_format} - {None}
+        return [frozenset(f) for f in formats]
+
+    # ---- FastGen's interface --------------------------------------------------------------------------
+    def open(
+        self, uid: int, *, plan: str | RestorePlan | None = None, restore: bool = True, namespace: str | None = None
+    ) -> None:
+        """Set a new sequence's options before its first ``put`` (a ``put`` of an unknown uid opens it with
+        the engine's): ``plan`` overrides the engine's, ``restore=False`` ignores stored state."""
+        if uid in self._seqs:
+            raise InvalidRequestError(f"sequence {uid} is already open; flush it first")
+        root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
+        resolved = self.plan if plan is None else self.resolve_plan(plan)
+        self._seqs[uid] = _Sequence(resolved, restore and self.store is not None, KeyChain(root))
+        if self._capture is not None:
+            self.saver.open(uid, root)
+
+    @torch.no_grad()
+    def put(self, batch_uids: Sequence[int], batch_tokens: Sequence[Sequence[int] | torch.Tensor], do_checks: bool = True) -> torch.Tensor:
+        """Append tokens to sequences; next-token logits ``[len(batch_uids), vocab]``. The stored prefix of each
+        sequence's new tokens is restored first, and only the rest is run (and saved). Capacity is checked
+        by the engine's block allocation whatever ``do_checks`` says."""
+        requests = []
+        for uid, tokens in zip(batch_uids, batch_tokens):
+            tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
+            if not tokens:
+                raise InvalidRequestError(f"sequence {uid}: no tokens to process")
+            if uid not in self._seqs:
+                self.open(uid)
+            requests.append((uid, tokens[self._restore(uid, tokens) :]))
+        for uid, tokens in requests:
+            if self._capture is not None:
+                self.saver.add_tokens(uid, tokens)
+        logits = self.engine.step(requests, self._capture)
+        for uid, tokens in requests:
+            seq = self._seqs[uid]
+            seq.chain.extend(tokens)
+            seq.record.computed_tokens += len(tokens)
+        return logits
+
+    def _restore(self, uid: int, tokens: list[int]) -> int:
+        """Restore the stored full chunks of ``tokens``, all but the last token (its logits are needed);
+        how many tokens were restored. Only a sequence whose held tokens end on a chunk boundary can be
+        extended from the store, since chunks are keyed by whole 64-token blocks."""
+        seq = self._seqs[uid]
+        if not seq.restore or seq.chain.tail:
+            return 0
+        keys = chunk_keys(tokens[:-1], seq.chain.key)
+        if not keys:
+            return 0
+        start = time.perf_counter()
+        # Only the auto plan depends on how much is stored; a fixed plan spares the lookups.
+        plan = seq.plan if seq.plan is not None else self.plan_for(None, self._stored_prefix(keys))
+        outcome = restore_prefix(self.engine, self.store, uid, tokens, keys, self.fingerprint, plan, self.reader_pool)
+        record = seq.record
+        record.restored_tokens += outcome.tokens
+        record.bytes_read += outcome.bytes_read
+        record.restore_s += time.perf_counter() - start
+        record.plan = str(plan)
+        record.fallback = outcome.fallback or record.fallback
+        if outcome.tokens:
+            seq.chain.extend(tokens[: outcome.tokens])
+            if self._capture is not None:
+                self.saver.open(uid, seq.chain.key)  # saving resumes after the restored chunks
+        return outcome.tokens
+
+    def _stored_prefix(self, keys: list[str]) -> int:
+        """Tokens covered by the leading chunks present in the store: the history a plan is chosen for."""
+        n = 0
+        while n < len(keys) and self.store.contains(keys[n]):
+            n += 1
+        return n * CHUNK_TOKENS
+
+    def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]:
+        return self.engine.query(uid, max_request_tokens, max_request_blocks)
+
+    @property
+    def free_blocks(self) -> torch.Tensor:
+        return self.engine.free_blocks
+
+    def get_remaining_block_capacity(self, uid: int) -> int:
+        return self.engine.get_remaining_block_capacity(uid)
+
+    def record(self, uid: int) -> SequenceRecord:
+        """What an open sequence has cost so far."""
+        return self._seqs[uid].record
+
+    def flush(self, uid: int) -> None:
+        """Finish a sequence: wait until its full chunks are stored (so a returning conversation finds them),
+        then free its KV blocks."""
+        seq = self._seqs.pop(uid, None)
+        if self.saver is not None:
+            self.saver.close(uid)
+        self.engine.flush(uid)
+        if seq is not None and self.request_log is not None:
+            with self.request_log.open("a") as f:
+                f.write(json.dumps({"uid": uid, "time": time.time(), **asdict(seq.record)}) + "\n")
+
+    def close(self) -> None:
+        """Drain the saver and stop the saver and reader threads; the engine serves no more requests."""
+        if self.saver is not None:
+            self.saver.shutdown()
+        if self.reader_pool is not None:
+            self.reader_pool.close()
+            self.reader_pool = None
+
+    def __enter__(self) -> "ServingEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _powers_of_two(start: int, stop: int) -> list[int]:
+    return [start << i for i in range(max(1, stop // start).bit_length())]
