@@ -1,0 +1,43 @@
+"""hcache as a DeepSpeed-MII backend: ``mii.pipeline`` and ``mii.serve`` with hcache's restore and save.
+
+    import hcache.mii
+    pipe = hcache.mii.pipeline("path/to/model", hcache={"store_dirs": ["/nvme0/hc", "/nvme1/hc"]})
+    client = hcache.mii.serve("path/to/model", hcache={"plan": "auto", "profile": "profiles/x.json"},
+                              enable_restful_api=True)
+
+Both take MII's own arguments too, and return MII's own pipeline and client.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .backend import build_engine, check_mii_version, installed, server_processes_launched_by_hcache
+from .config import HCacheConfig
+
+__all__ = ["HCacheConfig", "build_engine", "pipeline", "serve"]
+
+
+def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
+    """``mii.pipeline`` (same arguments) whose engine restores and saves through hcache. The pipeline's
+    ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
+    import mii
+
+    with installed(_config(hcache)):
+        return mii.pipeline(model_name_or_path, **kwargs)
+
+
+def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
+    """``mii.serve`` (same arguments: ``enable_restful_api``, ``deployment_name``, ports, ...) whose replicas
+    restore and save through hcache. Returns MII's client; ``client.terminate_server()`` stops it."""
+    import mii
+
+    config = _config(hcache)
+    check_mii_version()
+    with server_processes_launched_by_hcache(config):
+        return mii.serve(model_name_or_path, **kwargs)
+
+
+def _config(hcache: HCacheConfig | dict | None) -> HCacheConfig:
+    if isinstance(hcache, HCacheConfig):
+        return hcache
+    return HCacheConfig(**(hcache or {}))

@@ -1,0 +1,146 @@
+"""hcache as a DeepSpeed-MII backend: MII's own pipeline, server, batching loop and sampling, over hcache's
+serving engine.
+
+MII builds its engine in one place, ``mii.api.load_model``; the backend points that at
+:func:`build_engine`, and MII's Dynamic SplitFuse loop then drives a
+:class:`~hcache.serving_engine.ServingEngine` exactly as it drives ``InferenceEngineV2``. ``mii.serve`` runs
+the engine in server processes that MII launches with ``python -m mii.launch.multi_gpu_server``; the
+backend launches them with :mod:`hcache.mii.launch` instead, which installs the same hook there.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ..engine import ReferenceEngine
+from ..errors import InvalidRequestError
+from ..fingerprint import model_fingerprint
+from ..model_loader import load_model, model_dtype
+from ..serving_engine import ServingEngine
+from .config import HCacheConfig
+
+TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
+
+
+def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
+    """The engine MII serves ``model_config`` with (``model_config`` is MII's ``ModelConfig``)."""
+    if model_config.tensor_parallel != 1:
+        raise InvalidRequestError(
+            f"tensor_parallel={model_config.tensor_parallel}: the hcache MII backend serves one rank per replica"
+        )
+    path = model_config.model_name_or_path
+    if _engine_kind(hcache) == "fastgen":
+        from ..engine.fastgen import build_fastgen_engine
+
+        engine = build_fastgen_engine(path, model_config.inference_engine_config)
+        fingerprint, config = engine.fingerprint, engine.config
+    else:
+        device = hcache.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        loaded = load_model(path, model_dtype(hcache.dtype, device), device)
+        engine = ReferenceEngine(loaded.model, loaded.spec, num_blocks=hcache.num_blocks)
+        fingerprint, config = model_fingerprint(loaded.model, loaded.spec), model_config.inference_engine_config
+    if model_config.max_length is None:  # else MII reads it from FastGen's checkpoint engine
+        model_config.max_length = engine.spec.max_positions
+    return ServingEngine(
+        engine,
+        fingerprint,
+        hcache.store_dirs if hcache.enabled else None,
+        model_name=Path(path).name,
+        plan=hcache.plan,
+        save=hcache.save,
+        namespace=hcache.namespace,
+        store=hcache.store,
+        profile=hcache.profile,
+        readers=hcache.readers,
+        request_log=hcache.request_log,
+        config=config,
+    )
+
+
+def _engine_kind(hcache: HCacheConfig) -> str:
+    if hcache.engine == "auto":
+        return "fastgen" if torch.cuda.is_available() else "reference"
+    return hcache.engine
+
+
+def check_mii_version() -> None:
+    import mii
+
+    version = tuple(int(p) for p in mii.__version__.strip().split(".")[:2])
+    if not TESTED_MII[0] <= version < TESTED_MII[1]:
+        lo, hi = (".".join(map(str, v)) for v in TESTED_MII)
+        raise InvalidRequestError(f"the hcache MII backend is tested with deepspeed-mii >={lo},<{hi}; found {mii.__version__}")
+
+
+def install(hcache: HCacheConfig) -> Callable[[], None]:
+    """Make this process's MII build hcache's engine; returns the undo."""
+    import mii.api
+
+    check_mii_version()
+    saved_load = mii.api.load_model
+    mii.api.load_model = lambda model_config: build_engine(model_config, hcache)
+    undo_cpu = _run_mii_loop_on_cpu() if not torch.cuda.is_available() else lambda: None
+
+    def undo() -> None:
+        mii.api.load_model = saved_load
+        undo_cpu()
+
+    return undo
+
+
+def _run_mii_loop_on_cpu() -> Callable[[], None]:
+    """Two things stop MII 0.3's loop on a CPU, neither about the model: it calls ``torch.cuda.synchronize()``
+    unconditionally when a pipeline starts, which a CPU-only torch refuses (without CUDA it becomes the
+    no-op it would be); and it finds rank 0 by ``current_device() == 0``, while DeepSpeed's CPU accelerator
+    returns ``LOCAL_RANK`` as a string, so a launched server thinks it is not rank 0 and answers nothing."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    saved_sync = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+    accelerator.current_device = lambda: int(os.environ.get("LOCAL_RANK", 0))
+
+    def undo() -> None:
+        torch.cuda.synchronize = saved_sync
+        del accelerator.current_device
+
+    return undo
+
+
+@contextmanager
+def installed(hcache: HCacheConfig) -> Iterator[None]:
+    undo = install(hcache)
+    try:
+        yield
+    finally:
+        undo()
+
+
+@contextmanager
+def server_processes_launched_by_hcache(hcache: HCacheConfig) -> Iterator[None]:
+    """While ``mii.serve`` starts its processes, start them through :mod:`hcache.mii.launch` with the
+    hcache config, in MII's own command line otherwise."""
+    from mii.backend.server import MIIServer, config_to_b64_str
+
+    def launch(self, model_config, msg_server_type, ds_launch_str="", server_args=None):
+        cmd = [
+            *ds_launch_str.split(),
+            sys.executable, "-m", "hcache.mii.launch",
+            "--hcache-config", hcache.to_b64(),
+            "--model-config", config_to_b64_str(model_config),
+            *" ".join(server_args or []).split(),
+        ]  # fmt: skip
+        return subprocess.Popen(cmd)
+
+    saved = MIIServer._launch_server_process
+    MIIServer._launch_server_process = launch
+    try:
+        yield
+    finally:
+        MIIServer._launch_server_process = saved

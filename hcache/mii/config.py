@@ -1,0 +1,47 @@
+"""The hcache backend's options for ``mii.pipeline`` / ``mii.serve``: where state is stored, how it is restored."""
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..layer_prefetch import DEFAULT_READERS
+from ..storage.store_config import StoreConfig
+
+
+class HCacheConfig(BaseModel):
+    """``enabled=False`` serves MII on the same engine with no store: the recompute baseline.
+
+    ``engine``: ``"fastgen"`` (DeepSpeed-FastGen, CUDA only), ``"reference"`` (HF transformers modules, any
+    device) or ``"auto"`` (FastGen when a GPU is present). ``plan``: ``None`` (H for MHA models, KV where KV
+    is smaller; ``"auto"`` when a profile is given), ``"auto"``, ``"RE"``/``"H"``/``"KV"`` or counts such as
+    ``"2RE+20H+8KV"``. ``store``: quota, TTL, DRAM tier and saver options. ``num_blocks``, ``device`` and
+    ``dtype`` size the reference engine's KV cache and place its model (FastGen takes these from MII's
+    ``inference_engine_config``). ``request_log``: a file that gets one JSON line per finished sequence
+    (tokens restored and computed, bytes read, plan, fallback).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    engine: Literal["auto", "fastgen", "reference"] = "auto"
+    store_dirs: list[str] = Field(default_factory=lambda: ["hcache-store"], min_length=1)
+    profile: str | None = None
+    plan: str | None = None
+    save: Literal["plan", "all", "none"] = "plan"
+    namespace: str | None = None
+    store: StoreConfig = StoreConfig()
+    readers: int = Field(DEFAULT_READERS, ge=0)
+    num_blocks: int = Field(256, gt=0)
+    device: str | None = None
+    dtype: str | None = None
+    request_log: str | None = None
+
+    def to_b64(self) -> str:
+        """A command-line-safe form, the way MII hands its own config to server processes."""
+        return base64.urlsafe_b64encode(self.model_dump_json().encode()).decode()
+
+    @classmethod
+    def from_b64(cls, text: str) -> "HCacheConfig":
+        return cls.model_validate_json(base64.urlsafe_b64decode(text.encode()))
