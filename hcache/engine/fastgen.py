@@ -171,19 +171,46 @@ class FastGenEngine:
 
     @torch.no_grad()
     def step(self, requests: list[tuple[int, list[int]]], capture: LayerCapture | None = None) -> torch.Tensor:
+        self._check_fits(requests)
         uids = [uid for uid, _ in requests]
         tokens = [torch.tensor(t, dtype=torch.int64) for _, t in requests]
         if capture is None:
-            return self._engine.put(uids, tokens)
+            return self._engine.put(uids, tokens, do_checks=False)
         segments, row = [], 0
         for uid, t in requests:
             segments.append(Segment(uid, self.seen_tokens(uid), len(t), row))
             row += len(t)
         capture.begin_batch(segments)
         with self._capturing(capture, segments):
-            logits = self._engine.put(uids, tokens)
+            logits = self._engine.put(uids, tokens, do_checks=False)
         capture.end_batch()
         return logits
+
+    def _check_fits(self, requests: list[tuple[int, list[int]]]) -> None:
+        """What ``put``'s own checks would check. Those (``do_checks=True``) pass ``free_blocks``, a list,
+        where FastGen's ``get_kv_requirements`` compares an int, and raise TypeError (deepspeed 0.19.8); MII
+        skips them. Unchecked, FastGen allocates fewer blocks than the tokens need and writes past them."""
+        total = sum(len(t) for _, t in requests)
+        if total > self.config.state_manager.max_ragged_batch_size:
+            raise InvalidRequestError(
+                f"{total} tokens in one step, over FastGen's max_ragged_batch_size of {self.config.state_manager.max_ragged_batch_size}"
+            )
+        for uid, tokens in requests:
+            if not tokens:
+                raise InvalidRequestError(f"sequence {uid}: no tokens to process")
+        self._check_blocks([(uid, len(t)) for uid, t in requests])
+
+    def _check_blocks(self, requests: list[tuple[int, int]]) -> None:
+        """Raise :class:`CacheFullError` unless ``(uid, new tokens)`` all fit in the free blocks together."""
+        from deepspeed.inference.v2.ragged import PlaceholderSequenceDescriptor
+
+        free = min(self.free_blocks)
+        for uid, n in requests:
+            desc = self._state.get_sequence(uid) or PlaceholderSequenceDescriptor()
+            fits, blocks = self._model.get_kv_requirements(desc, n, free)
+            if fits < n:
+                raise CacheFullError(f"sequence {uid}: only {fits} of {n} new tokens fit in the free KV blocks")
+            free -= blocks
 
     @contextmanager
     def _capturing(self, capture: LayerCapture, segments: list[Segment]):
@@ -239,10 +266,8 @@ class FastGenEngine:
             raise InvalidRequestError(
                 f"sequence {uid} would hold {base + num_tokens} tokens, over the model's limit of {self.spec.max_positions}"
             )
+        self._check_blocks([(uid, num_tokens)])
         desc = self._state.get_or_create_sequence(uid)
-        fits, _ = self._model.get_kv_requirements(desc, num_tokens, self._state.free_blocks[0])
-        if fits < num_tokens:
-            raise CacheFullError(f"sequence {uid}: only {fits} of {num_tokens} tokens to restore fit in the free KV blocks")
         self._model.maybe_allocate_kv(desc, num_tokens)
         positions = torch.arange(base, base + num_tokens, device=self.device)
         cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype)
