@@ -19,6 +19,9 @@ import json
 import statistics
 import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's hcache, not an installed one
 
 
 def parse_args() -> argparse.Namespace:
