@@ -244,7 +244,7 @@ def cached_kv(engine: FastGenEngine, uid: int, layer: int) -> torch.Tensor:
     desc = engine._state.get_sequence(uid)
     pos = torch.arange(desc.seen_tokens)
     table = desc.all_block_ids().long()
-    return engine._state.get_cache(layer)[table[pos // BLOCK], pos % BLOCK]
+    return engine._state.get_cache(layer)[table[pos // engine.block_size], pos % engine.block_size]
 
 
 class Recorder:
