@@ -1,0 +1,326 @@
+"""DeepSpeed-FastGen adapter: hcache's :class:`~hcache.engine.interface.Engine` over an ``InferenceEngineV2``.
+
+FastGen runs the model; this adapter adds what hcache needs around it, without editing DeepSpeed:
+
+- **capture**: during a ``put``, the model's per-layer method, its ``qkv`` and its ``attn`` modules are
+  wrapped, so each layer's normalised input (the ``qkv`` GEMM's input: FastGen fuses the input norm into the
+  previous layer's end) reaches the capture right after the layer's attention has written K/V, while the
+  norm's reused output buffer still holds it. The wrappers exist only for the duration of that ``put``.
+- **restore**: blocks come from FastGen's own state manager and descriptors; the K/V GEMM reads the K and V
+  rows of FastGen's fused ``qkv_w`` (and ``qkv_b``); RoPE and scatter use :func:`hcache.ops.rotate_and_write`
+  on FastGen's cache tensor, whose per-layer layout ``[num_blocks, block_size, 2, n_kv_heads, head_size]``
+  is hcache's. Recompute runs FastGen's own embedding and first layers over a ragged batch built as ``put``
+  builds it.
+
+FastGen's kernels are CUDA-only: :func:`build_fastgen_engine` refuses to start without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
+from ..model_spec import ModelSpec
+from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
+from ..ops.kv_projection import DEFAULT_MAX_ROWS
+from ..ragged import Segment
+from .capture import LayerCapture
+
+# model_types whose FastGen implementation this adapter has read: dense, rotate-half RoPE, fused [q; k; v].
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2")
+TESTED_DEEPSPEED = (0, 19)  # the adapter wraps FastGen internals: accept 0.19.x only
+
+
+def check_model_type(model_type: str | None) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by hcache's FastGen adapter; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def check_deepspeed_version(version: str) -> None:
+    from packaging.version import Version
+
+    if Version(version).release[:2] != TESTED_DEEPSPEED:
+        raise RuntimeError(
+            f"hcache's FastGen adapter is tested with deepspeed>=0.19,<0.20 (it wraps FastGen's model "
+            f"internals); found deepspeed {version}. Install deepspeed==0.19.*"
+        )
+
+
+def check_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "FastGen needs a CUDA GPU (its ragged kernels are CUDA-only) and none is available; "
+            "use the reference engine (hcache.engine.ReferenceEngine) on a CPU"
+        )
+
+
+def build_fastgen_engine(path: str, engine_config: Any = None, **build_kwargs: Any) -> "FastGenEngine":
+    """Check the model, deepspeed and the GPU, then ``build_hf_engine(path, engine_config)`` and wrap it.
+
+    ``engine_config``: a ``RaggedInferenceEngineConfig`` or a dict of one (FastGen's defaults if ``None``).
+    """
+    import deepspeed
+    from deepspeed.inference.v2 import RaggedInferenceEngineConfig, build_hf_engine
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path)
+    check_model_type(hf_config.model_type)
+    check_deepspeed_version(deepspeed.__version__)
+    if engine_config is None or isinstance(engine_config, dict):
+        engine_config = RaggedInferenceEngineConfig(**(engine_config or {}))
+    if engine_config.tensor_parallel.tp_size > 1:
+        raise NotImplementedError(
+            f"tensor parallel FastGen (tp_size={engine_config.tensor_parallel.tp_size}) is not supported by "
+            "this adapter yet; use tp_size=1"
+        )
+    check_cuda()
+    return FastGenEngine(build_hf_engine(path, engine_config, **build_kwargs), hf_config)
+
+
+class _WeightKVProjection(KVProjection):
+    """:class:`KVProjection` over given K/V rows (FastGen's fused ``qkv_w`` slice) instead of HF modules."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, spec: ModelSpec):
+        self.weight, self.bias = weight, bias
+        self.kv_dim = spec.kv_dim
+        self.head_shape = (spec.num_kv_heads, spec.head_size)
+        # our own GEMM, never FastGen's linear modules, whose one output buffer a forward may be using
+        self.max_rows = DEFAULT_MAX_ROWS
+
+
+@dataclass
+class _Restore:
+    base: int  # the sequence's seen tokens when the restore began: position of its first restored token
+    num_tokens: int
+    slots: torch.Tensor
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+
+
+class FastGenEngine:
+    """hcache's engine protocol over a DeepSpeed ``InferenceEngineV2`` with tensor parallel degree 1."""
+
+    def __init__(self, engine: Any, hf_config: Any):
+        self._engine = engine
+        self.config = engine._config
+        self._model = engine._model
+        self._state = engine._state_manager
+        cache = self._state.get_cache(0)
+        self.device, self.dtype = cache.device, cache.dtype
+        self.block_size = self._model.attn.kv_block_size
+        self.spec = ModelSpec.from_config(hf_config, dtype=self.dtype)
+        check_model_type(self.spec.model_type)
+        self._check_dims(cache)
+        # mistral names its per-layer method differently from llama, qwen2 and phi3
+        self._layer_method = next(
+            n for n in ("_forward_transformer_layer", "_forward_transformer") if hasattr(self._model, n)
+        )
+        self._kv_proj = [self._layer_kv_projection(i) for i in range(self.spec.num_layers)]
+        self._restoring: dict[int, _Restore] = {}
+
+    def _check_dims(self, cache: torch.Tensor) -> None:
+        spec, model = self.spec, self._model
+        pos = model.positional_embedding_config
+        rotary_dim = (pos.rotate_dim or spec.head_size) if pos is not None else None
+        ours = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_size)
+        theirs = (model.num_layers, model.model_dim, model.n_heads_q_local, model.n_heads_kv_local, model.head_size)
+        if ours != theirs or tuple(cache.shape[2:]) != (2, spec.num_kv_heads, spec.head_size):
+            raise UnsupportedModelError(
+                f"FastGen's model (layers, hidden, heads, kv heads, head size) = {theirs}, KV cache "
+                f"{tuple(cache.shape)}, disagree with the HF config's {ours}"
+            )
+        rope = spec.rope
+        if rope is None or rope.rope_type != "default" or rope.rotary_dim != rotary_dim or rope.theta != float(pos.theta_base):
+            raise UnsupportedModelError(
+                f"FastGen rotates {rotary_dim} channels with theta {getattr(pos, 'theta_base', None)}; the HF "
+                f"config asks for {rope}: a restore would not match FastGen's forward"
+            )
+
+    def _layer_kv_projection(self, layer: int) -> KVProjection:
+        params = self._model._transformer[layer]
+        q_dim = self.spec.num_heads * self.spec.head_size
+        rows = slice(q_dim, q_dim + 2 * self.spec.kv_dim)  # fused qkv_w is [q; k; v] x D (UnfusedQKVParameter)
+        bias = getattr(params, "qkv_b", None)
+        return _WeightKVProjection(params.qkv_w[rows], None if bias is None else bias[rows], self.spec)
+
+    # ---- FastGen's scheduling interface -------------------------------------------------------------
+    @property
+    def free_blocks(self) -> torch.Tensor:
+        return self._engine.free_blocks
+
+    def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]:
+        return self._engine.query(uid, max_request_tokens, max_request_blocks)
+
+    def get_remaining_block_capacity(self, uid: int) -> int:
+        return self._engine.get_remaining_block_capacity(uid)
+
+    def flush(self, uid: int) -> None:
+        self._restoring.pop(uid, None)
+        self._engine.flush(uid)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def seen_tokens(self, uid: int) -> int:
+        desc = self._state.get_sequence(uid)
+        return 0 if desc is None else desc.seen_tokens
+
+    @torch.no_grad()
+    def step(self, requests: list[tuple[int, list[int]]], capture: LayerCapture | None = None) -> torch.Tensor:
+        self._check_fits(requests)
+        uids = [uid for uid, _ in requests]
+        tokens = [torch.tensor(t, dtype=torch.int64) for _, t in requests]
+        if capture is None:
+            return self._engine.put(uids, tokens, do_checks=False)
+        segments, row = [], 0
+        for uid, t in requests:
+            segments.append(Segment(uid, self.seen_tokens(uid), len(t), row))
+            row += len(t)
+        capture.begin_batch(segments)
+        with self._capturing(capture, segments):
+            logits = self._engine.put(uids, tokens, do_checks=False)
+        capture.end_batch()
+        return logits
+
+    def _check_fits(self, requests: list[tuple[int, list[int]]]) -> None:
+        """What ``put``'s own checks would check. Those (``do_checks=True``) pass ``free_blocks``, a list,
+        where FastGen's ``get_kv_requirements`` compares an int, and raise TypeError (deepspeed 0.19.8); MII
+        skips them. Unchecked, FastGen allocates fewer blocks than the tokens need and writes past them."""
+        total = sum(len(t) for _, t in requests)
+        if total > self.config.state_manager.max_ragged_batch_size:
+            raise InvalidRequestError(
+                f"{total} tokens in one step, over FastGen's max_ragged_batch_size of {self.config.state_manager.max_ragged_batch_size}"
+            )
+        for uid, tokens in requests:
+            if not tokens:
+                raise InvalidRequestError(f"sequence {uid}: no tokens to process")
+        self._check_blocks([(uid, len(t)) for uid, t in requests])
+
+    def _check_blocks(self, requests: list[tuple[int, int]]) -> None:
+        """Raise :class:`CacheFullError` unless ``(uid, new tokens)`` all fit in the free blocks together."""
+        from deepspeed.inference.v2.ragged import PlaceholderSequenceDescriptor
+
+        free = min(self.free_blocks)
+        for uid, n in requests:
+            desc = self._state.get_sequence(uid) or PlaceholderSequenceDescriptor()
+            fits, blocks = self._model.get_kv_requirements(desc, n, free)
+            if fits < n:
+                raise CacheFullError(f"sequence {uid}: only {fits} of {n} new tokens fit in the free KV blocks")
+            free -= blocks
+
+    @contextmanager
+    def _capturing(self, capture: LayerCapture, segments: list[Segment]):
+        """Wrap the model's layer method, ``qkv`` and ``attn`` for one ``put``; restore them however it ends.
+
+        ``on_layer`` runs right after ``attn`` (K/V are in the cache) and before ``attn_out`` and the MLP
+        norm, which overwrites the buffer ``hidden`` is a view of. A capture that copies on another stream
+        must order that before the compute stream's next kernel: the saver's ``_copy_async`` does, by making
+        the compute stream wait on its copy event inside ``on_layer``, so nothing later in this layer is
+        enqueued before that wait, and the adapter adds no synchronisation of its own.
+        """
+        model = self._model
+        layer_fn, qkv_fn, attn_fn = getattr(model, self._layer_method), model.qkv.forward, model.attn.forward
+        current: dict[str, Any] = {}
+
+        def layer(layer_idx, *args, **kwargs):
+            current["layer"] = layer_idx
+            return layer_fn(layer_idx, *args, **kwargs)
+
+        def qkv(hidden_states, *args, **kwargs):
+            current["hidden"] = hidden_states
+            return qkv_fn(hidden_states, *args, **kwargs)
+
+        def attn(q_k_v, kv_cache, *args, **kwargs):
+            out = attn_fn(q_k_v, kv_cache, *args, **kwargs)
+            capture.on_layer(current["layer"], current["hidden"], functools.partial(self._read_batch_kv, kv_cache, segments, current))
+            return out
+
+        setattr(model, self._layer_method, layer)
+        model.qkv.forward, model.attn.forward = qkv, attn
+        try:
+            yield
+        finally:  # instance attributes shadowed the class's methods: deleting them restores the originals
+            delattr(model, self._layer_method)
+            del model.qkv.forward, model.attn.forward
+
+    def _read_batch_kv(self, kv_cache: torch.Tensor, segments: list[Segment], current: dict[str, Any]) -> torch.Tensor:
+        if "slots" not in current:  # once per batch: blocks are allocated by the time a layer runs
+            current["slots"] = torch.cat([self._slots(s.uid, s.start, s.length) for s in segments])
+        return read_kv(kv_cache, current["slots"])
+
+    def _slots(self, uid: int, start: int, length: int) -> torch.Tensor:
+        table = self._state.get_sequence(uid).all_block_ids().to(self.device, torch.long)
+        return slot_mapping(table, torch.arange(start, start + length, device=self.device), self.block_size)
+
+    # ---- restore primitives -------------------------------------------------------------------------
+    def begin_restore(self, uid: int, num_tokens: int) -> None:
+        """Track ``uid`` and allocate its blocks for ``num_tokens`` past its seen tokens, as ``put`` would."""
+        if uid in self._restoring:
+            raise InvalidRequestError(f"sequence {uid} is already being restored")
+        base = self.seen_tokens(uid)
+        if base + num_tokens > self.spec.max_positions:
+            raise InvalidRequestError(
+                f"sequence {uid} would hold {base + num_tokens} tokens, over the model's limit of {self.spec.max_positions}"
+            )
+        self._check_blocks([(uid, num_tokens)])
+        desc = self._state.get_or_create_sequence(uid)
+        self._model.maybe_allocate_kv(desc, num_tokens)
+        positions = torch.arange(base, base + num_tokens, device=self.device)
+        cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype)
+        self._restoring[uid] = _Restore(base, num_tokens, self._slots(uid, base, num_tokens), cos_sin)
+
+    @torch.no_grad()
+    def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
+        r = self._restoring[uid]
+        rows = slice(start, start + hidden.shape[0])
+        k, v = self._kv_proj[layer](hidden.to(self.device, self.dtype, non_blocking=True))
+        cache = self._state.get_cache(layer)
+        rotate_and_write(cache, r.slots[rows], k, v, (r.cos_sin[0][rows], r.cos_sin[1][rows]))
+
+    @torch.no_grad()
+    def restore_kv(self, uid: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        slots = self._restoring[uid].slots[start : start + k.shape[0]]
+        rotate_and_write(self._state.get_cache(layer), slots, k.to(self.device), v.to(self.device), None)
+
+    @torch.no_grad()
+    def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:
+        """RE: FastGen's embedding and first ``num_layers`` layers over ``tokens``, in batches of at most
+        ``max_ragged_batch_size`` (the size of every module's buffers).
+
+        Each batch is inserted as ``put`` inserts a sequence, but through a placeholder descriptor that
+        says where the batch starts: the real descriptor's ``seen_tokens`` grows only at :meth:`end_restore`,
+        so this can run any number of times (the profiler times it) before the restore ends.
+        """
+        from deepspeed.inference.v2.ragged import PlaceholderSequenceDescriptor
+
+        r = self._restoring[uid]
+        if len(tokens) > r.num_tokens:
+            raise InvalidRequestError(f"sequence {uid}: {len(tokens)} tokens to recompute, {r.num_tokens} being restored")
+        if num_layers == 0:
+            return
+        model, batch, desc = self._model, self._engine._batch, self._state.get_sequence(uid)
+        layer = getattr(model, self._layer_method)
+        max_rows = self.config.state_manager.max_ragged_batch_size
+        for off in range(0, len(tokens), max_rows):
+            view = PlaceholderSequenceDescriptor(r.base + off, desc.cur_allocated_blocks, desc.kv_blocks_ptr)
+            batch.clear()
+            batch.insert_sequence(view, torch.tensor(tokens[off : off + max_rows], dtype=torch.int64))
+            batch.finalize()
+            model.prepare_batch(batch)
+            residual = model._forward_embed(batch)
+            residual, hidden = model.norm(residual, None, model._transformer[0].attn_norm_gamma, beta=None)
+            for i in range(num_layers):
+                residual, hidden = layer(i, residual, hidden, batch)
+
+    def end_restore(self, uid: int, tokens: list[int]) -> None:
+        """Count ``tokens`` as seen, with the descriptor calls ``put`` makes around a forward."""
+        r = self._restoring.pop(uid)
+        if len(tokens) != r.num_tokens:
+            raise InvalidRequestError(f"sequence {uid}: restore began for {r.num_tokens} tokens, ended with {len(tokens)}")
+        desc = self._state.get_sequence(uid)
+        desc.pre_forward(len(tokens))
+        desc.post_forward()
