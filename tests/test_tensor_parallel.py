@@ -13,8 +13,11 @@ from hcache.errors import UnsupportedModelError
 from hcache.model_loader import LoadedModel, random_model
 from hcache.model_spec import ModelSpec
 from hcache.plan import Method, RestorePlan
+from hcache.profile import Profile, ProfileMismatch
+from hcache.profiler import measure_profile
 from hcache.restore import restore_prefix
 from hcache.runtime import HCacheRuntime
+from hcache.scheduler import LayerCosts, partition
 from hcache.storage.chunk import ChunkReader
 from hcache.storage.chunk_key import chunk_keys, root_key
 from hcache.tensor_parallel import TPGroup, local_spec
@@ -107,6 +110,7 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     result = runtime.generate(prompt, NEW_TOKENS, plan="KV")
     seen["missing"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids)
     runtime.close()
+    seen["profile"] = measure_profile(_model(), [64, 256], repeats=1, readers=0, tp=tp)
     torch.save(seen, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -117,7 +121,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     prompt = random_prompt(PROMPT, 256, torch.Generator().manual_seed(1))
     mp.spawn(_rank, args=(out, prompt), nprocs=TP)
-    ranks = [torch.load(out / f"rank{r}.pt") for r in range(TP)]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(TP)]  # written by this test
 
     lm = _model()
     with HCacheRuntime(lm, out / "tp1", save="all") as runtime:
@@ -188,3 +192,25 @@ def test_heads_must_divide_by_the_degree():
     spec = _model().spec
     with pytest.raises(UnsupportedModelError, match="divide"):
         local_spec(spec, TPGroup(0, 3))
+
+
+def test_profile_measures_the_all_gather(runs, tmp_path):
+    ranks, _, spec = runs
+    for r, rank in enumerate(ranks):
+        profile = rank["profile"]
+        assert profile.tensor_parallel == TP and profile.model["num_kv_heads"] == spec.num_kv_heads // TP
+        assert len(profile.seconds["ag_h"]) == 2 and all(t > 0 for t in profile.seconds["ag_h"])
+        assert profile.costs(256).ag_h == profile.seconds["ag_h"][1]
+        profile.save(tmp_path / f"rank{r}.json")
+        shard = local_spec(spec, TPGroup(r, TP))
+        assert Profile.load(tmp_path / f"rank{r}.json", shard, TP).seconds == profile.seconds
+        with pytest.raises(ProfileMismatch, match="tensor parallelism 2, not 1"):
+            Profile.load(tmp_path / f"rank{r}.json", shard)
+
+
+def test_scheduler_counts_the_all_gather_on_h_layers():
+    base = dict(c_token=10.0, c_h=1.0, c_kv=0.1, io_h=1.0, io_kv=2.0)
+    assert str(partition(LayerCosts(**base), 8, 64, 128)) == "8H"  # I/O and compute balance
+    slow_gather = LayerCosts(**base, ag_h=2.0)  # H now costs 3 s of compute per layer
+    assert slow_gather.plan_time(0, 8, 0) == 24.0
+    assert str(partition(slow_gather, 8, 64, 128)) == "4H+4KV"  # max(4·3 + 4·0.1, 4·1 + 4·2) = 12.4 s
