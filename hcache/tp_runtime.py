@@ -18,6 +18,7 @@ import torch
 
 from .engine import ReferenceEngine
 from .fingerprint import model_fingerprint
+from .layer_prefetch import DEFAULT_READERS, ReaderPool
 from .model_loader import LoadedModel
 from .plan import Method, RestorePlan
 from .restore import restore_prefix
@@ -30,7 +31,8 @@ from .tensor_parallel import TPGroup, shard_model
 
 class TensorParallelRuntime:
     """``loaded.model`` is sharded in place for ``tp.rank``. ``save``: ``"all"`` (both formats for every
-    layer) or ``"plan"`` (the formats ``plan`` restores from). Generation is greedy."""
+    layer) or ``"plan"`` (the formats ``plan`` restores from). ``readers``: threads that read stored layers
+    ahead (0: inline). Generation is greedy."""
 
     def __init__(
         self,
@@ -42,6 +44,7 @@ class TensorParallelRuntime:
         save: str = "plan",
         num_blocks: int = 64,
         store: StoreConfig = StoreConfig(),
+        readers: int = DEFAULT_READERS,
     ):
         self.tp = tp
         full_fingerprint = model_fingerprint(loaded.model, loaded.spec)  # before sharding: the same on all ranks
@@ -55,10 +58,13 @@ class TensorParallelRuntime:
         self._capture = _SaveCapture(
             self.saver, [frozenset(formats or {m.stored_format} - {None}) for m in self.plan.layers]
         )
+        self.reader_pool = ReaderPool(readers) if readers else None
         self._uid = 0
 
     def close(self) -> None:
         self.saver.shutdown()
+        if self.reader_pool is not None:
+            self.reader_pool.close()
 
     @torch.no_grad()
     def generate(
@@ -70,7 +76,9 @@ class TensorParallelRuntime:
         root = root_key(self.fingerprint)
         keys = chunk_keys(prompt[:-1], root) if restore else []  # the last token is prefilled for its logits
         try:
-            outcome = restore_prefix(self.engine, self.store, uid, prompt, keys, self.fingerprint, plan_, tp=self.tp)
+            outcome = restore_prefix(
+                self.engine, self.store, uid, prompt, keys, self.fingerprint, plan_, self.reader_pool, self.tp
+            )
             restore_s = time.perf_counter() - start
             n_chunks = outcome.tokens // CHUNK_TOKENS
             self.saver.open(uid, keys[n_chunks - 1] if n_chunks else root)

@@ -81,7 +81,8 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=TP)
     torch.set_num_threads(1)
     tp = TPGroup.current()
-    runtime = TensorParallelRuntime(_model(), out / f"store{rank}", tp, save="all", num_blocks=16)
+    # generate() reads ahead with 2 threads; the restore_prefix calls below read inline.
+    runtime = TensorParallelRuntime(_model(), out / f"store{rank}", tp, save="all", num_blocks=16, readers=2)
     engine = runtime.engine
     seen = {"cache_heads": engine.cache.layers[0].shape[3]}
     seen["logits"] = engine.step([(0, prompt)]).clone()
@@ -109,6 +110,17 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     dist.barrier()
     result = runtime.generate(prompt, NEW_TOKENS, plan="KV")
     seen["missing"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids)
+    runtime.close()
+    # Saving only what an H plan needs: a rank's chunks without hidden states hold no tensor at all.
+    runtime = TensorParallelRuntime(_model(), out / f"plan{rank}", tp, plan="H", num_blocks=16, readers=2)
+    runtime.generate(prompt, 1, restore=False)
+    keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
+    tensors = []
+    for j, key in enumerate(keys):
+        with runtime.store.open(key) as f:
+            tensors.append(len(ChunkReader.open(f, key, prompt[64 * j : 64 * (j + 1)], runtime.fingerprint).entries))
+    result = runtime.generate(prompt, NEW_TOKENS)
+    seen["plan_only"] = dict(tensors=tensors, tokens=result.restored_tokens, output=result.output_ids)
     runtime.close()
     seen["profile"] = measure_profile(_model(), [64, 256], repeats=1, readers=0, tp=tp)
     torch.save(seen, out / f"rank{rank}.pt")
@@ -186,6 +198,13 @@ def test_bad_chunk_on_one_rank_ends_the_prefix_on_all(runs):
     assert "another tensor-parallel rank" in missing[0]["fallback"] and missing[1]["fallback"] is None
     for case in (*corrupt, *missing):
         assert case["output"] == ref["reference"]
+
+
+def test_saving_for_an_h_plan_stores_each_chunk_hidden_states_once(runs):
+    ranks, ref, _ = runs
+    assert [rank["plan_only"]["tensors"] for rank in ranks] == [[LAYERS, 0, LAYERS], [0, LAYERS, 0]]
+    for rank in ranks:
+        assert rank["plan_only"]["tokens"] == RESTORED and rank["plan_only"]["output"] == ref["reference"]
 
 
 def test_heads_must_divide_by_the_degree():
