@@ -59,14 +59,15 @@ def restore_prefix(
     and ``fingerprint`` of its own chunks: the ranks agree on the prefix, and an H layer's rows are
     gathered from the ranks that store them (:class:`~hcache.tensor_parallel.TPGroup`)."""
     with ExitStack() as files:
-        readers, fallback = _open_prefix(store, files, keys, tokens, fingerprint, plan, tp)
+        first = engine.seen_tokens(uid) // CHUNK_TOKENS  # with TP, which rank stores a chunk's H depends on it
+        readers, fallback = _open_prefix(store, files, keys, tokens, fingerprint, plan, tp, first)
         n = agreed = tp.min(len(readers))  # a prefix that one rank lacks is no prefix at all
         if agreed < len(readers):
             fallback = fallback or _elsewhere(agreed)
         engine.begin_restore(uid, n * CHUNK_TOKENS)
         jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if n else []
         spec = engine.spec
-        hidden_chunks = tp.hidden_chunks(n)
+        hidden_chunks = tp.hidden_chunks(n, first)
         chunk_readers = {Method.H.value: [readers[j] for j in hidden_chunks], Method.KV.value: readers[:n]}
         with LayerPrefetcher(chunk_readers, jobs, row_shapes(spec), getattr(torch, spec.dtype), engine.device, pool) as ahead:
             if n and plan.count(Method.RE):
@@ -81,7 +82,7 @@ def restore_prefix(
                     break  # with TP, other ranks still gather this rank's rows of the H layers left
                 if got.fmt == Method.H.value:
                     # Rows past another rank's bad chunk are garbage; the agreement below ends the prefix there.
-                    engine.restore_from_hidden(uid, got.layer, tp.gather_hidden(got.rows, agreed)[: n * CHUNK_TOKENS])
+                    engine.restore_from_hidden(uid, got.layer, tp.gather_hidden(got.rows, agreed, first)[: n * CHUNK_TOKENS])
                 else:
                     rows = got.rows[: n * CHUNK_TOKENS]
                     engine.restore_kv(uid, got.layer, rows[:, 0], rows[:, 1])
@@ -100,7 +101,7 @@ def _elsewhere(n: int) -> str:
 
 def _open_prefix(
     store: ChunkStore, files: ExitStack, keys: list[str], tokens: list[int], fingerprint: str, plan: RestorePlan,
-    tp: TPGroup,
+    tp: TPGroup, first: int,
 ) -> tuple[list[ChunkReader], str | None]:
     stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
     readers: list[ChunkReader] = []
@@ -116,7 +117,7 @@ def _open_prefix(
             reader = ChunkReader.open(file, key, tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
         except ChunkInvalid as exc:
             return readers, _reject(store, key, j, exc)
-        missing = {(layer, fmt) for layer, fmt in stored if tp.stores(j, fmt)} - set(reader.entries)
+        missing = {(layer, fmt) for layer, fmt in stored if tp.stores(first + j, fmt)} - set(reader.entries)
         if missing:
             reason = f"chunk {key} was saved without {sorted({f for _, f in missing})} state that plan {plan} needs"
             log.info("%s; recomputing from token %d", reason, j * CHUNK_TOKENS)

@@ -79,19 +79,21 @@ class TPGroup:
         the hidden states of every ``world_size``-th chunk."""
         return fmt != Method.H.value or chunk % self.world_size == self.rank
 
-    def hidden_chunks(self, n: int) -> range:
-        """The chunks among the first ``n`` whose hidden states this rank stores (and reads)."""
-        return range(self.rank, n, self.world_size)
+    def hidden_chunks(self, n: int, first: int = 0) -> range:
+        """Which of ``n`` chunks, from the sequence's chunk ``first`` on, this rank stores (and reads) the
+        hidden states of, counted from ``first``."""
+        return range((self.rank - first) % self.world_size, n, self.world_size)
 
-    def gather_hidden(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+    def gather_hidden(self, rows: torch.Tensor, n: int, first: int = 0) -> torch.Tensor:
         """All ``n`` chunks' rows ``[n·64, D]`` in token order, from each rank's rows of its
-        :meth:`hidden_chunks` (chunk ``i·tp + r`` is row block ``i`` of rank ``r``)."""
+        :meth:`hidden_chunks` (chunk ``first + i·tp + k`` is row block ``i`` of rank ``(first + k) % tp``)."""
         if self.world_size == 1:
             return rows
         per_rank = -(-n // self.world_size) * CHUNK_TOKENS  # ranks own one chunk more or less: pad to equal
         padded = torch.nn.functional.pad(rows, (0, 0, 0, per_rank - rows.shape[0]))
         gathered = self.all_gather(padded).view(self.world_size, -1, CHUNK_TOKENS, rows.shape[-1])
-        return gathered.transpose(0, 1).reshape(-1, rows.shape[-1])[: n * CHUNK_TOKENS]
+        in_turn = [(first + k) % self.world_size for k in range(self.world_size)]
+        return gathered[in_turn].transpose(0, 1).reshape(-1, rows.shape[-1])[: n * CHUNK_TOKENS]
 
     def fingerprint(self, model_fingerprint: str) -> str:
         """The fingerprint this rank's chunks carry and its key chain is rooted in: a rank serves only

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .engine import ReferenceEngine
+from .errors import InvalidRequestError
 from .fingerprint import model_fingerprint
 from .layer_prefetch import DEFAULT_READERS, ReaderPool
 from .model_loader import LoadedModel
@@ -46,6 +47,8 @@ class TensorParallelRuntime:
         store: StoreConfig = StoreConfig(),
         readers: int = DEFAULT_READERS,
     ):
+        if save not in ("all", "plan"):
+            raise InvalidRequestError(f"save must be 'all' or 'plan', not {save!r}")
         self.tp = tp
         full_fingerprint = model_fingerprint(loaded.model, loaded.spec)  # before sharding: the same on all ranks
         model, self.spec = shard_model(loaded.model, loaded.spec, tp)

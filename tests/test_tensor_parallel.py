@@ -98,6 +98,12 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
         seen[plan] = dict(tokens=outcome.tokens, fallback=outcome.fallback, kv=_kv(engine, 1), **log.take())
         engine.flush(1)
         seen[plan]["output"] = runtime.generate(prompt, NEW_TOKENS, plan=plan).output_ids
+    # In two steps, as a prompt arrives in parts: chunk 0, then chunks 1 and 2 (rank 1 stores chunk 1's H).
+    plan = RestorePlan.parse("1RE+2H+1KV", LAYERS)
+    steps = [restore_prefix(engine, runtime.store, 1, prompt, keys[:1], runtime.fingerprint, plan, tp=tp)]
+    steps.append(restore_prefix(engine, runtime.store, 1, prompt[64:], keys[1:], runtime.fingerprint, plan, tp=tp))
+    seen["steps"] = dict(tokens=[o.tokens for o in steps], fallbacks=[o.fallback for o in steps], kv=_kv(engine, 1))
+    engine.flush(1)
     # A corrupt hidden-state tensor in rank 0's chunk 2, found while reading layer 1.
     if rank == 0:
         _corrupt(runtime.store, keys[2], 1, "H", prompt[128:192], runtime.fingerprint)
@@ -172,6 +178,15 @@ def test_restored_kv_is_the_rank_head_slice_of_tp1(runs, plan):
             for want in (ref[plan][layer], ref["recompute"][layer]):
                 torch.testing.assert_close(got["kv"][layer], want[:, :, mine], atol=KV_ATOL, rtol=0)
         assert got["output"] == ref["reference"], f"rank {r}, plan {plan}"
+
+
+def test_restore_in_steps(runs):
+    ranks, ref, spec = runs
+    heads = spec.num_kv_heads // TP
+    for r, rank in enumerate(ranks):
+        assert rank["steps"]["tokens"] == [64, 128] and rank["steps"]["fallbacks"] == [None, None]
+        for got, want in zip(rank["steps"]["kv"], ref["recompute"]):
+            torch.testing.assert_close(got, want[:, :, r * heads : (r + 1) * heads], atol=KV_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("plan", PLANS)
