@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import random_prompt
+from helpers import loaded, random_prompt
 
+from hcache.engine import ReferenceEngine
 from hcache.errors import UnsupportedModelError
 from hcache.model_loader import LoadedModel, random_model
 from hcache.model_spec import ModelSpec
@@ -20,7 +21,7 @@ from hcache.runtime import HCacheRuntime
 from hcache.scheduler import LayerCosts, partition
 from hcache.storage.chunk import ChunkReader
 from hcache.storage.chunk_key import chunk_keys, root_key
-from hcache.tensor_parallel import TPGroup, local_spec
+from hcache.tensor_parallel import TPGroup, local_spec, shard_model
 from hcache.tp_runtime import TensorParallelRuntime
 
 TP = 2
@@ -30,6 +31,7 @@ PROMPT = 200  # 3 full chunks: rank 0 stores the hidden states of chunks 0 and 2
 RESTORED = 192
 NEW_TOKENS = 8
 KV_ATOL = 1e-5
+OTHER_FAMILIES = ("mistral", "qwen2", "opt")
 
 
 def _model() -> LoadedModel:
@@ -87,6 +89,9 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     seen = {"cache_heads": engine.cache.layers[0].shape[3]}
     seen["logits"] = engine.step([(0, prompt)]).clone()
     engine.flush(0)
+    for family in OTHER_FAMILIES:  # QKV biases, GQA, sliding windows, OPT's biased row-parallel linears
+        lm = loaded(f"random:{family}")
+        seen[family] = ReferenceEngine(*shard_model(lm.model, lm.spec, tp)).step([(0, prompt)])
     seen["reference"] = runtime.generate(prompt, NEW_TOKENS, restore=False).output_ids  # saves 3 chunks
     keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
     log = _ReadLog()
@@ -142,8 +147,10 @@ def runs(tmp_path_factory):
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(TP)]  # written by this test
 
     lm = _model()
+    ref = {family: ReferenceEngine(loaded(f"random:{family}").model, loaded(f"random:{family}").spec).step([(0, prompt)])
+           for family in OTHER_FAMILIES}
     with HCacheRuntime(lm, out / "tp1", save="all") as runtime:
-        ref = {"logits": runtime.engine.step([(0, prompt)]).clone()}
+        ref["logits"] = runtime.engine.step([(0, prompt)]).clone()
         runtime.engine.flush(0)
         ref["reference"] = runtime.generate(prompt, NEW_TOKENS, restore=False).output_ids
         runtime.engine.step([(2, prompt[:RESTORED])])
@@ -162,7 +169,8 @@ def test_sharded_forward_equals_tp1(runs):
     ranks, ref, spec = runs
     for rank in ranks:
         assert rank["cache_heads"] == spec.num_kv_heads // TP  # each rank caches only its KV heads
-        torch.testing.assert_close(rank["logits"], ref["logits"], atol=1e-5, rtol=1e-5)
+        for name in ("logits", *OTHER_FAMILIES):
+            torch.testing.assert_close(rank[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
         assert rank["reference"] == ref["reference"]
 
 
@@ -222,10 +230,11 @@ def test_saving_for_an_h_plan_stores_each_chunk_hidden_states_once(runs):
         assert rank["plan_only"]["tokens"] == RESTORED and rank["plan_only"]["output"] == ref["reference"]
 
 
-def test_heads_must_divide_by_the_degree():
-    spec = _model().spec
+def test_unsupported_shapes_are_refused():
     with pytest.raises(UnsupportedModelError, match="divide"):
-        local_spec(spec, TPGroup(0, 3))
+        local_spec(_model().spec, TPGroup(0, 3))
+    with pytest.raises(UnsupportedModelError, match="separate q/k/v"):
+        local_spec(loaded("random:phi3").spec, TPGroup(0, 2))
 
 
 def test_profile_measures_the_all_gather(runs, tmp_path):
