@@ -135,8 +135,8 @@ def local_spec(spec: ModelSpec, tp: TPGroup) -> ModelSpec:
 
 @torch.no_grad()
 def shard_model(model: nn.Module, spec: ModelSpec, tp: TPGroup) -> tuple[nn.Module, ModelSpec]:
-    """Shard ``model`` in place for rank ``tp.rank`` (a full copy per rank would not fit where TP is
-    needed) and return it with its :func:`local_spec`."""
+    """Shard ``model`` in place for rank ``tp.rank`` (no second copy of the weights) and return it with
+    its :func:`local_spec`."""
     shard_spec = local_spec(spec, tp)
     if tp.world_size == 1:
         return model, spec
@@ -148,7 +148,9 @@ def shard_model(model: nn.Module, spec: ModelSpec, tp: TPGroup) -> tuple[nn.Modu
             _split_rows(layer.get_submodule(rows.module), kv_dim * tp.rank, kv_dim)
         for name in columns:
             module = layer.get_submodule(name)
-            size = module.out_features // tp.world_size
+            size, rest = divmod(module.out_features, tp.world_size)
+            if rest:
+                raise UnsupportedModelError(f"{name} has {module.out_features} outputs, not divisible by {tp.world_size}")
             _split_rows(module, size * tp.rank, size)
         for name in (spec.o_module, row):
             _make_row_parallel(layer, name, tp)
