@@ -3,7 +3,7 @@ that consumes them.
 
 Stored chunks are token-major on disk (one file per 64 tokens) while restore is layer-major, so layer ``l``
 needs one small read from every chunk. A :class:`ReaderPool`'s threads split the chunks between them
-(chunk ``j`` always goes to reader ``j % W``, so no two threads ever share a file) and each fills its
+(file ``j`` always goes to reader ``j % W``, so no two threads ever share a file) and each fills its
 chunks' rows of a layer's host buffer. An upload thread then hands the finished layer to the device: on a
 GPU the buffer is pinned and copied on a side stream, and the consumer waits only on that layer's event,
 so layer ``l+1``'s read and copy overlap layer ``l``'s compute (and the RE layers, which need no data).
@@ -46,11 +46,13 @@ class LayerRows:
     layer: int
     fmt: str
     rows: torch.Tensor  # [chunks·64, *row_shape] on the device; rows of chunks at or past ``bad`` are garbage
-    bad: tuple[int, ChunkInvalid | OSError] | None  # the first chunk whose rows of this layer failed to read or verify
+    bad: tuple[int, ChunkInvalid | OSError] | None  # the first of the format's readers whose rows failed to read or verify
 
 
 class LayerPrefetcher:
-    """Yields, in order, each ``(layer, format)`` of ``jobs`` as a :class:`LayerRows` over all ``readers``.
+    """Yields, in order, each ``(layer, format)`` of ``jobs`` as a :class:`LayerRows` over all ``readers``,
+    or over ``readers[format]`` when formats are stored in different chunks (tensor parallelism: a rank
+    stores the hidden states of only some chunks).
 
     ``row_shapes`` gives each format's per-token shape and ``dtype`` the stored dtype the model expects: a
     chunk whose tensor differs is reported as bad, never reshaped into place.
@@ -58,7 +60,7 @@ class LayerPrefetcher:
 
     def __init__(
         self,
-        readers: list[ChunkReader],
+        readers: list[ChunkReader] | dict[str, list[ChunkReader]],
         jobs: list[tuple[int, str]],
         row_shapes: dict[str, tuple[int, ...]],
         dtype: torch.dtype,
@@ -66,7 +68,11 @@ class LayerPrefetcher:
         pool: ReaderPool | None = None,
         depth: int = DEFAULT_DEPTH,
     ):
-        self.readers, self.jobs, self.row_shapes, self.dtype = readers, jobs, row_shapes, dtype
+        self.readers = readers if isinstance(readers, dict) else dict.fromkeys(row_shapes, readers)
+        # Each file belongs to one pool thread (by its position among all files), whatever the format.
+        files = dict.fromkeys(id(r) for rs in self.readers.values() for r in rs)
+        self._position = {file: i for i, file in enumerate(files)}
+        self.jobs, self.row_shapes, self.dtype = jobs, row_shapes, dtype
         self.device, self.pool, self.depth = torch.device(device), pool, max(1, depth)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda and pool is not None else None
@@ -101,7 +107,7 @@ class LayerPrefetcher:
 
     # ---- internals ---------------------------------------------------------------------------------
     def _new_buffer(self, fmt: str) -> torch.Tensor:
-        shape = (len(self.readers) * CHUNK_TOKENS, *self.row_shapes[fmt])
+        shape = (len(self.readers[fmt]) * CHUNK_TOKENS, *self.row_shapes[fmt])
         return torch.empty(shape, dtype=self.dtype, pin_memory=self.cuda)
 
     def _submit(self, i: int) -> None:
@@ -113,10 +119,11 @@ class LayerPrefetcher:
         self._futures.append(self.pool.uploader.submit(self._upload, layer, fmt, buf, reads))
 
     def _read(self, layer: int, fmt: str, buf: torch.Tensor, first: int, step: int) -> tuple[int, Exception] | None:
-        """Fill the rows of chunks ``first, first+step, …``; stop at this reader's first bad chunk."""
-        for j in range(first, len(self.readers), step):
+        """Fill the rows of the files at positions ``first, first+step, …``; stop at this thread's first bad one."""
+        readers = self.readers[fmt]
+        for j in (j for j, r in enumerate(readers) if self._position[id(r)] % step == first):
             try:  # straight into the layer buffer; a tensor of another shape or dtype is refused
-                self.readers[j].read_into(layer, fmt, buf[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS])
+                readers[j].read_into(layer, fmt, buf[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS])
             except (ChunkInvalid, OSError) as exc:
                 return j, exc
         return None

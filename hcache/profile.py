@@ -26,6 +26,7 @@ from .scheduler import LayerCosts, partition
 # Bump when what is measured, or how, changes: older profiles are then stale.
 PROFILE_VERSION = 1
 COST_NAMES = ("c_token", "c_h", "c_kv", "io_h", "io_kv")
+TP_COST_NAMES = ("ag_h",)  # measured only with tensor parallelism; 0 without
 
 
 class ProfileMismatch(HCacheError):
@@ -55,13 +56,19 @@ class Profile:
     version: int = PROFILE_VERSION
     hcache_version: str = ""
     command: str = ""  # how it was measured, for people reading the file
+    tensor_parallel: int = 1  # the TP degree: costs are one rank's, and ``model`` describes its shard
 
     def costs(self, history: int) -> LayerCosts:
-        return LayerCosts(**{name: _interp(history, self.tokens, self.seconds[name]) for name in COST_NAMES})
+        names = [name for name in (*COST_NAMES, *TP_COST_NAMES) if name in self.seconds]
+        return LayerCosts(**{name: _interp(history, self.tokens, self.seconds[name]) for name in names})
 
     def plan(self, spec: ModelSpec, history: int) -> RestorePlan:
+        """``spec``: the model, or with TP the rank's shard (whose hidden states it stores 1/TP of)."""
         return partition(
-            self.costs(history), spec.num_layers, spec.hidden_bytes_per_token_layer, spec.kv_bytes_per_token_layer
+            self.costs(history),
+            spec.num_layers,
+            spec.hidden_bytes_per_token_layer // self.tensor_parallel,
+            spec.kv_bytes_per_token_layer,
         )
 
     def bound_seconds(self, spec: ModelSpec, history: int) -> float:
@@ -70,8 +77,14 @@ class Profile:
         plan = self.plan(spec, history)
         return self.costs(history).plan_time(*(plan.count(m) for m in Method))
 
-    def check(self, spec: ModelSpec) -> None:
-        """Raise :class:`ProfileMismatch` unless this profile fits ``spec`` on this machine."""
+    def check(self, spec: ModelSpec, tensor_parallel: int = 1) -> None:
+        """Raise :class:`ProfileMismatch` unless this profile fits ``spec`` (with TP, a rank's shard) on this
+        machine at this TP degree."""
+        if self.tensor_parallel != tensor_parallel:
+            raise ProfileMismatch(
+                f"profile was measured with tensor parallelism {self.tensor_parallel}, not {tensor_parallel}; "
+                f"run `hcache profile` for this degree"
+            )
         if self.version != PROFILE_VERSION:
             raise ProfileMismatch(
                 f"profile is stale: measured by procedure v{self.version}, this hcache uses v{PROFILE_VERSION}; "
@@ -94,29 +107,30 @@ class Profile:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path, spec: ModelSpec | None = None) -> "Profile":
+    def load(cls, path: str | Path, spec: ModelSpec | None = None, tensor_parallel: int = 1) -> "Profile":
         try:
             data = json.loads(Path(path).read_text())
             profile = cls(**data)
-            if sorted(profile.seconds) != sorted(COST_NAMES) or any(
-                len(v) != len(profile.tokens) for v in profile.seconds.values()
-            ):
-                raise ValueError(f"expected costs {COST_NAMES} at each of {len(profile.tokens)} lengths")
+            expected = set(COST_NAMES) | (set(TP_COST_NAMES) if profile.tensor_parallel > 1 else set())
+            if set(profile.seconds) != expected or any(len(v) != len(profile.tokens) for v in profile.seconds.values()):
+                raise ValueError(f"expected costs {sorted(expected)} at each of {len(profile.tokens)} lengths")
         except FileNotFoundError:
             raise ProfileMismatch(f"no profile at {path}; run `hcache profile` to measure one") from None
         except (OSError, ValueError, TypeError) as exc:
             raise ProfileMismatch(f"{path} is not a valid hcache profile: {exc}") from exc
         if spec is not None:
-            profile.check(spec)
+            profile.check(spec, tensor_parallel)
         return profile
 
     @classmethod
-    def new(cls, model_name: str, spec: ModelSpec, tokens: list[int], seconds: dict, bandwidth: dict) -> "Profile":
+    def new(
+        cls, model_name: str, spec: ModelSpec, tokens: list[int], seconds: dict, bandwidth: dict, tensor_parallel: int = 1
+    ) -> "Profile":
         from . import __version__
 
         return cls(
             model_name, model_shape_key(spec), spec.describe(), machine_name(), machine_facts(),
-            list(tokens), seconds, bandwidth, PROFILE_VERSION, __version__,
+            list(tokens), seconds, bandwidth, PROFILE_VERSION, __version__, tensor_parallel=tensor_parallel,
         )
 
 

@@ -9,6 +9,10 @@ will actually take:
 - ``c_h``: the engine's ``restore_from_hidden`` (K/V GEMM, RoPE, scatter);
 - ``c_kv``: the engine's ``restore_kv`` (scatter);
 - ``c_token``: the engine's forward over the whole history, per layer, attention included.
+
+With tensor parallelism every rank runs the profiler at once on its shard, and measures its own costs:
+its heads' GEMMs, the TP forward, its share of the hidden-state reads (one chunk in TP), and
+- ``ag_h``: the all-gather that assembles a layer's hidden states from the ranks.
 """
 from __future__ import annotations
 
@@ -26,11 +30,12 @@ from .errors import StorageError
 from .layer_prefetch import DEFAULT_READERS, LayerPrefetcher, ReaderPool
 from .model_loader import LoadedModel
 from .plan import Method
-from .profile import COST_NAMES, Profile
+from .profile import COST_NAMES, TP_COST_NAMES, Profile
 from .restore import row_shapes
 from .storage.chunk import Chunk, ChunkReader, encode
 from .storage.chunk_key import CHUNK_TOKENS
 from .storage.disk_store import DiskChunkStore
+from .tensor_parallel import SINGLE, TPGroup, shard_model
 
 DEFAULT_TOKENS = (256, 1024, 4096, 16384)
 _IO_LAYERS = 4  # layers per chunk file in the I/O measurement: reads of several layers overlap, as in a restore
@@ -49,39 +54,45 @@ def measure_profile(
     repeats: int = 3,
     readers: int = DEFAULT_READERS,
     store_dirs: list[str] | None = None,
+    tp: TPGroup = SINGLE,
 ) -> Profile:
     """Measure every cost at each history length in ``tokens``, on the device the model is on. I/O is
-    measured in scratch directories inside ``store_dirs`` (the store's disks; default: the temp dir)."""
-    spec = loaded.spec
+    measured in scratch directories inside ``store_dirs`` (the store's disks; default: the temp dir).
+    With ``tp`` of several ranks, ``loaded.model`` is sharded in place for this rank."""
+    model, spec = shard_model(loaded.model, loaded.spec, tp)
     bad = [t for t in tokens if not CHUNK_TOKENS <= t <= spec.max_positions]
     if bad or repeats < 1:
         raise ValueError(
             f"history lengths must lie in [{CHUNK_TOKENS}, {spec.max_positions}] (got {bad}) and repeats ≥ 1"
         )
     tokens = sorted({t // CHUNK_TOKENS * CHUNK_TOKENS for t in tokens})
-    engine = ReferenceEngine(loaded.model, spec, num_blocks=2 * -(-max(tokens) // 64) + 2)
+    engine = ReferenceEngine(model, spec, num_blocks=2 * -(-max(tokens) // 64) + 2)
     dtype = getattr(torch, spec.dtype)
-    seconds: dict[str, list[float]] = {name: [] for name in COST_NAMES}
+    names = COST_NAMES + (TP_COST_NAMES if tp.world_size > 1 else ())
+    seconds: dict[str, list[float]] = {name: [] for name in names}
     pool = ReaderPool(readers) if readers else None
     gen = torch.Generator().manual_seed(0)
     try:
-        with tqdm(total=len(tokens) * len(COST_NAMES), desc=f"profiling {loaded.name}", unit="cost") as bar:
+        with tqdm(total=len(tokens) * len(names), desc=f"profiling {loaded.name}", unit="cost") as bar:
             for n in tokens:
                 hidden = torch.randn(n, spec.hidden_size, generator=gen).to(engine.device, dtype)
                 kv = torch.randn(n, 2, spec.num_kv_heads, spec.head_size, generator=gen).to(engine.device, dtype)
                 ids = torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
+                own_hidden = hidden[: len(tp.hidden_chunks(n // CHUNK_TOKENS)) * CHUNK_TOKENS]  # this rank's rows
                 measures: dict[str, Callable[[], object]] = {
                     "c_token": lambda: engine.recompute_layers(0, ids, 1),
                     "c_h": lambda: engine.restore_from_hidden(0, 0, hidden),
                     "c_kv": lambda: engine.restore_kv(0, 0, kv[:, 0], kv[:, 1]),
                 }
+                if tp.world_size > 1:
+                    measures["ag_h"] = lambda: tp.gather_hidden(own_hidden, n // CHUNK_TOKENS)
                 engine.begin_restore(0, n)
                 for name, fn in measures.items():
                     bar.set_postfix(tokens=n, cost=name)
                     seconds[name].append(_median_time(fn, repeats, engine.device))
                     bar.update()
                 engine.flush(0)
-                for fmt, rows in ((Method.H.value, hidden), (Method.KV.value, kv)):
+                for fmt, rows in ((Method.H.value, own_hidden), (Method.KV.value, kv)):
                     bar.set_postfix(tokens=n, cost=f"io_{fmt.lower()}")
                     io = _io_time(spec, fmt, rows, pool, engine.device, repeats, store_dirs)
                     seconds[f"io_{fmt.lower()}"].append(io)
@@ -91,10 +102,10 @@ def measure_profile(
             pool.close()
     n = tokens[-1]
     bandwidth = {
-        "io_h_bytes_per_s": n * spec.hidden_bytes_per_token_layer / seconds["io_h"][-1],
+        "io_h_bytes_per_s": own_hidden.shape[0] * spec.hidden_bytes_per_token_layer / seconds["io_h"][-1],
         "io_kv_bytes_per_s": n * spec.kv_bytes_per_token_layer / seconds["io_kv"][-1],
     }
-    return Profile.new(loaded.name, spec, tokens, seconds, bandwidth)
+    return Profile.new(loaded.name, spec, tokens, seconds, bandwidth, tp.world_size)
 
 
 def _median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:

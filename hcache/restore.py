@@ -19,6 +19,7 @@ from .plan import Method, RestorePlan
 from .storage.chunk import ChunkInvalid, ChunkReader
 from .storage.chunk_key import CHUNK_TOKENS
 from .storage.chunk_store import ChunkStore
+from .tensor_parallel import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def restore_prefix(
     fingerprint: str,
     plan: RestorePlan,
     pool: ReaderPool | None = None,
+    tp: TPGroup = SINGLE,
 ) -> RestoreOutcome:
     """Restore the longest verified prefix of ``keys`` into sequence ``uid``, after the tokens it holds.
 
@@ -51,35 +53,57 @@ def restore_prefix(
     keys of their full chunks: a sequence can be restored in steps, as its prompt arrives in parts.
 
     With a ``pool`` the stored layers are read ahead, while the RE layers and earlier layers compute;
-    without one each layer is read just before it is restored. Both give the same cache."""
+    without one each layer is read just before it is restored. Both give the same cache.
+
+    With tensor parallelism every rank of ``tp`` calls this at once, with its engine shard, and ``keys``
+    and ``fingerprint`` of its own chunks: the ranks agree on the prefix, and an H layer's rows are
+    gathered from the ranks that store them (:class:`~hcache.tensor_parallel.TPGroup`)."""
     with ExitStack() as files:
-        readers, fallback = _open_prefix(store, files, keys, tokens, fingerprint, plan)
-        n = len(readers)
+        first = engine.seen_tokens(uid) // CHUNK_TOKENS  # with TP, which rank stores a chunk's H depends on it
+        readers, fallback = _open_prefix(store, files, keys, tokens, fingerprint, plan, tp, first)
+        n = agreed = tp.min(len(readers))  # a prefix that one rank lacks is no prefix at all
+        if agreed < len(readers):
+            fallback = fallback or _elsewhere(agreed)
         engine.begin_restore(uid, n * CHUNK_TOKENS)
         jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if n else []
         spec = engine.spec
-        with LayerPrefetcher(readers, jobs, row_shapes(spec), getattr(torch, spec.dtype), engine.device, pool) as ahead:
+        hidden_chunks = tp.hidden_chunks(n, first)
+        chunk_readers = {Method.H.value: [readers[j] for j in hidden_chunks], Method.KV.value: readers[:n]}
+        with LayerPrefetcher(chunk_readers, jobs, row_shapes(spec), getattr(torch, spec.dtype), engine.device, pool) as ahead:
             if n and plan.count(Method.RE):
                 engine.recompute_layers(uid, tokens[: n * CHUNK_TOKENS], plan.count(Method.RE))
             for got in ahead:
-                if got.bad is not None and got.bad[0] < n:
-                    j, exc = got.bad
-                    fallback, n = _reject(store, readers[j].key, j, exc), j
-                if n == 0:
-                    break
-                rows = got.rows[: n * CHUNK_TOKENS]
+                if got.bad is not None:
+                    i, exc = got.bad
+                    j = hidden_chunks[i] if got.fmt == Method.H.value else i
+                    if j < n:
+                        fallback, n = _reject(store, readers[j].key, j, exc), j
+                if n == 0 and tp.world_size == 1:
+                    break  # with TP, other ranks still gather this rank's rows of the H layers left
                 if got.fmt == Method.H.value:
-                    engine.restore_from_hidden(uid, got.layer, rows)
+                    # Rows past another rank's bad chunk are garbage; the agreement below ends the prefix there.
+                    engine.restore_from_hidden(uid, got.layer, tp.gather_hidden(got.rows, agreed, first)[: n * CHUNK_TOKENS])
                 else:
+                    rows = got.rows[: n * CHUNK_TOKENS]
                     engine.restore_kv(uid, got.layer, rows[:, 0], rows[:, 1])
-        engine.end_restore(uid, tokens[: n * CHUNK_TOKENS])
-        return RestoreOutcome(n * CHUNK_TOKENS, sum(r.bytes_read for r in readers), fallback)
+        restored = tp.min(n)
+        if restored < n:
+            fallback = fallback or _elsewhere(restored)
+        engine.end_restore(uid, tokens[: restored * CHUNK_TOKENS])
+        return RestoreOutcome(restored * CHUNK_TOKENS, sum(r.bytes_read for r in readers), fallback)
+
+
+def _elsewhere(n: int) -> str:
+    reason = f"another tensor-parallel rank's stored state ends at token {n * CHUNK_TOKENS}"
+    log.info("%s; recomputing from there", reason)
+    return reason
 
 
 def _open_prefix(
-    store: ChunkStore, files: ExitStack, keys: list[str], tokens: list[int], fingerprint: str, plan: RestorePlan
+    store: ChunkStore, files: ExitStack, keys: list[str], tokens: list[int], fingerprint: str, plan: RestorePlan,
+    tp: TPGroup, first: int,
 ) -> tuple[list[ChunkReader], str | None]:
-    needed = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
+    stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
     readers: list[ChunkReader] = []
     for j, key in enumerate(keys):
         try:
@@ -93,7 +117,7 @@ def _open_prefix(
             reader = ChunkReader.open(file, key, tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
         except ChunkInvalid as exc:
             return readers, _reject(store, key, j, exc)
-        missing = needed - set(reader.entries)
+        missing = {(layer, fmt) for layer, fmt in stored if tp.stores(first + j, fmt)} - set(reader.entries)
         if missing:
             reason = f"chunk {key} was saved without {sorted({f for _, f in missing})} state that plan {plan} needs"
             log.info("%s; recomputing from token %d", reason, j * CHUNK_TOKENS)

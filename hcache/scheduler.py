@@ -4,8 +4,12 @@ Restore runs two resources side by side: compute (RE layers, then the H layers' 
 then the KV layers' scatter) and I/O (the H and KV layers' bytes). With per-layer costs for the history
 length at hand, a plan ``(L_RE, L_H, L_KV)`` takes ``max(compute, io)``::
 
-    compute = L_RE·C_token + L_H·C_H + L_KV·C_KV
+    compute = L_RE·C_token + L_H·(C_H + AG_H) + L_KV·C_KV
     io      =                L_H·IO_H + L_KV·IO_KV
+
+With tensor parallelism every cost is one rank's (its heads, its share of the reads), and ``AG_H`` is the
+all-gather that assembles an H layer's rows from the ranks: it runs between the layers' GEMMs, on the
+compute side. Without TP it is 0.
 
 The paper solves two special cases in closed form (H+KV when compute-bound, RE+H when I/O-bound, with
 ``C_KV = 0``). Here every ``RE* H* KV*`` split is a candidate, which also admits the paper's "naive hybrid"
@@ -32,9 +36,14 @@ class LayerCosts:
     c_kv: float  # KV: scatter of saved K/V (compute)
     io_h: float  # H: hidden states from the store to the device (I/O)
     io_kv: float  # KV: K/V from the store to the device (I/O)
+    ag_h: float = 0.0  # H with tensor parallelism: all-gather of the layer's rows (compute side)
+
+    @property
+    def h_compute(self) -> float:
+        return self.c_h + self.ag_h
 
     def plan_time(self, re: int, h: int, kv: int) -> float:
-        return max(re * self.c_token + h * self.c_h + kv * self.c_kv, h * self.io_h + kv * self.io_kv)
+        return max(re * self.c_token + h * self.h_compute + kv * self.c_kv, h * self.io_h + kv * self.io_kv)
 
 
 def partition(
@@ -45,7 +54,7 @@ def partition(
 
     H is never chosen when KV dominates it (no more I/O, compute or stored bytes per layer), as with GQA
     models whose hidden states outweigh their K/V: swapping such an H layer for KV never costs anything."""
-    dominated = costs.io_kv <= costs.io_h and costs.c_kv <= costs.c_h and bytes_kv <= bytes_h
+    dominated = costs.io_kv <= costs.io_h and costs.c_kv <= costs.h_compute and bytes_kv <= bytes_h
     allow_h = allow_h and not dominated
     best: tuple[float, int, int, int] | None = None  # (time, stored bytes, re, kv)
     for re in range(num_layers + 1):
@@ -62,11 +71,11 @@ def partition(
 
 def _crossings(costs: LayerCosts, re: int, rest: int) -> set[int]:
     """The integer ``L_KV`` on either side of where compute and I/O cross, for ``L_RE = re``."""
-    # compute(kv) = re·Ct + (rest-kv)·C_H + kv·C_KV ; io(kv) = (rest-kv)·IO_H + kv·IO_KV
-    slope = (costs.c_kv - costs.c_h) - (costs.io_kv - costs.io_h)
+    # compute(kv) = re·Ct + (rest-kv)·C_H' + kv·C_KV ; io(kv) = (rest-kv)·IO_H + kv·IO_KV ; C_H' = C_H + AG_H
+    slope = (costs.c_kv - costs.h_compute) - (costs.io_kv - costs.io_h)
     if slope == 0:
         return set()
-    x = (rest * costs.io_h - re * costs.c_token - rest * costs.c_h) / slope
+    x = (rest * costs.io_h - re * costs.c_token - rest * costs.h_compute) / slope
     if not math.isfinite(x):
         return set()
     return {min(rest, max(0, k)) for k in (math.floor(x), math.ceil(x))}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -80,7 +81,9 @@ class _Batch:
 
 class ChunkSaver:
     """``threads``: stage-2 pool size. ``staging_bytes``: the ring's size; a larger ring absorbs longer
-    bursts before back-pressure."""
+    bursts before back-pressure. ``stores(chunk_index, format)``: whether this saver stores that format's
+    rows of a sequence's chunk (a tensor-parallel rank stores the hidden states of only some chunks); a
+    chunk is published with what it stores, even nothing, so that its key and tokens are on record."""
 
     def __init__(
         self,
@@ -89,11 +92,13 @@ class ChunkSaver:
         *,
         threads: int = DEFAULT_THREADS,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        stores: Callable[[int, str], bool] = lambda chunk, fmt: True,
     ):
         if threads < 1:
             raise ValueError(f"the saver needs at least one thread, not {threads}")
         self.store = store
         self.fingerprint = fingerprint
+        self.stores = stores
         self.chunks_written = 0
         self.chunks_deduplicated = 0
         self.save_errors = 0
@@ -236,8 +241,7 @@ class ChunkSaver:
             if ends_batch:
                 self._finish_part(batch)
 
-    @staticmethod
-    def _scatter_rows(batch: _Batch, name: tuple[int, str], host: torch.Tensor) -> None:
+    def _scatter_rows(self, batch: _Batch, name: tuple[int, str], host: torch.Tensor) -> None:
         src = host.view(host.shape[0], -1).view(torch.uint8).numpy()  # rows as bytes: any dtype, no copy
         for p in batch.placements:
             pos, row, left = p.pos, p.row, p.length
@@ -245,14 +249,15 @@ class ChunkSaver:
                 index, offset = divmod(pos, CHUNK_TOKENS)
                 n = min(left, CHUNK_TOKENS - offset)
                 with p.seq.lock:
-                    buf = p.seq.chunks.setdefault(index, _ChunkBuffer())
+                    buf = p.seq.chunks.setdefault(index, _ChunkBuffer())  # kept even if empty: it is published
                     dst = buf.rows.get(name)
-                    if dst is None:
+                    if dst is None and self.stores(index, name[1]):
                         dst = buf.rows[name] = np.empty((CHUNK_TOKENS, src.shape[1]), dtype=np.uint8)
                         buf.kinds[name] = (tuple(host.shape[1:]), host.dtype)
-                dst[offset : offset + n] = src[row : row + n]
-                with p.seq.lock:
-                    buf.filled[name] = buf.filled.get(name, 0) + n
+                if dst is not None:
+                    dst[offset : offset + n] = src[row : row + n]
+                    with p.seq.lock:
+                        buf.filled[name] = buf.filled.get(name, 0) + n
                 pos, row, left = pos + n, row + n, left - n
 
     def _finish_part(self, batch: _Batch) -> None:
@@ -280,7 +285,8 @@ class ChunkSaver:
                     buf = p.seq.chunks.get(index)
                     if buf is None or buf.done or index not in p.seq.keyed:
                         continue
-                    if set(buf.filled) == batch.layout and all(n == CHUNK_TOKENS for n in buf.filled.values()):
+                    layout = {name for name in batch.layout if self.stores(index, name[1])}
+                    if set(buf.filled) == layout and all(n == CHUNK_TOKENS for n in buf.filled.values()):
                         buf.done = True
                         del p.seq.chunks[index]
                         ready.append((p.seq.keyed.pop(index), buf))
