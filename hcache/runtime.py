@@ -25,6 +25,7 @@ from .plan import RestorePlan
 from .profile import Profile
 from .serving_engine import ServingEngine
 from .storage.store_config import StoreConfig
+from .tensor_parallel import SINGLE, TPGroup, shard_model
 
 
 @dataclass
@@ -45,6 +46,9 @@ class HCacheRuntime:
     :class:`~hcache.serving_engine.ServingEngine`, which documents ``plan``, ``save``, ``profile``,
     ``readers`` and ``store``. ``store_dir``: one directory or a list (one per SSD). Saving runs in
     background threads; :meth:`close` (or leaving a ``with`` block) drains them.
+
+    ``tensor_parallel``: this process's rank of a tensor-parallel group; the model is sharded in place for
+    it, and every rank must make the same calls at once (the forward and restore are collective).
     """
 
     def __init__(
@@ -60,13 +64,15 @@ class HCacheRuntime:
         store: StoreConfig = StoreConfig(),
         profile: str | Path | Profile | None = None,
         readers: int = DEFAULT_READERS,
+        tensor_parallel: TPGroup = SINGLE,
     ):
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
-        self.spec = self.loaded.spec
-        self.engine = ReferenceEngine(self.loaded.model, self.spec, num_blocks=num_blocks)
+        fingerprint = model_fingerprint(self.loaded.model, self.loaded.spec)  # of the whole model, on every rank
+        model_shard, self.spec = shard_model(self.loaded.model, self.loaded.spec, tensor_parallel)
+        self.engine = ReferenceEngine(model_shard, self.spec, num_blocks=num_blocks)
         self.serving = ServingEngine(
             self.engine,
-            model_fingerprint(self.loaded.model, self.spec),
+            fingerprint,
             store_dir,
             model_name=self.loaded.name,
             plan=plan,
@@ -75,6 +81,7 @@ class HCacheRuntime:
             store=store,
             profile=profile,
             readers=readers,
+            tp=tensor_parallel,
         )
         s = self.serving
         self.fingerprint, self.profile, self.plan, self.save_formats = s.fingerprint, s.profile, s.plan, s.save_formats

@@ -28,6 +28,7 @@ from .restore import restore_prefix
 from .storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
 from .storage.saver import ChunkSaver
 from .storage.store_config import StoreConfig
+from .tensor_parallel import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,10 @@ class ServingEngine:
     nothing. ``readers``: threads that read stored layers ahead of the restore's compute (0: inline).
     ``request_log``: a file that gets one JSON line per finished sequence. ``config``: the engine config MII
     schedules by (it reads ``_config.state_manager``).
+
+    With tensor parallelism, every rank of ``tp`` runs one of these over its shard of the engine, with the
+    whole model's ``fingerprint``, and makes the same calls at once: the forward and restore are collective.
+    Each rank stores and reads only what it owns (:mod:`hcache.tensor_parallel`).
     """
 
     def __init__(
@@ -106,12 +111,14 @@ class ServingEngine:
         readers: int = DEFAULT_READERS,
         request_log: str | Path | None = None,
         config: object = None,
+        tp: TPGroup = SINGLE,
     ):
         if save not in SAVE_POLICIES:
             raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
         if readers < 0:
             raise InvalidRequestError(f"readers must be 0 (read inline) or more, not {readers}")
-        self.engine, self.spec, self.fingerprint = engine, engine.spec, fingerprint
+        self.engine, self.spec, self.tp = engine, engine.spec, tp
+        self.fingerprint = tp.fingerprint(fingerprint)
         self._config = config  # the name MII reads
         self.profile = self._load_profile(profile, plan, model_name)
         self.plan = self.resolve_plan(plan)
@@ -123,8 +130,10 @@ class ServingEngine:
             chunk_bytes = CHUNK_TOKENS * sum(Method(f).bytes_per_token_layer(self.spec) for fs in self.save_formats for f in fs)
             if store.quota_bytes is not None and store.quota_bytes < chunk_bytes:
                 raise StorageError(f"quota_bytes={store.quota_bytes} is smaller than one chunk ({chunk_bytes} bytes)")
-            self.store = store.open_store(store_dir, {"fingerprint": fingerprint, "dtype": self.spec.dtype})
-            self.saver = ChunkSaver(self.store, fingerprint, threads=store.saver_threads, staging_bytes=store.staging_bytes)
+            self.store = store.open_store(store_dir, {"fingerprint": self.fingerprint, "dtype": self.spec.dtype})
+            self.saver = ChunkSaver(
+                self.store, self.fingerprint, threads=store.saver_threads, staging_bytes=store.staging_bytes, stores=tp.stores
+            )
             self.reader_pool = ReaderPool(readers) if readers else None
             if any(self.save_formats):
                 self._capture = _SaveCapture(self.saver, self.save_formats)
@@ -133,11 +142,11 @@ class ServingEngine:
     # ---- plans ----------------------------------------------------------------------------------------
     def _load_profile(self, profile: str | Path | Profile | None, plan: object, model_name: str) -> Profile | None:
         if isinstance(profile, Profile):
-            profile.check(self.spec)
+            profile.check(self.spec, self.tp.world_size)
             return profile
         if profile is None and not (isinstance(plan, str) and plan.strip().lower() == AUTO):
             return None
-        return Profile.load(profile or default_profile_path(self.spec, model_name), self.spec)
+        return Profile.load(profile or default_profile_path(self.spec, model_name), self.spec, self.tp.world_size)
 
     def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
         """A fixed plan, or None for the profile's plan per history length."""
@@ -221,7 +230,7 @@ class ServingEngine:
         start = time.perf_counter()
         # Only the auto plan depends on how much is stored; a fixed plan spares the lookups.
         plan = seq.plan if seq.plan is not None else self.plan_for(None, self._stored_prefix(keys))
-        outcome = restore_prefix(self.engine, self.store, uid, tokens, keys, self.fingerprint, plan, self.reader_pool)
+        outcome = restore_prefix(self.engine, self.store, uid, tokens, keys, self.fingerprint, plan, self.reader_pool, self.tp)
         record = seq.record
         record.restored_tokens += outcome.tokens
         record.bytes_read += outcome.bytes_read
@@ -230,8 +239,8 @@ class ServingEngine:
         record.fallback = outcome.fallback or record.fallback
         if outcome.tokens:
             seq.chain.extend(tokens[: outcome.tokens])
-            if self._capture is not None:
-                self.saver.open(uid, seq.chain.key)  # saving resumes after the restored chunks
+            if self._capture is not None:  # saving resumes after the restored chunks
+                self.saver.open(uid, seq.chain.key, self.engine.seen_tokens(uid) // CHUNK_TOKENS)
         return outcome.tokens
 
     def _stored_prefix(self, keys: list[str]) -> int:
@@ -239,7 +248,7 @@ class ServingEngine:
         n = 0
         while n < len(keys) and self.store.contains(keys[n]):
             n += 1
-        return n * CHUNK_TOKENS
+        return self.tp.min(n) * CHUNK_TOKENS  # every rank must pick the same plan
 
     def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]:
         return self.engine.query(uid, max_request_tokens, max_request_blocks)

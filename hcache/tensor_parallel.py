@@ -137,9 +137,9 @@ def local_spec(spec: ModelSpec, tp: TPGroup) -> ModelSpec:
 def shard_model(model: nn.Module, spec: ModelSpec, tp: TPGroup) -> tuple[nn.Module, ModelSpec]:
     """Shard ``model`` in place for rank ``tp.rank`` (no second copy of the weights) and return it with
     its :func:`local_spec`."""
-    shard_spec = local_spec(spec, tp)
     if tp.world_size == 1:
         return model, spec
+    shard_spec = local_spec(spec, tp)
     columns, row = _MLP[spec.model_type]
     q_dim, kv_dim = shard_spec.num_heads * spec.head_size, shard_spec.kv_dim
     for layer in model.get_submodule(spec.layers_prefix):

@@ -22,7 +22,6 @@ from hcache.scheduler import LayerCosts, partition
 from hcache.storage.chunk import ChunkReader
 from hcache.storage.chunk_key import chunk_keys, root_key
 from hcache.tensor_parallel import TPGroup, local_spec, shard_model
-from hcache.tp_runtime import TensorParallelRuntime
 
 TP = 2
 LAYERS = 4
@@ -84,7 +83,7 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     torch.set_num_threads(1)
     tp = TPGroup.current()
     # generate() reads ahead with 2 threads; the restore_prefix calls below read inline.
-    runtime = TensorParallelRuntime(_model(), out / f"store{rank}", tp, save="all", num_blocks=16, readers=2)
+    runtime = HCacheRuntime(_model(), out / f"store{rank}", plan="H", save="all", num_blocks=16, readers=2, tensor_parallel=tp)
     engine = runtime.engine
     seen = {"cache_heads": engine.cache.layers[0].shape[3]}
     seen["logits"] = engine.step([(0, prompt)]).clone()
@@ -123,7 +122,7 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     seen["missing"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids)
     runtime.close()
     # Saving only what an H plan needs: a rank's chunks without hidden states hold no tensor at all.
-    runtime = TensorParallelRuntime(_model(), out / f"plan{rank}", tp, plan="H", num_blocks=16, readers=2)
+    runtime = HCacheRuntime(_model(), out / f"plan{rank}", plan="H", num_blocks=16, readers=2, tensor_parallel=tp)
     runtime.generate(prompt, 1, restore=False)
     keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
     tensors = []

@@ -50,6 +50,7 @@ class _ChunkBuffer:
 @dataclass
 class _Sequence:
     chain: KeyChain  # from the last keyed chunk (or the stored prefix's last chunk, or the chain root)
+    first_chunk: int = 0  # the sequence's index of the chain's next chunk when saving (re)started
     batches: list["_Batch"] = field(default_factory=list)
     keyed: dict[int, tuple[str, list[int]]] = field(default_factory=dict)  # chunk index -> key, tokens
     n_keyed: int = 0
@@ -119,12 +120,12 @@ class ChunkSaver:
     def stall_seconds(self) -> float:
         return self._ring.stall_s if self._ring else 0.0
 
-    def open(self, uid: int, parent_key: str) -> None:
-        """Start saving sequence ``uid`` whose tokens up to the chunk ``parent_key`` are already stored.
-        Opening it again (after a restore skipped past stored chunks, on a chunk boundary) restarts the
-        chain there; batches still in flight keep publishing, and :meth:`close` still waits for them."""
+    def open(self, uid: int, parent_key: str, first_chunk: int = 0) -> None:
+        """Start saving sequence ``uid`` whose first ``first_chunk`` chunks, up to the chunk ``parent_key``,
+        are already stored. Opening it again (after a restore skipped past stored chunks) restarts the chain
+        there; batches still in flight keep publishing, and :meth:`close` still waits for them."""
         old = self._seqs.get(uid)
-        self._seqs[uid] = _Sequence(KeyChain(parent_key), batches=old.batches if old is not None else [])
+        self._seqs[uid] = _Sequence(KeyChain(parent_key), first_chunk, batches=old.batches if old is not None else [])
 
     def add_tokens(self, uid: int, tokens: list[int]) -> None:
         """Tokens about to be processed for ``uid``; their rows arrive with the next batch."""
@@ -251,7 +252,7 @@ class ChunkSaver:
                 with p.seq.lock:
                     buf = p.seq.chunks.setdefault(index, _ChunkBuffer())  # kept even if empty: it is published
                     dst = buf.rows.get(name)
-                    if dst is None and self.stores(index, name[1]):
+                    if dst is None and self.stores(p.seq.first_chunk + index, name[1]):
                         dst = buf.rows[name] = np.empty((CHUNK_TOKENS, src.shape[1]), dtype=np.uint8)
                         buf.kinds[name] = (tuple(host.shape[1:]), host.dtype)
                 if dst is not None:
@@ -285,7 +286,7 @@ class ChunkSaver:
                     buf = p.seq.chunks.get(index)
                     if buf is None or buf.done or index not in p.seq.keyed:
                         continue
-                    layout = {name for name in batch.layout if self.stores(index, name[1])}
+                    layout = {name for name in batch.layout if self.stores(p.seq.first_chunk + index, name[1])}
                     if set(buf.filled) == layout and all(n == CHUNK_TOKENS for n in buf.filled.values()):
                         buf.done = True
                         del p.seq.chunks[index]
