@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RestoreOutcome:
-    tokens: int  # leading tokens whose KV is now in the cache
+    tokens: int  # tokens whose KV is now in the cache, after those the sequence held
     bytes_read: int
     fallback: str | None  # why stored state stopped short of what the lookup found, if it did
 
@@ -46,11 +46,16 @@ def restore_prefix(
     plan: RestorePlan,
     pool: ReaderPool | None = None,
     tp: TPGroup = SINGLE,
+    *,
+    held: int = 0,
+    limit: int | None = None,
 ) -> RestoreOutcome:
     """Restore the longest verified prefix of ``keys`` into sequence ``uid``, after the tokens it holds.
 
-    ``tokens`` follow what the sequence holds (all of a new sequence's prompt), and ``keys`` are the chain
-    keys of their full chunks: a sequence can be restored in steps, as its prompt arrives in parts.
+    ``tokens`` start at a chunk boundary, and ``keys`` are the chain keys of their full chunks. The
+    sequence already holds the first ``held`` of them (``held < 64``: it ends inside the first chunk), and
+    at most the first ``limit`` are wanted; so a sequence can be restored in steps, as its prompt arrives
+    in parts, and a chunk can be restored in part.
 
     With a ``pool`` the stored layers are read ahead, while the RE layers and earlier layers compute;
     without one each layer is read just before it is restored. Both give the same cache.
@@ -58,20 +63,26 @@ def restore_prefix(
     With tensor parallelism every rank of ``tp`` calls this at once, with its engine shard, and ``keys``
     and ``fingerprint`` of its own chunks: the ranks agree on the prefix, and an H layer's rows are
     gathered from the ranks that store them (:class:`~hcache.tensor_parallel.TPGroup`)."""
+    limit = len(keys) * CHUNK_TOKENS if limit is None else limit
+    keys = keys[: -(-limit // CHUNK_TOKENS)]
+
+    def end(chunks: int) -> int:  # where a restore of that many chunks stops in ``tokens``
+        return max(held, min(chunks * CHUNK_TOKENS, limit))
+
     with ExitStack() as files:
         first = engine.seen_tokens(uid) // CHUNK_TOKENS  # with TP, which rank stores a chunk's H depends on it
         readers, fallback = _open_prefix(store, files, keys, tokens, fingerprint, plan, tp, first)
         n = agreed = tp.min(len(readers))  # a prefix that one rank lacks is no prefix at all
         if agreed < len(readers):
             fallback = fallback or _elsewhere(agreed)
-        engine.begin_restore(uid, n * CHUNK_TOKENS)
+        engine.begin_restore(uid, end(n) - held)
         jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if n else []
         spec = engine.spec
         hidden_chunks = tp.hidden_chunks(n, first)
         chunk_readers = {Method.H.value: [readers[j] for j in hidden_chunks], Method.KV.value: readers[:n]}
         with LayerPrefetcher(chunk_readers, jobs, row_shapes(spec), getattr(torch, spec.dtype), engine.device, pool) as ahead:
             if n and plan.count(Method.RE):
-                engine.recompute_layers(uid, tokens[: n * CHUNK_TOKENS], plan.count(Method.RE))
+                engine.recompute_layers(uid, tokens[held : end(n)], plan.count(Method.RE))
             for got in ahead:
                 if got.bad is not None:
                     i, exc = got.bad
@@ -82,15 +93,15 @@ def restore_prefix(
                     break  # with TP, other ranks still gather this rank's rows of the H layers left
                 if got.fmt == Method.H.value:
                     # Rows past another rank's bad chunk are garbage; the agreement below ends the prefix there.
-                    engine.restore_from_hidden(uid, got.layer, tp.gather_hidden(got.rows, agreed, first)[: n * CHUNK_TOKENS])
+                    engine.restore_from_hidden(uid, got.layer, tp.gather_hidden(got.rows, agreed, first)[held : end(n)])
                 else:
-                    rows = got.rows[: n * CHUNK_TOKENS]
+                    rows = got.rows[held : end(n)]
                     engine.restore_kv(uid, got.layer, rows[:, 0], rows[:, 1])
         restored = tp.min(n)
         if restored < n:
             fallback = fallback or _elsewhere(restored)
-        engine.end_restore(uid, tokens[: restored * CHUNK_TOKENS])
-        return RestoreOutcome(restored * CHUNK_TOKENS, sum(r.bytes_read for r in readers), fallback)
+        engine.end_restore(uid, tokens[held : end(restored)])
+        return RestoreOutcome(end(restored) - held, sum(r.bytes_read for r in readers), fallback)
 
 
 def _elsewhere(n: int) -> str:

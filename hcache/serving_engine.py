@@ -218,19 +218,24 @@ class ServingEngine:
         return logits
 
     def _restore(self, uid: int, tokens: list[int]) -> int:
-        """Restore the stored full chunks of ``tokens``, all but the last token (its logits are needed);
-        how many tokens were restored. Only a sequence whose held tokens end on a chunk boundary can be
-        extended from the store, since chunks are keyed by whole 64-token blocks."""
+        """Restore what the store holds of ``tokens``, all but the last (its logits are the answer); how many
+        were restored. Chunks are keyed by whole 64-token blocks, so the lookup starts at the chunk the
+        sequence ends in, whose first tokens it holds already."""
         seq = self._seqs[uid]
-        if not seq.restore or seq.chain.tail:
+        if not seq.restore or len(tokens) < 2:
             return 0
-        keys = chunk_keys(tokens[:-1], seq.chain.key)
+        held = seq.chain.tail
+        aligned = held + tokens
+        keys = chunk_keys(aligned, seq.chain.key)
         if not keys:
             return 0
         start = time.perf_counter()
         # Only the auto plan depends on how much is stored; a fixed plan spares the lookups.
         plan = seq.plan if seq.plan is not None else self.plan_for(None, self._stored_prefix(keys))
-        outcome = restore_prefix(self.engine, self.store, uid, tokens, keys, self.fingerprint, plan, self.reader_pool, self.tp)
+        outcome = restore_prefix(
+            self.engine, self.store, uid, aligned, keys, self.fingerprint, plan, self.reader_pool, self.tp,
+            held=len(held), limit=len(aligned) - 1,
+        )  # fmt: skip
         record = seq.record
         record.restored_tokens += outcome.tokens
         record.bytes_read += outcome.bytes_read
@@ -239,8 +244,10 @@ class ServingEngine:
         record.fallback = outcome.fallback or record.fallback
         if outcome.tokens:
             seq.chain.extend(tokens[: outcome.tokens])
-            if self._capture is not None:  # saving resumes after the restored chunks
-                self.saver.open(uid, seq.chain.key, self.engine.seen_tokens(uid) // CHUNK_TOKENS)
+            if self._capture is not None:  # saving resumes after the restored tokens, in a stored chunk
+                first_chunk = (self.engine.seen_tokens(uid) - len(seq.chain.tail)) // CHUNK_TOKENS
+                self.saver.open(uid, seq.chain.key, first_chunk)
+                self.saver.skip(uid, seq.chain.tail)
         return outcome.tokens
 
     def _stored_prefix(self, keys: list[str]) -> int:

@@ -26,7 +26,6 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.kv_projection import DEFAULT_MAX_ROWS
 from ..ragged import Segment
 from .capture import LayerCapture
 
@@ -84,17 +83,6 @@ def build_fastgen_engine(path: str, engine_config: Any = None, **build_kwargs: A
     return FastGenEngine(build_hf_engine(path, engine_config, **build_kwargs), hf_config)
 
 
-class _WeightKVProjection(KVProjection):
-    """:class:`KVProjection` over given K/V rows (FastGen's fused ``qkv_w`` slice) instead of HF modules."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, spec: ModelSpec):
-        self.weight, self.bias = weight, bias
-        self.kv_dim = spec.kv_dim
-        self.head_shape = (spec.num_kv_heads, spec.head_size)
-        # our own GEMM, never FastGen's linear modules, whose one output buffer a forward may be using
-        self.max_rows = DEFAULT_MAX_ROWS
-
-
 @dataclass
 class _Restore:
     base: int  # the sequence's seen tokens when the restore began: position of its first restored token
@@ -147,7 +135,8 @@ class FastGenEngine:
         q_dim = self.spec.num_heads * self.spec.head_size
         rows = slice(q_dim, q_dim + 2 * self.spec.kv_dim)  # fused qkv_w is [q; k; v] x D (UnfusedQKVParameter)
         bias = getattr(params, "qkv_b", None)
-        return _WeightKVProjection(params.qkv_w[rows], None if bias is None else bias[rows], self.spec)
+        # our own GEMM, never FastGen's linear modules, whose one output buffer a forward may be using
+        return KVProjection(self.spec, params.qkv_w[rows], None if bias is None else bias[rows])
 
     # ---- FastGen's scheduling interface -------------------------------------------------------------
     @property

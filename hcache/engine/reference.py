@@ -79,7 +79,7 @@ class ReferenceEngine:
         self.cache = BlockedKVCache(spec, num_blocks, block_size, self.device)
         self.block_size = block_size
         self.decoder = _Decoder(model, spec)
-        self.kv_proj = [KVProjection(spec, layer) for layer in self.decoder.layers]
+        self.kv_proj = [KVProjection.from_layer(spec, layer) for layer in self.decoder.layers]
         self.q_rows = [linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for layer in self.decoder.layers]
         self.sequences: dict[int, Sequence] = {}
         # uid -> (slots, RoPE cos/sin) of a restore in progress, shared by all its layers

@@ -17,34 +17,36 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..engine import ReferenceEngine
 from ..errors import InvalidRequestError
-from ..fingerprint import model_fingerprint
+from ..fingerprint import checkpoint_fingerprint, model_fingerprint
 from ..model_loader import load_model, model_dtype
 from ..serving_engine import ServingEngine
+from ..tensor_parallel import SINGLE, TPGroup, shard_model
 from .config import HCacheConfig
 
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
 
 
 def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
-    """The engine MII serves ``model_config`` with (``model_config`` is MII's ``ModelConfig``)."""
-    if model_config.tensor_parallel != 1:
-        raise InvalidRequestError(
-            f"tensor_parallel={model_config.tensor_parallel}: the hcache MII backend serves one rank per replica"
-        )
+    """The engine MII serves ``model_config`` with (``model_config`` is MII's ``ModelConfig``). With
+    ``tensor_parallel`` above 1, this process is one rank of the deployment (MII starts one per rank)."""
     path = model_config.model_name_or_path
+    tp = _tensor_parallel_group(model_config.tensor_parallel)
     if _engine_kind(hcache) == "fastgen":
         from ..engine.fastgen import build_fastgen_engine
 
         engine = build_fastgen_engine(path, model_config.inference_engine_config)
-        fingerprint, config = engine.fingerprint, engine.config
+        fingerprint, config = checkpoint_fingerprint(path, engine.spec), engine.config
     else:
-        device = hcache.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = hcache.device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
         loaded = load_model(path, model_dtype(hcache.dtype, device), device)
-        engine = ReferenceEngine(loaded.model, loaded.spec, num_blocks=hcache.num_blocks)
-        fingerprint, config = model_fingerprint(loaded.model, loaded.spec), model_config.inference_engine_config
+        fingerprint = model_fingerprint(loaded.model, loaded.spec)  # of the whole model, on every rank
+        shard, spec = shard_model(loaded.model, loaded.spec, tp)
+        engine = ReferenceEngine(shard, spec, num_blocks=hcache.num_blocks)
+        config = model_config.inference_engine_config
     if model_config.max_length is None:  # else MII reads it from FastGen's checkpoint engine
         model_config.max_length = engine.spec.max_positions
     return ServingEngine(
@@ -60,7 +62,23 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
         readers=hcache.readers,
         request_log=hcache.request_log,
         config=config,
+        tp=tp,
     )
+
+
+def _tensor_parallel_group(degree: int) -> TPGroup:
+    """This rank's group, joining the process group the launcher describes (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) unless it is already joined: NCCL on GPUs, gloo on a CPU."""
+    if degree == 1:
+        return SINGLE
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    tp = TPGroup.current()
+    if tp.world_size != degree:
+        raise InvalidRequestError(f"tensor_parallel={degree}, but the process group has {tp.world_size} ranks")
+    return tp
 
 
 def _engine_kind(hcache: HCacheConfig) -> str:

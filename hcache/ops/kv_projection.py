@@ -22,21 +22,24 @@ def linear_rows(module: nn.Linear, rows: WeightRows) -> tuple[torch.Tensor, torc
 
 
 class KVProjection:
-    """The K/V rows of one layer's QKV projection."""
+    """The K/V rows ``[2·kv_dim, D]`` (K then V) of one layer's QKV projection, and their bias."""
 
-    def __init__(self, spec: ModelSpec, layer: nn.Module, max_rows: int = DEFAULT_MAX_ROWS):
-        k_mod = layer.get_submodule(spec.k_weight.module)
-        v_mod = layer.get_submodule(spec.v_weight.module)
-        with torch.no_grad():
-            if k_mod is v_mod and spec.k_weight.stop == spec.v_weight.start:  # fused QKV: a view, no copy
-                self.weight, self.bias = linear_rows(k_mod, WeightRows("", spec.k_weight.start, spec.v_weight.stop))
-            else:
-                (wk, bk), (wv, bv) = linear_rows(k_mod, spec.k_weight), linear_rows(v_mod, spec.v_weight)
-                self.weight = torch.cat((wk, wv))
-                self.bias = None if bk is None else torch.cat((bk, bv))
+    def __init__(self, spec: ModelSpec, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = DEFAULT_MAX_ROWS):
+        self.weight, self.bias = weight, bias
         self.kv_dim = spec.kv_dim
         self.head_shape = (spec.num_kv_heads, spec.head_size)
         self.max_rows = max_rows
+
+    @classmethod
+    @torch.no_grad()
+    def from_layer(cls, spec: ModelSpec, layer: nn.Module) -> "KVProjection":
+        """From a HF decoder layer's modules."""
+        k_mod = layer.get_submodule(spec.k_weight.module)
+        v_mod = layer.get_submodule(spec.v_weight.module)
+        if k_mod is v_mod and spec.k_weight.stop == spec.v_weight.start:  # fused QKV: a view, no copy
+            return cls(spec, *linear_rows(k_mod, WeightRows("", spec.k_weight.start, spec.v_weight.stop)))
+        (wk, bk), (wv, bv) = linear_rows(k_mod, spec.k_weight), linear_rows(v_mod, spec.v_weight)
+        return cls(spec, torch.cat((wk, wv)), None if bk is None else torch.cat((bk, bv)))
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

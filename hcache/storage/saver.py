@@ -135,6 +135,13 @@ class ChunkSaver:
                 seq.keyed[seq.n_keyed] = (key, chunk_tokens)
             seq.n_keyed += 1
 
+    def skip(self, uid: int, tokens: list[int]) -> None:
+        """Tokens of ``uid`` that are already stored and whose rows will never come (a restore ended inside
+        their chunk): they extend the chain, so later chunks get their keys, and the chunk they fall in,
+        lacking rows, is never published again."""
+        self.add_tokens(uid, tokens)
+        self._seqs[uid].rows_seen += len(tokens)
+
     def close(self, uid: int) -> None:
         """Wait until every full chunk of ``uid`` is published, then forget ``uid``; rows of its trailing
         partial chunk are dropped."""

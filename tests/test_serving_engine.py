@@ -1,0 +1,124 @@
+"""The serving engine under FastGen's interface: restore before prefill, in steps when a prompt arrives in
+parts (Dynamic SplitFuse), and exact either way."""
+import json
+
+import pytest
+import torch
+from helpers import loaded, random_prompt
+
+from hcache.engine import ReferenceEngine
+from hcache.errors import InvalidRequestError
+from hcache.fingerprint import model_fingerprint
+from hcache.serving_engine import ServingEngine
+from hcache.storage.chunk_key import CHUNK_TOKENS
+
+PROMPT = 5 * CHUNK_TOKENS + 10
+
+
+def _serving(store_dir, **kwargs) -> ServingEngine:
+    lm = loaded("random:llama")
+    engine = ReferenceEngine(lm.model, lm.spec, num_blocks=32)
+    return ServingEngine(engine, model_fingerprint(lm.model, lm.spec), store_dir, model_name=lm.name, readers=0, **kwargs)
+
+
+def _put_in_parts(serving: ServingEngine, uid: int, prompt: list[int], part: int) -> torch.Tensor:
+    """What MII does with a long prompt: one put per ``part`` tokens; the last put's logits are the answer."""
+    for start in range(0, len(prompt), part):
+        logits = serving.put([uid], [torch.tensor(prompt[start : start + part])])
+    return logits
+
+
+def _kv(serving: ServingEngine, uid: int) -> list[torch.Tensor]:
+    return [torch.stack(serving.engine.kv(uid, layer)) for layer in range(serving.spec.num_layers)]
+
+
+@pytest.mark.parametrize("part", [PROMPT, 128, 100])
+@pytest.mark.parametrize("plan", ["KV", "H", "1RE+1H+1KV"])
+def test_restore_in_steps_equals_recompute(tmp_path, rng, part, plan):
+    """Restored in one put or over several (chunk-aligned or not), the cache and the next-token logits
+    equal a recompute's, and everything stored was restored but the last token's chunk tail."""
+    prompt = random_prompt(PROMPT, loaded("random:llama").spec.vocab_size, rng)
+    with _serving(tmp_path, plan=plan, save="all") as serving:
+        ref_logits = _put_in_parts(serving, 0, prompt, PROMPT)  # saves every full chunk
+        ref_kv = _kv(serving, 0)
+        serving.flush(0)
+
+        logits = _put_in_parts(serving, 1, prompt, part)
+        record = serving.record(1)
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+        for got, want in zip(_kv(serving, 1), ref_kv):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # Each put restores what is stored of its tokens but its last one, from the middle of a chunk if it
+        # starts there. 128: 127 + 127 + 64 (the rest of the prompt is not a full chunk); 100: 64 (not 99:
+        # a chunk is keyed by all its tokens, and those of the second have not all arrived) + 92 + 56 + 20.
+        expected = {PROMPT: 5 * CHUNK_TOKENS, 128: 127 + 127 + 64, 100: 64 + 92 + 56 + 20}[part]
+        assert record.restored_tokens == expected
+        assert record.computed_tokens == PROMPT - expected
+        assert record.plan == str(serving.resolve_plan(plan)) and record.fallback is None and record.bytes_read > 0
+
+
+@pytest.mark.parametrize("part", [None, 100])
+def test_chunks_saved_after_a_restore_continue_the_chain(tmp_path, rng, part):
+    """A sequence restored in part (in one put, or in several that end inside chunks), then extended, saves
+    its new chunks under the right keys: a third request finds the whole longer prefix and restores exactly."""
+    vocab = loaded("random:llama").spec.vocab_size
+    prompt = random_prompt(3 * CHUNK_TOKENS + 5, vocab, rng)
+    longer = prompt + random_prompt(2 * CHUNK_TOKENS, vocab, rng)
+    with _serving(tmp_path, plan="KV") as serving:
+        logits = []
+        for uid, tokens in enumerate((prompt, longer, longer)):
+            logits.append(_put_in_parts(serving, uid, tokens, part or len(tokens)))
+            restored = serving.record(uid).restored_tokens
+            serving.flush(uid)
+            # in parts of 100, a put restores only chunks whose tokens have all arrived (see above)
+            assert restored == ([0, 192, 320] if part is None else [0, 64 + 92, 64 + 92 + 56 + 20])[uid]
+        torch.testing.assert_close(logits[2], logits[1], atol=1e-5, rtol=1e-5)
+
+
+def test_without_a_store_nothing_is_restored_or_saved(tmp_path, rng):
+    prompt = random_prompt(2 * CHUNK_TOKENS + 3, loaded("random:llama").spec.vocab_size, rng)
+    with _serving(None) as serving:
+        for uid in range(2):
+            serving.put([uid], [prompt])
+            assert serving.record(uid).restored_tokens == 0
+            serving.flush(uid)
+    assert not any(tmp_path.iterdir())
+
+
+def test_request_log_has_a_line_per_finished_sequence(tmp_path, rng):
+    prompt = random_prompt(CHUNK_TOKENS + 2, loaded("random:llama").spec.vocab_size, rng)
+    log = tmp_path / "requests.jsonl"
+    with _serving(tmp_path / "store", plan="KV", request_log=log) as serving:
+        for uid in (7, 8):
+            serving.put([uid], [prompt])
+            serving.put([uid], [[1]])  # a decode step
+            serving.flush(uid)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["uid"], r["restored_tokens"], r["computed_tokens"]) for r in lines] == [
+        (7, 0, CHUNK_TOKENS + 3),
+        (8, CHUNK_TOKENS, 3),
+    ]
+
+
+def test_capacity_follows_fastgen(tmp_path):
+    """``query`` answers as FastGen's ``get_kv_requirements`` does: all tokens if the blocks allow,
+    else as many as fit in the blocks granted."""
+    with _serving(None) as serving:
+        assert serving.query(0, 100, 10) == (100, 2)
+        assert serving.query(0, 200, 2) == (128, 2)
+        serving.put([0], [list(range(1, 71))])  # 70 tokens: 2 blocks, 58 free slots in the last
+        assert serving.get_remaining_block_capacity(0) == 58
+        assert serving.query(0, 58, 0) == (58, 0)
+        assert serving.query(0, 60, 1) == (60, 1)
+        assert int(min(serving.free_blocks)) == 30
+        serving.flush(0)
+        assert int(min(serving.free_blocks)) == 32
+
+
+def test_bad_input_is_refused(tmp_path):
+    with _serving(tmp_path) as serving:
+        with pytest.raises(InvalidRequestError, match="no tokens"):
+            serving.put([0], [[]])
+        serving.open(1)
+        with pytest.raises(InvalidRequestError, match="already open"):
+            serving.open(1)
