@@ -21,6 +21,11 @@ setup(
         "triton>=3.0",
         "nvidia-ml-py>=12",
         "matplotlib>=3.7",
+        # the GPU engine and the serving layer; both install and import on a CPU
+        "deepspeed>=0.19,<0.20",
+        "deepspeed-mii>=0.3,<0.4",
+        "pydantic>=2",
+        "uvicorn",  # MII's OpenAI-compatible server needs it and does not declare it
     ],
     extras_require={"test": ["pytest>=8"]},
     entry_points={"console_scripts": ["hcache=hcache.cli:main"]},

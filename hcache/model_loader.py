@@ -52,7 +52,7 @@ def cache_home() -> Path:
 def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """``"smollm2"``, a directory with a HF ``config.json``, or ``"random:<shape>"`` (random weights, seed 0:
     a tiny model of a model type, or a full-size shape such as ``llama-2-7b``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name.startswith(_RANDOM_PREFIX):
         model = random_model(name[len(_RANDOM_PREFIX) :], dtype=dtype, device=device)
@@ -63,8 +63,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
             f"no model at {name!r}: expected {DEFAULT_MODEL!r}, 'random:<model_type>' or a directory with a "
             f"config.json (the hub cannot be reached from here)"
         )
+    spec = ModelSpec.from_config(AutoConfig.from_pretrained(path), dtype)  # refuses a model before loading weights
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    spec = ModelSpec.from_config(model.config, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
     return LoadedModel(name, model, spec, tokenizer)
 

@@ -1,0 +1,175 @@
+"""DeepSpeed-MII's own code path over hcache on the CPU: ``mii.pipeline``, and ``mii.serve`` over HTTP (MII's
+REST gateway and its OpenAI-compatible server), with SmolLM2 on the reference engine. A returning
+conversation is restored instead of recomputed, and the replies equal those of MII with hcache off."""
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from transformers import AutoTokenizer
+
+import hcache.mii
+from hcache.errors import InvalidRequestError, UnsupportedModelError
+from hcache.mii.config import HCacheConfig
+from hcache.model_loader import _smollm2_dir
+
+NOTE = (
+    "Paris is the capital and largest city of France, on the Seine. Berlin is the capital and largest city of "
+    "Germany, on the Spree. Paris has about two million inhabitants in the city proper; Berlin has about three "
+    "and a half million, which makes it the most populous city of the European Union. "
+)
+QUESTIONS = [NOTE + "What is the capital of France?", "And of Germany?", "Which of the two cities is bigger?"]
+NEW_TOKENS = 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(smollm2) -> str:
+    return str(_smollm2_dir())
+
+
+def _converse(model_dir: str, reply) -> list[str]:
+    """A chat in SmolLM2's template, each turn resending the whole history, as chat clients do."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    messages, replies = [], []
+    for question in QUESTIONS:
+        messages.append({"role": "user", "content": question})
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        replies.append(reply(prompt, messages))
+        messages.append({"role": "assistant", "content": replies[-1]})
+    return replies
+
+
+def _pipeline_chat(model_dir: str, hcache_config: dict) -> list[str]:
+    pipe = hcache.mii.pipeline(model_dir, hcache=hcache_config, zmq_port_number=_free_port())
+    try:
+        return _converse(model_dir, lambda prompt, _: pipe([prompt], max_new_tokens=NEW_TOKENS, do_sample=False)[0].generated_text)
+    finally:
+        pipe.inference_engine.close()
+        pipe.destroy()
+
+
+@pytest.fixture(scope="module")
+def hcache_off(model_dir) -> list[str]:
+    """The replies of MII over the same engine with hcache off: the reference."""
+    return _pipeline_chat(model_dir, {"enabled": False})
+
+
+def _turns(log) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def _check_restored_and_identical(replies: list[str], reference: list[str], log) -> None:
+    assert replies == reference
+    turns = _turns(log)
+    assert len(turns) == len(QUESTIONS)
+    assert turns[0]["restored_tokens"] == 0
+    for turn in turns[1:]:  # the resent history comes from the store: most of the prompt is not recomputed
+        assert turn["restored_tokens"] >= 64 and turn["fallback"] is None
+        assert turn["computed_tokens"] < turn["restored_tokens"] + NEW_TOKENS
+
+
+def test_pipeline_restores_returning_conversation(model_dir, hcache_off, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    replies = _pipeline_chat(model_dir, {"store_dirs": [str(tmp_path / "store")], "request_log": str(log)})
+    _check_restored_and_identical(replies, hcache_off, log)
+
+
+def _post(url: str, body: dict) -> object:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def _wait_for(url: str, process: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the OpenAI-compatible server exited"
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(url)
+
+
+def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path):
+    """Turns 1 and 2 through MII's REST gateway, turn 3 through MII's OpenAI-compatible server (greedy:
+    top_k=1), all against one hcache deployment."""
+    log = tmp_path / "requests.jsonl"
+    rest, balancer = _free_port(), _free_port()
+    client = hcache.mii.serve(
+        model_dir,
+        hcache={"store_dirs": [str(tmp_path / "store")], "request_log": str(log)},
+        deployment_name="hcache-test",
+        enable_restful_api=True,
+        restful_api_port=rest,
+        restful_processes=1,
+        port_number=balancer,
+        torch_dist_port=_free_port(),
+        zmq_port_number=_free_port(),
+    )
+    openai_port = _free_port()
+    openai = subprocess.Popen(
+        [sys.executable, "-m", "mii.entrypoints.openai_api_server", "--model", model_dir,
+         "--load-balancer", f"localhost:{balancer}", "--port", str(openai_port)]
+    )  # fmt: skip
+    try:
+        _wait_for(f"http://localhost:{openai_port}/health", openai)
+
+        def reply(prompt: str, messages: list[dict]) -> str:
+            if len(messages) < len(QUESTIONS):
+                body = {"prompts": [prompt], "max_new_tokens": NEW_TOKENS, "do_sample": False}
+                return _post(f"http://localhost:{rest}/mii/hcache-test", body)[0]["generated_text"]
+            body = {"model": model_dir, "messages": messages, "max_tokens": NEW_TOKENS, "top_k": 1}
+            return _post(f"http://localhost:{openai_port}/v1/chat/completions", body)["choices"][0]["message"]["content"]
+
+        replies = _converse(model_dir, reply)
+    finally:
+        openai.terminate()
+        openai.wait(30)
+        client.terminate_server()
+    _check_restored_and_identical(replies, hcache_off, log)
+
+
+class _ModelConfig:
+    """The fields of MII's ModelConfig that the engine factory reads."""
+
+    def __init__(self, path, tensor_parallel=1):
+        self.model_name_or_path, self.tensor_parallel = str(path), tensor_parallel
+        self.inference_engine_config, self.max_length = None, None
+
+
+def test_unsupported_model_type_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError, match="llama"):
+        hcache.mii.build_engine(_ModelConfig(tmp_path), HCacheConfig(enabled=False, engine="reference"))
+
+
+def test_fastgen_without_a_gpu_says_so(model_dir, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="FastGen needs a CUDA GPU"):
+        hcache.mii.build_engine(_ModelConfig(model_dir), HCacheConfig(enabled=False, engine="fastgen"))
+
+
+def test_untested_mii_version_is_refused(monkeypatch, model_dir):
+    monkeypatch.setattr("mii.__version__", "0.5.0")
+    with pytest.raises(InvalidRequestError, match="deepspeed-mii >=0.3,<0.4"):
+        hcache.mii.pipeline(model_dir, hcache={"enabled": False})
+
+
+def test_bad_backend_options_are_refused():
+    with pytest.raises(ValueError, match="store_dirs"):
+        HCacheConfig(store_dirs=[])
+    with pytest.raises(ValueError, match="engine"):
+        HCacheConfig(engine="vllm")
+    with pytest.raises(ValueError, match="readers"):
+        HCacheConfig(readers=-1)
