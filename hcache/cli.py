@@ -8,6 +8,7 @@ import sys
 from . import bench
 from .errors import HCacheError
 from .layer_prefetch import DEFAULT_READERS
+from .mii import serve_command
 from .model_loader import DEFAULT_MODEL
 
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--store-dir", action="append", default=None, help="measure I/O on this store directory (repeat for each SSD; default: the temp dir)")
     profile.add_argument("--out", default=None, help="output path (default: profiles/<machine>-<model>.json)")
     bench.add_parsers(sub)
+    serve_command.add_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             return _profile(args, command)
         if args.command == "bench":
             return bench.run(args, command)
+        if args.command == "serve":
+            return serve_command.run(args)
         if args.command == "prepare":
             from .model_loader import load_model
 

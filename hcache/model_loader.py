@@ -57,16 +57,23 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     if name.startswith(_RANDOM_PREFIX):
         model = random_model(name[len(_RANDOM_PREFIX) :], dtype=dtype, device=device)
         return LoadedModel(name, model, ModelSpec.from_config(model.config, dtype), None)
+    path = model_dir(name)
+    spec = ModelSpec.from_config(AutoConfig.from_pretrained(path), dtype)  # refuses a model before loading weights
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
+    return LoadedModel(name, model, spec, tokenizer)
+
+
+def model_dir(name: str) -> Path:
+    """The HF directory of ``"smollm2"`` (converted on first use) or of a directory name: what engines that
+    load checkpoints themselves (MII, FastGen) are given."""
     path = _smollm2_dir() if name == DEFAULT_MODEL else Path(name)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(
             f"no model at {name!r}: expected {DEFAULT_MODEL!r}, 'random:<model_type>' or a directory with a "
             f"config.json (the hub cannot be reached from here)"
         )
-    spec = ModelSpec.from_config(AutoConfig.from_pretrained(path), dtype)  # refuses a model before loading weights
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
-    return LoadedModel(name, model, spec, tokenizer)
+    return path
 
 
 def _smollm2_dir() -> Path:

@@ -88,7 +88,7 @@ class ServingEngine:
     is no larger. ``save``: ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of
     every plan it picks over the context range), ``"all"`` hidden states and KV for every layer, ``"none"``
     nothing. ``readers``: threads that read stored layers ahead of the restore's compute (0: inline).
-    ``request_log``: a file that gets one JSON line per finished sequence. ``config``: the engine config MII
+    ``request_log``: a file that gets one JSON line per finished sequence (from rank 0). ``config``: the engine config MII
     schedules by (it reads ``_config.state_manager``).
 
     With tensor parallelism, every rank of ``tp`` runs one of these over its shard of the engine, with the
@@ -278,7 +278,7 @@ class ServingEngine:
         if self.saver is not None:
             self.saver.close(uid)
         self.engine.flush(uid)
-        if seq is not None and self.request_log is not None:
+        if seq is not None and self.request_log is not None and self.tp.rank == 0:  # ranks restore alike
             with self.request_log.open("a") as f:
                 f.write(json.dumps({"uid": uid, "time": time.time(), **asdict(seq.record)}) + "\n")
 

@@ -52,7 +52,7 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
     return ServingEngine(
         engine,
         fingerprint,
-        hcache.store_dirs if hcache.enabled else None,
+        _rank_dirs(hcache.store_dirs, tp) if hcache.enabled else None,
         model_name=Path(path).name,
         plan=hcache.plan,
         save=hcache.save,
@@ -64,6 +64,14 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
         config=config,
         tp=tp,
     )
+
+
+def _rank_dirs(dirs: list[str], tp: TPGroup) -> list[str]:
+    """Each rank of a deployment stores in directories of its own: a store's index and quota assume one
+    writer process per directory."""
+    if tp.world_size == 1:
+        return dirs
+    return [str(Path(d) / f"tp{tp.world_size}-rank{tp.rank}") for d in dirs]
 
 
 def _tensor_parallel_group(degree: int) -> TPGroup:

@@ -1,0 +1,68 @@
+"""``hcache serve``: a DeepSpeed-MII deployment with the hcache backend, with MII's REST gateway and,
+optionally, MII's OpenAI-compatible server in front of it, until interrupted."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+from ..model_loader import DEFAULT_MODEL, model_dir
+from . import serve
+from .config import HCacheConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model with DeepSpeed-MII and hcache (REST, optionally OpenAI API)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default) or a HF model directory")
+    p.add_argument("--store-dir", action="append", default=None, help="chunk store directory (repeat for each SSD; default: hcache-store)")
+    p.add_argument("--plan", default=None, help="auto, RE, H, KV or counts like 2RE+20H+8KV (default: H for MHA models, KV where KV is smaller)")
+    p.add_argument("--profile", default=None, help="a profile from `hcache profile` (implies --plan auto)")
+    p.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="auto: FastGen on a GPU, else the reference engine")
+    p.add_argument("--off", action="store_true", help="serve without hcache (the recompute baseline)")
+    p.add_argument("--request-log", default=None, help="append one JSON line per finished sequence to this file")
+    p.add_argument("--deployment-name", default="hcache", help="the REST path is /mii/<deployment-name>")
+    p.add_argument("--rest-port", type=int, default=51080, help="MII's REST gateway port")
+    p.add_argument("--port", type=int, default=50050, help="MII's load balancer (gRPC) port")
+    p.add_argument("--openai-port", type=int, default=None, help="also start MII's OpenAI-compatible server on this port")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = str(model_dir(args.model))
+    config = HCacheConfig(
+        enabled=not args.off,
+        engine=args.engine,
+        store_dirs=args.store_dir or ["hcache-store"],
+        plan=args.plan,
+        profile=args.profile,
+        request_log=args.request_log,
+    )
+    client = serve(
+        path,
+        hcache=config,
+        deployment_name=args.deployment_name,
+        enable_restful_api=True,
+        restful_api_port=args.rest_port,
+        port_number=args.port,
+    )
+    openai = None
+    try:
+        print(f"REST: POST http://localhost:{args.rest_port}/mii/{args.deployment_name}  {{\"prompts\": [...], \"max_new_tokens\": N}}")
+        if args.openai_port is not None:
+            openai = subprocess.Popen(
+                [sys.executable, "-m", "mii.entrypoints.openai_api_server", "--model", path,
+                 "--load-balancer", f"localhost:{args.port}", "--port", str(args.openai_port)]
+            )  # fmt: skip
+            print(f"OpenAI API: http://localhost:{args.openai_port}/v1/chat/completions  (model: {path})")
+        print("serving; Ctrl-C stops", flush=True)
+        while openai is None or openai.poll() is None:
+            time.sleep(1)
+        print("hcache: the OpenAI-compatible server exited", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if openai is not None:
+            openai.terminate()
+            openai.wait(30)
+        client.terminate_server()
