@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend import build_engine, check_mii_version, installed, server_processes_launched_by_hcache
+from .backend import build_engine, check_mii_version, installed, server_processes_launched_by_hcache, stop
 from .config import HCacheConfig
 
 __all__ = ["HCacheConfig", "build_engine", "pipeline", "serve"]
@@ -28,13 +28,23 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
 
 def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
     """``mii.serve`` (same arguments: ``enable_restful_api``, ``deployment_name``, ports, ...) whose replicas
-    restore and save through hcache. Returns MII's client; ``client.terminate_server()`` stops it."""
+    restore and save through hcache. Returns MII's client; its ``terminate_server()`` stops the deployment
+    and waits until every process it started has exited."""
     import mii
 
     config = _config(hcache)
     check_mii_version()
-    with server_processes_launched_by_hcache(config):
-        return mii.serve(model_name_or_path, **kwargs)
+    launched: list = []
+    with server_processes_launched_by_hcache(config, launched):
+        client = mii.serve(model_name_or_path, **kwargs)
+    terminate = client.terminate_server
+
+    def terminate_server() -> None:
+        terminate()
+        stop(launched)
+
+    client.terminate_server = terminate_server
+    return client
 
 
 def _config(hcache: HCacheConfig | dict | None) -> HCacheConfig:

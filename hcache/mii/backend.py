@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -149,9 +150,9 @@ def installed(hcache: HCacheConfig) -> Iterator[None]:
 
 
 @contextmanager
-def server_processes_launched_by_hcache(hcache: HCacheConfig) -> Iterator[None]:
+def server_processes_launched_by_hcache(hcache: HCacheConfig, launched: list[subprocess.Popen]) -> Iterator[None]:
     """While ``mii.serve`` starts its processes, start them through :mod:`hcache.mii.launch` with the
-    hcache config, in MII's own command line otherwise."""
+    hcache config, in MII's own command line otherwise, and collect them in ``launched``."""
     from mii.backend.server import MIIServer, config_to_b64_str
 
     def launch(self, model_config, msg_server_type, ds_launch_str="", server_args=None):
@@ -162,7 +163,10 @@ def server_processes_launched_by_hcache(hcache: HCacheConfig) -> Iterator[None]:
             "--model-config", config_to_b64_str(model_config),
             *" ".join(server_args or []).split(),
         ]  # fmt: skip
-        return subprocess.Popen(cmd)
+        # A session of its own: Ctrl-C reaches only the serving process, which stops the deployment in
+        # order (``terminate_server``) rather than each process dying where it stands.
+        launched.append(subprocess.Popen(cmd, start_new_session=True))
+        return launched[-1]
 
     saved = MIIServer._launch_server_process
     MIIServer._launch_server_process = launch
@@ -170,3 +174,16 @@ def server_processes_launched_by_hcache(hcache: HCacheConfig) -> Iterator[None]:
         yield
     finally:
         MIIServer._launch_server_process = saved
+
+
+def stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
+    """Wait for a deployment's processes to exit after ``terminate_server``, and terminate those that do not:
+    MII 0.3's REST gateway with ``restful_processes > 1`` handles ``/terminate`` in a forked child, so the
+    gateway itself never stops."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            process.wait(grace_s)
