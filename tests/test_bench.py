@@ -16,3 +16,16 @@ def test_bench_restore_reports_every_method_the_bound_and_the_regret(tmp_path):
     assert len(result["bound_tokens_per_s"]) == 2 and result["auto_regret"] == max(result["auto_regret_by_history"])
     assert result["machine"]["cpu_count"] and result["command"].startswith("hcache bench restore")
     assert (tmp_path / "restore.png").stat().st_size > 0
+
+
+def test_bench_mii_compares_methods_through_mii(tmp_path):
+    """Through MII's own pipeline: every method gives the same tokens, and kv and h restore the history."""
+    out = tmp_path / "mii.json"
+    args = ["bench", "mii", "--history", "192", "--turn", "16", "--new-tokens", "4", "--repeats", "1", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    methods = result["methods"]
+    assert set(methods) == {"recompute", "kv", "h"} and result["engine"] == "reference"
+    assert all(m["tokens_match"] and m["ttft_s_median"] > 0 for m in methods.values())
+    assert methods["recompute"]["restored_tokens"] == 0
+    assert methods["kv"]["restored_tokens"] == methods["h"]["restored_tokens"] == 192

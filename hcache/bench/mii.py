@@ -1,0 +1,130 @@
+"""TTFT of a returning conversation through DeepSpeed-MII: recompute, KV offload and hcache, side by side.
+
+A random-weight model of a named shape (``random:llama-2-7b`` by default on a GPU) is saved with a
+word-level tokenizer (``w0. w1. ...``: text round-trips to exactly the same token ids) and served by MII's
+own ``pipeline``, once per method, each with a store of its own:
+- ``mii``: plain ``mii.pipeline`` on FastGen, no hcache (GPU only);
+- ``recompute``: hcache's engine with hcache off, which prefills the whole history;
+- ``kv``, ``h`` (and ``auto`` with ``--profile``): hcache restoring the history by that plan.
+
+Each method first answers ``history + turn₀`` with ``--new-tokens`` greedy tokens, which saves the history
+and gives the tokens compared with the first method's (``tokens_match``). Then, ``--repeats`` times after a
+warm-up, a new ``turn`` follows the same history, and the time of ``pipe([prompt], max_new_tokens=1)`` is
+its TTFT (tokenising and MII's scheduling included, alike for every method). ``ttft_speedup`` is
+recompute's median TTFT over each method's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..model_loader import model_dtype, random_model
+
+METHODS = {"recompute": {"enabled": False}, "kv": {"plan": "KV"}, "h": {"plan": "H"}}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    gpu = torch.cuda.is_available()
+    parser.add_argument("--model", default="random:llama-2-7b" if gpu else "random:llama", help="a random:<shape>")
+    parser.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="auto: FastGen on a GPU")
+    parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: float16 on a GPU)")
+    parser.add_argument("--history", type=int, default=4096 if gpu else 384, help="tokens of history the conversation returns with")
+    parser.add_argument("--turn", type=int, default=64, help="new tokens of each returning turn")
+    parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens compared between methods")
+    parser.add_argument("--repeats", type=int, default=3, help="timed returning turns per method, after one warm-up")
+    parser.add_argument("--profile", default=None, help="also run hcache's auto plan with this profile")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from ..mii.backend import _engine_kind
+    from ..mii.config import HCacheConfig
+
+    engine = _engine_kind(HCacheConfig(engine=args.engine))
+    if not args.model.startswith("random:"):
+        raise ValueError(f"--model must be a random:<shape>, not {args.model!r} (prompts are random words)")
+    methods = {**({"mii": None} if engine == "fastgen" else {}), **METHODS}
+    if args.profile:
+        methods["auto"] = {"plan": "auto", "profile": args.profile}
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="hcache-bench-mii-") as tmp:
+        model_dir = _save_model(args.model, model_dtype(args.dtype, "cuda" if engine == "fastgen" else "cpu"), Path(tmp) / "model")
+        config = json.loads((model_dir / "config.json").read_text())
+        vocab, context = config["vocab_size"], config["max_position_embeddings"]
+        if args.history + args.turn + args.new_tokens > context:
+            raise ValueError(f"history + turn + new tokens must fit {args.model}'s context of {context} tokens")
+
+        def words(n: int) -> str:
+            return " ".join(f"w{i}." for i in torch.randint(0, vocab, (n,), generator=gen).tolist())
+
+        history, turns = words(args.history), [words(args.turn) for _ in range(args.repeats + 2)]
+        results, reference = {}, None
+        for name, options in tqdm(methods.items(), desc="methods", unit="method"):
+            log = Path(tmp) / f"{name}.jsonl"
+            config = None if options is None else {"engine": engine, "store_dirs": [f"{tmp}/{name}"], "request_log": str(log), **options}
+            pipe = _pipeline(str(model_dir), config)
+            try:
+                tokens = pipe([f"{history} {turns[0]}"], max_new_tokens=args.new_tokens, do_sample=False)[0].generated_text
+                reference = reference if reference is not None else tokens
+                ttft = []
+                for turn in turns[1:]:
+                    start = time.perf_counter()
+                    pipe([f"{history} {turn}"], max_new_tokens=1, do_sample=False)
+                    ttft.append(time.perf_counter() - start)
+            finally:
+                if config is not None:
+                    pipe.inference_engine.close()
+                pipe.destroy()
+            turns_logged = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+            results[name] = {
+                "ttft_s_median": statistics.median(ttft[1:]),  # the first returning turn warms up
+                "tokens_match": tokens == reference,
+                "restored_tokens": turns_logged[-1]["restored_tokens"] if turns_logged else 0,
+            }
+    base = results["recompute"]["ttft_s_median"]
+    for r in results.values():
+        r["ttft_speedup"] = base / r["ttft_s_median"]
+    print(f"{args.model} on {engine}, history {args.history} + turn {args.turn} tokens, median of {args.repeats}")
+    print(f"{'method':<10}{'TTFT s':>10}{'speedup':>9}{'restored':>10}  tokens match")
+    for name, r in results.items():
+        print(f"{name:<10}{r['ttft_s_median']:>10.3f}{r['ttft_speedup']:>8.2f}x{r['restored_tokens']:>10}  {r['tokens_match']}")
+    return {"model": args.model, "engine": engine, "history_tokens": args.history, "turn_tokens": args.turn, "methods": results}
+
+
+def _pipeline(model_dir: str, hcache_config: dict | None):
+    """``hcache.mii.pipeline``, or plain ``mii.pipeline`` for ``None``, on a free ZMQ port."""
+    import mii
+
+    import hcache.mii
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    if hcache_config is None:
+        return mii.pipeline(model_dir, zmq_port_number=port)
+    return hcache.mii.pipeline(model_dir, hcache=hcache_config, zmq_port_number=port)
+
+
+def _save_model(name: str, dtype: torch.dtype, path: Path) -> Path:
+    """A random-weight model of shape ``random:<shape>`` and a word-level tokenizer over its vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    model = random_model(name.removeprefix("random:"), dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+    model.save_pretrained(path)
+    # Special tokens are matched inside words, so no word may contain another: "w1." is not in "w17.".
+    vocab = {f"w{i}.": i for i in range(model.config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0."))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0.", eos_token="w1.").save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
