@@ -53,6 +53,7 @@ class _Sequence:
     plan: RestorePlan | None  # None: the profile's plan for each restore's length
     restore: bool
     chain: KeyChain  # at the tokens the engine holds
+    failed: bool = False  # a put raised part-way: the engine, the chain and the saver may disagree
     record: SequenceRecord = field(default_factory=SequenceRecord)
 
 
@@ -198,15 +199,31 @@ class ServingEngine:
     def put(self, batch_uids: Sequence[int], batch_tokens: Sequence[Sequence[int] | torch.Tensor], do_checks: bool = True) -> torch.Tensor:
         """Append tokens to sequences; next-token logits ``[len(batch_uids), vocab]``. The stored prefix of each
         sequence's new tokens is restored first, and only the rest is run (and saved). Capacity is checked
-        by the engine's block allocation whatever ``do_checks`` says."""
-        requests = []
+        by the engine's block allocation whatever ``do_checks`` says.
+
+        A put that raises (a full KV cache, say) leaves its sequences unusable until they are flushed: part
+        of it may have happened. Their chunks completed by earlier puts are still saved; the saver's chain
+        may have taken the failed put's tokens, but their rows never come, so no chunk they touch is
+        published (and a forward that raised part-way publishes nothing, see the saver)."""
+        batch = []
         for uid, tokens in zip(batch_uids, batch_tokens):
             tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
             if not tokens:
                 raise InvalidRequestError(f"sequence {uid}: no tokens to process")
             if uid not in self._seqs:
                 self.open(uid)
-            requests.append((uid, tokens[self._restore(uid, tokens) :]))
+            elif self._seqs[uid].failed:
+                raise InvalidRequestError(f"sequence {uid}: an earlier put failed part-way; flush it and start again")
+            batch.append((uid, tokens))
+        try:
+            return self._put(batch)
+        except BaseException:
+            for uid, _ in batch:
+                self._seqs[uid].failed = True
+            raise
+
+    def _put(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
+        requests = [(uid, tokens[self._restore(uid, tokens) :]) for uid, tokens in batch]
         for uid, tokens in requests:
             if self._capture is not None:
                 self.saver.add_tokens(uid, tokens)

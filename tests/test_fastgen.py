@@ -453,3 +453,35 @@ def test_real_fastgen_restore_equals_recompute(tmp_path):
         # hcache's RoPE rounds like FastGen's kernel up to fp16 ulps, not bit for bit
         torch.testing.assert_close(cached_kv(engine, 2, layer)[: len(prompt)], reference_kv[layer], rtol=1e-2, atol=1e-2)
     assert restored == recompute
+
+
+def test_serving_engine_over_fastgen_restores_and_survives_a_corrupt_chunk(tmp_path):
+    """hcache's serving engine over the adapter, driven as MII drives it (puts of at most
+    max_ragged_batch_size tokens): a returning prompt is restored and gives the same logits, and so it does
+    when a stored tensor is corrupt (the restore ends short, at that chunk, and the rest is prefilled)."""
+    from helpers import corrupt_tensor
+
+    from hcache.serving_engine import ServingEngine
+    from hcache.storage.chunk_key import chunk_keys, root_key
+
+    prompt = [int(t) for t in torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(2))]
+    serving = ServingEngine(fastgen(), "fp", tmp_path, model_name="fake", plan="1RE+1H+1KV", save="all", readers=0)
+
+    def put(uid: int) -> torch.Tensor:
+        for off in range(0, len(prompt), MAX_BATCH):
+            logits = serving.put([uid], [prompt[off : off + MAX_BATCH]])
+        record = serving.record(uid)
+        serving.flush(uid)
+        return logits, record
+
+    want, _ = put(0)
+    got, record = put(1)
+    # A chunk is keyed by all 64 of its tokens, so with puts of 16 each restore covers the last 15 of one.
+    assert record.restored_tokens == 3 * 15 and record.fallback is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    key = chunk_keys(prompt, root_key(serving.fingerprint))[1]
+    corrupt_tensor(serving.store, key, 1, "H", prompt[64:128], serving.fingerprint)
+    got, record = put(2)  # chunk 1 is recomputed (and saved again); chunks 0 and 2 still restore
+    assert record.restored_tokens == 2 * 15 and "checksum mismatch" in record.fallback
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    serving.close()

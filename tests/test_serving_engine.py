@@ -7,7 +7,7 @@ import torch
 from helpers import loaded, random_prompt
 
 from hcache.engine import ReferenceEngine
-from hcache.errors import InvalidRequestError
+from hcache.errors import CacheFullError, InvalidRequestError
 from hcache.fingerprint import model_fingerprint
 from hcache.serving_engine import ServingEngine
 from hcache.storage.chunk_key import CHUNK_TOKENS
@@ -78,11 +78,11 @@ def test_chunks_saved_after_a_restore_continue_the_chain(tmp_path, rng, part):
 def test_without_a_store_nothing_is_restored_or_saved(tmp_path, rng):
     prompt = random_prompt(2 * CHUNK_TOKENS + 3, loaded("random:llama").spec.vocab_size, rng)
     with _serving(None) as serving:
+        assert serving.store is None and serving.saver is None and serving._capture is None
         for uid in range(2):
             serving.put([uid], [prompt])
             assert serving.record(uid).restored_tokens == 0
             serving.flush(uid)
-    assert not any(tmp_path.iterdir())
 
 
 def test_request_log_has_a_line_per_finished_sequence(tmp_path, rng):
@@ -122,3 +122,28 @@ def test_bad_input_is_refused(tmp_path):
         serving.open(1)
         with pytest.raises(InvalidRequestError, match="already open"):
             serving.open(1)
+
+
+def test_a_failed_put_saves_nothing_wrong(tmp_path, rng):
+    """A put that fails (the KV cache is full) leaves its sequence refused until flushed, and stores nothing
+    under the wrong key: after a retry, a later request restores exactly what recompute gives."""
+    vocab = loaded("random:llama").spec.vocab_size
+    prompt = random_prompt(3 * CHUNK_TOKENS + 5, vocab, rng)
+    lm = loaded("random:llama")
+    small = ReferenceEngine(lm.model, lm.spec, num_blocks=4)  # 256 tokens: the prompt plus 64 decode steps do not fit
+    with ServingEngine(small, model_fingerprint(lm.model, lm.spec), tmp_path, model_name=lm.name, plan="KV", readers=0) as serving:
+        serving.put([0], [prompt[:150]])
+        with pytest.raises(CacheFullError):
+            serving.put([0], [prompt[150:] + [1] * 64])
+        with pytest.raises(InvalidRequestError, match="flush it"):
+            serving.put([0], [[1]])
+        serving.flush(0)
+        want = serving.put([1], [prompt])  # recompute: what was stored before the failure ends at 128
+        assert serving.record(1).restored_tokens == 2 * CHUNK_TOKENS
+        want_kv = _kv(serving, 1)
+        serving.flush(1)
+        got = serving.put([2], [prompt])
+        assert serving.record(2).restored_tokens == 3 * CHUNK_TOKENS
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for g, w in zip(_kv(serving, 2), want_kv):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import loaded, random_prompt
+from helpers import corrupt_tensor, loaded, random_prompt
 
 from hcache.engine import ReferenceEngine
 from hcache.errors import UnsupportedModelError
@@ -67,17 +67,6 @@ class _ReadLog:
         return got
 
 
-def _corrupt(store, key: str, layer: int, fmt: str, tokens: list[int], fingerprint: str) -> None:
-    """Flip one byte inside a stored tensor, leaving the header intact."""
-    with store.open(key) as f:
-        reader = ChunkReader.open(f, key, tokens, fingerprint)
-        offset = reader.data_start + reader.entries[(layer, fmt)]["data_offsets"][0]
-    path = store.path(key)
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def _rank(rank: int, out, prompt: list[int]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=TP)
     torch.set_num_threads(1)
@@ -110,7 +99,7 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     engine.flush(1)
     # A corrupt hidden-state tensor in rank 0's chunk 2, found while reading layer 1.
     if rank == 0:
-        _corrupt(runtime.store, keys[2], 1, "H", prompt[128:192], runtime.fingerprint)
+        corrupt_tensor(runtime.store, keys[2], 1, "H", prompt[128:192], runtime.fingerprint)
     dist.barrier()
     result = runtime.generate(prompt, NEW_TOKENS, plan="H")
     seen["corrupt"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids)

@@ -306,9 +306,11 @@ class FastGenEngine:
                 residual, hidden = layer(i, residual, hidden, batch)
 
     def end_restore(self, uid: int, tokens: list[int]) -> None:
-        """Count ``tokens`` as seen, with the descriptor calls ``put`` makes around a forward."""
+        """Count ``tokens`` as seen, with the descriptor calls ``put`` makes around a forward. A restore that
+        found a bad chunk ends short of what it began for: the blocks past it stay allocated, and the
+        prefill that follows overwrites what was written there."""
         r = self._restoring.pop(uid)
-        if len(tokens) != r.num_tokens:
+        if len(tokens) > r.num_tokens:
             raise InvalidRequestError(f"sequence {uid}: restore began for {r.num_tokens} tokens, ended with {len(tokens)}")
         desc = self._state.get_sequence(uid)
         desc.pre_forward(len(tokens))

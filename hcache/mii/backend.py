@@ -186,4 +186,7 @@ def stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
             process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.terminate()
-            process.wait(grace_s)
+            try:
+                process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
