@@ -97,6 +97,12 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     steps.append(restore_prefix(engine, runtime.store, 1, prompt[64:], keys[1:], runtime.fingerprint, plan, tp=tp))
     seen["steps"] = dict(tokens=[o.tokens for o in steps], fallbacks=[o.fallback for o in steps], kv=_kv(engine, 1))
     engine.flush(1)
+    # As MII sends it, in puts of 100: the second restore starts inside chunk 1, at token 100.
+    runtime.serving.put([60], [prompt[:100]])
+    logits = runtime.serving.put([60], [prompt[100:]])
+    record = runtime.serving.record(60)
+    seen["split"] = dict(tokens=record.restored_tokens, fallback=record.fallback, kv=_kv(engine, 60), logits=logits)
+    runtime.serving.flush(60)
     # A corrupt hidden-state tensor in rank 0's chunk 2, found while reading layer 1.
     if rank == 0:
         corrupt_tensor(runtime.store, keys[2], 1, "H", prompt[128:192], runtime.fingerprint)
@@ -183,6 +189,18 @@ def test_restore_in_steps(runs):
         assert rank["steps"]["tokens"] == [64, 128] and rank["steps"]["fallbacks"] == [None, None]
         for got, want in zip(rank["steps"]["kv"], ref["recompute"]):
             torch.testing.assert_close(got, want[:, :, r * heads : (r + 1) * heads], atol=KV_ATOL, rtol=0)
+
+
+def test_restore_from_inside_a_chunk(runs):
+    """Through the serving engine in puts of 100 tokens, by the H plan: 64 tokens, then 92 from the middle of
+    chunk 1 (whose hidden states rank 1 holds); each rank's K/V is its slice of TP=1's, the logits TP=1's."""
+    ranks, ref, spec = runs
+    heads = spec.num_kv_heads // TP
+    for r, rank in enumerate(ranks):
+        assert rank["split"]["tokens"] == 64 + 92 and rank["split"]["fallback"] is None
+        for got, want in zip(rank["split"]["kv"], ref["recompute"]):
+            torch.testing.assert_close(got[:, :RESTORED], want[:, :, r * heads : (r + 1) * heads], atol=KV_ATOL, rtol=0)
+        torch.testing.assert_close(rank["split"]["logits"], ref["logits"], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("plan", PLANS)
