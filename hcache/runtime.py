@@ -83,7 +83,7 @@ class HCacheRuntime:
             readers=readers,
             tp=tensor_parallel,
         )
-        s = self.serving
+        s = self.serving  # fixed for its life (only its reader pool goes, at close: a property below)
         self.fingerprint, self.profile, self.plan, self.save_formats = s.fingerprint, s.profile, s.plan, s.save_formats
         self.store, self.saver = s.store, s.saver
         self._uids = itertools.count()
