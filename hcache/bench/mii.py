@@ -44,10 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..mii.backend import _engine_kind
+    from ..mii.backend import engine_kind
     from ..mii.config import HCacheConfig
 
-    engine = _engine_kind(HCacheConfig(engine=args.engine))
+    engine = engine_kind(HCacheConfig(engine=args.engine))
     if not args.model.startswith("random:"):
         raise ValueError(f"--model must be a random:<shape>, not {args.model!r} (prompts are random words)")
     methods = {**({"mii": None} if engine == "fastgen" else {}), **METHODS}

@@ -36,7 +36,7 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
     ``tensor_parallel`` above 1, this process is one rank of the deployment (MII starts one per rank)."""
     path = model_config.model_name_or_path
     tp = _tensor_parallel_group(model_config.tensor_parallel)
-    if _engine_kind(hcache) == "fastgen":
+    if engine_kind(hcache) == "fastgen":
         from ..engine.fastgen import build_fastgen_engine
 
         engine = build_fastgen_engine(path, model_config.inference_engine_config)
@@ -90,7 +90,7 @@ def _tensor_parallel_group(degree: int) -> TPGroup:
     return tp
 
 
-def _engine_kind(hcache: HCacheConfig) -> str:
+def engine_kind(hcache: HCacheConfig) -> str:
     if hcache.engine == "auto":
         return "fastgen" if torch.cuda.is_available() else "reference"
     return hcache.engine
