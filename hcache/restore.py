@@ -91,12 +91,15 @@ def restore_prefix(
                         fallback, n = _reject(store, readers[j].key, j, exc), j
                 if n == 0 and tp.world_size == 1:
                     break  # with TP, other ranks still gather this rank's rows of the H layers left
+                # Rows past another rank's bad chunk are garbage; the agreement below ends the prefix there.
                 if got.fmt == Method.H.value:
-                    # Rows past another rank's bad chunk are garbage; the agreement below ends the prefix there.
-                    engine.restore_from_hidden(uid, got.layer, tp.gather_hidden(got.rows, agreed, first)[held : end(n)])
+                    rows = tp.gather_hidden(got.rows, agreed, first)[held : end(n)]  # collective: every rank gathers
+                    if len(rows):
+                        engine.restore_from_hidden(uid, got.layer, rows)
                 else:
                     rows = got.rows[held : end(n)]
-                    engine.restore_kv(uid, got.layer, rows[:, 0], rows[:, 1])
+                    if len(rows):
+                        engine.restore_kv(uid, got.layer, rows[:, 0], rows[:, 1])
         restored = tp.min(n)
         if restored < n:
             fallback = fallback or _elsewhere(restored)
