@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 import hcache.mii
 from hcache.errors import InvalidRequestError, UnsupportedModelError
+from hcache.mii.backend import openai_server
 from hcache.mii.config import HCacheConfig
 from hcache.model_loader import model_dir as resolve_model_dir
 from hcache.model_loader import random_model
@@ -134,10 +135,7 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
         zmq_port_number=_free_port(),
     )
     openai_port = _free_port()
-    openai = subprocess.Popen(
-        [sys.executable, "-m", "mii.entrypoints.openai_api_server", "--model", model_dir,
-         "--load-balancer", f"localhost:{balancer}", "--port", str(openai_port)]
-    )  # fmt: skip
+    openai = openai_server(model_dir, balancer, openai_port)
     try:
         _wait_for(f"http://localhost:{openai_port}/health", openai)
 

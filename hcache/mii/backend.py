@@ -176,6 +176,14 @@ def server_processes_launched_by_hcache(hcache: HCacheConfig, launched: list[sub
         MIIServer._launch_server_process = saved
 
 
+def openai_server(model_dir: str, balancer_port: int, port: int) -> subprocess.Popen:
+    """MII's OpenAI-compatible server, in front of a running deployment's load balancer."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "mii.entrypoints.openai_api_server", "--model", model_dir,
+         "--load-balancer", f"localhost:{balancer_port}", "--port", str(port)]
+    )  # fmt: skip
+
+
 def stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
     """Wait for a deployment's processes to exit after ``terminate_server``, and terminate those that do not:
     MII 0.3's REST gateway with ``restful_processes > 1`` handles ``/terminate`` in a forked child, so the

@@ -3,12 +3,12 @@ optionally, MII's OpenAI-compatible server in front of it, until interrupted."""
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 
 from ..model_loader import DEFAULT_MODEL, model_dir
 from . import serve
+from .backend import openai_server
 from .config import HCacheConfig
 
 
@@ -49,10 +49,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"REST: POST http://localhost:{args.rest_port}/mii/{args.deployment_name}  {{\"prompts\": [...], \"max_new_tokens\": N}}")
         if args.openai_port is not None:
-            openai = subprocess.Popen(
-                [sys.executable, "-m", "mii.entrypoints.openai_api_server", "--model", path,
-                 "--load-balancer", f"localhost:{args.port}", "--port", str(args.openai_port)]
-            )  # fmt: skip
+            openai = openai_server(path, args.port, args.openai_port)
             print(f"OpenAI API: http://localhost:{args.openai_port}/v1/chat/completions  (model: {path})")
         print("serving; Ctrl-C stops", flush=True)
         while openai is None or openai.poll() is None:
