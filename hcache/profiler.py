@@ -2,10 +2,10 @@
 
 Every cost is measured through the same code a restore runs, so the scheduler plans with what restore
 will actually take:
-- ``io_h`` / ``io_kv``: a layer's rows read by the reader pool from chunk files in the store's own
-  directories (O_DIRECT where the filesystem allows it, so from the disk, not the page cache), verified
-  and handed to the device (:class:`~hcache.layer_prefetch.LayerPrefetcher`), averaged over several
-  layers in flight;
+- ``io_h`` / ``io_kv``: a layer's rows loaded by the host tier's readers from chunk files in the store's
+  own directories into the host pool (one O_DIRECT request per chunk where the filesystem allows it, so
+  from the disk, not the page cache), verified, and copied to the device, averaged over several layers per
+  chunk;
 - ``c_h``: the engine's ``restore_from_hidden`` (K/V GEMM, RoPE, scatter);
 - ``c_kv``: the engine's ``restore_kv`` (scatter);
 - ``c_token``: the engine's forward over the whole history, per layer, attention included.
@@ -26,16 +26,16 @@ import torch
 from tqdm import tqdm
 
 from .engine import ReferenceEngine
-from .errors import StorageError
-from .layer_prefetch import DEFAULT_READERS, LayerPrefetcher, ReaderPool
 from .model_loader import LoadedModel
 from .plan import Method
 from .profile import COST_NAMES, TP_COST_NAMES, Profile
-from .restore import row_shapes
-from .storage.chunk import Chunk, ChunkReader, encode
+from .storage.chunk import Chunk, encode
 from .storage.chunk_key import CHUNK_TOKENS
 from .storage.disk_store import DiskChunkStore
+from .storage.host_tier import DEFAULT_READERS, HostTier
 from .tensor_parallel import SINGLE, TPGroup, shard_model
+from .transfer.copier import Copier
+from .transfer.host_pool import PAGE, HostPool
 
 DEFAULT_TOKENS = (256, 1024, 4096, 16384)
 _IO_LAYERS = 4  # layers per chunk file in the I/O measurement: reads of several layers overlap, as in a restore
@@ -70,36 +70,32 @@ def measure_profile(
     dtype = getattr(torch, spec.dtype)
     names = COST_NAMES + (TP_COST_NAMES if tp.world_size > 1 else ())
     seconds: dict[str, list[float]] = {name: [] for name in names}
-    pool = ReaderPool(readers) if readers else None
     gen = torch.Generator().manual_seed(0)
-    try:
-        with tqdm(total=len(tokens) * len(names), desc=f"profiling {loaded.name}", unit="cost") as bar:
-            for n in tokens:
-                hidden = torch.randn(n, spec.hidden_size, generator=gen).to(engine.device, dtype)
-                kv = torch.randn(n, 2, spec.num_kv_heads, spec.head_size, generator=gen).to(engine.device, dtype)
-                ids = torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
-                own_hidden = hidden[: len(tp.hidden_chunks(n // CHUNK_TOKENS)) * CHUNK_TOKENS]  # this rank's rows
-                measures: dict[str, Callable[[], object]] = {
-                    "c_token": lambda: engine.recompute_layers(0, ids, 1),
-                    "c_h": lambda: engine.restore_from_hidden(0, 0, hidden),
-                    "c_kv": lambda: engine.restore_kv(0, 0, kv[:, 0], kv[:, 1]),
-                }
-                if tp.world_size > 1:
-                    measures["ag_h"] = lambda: tp.gather_hidden(own_hidden, n // CHUNK_TOKENS)
-                engine.begin_restore(0, n)
-                for name, fn in measures.items():
-                    bar.set_postfix(tokens=n, cost=name)
-                    seconds[name].append(_median_time(fn, repeats, engine.device))
-                    bar.update()
-                engine.flush(0)
-                for fmt, rows in ((Method.H.value, own_hidden), (Method.KV.value, kv)):
-                    bar.set_postfix(tokens=n, cost=f"io_{fmt.lower()}")
-                    io = _io_time(spec, fmt, rows, pool, engine.device, repeats, store_dirs)
-                    seconds[f"io_{fmt.lower()}"].append(io)
-                    bar.update()
-    finally:
-        if pool is not None:
-            pool.close()
+    copier = Copier(engine.device)
+    with tqdm(total=len(tokens) * len(names), desc=f"profiling {loaded.name}", unit="cost") as bar:
+        for n in tokens:
+            hidden = torch.randn(n, spec.hidden_size, generator=gen).to(engine.device, dtype)
+            kv = torch.randn(n, 2, spec.num_kv_heads, spec.head_size, generator=gen).to(engine.device, dtype)
+            ids = torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
+            own_hidden = hidden[: len(tp.hidden_chunks(n // CHUNK_TOKENS)) * CHUNK_TOKENS]  # this rank's rows
+            measures: dict[str, Callable[[], object]] = {
+                "c_token": lambda: engine.recompute_layers(0, ids, 1),
+                "c_h": lambda: engine.restore_from_hidden(0, 0, hidden),
+                "c_kv": lambda: engine.restore_kv(0, 0, kv),
+            }
+            if tp.world_size > 1:
+                measures["ag_h"] = lambda: tp.gather_hidden(own_hidden, n // CHUNK_TOKENS)
+            engine.begin_restore(0, n)
+            for name, fn in measures.items():
+                bar.set_postfix(tokens=n, cost=name)
+                seconds[name].append(_median_time(fn, repeats, engine.device))
+                bar.update()
+            engine.flush(0)
+            for fmt, rows in ((Method.H.value, own_hidden), (Method.KV.value, kv)):
+                bar.set_postfix(tokens=n, cost=f"io_{fmt.lower()}")
+                io = _io_time(fmt, rows, readers, copier, repeats, store_dirs)
+                seconds[f"io_{fmt.lower()}"].append(io)
+                bar.update()
     n = tokens[-1]
     bandwidth = {
         "io_h_bytes_per_s": own_hidden.shape[0] * spec.hidden_bytes_per_token_layer / seconds["io_h"][-1],
@@ -125,33 +121,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _io_time(
-    spec, fmt: str, rows: torch.Tensor, pool: ReaderPool | None, device: torch.device, repeats: int,
-    store_dirs: list[str] | None,
-) -> float:
-    """Seconds per layer to bring ``rows`` (one layer's worth) from chunk files to the device."""
+def _io_time(fmt: str, rows: torch.Tensor, readers: int, copier: Copier, repeats: int, store_dirs: list[str] | None) -> float:
+    """Seconds per layer to bring ``rows`` (one layer's worth) from chunk files to the device, through the
+    host pool, as a restore of chunks not in memory does."""
     with ExitStack() as scratch:
         roots = [
             scratch.enter_context(tempfile.TemporaryDirectory(prefix="hcache-profile-", dir=d))
             for d in (store_dirs or [None])
         ]
-        store = DiskChunkStore(roots, fsync=False)  # what is read is measured, not how safely it was written
+        disk = DiskChunkStore(roots, fsync=False)  # what is read is measured, not how safely it was written
         keys = []
         for j in range(rows.shape[0] // CHUNK_TOKENS):
             key = f"{j:032x}"
-            part = rows[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS]
-            tensors = {(layer, fmt): part.clone() for layer in range(_IO_LAYERS)}
-            store.put(key, encode(Chunk(key, [0] * CHUNK_TOKENS, _FINGERPRINT, tensors)))
+            part = rows[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS].cpu()
+            data = encode(Chunk(key, [0] * CHUNK_TOKENS, _FINGERPRINT, {(layer, fmt): part for layer in range(_IO_LAYERS)}))
+            disk.put(key, data)
             keys.append(key)
-        jobs = [(layer, fmt) for layer in range(_IO_LAYERS)]
+        tier = HostTier(disk, HostPool(disk.used_bytes + len(keys) * PAGE, pin=copier.cuda), readers=readers)
+        scratch.callback(tier.close)
 
         def read_all() -> None:
-            with ExitStack() as files:
-                readers = [
-                    ChunkReader.open(files.enter_context(store.open(k)), k, [0] * CHUNK_TOKENS, _FINGERPRINT) for k in keys
-                ]
-                with LayerPrefetcher(readers, jobs, row_shapes(spec), rows.dtype, device, pool) as ahead:
-                    for got in ahead:
-                        if got.bad is not None:
-                            raise StorageError(f"profiling store {roots} returned a bad chunk: {got.bad[1]}")
-        return _median_time(read_all, repeats, device) / _IO_LAYERS
+            tier.drop_resident()  # from the disk every time
+            images = [f.result() for f in [tier.fetch(k) for k in keys]]
+            try:
+                for layer in range(_IO_LAYERS):
+                    with copier.side_stream():
+                        copier.gather([im.tensor(layer, fmt) for im in images])
+                copier.drain()
+            finally:
+                for im in images:
+                    tier.release(im)
+
+        return _median_time(read_all, repeats, rows.device) / _IO_LAYERS

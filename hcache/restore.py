@@ -8,18 +8,20 @@ of the remaining tokens rewrites every layer's K/V from that position on.
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
+
 import torch
 
 from .engine.interface import Engine
-from .layer_prefetch import LayerPrefetcher, ReaderPool
 from .model_spec import ModelSpec
 from .plan import Method, RestorePlan
-from .storage.chunk import ChunkInvalid, ChunkReader
+from .storage.chunk import ChunkImage, ChunkInvalid
 from .storage.chunk_key import CHUNK_TOKENS
-from .storage.chunk_store import ChunkStore
+from .storage.host_tier import HostTier
 from .tensor_parallel import SINGLE, TPGroup
+from .transfer.copier import Copier
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RestoreOutcome:
     tokens: int  # tokens whose KV is now in the cache, after those the sequence held
-    bytes_read: int
+    bytes_read: int  # bytes of stored rows the restore used
     fallback: str | None  # why stored state stopped short of what the lookup found, if it did
 
 
@@ -38,13 +40,13 @@ def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 def restore_prefix(
     engine: Engine,
-    store: ChunkStore,
+    tier: HostTier,
     uid: int,
     tokens: list[int],
     keys: list[str],
     fingerprint: str,
     plan: RestorePlan,
-    pool: ReaderPool | None = None,
+    copier: Copier,
     tp: TPGroup = SINGLE,
     *,
     held: int = 0,
@@ -57,8 +59,9 @@ def restore_prefix(
     at most the first ``limit`` are wanted; so a sequence can be restored in steps, as its prompt arrives
     in parts, and a chunk can be restored in part.
 
-    With a ``pool`` the stored layers are read ahead, while the RE layers and earlier layers compute;
-    without one each layer is read just before it is restored. Both give the same cache.
+    The chunks are fetched into the host pool first (from disk on the tier's reader threads, while the RE
+    layers compute); then each stored layer is copied from the pool, ``copier.depth`` layers ahead of the
+    compute that consumes it.
 
     With tensor parallelism every rank of ``tp`` calls this at once, with its engine shard, and ``keys``
     and ``fingerprint`` of its own chunks: the ranks agree on the prefix, and an H layer's rows are
@@ -69,42 +72,104 @@ def restore_prefix(
     def end(chunks: int) -> int:  # where a restore of that many chunks stops in ``tokens``
         return max(held, min(chunks * CHUNK_TOKENS, limit))
 
-    with ExitStack() as files:
-        first = engine.seen_tokens(uid) // CHUNK_TOKENS  # with TP, which rank stores a chunk's H depends on it
-        readers, fallback = _open_prefix(store, files, keys, tokens, fingerprint, plan, tp, first)
-        n = agreed = tp.min(len(readers))  # a prefix that one rank lacks is no prefix at all
-        if agreed < len(readers):
-            fallback = fallback or _elsewhere(agreed)
-        engine.begin_restore(uid, end(n) - held)
-        jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if n else []
-        spec = engine.spec
-        hidden_chunks = tp.hidden_chunks(n, first)
-        chunk_readers = {Method.H.value: [readers[j] for j in hidden_chunks], Method.KV.value: readers[:n]}
-        with LayerPrefetcher(chunk_readers, jobs, row_shapes(spec), getattr(torch, spec.dtype), engine.device, pool) as ahead:
-            if n and plan.count(Method.RE):
-                engine.recompute_layers(uid, tokens[held : end(n)], plan.count(Method.RE))
-            for got in ahead:
-                if got.bad is not None:
-                    i, exc = got.bad
-                    j = hidden_chunks[i] if got.fmt == Method.H.value else i
-                    if j < n:
-                        fallback, n = _reject(store, readers[j].key, j, exc), j
-                if n == 0 and tp.world_size == 1:
-                    break  # with TP, other ranks still gather this rank's rows of the H layers left
-                # Rows past another rank's bad chunk are garbage; the agreement below ends the prefix there.
-                if got.fmt == Method.H.value:
-                    rows = tp.gather_hidden(got.rows, agreed, first)[held : end(n)]  # collective: every rank gathers
-                    if len(rows):
-                        engine.restore_from_hidden(uid, got.layer, rows)
-                else:
-                    rows = got.rows[held : end(n)]
-                    if len(rows):
-                        engine.restore_kv(uid, got.layer, rows[:, 0], rows[:, 1])
+    first = engine.seen_tokens(uid) // CHUNK_TOKENS  # with TP, which rank stores a chunk's H depends on it
+    present = 0
+    while present < len(keys) and tier.contains(keys[present]):
+        present += 1
+    fetches = [tier.fetch(key) for key in keys[:present]]
+    images: list[ChunkImage] = []
+    try:
+        agreed = tp.min(present)  # a prefix that one rank lacks is no prefix at all
+        engine.begin_restore(uid, end(agreed) - held)
+        if agreed and plan.count(Method.RE):
+            engine.recompute_layers(uid, tokens[held : end(agreed)], plan.count(Method.RE))
+        fallback = _elsewhere(agreed) if agreed < present else None
+        fallback = _verify(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first) or fallback
+        n = len(images)
+        jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if agreed else []
+        if n or tp.world_size > 1:  # with TP, the other ranks still gather this rank's rows of the H layers
+            _restore_layers(engine, copier, tp, uid, images, jobs, held, end(n), agreed, first)
         restored = tp.min(n)
         if restored < n:
             fallback = fallback or _elsewhere(restored)
         engine.end_restore(uid, tokens[held : end(restored)])
-        return RestoreOutcome(end(restored) - held, sum(r.bytes_read for r in readers), fallback)
+        used = sum(images[j].layout.entries[(layer, fmt)].nbytes for layer, fmt in jobs for j in _reading(tp, fmt, n, agreed, first) if j < n)
+        return RestoreOutcome(end(restored) - held, used, fallback)
+    finally:
+        copier.drain()  # no copy may still read a slot given back below
+        for f in fetches:
+            try:
+                image = f.result()
+            except (ChunkInvalid, OSError):
+                continue
+            if image is not None:
+                tier.release(image)
+
+
+def _reading(tp: TPGroup, fmt: str, n: int, agreed: int, first: int) -> range:
+    """The chunks whose ``fmt`` rows this rank reads."""
+    return tp.hidden_chunks(agreed if tp.world_size > 1 else n, first) if fmt == Method.H.value else range(n)
+
+
+def _restore_layers(
+    engine: Engine, copier: Copier, tp: TPGroup, uid: int, images: list[ChunkImage], jobs: list[tuple[int, str]],
+    held: int, stop: int, agreed: int, first: int,
+) -> None:
+    """Each stored layer's rows from the pool into the engine: KV copied into the paged cache, H copied to
+    the device and projected. Copies run ``copier.depth`` layers ahead of the compute."""
+    n, spec = len(images), engine.spec
+    filler = torch.zeros(CHUNK_TOKENS, spec.hidden_size, dtype=getattr(torch, spec.dtype))
+
+    def stage(layer: int, fmt: str):
+        with copier.side_stream():
+            if fmt == Method.H.value:  # rows past another rank's bad chunk are garbage: the agreement ends the prefix there
+                parts = [images[j].tensor(layer, fmt) if j < n else filler for j in _reading(tp, fmt, n, agreed, first)]
+                rows = copier.gather(parts) if parts else None
+                return rows, copier.done()
+            for j in range(n):
+                lo, hi = max(held - j * CHUNK_TOKENS, 0), min(stop - j * CHUNK_TOKENS, CHUNK_TOKENS)
+                if hi > lo:
+                    engine.restore_kv(uid, layer, images[j].tensor(layer, fmt)[lo:hi], start=j * CHUNK_TOKENS + lo - held)
+            return None, copier.done()
+
+    ahead: deque = deque()
+    last = None
+    for i in range(len(jobs)):
+        while len(ahead) < copier.depth and i + len(ahead) < len(jobs):
+            ahead.append(stage(*jobs[i + len(ahead)]))
+        (layer, fmt), (rows, last) = jobs[i], ahead.popleft()
+        if fmt == Method.H.value:
+            copier.wait(last, *([rows] if rows is not None else []))
+            if rows is None:
+                rows = torch.empty(0, spec.hidden_size, dtype=filler.dtype, device=engine.device)
+            rows = tp.gather_hidden(rows, agreed, first)[held:stop]  # collective: every rank gathers
+            if len(rows):
+                engine.restore_from_hidden(uid, layer, rows)
+    copier.wait(last)  # the KV copies land before anything reads the cache
+
+
+def _verify(
+    tier: HostTier, keys: list[str], fetches: list[Future], images: list[ChunkImage], tokens: list[int],
+    fingerprint: str, plan: RestorePlan, tp: TPGroup, first: int,
+) -> str | None:
+    """Append to ``images`` the fetched chunks, in order, up to the first that is missing, bad, or short of
+    a format the plan restores from; why the prefix ends there, if it ends early for a reason."""
+    stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
+    for j, (key, f) in enumerate(zip(keys, fetches)):
+        try:
+            image = f.result()
+            if image is None:
+                return None  # gone since the lookup (evicted, or no room to load it): the prefix ends here
+            image.check(tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
+        except (ChunkInvalid, OSError) as exc:
+            return _reject(tier, key, j, exc)
+        missing = {(layer, fmt) for layer, fmt in stored if tp.stores(first + j, fmt)} - set(image.layout.entries)
+        if missing:
+            reason = f"chunk {key} was saved without {sorted({f for _, f in missing})} state that plan {plan} needs"
+            log.info("%s; recomputing from token %d", reason, j * CHUNK_TOKENS)
+            return reason
+        images.append(image)
+    return None
 
 
 def _elsewhere(n: int) -> str:
@@ -113,34 +178,7 @@ def _elsewhere(n: int) -> str:
     return reason
 
 
-def _open_prefix(
-    store: ChunkStore, files: ExitStack, keys: list[str], tokens: list[int], fingerprint: str, plan: RestorePlan,
-    tp: TPGroup, first: int,
-) -> tuple[list[ChunkReader], str | None]:
-    stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
-    readers: list[ChunkReader] = []
-    for j, key in enumerate(keys):
-        try:
-            file = store.open(key)
-        except OSError as exc:
-            return readers, _reject(store, key, j, exc)
-        if file is None:
-            return readers, None  # the stored prefix simply ends here
-        files.enter_context(file)
-        try:
-            reader = ChunkReader.open(file, key, tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
-        except ChunkInvalid as exc:
-            return readers, _reject(store, key, j, exc)
-        missing = {(layer, fmt) for layer, fmt in stored if tp.stores(first + j, fmt)} - set(reader.entries)
-        if missing:
-            reason = f"chunk {key} was saved without {sorted({f for _, f in missing})} state that plan {plan} needs"
-            log.info("%s; recomputing from token %d", reason, j * CHUNK_TOKENS)
-            return readers, reason
-        readers.append(reader)
-    return readers, None
-
-
-def _reject(store: ChunkStore, key: str, index: int, exc: ChunkInvalid | OSError) -> str:
+def _reject(tier: HostTier, key: str, index: int, exc: ChunkInvalid | OSError) -> str:
     """Log and say why the prefix ends here. A chunk proven bad is dropped, so the prefill that follows can
     save a good one; one that could not be read (an I/O error, perhaps passing) is kept."""
     if isinstance(exc, OSError):
@@ -149,7 +187,7 @@ def _reject(store: ChunkStore, key: str, index: int, exc: ChunkInvalid | OSError
         return reason
     log.warning("%s; discarding it and recomputing from token %d", exc, index * CHUNK_TOKENS)
     try:
-        store.discard(key)
+        tier.discard(key)
     except OSError as err:  # it stays unusable either way: it fails verification on every read
         log.warning("could not discard chunk %s: %s", key, err)
     return str(exc)

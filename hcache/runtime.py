@@ -19,11 +19,11 @@ import torch
 from .engine import ReferenceEngine
 from .errors import InvalidRequestError
 from .fingerprint import model_fingerprint
-from .layer_prefetch import DEFAULT_READERS
 from .model_loader import DEFAULT_MODEL, LoadedModel, load_model
 from .plan import RestorePlan
 from .profile import Profile
 from .serving_engine import ServingEngine
+from .storage.host_tier import DEFAULT_READERS
 from .storage.store_config import StoreConfig
 from .tensor_parallel import SINGLE, TPGroup, shard_model
 
@@ -83,16 +83,12 @@ class HCacheRuntime:
             readers=readers,
             tp=tensor_parallel,
         )
-        s = self.serving  # fixed for its life (only its reader pool goes, at close: a property below)
+        s = self.serving  # fixed for its life
         self.fingerprint, self.profile, self.plan, self.save_formats = s.fingerprint, s.profile, s.plan, s.save_formats
         self.store, self.saver = s.store, s.saver
         self._uids = itertools.count()
         eos = getattr(getattr(self.loaded.model, "generation_config", None), "eos_token_id", None)
         self.default_stop_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
-
-    @property
-    def reader_pool(self):
-        return self.serving.reader_pool
 
     def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
         return self.serving.resolve_plan(plan)

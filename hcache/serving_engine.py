@@ -19,16 +19,17 @@ from pathlib import Path
 import torch
 
 from .engine.interface import Engine
-from .errors import InvalidRequestError, StorageError
-from .layer_prefetch import DEFAULT_READERS, ReaderPool
+from .errors import InvalidRequestError
 from .plan import Method, RestorePlan, default_plan
 from .profile import Profile, default_profile_path
 from .ragged import Segment
-from .restore import restore_prefix
+from .restore import restore_prefix, row_shapes
 from .storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
+from .storage.host_tier import DEFAULT_READERS
 from .storage.saver import ChunkSaver
 from .storage.store_config import StoreConfig
 from .tensor_parallel import SINGLE, TPGroup
+from .transfer.copier import Copier
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class SequenceRecord:
 class _Sequence:
     plan: RestorePlan | None  # None: the profile's plan for each restore's length
     restore: bool
-    chain: KeyChain  # at the tokens the engine holds
+    chain: KeyChain  # over the tokens the engine holds, and those of a put in progress; the saver reads it
     failed: bool = False  # a put raised part-way: the engine, the chain and the saver may disagree
     record: SequenceRecord = field(default_factory=SequenceRecord)
 
@@ -88,7 +89,7 @@ class ServingEngine:
     alone looks for this machine's profile under ``profiles/``), otherwise H for MHA models and KV where KV
     is no larger. ``save``: ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of
     every plan it picks over the context range), ``"all"`` hidden states and KV for every layer, ``"none"``
-    nothing. ``readers``: threads that read stored layers ahead of the restore's compute (0: inline).
+    nothing. ``readers``: threads that load stored chunks from disk into the host pool while the RE layers compute (0: inline).
     ``request_log``: a file that gets one JSON line per finished sequence (from rank 0). ``config``: the engine config MII
     schedules by (it reads ``_config.state_manager``).
 
@@ -125,17 +126,18 @@ class ServingEngine:
         self.plan = self.resolve_plan(plan)
         self.namespace = namespace
         self.request_log = Path(request_log) if request_log is not None else None
-        self.store = self.saver = self.reader_pool = self._capture = None
+        self.store = self.saver = self._capture = None
         self.save_formats = self._save_formats(save if store_dir is not None else "none")
+        self.copier = Copier(engine.device)
         if store_dir is not None:
             chunk_bytes = CHUNK_TOKENS * sum(Method(f).bytes_per_token_layer(self.spec) for fs in self.save_formats for f in fs)
-            if store.quota_bytes is not None and store.quota_bytes < chunk_bytes:
-                raise StorageError(f"quota_bytes={store.quota_bytes} is smaller than one chunk ({chunk_bytes} bytes)")
-            self.store = store.open_store(store_dir, {"fingerprint": self.fingerprint, "dtype": self.spec.dtype})
-            self.saver = ChunkSaver(
-                self.store, self.fingerprint, threads=store.saver_threads, staging_bytes=store.staging_bytes, stores=tp.stores
+            store.check(chunk_bytes)
+            self.store = store.open_store(
+                store_dir, {"fingerprint": self.fingerprint, "dtype": self.spec.dtype}, pin=engine.device.type == "cuda", readers=readers
             )
-            self.reader_pool = ReaderPool(readers) if readers else None
+            shapes, dtype = row_shapes(self.spec), getattr(torch, self.spec.dtype)
+            tensors = [(layer, f, shapes[f], dtype) for layer, fs in enumerate(self.save_formats) for f in sorted(fs)]
+            self.saver = ChunkSaver(self.store, self.fingerprint, tensors, stores=tp.stores)
             if any(self.save_formats):
                 self._capture = _SaveCapture(self.saver, self.save_formats)
         self._seqs: dict[int, _Sequence] = {}
@@ -191,9 +193,10 @@ class ServingEngine:
             raise InvalidRequestError(f"sequence {uid} is already open; flush it first")
         root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
         resolved = self.plan if plan is None else self.resolve_plan(plan)
-        self._seqs[uid] = _Sequence(resolved, restore and self.store is not None, KeyChain(root))
+        chain = KeyChain(root)
+        self._seqs[uid] = _Sequence(resolved, restore and self.store is not None, chain)
         if self._capture is not None:
-            self.saver.open(uid, root)
+            self.saver.open(uid, chain)
 
     @torch.no_grad()
     def put(self, batch_uids: Sequence[int], batch_tokens: Sequence[Sequence[int] | torch.Tensor], do_checks: bool = True) -> torch.Tensor:
@@ -202,9 +205,9 @@ class ServingEngine:
         by the engine's block allocation whatever ``do_checks`` says.
 
         A put that raises (a full KV cache, say) leaves its sequences unusable until they are flushed: part
-        of it may have happened. Their chunks completed by earlier puts are still saved; the saver's chain
-        may have taken the failed put's tokens, but their rows never come, so no chunk they touch is
-        published (and a forward that raised part-way publishes nothing, see the saver)."""
+        of it may have happened. Their chunks completed by earlier puts are still saved; the chain may have
+        taken the failed put's tokens, but their rows never come, so no chunk they touch is published (and a
+        forward that raised part-way publishes nothing, see the saver)."""
         batch = []
         for uid, tokens in zip(batch_uids, batch_tokens):
             tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
@@ -224,14 +227,11 @@ class ServingEngine:
 
     def _put(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
         requests = [(uid, tokens[self._restore(uid, tokens) :]) for uid, tokens in batch]
-        for uid, tokens in requests:
-            if self._capture is not None:
-                self.saver.add_tokens(uid, tokens)
+        for uid, tokens in requests:  # before the forward: the saver keys the chunks it completes
+            self._seqs[uid].chain.extend(tokens)
         logits = self.engine.step(requests, self._capture)
         for uid, tokens in requests:
-            seq = self._seqs[uid]
-            seq.chain.extend(tokens)
-            seq.record.computed_tokens += len(tokens)
+            self._seqs[uid].record.computed_tokens += len(tokens)
         return logits
 
     def _restore(self, uid: int, tokens: list[int]) -> int:
@@ -250,7 +250,7 @@ class ServingEngine:
         # Only the auto plan depends on how much is stored; a fixed plan spares the lookups.
         plan = seq.plan if seq.plan is not None else self.plan_for(None, self._stored_prefix(keys))
         outcome = restore_prefix(
-            self.engine, self.store, uid, aligned, keys, self.fingerprint, plan, self.reader_pool, self.tp,
+            self.engine, self.store, uid, aligned, keys, self.fingerprint, plan, self.copier, self.tp,
             held=len(held), limit=len(aligned) - 1,
         )  # fmt: skip
         record = seq.record
@@ -259,12 +259,7 @@ class ServingEngine:
         record.restore_s += time.perf_counter() - start
         record.plan = str(plan)
         record.fallback = outcome.fallback or record.fallback
-        if outcome.tokens:
-            seq.chain.extend(tokens[: outcome.tokens])
-            if self._capture is not None:  # saving resumes after the restored tokens, in a stored chunk
-                first_chunk = (self.engine.seen_tokens(uid) - len(seq.chain.tail)) // CHUNK_TOKENS
-                self.saver.open(uid, seq.chain.key, first_chunk)
-                self.saver.skip(uid, seq.chain.tail)
+        seq.chain.extend(tokens[: outcome.tokens])
         return outcome.tokens
 
     def _stored_prefix(self, keys: list[str]) -> int:
@@ -300,12 +295,12 @@ class ServingEngine:
                 f.write(json.dumps({"uid": uid, "time": time.time(), **asdict(seq.record)}) + "\n")
 
     def close(self) -> None:
-        """Drain the saver and stop the saver and reader threads; the engine serves no more requests."""
+        """Drain the saver, write every saved chunk back to disk and stop the store's threads; the engine
+        serves no more requests."""
         if self.saver is not None:
             self.saver.shutdown()
-        if self.reader_pool is not None:
-            self.reader_pool.close()
-            self.reader_pool = None
+        if self.store is not None:
+            self.store.close()
 
     def __enter__(self) -> "ServingEngine":
         return self

@@ -106,7 +106,7 @@ def _restore_seconds(runtime: HCacheRuntime, prompt: list[int], keys: list[str],
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     start = time.perf_counter()
-    outcome = restore_prefix(engine, runtime.store, 0, prompt, keys, runtime.fingerprint, plan, runtime.reader_pool)
+    outcome = restore_prefix(engine, runtime.store, 0, prompt, keys, runtime.fingerprint, plan, runtime.serving.copier)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     elapsed = time.perf_counter() - start

@@ -26,6 +26,7 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
+from ..ops.paged_kv import slot_runs, write_kv_rows
 from ..ragged import Segment
 from .capture import LayerCapture
 
@@ -89,6 +90,7 @@ class _Restore:
     num_tokens: int
     slots: torch.Tensor
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+    runs: list[tuple[int, int, int]]  # the slots as runs of consecutive slots, for KV copies
 
 
 class FastGenEngine:
@@ -260,7 +262,8 @@ class FastGenEngine:
         self._model.maybe_allocate_kv(desc, num_tokens)
         positions = torch.arange(base, base + num_tokens, device=self.device)
         cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype)
-        self._restoring[uid] = _Restore(base, num_tokens, self._slots(uid, base, num_tokens), cos_sin)
+        slots = self._slots(uid, base, num_tokens)
+        self._restoring[uid] = _Restore(base, num_tokens, slots, cos_sin, slot_runs(slots))
 
     @torch.no_grad()
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
@@ -271,9 +274,8 @@ class FastGenEngine:
         rotate_and_write(cache, r.slots[rows], k, v, (r.cos_sin[0][rows], r.cos_sin[1][rows]))
 
     @torch.no_grad()
-    def restore_kv(self, uid: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
-        slots = self._restoring[uid].slots[start : start + k.shape[0]]
-        rotate_and_write(self._state.get_cache(layer), slots, k.to(self.device), v.to(self.device), None)
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor, start: int = 0) -> None:
+        write_kv_rows(self._state.get_cache(layer), self._restoring[uid].runs, kv, start)
 
     @torch.no_grad()
     def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:

@@ -58,8 +58,9 @@ class Engine(Protocol):
         """H: rows ``[start, start + len(hidden))`` of the restore from saved normalised layer inputs."""
         ...
 
-    def restore_kv(self, uid: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
-        """KV: rows ``[start, start + len(k))`` of the restore from saved (rotated) K and V."""
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor, start: int = 0) -> None:
+        """KV: rows ``[start, start + len(kv))`` of the restore from saved ``[T, 2, n_kv_heads, head_size]``
+        rows (K rotated), which may be in pinned host memory: the copy runs on the caller's current stream."""
         ...
 
     def end_restore(self, uid: int, tokens: list[int]) -> None: ...

@@ -19,6 +19,7 @@ from ..errors import InvalidRequestError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
 from ..ops.kv_projection import linear_rows
+from ..ops.paged_kv import slot_runs, write_kv_rows
 from .blocked_kv_cache import BlockedKVCache
 from ..ragged import Segment
 from .capture import LayerCapture
@@ -82,8 +83,8 @@ class ReferenceEngine:
         self.kv_proj = [KVProjection.from_layer(spec, layer) for layer in self.decoder.layers]
         self.q_rows = [linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for layer in self.decoder.layers]
         self.sequences: dict[int, Sequence] = {}
-        # uid -> (slots, RoPE cos/sin) of a restore in progress, shared by all its layers
-        self._restoring: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        # uid -> (slots, RoPE cos/sin, slot runs) of a restore in progress, shared by all its layers
+        self._restoring: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, list]] = {}
 
     # ---- sequences ---------------------------------------------------------------------------------
     def sequence(self, uid: int) -> Sequence:
@@ -220,7 +221,8 @@ class ReferenceEngine:
         self._reserve(seq, start + num_tokens)
         positions = torch.arange(start, start + num_tokens, device=self.device)
         cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype) if self.spec.rope else None
-        self._restoring[uid] = (self._slots(seq, start, num_tokens), cos_sin)
+        slots = self._slots(seq, start, num_tokens)
+        self._restoring[uid] = (slots, cos_sin, slot_runs(slots))
 
     def end_restore(self, uid: int, tokens: list[int]) -> None:
         """Mark ``tokens`` as present in every layer of the cache, once all layers are restored."""
@@ -238,16 +240,15 @@ class ReferenceEngine:
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
         """H: K/V GEMM over the saved normalised input, RoPE at absolute positions, scatter into the cache."""
         rows = slice(start, start + hidden.shape[0])
-        slots, cos_sin = self._restoring[uid]
+        slots, cos_sin, _ = self._restoring[uid]
         k, v = self.kv_proj[layer](hidden.to(self.device, self.dtype))
         rows_cos_sin = None if cos_sin is None else (cos_sin[0][rows], cos_sin[1][rows])
         rotate_and_write(self.cache.layers[layer], slots[rows], k, v, rows_cos_sin)
 
     @torch.no_grad()
-    def restore_kv(self, uid: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
-        """KV: scatter saved (already rotated) K and V into the cache."""
-        slots = self._restoring[uid][0][start : start + k.shape[0]]
-        rotate_and_write(self.cache.layers[layer], slots, k.to(self.device), v.to(self.device), None)
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor, start: int = 0) -> None:
+        """KV: copy saved rows (K already rotated) into the cache, one copy per run of consecutive slots."""
+        write_kv_rows(self.cache.layers[layer], self._restoring[uid][2], kv.to(self.dtype), start)
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks."""

@@ -6,6 +6,8 @@ A sequence owns a list of blocks (its block table); token ``p`` of it lives in s
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 
@@ -32,3 +34,30 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tu
     n_blocks = -(-length // cache.shape[1])
     kv = cache[block_table[:n_blocks]].flatten(0, 1)[:length]
     return kv[:, 0], kv[:, 1]
+
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(first row, first slot, length)`` of each run of consecutive ``slots`` ``[T]``: a restore's rows map
+    to whole runs of a block, so each run is filled with one copy."""
+    if len(slots) == 0:
+        return []
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(slots[1:] - slots[:-1] != 1).flatten().cpu() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([len(slots)])])
+    first_slots = slots.cpu()[starts]
+    return list(zip(starts.tolist(), first_slots.tolist(), (ends - starts).tolist()))
+
+
+def write_kv_rows(cache: torch.Tensor, runs: list[tuple[int, int, int]], kv: torch.Tensor, start: int) -> None:
+    """Copy stored ``kv`` ``[T, 2, n_kv_heads, head_size]`` (K rotated, the cache's own row layout) into rows
+    ``[start, start + T)`` of a restore whose slots are ``runs`` (:func:`slot_runs`): one copy per run it
+    spans, asynchronous from pinned host memory to a GPU."""
+    flat = cache.view(-1, *cache.shape[2:])
+    stop = start + len(kv)
+    i = bisect.bisect_right(runs, (start, float("inf"), 0)) - 1
+    while start < stop:
+        row, slot, length = runs[i]
+        n = min(stop, row + length) - start
+        done = len(kv) - (stop - start)
+        flat[slot + start - row : slot + start - row + n].copy_(kv[done : done + n], non_blocking=True)
+        start += n
+        i += 1

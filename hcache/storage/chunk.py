@@ -1,9 +1,12 @@
 """The chunk, the unit of storage: 64 tokens' saved state for any subset of layers and formats.
 
-On disk a chunk is one safetensors file. Tensors are named ``L{layer:04d}.{format}`` so the file is
-layer-major (each layer's 64 rows are contiguous) for restore, which reads a layer of many chunks at a
-time. The header's metadata carries the token ids, the fingerprint of the state's producer, and an
-xxh3-64 checksum per tensor, so a restore that reads only some layers still verifies all it reads. The storage layer treats formats and fingerprints as opaque.
+A chunk is one safetensors image, the same bytes in a host-pool slot and in its file, so the disk moves
+it with one request and the pool serves its tensors in place. Tensors are named ``L{layer:04d}.{format}``
+and laid out layer-major, so one layer of a chunk is one contiguous range. The header's metadata carries
+the key, the token ids, the fingerprint of the state's producer and an xxh3-64 checksum per tensor; it is
+padded with spaces (which safetensors allows) to a size fixed when the chunk is laid out, so a chunk's
+rows can be written before its tokens and checksums are known, and every tensor starts 64-byte aligned.
+The storage layer treats formats and fingerprints as opaque.
 """
 from __future__ import annotations
 
@@ -11,11 +14,15 @@ import json
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-import safetensors.torch
 import torch
 import xxhash
 
-from .chunk_key import LAYOUT_VERSION
+from .chunk_key import CHUNK_TOKENS, LAYOUT_VERSION
+
+_ALIGN = 64
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_MAX_HEADER = 1 << 24
 
 
 class ChunkInvalid(Exception):
@@ -24,111 +31,169 @@ class ChunkInvalid(Exception):
 
 @dataclass
 class Chunk:
+    """A chunk's contents as separate tensors: what tests and tools build and inspect."""
+
     key: str
     tokens: list[int]
     fingerprint: str
     tensors: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (layer, format) -> rows
 
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+@dataclass(frozen=True)
+class TensorEntry:
+    offset: int  # from the start of the image
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
 
 
 def _name(layer: int, fmt: str) -> str:
     return f"L{layer:04d}.{fmt}"
 
 
-def _checksum(name: str, data) -> str:
+def _checksum(name: str, data: torch.Tensor) -> str:
     h = xxhash.xxh3_64(name.encode())
-    h.update(data)
+    h.update(data.numpy())
     return h.hexdigest()
 
 
-def encode(chunk: Chunk) -> bytes:
-    named = {_name(layer, fmt): t.detach().cpu().contiguous() for (layer, fmt), t in chunk.tensors.items()}
-    sums = {name: _checksum(name, t.view(torch.uint8).numpy()) for name, t in named.items()}
-    meta = {
-        "layout_version": str(LAYOUT_VERSION),
-        "key": chunk.key,
-        "tokens": json.dumps(chunk.tokens),
-        "fingerprint": chunk.fingerprint,
-        "xxh3": json.dumps(sums),
-    }
-    return safetensors.torch.save(named, metadata=meta)
+class ChunkLayout:
+    """Where each tensor of a chunk lives in its image, and how long the image is."""
 
-
-@dataclass
-class ChunkReader:
-    """An open stored chunk whose header is verified; tensors are read (and checksummed) on demand, so a
-    restore reads only the layers and formats its plan uses."""
-
-    file: BinaryIO
-    key: str
-    entries: dict[tuple[int, str], dict]
-    checksums: dict[str, str]
-    data_start: int
-    bytes_read: int
+    def __init__(self, entries: dict[tuple[int, str], TensorEntry], data_start: int):
+        self.entries, self.data_start = entries, data_start
+        self.nbytes = data_start + sum(e.nbytes for e in entries.values())
 
     @classmethod
-    def open(cls, file: BinaryIO, key: str, tokens: list[int], fingerprint: str) -> "ChunkReader":
-        entries, meta, data_start = _read_header(file, key)
-        if meta.get("fingerprint") != fingerprint:
-            raise ChunkInvalid(f"chunk {key}: saved by another model (fingerprint {meta.get('fingerprint')!r})")
+    def plan(cls, tensors: list[tuple[int, str, tuple[int, ...], torch.dtype]], fingerprint: str) -> "ChunkLayout":
+        """The layout of a chunk of ``(layer, format, row shape, dtype)`` tensors, with room in the header
+        for any token ids and checksums."""
+        offset, entries = 0, {}
+        for layer, fmt, row_shape, dtype in sorted(tensors, key=lambda t: (t[0], t[1])):
+            if dtype not in _NAMES:
+                raise ValueError(f"dtype {dtype} cannot be stored")
+            entries[(layer, fmt)] = entry = TensorEntry(offset, (CHUNK_TOKENS, *row_shape), dtype)
+            offset += entry.nbytes
+        sums = {_name(*k): "f" * 16 for k in entries}
+        longest = _header(entries, 0, "f" * 32, [-(1 << 63)] * CHUNK_TOKENS, fingerprint, sums)
+        data_start = -(-(8 + len(longest)) // _ALIGN) * _ALIGN
+        return cls({k: TensorEntry(data_start + e.offset, e.shape, e.dtype) for k, e in entries.items()}, data_start)
+
+
+def _header(entries: dict, data_start: int, key: str, tokens: list[int], fingerprint: str, sums: dict[str, str]) -> bytes:
+    header = {
+        _name(*k): {"dtype": _NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [e.offset - data_start, e.offset - data_start + e.nbytes]}
+        for k, e in entries.items()
+    }
+    header["__metadata__"] = {
+        "layout_version": str(LAYOUT_VERSION),
+        "key": key,
+        "tokens": json.dumps(tokens),
+        "fingerprint": fingerprint,
+        "xxh3": json.dumps(sums),
+    }
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+class ChunkImage:
+    """A chunk's image in host memory (``data``: a uint8 tensor, a host-pool slot's view): its tensors are
+    views of it. ``key``/``tokens`` are set when the chunk is sealed (saved) or parsed (loaded); ``slot`` is
+    the host-pool slot that holds it, if one does."""
+
+    def __init__(
+        self, data: torch.Tensor, layout: ChunkLayout, fingerprint: str, key: str = "", tokens: list[int] | None = None,
+        slot: object = None,
+    ):  # fmt: skip
+        if len(data) < layout.nbytes:
+            raise ValueError(f"a chunk image of {layout.nbytes} bytes does not fit in {len(data)}")
+        self.data, self.layout, self.fingerprint = data, layout, fingerprint
+        self.key, self.tokens, self.slot = key, tokens, slot
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(_name(*k) for k in self.layout.entries)
+
+    def has(self, layer: int, fmt: str) -> bool:
+        return (layer, fmt) in self.layout.entries
+
+    def tensor(self, layer: int, fmt: str) -> torch.Tensor:
+        """The ``[64, *row]`` rows of one layer and format, in place."""
+        e = self.layout.entries[(layer, fmt)]
+        return self.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+    def seal(self, key: str, tokens: list[int]) -> None:
+        """Name the chunk and write its header (checksums of the rows as they are now): its image is then a
+        complete file."""
+        self.key, self.tokens = key, list(tokens)
+        sums = {_name(*k): _checksum(_name(*k), self._bytes(e)) for k, e in self.layout.entries.items()}
+        header = _header(self.layout.entries, self.layout.data_start, key, self.tokens, self.fingerprint, sums)
+        room = self.layout.data_start - 8
+        if len(header) > room:
+            raise ValueError(f"chunk header of {len(header)} bytes exceeds its {room} reserved")
+        # The header length covers the padding (spaces, valid JSON), so tensors start where the layout put them.
+        head = room.to_bytes(8, "little") + header + b" " * (room - len(header))
+        self.data[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+
+    def check(self, tokens: list[int], fingerprint: str) -> None:
+        """Refuse a chunk that is not the state of ``tokens`` under ``fingerprint``."""
+        if self.fingerprint != fingerprint:
+            raise ChunkInvalid(f"chunk {self.key}: saved by another model (fingerprint {self.fingerprint!r})")
+        if self.tokens != list(tokens):
+            raise ChunkInvalid(f"chunk {self.key}: token ids differ from the request's")
+
+    def _bytes(self, e: TensorEntry) -> torch.Tensor:
+        return self.data[e.offset : e.offset + e.nbytes]
+
+    @classmethod
+    def parse(cls, data: torch.Tensor, key: str, length: int, verify: bool = True, slot: object = None) -> "ChunkImage":
+        """The chunk whose file image is ``data[:length]``, checked: header, key, layout version, length,
+        and with ``verify`` every tensor's checksum. Raises :class:`ChunkInvalid`."""
+        header_len = int.from_bytes(bytes(data[: min(8, length)].numpy()), "little") if length >= 8 else -1
+        if not 0 <= header_len <= min(_MAX_HEADER, length - 8):
+            raise ChunkInvalid(f"chunk {key}: unreadable header (bad header length)")
+        layout, meta = _parse_header(bytes(data[: 8 + header_len].numpy()), key)
+        if layout.nbytes != length:
+            raise ChunkInvalid(f"chunk {key}: {length} bytes stored, its header describes {layout.nbytes}")
         try:
-            stored_tokens = json.loads(meta.get("tokens", "null"))
-        except ValueError:
-            stored_tokens = None
-        if stored_tokens != list(tokens):
-            raise ChunkInvalid(f"chunk {key}: token ids differ from the request's")
-        return cls(file, key, entries, _checksums(meta, key), data_start, data_start)
-
-    def formats(self, layer: int) -> set[str]:
-        return {fmt for (lay, fmt) in self.entries if lay == layer}
-
-    def read(self, layer: int, fmt: str) -> torch.Tensor:
-        entry = self.entries[(layer, fmt)]
-        return self.read_into(layer, fmt, torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]]))
-
-    def read_into(self, layer: int, fmt: str, out: torch.Tensor) -> torch.Tensor:
-        """Read and verify one tensor straight into ``out`` (a contiguous CPU tensor of its shape and
-        dtype), so a restore fills its layer buffer without an intermediate copy. On failure ``out``
-        holds garbage."""
-        entry = self.entries[(layer, fmt)]
-        if list(out.shape) != list(entry["shape"]) or out.dtype != _DTYPES[entry["dtype"]]:
-            raise ChunkInvalid(
-                f"chunk {self.key}: {entry['name']} is {list(entry['shape'])} {entry['dtype']}, "
-                f"expected {list(out.shape)} {out.dtype}"
-            )
-        begin, end = entry["data_offsets"]
-        data = out.view(torch.uint8).reshape(-1).numpy()
-        self.file.seek(self.data_start + begin)
-        if self.file.readinto(data) != end - begin:
-            raise ChunkInvalid(f"chunk {self.key}: truncated at {entry['name']}")
-        self.bytes_read += end - begin
-        if self.checksums.get(entry["name"]) != _checksum(entry["name"], data):
-            raise ChunkInvalid(f"chunk {self.key}: checksum mismatch in {entry['name']}")
-        return out
+            tokens = json.loads(meta.get("tokens", "null"))
+            sums = dict(json.loads(meta.get("xxh3", "{}")))
+        except (TypeError, ValueError) as exc:
+            raise ChunkInvalid(f"chunk {key}: unreadable metadata ({exc})") from exc
+        image = cls(data, layout, meta.get("fingerprint", ""), key, tokens, slot)
+        if verify:
+            for k, e in layout.entries.items():
+                if sums.get(_name(*k)) != _checksum(_name(*k), image._bytes(e)):
+                    raise ChunkInvalid(f"chunk {key}: checksum mismatch in {_name(*k)}")
+        return image
 
 
-def _read_header(file: BinaryIO, key: str) -> tuple[dict[tuple[int, str], dict], dict, int]:
-    """The tensor entries, metadata and data offset of a chunk file, checked for consistency, so that a
-    damaged header is reported as :class:`ChunkInvalid` rather than failing later as a tensor view."""
+def _parse_header(head: bytes, key: str) -> tuple[ChunkLayout, dict]:
+    """The layout and metadata of a chunk image's first bytes, checked for consistency, so that a damaged
+    header is reported as :class:`ChunkInvalid` rather than failing later as a tensor view."""
     try:
-        head = file.read(8)
-        header_len = int.from_bytes(head, "little")
-        if len(head) != 8 or header_len > 1 << 24:
+        header_len = int.from_bytes(head[:8], "little")
+        if len(head) < 8 or header_len > _MAX_HEADER or 8 + header_len > len(head):
             raise ValueError("bad header length")
-        header = json.loads(file.read(header_len))
+        header = json.loads(head[8 : 8 + header_len])
         meta = header.pop("__metadata__", None) or {}
-        entries, end = {}, 0
+        data_start, entries, end = 8 + header_len, {}, 0
         for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
             layer, fmt = name[1:].split(".", 1)
             begin, stop = entry["data_offsets"]
-            size = _DTYPES[entry["dtype"]].itemsize
-            for dim in entry["shape"]:
-                size *= dim
-            if begin != end or stop - begin != size:
+            e = TensorEntry(data_start + begin, tuple(entry["shape"]), _DTYPES[entry["dtype"]])
+            if begin != end or stop - begin != e.nbytes:
                 raise ValueError(f"tensor {name} has inconsistent offsets")
-            entries[(int(layer), fmt)] = dict(entry, name=name)
+            entries[(int(layer), fmt)] = e
             end = stop
     except Exception as exc:  # any parse failure is corruption
         raise ChunkInvalid(f"chunk {key}: unreadable header ({exc})") from exc
@@ -136,26 +201,34 @@ def _read_header(file: BinaryIO, key: str) -> tuple[dict[tuple[int, str], dict],
         raise ChunkInvalid(f"chunk {key}: layout version {meta.get('layout_version')!r}, expected {LAYOUT_VERSION}")
     if meta.get("key") != key:
         raise ChunkInvalid(f"chunk {key}: header names key {meta.get('key')!r}")
-    return entries, meta, 8 + header_len
+    return ChunkLayout(entries, data_start), meta
 
 
-def _checksums(meta: dict, key: str) -> dict[str, str]:
-    try:
-        return dict(json.loads(meta.get("xxh3", "{}")))
-    except (TypeError, ValueError) as exc:
-        raise ChunkInvalid(f"chunk {key}: unreadable checksums ({exc})") from exc
+def encode(chunk: Chunk) -> bytes:
+    """A chunk's file image (tools and tests; the saver builds images in place)."""
+    specs = [(layer, fmt, tuple(t.shape[1:]), t.dtype) for (layer, fmt), t in chunk.tensors.items()]
+    layout = ChunkLayout.plan(specs, chunk.fingerprint)
+    image = ChunkImage(torch.zeros(layout.nbytes, dtype=torch.uint8), layout, chunk.fingerprint)
+    for (layer, fmt), t in chunk.tensors.items():
+        image.tensor(layer, fmt).copy_(t)
+    image.seal(chunk.key, chunk.tokens)
+    return bytes(image.data.numpy())
 
 
-def verify_stored(file: BinaryIO, key: str, full: bool) -> str:
-    """Check a stored chunk without knowing its request: header, key, layout version and length, and with
-    ``full`` every tensor's checksum. Returns the producer's fingerprint; raises :class:`ChunkInvalid`."""
-    entries, meta, data_start = _read_header(file, key)
-    data_end = data_start + max((e["data_offsets"][1] for e in entries.values()), default=0)
-    length = file.seek(0, 2)
-    if length != data_end:
-        raise ChunkInvalid(f"chunk {key}: {length} bytes on disk, its header describes {data_end}")
-    if full:
-        reader = ChunkReader(file, key, entries, _checksums(meta, key), data_start, data_start)
-        for layer, fmt in entries:
-            reader.read(layer, fmt)
-    return meta.get("fingerprint", "")
+def decode(data: bytes, key: str) -> Chunk:
+    """A chunk file's contents, verified (tools and tests)."""
+    image = ChunkImage.parse(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8), key, len(data))
+    tensors = {k: image.tensor(*k).clone() for k in image.layout.entries}
+    return Chunk(key, image.tokens, image.fingerprint, tensors)
+
+
+def header_names(file: BinaryIO, key: str, length: int) -> frozenset[str]:
+    """The tensor names of a stored chunk, from its header alone; checks the header and the length."""
+    head = file.read(8)
+    header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 <= header_len <= _MAX_HEADER:
+        raise ChunkInvalid(f"chunk {key}: unreadable header (bad header length)")
+    layout, _ = _parse_header(head + file.read(header_len), key)
+    if layout.nbytes != length:
+        raise ChunkInvalid(f"chunk {key}: {length} bytes stored, its header describes {layout.nbytes}")
+    return frozenset(_name(*k) for k in layout.entries)

@@ -35,12 +35,14 @@ def chunk_keys(tokens: Sequence[int], root: str) -> list[str]:
 
 
 class KeyChain:
-    """The chain over a growing token sequence: ``key`` covers its full chunks so far, ``tail`` holds the
-    tokens after them."""
+    """The chain over a growing token sequence, from its root: ``chunks`` holds the key and tokens of every
+    full chunk so far, ``key`` the last key (the root before the first), ``tail`` the tokens after them.
+    A sequence's chain has one owner, the serving engine; the saver reads chunk keys from it."""
 
     def __init__(self, key: str):
         self.key = key
         self.tail: list[int] = []
+        self.chunks: list[tuple[str, list[int]]] = []
 
     def extend(self, tokens: Sequence[int]) -> list[tuple[str, list[int]]]:
         """Append ``tokens``; the key and tokens of each chunk they complete."""
@@ -50,4 +52,9 @@ class KeyChain:
             chunk, self.tail = self.tail[:CHUNK_TOKENS], self.tail[CHUNK_TOKENS:]
             self.key = next_key(self.key, chunk)
             done.append((self.key, chunk))
+        self.chunks += done
         return done
+
+    def chunk(self, index: int) -> tuple[str, list[int]] | None:
+        """Key and tokens of the sequence's chunk ``index``, once all its tokens are known."""
+        return self.chunks[index] if index < len(self.chunks) else None

@@ -1,11 +1,13 @@
-"""What the restore path and the saver need from a store of chunks; the store knows nothing of models.
+"""What the host tier needs from a store of chunk files behind it; a store knows nothing of models.
 
-Implementations: :class:`~hcache.storage.disk_store.DiskChunkStore` (chunk files over several
-directories) and :class:`~hcache.storage.dram_tier.DramTier` (a bounded DRAM tier in front of it).
+A store moves whole chunk images between itself and host-pool slots: one request per chunk, no bounce
+buffer. Implementation: :class:`~hcache.storage.disk_store.DiskChunkStore` (chunk files over several
+directories); a shared store (a network key-value server, say) serves the same calls.
 """
 from __future__ import annotations
 
-from typing import BinaryIO, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 
 class ChunkStore(Protocol):
@@ -13,14 +15,19 @@ class ChunkStore(Protocol):
 
     def contains(self, key: str) -> bool: ...
 
-    def open(self, key: str) -> BinaryIO | None:
-        """The chunk's bytes as a seekable binary file (the caller closes it), or None if absent. The
-        chunk is not evicted while the file is open. Files may be used from several threads at once, one
-        thread per file."""
+    def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
+        """Read the chunk's whole image into ``take(size)`` and return ``size``; None if absent (or if
+        ``take`` gives no buffer). Raises OSError when it cannot be read."""
 
-    def put(self, key: str, data: bytes) -> None:
-        """Publish a chunk atomically. Raises OSError when it cannot be stored; nothing is then published."""
+    def names(self, key: str) -> frozenset[str] | None:
+        """The tensor names the stored chunk holds, or None if it is absent or unreadable."""
+
+    def put(self, key: str, data: memoryview, length: int | None = None) -> None:
+        """Publish ``data[:length]`` atomically, replacing any chunk of that key. Raises OSError when it
+        cannot be stored; nothing is then published."""
 
     def discard(self, key: str) -> None: ...
 
     def keys(self) -> list[str]: ...
+
+    def stats(self) -> dict: ...

@@ -1,63 +1,49 @@
-"""Aligned file I/O: O_DIRECT where the filesystem allows it, buffered I/O where it does not.
+"""Whole-file I/O with O_DIRECT where the filesystem allows it, buffered I/O where it does not.
 
 O_DIRECT bypasses the page cache, so a restore reads at the device's speed without evicting the host's
 working set, and a save does not fill the page cache with state that is read back rarely. It needs the
-buffer address, the file offset and the length aligned to the device's block; an anonymous mmap gives a
-page-aligned buffer, and byte ranges are served from the covering aligned range. Filesystems without
-O_DIRECT (tmpfs on older kernels, some network filesystems) answer EINVAL; those use plain buffered I/O.
+buffer address, the file offset and the length aligned to the device's block. The callers hand over
+host-pool slots, which are page-aligned and a whole number of pages long, so a chunk moves with one
+request and no bounce buffer; a buffer that is not aligned goes through a private aligned copy.
+Filesystems without O_DIRECT (tmpfs on older kernels, some network filesystems) answer EINVAL; those use
+plain buffered I/O. Files are created 0600 whatever the umask: a chunk holds a conversation's token ids.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
-import io
 import mmap
 import os
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 ALIGN = 4096
+FILE_MODE = 0o600
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-_MIN_WINDOW = 1 << 20  # a read pulls in at least this much: the header and the first layers come in one request
-
-
-class _BufferPool:
-    """Page-aligned buffers for reuse across files and threads (at most ``keep`` are held idle)."""
-
-    def __init__(self, keep: int = 32):
-        self._free: list[mmap.mmap] = []
-        self._lock = threading.Lock()
-        self._keep = keep
-
-    def take(self, size: int) -> mmap.mmap:
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if len(buf) >= size:
-                    return self._free.pop(i)
-        return mmap.mmap(-1, size)
-
-    def give(self, buf: mmap.mmap) -> None:
-        with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(buf)
-
-
-_WINDOWS = _BufferPool()
 
 
 def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def open_fd(path: str | os.PathLike, flags: int, direct: bool, mode: int = 0o644) -> tuple[int, bool]:
+def _private_buffer(size: int) -> mmap.mmap:
+    """Page-aligned anonymous memory that a forked child does not share (Python's default is MAP_SHARED)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _aligned(view: memoryview) -> bool:
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly else None
+    return address is not None and address % ALIGN == 0 and len(view) % ALIGN == 0
+
+
+def open_fd(path: str | os.PathLike, flags: int, direct: bool) -> tuple[int, bool]:
     """``os.open`` with O_DIRECT when asked and allowed; returns the fd and whether it is direct."""
     if direct and O_DIRECT:
         try:
-            return os.open(path, flags | O_DIRECT, mode), True
+            return os.open(path, flags | O_DIRECT, FILE_MODE), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, mode), False
+    return os.open(path, flags, FILE_MODE), False
 
 
 def supports_direct(directory: Path) -> bool:
@@ -67,7 +53,7 @@ def supports_direct(directory: Path) -> bool:
         fd, direct = open_fd(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, True)
         try:
             if direct:
-                buf = mmap.mmap(-1, ALIGN)
+                buf = _private_buffer(ALIGN)
                 os.pwrite(fd, buf, 0)
                 os.preadv(fd, [buf], 0)
             return direct
@@ -81,20 +67,25 @@ def supports_direct(directory: Path) -> bool:
         probe.unlink(missing_ok=True)
 
 
-def write_file(path: Path, data: bytes | memoryview, direct: bool, sync: bool) -> bool:
-    """Create ``path`` holding ``data``; returns whether it was written with O_DIRECT.
+def write_file(path: Path, data: memoryview, length: int, direct: bool, sync: bool) -> bool:
+    """Create ``path`` holding ``data[:length]``; returns whether it was written with O_DIRECT.
 
-    A direct write covers whole blocks, so the file is padded and then truncated to its real length.
-    """
+    A direct write covers whole blocks: from an aligned buffer it writes the padded length in place and
+    truncates the file to ``length``."""
+    data = memoryview(data).cast("B")
     fd, direct = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, direct)
     try:
         if direct:
-            buf = mmap.mmap(-1, _round_up(len(data)) or ALIGN)  # unmapped when collected
-            buf[: len(data)] = data
-            _write_all(fd, memoryview(buf))
-            os.ftruncate(fd, len(data))
+            padded = _round_up(length) or ALIGN
+            if len(data) >= padded and _aligned(data[:padded]):
+                _write_all(fd, data[:padded])
+            else:
+                buf = _private_buffer(padded)
+                buf[:length] = data[:length]
+                _write_all(fd, memoryview(buf))
+            os.ftruncate(fd, length)
         else:
-            _write_all(fd, memoryview(data).cast("B"))
+            _write_all(fd, data[:length])
         if sync:
             os.fdatasync(fd)
     finally:
@@ -111,80 +102,18 @@ def _write_all(fd: int, view: memoryview) -> None:
         done += n
 
 
-class AlignedReader(io.RawIOBase):
-    """A seekable read-only file over an fd, safe to use from one thread while others use their own.
-
-    Reads use ``pread`` (no shared file offset). With O_DIRECT a read fetches the covering aligned range,
-    at least ``_MIN_WINDOW`` bytes, into a page-aligned buffer that is kept as a read-ahead window: the
-    header and the next layers cost one device request. Windows come from a pool and go back to it on
-    close: a fresh buffer per read costs more in page faults than the read itself. ``on_close`` runs once, when the file is closed
-    (the store unpins the chunk there).
-    """
-
-    def __init__(self, fd: int, direct: bool, on_close: Callable[[], None] = lambda: None):
-        super().__init__()
-        self._fd, self.direct, self._on_close = fd, direct, on_close
-        self._size = os.fstat(fd).st_size
-        self._pos = 0
-        self._window: mmap.mmap | None = None
-        self._window_start = self._window_len = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError("negative seek position")
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, b) -> int:
-        view = memoryview(b).cast("B")
-        n = max(0, min(len(view), self._size - self._pos))
-        if n == 0:
-            return 0
-        if not self.direct:
-            got = os.preadv(self._fd, [view[:n]], self._pos)
-        else:
-            got = self._read_direct(view[:n])
-        self._pos += got
-        return got
-
-    def _read_direct(self, out: memoryview) -> int:
-        self._fill(self._pos, len(out))
-        begin = self._pos - self._window_start
-        got = max(0, min(len(out), self._window_len - begin))
-        out[:got] = memoryview(self._window)[begin : begin + got]
-        return got
-
-    def _fill(self, offset: int, n: int) -> None:
-        """Make the window cover ``[offset, offset + n)`` with one aligned request of at least the window size."""
-        if self._window_start <= offset and offset + n <= self._window_start + self._window_len:
-            return
-        start = offset - offset % ALIGN
-        length = _round_up(max(offset + n - start, _MIN_WINDOW))
-        if self._window is None or len(self._window) < length:
-            if self._window is not None:
-                _WINDOWS.give(self._window)
-            self._window = _WINDOWS.take(length)
-        self._window_start = start
-        self._window_len = os.preadv(self._fd, [memoryview(self._window)[:length]], start)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            os.close(self._fd)
-            if self._window is not None:
-                _WINDOWS.give(self._window)
-                self._window = None
-        finally:
-            super().close()
-            self._on_close()
+def read_file(path: Path, out: memoryview, length: int, direct: bool) -> None:
+    """Read the whole ``length``-byte file into ``out`` with one request where it can (``out`` holds at least
+    ``length`` rounded up to a block); raises OSError if it is shorter."""
+    out = memoryview(out).cast("B")
+    fd, direct = open_fd(path, os.O_RDONLY, direct and len(out) >= _round_up(length) and _aligned(out[: _round_up(length)]))
+    try:
+        want = _round_up(length) if direct else length
+        done = 0
+        while done < length:
+            n = os.preadv(fd, [out[done:want]], done)
+            if n == 0:
+                raise OSError(errno.EIO, f"{path}: {done} of {length} bytes")
+            done += n
+    finally:
+        os.close(fd)

@@ -13,8 +13,10 @@ a bad one is deleted. So the index never lists a chunk that is not on disk whole
 
 Capacity. ``quota_bytes`` bounds the bytes of chunk files; a put that does not fit evicts the least
 recently used chunks first (the order is rebuilt from file times at start-up). ``ttl_s`` expires chunks
-unused for that long. A chunk is pinned while a file returned by :meth:`open` is open, and a pinned chunk
-is never evicted, so an in-flight restore never loses a chunk under it.
+unused for that long. A chunk is pinned while :meth:`read_into` reads it, and a pinned chunk is never
+evicted.
+
+Privacy. Chunk files hold token ids in clear, so directories are 0700 and files 0600 whatever the umask.
 """
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import torch
+
 from ..errors import StorageError
 from . import direct_io as dio
-from .chunk import ChunkInvalid, verify_stored
+from .chunk import ChunkImage, ChunkInvalid, header_names
 from .chunk_key import LAYOUT_VERSION
 from .lru_index import Entry, LruIndex
 
@@ -41,6 +45,7 @@ VERIFY_MODES = ("none", "header", "full")
 _KEY = re.compile(r"[0-9a-f]{32}")
 _MANIFEST = "hcache-store.json"
 _SUFFIX = ".safetensors"
+_DIR_MODE = 0o700
 
 
 class StoreFull(OSError):
@@ -117,9 +122,13 @@ class DiskChunkStore:
     @staticmethod
     def _prepare(d: Path, labels: dict[str, str]) -> None:
         try:
-            (d / "chunks").mkdir(parents=True, exist_ok=True)
+            for sub in (d, d / "chunks"):
+                sub.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+                os.chmod(sub, _DIR_MODE)
             manifest = d / _MANIFEST
             record = json.loads(manifest.read_text()) if manifest.exists() else {"layout_version": LAYOUT_VERSION}
+            if not isinstance(record, dict):
+                raise StorageError(f"store {d}: {_MANIFEST} is not a JSON object; use a new directory")
             if record.get("layout_version") != LAYOUT_VERSION:
                 raise StorageError(
                     f"store {d} has layout version {record.get('layout_version')}, this hcache reads "
@@ -130,7 +139,9 @@ class DiskChunkStore:
                 if labels:
                     producers.append(labels)
                 tmp = d / f".{_MANIFEST}.{uuid.uuid4().hex}.tmp"
-                tmp.write_text(json.dumps(record, indent=1))
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dio.FILE_MODE)
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(record, indent=1))
                 os.replace(tmp, manifest)
         except (OSError, ValueError) as exc:
             raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
@@ -148,9 +159,12 @@ class DiskChunkStore:
                     continue
                 try:
                     st = path.stat()
-                    if verify != "none":
+                    if verify == "full":
+                        data = torch.frombuffer(bytearray(path.read_bytes()) or bytearray(1), dtype=torch.uint8)
+                        ChunkImage.parse(data, key, st.st_size)
+                    elif verify == "header":
                         with open(path, "rb") as f:
-                            verify_stored(f, key, full=verify == "full")
+                            header_names(f, key, st.st_size)
                 except (OSError, ChunkInvalid) as exc:
                     log.warning("dropping chunk file %s at start-up: %s", path, exc)
                     self.dropped_at_start += 1
@@ -183,30 +197,50 @@ class DiskChunkStore:
             self._index.touch(key)
             return True
 
-    def open(self, key: str) -> dio.AlignedReader | None:
-        """The chunk as a seekable file, pinned (never evicted) until the file is closed; None if absent."""
+    def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
+        """Read a whole chunk file with one request into ``take(size)`` (a buffer of at least ``size``
+        bytes, page-aligned for O_DIRECT), and return its size; None if the chunk is absent or ``take``
+        gives nothing. The chunk is pinned while it is read. Raises OSError when the file cannot be read."""
         with self._lock:
             entry = self._lookup(key)
             if entry is None:
                 return None
             self._index.touch(key)
             entry.pins += 1
-            where = entry.where
+            where, size = entry.where, entry.size
         try:
-            fd, direct = dio.open_fd(self.path(key, where), os.O_RDONLY, self.direct[where])
-        except OSError as exc:
+            out = take(size)
+            if out is None:
+                return None
+            dio.read_file(self.path(key, where), out, size, self.direct[where])
+            return size
+        except FileNotFoundError:
             with self._lock:
-                entry.pins -= 1
                 if self._index.entries.get(key) is entry:
-                    self._index.remove(key)  # gone or unreadable behind our back: forget it
-            if not isinstance(exc, FileNotFoundError):
-                log.warning("cannot open chunk %s: %s", key, exc)
+                    self._index.remove(key)  # deleted behind our back: forget it
             return None
-        return dio.AlignedReader(fd, direct, on_close=lambda: self._unpin(entry))
+        finally:
+            self._unpin(entry)
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
-        """Publish a chunk atomically. Raises OSError (StoreFull, ENOSPC, EIO, ...) with nothing published."""
-        size = len(data)
+    def names(self, key: str) -> frozenset[str] | None:
+        """The tensor names a stored chunk holds (from its header), or None if it is absent or unreadable."""
+        with self._lock:
+            entry = self._lookup(key)
+            if entry is None:
+                return None
+            where, size = entry.where, entry.size
+        try:
+            with open(self.path(key, where), "rb") as f:
+                return header_names(f, key, size)
+        except (OSError, ChunkInvalid):
+            return None
+
+    def put(self, key: str, data: bytes | memoryview, length: int | None = None) -> None:
+        """Publish ``data[:length]`` as a chunk atomically, replacing any chunk of that key (a page-aligned
+        ``data``, such as a host-pool slot, is written in place with O_DIRECT). Raises OSError (StoreFull,
+        ENOSPC, EIO, ...) with nothing published."""
+        data = memoryview(data).cast("B")
+        size = len(data) if length is None else length
         with self._lock:
             if key in self._writing:
                 return  # a key names its content: the put in flight publishes the same chunk
@@ -229,7 +263,7 @@ class DiskChunkStore:
         tmp = path.with_name(f".{key}.{uuid.uuid4().hex}.tmp")
         try:
             path.parent.mkdir(exist_ok=True)
-            self.direct[where] = dio.write_file(tmp, data, self.direct[where], self.fsync)
+            self.direct[where] = dio.write_file(tmp, data, size, self.direct[where], self.fsync)
             os.replace(tmp, path)  # the data is on the device first, so a crash never leaves a torn chunk
         except BaseException:
             tmp.unlink(missing_ok=True)

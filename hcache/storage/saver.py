@@ -1,63 +1,53 @@
-"""The two-stage saver (§4.2.2 of the paper): turns a forward pass's per-layer rows into stored chunks
+"""The two-stage saver (§4.2.2 of the paper): a forward pass's per-layer rows become chunks in the host tier
 without stalling the forward pass.
 
-Stage 1, on the forward's thread (:meth:`ChunkSaver.on_layer`): one copy per layer per batch of the whole
-batch's rows into a host staging ring. On a GPU the copy runs on a dedicated stream, and the compute
-stream waits on its event before the next layer's first kernel, so the engine's buffer is not reused
-before it is read. When the ring is full, stage 1 waits and counts a stall; it never drops rows.
+Stage 1, on the forward's thread. When a batch begins, every chunk its rows reach gets a host-pool slot
+(:meth:`~hcache.storage.host_tier.HostTier.create`: it waits, counted, only while the pool is full of
+chunks still being written back). Each layer's rows then go straight into those slots, one copy per chunk
+segment. On a GPU the rows are first copied device to device on the compute stream (microseconds; the
+engine may reuse its buffer in the next layer), and the copies into the pinned slots run on a save stream,
+so the forward never waits for PCIe.
 
-Stage 2, a pool of host threads (8 by default): scatter each sequence's rows into that sequence's 64-token
-chunk buffers, free the ring region, and encode and store every chunk that is full. Only full chunks are
-stored; the trailing partial chunk of a finished sequence is dropped and gets prefilled again by the next
-request (exact, at most 63 tokens of recompute), so a stored chunk is immutable once written.
+Stage 2, bookkeeping. Once a batch's copies have landed (at once on a CPU; after the save stream's event on
+a GPU, on a stage-2 thread), every chunk whose 64 rows are all there is published: restorable from memory
+at once, written back to disk in the background. Only full chunks are stored; a finished sequence's
+trailing partial chunk is dropped, and a chunk whose first rows were restored rather than computed never
+fills (it is stored already). A stored chunk is immutable.
 
-A store error (ENOSPC, EIO, a full quota) degrades saving: the chunk is skipped with a warning and a
-count, and serving goes on; the next request recomputes what is missing. :meth:`close` waits until a
-sequence's chunks are published, so the next request sees them.
+A chunk's key comes from the sequence's key chain, which the serving engine owns: the saver reads it.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from ..errors import StorageError
 from ..ragged import Segment
-from .chunk import Chunk, encode
+from .chunk import ChunkImage, ChunkLayout
 from .chunk_key import CHUNK_TOKENS, KeyChain
-from .chunk_store import ChunkStore
-from .staging_ring import Region, StagingRing
+from .host_tier import HostTier
 
 log = logging.getLogger(__name__)
 
-DEFAULT_THREADS = 8
-DEFAULT_STAGING_BYTES = 64 << 20
+TensorSpec = tuple[int, str, tuple[int, ...], torch.dtype]  # layer, format, row shape, dtype
 
 
 @dataclass
-class _ChunkBuffer:
-    rows: dict[tuple[int, str], np.ndarray] = field(default_factory=dict)  # [64, row bytes] per (layer, format)
-    kinds: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)  # row shape, dtype
-    filled: dict[tuple[int, str], int] = field(default_factory=dict)
-    done: bool = False
+class _Chunk:
+    image: ChunkImage | None  # None: the pool had no room; this chunk is not saved
+    filled: int = 0  # rows that have landed
 
 
 @dataclass
 class _Sequence:
-    chain: KeyChain  # from the last keyed chunk (or the stored prefix's last chunk, or the chain root)
-    first_chunk: int = 0  # the sequence's index of the chain's next chunk when saving (re)started
-    batches: list["_Batch"] = field(default_factory=list)
-    keyed: dict[int, tuple[str, list[int]]] = field(default_factory=dict)  # chunk index -> key, tokens
-    n_keyed: int = 0
-    rows_seen: int = 0  # tokens whose rows stage 1 has taken
-    chunks: dict[int, _ChunkBuffer] = field(default_factory=dict)
+    chain: KeyChain
+    chunks: dict[int, _Chunk] = field(default_factory=dict)  # by the chunk's index in the sequence
+    in_flight: list[Future] = field(default_factory=list)  # stage-2 work of batches not yet landed (GPU)
     broken: bool = False  # a forward pass failed mid-batch: its rows are incomplete, publish nothing more
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -67,260 +57,162 @@ class _Placement:
     pos: int  # its first token's position in the sequence
     length: int
 
-
-class _Batch:
-    """One forward pass's snapshots: sealed when every layer is scattered and the batch has ended."""
-
-    def __init__(self, placements: list[_Placement]):
-        self.placements = placements
-        self.layout: set[tuple[int, str]] = set()
-        self.pending = 1  # the end of the batch, plus one per stage-2 task
-        self.staged: list = []  # snapshots not yet handed to stage 2: (layer, {format: (region, rows)}, event)
-        self.sealed = threading.Event()
-        self.lock = threading.Lock()
+    def pieces(self):
+        """``(chunk index, offset in the chunk, batch row, rows)`` of each chunk the segment reaches."""
+        pos, row, left = self.pos, self.row, self.length
+        while left:
+            index, offset = divmod(pos, CHUNK_TOKENS)
+            n = min(left, CHUNK_TOKENS - offset)
+            yield index, offset, row, n
+            pos, row, left = pos + n, row + n, left - n
 
 
 class ChunkSaver:
-    """``threads``: stage-2 pool size. ``staging_bytes``: the ring's size; a larger ring absorbs longer
-    bursts before back-pressure. ``stores(chunk_index, format)``: whether this saver stores that format's
-    rows of a sequence's chunk (a tensor-parallel rank stores the hidden states of only some chunks); a
-    chunk is published with what it stores, even nothing, so that its key and tokens are on record."""
+    """``tensors``: every ``(layer, format, row shape, dtype)`` the engine hands over. ``stores(chunk_index,
+    format)``: whether this saver stores that format of a sequence's chunk (a tensor-parallel rank stores
+    the hidden states of only some chunks); a chunk is published with what it stores, even nothing, so that
+    its key and tokens are on record."""
 
     def __init__(
-        self,
-        store: ChunkStore,
-        fingerprint: str,
-        *,
-        threads: int = DEFAULT_THREADS,
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
-        stores: Callable[[int, str], bool] = lambda chunk, fmt: True,
-    ):
-        if threads < 1:
-            raise ValueError(f"the saver needs at least one thread, not {threads}")
-        self.store = store
-        self.fingerprint = fingerprint
-        self.stores = stores
-        self.chunks_written = 0
-        self.chunks_deduplicated = 0
-        self.save_errors = 0
-        self._staging_bytes = staging_bytes
-        self._ring: StagingRing | None = None  # made on first use, pinned if the rows come from a GPU
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hcache-saver")
-        self._counts = threading.Lock()
+        self, tier: HostTier, fingerprint: str, tensors: list[TensorSpec], *, stores: Callable[[int, str], bool] = lambda chunk, fmt: True
+    ):  # fmt: skip
+        self.tier, self.fingerprint, self.stores = tier, fingerprint, stores
+        self.chunks_published = 0
+        self._tensors = tensors
+        self._layouts: dict[frozenset[str], ChunkLayout] = {}
         self._seqs: dict[int, _Sequence] = {}
-        self._batch: _Batch | None = None
-        self._copy_stream = None
+        self._batch: list[_Placement] | None = None
+        self._staged: list[tuple[int, str, torch.Tensor]] = []  # GPU: (layer, format, device snapshot)
+        self._lock = threading.Lock()
+        self._stage2: ThreadPoolExecutor | None = None  # made on the first GPU batch
+        self._save_stream = None
 
     @property
     def stalls(self) -> int:
-        """Times stage 1 waited for the ring (back-pressure on the forward pass)."""
-        return self._ring.stalls if self._ring else 0
+        """Times stage 1 waited for room in the pool (back-pressure on the forward pass)."""
+        return self.tier.stalls
 
     @property
     def stall_seconds(self) -> float:
-        return self._ring.stall_s if self._ring else 0.0
+        return self.tier.stall_s
 
-    def open(self, uid: int, parent_key: str, first_chunk: int = 0) -> None:
-        """Start saving sequence ``uid`` whose first ``first_chunk`` chunks, up to the chunk ``parent_key``,
-        are already stored. Opening it again (after a restore skipped past stored chunks) restarts the chain
-        there; batches still in flight keep publishing, and :meth:`close` still waits for them."""
-        old = self._seqs.get(uid)
-        self._seqs[uid] = _Sequence(KeyChain(parent_key), first_chunk, batches=old.batches if old is not None else [])
+    @property
+    def save_errors(self) -> int:
+        """Chunks not written to disk, and chunks not saved for want of room in the pool."""
+        return self.tier.write_errors + self.tier.unsaved
 
-    def add_tokens(self, uid: int, tokens: list[int]) -> None:
-        """Tokens about to be processed for ``uid``; their rows arrive with the next batch."""
-        seq = self._seqs[uid]
-        for key, chunk_tokens in seq.chain.extend(tokens):
-            with seq.lock:
-                seq.keyed[seq.n_keyed] = (key, chunk_tokens)
-            seq.n_keyed += 1
-
-    def skip(self, uid: int, tokens: list[int]) -> None:
-        """Tokens of ``uid`` that are already stored and whose rows will never come (a restore ended inside
-        their chunk): they extend the chain, so later chunks get their keys, and the chunk they fall in,
-        lacking rows, is never published again."""
-        self.add_tokens(uid, tokens)
-        self._seqs[uid].rows_seen += len(tokens)
+    def open(self, uid: int, chain: KeyChain) -> None:
+        """Start saving sequence ``uid``, whose chunk keys ``chain`` gives."""
+        self._seqs[uid] = _Sequence(chain)
 
     def close(self, uid: int) -> None:
-        """Wait until every full chunk of ``uid`` is published, then forget ``uid``; rows of its trailing
-        partial chunk are dropped."""
+        """Wait until every full chunk of ``uid`` is published, then forget ``uid``; its partial chunks are
+        given back."""
         self._abort_unfinished_batch()
         seq = self._seqs.pop(uid, None)
-        if seq is not None:
-            for batch in seq.batches:
-                batch.sealed.wait()
+        if seq is None:
+            return
+        for f in seq.in_flight:
+            f.result()
+        with self._lock:
+            for c in seq.chunks.values():
+                if c.image is not None:
+                    self.tier.abandon(c.image)
+            seq.chunks.clear()
 
     def shutdown(self) -> None:
-        """Drain, drop every open sequence and stop the threads."""
+        """Drain, drop every open sequence and stop the stage-2 thread."""
         for uid in list(self._seqs):
             self.close(uid)
-        self._pool.shutdown(wait=True)
+        if self._stage2 is not None:
+            self._stage2.shutdown(wait=True)
 
-    # ---- the capture side: called by the engine's forward ------------------------------------------
+    # ---- stage 1: called by the engine's forward ------------------------------------------------------
     def begin_batch(self, segments: list[Segment]) -> None:
         self._abort_unfinished_batch()
-        placements = []
-        for s in segments:
-            seq = self._seqs.get(s.uid)
-            if seq is not None:
-                placements.append(_Placement(seq, s.row, seq.rows_seen, s.length))
-                seq.rows_seen += s.length
-        self._batch = _Batch(placements) if placements else None
-        if self._batch is not None:
-            for p in placements:
-                p.seq.batches = [b for b in p.seq.batches if not b.sealed.is_set()] + [self._batch]
+        placements = [_Placement(self._seqs[s.uid], s.row, s.start, s.length) for s in segments if s.uid in self._seqs]
+        for p in placements:
+            for index, offset, _, _ in p.pieces():
+                if index not in p.seq.chunks:  # one that starts mid-chunk was restored, not computed: it never fills
+                    image = self.tier.create(self._layout(index), self.fingerprint) if offset == 0 else None
+                    p.seq.chunks[index] = _Chunk(image)
+        self._batch = placements or None
 
     def on_layer(self, layer: int, rows: dict[str, torch.Tensor]) -> None:
-        """Stage 1: snapshot this layer's rows of the whole batch. Stage 2 gets a batch's snapshots in one
-        hand-over at its end (one thread wake-up per step, not per layer: on a small CPU, waking threads
-        every layer disturbs the forward's own threads), or earlier if the ring fills."""
-        batch = self._batch
-        if batch is None or not rows:
+        if self._batch is None:
             return
-        snapshots, event = {}, None
-        ring = self._staging(next(iter(rows.values())))
         for fmt, t in rows.items():
-            region, host = ring.snapshot(t, before_wait=lambda: self._hand_over(batch))
             if t.is_cuda:
-                event = self._copy_async(host, t)
+                self._staged.append((layer, fmt, t.clone()))  # on the compute stream: the engine may reuse t
             else:
-                host.copy_(t)
-            snapshots[fmt] = (region, host)
-            batch.layout.add((layer, fmt))
-        batch.staged.append((layer, snapshots, event))
+                self._copy(self._batch, layer, fmt, t)
 
     def end_batch(self) -> None:
         batch, self._batch = self._batch, None
-        if batch is not None:
-            self._hand_over(batch, ends_batch=True)
+        staged, self._staged = self._staged, []
+        if batch is None:
+            return
+        if not staged:
+            self._land(batch)
+            return
+        if self._stage2 is None:
+            self._stage2 = ThreadPoolExecutor(1, thread_name_prefix="hcache-saver")
+            self._save_stream = torch.cuda.Stream(staged[0][2].device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(staged[0][2].device))
+        future = self._stage2.submit(self._copy_on_save_stream, batch, staged, ready)
+        for p in batch:
+            p.seq.in_flight = [f for f in p.seq.in_flight if not f.done()] + [future]
 
     def _abort_unfinished_batch(self) -> None:
         """A batch that began but never ended (its forward raised) publishes nothing; nor do its sequences."""
         if self._batch is not None:
-            for p in self._batch.placements:
+            for p in self._batch:
                 p.seq.broken = True
-            self.end_batch()
+            self._batch, self._staged = None, []
 
-    def _hand_over(self, batch: _Batch, ends_batch: bool = False) -> None:
-        staged, batch.staged = batch.staged, []
-        if staged:
-            with batch.lock:
-                batch.pending += 1
-        if staged or ends_batch:
-            self._pool.submit(self._scatter, batch, staged, ends_batch)
+    # ---- the copies and stage 2 -----------------------------------------------------------------------
+    def _copy(self, batch: list[_Placement], layer: int, fmt: str, src: torch.Tensor) -> None:
+        for p in batch:
+            for index, offset, row, n in p.pieces():
+                image = p.seq.chunks[index].image
+                if image is not None and image.has(layer, fmt):
+                    image.tensor(layer, fmt)[offset : offset + n].copy_(src[row : row + n], non_blocking=True)
 
-    # ---- stage 1 helpers ------------------------------------------------------------------------------
-    def _staging(self, t: torch.Tensor) -> StagingRing:
-        if self._ring is None:
-            self._ring = StagingRing(self._staging_bytes, pin_memory=t.is_cuda)
-        return self._ring
-
-    def _copy_async(self, host: torch.Tensor, t: torch.Tensor):
-        compute = torch.cuda.current_stream(t.device)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(t.device)
-        self._copy_stream.wait_stream(compute)  # the rows are ready
-        with torch.cuda.stream(self._copy_stream):
-            host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-        t.record_stream(self._copy_stream)
-        compute.wait_event(event)  # the next layer's first kernel waits before the engine reuses t
-        return event
-
-    # ---- stage 2: the pool's threads -------------------------------------------------------------------
-    def _scatter(self, batch: _Batch, staged: list[tuple[int, dict[str, tuple[Region | None, torch.Tensor]], object]], ends_batch: bool) -> None:
+    def _copy_on_save_stream(self, batch: list[_Placement], staged: list[tuple[int, str, torch.Tensor]], ready) -> None:
         try:
-            for layer, snapshots, event in staged:
-                if event is not None:
-                    event.synchronize()
-                for fmt, (_, host) in snapshots.items():
-                    self._scatter_rows(batch, (layer, fmt), host)
+            with torch.cuda.stream(self._save_stream):
+                self._save_stream.wait_event(ready)
+                for layer, fmt, snapshot in staged:
+                    self._copy(batch, layer, fmt, snapshot)
+                landed = torch.cuda.Event()
+                landed.record(self._save_stream)
+            landed.synchronize()
+            self._land(batch)
         except Exception:
-            log.exception("saver: scattering a batch failed; the affected chunks are not saved")
-            self._count_error()
-        finally:
-            for _, snapshots, _ in staged:
-                for region, _ in snapshots.values():
-                    self._ring.release(region)
-            if staged:
-                self._finish_part(batch)
-            if ends_batch:
-                self._finish_part(batch)
+            log.exception("saver: copying a batch's rows failed; its chunks are not saved")
+            for p in batch:
+                p.seq.broken = True
 
-    def _scatter_rows(self, batch: _Batch, name: tuple[int, str], host: torch.Tensor) -> None:
-        src = host.view(host.shape[0], -1).view(torch.uint8).numpy()  # rows as bytes: any dtype, no copy
-        for p in batch.placements:
-            pos, row, left = p.pos, p.row, p.length
-            while left:
-                index, offset = divmod(pos, CHUNK_TOKENS)
-                n = min(left, CHUNK_TOKENS - offset)
-                with p.seq.lock:
-                    buf = p.seq.chunks.setdefault(index, _ChunkBuffer())  # kept even if empty: it is published
-                    dst = buf.rows.get(name)
-                    if dst is None and self.stores(p.seq.first_chunk + index, name[1]):
-                        dst = buf.rows[name] = np.empty((CHUNK_TOKENS, src.shape[1]), dtype=np.uint8)
-                        buf.kinds[name] = (tuple(host.shape[1:]), host.dtype)
-                if dst is not None:
-                    dst[offset : offset + n] = src[row : row + n]
-                    with p.seq.lock:
-                        buf.filled[name] = buf.filled.get(name, 0) + n
-                pos, row, left = pos + n, row + n, left - n
-
-    def _finish_part(self, batch: _Batch) -> None:
-        with batch.lock:
-            batch.pending -= 1
-            last = batch.pending == 0
-        if last:
-            try:
-                self._seal(batch)
-            except Exception:
-                log.exception("saver: publishing a batch's chunks failed")
-                self._count_error()
-            finally:
-                batch.sealed.set()
-
-    def _seal(self, batch: _Batch) -> None:
-        """Publish every chunk this batch touched that is now full. Batches finish out of order, so the
-        one that fills a chunk's last rows is not always the last to finish; whichever is, publishes it."""
-        for p in batch.placements:
-            ready = []
-            if p.seq.broken:
-                continue
-            with p.seq.lock:
-                for index in range(p.pos // CHUNK_TOKENS, -(-(p.pos + p.length) // CHUNK_TOKENS)):
-                    buf = p.seq.chunks.get(index)
-                    if buf is None or buf.done or index not in p.seq.keyed:
-                        continue
-                    layout = {name for name in batch.layout if self.stores(p.seq.first_chunk + index, name[1])}
-                    if set(buf.filled) == layout and all(n == CHUNK_TOKENS for n in buf.filled.values()):
-                        buf.done = True
+    def _land(self, batch: list[_Placement]) -> None:
+        """The batch's rows are in their slots: count them, and publish every chunk now complete."""
+        with self._lock:
+            for p in batch:
+                if p.seq.broken:
+                    continue
+                for index, _, _, n in p.pieces():
+                    chunk = p.seq.chunks[index]
+                    chunk.filled += n
+                    named = p.seq.chain.chunk(index)
+                    if chunk.filled == CHUNK_TOKENS and named is not None:
                         del p.seq.chunks[index]
-                        ready.append((p.seq.keyed.pop(index), buf))
-            for (key, tokens), buf in ready:
-                self._publish(key, tokens, buf)
+                        if chunk.image is not None:
+                            self.tier.publish(chunk.image, *named)
+                            self.chunks_published += 1
 
-    def _publish(self, key: str, tokens: list[int], buf: _ChunkBuffer) -> None:
-        if self.store.contains(key):
-            with self._counts:
-                self.chunks_deduplicated += 1
-            return
-        tensors = {
-            name: torch.from_numpy(rows).view(buf.kinds[name][1]).view(CHUNK_TOKENS, *buf.kinds[name][0])
-            for name, rows in buf.rows.items()
-        }
-        try:
-            self.store.put(key, encode(Chunk(key, tokens, self.fingerprint, tensors)))
-        except (OSError, StorageError) as exc:  # ENOSPC, EIO, a full quota: saving degrades, serving goes on
-            errors = self._count_error()
-            if errors == 1 or errors % 100 == 0:
-                log.warning("saver: could not save chunk %s (%s); %d chunk(s) not saved so far", key, exc, errors)
-            return
-        with self._counts:
-            self.chunks_written += 1
-
-    def _count_error(self) -> int:
-        with self._counts:
-            self.save_errors += 1
-            return self.save_errors
+    def _layout(self, index: int) -> ChunkLayout:
+        stored = [t for t in self._tensors if self.stores(index, t[1])]
+        names = frozenset((layer, fmt) for layer, fmt, *_ in stored)
+        if names not in self._layouts:
+            self._layouts[names] = ChunkLayout.plan(stored, self.fingerprint)
+        return self._layouts[names]

@@ -1,4 +1,4 @@
-"""How a runtime's store is built: the options of the disk store, the DRAM tier and the saver."""
+"""How a runtime's store is built: the disk store's options and the host tier in front of it."""
 from __future__ import annotations
 
 import os
@@ -6,33 +6,49 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import StorageError
-from .chunk_store import ChunkStore
+from ..transfer.host_pool import HostPool
 from .disk_store import DiskChunkStore
-from .dram_tier import DramTier
-from .saver import DEFAULT_STAGING_BYTES, DEFAULT_THREADS
+from .host_tier import DEFAULT_READERS, DEFAULT_WRITERS, HostTier
+
+DEFAULT_HOST_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """``quota_bytes``/``ttl_s``: the disk store's capacity (None: unbounded / no expiry). ``dram_bytes``:
-    the DRAM tier's size (0: no tier). ``direct_io``, ``fsync``, ``verify``: see
-    :class:`~hcache.storage.disk_store.DiskChunkStore`. ``saver_threads``/``staging_bytes``: the two-stage
-    saver's stage-2 pool and stage-1 ring."""
+    """``quota_bytes``/``ttl_s``: the disk store's capacity (None: unbounded / no expiry). ``host_bytes``:
+    the host pool, the tier in front of the disk that holds recent chunks and every chunk being saved
+    (pinned when the engine is on a GPU; on a CPU its pages cost nothing until used). ``direct_io``,
+    ``fsync``, ``verify``: see :class:`~hcache.storage.disk_store.DiskChunkStore`. ``writers``: threads
+    writing chunks back to disk."""
 
     quota_bytes: int | None = None
     ttl_s: float | None = None
-    dram_bytes: int = 0
+    host_bytes: int = DEFAULT_HOST_BYTES
     direct_io: bool = True
     fsync: bool = True
     verify: str = "header"
-    saver_threads: int = DEFAULT_THREADS
-    staging_bytes: int = DEFAULT_STAGING_BYTES
+    writers: int = DEFAULT_WRITERS
+
+    def check(self, chunk_bytes: int) -> None:
+        """Refuse options that cannot hold a chunk of ``chunk_bytes``, before anything is opened."""
+        if self.quota_bytes is not None and self.quota_bytes < chunk_bytes:
+            raise StorageError(f"quota_bytes={self.quota_bytes} is smaller than one chunk ({chunk_bytes} bytes)")
+        if self.host_bytes < chunk_bytes:
+            raise StorageError(f"host_bytes={self.host_bytes} is smaller than one chunk ({chunk_bytes} bytes)")
+        if self.writers < 1:
+            raise StorageError(f"writers must be at least 1, not {self.writers}")
 
     def open_store(
-        self, dirs: str | os.PathLike | Sequence[str | os.PathLike], labels: Mapping[str, str] | None = None
-    ) -> ChunkStore:
-        if self.dram_bytes < 0:
-            raise StorageError(f"dram_bytes must be 0 (no DRAM tier) or positive, not {self.dram_bytes}")
+        self,
+        dirs: str | os.PathLike | Sequence[str | os.PathLike],
+        labels: Mapping[str, str] | None = None,
+        *,
+        pin: bool = False,
+        readers: int = DEFAULT_READERS,
+    ) -> HostTier:
+        """The host tier over the disk store in ``dirs``; ``pin``: page-lock the pool for DMA to a GPU."""
+        if self.host_bytes <= 0:
+            raise StorageError(f"host_bytes must be positive, not {self.host_bytes}")
         disk = DiskChunkStore(
             dirs,
             quota_bytes=self.quota_bytes,
@@ -42,4 +58,4 @@ class StoreConfig:
             verify=self.verify,
             labels=labels,
         )
-        return DramTier(disk, self.dram_bytes) if self.dram_bytes else disk
+        return HostTier(disk, HostPool(self.host_bytes, pin=pin), readers=readers, writers=self.writers)

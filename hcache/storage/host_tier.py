@@ -1,0 +1,287 @@
+"""The host tier: chunks held in host-pool slots, in front of the disk store.
+
+- **Save.** The saver lays a chunk out in a slot (:meth:`HostTier.create`) and writes its rows there; when
+  the chunk is complete it is published (:meth:`HostTier.publish`): restorable from memory at once, and
+  written back to disk by writer threads, straight from the slot.
+- **Restore.** :meth:`HostTier.fetch` serves a chunk in the pool at once; a miss is read from disk by a
+  reader thread with one request into a new slot, and its checksums are verified then, once: a chunk in the
+  pool is trusted from then on.
+- **Capacity.** The pool is bounded; the least recently used chunk that nobody references is evicted to
+  make room (it is on disk already, or its write failed and it is simply lost). A referenced slot (a restore
+  reads it, a write-back writes it, the saver fills it) is never evicted or reused. When the pool is full of
+  chunks still being written back, the saver waits for them (a counted stall); when nothing in flight can
+  free room, the chunk is not saved (counted) and serving goes on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..transfer.host_pool import HostPool, Slot
+from .chunk import ChunkImage, ChunkInvalid, ChunkLayout
+from .chunk_store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_READERS = min(8, os.cpu_count() or 1)
+DEFAULT_WRITERS = 2
+
+
+class HostTier:
+    """``readers``: threads that load chunks from disk (0: load inline, on the caller's thread);
+    ``writers``: threads that write chunks back."""
+
+    def __init__(self, disk: ChunkStore, pool: HostPool, *, readers: int = DEFAULT_READERS, writers: int = DEFAULT_WRITERS):
+        if readers < 0 or writers < 1:
+            raise ValueError(f"a host tier needs readers >= 0 and writers >= 1, not {readers} and {writers}")
+        self.disk, self.pool = disk, pool
+        self.hits = self.misses = self.evictions = self.write_errors = self.unsaved = 0
+        self.stalls, self.stall_s, self.bytes_loaded = 0, 0.0, 0
+        self._cond = threading.Condition()
+        self._index: OrderedDict[str, ChunkImage] = OrderedDict()  # published chunks, least recently used first
+        self._loading: dict[str, Future] = {}
+        self._writebacks = 0
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="hcache-load") if readers else None
+        self._writers = ThreadPoolExecutor(writers, thread_name_prefix="hcache-writeback")
+
+    @property
+    def bytes_written(self) -> int:
+        return self.disk.bytes_written
+
+    # ---- lookups --------------------------------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        with self._cond:
+            if key in self._index:
+                return True
+        return self.disk.contains(key)
+
+    def keys(self) -> list[str]:
+        with self._cond:
+            resident = set(self._index)
+        return sorted(resident | set(self.disk.keys()))
+
+    def resident(self, key: str) -> bool:
+        """Whether the chunk is in host memory now."""
+        with self._cond:
+            return key in self._index
+
+    # ---- restore side ---------------------------------------------------------------------------------
+    def fetch(self, key: str) -> Future:
+        """The chunk, referenced for the caller (who must :meth:`release` it), or None if it is not stored.
+        The future raises :class:`ChunkInvalid` for a chunk that fails its checks (it is then discarded)
+        and OSError for one that could not be read (it is kept: that proves nothing about it)."""
+        with self._cond:
+            image = self._index.get(key)
+            if image is not None:
+                self.hits += 1
+                self._index.move_to_end(key)
+                self.pool.ref(image.slot)
+                done: Future = Future()
+                done.set_result(image)
+                return done
+            self.misses += 1
+            first = self._loading.get(key)
+            if first is None:
+                first = self._loading[key] = self._submit(self._load, key)
+                return first
+        return self._submit(self._share, key, first)
+
+    def release(self, image: ChunkImage) -> None:
+        with self._cond:
+            self._drop_ref(image)
+            self._cond.notify_all()
+
+    def _submit(self, fn, *args) -> Future:
+        if self._readers is not None:
+            return self._readers.submit(fn, *args)
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+    def _load(self, key: str) -> ChunkImage | None:
+        taken: list[Slot] = []
+
+        def take(size: int) -> memoryview | None:
+            slot = self._alloc(size, wait=False)
+            if slot is None:
+                log.info("host pool full of chunks in use: chunk %s is not loaded", key)
+                return None
+            taken.append(slot)
+            return self.pool.buffer(slot)
+
+        try:
+            size = self.disk.read_into(key, take)
+            image = None if size is None else ChunkImage.parse(self.pool.view(taken[0]), key, size, slot=taken[0])
+        except BaseException as exc:
+            self._free_unpublished(taken)
+            with self._cond:
+                self._loading.pop(key, None)
+            if isinstance(exc, ChunkInvalid):
+                self.discard(key)
+            raise
+        with self._cond:
+            self._loading.pop(key, None)
+            if image is None:
+                self._free_unpublished(taken)
+                return None
+            self.bytes_loaded += size
+            if key in self._index:  # published meanwhile: serve that copy
+                self._free_unpublished(taken)
+                image = self._index[key]
+                self.pool.ref(image.slot)
+            else:
+                self._index[key] = image
+        return image
+
+    def _share(self, key: str, first: Future) -> ChunkImage | None:
+        """A second fetch of a chunk being loaded: wait for that load, then take a reference of one's own."""
+        if first.result() is None:
+            return None
+        with self._cond:
+            image = self._index.get(key)
+            if image is None:
+                return None  # evicted or discarded meanwhile: the prefix ends here, which is safe
+            self.pool.ref(image.slot)
+            return image
+
+    # ---- save side ------------------------------------------------------------------------------------
+    def create(self, layout: ChunkLayout, fingerprint: str) -> ChunkImage | None:
+        """An empty chunk image in a new slot, referenced for the caller (:meth:`publish` or :meth:`abandon`
+        it), or None when the pool cannot hold it even after every write-back in flight has finished."""
+        slot = self._alloc(layout.nbytes, wait=True)
+        if slot is None:
+            with self._cond:
+                self.unsaved += 1
+            return None
+        return ChunkImage(self.pool.view(slot), layout, fingerprint, slot=slot)
+
+    def abandon(self, image: ChunkImage) -> None:
+        """Give back an image that will not be published."""
+        self._free_unpublished([image.slot])
+
+    def publish(self, image: ChunkImage, key: str, tokens: list[int]) -> None:
+        """Seal a complete chunk and make it restorable now; write it back to disk in the background. The
+        caller's reference passes to the write-back. A chunk already stored with every tensor this one has
+        is kept, and this one given back; one stored with fewer (saved by another plan) is replaced."""
+        image.seal(key, tokens)
+        with self._cond:
+            held = self._index.get(key)
+            if held is not None and held.names >= image.names:
+                self._index.move_to_end(key)
+                self._drop_ref(image)
+                return
+        on_disk = self.disk.names(key) if self.disk.contains(key) else None
+        with self._cond:
+            old = self._index.pop(key, None)
+            if old is not None and old.slot.refs == 0:
+                self.pool.free(old.slot)
+            self._index[key] = image
+            if on_disk is not None and on_disk >= image.names:
+                self._drop_ref(image)  # the disk has it already: resident, nothing to write
+                return
+            self._writebacks += 1
+        self._writers.submit(self._write_back, image)
+
+    def _write_back(self, image: ChunkImage) -> None:
+        try:
+            self.disk.put(image.key, self.pool.buffer(image.slot), image.nbytes)
+        except Exception as exc:  # ENOSPC, EIO, a full quota: the chunk stays in memory, serving goes on
+            with self._cond:
+                self.write_errors += 1
+                errors = self.write_errors
+            if errors == 1 or errors % 100 == 0:
+                log.warning("could not write chunk %s to disk (%s); %d chunk(s) not written so far", image.key, exc, errors)
+        finally:
+            with self._cond:
+                self._writebacks -= 1
+                self._drop_ref(image)
+                self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every published chunk has been written back (or has failed to be)."""
+        with self._cond:
+            while self._writebacks:
+                self._cond.wait()
+
+    # ---- capacity -------------------------------------------------------------------------------------
+    def _alloc(self, nbytes: int, wait: bool) -> Slot | None:
+        began = None
+        with self._cond:
+            while True:
+                slot = self.pool.alloc(nbytes)
+                if slot is not None:
+                    break
+                victim = next((k for k, im in self._index.items() if im.slot.refs == 0), None)
+                if victim is not None:
+                    self.pool.free(self._index.pop(victim).slot)
+                    self.evictions += 1
+                    continue
+                if not (wait and self._writebacks):
+                    break
+                if began is None:
+                    began = time.perf_counter()
+                    self.stalls += 1
+                self._cond.wait()
+            if began is not None:
+                self.stall_s += time.perf_counter() - began
+            return slot
+
+    def _drop_ref(self, image: ChunkImage) -> None:
+        """Called with the lock held. The last reference to a chunk discarded or replaced meanwhile frees it."""
+        if self.pool.unref(image.slot) == 0 and self._index.get(image.key) is not image:
+            self.pool.free(image.slot)
+
+    def _free_unpublished(self, slots: list[Slot]) -> None:
+        with self._cond:  # reentrant: a Condition's default lock is an RLock
+            for slot in slots:
+                self.pool.unref(slot)
+                self.pool.free(slot)
+            self._cond.notify_all()
+
+    def discard(self, key: str) -> None:
+        """Forget a chunk in memory and on disk (a restore reading it keeps its slot until it releases it)."""
+        with self._cond:
+            image = self._index.pop(key, None)
+            if image is not None and image.slot.refs == 0:
+                self.pool.free(image.slot)
+        self.disk.discard(key)
+
+    def drop_resident(self) -> int:
+        """Evict every chunk nobody references (the next restore of them reads the disk); how many."""
+        with self._cond:
+            idle = [k for k, im in self._index.items() if im.slot.refs == 0]
+            for k in idle:
+                self.pool.free(self._index.pop(k).slot)
+            self._cond.notify_all()
+            return len(idle)
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {
+                "resident_chunks": len(self._index),
+                "pool_used_bytes": self.pool.used_bytes,
+                "pool_capacity_bytes": self.pool.capacity,
+                "hits": self.hits,
+                "misses": self.misses,
+                "evictions": self.evictions,
+                "stalls": self.stalls,
+                "stall_seconds": self.stall_s,
+                "unsaved": self.unsaved,
+                "write_errors": self.write_errors,
+                "bytes_loaded": self.bytes_loaded,
+                "disk": self.disk.stats(),
+            }
+
+    def close(self) -> None:
+        """Finish every write-back and stop the threads."""
+        self.flush()
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)

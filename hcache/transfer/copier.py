@@ -1,0 +1,68 @@
+"""Host-to-device copies for a restore: on a GPU they run on one side stream (the copy engines), and per-layer
+done events are the contract with the compute stream, which waits on a layer's event and nothing else.
+
+The stream and the events are made once per copier and reused by every restore; an event is re-recorded
+only after the compute stream has been told to wait on it (CUDA captures an event's state when the wait
+is enqueued), so ``depth`` layers may be in flight with ``depth + 1`` events. On a CPU the copies run
+inline and there are no events.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+DEFAULT_DEPTH = 4
+
+
+class Copier:
+    def __init__(self, device: torch.device | str, depth: int = DEFAULT_DEPTH):
+        self.device = torch.device(device)
+        self.depth = max(1, depth)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._events = [torch.cuda.Event() for _ in range(self.depth + 1)] if self.cuda else []
+        self._next = 0
+
+    @contextmanager
+    def side_stream(self):
+        """Copies issued inside run on the side stream (inline on a CPU)."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The parts' rows, in order, as one tensor on the device: one copy per part (a DMA from pinned
+        memory on a GPU). Call inside :meth:`side_stream`."""
+        out = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device=self.device)
+        row = 0
+        for p in parts:
+            out[row : row + len(p)].copy_(p, non_blocking=True)
+            row += len(p)
+        return out
+
+    def done(self) -> torch.cuda.Event | None:
+        """An event marking every copy issued so far (None on a CPU)."""
+        if self.stream is None:
+            return None
+        event = self._events[self._next]
+        self._next = (self._next + 1) % len(self._events)
+        event.record(self.stream)
+        return event
+
+    def wait(self, event: torch.cuda.Event | None, *tensors: torch.Tensor) -> None:
+        """Make the compute stream wait for ``event``; ``tensors`` made on the side stream are then used by
+        the compute stream, so the caching allocator must not hand their memory back to the side stream early."""
+        if event is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(event)
+        for t in tensors:
+            t.record_stream(compute)
+
+    def drain(self) -> None:
+        """Block the host until every copy issued has finished: the sources may then be reused."""
+        if self.stream is not None:
+            self.stream.synchronize()
