@@ -1,7 +1,7 @@
 import torch
 
 from hcache.model_loader import LoadedModel, load_model
-from hcache.storage.chunk import ChunkReader
+from hcache.storage.chunk import ChunkImage
 
 _cache: dict[str, LoadedModel] = {}
 
@@ -17,12 +17,13 @@ def random_prompt(n: int, vocab: int, rng: torch.Generator) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=rng).tolist()
 
 
-def corrupt_tensor(store, key: str, layer: int, fmt: str, tokens: list[int], fingerprint: str) -> None:
-    """Flip one byte inside a stored tensor, leaving the header intact."""
-    with store.open(key) as f:
-        reader = ChunkReader.open(f, key, tokens, fingerprint)
-        offset = reader.data_start + reader.entries[(layer, fmt)]["data_offsets"][0]
-    path = store.path(key)
+def corrupt_tensor(store, key: str, layer: int, fmt: str) -> None:
+    """Flip one byte inside a stored tensor on disk, leaving the header intact, and evict the chunk from
+    host memory, so that the next restore reads the damaged file."""
+    store.flush()
+    store.drop_resident()
+    path = store.disk.path(key)
     data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
+    image = ChunkImage.parse(torch.frombuffer(data, dtype=torch.uint8), key, len(data), verify=False)
+    data[image.layout.entries[(layer, fmt)].offset] ^= 0xFF
     path.write_bytes(bytes(data))

@@ -1,8 +1,10 @@
 """Deterministic test chunks: chunk ``i`` always has the same key, tokens and tensors, so a test can check
 any chunk a store serves against what was written."""
+import mmap
+
 import torch
 
-from hcache.storage.chunk import Chunk, ChunkReader, encode
+from hcache.storage.chunk import Chunk, ChunkLayout, decode, encode
 from hcache.storage.chunk_key import CHUNK_TOKENS, next_key, root_key
 
 FINGERPRINT = "test-model"
@@ -21,13 +23,42 @@ def chunk_bytes(i: int, **kw) -> tuple[str, bytes]:
     return c.key, encode(c)
 
 
+def read_back(store, key: str) -> bytes | None:
+    """A chunk's file image as a disk store serves it (one read into a page-aligned buffer), or None."""
+    bufs = []
+
+    def take(size: int) -> memoryview:
+        bufs.append(mmap.mmap(-1, max(size + 4095, 4096) // 4096 * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+        return memoryview(bufs[0])
+
+    size = store.read_into(key, take)
+    return None if size is None else bytes(bufs[0][:size])
+
+
 def check_served(store, key: str, expected: Chunk) -> None:
     """The store serves ``key`` whole: header, tokens and every tensor checksum verify and match."""
-    with store.open(key) as f:
-        check_file(f, key, expected)
+    check_bytes(read_back(store, key), key, expected)
 
 
-def check_file(f, key: str, expected: Chunk) -> None:
-    reader = ChunkReader.open(f, key, expected.tokens, FINGERPRINT)
+def check_bytes(data: bytes, key: str, expected: Chunk) -> None:
+    got = decode(data, key)
+    assert got.tokens == expected.tokens and got.fingerprint == FINGERPRINT
+    assert got.tensors.keys() == expected.tensors.keys()
     for name, t in expected.tensors.items():
-        assert torch.equal(reader.read(*name), t)
+        assert torch.equal(got.tensors[name], t)
+
+
+def publish(tier, c: Chunk) -> None:
+    """Save ``c`` as the saver does: lay it out in a pool slot, fill its rows, publish it."""
+    layout = ChunkLayout.plan([(layer, fmt, tuple(t.shape[1:]), t.dtype) for (layer, fmt), t in c.tensors.items()], c.fingerprint)
+    image = tier.create(layout, c.fingerprint)
+    assert image is not None, "the pool has no room"
+    for name, t in c.tensors.items():
+        image.tensor(*name).copy_(t)
+    tier.publish(image, c.key, c.tokens)
+
+
+def check_image(image, expected: Chunk) -> None:
+    assert image.key == expected.key and image.tokens == expected.tokens
+    for name, t in expected.tensors.items():
+        assert torch.equal(image.tensor(*name), t)

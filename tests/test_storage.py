@@ -1,11 +1,12 @@
-import io
 import os
 
 import pytest
+import safetensors.torch
 import torch
+from storage_chunks import read_back
 
 from hcache.errors import StorageError
-from hcache.storage.chunk import Chunk, ChunkInvalid, ChunkReader, encode
+from hcache.storage.chunk import Chunk, ChunkImage, ChunkInvalid, ChunkLayout, decode, encode
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.storage.disk_store import DiskChunkStore
 
@@ -31,66 +32,62 @@ def _chunk(rng: torch.Generator) -> Chunk:
     return Chunk("ab" * 16, list(range(CHUNK_TOKENS)), "fp", tensors)
 
 
-def _open(data: bytes, chunk: Chunk, **override) -> ChunkReader:
-    args = dict(key=chunk.key, tokens=chunk.tokens, fingerprint=chunk.fingerprint) | override
-    return ChunkReader.open(io.BytesIO(data), **args)
-
-
-def test_chunk_roundtrip_is_layer_major_and_reads_only_what_is_asked(rng):
+def test_chunk_image_is_a_safetensors_file_laid_out_layer_major_and_aligned(rng):
     chunk = _chunk(rng)
     data = encode(chunk)
-    reader = _open(data, chunk)
-    assert reader.formats(1) == {"H", "KV"}
-    offsets = [reader.entries[k]["data_offsets"][0] for k in [(0, "H"), (1, "H"), (1, "KV")]]
-    assert offsets == sorted(offsets)  # layer 0 before layer 1
-    torch.testing.assert_close(reader.read(1, "KV"), chunk.tensors[(1, "KV")], rtol=0, atol=0)
-    assert reader.bytes_read - reader.data_start == chunk.tensors[(1, "KV")].numel() * 4
+    assert set(safetensors.torch.load(data)) == {"L0000.H", "L0001.H", "L0001.KV"}  # any safetensors reader opens it
+    image = ChunkImage.parse(torch.frombuffer(bytearray(data), dtype=torch.uint8), chunk.key, len(data))
+    offsets = [image.layout.entries[k].offset for k in [(0, "H"), (1, "H"), (1, "KV")]]
+    assert offsets == sorted(offsets) and all(o % 64 == 0 for o in offsets)  # layer 0 before layer 1
+    assert image.tokens == chunk.tokens and image.fingerprint == "fp" and image.has(1, "KV") and not image.has(0, "KV")
+    for name, t in chunk.tensors.items():
+        assert torch.equal(image.tensor(*name), t)
 
 
-def test_read_into_fills_the_callers_buffer_and_refuses_another_shape_or_dtype(rng):
+def test_a_chunk_laid_out_before_its_tokens_are_known_seals_in_place(rng):
+    """The saver fills rows first and names the chunk when it is complete: the header room is reserved."""
     chunk = _chunk(rng)
-    reader = _open(encode(chunk), chunk)
-    buffer = torch.full((2 * CHUNK_TOKENS, 8), float("nan"))
-    reader.read_into(1, "H", buffer[CHUNK_TOKENS:])
-    assert torch.equal(buffer[CHUNK_TOKENS:], chunk.tensors[(1, "H")]) and buffer[:CHUNK_TOKENS].isnan().all()
-    for wrong in (torch.empty(CHUNK_TOKENS, 4), torch.empty(CHUNK_TOKENS, 8, dtype=torch.float16)):
-        with pytest.raises(ChunkInvalid, match="expected"):
-            reader.read_into(0, "H", wrong)
+    layout = ChunkLayout.plan([(l, f, tuple(t.shape[1:]), t.dtype) for (l, f), t in chunk.tensors.items()], "fp")
+    image = ChunkImage(torch.zeros(layout.nbytes, dtype=torch.uint8), layout, "fp")
+    for name, t in chunk.tensors.items():
+        image.tensor(*name).copy_(t)
+    image.seal(chunk.key, [2**62] * CHUNK_TOKENS)  # the longest token ids still fit
+    image.seal(chunk.key, chunk.tokens)
+    assert bytes(image.data.numpy()) == encode(chunk)
 
 
-@pytest.mark.parametrize(
-    "override, message",
-    [({"fingerprint": "other"}, "another model"), ({"tokens": [1] * 64}, "token ids"), ({"key": "cd" * 16}, "key")],
-)
-def test_chunk_for_other_state_is_rejected(rng, override, message):
+@pytest.mark.parametrize("fingerprint, tokens, message", [("other", None, "another model"), ("fp", [1] * 64, "token ids")])
+def test_chunk_for_other_state_is_rejected(rng, fingerprint, tokens, message):
     chunk = _chunk(rng)
+    data = encode(chunk)
+    image = ChunkImage.parse(torch.frombuffer(bytearray(data), dtype=torch.uint8), chunk.key, len(data))
     with pytest.raises(ChunkInvalid, match=message):
-        _open(encode(chunk), chunk, **override)
+        image.check(tokens or chunk.tokens, fingerprint)
+    with pytest.raises(ChunkInvalid, match="key"):
+        decode(data, "cd" * 16)
 
 
 def test_flipped_byte_and_truncation_are_detected(rng):
     chunk = _chunk(rng)
     data = bytearray(encode(chunk))
     data[-5] ^= 0xFF  # inside the last tensor's bytes
-    reader = _open(bytes(data), chunk)
-    last = max(reader.entries, key=lambda k: reader.entries[k]["data_offsets"][1])
-    with pytest.raises(ChunkInvalid, match="checksum"):
-        reader.read(*last)
-    with pytest.raises(ChunkInvalid, match="truncated"):
-        _open(encode(chunk)[:-10], chunk).read(*last)
-    with pytest.raises(ChunkInvalid, match="unreadable"):
-        _open(b"\x00" * 4, chunk)
+    with pytest.raises(ChunkInvalid, match="checksum mismatch in L0001.KV"):
+        decode(bytes(data), chunk.key)
+    with pytest.raises(ChunkInvalid, match="describes"):
+        decode(encode(chunk)[:-10], chunk.key)
+    for garbage in (b"\x00" * 4, b"\xff" * 4096, b""):
+        with pytest.raises(ChunkInvalid, match="unreadable"):
+            decode(garbage, chunk.key)
 
 
 def test_store_publishes_atomically_and_discards(tmp_path):
     store = DiskChunkStore(tmp_path)
     store.put("ab" * 16, b"payload" * 1000)
     assert store.contains("ab" * 16) and store.keys() == ["ab" * 16]
-    with store.open("ab" * 16) as f:
-        assert f.read() == b"payload" * 1000
+    assert read_back(store, "ab" * 16) == b"payload" * 1000
     assert not [p for p in tmp_path.rglob("*.tmp")]
     store.discard("ab" * 16)
-    assert store.open("ab" * 16) is None and not store.contains("ab" * 16)
+    assert read_back(store, "ab" * 16) is None and not store.contains("ab" * 16)
 
 
 def test_unwritable_or_foreign_store_is_a_clear_error(tmp_path):

@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from storage_chunks import chunk, chunk_bytes, check_served
+from storage_chunks import check_served, chunk, chunk_bytes, read_back
 
 from hcache.errors import StorageError
 from hcache.storage import direct_io
@@ -25,6 +25,11 @@ def _dirs(tmp_path, n=2):
     return [tmp_path / f"ssd{i}" for i in range(n)]
 
 
+def _while_read(store, key, fn):
+    """Run ``fn`` while ``key`` is being read (pinned), then abandon the read."""
+    store.read_into(key, lambda size: fn())
+
+
 def test_chunks_are_spread_round_robin_and_survive_a_restart(tmp_path):
     dirs = _dirs(tmp_path, 3)
     store = DiskChunkStore(dirs)
@@ -40,18 +45,15 @@ def test_chunks_are_spread_round_robin_and_survive_a_restart(tmp_path):
         check_served(reopened, c.key, c)
 
 
-def test_reads_of_any_byte_range_match_with_and_without_o_direct(tmp_path):
+def test_whole_chunk_reads_and_writes_match_with_and_without_o_direct(tmp_path):
     key, data = chunk_bytes(0, width=300)  # a length that is not a multiple of the block
     for direct in (True, False):
         store = DiskChunkStore(tmp_path / str(direct), direct_io=direct)
-        store.put(key, data)
-        with store.open(key) as f:
-            assert f.direct == (direct and store.direct[0])
-            for begin, length in [(0, 8), (3, 5000), (4095, 2), (len(data) - 7, 100), (8192, 70000)]:
-                f.seek(begin)
-                assert f.read(length) == data[begin : begin + length]
-            f.seek(0)
-            assert f.read() == data
+        store.put(key, data)  # from an unaligned buffer: through an aligned copy
+        assert read_back(store, key) == data
+        store.put(key, memoryview(bytearray(data)), len(data))  # a replacement, from a buffer with spare room
+        assert read_back(store, key) == data and store.keys() == [key]
+        assert store.path(key).stat().st_mode & 0o777 == 0o600
     assert DiskChunkStore(tmp_path / "True").direct == [direct_io.supports_direct(tmp_path)]
 
 
@@ -69,8 +71,6 @@ def test_buffered_fallback_where_o_direct_is_refused(tmp_path, monkeypatch):
     c = chunk(1)
     store.put(*chunk_bytes(1))
     check_served(store, c.key, c)
-    with store.open(c.key) as f:
-        assert not f.direct
 
 
 def test_start_up_drops_temporary_torn_and_foreign_files(tmp_path):
@@ -102,17 +102,20 @@ def test_lru_eviction_order_respects_quota_and_pins(tmp_path):
         clock.now += 1
         store.put(*chunk_bytes(i))
     clock.now += 1
-    store.open(keys[0]).close()  # 0 is now the most recently used: 1 goes first
+    read_back(store, keys[0])  # 0 is now the most recently used: 1 goes first
     store.put(*chunk_bytes(3))
     assert set(store.keys()) == {keys[0], keys[2], keys[3]} and store.evictions == 1
     assert not store.path(keys[1], 0).exists() and not store.path(keys[1], 1).exists()
-    with store.open(keys[2]):  # pinned by an in-flight read, then made the least recently used
+
+    def during_the_read_of_2():  # 2 is pinned, then made the least recently used
         for k in (keys[0], keys[3]):
             clock.now += 1
-            store.open(k).close()
+            read_back(store, k)
         store.put(*chunk_bytes(4))  # 2 is skipped: 0 goes
         assert set(store.keys()) == {keys[2], keys[3], keys[4]}
-        check_served(store, keys[2], chunk(2))
+
+    _while_read(store, keys[2], during_the_read_of_2)
+    check_served(store, keys[2], chunk(2))
     assert store.used_bytes <= 3 * size
     # The order survives a restart (rebuilt from file times): the oldest file goes first.
     os.utime(store.path(keys[3]), (1, 1))
@@ -124,10 +127,13 @@ def test_a_quota_held_by_pinned_chunks_refuses_with_enospc(tmp_path):
     size = len(chunk_bytes(0)[1])
     store = DiskChunkStore(tmp_path, quota_bytes=size + 10)
     store.put(*chunk_bytes(0))
-    with store.open(chunk(0).key):
+
+    def refused():
         with pytest.raises(StoreFull) as info:
             store.put(*chunk_bytes(1))
         assert info.value.errno == errno.ENOSPC
+
+    _while_read(store, chunk(0).key, refused)
     store.put(*chunk_bytes(1))
     assert store.keys() == [chunk(1).key]
     with pytest.raises(StorageError, match="exceeds the store's whole quota"):
@@ -142,7 +148,7 @@ def test_ttl_expires_unused_chunks(tmp_path):
     clock.now += 50
     assert store.contains(chunk(0).key)  # a use renews it
     clock.now += 20
-    assert store.open(chunk(1).key) is None and not store.path(chunk(1).key, 0).exists()
+    assert read_back(store, chunk(1).key) is None and not store.path(chunk(1).key, 0).exists()
     assert store.contains(chunk(0).key)
     clock.now += 61
     store.put(*chunk_bytes(2))  # a put sweeps expired chunks too

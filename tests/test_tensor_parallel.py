@@ -105,7 +105,7 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     runtime.serving.flush(60)
     # A corrupt hidden-state tensor in rank 0's chunk 2, found while reading layer 1.
     if rank == 0:
-        corrupt_tensor(runtime.store, keys[2], 1, "H", prompt[128:192], runtime.fingerprint)
+        corrupt_tensor(runtime.store, keys[2], 1, "H")
     dist.barrier()
     result = runtime.generate(prompt, NEW_TOKENS, plan="H")
     seen["corrupt"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids)

@@ -98,6 +98,7 @@ class DiskChunkStore:
         self._index = LruIndex(quota_bytes, ttl_s, clock)
         self._next_dir = 0
         self._writing: set[str] = set()  # keys with a put in flight
+        self._written = threading.Condition(self._lock)  # notified when a put ends
         for d in self.dirs:
             self._prepare(d, dict(labels or {}))
         try:
@@ -242,8 +243,8 @@ class DiskChunkStore:
         data = memoryview(data).cast("B")
         size = len(data) if length is None else length
         with self._lock:
-            if key in self._writing:
-                return  # a key names its content: the put in flight publishes the same chunk
+            while key in self._writing:  # a replacement (more formats) waits for the put in flight
+                self._written.wait()
             if not self._index.fits(size):
                 raise StorageError(f"a chunk of {size} bytes exceeds the store's whole quota of {self.quota_bytes}")
             victims = self._index.make_room(size, replacing=key)
@@ -262,7 +263,7 @@ class DiskChunkStore:
         path = self.path(key, where)
         tmp = path.with_name(f".{key}.{uuid.uuid4().hex}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(mode=_DIR_MODE, exist_ok=True)
             self.direct[where] = dio.write_file(tmp, data, size, self.direct[where], self.fsync)
             os.replace(tmp, path)  # the data is on the device first, so a crash never leaves a torn chunk
         except BaseException:
@@ -270,6 +271,7 @@ class DiskChunkStore:
             with self._lock:
                 self.write_errors += 1
                 self._writing.discard(key)
+                self._written.notify_all()
                 entry.pins -= 1
                 if self._index.entries.get(key) is entry:
                     self._index.remove(key)
@@ -277,6 +279,7 @@ class DiskChunkStore:
         with self._lock:
             self.bytes_written += size
             self._writing.discard(key)
+            self._written.notify_all()
             entry.pins -= 1
 
     def discard(self, key: str) -> None:

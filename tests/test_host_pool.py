@@ -1,0 +1,56 @@
+"""The host pool (hcache/transfer/host_pool.py): one arena, page-aligned slots, refcounts, reuse."""
+import pytest
+import torch
+
+from hcache.transfer.host_pool import PAGE, HostPool
+
+
+def test_slots_are_page_aligned_extents_that_coalesce_when_freed():
+    pool = HostPool(10 * PAGE + 100)
+    assert pool.capacity == 10 * PAGE and pool.arena.data_ptr() % PAGE == 0
+    a, b, c = pool.alloc(1), pool.alloc(3 * PAGE - 5), pool.alloc(2 * PAGE)
+    assert [(s.start, s.nbytes) for s in (a, b, c)] == [(0, PAGE), (PAGE, 3 * PAGE), (4 * PAGE, 2 * PAGE)]
+    assert len({a.index, b.index, c.index}) == 3 and pool.used_bytes == 6 * PAGE
+    assert pool.alloc(5 * PAGE) is None  # 4 pages left
+    for s in (a, b):
+        pool.unref(s)
+        pool.free(s)
+    assert pool.free_extents == 2  # [0, 4) and [6, 10): a and b merged
+    d = pool.alloc(4 * PAGE)
+    assert d.start == 0 and d.index in (a.index, b.index)  # the space and a table entry are reused
+    pool.unref(c)
+    pool.free(c)
+    pool.unref(d)
+    pool.free(d)
+    assert pool.free_extents == 1 and pool.used_bytes == 0 and pool.live_slots == 0
+    assert pool.alloc(10 * PAGE).start == 0  # whole again
+
+
+def test_a_referenced_slot_is_never_freed_and_views_are_the_arena():
+    pool = HostPool(4 * PAGE)
+    slot = pool.alloc(PAGE)
+    pool.ref(slot)
+    assert pool.unref(slot) == 1
+    with pytest.raises(RuntimeError, match="referenced"):
+        pool.free(slot)
+    pool.view(slot).fill_(7)
+    assert bytes(pool.buffer(slot)[:3]) == b"\x07\x07\x07" and int(pool.arena[slot.start]) == 7
+    with pytest.raises(ValueError, match="outside"):
+        pool.view(slot, PAGE - 1, 2)
+    pool.unref(slot)
+    pool.free(slot)
+    with pytest.raises(RuntimeError):
+        pool.free(slot)  # twice
+    with pytest.raises(RuntimeError, match="freed"):
+        pool.ref(slot)
+    with pytest.raises(ValueError, match="at least one page"):
+        HostPool(PAGE - 1)
+
+
+def test_views_of_one_slot_never_touch_another():
+    pool = HostPool(8 * PAGE)
+    slots = [pool.alloc(2 * PAGE) for _ in range(4)]
+    for i, s in enumerate(slots):
+        pool.view(s).view(torch.int32).fill_(i)
+    for i, s in enumerate(slots):
+        assert torch.all(pool.view(s).view(torch.int32) == i)
