@@ -7,7 +7,7 @@ import sys
 
 from . import bench
 from .errors import HCacheError
-from .layer_prefetch import DEFAULT_READERS
+from .storage.host_tier import DEFAULT_READERS
 from .mii import serve_command
 from .model_loader import DEFAULT_MODEL
 

@@ -137,14 +137,14 @@ def _io_time(fmt: str, rows: torch.Tensor, readers: int, copier: Copier, repeats
             data = encode(Chunk(key, [0] * CHUNK_TOKENS, _FINGERPRINT, {(layer, fmt): part for layer in range(_IO_LAYERS)}))
             disk.put(key, data)
             keys.append(key)
-        tier = HostTier(disk, HostPool(disk.used_bytes + len(keys) * PAGE, pin=copier.cuda), readers=readers)
+        tier = HostTier(disk, HostPool(disk.used_bytes + (len(keys) + 1) * PAGE, pin=copier.cuda), readers=readers)
         scratch.callback(tier.close)
 
         def read_all() -> None:
             tier.drop_resident()  # from the disk every time
             images = [f.result() for f in [tier.fetch(k) for k in keys]]
             try:
-                for layer in range(_IO_LAYERS):
+                for layer in range(_IO_LAYERS if images else 0):  # a TP rank may hold no chunk's H
                     with copier.side_stream():
                         copier.gather([im.tensor(layer, fmt) for im in images])
                 copier.drain()

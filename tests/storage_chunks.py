@@ -4,7 +4,7 @@ import mmap
 
 import torch
 
-from hcache.storage.chunk import Chunk, ChunkLayout, decode, encode
+from hcache.storage.chunk import Chunk, decode, encode
 from hcache.storage.chunk_key import CHUNK_TOKENS, next_key, root_key
 
 FINGERPRINT = "test-model"
@@ -50,12 +50,7 @@ def check_bytes(data: bytes, key: str, expected: Chunk) -> None:
 
 def publish(tier, c: Chunk) -> None:
     """Save ``c`` as the saver does: lay it out in a pool slot, fill its rows, publish it."""
-    layout = ChunkLayout.plan([(layer, fmt, tuple(t.shape[1:]), t.dtype) for (layer, fmt), t in c.tensors.items()], c.fingerprint)
-    image = tier.create(layout, c.fingerprint)
-    assert image is not None, "the pool has no room"
-    for name, t in c.tensors.items():
-        image.tensor(*name).copy_(t)
-    tier.publish(image, c.key, c.tokens)
+    assert tier.put(c), "the pool has no room"
 
 
 def check_image(image, expected: Chunk) -> None:

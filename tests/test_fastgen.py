@@ -404,7 +404,8 @@ def test_restore_rebuilds_the_forwards_kv_and_next_token(prefix):
     target.restore_from_hidden(1, 1, hidden[:13])
     target.restore_from_hidden(1, 1, hidden[13:], start=13)
     kv = rec.kv[2][prefix:]
-    target.restore_kv(1, 2, kv[:, 0], kv[:, 1])
+    target.restore_kv(1, 2, kv[:13])
+    target.restore_kv(1, 2, kv[13:], start=13)
     target.end_restore(1, rest)
     assert target.seen_tokens(1) == len(TOKENS)
     for layer in range(LAYERS):
@@ -446,7 +447,7 @@ def test_real_fastgen_restore_equals_recompute(tmp_path):
     engine.recompute_layers(2, prompt[:-1], 1)
     for layer in range(1, 3):
         engine.restore_from_hidden(2, layer, rec.hidden[layer][:-1])
-    engine.restore_kv(2, 3, rec.kv[3][:-1, 0], rec.kv[3][:-1, 1])
+    engine.restore_kv(2, 3, rec.kv[3][:-1])
     engine.end_restore(2, prompt[:-1])
     restored = greedy(2, engine.step([(2, prompt[-1:])]))
     for layer in range(cfg.num_hidden_layers):

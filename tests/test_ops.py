@@ -149,7 +149,7 @@ class _Rows:
         self.layers = {}
 
     def on_layer(self, layer, hidden, kv):
-        self.layers[layer] = (hidden.clone(), *kv().unbind(1))
+        self.layers[layer] = (hidden.clone(), kv())
 
     def end_batch(self):
         pass
@@ -168,9 +168,9 @@ def test_engine_forward_and_restores_through_the_kernel(family, monkeypatch, rng
     engine.cache.layers = [torch.full_like(c, float("nan")) for c in engine.cache.layers]
     assert torch.equal(engine.step([(0, prompt)], capture=rows), logits)
     engine.begin_restore(1, len(prompt))
-    for layer, (hidden, k, v) in rows.layers.items():
+    for layer, (hidden, kv) in rows.layers.items():
         if layer % 2:
-            engine.restore_kv(1, layer, k, v)
+            engine.restore_kv(1, layer, kv)
         else:
             engine.restore_from_hidden(1, layer, hidden)
     engine.end_restore(1, prompt)

@@ -10,7 +10,9 @@ from hcache.model_spec import ModelSpec
 from hcache.plan import RestorePlan
 from hcache.restore import restore_prefix
 from hcache.runtime import HCacheRuntime
-from hcache.storage.chunk import ChunkReader
+from hcache.storage.host_tier import HostTier
+from hcache.transfer.copier import Copier
+from hcache.transfer.host_pool import HostPool
 from hcache.storage.chunk_key import chunk_keys, root_key
 
 # float32: K/V from a saved hidden state go through the same GEMM and RoPE as the forward, but the GEMM
@@ -26,7 +28,7 @@ def plans(num_layers: int) -> list[str]:
 def assert_restored_kv_equals_recompute(runtime: HCacheRuntime, prompt: list[int], plan: RestorePlan) -> int:
     engine, spec = runtime.engine, runtime.spec
     keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
-    outcome = restore_prefix(engine, runtime.store, 1000, prompt, keys, runtime.fingerprint, plan)
+    outcome = restore_prefix(engine, runtime.store, 1000, prompt, keys, runtime.fingerprint, plan, runtime.serving.copier)
     assert outcome.fallback is None and outcome.tokens == 64 * len(keys)
     engine.step([(1001, prompt[: outcome.tokens])])
     for layer in range(spec.num_layers):
@@ -67,19 +69,26 @@ def test_smollm2_restore_is_exact(smollm2, tmp_path, plan):
 
 @pytest.mark.parametrize("plan", ["2RE+3H+3KV", "H", "KV", "3RE+5KV"])
 def test_pipelined_restore_equals_sequential(tmp_path, rng, plan):
-    model = random_model("llama", num_hidden_layers=8)  # more layers than the prefetch depth
+    """Chunks loaded by reader threads while the RE layers run, loaded inline, or served from the host pool,
+    with copies issued layers ahead of the compute: the same cache, bit for bit."""
+    model = random_model("llama", num_hidden_layers=8)  # more layers than the copier's depth
     lm = LoadedModel("random:llama", model, ModelSpec.from_config(model.config, torch.float32), None)
     with HCacheRuntime(lm, tmp_path, save="all", readers=3) as runtime:  # 5 chunks over 3 readers
         prompt = random_prompt(330, lm.spec.vocab_size, rng)
         runtime.generate(prompt, 1, restore=False)
+        runtime.store.flush()
         keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
         engine, plan = runtime.engine, runtime.resolve_plan(plan)
-        for uid, pool in ((1, None), (2, runtime.reader_pool)):
-            outcome = restore_prefix(engine, runtime.store, uid, prompt, keys, runtime.fingerprint, plan, pool)
+        inline = HostTier(runtime.store.disk, HostPool(16 << 20), readers=0)
+        runtime.store.drop_resident()
+        for uid, tier in ((1, inline), (2, runtime.store), (3, runtime.store)):  # 3: from the pool
+            outcome = restore_prefix(engine, tier, uid, prompt, keys, runtime.fingerprint, plan, Copier(engine.device, depth=2))
             assert outcome.tokens == 320 and outcome.fallback is None
+        assert runtime.store.misses == 5 and runtime.store.hits == 5 and inline.misses == 5
         for layer in range(lm.spec.num_layers):
-            for sequential, pipelined in zip(engine.kv(1, layer), engine.kv(2, layer)):
-                assert torch.equal(sequential, pipelined), f"layer {layer}"
+            for sequential, pipelined, resident in zip(engine.kv(1, layer), engine.kv(2, layer), engine.kv(3, layer)):
+                assert torch.equal(sequential, pipelined) and torch.equal(sequential, resident), f"layer {layer}"
+        inline.close()
 
 
 def test_io_errors_while_restoring_fall_back_to_recompute(tmp_path, rng, monkeypatch):
@@ -88,25 +97,28 @@ def test_io_errors_while_restoring_fall_back_to_recompute(tmp_path, rng, monkeyp
         prompt = random_prompt(200, lm.spec.vocab_size, rng)
         expected = runtime.generate(prompt, 6, restore=False).output_ids
         keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
-        read_into = ChunkReader.read_into
+        runtime.store.flush()
+        runtime.store.drop_resident()
+        read_into = runtime.store.disk.read_into
 
-        def failing_read(reader, layer, fmt, out):
-            if reader.key == keys[1] and layer == 2:
+        def failing_read(key, take):
+            if key == keys[1]:
                 raise OSError(errno.EIO, "Input/output error")
-            return read_into(reader, layer, fmt, out)
+            return read_into(key, take)
 
-        monkeypatch.setattr(ChunkReader, "read_into", failing_read)
+        monkeypatch.setattr(runtime.store.disk, "read_into", failing_read)
         discarded = []
         monkeypatch.setattr(runtime.store, "discard", discarded.append)
         result = runtime.generate(prompt, 6, plan="H")
         assert result.restored_tokens == 64 and "cannot read" in result.fallback
         assert result.output_ids == expected
         assert discarded == []  # an I/O error proves nothing about the chunk: it is kept
+        runtime.store.drop_resident()
 
-        def failing_open(key):
+        def refused(key, take):
             raise PermissionError(errno.EACCES, "Permission denied")
 
-        monkeypatch.setattr(runtime.store, "open", failing_open)
+        monkeypatch.setattr(runtime.store.disk, "read_into", refused)
         result = runtime.generate(prompt, 6, plan="KV")
         assert result.restored_tokens == 0 and "Permission denied" in result.fallback
         assert result.output_ids == expected

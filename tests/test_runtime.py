@@ -2,12 +2,13 @@ import hashlib
 import logging
 
 import pytest
-from helpers import loaded, random_prompt
+from helpers import corrupt_tensor, loaded, random_prompt
+from storage_chunks import read_back
 
 from hcache.errors import InvalidRequestError, ModelNotFoundError, StorageError
 from hcache.model_loader import load_model, random_model
 from hcache.runtime import HCacheRuntime
-from hcache.storage.chunk import Chunk, ChunkReader, encode
+from hcache.storage.chunk import Chunk, decode, encode
 from hcache.storage.chunk_key import chunk_keys, root_key
 
 NO_STOP = set()
@@ -19,11 +20,15 @@ def llama():
 
 
 def _store_digest(runtime: HCacheRuntime) -> dict[str, str]:
-    return {key: hashlib.sha256(runtime.store.open(key).read()).hexdigest() for key in runtime.store.keys()}
+    runtime.store.flush()
+    return {key: hashlib.sha256(read_back(runtime.store.disk, key)).hexdigest() for key in runtime.store.keys()}
 
 
 def _chunk_path(runtime: HCacheRuntime, key: str):
-    return runtime.store.root / "chunks" / key[:2] / f"{key}.safetensors"
+    """The chunk's file, once written back; evicted from the host pool, so that a restore reads the file."""
+    runtime.store.flush()
+    runtime.store.drop_resident()
+    return runtime.store.disk.path(key)
 
 
 def test_conversations_sharing_a_system_prompt_share_its_chunks(smollm2, tmp_path):
@@ -39,13 +44,13 @@ def test_conversations_sharing_a_system_prompt_share_its_chunks(smollm2, tmp_pat
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared >= 128
     runtime.generate(first, 4)
-    written = runtime.saver.chunks_written
+    written = runtime.saver.chunks_published
     result = runtime.generate(second, 4)
     assert result.restored_tokens == shared // 64 * 64
-    assert runtime.saver.chunks_deduplicated == 0  # restored chunks are not saved again
-    # new chunks: the rest of the prompt plus the generated tokens fed back (all but the last)
+    # restored chunks are not saved again; new chunks: the rest of the prompt plus the generated tokens fed
+    # back (all but the last)
     processed = len(second) + len(result.output_ids) - 1
-    assert runtime.saver.chunks_written - written == processed // 64 - result.restored_tokens // 64
+    assert runtime.saver.chunks_published - written == processed // 64 - result.restored_tokens // 64
     assert result.output_ids == runtime.generate(second, 4, restore=False).output_ids
 
 
@@ -87,22 +92,15 @@ def test_corrupt_chunk_is_logged_discarded_and_recomputed(stored, caplog, where)
         result = runtime.generate(prompt, 8, plan="KV", stop_token_ids=NO_STOP)
     assert result.restored_tokens == 64 and result.output_ids == expected
     assert result.fallback and "recomputing from token 64" in caplog.text
-    with runtime.store.open(keys[1]) as f:  # replaced by a good chunk
-        reader = ChunkReader.open(f, keys[1], prompt[64:128], runtime.fingerprint)
-        reader.read(2, "KV")
+    runtime.store.flush()
+    assert decode(read_back(runtime.store.disk, keys[1]), keys[1]).tokens == prompt[64:128]  # replaced by a good chunk
 
 
 def test_corruption_found_mid_restore_still_gives_exact_output(stored):
     """Layers 0-1 restore all 3 chunks; layer 2 of chunk 2 is corrupt, so the prefix shrinks to 2 chunks
     after some layers already hold chunk 2's state: the prefill must overwrite it."""
     runtime, prompt, keys, expected = stored
-    path = _chunk_path(runtime, keys[2])
-    with path.open("rb") as f:
-        reader = ChunkReader.open(f, keys[2], prompt[128:192], runtime.fingerprint)
-        begin = reader.data_start + reader.entries[(2, "H")]["data_offsets"][0]
-    data = bytearray(path.read_bytes())
-    data[begin + 7] ^= 0xFF
-    path.write_bytes(bytes(data))
+    corrupt_tensor(runtime.store, keys[2], 2, "H")
     result = runtime.generate(prompt, 8, plan="H", stop_token_ids=NO_STOP)
     assert result.restored_tokens == 128 and "checksum" in result.fallback
     assert result.output_ids == expected
@@ -112,16 +110,15 @@ def test_state_of_another_model_is_never_served(stored, tmp_path, rng):
     runtime, prompt, keys, _ = stored
     other = load_model("random:llama")
     other.model = random_model("llama", seed=1)
-    runtime_b = HCacheRuntime(other, runtime.store.root, save="none")
+    runtime_b = HCacheRuntime(other, runtime.store.disk.root, save="none")
     expected_b = runtime_b.generate(prompt, 8, restore=False, stop_token_ids=NO_STOP).output_ids
     assert runtime_b.fingerprint != runtime.fingerprint
     assert runtime_b.generate(prompt, 8, stop_token_ids=NO_STOP).restored_tokens == 0  # keys differ
     # Even a chunk filed under B's key is refused when its header names A's weights.
     key_b = chunk_keys(prompt[:64], root_key(runtime_b.fingerprint))[0]
-    with runtime.store.open(keys[0]) as f:
-        reader = ChunkReader.open(f, keys[0], prompt[:64], runtime.fingerprint)
-        tensors = {k: reader.read(*k) for k in reader.entries}
-    runtime.store.put(key_b, encode(Chunk(key_b, prompt[:64], runtime.fingerprint, tensors)))
+    runtime.store.flush()
+    tensors = decode(read_back(runtime.store.disk, keys[0]), keys[0]).tensors
+    runtime.store.disk.put(key_b, encode(Chunk(key_b, prompt[:64], runtime.fingerprint, tensors)))
     result = runtime_b.generate(prompt, 8, plan="KV", stop_token_ids=NO_STOP)
     assert result.restored_tokens == 0 and "another model" in result.fallback
     assert result.output_ids == expected_b

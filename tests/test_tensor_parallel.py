@@ -19,7 +19,7 @@ from hcache.profiler import measure_profile
 from hcache.restore import restore_prefix
 from hcache.runtime import HCacheRuntime
 from hcache.scheduler import LayerCosts, partition
-from hcache.storage.chunk import ChunkReader
+from hcache.storage.chunk import ChunkImage
 from hcache.storage.chunk_key import chunk_keys, root_key
 from hcache.tensor_parallel import TPGroup, local_spec, shard_model
 
@@ -43,27 +43,21 @@ def _kv(engine, uid: int) -> list[torch.Tensor]:
 
 
 class _ReadLog:
-    """Records, in this process, every chunk reader opened and every tensor read."""
+    """Records, in this process, every stored tensor a restore copies out of the host pool."""
 
     def __init__(self):
-        self.readers, self.tensors = [], []
-        open_, read_into = ChunkReader.open.__func__, ChunkReader.read_into
+        self.tensors = []
+        tensor = ChunkImage.tensor
 
-        def logged_open(cls, *args, **kwargs):
-            reader = open_(cls, *args, **kwargs)
-            self.readers.append(reader)
-            return reader
+        def logged(image, layer, fmt):
+            self.tensors.append((image.key, layer, fmt))
+            return tensor(image, layer, fmt)
 
-        def logged_read(reader, layer, fmt, out):
-            self.tensors.append((reader.key, layer, fmt))
-            return read_into(reader, layer, fmt, out)
+        ChunkImage.tensor = logged
 
-        ChunkReader.open, ChunkReader.read_into = classmethod(logged_open), logged_read
-
-    def take(self) -> dict:
-        """What was read since the last call; bytes from the readers' own counters (less their headers)."""
-        got = dict(tensor_bytes=sum(r.bytes_read - r.data_start for r in self.readers), tensors=self.tensors)
-        self.readers, self.tensors = [], []
+    def take(self) -> list:
+        """What was read since the last call."""
+        got, self.tensors = self.tensors, []
         return got
 
 
@@ -71,9 +65,9 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=TP)
     torch.set_num_threads(1)
     tp = TPGroup.current()
-    # generate() reads ahead with 2 threads; the restore_prefix calls below read inline.
+    # Chunks are loaded from disk by 2 reader threads when they are not in the host pool.
     runtime = HCacheRuntime(_model(), out / f"store{rank}", plan="H", save="all", num_blocks=16, readers=2, tensor_parallel=tp)
-    engine = runtime.engine
+    engine, copier = runtime.engine, runtime.serving.copier
     seen = {"cache_heads": engine.cache.layers[0].shape[3]}
     seen["logits"] = engine.step([(0, prompt)]).clone()
     engine.flush(0)
@@ -86,15 +80,16 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     for plan in PLANS:
         log.take()  # forget the reads of the last generate
         outcome = restore_prefix(
-            engine, runtime.store, 1, prompt, keys, runtime.fingerprint, RestorePlan.parse(plan, LAYERS), tp=tp
+            engine, runtime.store, 1, prompt, keys, runtime.fingerprint, RestorePlan.parse(plan, LAYERS), copier, tp
         )
-        seen[plan] = dict(tokens=outcome.tokens, fallback=outcome.fallback, kv=_kv(engine, 1), **log.take())
+        seen[plan] = dict(tokens=outcome.tokens, fallback=outcome.fallback, kv=_kv(engine, 1), tensors=log.take())
+        seen[plan]["tensor_bytes"] = outcome.bytes_read
         engine.flush(1)
         seen[plan]["output"] = runtime.generate(prompt, NEW_TOKENS, plan=plan).output_ids
     # In two steps, as a prompt arrives in parts: chunk 0, then chunks 1 and 2 (rank 1 stores chunk 1's H).
     plan = RestorePlan.parse("1RE+2H+1KV", LAYERS)
-    steps = [restore_prefix(engine, runtime.store, 1, prompt, keys[:1], runtime.fingerprint, plan, tp=tp)]
-    steps.append(restore_prefix(engine, runtime.store, 1, prompt[64:], keys[1:], runtime.fingerprint, plan, tp=tp))
+    steps = [restore_prefix(engine, runtime.store, 1, prompt, keys[:1], runtime.fingerprint, plan, copier, tp)]
+    steps.append(restore_prefix(engine, runtime.store, 1, prompt[64:], keys[1:], runtime.fingerprint, plan, copier, tp))
     seen["steps"] = dict(tokens=[o.tokens for o in steps], fallbacks=[o.fallback for o in steps], kv=_kv(engine, 1))
     engine.flush(1)
     # As MII sends it, in puts of 100: the second restore starts inside chunk 1, at token 100.
@@ -121,9 +116,10 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     runtime.generate(prompt, 1, restore=False)
     keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
     tensors = []
-    for j, key in enumerate(keys):
-        with runtime.store.open(key) as f:
-            tensors.append(len(ChunkReader.open(f, key, prompt[64 * j : 64 * (j + 1)], runtime.fingerprint).entries))
+    for key in keys:
+        image = runtime.store.fetch(key).result()
+        tensors.append(len(image.layout.entries))
+        runtime.store.release(image)
     result = runtime.generate(prompt, NEW_TOKENS)
     seen["plan_only"] = dict(tensors=tensors, tokens=result.restored_tokens, output=result.output_ids)
     runtime.close()
@@ -152,7 +148,9 @@ def runs(tmp_path_factory):
         keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
         for plan in PLANS:
             plan_ = RestorePlan.parse(plan, LAYERS)
-            outcome = restore_prefix(runtime.engine, runtime.store, 1, prompt, keys, runtime.fingerprint, plan_)
+            outcome = restore_prefix(
+                runtime.engine, runtime.store, 1, prompt, keys, runtime.fingerprint, plan_, runtime.serving.copier
+            )
             assert outcome.tokens == RESTORED
             ref[plan] = _kv(runtime.engine, 1)
             runtime.engine.flush(1)

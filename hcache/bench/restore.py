@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..layer_prefetch import DEFAULT_READERS
+from ..storage.host_tier import DEFAULT_READERS
 from ..model_loader import DEFAULT_MODEL, load_model, model_dtype
 from ..plan import Method, RestorePlan
 from ..profile import Profile

@@ -1,11 +1,12 @@
 """Chunk store read/write throughput against raw sequential O_DIRECT I/O, and the saver's decode overhead.
 
 All three figures are measured side by side in one run on the same directories:
-- ``write_ratio``: chunk-store write throughput (atomic publish, fsync, round-robin over the directories,
-  ``--threads`` writers like the saver's pool) over a raw sequential O_DIRECT write of the same bytes,
+- ``write_ratio``: chunk-store write throughput (published into the host pool, written back by
+  ``--threads`` writers straight from the slots: atomic publish, fsync, round-robin over the directories) over a raw sequential O_DIRECT write of the same bytes,
   one large file per directory, fdatasync'd at the end.
-- ``read_ratio``: chunk-store read throughput (open, header, every tensor read and checksummed, by
-  ``--threads`` readers) over a raw sequential O_DIRECT read of those large files.
+- ``read_ratio``: chunk-store read throughput (a restore of chunks not in memory: one O_DIRECT read per
+  chunk into a host-pool slot, every checksum verified, by ``--threads`` readers) over a raw sequential
+  O_DIRECT read of those large files.
 - ``save_overhead``: time per decode step with the two-stage saver on over off, on the reference engine;
   runs are interleaved and the median of the per-round ratios is taken.
 """
@@ -17,7 +18,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,9 +26,10 @@ import torch
 from tqdm import tqdm
 
 from ..storage import direct_io
-from ..storage.chunk import Chunk, ChunkReader, encode
+from ..storage.chunk import Chunk, encode
 from ..storage.chunk_key import CHUNK_TOKENS, next_key, root_key
-from ..storage.disk_store import DiskChunkStore
+from ..storage.store_config import StoreConfig
+from ..transfer.host_pool import PAGE
 
 _BLOCK = 4 << 20  # raw I/O request size
 
@@ -93,42 +94,43 @@ def _io_benchmark(dirs: list[Path], args: argparse.Namespace) -> dict:
     so a disk shared with other work disturbs both sides alike."""
     chunks = _chunks(args)
     total = sum(len(data) for _, data in chunks)
-    store = DiskChunkStore(dirs)
+    tier = StoreConfig(host_bytes=total + (len(chunks) + 1) * PAGE, writers=args.threads).open_store(dirs, readers=args.threads)
     raw_files = [d / "raw-sequential.bin" for d in dirs]
     share = -(-total // len(dirs))
 
-    local = threading.local()
+    def store_write() -> None:
+        """As the saver publishes: into the host pool, written back by the tier's writers (fsync per chunk)."""
+        for chunk, _ in chunks:
+            tier.put(chunk)
+        tier.flush()
 
-    def read_chunk(c: tuple[Chunk, bytes]) -> None:
-        """As a restore reads: each tensor verified straight into a reused buffer (its layer buffer)."""
-        chunk = c[0]
-        buffers = local.__dict__.setdefault("buffers", {})
-        with store.open(chunk.key) as f:
-            reader = ChunkReader.open(f, chunk.key, chunk.tokens, chunk.fingerprint)
-            for (layer, fmt), tensor in chunk.tensors.items():
-                out = buffers.setdefault((layer, fmt), torch.empty_like(tensor))
-                reader.read_into(layer, fmt, out)
+    def store_read() -> None:
+        """As a restore of chunks not in memory: one read per chunk into a pool slot, every checksum verified."""
+        tier.drop_resident()
+        for image in [f.result() for f in [tier.fetch(chunk.key) for chunk, _ in chunks]]:
+            tier.release(image)
 
     times: dict[str, list[float]] = {"store_write": [], "raw_write": [], "store_read": [], "raw_read": []}
-    with ThreadPoolExecutor(args.threads) as pool, ThreadPoolExecutor(len(dirs)) as raw_pool:
+    with ThreadPoolExecutor(len(dirs)) as raw_pool:
         for _ in tqdm(range(args.repeats), desc="I/O repeats (store and raw)", leave=False):
-            for key in store.keys():
-                store.discard(key)
+            for key in tier.keys():
+                tier.discard(key)
             for name, work in [
-                ("store_write", lambda: list(pool.map(lambda c: store.put(c[0].key, c[1]), chunks))),
+                ("store_write", store_write),
                 ("raw_write", lambda: list(raw_pool.map(lambda p: _raw_write(p, share), raw_files))),
-                ("store_read", lambda: list(pool.map(read_chunk, chunks))),
+                ("store_read", store_read),
                 ("raw_read", lambda: list(raw_pool.map(_raw_read, raw_files))),
             ]:
                 began = time.perf_counter()
                 work()
                 times[name].append(time.perf_counter() - began)
+    tier.close()
     direct_raw = [direct_io.supports_direct(d) for d in dirs]
     mb = total / 1e6
     return {
         "bytes": total,
         "directories": len(dirs),
-        "direct_io": {"store": store.direct, "raw": direct_raw},
+        "direct_io": {"store": tier.disk.direct, "raw": direct_raw},
         **{f"{name}_mb_s": mb / statistics.median(t) for name, t in times.items()},
         "write_ratio": statistics.median(r / s for r, s in zip(times["raw_write"], times["store_write"])),
         "read_ratio": statistics.median(r / s for r, s in zip(times["raw_read"], times["store_read"])),
@@ -137,7 +139,7 @@ def _io_benchmark(dirs: list[Path], args: argparse.Namespace) -> dict:
 
 def _raw_write(path: Path, nbytes: int) -> None:
     fd, _ = direct_io.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, True)
-    buf = mmap.mmap(-1, _BLOCK)
+    buf = mmap.mmap(-1, _BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.write(os.urandom(_BLOCK))
     try:
         for offset in range(0, nbytes, _BLOCK):
@@ -149,7 +151,7 @@ def _raw_write(path: Path, nbytes: int) -> None:
 
 def _raw_read(path: Path) -> int:
     fd, _ = direct_io.open_fd(path, os.O_RDONLY, True)
-    buf, offset = mmap.mmap(-1, _BLOCK), 0
+    buf, offset = mmap.mmap(-1, _BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), 0
     try:
         while (n := os.preadv(fd, [buf], offset)) > 0:
             offset += n
@@ -184,7 +186,7 @@ def _save_overhead(args: argparse.Namespace) -> dict:
                 total = time.perf_counter() - began  # includes the saver's drain at the end of the request
                 steps[on].append((total - results[0].ttft_s) / (args.steps - 1))
         saver = runtimes[True].saver
-        stalls, written = saver.stalls, saver.chunks_written
+        stalls, written = saver.stalls, saver.chunks_published
         for rt in runtimes.values():
             rt.close()
     ratios = [on / off for on, off in zip(steps[True], steps[False])]

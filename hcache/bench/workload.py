@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..layer_prefetch import DEFAULT_READERS
+from ..storage.host_tier import DEFAULT_READERS
 from ..model_loader import DEFAULT_MODEL, LoadedModel, load_model, model_dtype
 from ..profile import Profile
 from ..profiler import measure_profile
@@ -193,8 +193,8 @@ def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile
                 if k + 1 < len(sessions[i].turns):
                     heapq.heappush(queue, (clock + sessions[i].turns[k + 1].think_s, i, k + 1))
                 bar.update()
-        stats = runtime.store.stats()  # after close: every chunk the saver captured is published
-    held = stats["chunks"] * CHUNK_TOKENS
+        stats = runtime.store.stats()  # after close: every chunk the saver captured is on disk
+    held = stats["disk"]["chunks"] * CHUNK_TOKENS
     return {
         "rate": rate,
         "ttft_p50_s": float(np.percentile(ttft, 50)),
@@ -203,7 +203,7 @@ def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile
         "tbt_p99_s": float(np.percentile(tbt, 99)) if tbt else None,
         "throughput_tok_s": outputs / (clock - first),
         "restore_tokens_per_s": restored / restore_s if restored and restore_s > 0 else None,
-        "bytes_per_token": 0.0 if method == "ideal" or not held else stats["used_bytes"] / held,
+        "bytes_per_token": 0.0 if method == "ideal" or not held else stats["disk"]["used_bytes"] / held,
         "restore_share": restore_s / busy,
         "requests": len(ttft),
         "restored_tokens": restored,

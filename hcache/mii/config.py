@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..layer_prefetch import DEFAULT_READERS
+from ..storage.host_tier import DEFAULT_READERS
 from ..storage.store_config import StoreConfig
 
 

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..transfer.host_pool import HostPool, Slot
-from .chunk import ChunkImage, ChunkInvalid, ChunkLayout
+from .chunk import Chunk, ChunkImage, ChunkInvalid, ChunkLayout
 from .chunk_store import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -86,24 +86,29 @@ class HostTier:
             self.misses += 1
             first = self._loading.get(key)
             if first is None:
-                first = self._loading[key] = self._submit(self._load, key)
-                return first
-        return self._submit(self._share, key, first)
+                first = self._loading[key] = Future()  # registered before it runs: a second fetch waits on it
+                return self._run(first, self._load, key)
+        return self._run(Future(), self._share, key, first)
 
     def release(self, image: ChunkImage) -> None:
         with self._cond:
             self._drop_ref(image)
             self._cond.notify_all()
 
-    def _submit(self, fn, *args) -> Future:
+    def _run(self, future: Future, fn, *args) -> Future:
+        """Resolve ``future`` with ``fn(*args)`` on a reader thread (inline without readers)."""
+
+        def task() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
         if self._readers is not None:
-            return self._readers.submit(fn, *args)
-        done: Future = Future()
-        try:
-            done.set_result(fn(*args))
-        except BaseException as exc:
-            done.set_exception(exc)
-        return done
+            self._readers.submit(task)
+        else:
+            task()
+        return future
 
     def _load(self, key: str) -> ChunkImage | None:
         taken: list[Slot] = []
@@ -188,6 +193,17 @@ class HostTier:
                 return
             self._writebacks += 1
         self._writers.submit(self._write_back, image)
+
+    def put(self, chunk: Chunk) -> bool:
+        """Save a chunk given as tensors (tools, benchmarks), as the saver would; False if the pool has no room."""
+        specs = [(layer, fmt, tuple(t.shape[1:]), t.dtype) for (layer, fmt), t in chunk.tensors.items()]
+        image = self.create(ChunkLayout.plan(specs, chunk.fingerprint), chunk.fingerprint)
+        if image is None:
+            return False
+        for name, t in chunk.tensors.items():
+            image.tensor(*name).copy_(t)
+        self.publish(image, chunk.key, chunk.tokens)
+        return True
 
     def _write_back(self, image: ChunkImage) -> None:
         try:
