@@ -29,3 +29,13 @@ def test_bench_mii_compares_methods_through_mii(tmp_path):
     assert all(m["tokens_match"] and m["ttft_s_median"] > 0 for m in methods.values())
     assert methods["recompute"]["restored_tokens"] == 0
     assert methods["kv"]["restored_tokens"] == methods["h"]["restored_tokens"] == 192
+
+
+def test_bench_transfer_reports_the_data_path_against_a_copy(tmp_path):
+    out = tmp_path / "transfer.json"
+    args = ["bench", "transfer", "--shape", "llama", "--layers", "2", "--history", "256", "--repeats", "1", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    for name in ("kv_restore_vs_copy", "saver_ingest_vs_copy", "h_vs_kv", "h_vs_recompute", "h_vs_bound", "copy_gb_s"):
+        assert result[name] > 0, name
+    assert set(result["restore_s"]) == {"KV", "H", "RE"} and result["history"] == 256 and result["layers"] == 2

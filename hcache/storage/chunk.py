@@ -131,12 +131,13 @@ class ChunkImage:
         e = self.layout.entries[(layer, fmt)]
         return self.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
-    def seal(self, key: str, tokens: list[int]) -> None:
-        """Name the chunk and write its header (checksums of the rows as they are now): its image is then a
-        complete file."""
-        self.key, self.tokens = key, list(tokens)
+    def seal(self, key: str | None = None, tokens: list[int] | None = None) -> None:
+        """Write the header (checksums of the rows as they are now), naming the chunk first if ``key`` is
+        given: its image is then a complete file."""
+        if key is not None:
+            self.key, self.tokens = key, list(tokens)
         sums = {_name(*k): _checksum(_name(*k), self._bytes(e)) for k, e in self.layout.entries.items()}
-        header = _header(self.layout.entries, self.layout.data_start, key, self.tokens, self.fingerprint, sums)
+        header = _header(self.layout.entries, self.layout.data_start, self.key, self.tokens, self.fingerprint, sums)
         room = self.layout.data_start - 8
         if len(header) > room:
             raise ValueError(f"chunk header of {len(header)} bytes exceeds its {room} reserved")

@@ -172,10 +172,11 @@ class HostTier:
         self._free_unpublished([image.slot])
 
     def publish(self, image: ChunkImage, key: str, tokens: list[int]) -> None:
-        """Seal a complete chunk and make it restorable now; write it back to disk in the background. The
-        caller's reference passes to the write-back. A chunk already stored with every tensor this one has
-        is kept, and this one given back; one stored with fewer (saved by another plan) is replaced."""
-        image.seal(key, tokens)
+        """Name a complete chunk and make it restorable now; write it back to disk in the background. The
+        caller's reference passes to the write-back, which writes its header. A chunk already stored with
+        every tensor this one has is kept, and this one given back; one stored with fewer (saved by another
+        plan) is replaced."""
+        image.key, image.tokens = key, list(tokens)
         with self._cond:
             held = self._index.get(key)
             if held is not None and held.names >= image.names:
@@ -207,6 +208,7 @@ class HostTier:
 
     def _write_back(self, image: ChunkImage) -> None:
         try:
+            image.seal()  # checksums here, off the saver's path: the rows no longer change
             self.disk.put(image.key, self.pool.buffer(image.slot), image.nbytes)
         except Exception as exc:  # ENOSPC, EIO, a full quota: the chunk stays in memory, serving goes on
             with self._cond:
