@@ -23,7 +23,7 @@ from .layer_prefetch import DEFAULT_READERS
 from .model_loader import DEFAULT_MODEL, LoadedModel, load_model
 from .plan import RestorePlan
 from .profile import Profile
-from .serving_engine import ServingEngine
+from .serving_engine import RestoreStep, ServingEngine
 from .storage.store_config import StoreConfig
 from .tensor_parallel import SINGLE, TPGroup, shard_model
 
@@ -33,12 +33,13 @@ class RequestResult:
     output_ids: list[int]
     prompt_tokens: int
     restored_tokens: int
-    plan: str
+    plan: str  # the plan its restores followed ("" if nothing was looked up)
     ttft_s: float
     bytes_read: int
     fallback: str | None  # why stored state was used only in part, if it was
     restore_s: float = 0.0  # time in the restore (lookup, reads, rebuild), part of ttft_s
     tbt_s: list[float] = field(default_factory=list)  # time between consecutive output tokens
+    restores: list[RestoreStep] = field(default_factory=list)  # each put's restore: plan and tokens
 
 
 class HCacheRuntime:
@@ -141,7 +142,9 @@ class HCacheRuntime:
             for uid in uids:
                 self.serving.flush(uid)
         return [
-            RequestResult(out, len(prompt), r.restored_tokens, r.plan, ttft, r.bytes_read, r.fallback, r.restore_s, gaps)
+            RequestResult(
+                out, len(prompt), r.restored_tokens, r.plan, ttft, r.bytes_read, r.fallback, r.restore_s, gaps, r.restores
+            )
             for out, prompt, r, gaps in zip(outputs, prompts, records, tbt)
         ]
 

@@ -6,6 +6,14 @@ MII's batching loop calls ``put``/``query``/``flush``/``free_blocks`` as it woul
 stored prefix of a sequence's new tokens is restored by the plan (§5 of the paper: a restore phase before
 prefill), and only the rest goes through the forward, where every layer's state is captured for the saver.
 A long prompt that Dynamic SplitFuse splits over several puts is restored in steps, one per put.
+
+The auto plan is chosen once per sequence, at its first restore, for the restored history: the stored
+prefix of what has arrived, found by key lookups. When a prompt arrives in pieces and every full chunk that
+has arrived is stored, the stored run may go on past them; if the prompt's length was announced (MII asks
+``query`` for the whole prompt's capacity before its first put), the plan is chosen as if the run went on to
+the prompt's last full chunk, which is exact for a returning conversation whose new turn is under a chunk,
+and otherwise overestimates by its new tokens. Every later piece restores by that plan, so a prompt restores
+by the same plan in pieces as in one put.
 """
 from __future__ import annotations
 
@@ -37,6 +45,14 @@ AUTO = "auto"
 
 
 @dataclass
+class RestoreStep:
+    """One put's restore: the plan it followed and how many tokens it restored."""
+
+    plan: str
+    tokens: int
+
+
+@dataclass
 class SequenceRecord:
     """What one sequence cost, summed over its puts: tokens restored from the store and run through the forward."""
 
@@ -44,15 +60,17 @@ class SequenceRecord:
     computed_tokens: int = 0
     bytes_read: int = 0
     restore_s: float = 0.0
-    plan: str = ""  # the plan of its last restore
+    plan: str = ""  # the plan its restores follow; "" until one is tried
     fallback: str | None = None  # why stored state was used only in part, if it was
+    restores: list[RestoreStep] = field(default_factory=list)  # one per put that restored tokens
 
 
 @dataclass
 class _Sequence:
-    plan: RestorePlan | None  # None: the profile's plan for each restore's length
+    plan: RestorePlan | None  # None: auto, until the first restore chooses it
     restore: bool
     chain: KeyChain  # at the tokens the engine holds
+    prompt_tokens: int = 0  # the prompt's length if announced before the first put (see the module doc)
     failed: bool = False  # a put raised part-way: the engine, the chain and the saver may disagree
     record: SequenceRecord = field(default_factory=SequenceRecord)
 
@@ -139,6 +157,7 @@ class ServingEngine:
             if any(self.save_formats):
                 self._capture = _SaveCapture(self.saver, self.save_formats)
         self._seqs: dict[int, _Sequence] = {}
+        self._announced: dict[int, int] = {}  # uid -> tokens queried before its first put
 
     # ---- plans ----------------------------------------------------------------------------------------
     def _load_profile(self, profile: str | Path | Profile | None, plan: object, model_name: str) -> Profile | None:
@@ -191,7 +210,9 @@ class ServingEngine:
             raise InvalidRequestError(f"sequence {uid} is already open; flush it first")
         root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
         resolved = self.plan if plan is None else self.resolve_plan(plan)
-        self._seqs[uid] = _Sequence(resolved, restore and self.store is not None, KeyChain(root))
+        self._seqs[uid] = _Sequence(
+            resolved, restore and self.store is not None, KeyChain(root), self._announced.pop(uid, 0)
+        )
         if self._capture is not None:
             self.saver.open(uid, root)
 
@@ -247,8 +268,12 @@ class ServingEngine:
         if not keys:
             return 0
         start = time.perf_counter()
-        # Only the auto plan depends on how much is stored; a fixed plan spares the lookups.
-        plan = seq.plan if seq.plan is not None else self.plan_for(None, self._stored_prefix(keys))
+        if seq.plan is None:  # auto, at the first restore (a fixed plan spares the lookups)
+            history = self._history(uid, seq, keys)
+            if not history:
+                return 0
+            seq.plan = self.plan_for(None, history)
+        plan = seq.plan
         outcome = restore_prefix(
             self.engine, self.store, uid, aligned, keys, self.fingerprint, plan, self.reader_pool, self.tp,
             held=len(held), limit=len(aligned) - 1,
@@ -260,6 +285,7 @@ class ServingEngine:
         record.plan = str(plan)
         record.fallback = outcome.fallback or record.fallback
         if outcome.tokens:
+            record.restores.append(RestoreStep(record.plan, outcome.tokens))
             seq.chain.extend(tokens[: outcome.tokens])
             if self._capture is not None:  # saving resumes after the restored tokens, in a stored chunk
                 first_chunk = (self.engine.seen_tokens(uid) - len(seq.chain.tail)) // CHUNK_TOKENS
@@ -267,14 +293,24 @@ class ServingEngine:
                 self.saver.skip(uid, seq.chain.tail)
         return outcome.tokens
 
-    def _stored_prefix(self, keys: list[str]) -> int:
-        """Tokens covered by the leading chunks present in the store: the history a plan is chosen for."""
+    def _history(self, uid: int, seq: _Sequence, keys: list[str]) -> int:
+        """The restored history the auto plan is chosen for (the module doc gives the rule): the tokens
+        covered by the leading chunks of ``keys`` present in the store, or, when all are and the prompt's
+        announced length goes further, up to that prompt's last full chunk."""
         n = 0
         while n < len(keys) and self.store.contains(keys[n]):
             n += 1
-        return self.tp.min(n) * CHUNK_TOKENS  # every rank must pick the same plan
+        n = self.tp.min(n)  # every rank must pick the same plan
+        if n < len(keys):
+            return n * CHUNK_TOKENS
+        first = self.engine.seen_tokens(uid) // CHUNK_TOKENS  # the chunk ``keys`` start at
+        return max(n, seq.prompt_tokens // CHUNK_TOKENS - first) * CHUNK_TOKENS
 
     def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]:
+        """FastGen's capacity query. Asked of a sequence not yet put, it also announces the prompt's length,
+        which the auto plan uses when the prompt then arrives in pieces."""
+        if uid not in self._seqs:
+            self._announced[uid] = max(self._announced.get(uid, 0), max_request_tokens)
         return self.engine.query(uid, max_request_tokens, max_request_blocks)
 
     @property
@@ -292,6 +328,7 @@ class ServingEngine:
         """Finish a sequence: wait until its full chunks are stored (so a returning conversation finds them),
         then free its KV blocks."""
         seq = self._seqs.pop(uid, None)
+        self._announced.pop(uid, None)
         if self.saver is not None:
             self.saver.close(uid)
         self.engine.flush(uid)
