@@ -45,7 +45,8 @@ class RequestResult:
 class HCacheRuntime:
     """Serve prompts on the reference engine with hcache's restore and save: a greedy decode loop over a
     :class:`~hcache.serving_engine.ServingEngine`, which documents ``plan``, ``save``, ``profile``,
-    ``readers`` and ``store``. ``store_dir``: one directory or a list (one per SSD). Saving runs in
+    ``readers`` and ``store``. ``measure_profile=False``: with ``plan="auto"`` and no profile for this
+    machine, serve the default plan instead of measuring a short profile on first use. ``store_dir``: one directory or a list (one per SSD). Saving runs in
     background threads; :meth:`close` (or leaving a ``with`` block) drains them.
 
     ``tensor_parallel``: this process's rank of a tensor-parallel group; the model is sharded in place for
@@ -66,6 +67,7 @@ class HCacheRuntime:
         profile: str | Path | Profile | None = None,
         readers: int = DEFAULT_READERS,
         tensor_parallel: TPGroup = SINGLE,
+        measure_profile: bool = True,
     ):
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
         fingerprint = model_fingerprint(self.loaded.model, self.loaded.spec)  # of the whole model, on every rank
@@ -83,6 +85,7 @@ class HCacheRuntime:
             profile=profile,
             readers=readers,
             tp=tensor_parallel,
+            measure=(lambda: self.loaded) if measure_profile else None,
         )
         s = self.serving  # fixed for its life (only its reader pool goes, at close: a property below)
         self.fingerprint, self.profile, self.plan, self.save_formats = s.fingerprint, s.profile, s.plan, s.save_formats

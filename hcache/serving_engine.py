@@ -30,7 +30,9 @@ from .engine.interface import Engine
 from .errors import InvalidRequestError, StorageError
 from .layer_prefetch import DEFAULT_READERS, ReaderPool
 from .plan import Method, RestorePlan, default_plan
-from .profile import Profile, default_profile_path
+from .auto_profile import auto_profile
+from .model_loader import LoadedModel
+from .profile import Profile, profile_command
 from .ragged import Segment
 from .restore import restore_prefix
 from .storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
@@ -101,10 +103,11 @@ class ServingEngine:
 
     ``store_dir``: one directory or a list (one per SSD); ``None`` serves without a store (nothing is
     restored or saved: the recompute baseline). ``plan``: ``None`` for the default, ``"auto"`` for the
-    profile's bubble-free plan at each restore's length, a method name, or counts such as ``"2RE+20H+8KV"``.
-    The default is ``"auto"`` when a ``profile`` is given (a :class:`Profile` or a path; ``plan="auto"``
-    alone looks for this machine's profile under ``profiles/``), otherwise H for MHA models and KV where KV
-    is no larger. ``save``: ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of
+    profile's bubble-free plan for each sequence's restored history, a method name, or counts such as
+    ``"2RE+20H+8KV"``. The default is ``"auto"`` when a ``profile`` is given (a :class:`Profile` or a path,
+    refused if measured for another model or machine), otherwise H for MHA models and KV where KV is no
+    larger. ``plan="auto"`` alone uses this machine's profile (:mod:`hcache.auto_profile`): found in the
+    cache, else measured on first use from the model ``measure`` returns, else the default plan. ``save``: ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of
     every plan it picks over the context range), ``"all"`` hidden states and KV for every layer, ``"none"``
     nothing. ``readers``: threads that read stored layers ahead of the restore's compute (0: inline).
     ``request_log``: a file that gets one JSON line per finished sequence (from rank 0). ``config``: the engine config MII
@@ -131,6 +134,7 @@ class ServingEngine:
         request_log: str | Path | None = None,
         config: object = None,
         tp: TPGroup = SINGLE,
+        measure: Callable[[], LoadedModel] | None = None,
     ):
         if save not in SAVE_POLICIES:
             raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
@@ -139,8 +143,8 @@ class ServingEngine:
         self.engine, self.spec, self.tp = engine, engine.spec, tp
         self.fingerprint = tp.fingerprint(fingerprint)
         self._config = config  # the name MII reads
-        self.profile = self._load_profile(profile, plan, model_name)
-        self.plan = self.resolve_plan(plan)
+        self.profile = self._load_profile(profile, plan, model_name, measure)
+        self.plan = self.resolve_plan(None if self.profile is None and is_auto(plan) else plan)
         self.namespace = namespace
         self.request_log = Path(request_log) if request_log is not None else None
         self.store = self.saver = self.reader_pool = self._capture = None
@@ -160,19 +164,23 @@ class ServingEngine:
         self._announced: dict[int, int] = {}  # uid -> tokens queried before its first put
 
     # ---- plans ----------------------------------------------------------------------------------------
-    def _load_profile(self, profile: str | Path | Profile | None, plan: object, model_name: str) -> Profile | None:
+    def _load_profile(
+        self, profile: str | Path | Profile | None, plan: object, model_name: str, measure: Callable[[], LoadedModel] | None
+    ) -> Profile | None:
+        """The profile given (which must fit), or for ``plan="auto"`` alone this machine's, if there is one."""
+        command = profile_command(model_name, self.spec)
         if isinstance(profile, Profile):
-            profile.check(self.spec, self.tp.world_size)
+            profile.check(self.spec, self.tp.world_size, command)
             return profile
-        if profile is None and not (isinstance(plan, str) and plan.strip().lower() == AUTO):
-            return None
-        return Profile.load(profile or default_profile_path(self.spec, model_name), self.spec, self.tp.world_size)
+        if profile is None and is_auto(plan):
+            profile = auto_profile(self.spec, model_name, self.tp.world_size, measure)
+        return None if profile is None else Profile.load(profile, self.spec, self.tp.world_size, command)
 
     def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
         """A fixed plan, or None for the profile's plan per history length."""
         if plan is None:
             return None if self.profile is not None else default_plan(self.spec)
-        if isinstance(plan, str) and plan.strip().lower() == AUTO:
+        if is_auto(plan):
             if self.profile is None:
                 raise InvalidRequestError("plan 'auto' needs a profile: pass profile=... or run `hcache profile`")
             return None
@@ -349,6 +357,10 @@ class ServingEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def is_auto(plan: object) -> bool:
+    return isinstance(plan, str) and plan.strip().lower() == AUTO
 
 
 def _powers_of_two(start: int, stop: int) -> list[int]:
