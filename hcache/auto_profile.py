@@ -28,15 +28,15 @@ def auto_profile(
     """The path of a profile that fits ``spec`` here, or None after a warning (the caller serves the default
     plan). ``measure``, if given, returns the model to measure when none fits (loaded only then); profiles
     measured on first use are single-rank, so with tensor parallelism nothing is measured."""
+    command = profile_command(model_name, spec)
     skipped = []
     for path in (default_profile_path(model_name), default_profile_path(model_name, "profiles")):
         if path.is_file():
             try:
-                Profile.load(path, spec, tensor_parallel)
+                Profile.load(path, spec, tensor_parallel, command)
                 return path
             except ProfileMismatch as exc:
                 skipped.append(f"{path}: {exc}")
-    command = profile_command(model_name, spec)
     why = f"plan 'auto' found no profile of {model_name} for this machine"
     if skipped:
         why += f" (skipped {'; '.join(skipped)})"
