@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
+from .auto_profile import auto_profile
 from .engine.interface import Engine
 from .errors import InvalidRequestError, StorageError
 from .layer_prefetch import DEFAULT_READERS, ReaderPool
-from .plan import Method, RestorePlan, default_plan
-from .auto_profile import auto_profile
 from .model_loader import LoadedModel
+from .plan import Method, RestorePlan, default_plan
 from .profile import Profile, profile_command
 from .ragged import Segment
 from .restore import restore_prefix
@@ -107,9 +107,9 @@ class ServingEngine:
     ``"2RE+20H+8KV"``. The default is ``"auto"`` when a ``profile`` is given (a :class:`Profile` or a path,
     refused if measured for another model or machine), otherwise H for MHA models and KV where KV is no
     larger. ``plan="auto"`` alone uses this machine's profile (:mod:`hcache.auto_profile`): found in the
-    cache, else measured on first use from the model ``measure`` returns, else the default plan. ``save``: ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of
-    every plan it picks over the context range), ``"all"`` hidden states and KV for every layer, ``"none"``
-    nothing. ``readers``: threads that read stored layers ahead of the restore's compute (0: inline).
+    cache, else measured on first use from the model ``measure`` returns, else the default plan. ``save``:
+    ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of every plan it picks over
+    the context range), ``"all"`` hidden states and KV for every layer, ``"none"`` nothing. ``readers``: threads that read stored layers ahead of the restore's compute (0: inline).
     ``request_log``: a file that gets one JSON line per finished sequence (from rank 0). ``config``: the engine config MII
     schedules by (it reads ``_config.state_manager``).
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend import build_engine, check_mii_version, installed, resolve_profile, server_processes_launched_by_hcache, stop
+from .backend import (
+    build_engine,
+    check_mii_version,
+    installed,
+    resolve_profile,
+    server_processes_launched_by_hcache,
+    stop,
+)
 from .config import HCacheConfig
 
 __all__ = ["HCacheConfig", "build_engine", "pipeline", "serve"]
