@@ -30,10 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--device", default=None, help="cuda when a GPU is present, else cpu")
     profile.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: float16 on a GPU)")
     profile.add_argument("--tokens", default=None, help="history lengths to measure, e.g. 256,1024,4096 (default: up to 16K)")
+    profile.add_argument("--short", action="store_true", help="measure 256, 1K and 4K tokens only, as on first use of plan auto")
     profile.add_argument("--repeats", type=int, default=3, help="timed runs per cost; the median is kept")
     profile.add_argument("--readers", type=int, default=DEFAULT_READERS, help="reader threads, as in the runtime")
     profile.add_argument("--store-dir", action="append", default=None, help="measure I/O on this store directory (repeat for each SSD; default: the temp dir)")
-    profile.add_argument("--out", default=None, help="output path (default: profiles/<machine>-<model>.json)")
+    profile.add_argument("--out", default=None, help="output path (default: $HCACHE_HOME/profiles/<machine>-<model>.json, where plan auto looks)")
     bench.add_parsers(sub)
     serve_command.add_parser(sub)
 
@@ -72,9 +73,11 @@ def _profile(args: argparse.Namespace, command: str) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(args.model, dtype=model_dtype(args.dtype, device), device=device)
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else default_tokens(loaded.spec.max_positions)
+    if args.tokens and args.short:
+        raise ValueError("--tokens and --short both choose the history lengths: give one")
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else default_tokens(loaded.spec.max_positions, args.short)
     profile = measure_profile(loaded, tokens, args.repeats, args.readers, args.store_dir)
-    out = args.out or default_profile_path(loaded.spec, loaded.name)
+    out = args.out or default_profile_path(loaded.name)
     profile.command = command
     profile.save(out)
     print(f"wrote {out}")

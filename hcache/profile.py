@@ -6,12 +6,15 @@ history length. Costs are measured on a grid of history lengths and interpolated
 quadratic attention term of ``C_token`` closely enough on a dense grid.
 
 A profile is only valid for the model shape and machine it was measured on, by the same measuring
-procedure; :meth:`Profile.check` refuses anything else with a message that says what differs.
+procedure; :meth:`Profile.check` refuses anything else with a message that says what differs and the command
+that measures a fitting one. ``hcache profile`` saves to a per-machine cache under ``HCACHE_HOME``, where
+``plan="auto"`` looks first (:mod:`hcache.auto_profile`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import numpy as np
 
 from .errors import HCacheError
 from .machine import machine_facts, machine_name
+from .model_loader import cache_home
 from .model_spec import ModelSpec
 from .plan import Method, RestorePlan
 from .scheduler import LayerCosts, partition
@@ -38,9 +42,15 @@ def model_shape_key(spec: ModelSpec) -> str:
     return hashlib.blake2b(spec.to_json().encode(), digest_size=8).hexdigest()
 
 
-def default_profile_path(spec: ModelSpec, model_name: str, root: str | Path = "profiles") -> Path:
+def default_profile_path(model_name: str, root: str | Path | None = None) -> Path:
+    """``<root>/<machine>-<model>.json``; by default in the per-machine cache, ``$HCACHE_HOME/profiles``."""
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(model_name).name).lower()
-    return Path(root) / f"{machine_name()}-{safe}.json"
+    return Path(root if root is not None else cache_home() / "profiles") / f"{machine_name()}-{safe}.json"
+
+
+def profile_command(model_name: str, spec: ModelSpec) -> str:
+    """The command that measures a profile of this model here, into the cache ``plan="auto"`` reads."""
+    return f"hcache profile --model {model_name} --dtype {spec.dtype}"
 
 
 @dataclass
@@ -77,37 +87,43 @@ class Profile:
         plan = self.plan(spec, history)
         return self.costs(history).plan_time(*(plan.count(m) for m in Method))
 
-    def check(self, spec: ModelSpec, tensor_parallel: int = 1) -> None:
+    def check(self, spec: ModelSpec, tensor_parallel: int = 1, command: str = "hcache profile --model ...") -> None:
         """Raise :class:`ProfileMismatch` unless this profile fits ``spec`` (with TP, a rank's shard) on this
-        machine at this TP degree."""
+        machine at this TP degree; the message names ``command`` as the way to a fitting one."""
         if self.tensor_parallel != tensor_parallel:
             raise ProfileMismatch(
                 f"profile was measured with tensor parallelism {self.tensor_parallel}, not {tensor_parallel}; "
-                f"run `hcache profile` for this degree"
+                f"run `{command}` for this degree"
             )
         if self.version != PROFILE_VERSION:
             raise ProfileMismatch(
                 f"profile is stale: measured by procedure v{self.version}, this hcache uses v{PROFILE_VERSION}; "
-                f"run `hcache profile` again"
+                f"run `{command}` again"
             )
         if self.model_shape != model_shape_key(spec):
             raise ProfileMismatch(
                 f"profile was measured for {_shape(self.model)}, not for this model ({_shape(spec.describe())}); "
-                f"run `hcache profile --model ...` for it"
+                f"run `{command}` for it"
             )
         here = machine_name()
         if self.machine_name != here:
             raise ProfileMismatch(
                 f"profile was measured on {self.machine_name!r}, this machine is {here!r}; "
-                f"run `hcache profile` here"
+                f"run `{command}` here"
             )
 
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        """Atomically: a server starting meanwhile reads the old file or the new one, never half of one."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | Path, spec: ModelSpec | None = None, tensor_parallel: int = 1) -> "Profile":
+    def load(
+        cls, path: str | Path, spec: ModelSpec | None = None, tensor_parallel: int = 1, command: str = "hcache profile --model ..."
+    ) -> "Profile":
         try:
             data = json.loads(Path(path).read_text())
             profile = cls(**data)
@@ -115,11 +131,11 @@ class Profile:
             if set(profile.seconds) != expected or any(len(v) != len(profile.tokens) for v in profile.seconds.values()):
                 raise ValueError(f"expected costs {sorted(expected)} at each of {len(profile.tokens)} lengths")
         except FileNotFoundError:
-            raise ProfileMismatch(f"no profile at {path}; run `hcache profile` to measure one") from None
+            raise ProfileMismatch(f"no profile at {path}; run `{command}` to measure one") from None
         except (OSError, ValueError, TypeError) as exc:
             raise ProfileMismatch(f"{path} is not a valid hcache profile: {exc}") from exc
         if spec is not None:
-            profile.check(spec, tensor_parallel)
+            profile.check(spec, tensor_parallel, command)
         return profile
 
     @classmethod

@@ -38,11 +38,15 @@ from .transfer.copier import Copier
 from .transfer.host_pool import PAGE, HostPool
 
 DEFAULT_TOKENS = (256, 1024, 4096, 16384)
+SHORT_TOKENS = DEFAULT_TOKENS[:3]  # the profile measured on first use: a minute, not several, on a CPU
 _IO_LAYERS = 4  # layers per chunk file in the I/O measurement: reads of several layers overlap, as in a restore
 _FINGERPRINT = "hcache-profile"
 
 
-def default_tokens(max_positions: int) -> list[int]:
+def default_tokens(max_positions: int, short: bool = False) -> list[int]:
+    """The full grid runs to the context limit; the short one stops at 4K (longer histories extrapolate)."""
+    if short:
+        return sorted({min(t, max_positions) for t in SHORT_TOKENS})
     lengths = [t for t in DEFAULT_TOKENS if t <= max_positions]
     return lengths if lengths and lengths[-1] == max_positions else [*lengths, max_positions]
 

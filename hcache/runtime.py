@@ -22,7 +22,7 @@ from .fingerprint import model_fingerprint
 from .model_loader import DEFAULT_MODEL, LoadedModel, load_model
 from .plan import RestorePlan
 from .profile import Profile
-from .serving_engine import ServingEngine
+from .serving_engine import RestoreStep, ServingEngine
 from .storage.host_tier import DEFAULT_READERS
 from .storage.store_config import StoreConfig
 from .tensor_parallel import SINGLE, TPGroup, shard_model
@@ -33,18 +33,20 @@ class RequestResult:
     output_ids: list[int]
     prompt_tokens: int
     restored_tokens: int
-    plan: str
+    plan: str  # the plan its restores followed ("" if nothing was looked up)
     ttft_s: float
     bytes_read: int
     fallback: str | None  # why stored state was used only in part, if it was
     restore_s: float = 0.0  # time in the restore (lookup, reads, rebuild), part of ttft_s
     tbt_s: list[float] = field(default_factory=list)  # time between consecutive output tokens
+    restores: list[RestoreStep] = field(default_factory=list)  # each put's restore: plan and tokens
 
 
 class HCacheRuntime:
     """Serve prompts on the reference engine with hcache's restore and save: a greedy decode loop over a
     :class:`~hcache.serving_engine.ServingEngine`, which documents ``plan``, ``save``, ``profile``,
-    ``readers`` and ``store``. ``store_dir``: one directory or a list (one per SSD). Saving runs in
+    ``readers`` and ``store``. ``measure_profile=False``: with ``plan="auto"`` and no profile for this
+    machine, serve the default plan instead of measuring a short profile on first use. ``store_dir``: one directory or a list (one per SSD). Saving runs in
     background threads; :meth:`close` (or leaving a ``with`` block) drains them.
 
     ``tensor_parallel``: this process's rank of a tensor-parallel group; the model is sharded in place for
@@ -65,6 +67,7 @@ class HCacheRuntime:
         profile: str | Path | Profile | None = None,
         readers: int = DEFAULT_READERS,
         tensor_parallel: TPGroup = SINGLE,
+        measure_profile: bool = True,
     ):
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
         fingerprint = model_fingerprint(self.loaded.model, self.loaded.spec)  # of the whole model, on every rank
@@ -82,6 +85,7 @@ class HCacheRuntime:
             profile=profile,
             readers=readers,
             tp=tensor_parallel,
+            measure=(lambda: self.loaded) if measure_profile else None,
         )
         s = self.serving  # fixed for its life
         self.fingerprint, self.profile, self.plan, self.save_formats = s.fingerprint, s.profile, s.plan, s.save_formats
@@ -137,7 +141,9 @@ class HCacheRuntime:
             for uid in uids:
                 self.serving.flush(uid)
         return [
-            RequestResult(out, len(prompt), r.restored_tokens, r.plan, ttft, r.bytes_read, r.fallback, r.restore_s, gaps)
+            RequestResult(
+                out, len(prompt), r.restored_tokens, r.plan, ttft, r.bytes_read, r.fallback, r.restore_s, gaps, r.restores
+            )
             for out, prompt, r, gaps in zip(outputs, prompts, records, tbt)
         ]
 

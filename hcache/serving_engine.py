@@ -6,6 +6,14 @@ MII's batching loop calls ``put``/``query``/``flush``/``free_blocks`` as it woul
 stored prefix of a sequence's new tokens is restored by the plan (§5 of the paper: a restore phase before
 prefill), and only the rest goes through the forward, where every layer's state is captured for the saver.
 A long prompt that Dynamic SplitFuse splits over several puts is restored in steps, one per put.
+
+The auto plan is chosen once per sequence, at its first restore, for the restored history: the stored
+prefix of what has arrived, found by key lookups. When a prompt arrives in pieces and every full chunk that
+has arrived is stored, the stored run may go on past them; if the prompt's length was announced (MII asks
+``query`` for the whole prompt's capacity before its first put), the plan is chosen as if the run went on to
+the prompt's last full chunk, which is exact for a returning conversation whose new turn is under a chunk,
+and otherwise overestimates by its new tokens. Every later piece restores by that plan, so a prompt restores
+by the same plan in pieces as in one put.
 """
 from __future__ import annotations
 
@@ -18,10 +26,12 @@ from pathlib import Path
 
 import torch
 
+from .auto_profile import auto_profile
 from .engine.interface import Engine
 from .errors import InvalidRequestError
+from .model_loader import LoadedModel
 from .plan import Method, RestorePlan, default_plan
-from .profile import Profile, default_profile_path
+from .profile import Profile, profile_command
 from .ragged import Segment
 from .restore import restore_prefix, row_shapes
 from .storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
@@ -38,6 +48,14 @@ AUTO = "auto"
 
 
 @dataclass
+class RestoreStep:
+    """One put's restore: the plan it followed and how many tokens it restored."""
+
+    plan: str
+    tokens: int
+
+
+@dataclass
 class SequenceRecord:
     """What one sequence cost, summed over its puts: tokens restored from the store and run through the forward."""
 
@@ -45,15 +63,17 @@ class SequenceRecord:
     computed_tokens: int = 0
     bytes_read: int = 0
     restore_s: float = 0.0
-    plan: str = ""  # the plan of its last restore
+    plan: str = ""  # the plan its restores follow; "" until one is tried
     fallback: str | None = None  # why stored state was used only in part, if it was
+    restores: list[RestoreStep] = field(default_factory=list)  # one per put that restored tokens
 
 
 @dataclass
 class _Sequence:
-    plan: RestorePlan | None  # None: the profile's plan for each restore's length
+    plan: RestorePlan | None  # None: auto, until the first restore chooses it
     restore: bool
     chain: KeyChain  # over the tokens the engine holds, and those of a put in progress; the saver reads it
+    prompt_tokens: int = 0  # the prompt's length if announced before the first put (see the module doc)
     failed: bool = False  # a put raised part-way: the engine, the chain and the saver may disagree
     record: SequenceRecord = field(default_factory=SequenceRecord)
 
@@ -84,14 +104,16 @@ class ServingEngine:
 
     ``store_dir``: one directory or a list (one per SSD); ``None`` serves without a store (nothing is
     restored or saved: the recompute baseline). ``plan``: ``None`` for the default, ``"auto"`` for the
-    profile's bubble-free plan at each restore's length, a method name, or counts such as ``"2RE+20H+8KV"``.
-    The default is ``"auto"`` when a ``profile`` is given (a :class:`Profile` or a path; ``plan="auto"``
-    alone looks for this machine's profile under ``profiles/``), otherwise H for MHA models and KV where KV
-    is no larger. ``save``: ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of
-    every plan it picks over the context range), ``"all"`` hidden states and KV for every layer, ``"none"``
-    nothing. ``readers``: threads that load stored chunks from disk into the host pool while the RE layers compute (0: inline).
-    ``request_log``: a file that gets one JSON line per finished sequence (from rank 0). ``config``: the engine config MII
-    schedules by (it reads ``_config.state_manager``).
+    profile's bubble-free plan for each sequence's restored history, a method name, or counts such as
+    ``"2RE+20H+8KV"``. The default is ``"auto"`` when a ``profile`` is given (a :class:`Profile` or a path,
+    refused if measured for another model or machine), otherwise H for MHA models and KV where KV is no
+    larger. ``plan="auto"`` alone uses this machine's profile (:mod:`hcache.auto_profile`): found in the
+    cache, else measured on first use from the model ``measure`` returns, else the default plan. ``save``:
+    ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of every plan it picks over
+    the context range), ``"all"`` hidden states and KV for every layer, ``"none"`` nothing. ``readers``:
+    threads that load stored chunks from disk into the host pool while the RE layers compute (0: inline).
+    ``request_log``: a file that gets one JSON line per finished sequence (from rank 0). ``config``: the
+    engine config MII schedules by (it reads ``_config.state_manager``).
 
     With tensor parallelism, every rank of ``tp`` runs one of these over its shard of the engine, with the
     whole model's ``fingerprint``, and makes the same calls at once: the forward and restore are collective.
@@ -114,6 +136,7 @@ class ServingEngine:
         request_log: str | Path | None = None,
         config: object = None,
         tp: TPGroup = SINGLE,
+        measure: Callable[[], LoadedModel] | None = None,
     ):
         if save not in SAVE_POLICIES:
             raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
@@ -122,8 +145,8 @@ class ServingEngine:
         self.engine, self.spec, self.tp = engine, engine.spec, tp
         self.fingerprint = tp.fingerprint(fingerprint)
         self._config = config  # the name MII reads
-        self.profile = self._load_profile(profile, plan, model_name)
-        self.plan = self.resolve_plan(plan)
+        self.profile = self._load_profile(profile, plan, model_name, measure)
+        self.plan = self.resolve_plan(None if self.profile is None and is_auto(plan) else plan)
         self.namespace = namespace
         self.request_log = Path(request_log) if request_log is not None else None
         self.store = self.saver = self._capture = None
@@ -141,21 +164,26 @@ class ServingEngine:
             if any(self.save_formats):
                 self._capture = _SaveCapture(self.saver, self.save_formats)
         self._seqs: dict[int, _Sequence] = {}
+        self._announced: dict[int, int] = {}  # uid -> tokens queried before its first put
 
     # ---- plans ----------------------------------------------------------------------------------------
-    def _load_profile(self, profile: str | Path | Profile | None, plan: object, model_name: str) -> Profile | None:
+    def _load_profile(
+        self, profile: str | Path | Profile | None, plan: object, model_name: str, measure: Callable[[], LoadedModel] | None
+    ) -> Profile | None:
+        """The profile given (which must fit), or for ``plan="auto"`` alone this machine's, if there is one."""
+        command = profile_command(model_name, self.spec)
         if isinstance(profile, Profile):
-            profile.check(self.spec, self.tp.world_size)
+            profile.check(self.spec, self.tp.world_size, command)
             return profile
-        if profile is None and not (isinstance(plan, str) and plan.strip().lower() == AUTO):
-            return None
-        return Profile.load(profile or default_profile_path(self.spec, model_name), self.spec, self.tp.world_size)
+        if profile is None and is_auto(plan):
+            profile = auto_profile(self.spec, model_name, self.tp.world_size, measure)
+        return None if profile is None else Profile.load(profile, self.spec, self.tp.world_size, command)
 
     def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
         """A fixed plan, or None for the profile's plan per history length."""
         if plan is None:
             return None if self.profile is not None else default_plan(self.spec)
-        if isinstance(plan, str) and plan.strip().lower() == AUTO:
+        if is_auto(plan):
             if self.profile is None:
                 raise InvalidRequestError("plan 'auto' needs a profile: pass profile=... or run `hcache profile`")
             return None
@@ -194,7 +222,7 @@ class ServingEngine:
         root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
         resolved = self.plan if plan is None else self.resolve_plan(plan)
         chain = KeyChain(root)
-        self._seqs[uid] = _Sequence(resolved, restore and self.store is not None, chain)
+        self._seqs[uid] = _Sequence(resolved, restore and self.store is not None, chain, self._announced.pop(uid, 0))
         if self._capture is not None:
             self.saver.open(uid, chain)
 
@@ -247,8 +275,12 @@ class ServingEngine:
         if not keys:
             return 0
         start = time.perf_counter()
-        # Only the auto plan depends on how much is stored; a fixed plan spares the lookups.
-        plan = seq.plan if seq.plan is not None else self.plan_for(None, self._stored_prefix(keys))
+        if seq.plan is None:  # auto, at the first restore (a fixed plan spares the lookups)
+            history = self._history(uid, seq, keys)
+            if not history:
+                return 0
+            seq.plan = self.plan_for(None, history)
+        plan = seq.plan
         outcome = restore_prefix(
             self.engine, self.store, uid, aligned, keys, self.fingerprint, plan, self.copier, self.tp,
             held=len(held), limit=len(aligned) - 1,
@@ -259,17 +291,29 @@ class ServingEngine:
         record.restore_s += time.perf_counter() - start
         record.plan = str(plan)
         record.fallback = outcome.fallback or record.fallback
+        if outcome.tokens:
+            record.restores.append(RestoreStep(record.plan, outcome.tokens))
         seq.chain.extend(tokens[: outcome.tokens])
         return outcome.tokens
 
-    def _stored_prefix(self, keys: list[str]) -> int:
-        """Tokens covered by the leading chunks present in the store: the history a plan is chosen for."""
+    def _history(self, uid: int, seq: _Sequence, keys: list[str]) -> int:
+        """The restored history the auto plan is chosen for (the module doc gives the rule): the tokens
+        covered by the leading chunks of ``keys`` present in the store, or, when all are and the prompt's
+        announced length goes further, up to that prompt's last full chunk."""
         n = 0
         while n < len(keys) and self.store.contains(keys[n]):
             n += 1
-        return self.tp.min(n) * CHUNK_TOKENS  # every rank must pick the same plan
+        n = self.tp.min(n)  # every rank must pick the same plan
+        if n < len(keys):
+            return n * CHUNK_TOKENS
+        first = self.engine.seen_tokens(uid) // CHUNK_TOKENS  # the chunk ``keys`` start at
+        return max(n, seq.prompt_tokens // CHUNK_TOKENS - first) * CHUNK_TOKENS
 
     def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]:
+        """FastGen's capacity query. Asked of a sequence not yet put, it also announces the prompt's length,
+        which the auto plan uses when the prompt then arrives in pieces."""
+        if uid not in self._seqs:
+            self._announced[uid] = max(self._announced.get(uid, 0), max_request_tokens)
         return self.engine.query(uid, max_request_tokens, max_request_blocks)
 
     @property
@@ -287,6 +331,7 @@ class ServingEngine:
         """Finish a sequence: wait until its full chunks are stored (so a returning conversation finds them),
         then free its KV blocks."""
         seq = self._seqs.pop(uid, None)
+        self._announced.pop(uid, None)
         if self.saver is not None:
             self.saver.close(uid)
         self.engine.flush(uid)
@@ -307,6 +352,10 @@ class ServingEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def is_auto(plan: object) -> bool:
+    return isinstance(plan, str) and plan.strip().lower() == AUTO
 
 
 def _powers_of_two(start: int, stop: int) -> list[int]:

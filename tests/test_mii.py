@@ -2,6 +2,7 @@
 REST gateway and its OpenAI-compatible server), with SmolLM2 on the reference engine. A returning
 conversation is restored instead of recomputed, and the replies equal those of MII with hcache off."""
 import json
+import logging
 import os
 import shutil
 import socket
@@ -11,14 +12,19 @@ import time
 import urllib.request
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 import hcache.mii
+from hcache.cli import main
 from hcache.errors import InvalidRequestError, UnsupportedModelError
 from hcache.mii.backend import openai_server
 from hcache.mii.config import HCacheConfig
 from hcache.model_loader import model_dir as resolve_model_dir
 from hcache.model_loader import random_model
+from hcache.model_spec import ModelSpec
+from hcache.plan import default_plan
+from hcache.profile import Profile, ProfileMismatch, default_profile_path
 
 NOTE = (
     "Paris is the capital and largest city of France, on the Seine. Berlin is the capital and largest city of "
@@ -154,22 +160,27 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
     _check_restored_and_identical(model_dir, replies, hcache_off, log)
 
 
+def _tiny_model(model_dir: str, path) -> str:
+    """A tiny random llama with SmolLM2's tokenizer, saved where MII can load it."""
+    random_model("llama", vocab_size=49152).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(model_dir, name), path)
+    return str(path)
+
+
 def test_tensor_parallel_pipeline_equals_one_rank(model_dir, tmp_path):
     """``mii.pipeline(tensor_parallel=2)`` with hcache, as two rank processes joined over gloo: replies equal
     those of one rank with hcache off, and later turns restore. (A random llama with SmolLM2's tokenizer:
     SmolLM2's 3 KV heads do not split in two.)"""
-    tiny = tmp_path / "model"
-    random_model("llama", vocab_size=49152).save_pretrained(tiny)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(model_dir, name), tiny)
-    reference = _pipeline_chat(str(tiny), {"enabled": False})
+    tiny = _tiny_model(model_dir, tmp_path / "model")
+    reference = _pipeline_chat(tiny, {"enabled": False})
 
     store, zmq_port = tmp_path / "store", str(_free_port())
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the hcache under test, installed or not
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="localhost", MASTER_PORT=str(_free_port()), PYTHONPATH=repo)
     ranks = [
         subprocess.Popen(
-            [sys.executable, "mii_tp_rank.py", str(tiny), str(store), str(tmp_path / f"rank{r}.json"), zmq_port],
+            [sys.executable, "mii_tp_rank.py", tiny, str(store), str(tmp_path / f"rank{r}.json"), zmq_port],
             cwd=os.path.dirname(__file__),
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
         )
@@ -182,7 +193,7 @@ def test_tensor_parallel_pipeline_equals_one_rank(model_dir, tmp_path):
             rank.kill()
     for r in range(2):
         replies = json.loads((tmp_path / f"rank{r}.json").read_text())
-        _check_restored_and_identical(str(tiny), replies, reference, store / "requests.jsonl")
+        _check_restored_and_identical(tiny, replies, reference, store / "requests.jsonl")
     assert sorted(p.name for p in store.iterdir()) == ["requests.jsonl", "tp2-rank0", "tp2-rank1"]
 
 
@@ -219,3 +230,61 @@ def test_bad_backend_options_are_refused():
         HCacheConfig(engine="vllm")
     with pytest.raises(ValueError, match="readers"):
         HCacheConfig(readers=-1)
+
+
+class _Started(Exception):
+    """Raised where ``hcache.mii.serve`` would start MII's processes."""
+
+
+def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, tmp_path, monkeypatch, caplog, capsys):
+    """The only cached profile was measured on another machine: ``mii.pipeline`` serves on the default plan, and
+    so would ``hcache serve``, each with one warning; given explicitly, the profile is refused by both with
+    the command that measures one here."""
+    tiny = _tiny_model(model_dir, tmp_path / "model")
+    monkeypatch.setenv("HCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("hcache.profile.machine_name", lambda: "cpu2-amd-epyc")
+    spec = ModelSpec.from_config(random_model("llama", vocab_size=49152).config, torch.float32)
+    seconds = {name: [0.001, 0.004] for name in ("c_token", "c_h", "c_kv", "io_h", "io_kv")}
+    foreign = Profile.new(tiny, spec, [64, 256], seconds, {})
+    foreign.machine_name = "cpu2-intel-xeon"
+    path = default_profile_path(tiny)
+    foreign.save(path)
+    command = f"hcache profile --model {tiny} --dtype float32"
+    caplog.set_level(logging.WARNING, logger="hcache")
+
+    def warned_once() -> None:
+        [warning] = [r for r in caplog.records if r.name.startswith("hcache")]
+        assert "measured on 'cpu2-intel-xeon'" in warning.message and command in warning.message
+        caplog.clear()
+
+    log = tmp_path / "requests.jsonl"
+    options = {"plan": "auto", "measure_profile": False, "store_dirs": [str(tmp_path / "store")], "request_log": str(log)}
+    pipe = hcache.mii.pipeline(tiny, hcache=options, zmq_port_number=_free_port())
+    try:
+        assert pipe.inference_engine.plan == default_plan(spec)
+        for _ in range(2):
+            pipe([2 * NOTE], max_new_tokens=2, do_sample=False)  # over 64 tokens: a chunk to restore
+    finally:
+        pipe.inference_engine.close()
+        pipe.destroy()
+    warned_once()
+    assert {step["plan"] for step in _turns(log)[1]["restores"]} == {str(default_plan(spec))}
+
+    launched = []
+
+    def launch(config, processes):
+        launched.append(config)
+        raise _Started
+
+    monkeypatch.setattr(hcache.mii, "server_processes_launched_by_hcache", launch)
+    with pytest.raises(_Started):
+        main(["serve", "--model", tiny, "--plan", "auto", "--no-measure-profile"])
+    assert launched[0].plan is None and launched[0].profile is None  # the replicas serve the default plan
+    warned_once()
+
+    assert main(["serve", "--model", tiny, "--profile", str(path)]) == 2
+    assert f"measured on 'cpu2-intel-xeon', this machine is 'cpu2-amd-epyc'; run `{command}` here" in capsys.readouterr().err
+    with pytest.raises(ProfileMismatch, match="cpu2-intel-xeon"):
+        hcache.mii.pipeline(tiny, hcache={"profile": str(path)})
+    assert not launched[1:]

@@ -1,11 +1,14 @@
 """Profiles: measured, saved, refused when they do not fit; and the runtime's auto plan built on them."""
 import json
+import logging
 
 import pytest
 from helpers import loaded, random_prompt
 
+import hcache.profiler
 from hcache.cli import main
 from hcache.errors import InvalidRequestError
+from hcache.plan import default_plan
 from hcache.profile import PROFILE_VERSION, Profile, ProfileMismatch, default_profile_path
 from hcache.runtime import HCacheRuntime
 
@@ -28,6 +31,15 @@ def llama():
 @pytest.fixture
 def synthetic(llama) -> Profile:
     return Profile.new(llama.name, llama.spec, [64, 256], SECONDS, {})
+
+
+@pytest.fixture
+def new_machine(tmp_path, monkeypatch) -> str:
+    """This process on a machine named 'cpu2-amd-epyc', with an empty profile cache and working directory."""
+    monkeypatch.setenv("HCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("hcache.profile.machine_name", lambda: "cpu2-amd-epyc")
+    return "cpu2-amd-epyc"
 
 
 def test_auto_plan_follows_the_history_length_and_restores_exactly(llama, synthetic, tmp_path, rng):
@@ -67,27 +79,61 @@ def test_profile_round_trip_and_refusals(llama, synthetic, tmp_path):
     path.write_text(json.dumps({**data, "seconds": {"c_h": [1.0]}}))
     with pytest.raises(ProfileMismatch, match="not a valid hcache profile"):
         Profile.load(path)
-    with pytest.raises(ProfileMismatch, match="run `hcache profile`"):
+    with pytest.raises(ProfileMismatch, match="run `hcache profile --model ...` to measure one"):
         Profile.load(tmp_path / "missing.json")
 
 
-def test_auto_plan_without_a_profile_says_how_to_get_one(llama, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ProfileMismatch, match="no profile at profiles/.*hcache profile"):
-        HCacheRuntime(llama, tmp_path / "store", plan="auto")
-    runtime = HCacheRuntime(llama, tmp_path / "store")
+def test_a_profile_from_another_machine_leaves_auto_on_the_default_plan(llama, synthetic, new_machine, tmp_path, caplog, rng):
+    """The cache holds a profile measured on another machine (a copied HCACHE_HOME, say): auto serves the default
+    plan with one warning that says why and how to profile. Given explicitly, the profile is refused."""
+    synthetic.machine_name = "cpu2-intel-xeon"
+    path = default_profile_path("random:llama")
+    synthetic.save(path)
+    command = "hcache profile --model random:llama --dtype float32"
+    with caplog.at_level(logging.WARNING, logger="hcache"):
+        runtime = HCacheRuntime(llama, tmp_path / "store", plan="auto", measure_profile=False)
+    [warning] = caplog.records
+    assert "measured on 'cpu2-intel-xeon', this machine is 'cpu2-amd-epyc'" in warning.message
+    assert "serving the default plan" in warning.message and command in warning.message
+    default = default_plan(llama.spec)
+    assert runtime.profile is None and runtime.plan == default
+    prompt = random_prompt(2 * 64 + 5, llama.spec.vocab_size, rng)
+    runtime.generate(prompt, 2)
+    assert runtime.generate(prompt, 2).restores[0].plan == str(default)
     with pytest.raises(InvalidRequestError, match="needs a profile"):
-        runtime.generate([1, 2, 3], 1, plan="auto")
+        runtime.generate(prompt, 1, plan="auto")
+    runtime.close()
+    with pytest.raises(ProfileMismatch, match=f"measured on 'cpu2-intel-xeon'.*run `{command}` here"):
+        HCacheRuntime(llama, tmp_path / "store", profile=path)
 
 
-def test_profile_cli_measures_a_usable_profile(llama, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    assert main(["profile", "--model", "random:llama", "--tokens", "64,128", "--repeats", "1"]) == 0
-    path = default_profile_path(llama.spec, "random:llama")
-    assert path.parent.name == "profiles" and path.name.endswith("-random-llama.json")
+def test_first_use_on_a_new_machine_measures_a_short_profile_and_the_next_start_uses_it(
+    llama, new_machine, tmp_path, monkeypatch, capsys, caplog
+):
+    with HCacheRuntime(llama, tmp_path / "store", plan="auto") as runtime:
+        assert runtime.profile.tokens == [256, 512]  # the short grid, capped at the tiny model's context
+    assert "profiling random:llama" in capsys.readouterr().err  # the progress bar
+    assert "found no profile of random:llama for this machine; measuring a short one" in caplog.text
+    path = tmp_path / "home" / "profiles" / "cpu2-amd-epyc-random-llama.json"
+    assert Profile.load(path, llama.spec).seconds == runtime.profile.seconds
+
+    def measure(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(hcache.profiler, "measure_profile", measure)
+    with HCacheRuntime(llama, tmp_path / "store", plan="auto") as runtime:
+        assert runtime.profile.seconds == Profile.load(path).seconds
+
+
+def test_profile_cli_measures_a_usable_profile(llama, new_machine, tmp_path, capsys):
+    assert main(["profile", "--model", "random:llama", "--short", "--repeats", "1"]) == 0
+    path = default_profile_path("random:llama")
+    assert path == tmp_path / "home" / "profiles" / "cpu2-amd-epyc-random-llama.json"
     profile = Profile.load(path, llama.spec)
-    assert profile.tokens == [64, 128]
+    assert profile.tokens == [256, 512]
     assert all(len(v) == 2 and all(s > 0 for s in v) for k, v in profile.seconds.items() if k != "c_kv")
     assert "plan" in capsys.readouterr().out
-    with HCacheRuntime(llama, tmp_path / "store", plan="auto") as runtime:  # finds the default path
-        assert runtime.profile.tokens == [64, 128]
+    with HCacheRuntime(llama, tmp_path / "store", plan="auto", measure_profile=False) as runtime:  # finds it
+        assert runtime.profile.tokens == [256, 512]
+    assert main(["profile", "--model", "random:llama", "--short", "--tokens", "64"]) == 2
+    assert "give one" in capsys.readouterr().err

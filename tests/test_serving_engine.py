@@ -9,6 +9,9 @@ from helpers import loaded, random_prompt
 from hcache.engine import ReferenceEngine
 from hcache.errors import CacheFullError, InvalidRequestError
 from hcache.fingerprint import model_fingerprint
+from hcache.model_loader import random_model
+from hcache.model_spec import ModelSpec
+from hcache.profile import Profile
 from hcache.serving_engine import ServingEngine
 from hcache.storage.chunk_key import CHUNK_TOKENS
 
@@ -147,3 +150,38 @@ def test_a_failed_put_saves_nothing_wrong(tmp_path, rng):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         for g, w in zip(_kv(serving, 2), want_kv):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_plan_is_chosen_once_per_history_in_pieces_as_in_one_put(tmp_path, rng):
+    """The issue's case: a 2,176-token prompt, stored, comes back in one put and in MII's pieces of 100. The
+    profile plans short histories RE + H and long ones H + KV; every piece restores by the one put's plan, and
+    the request log lists each piece's restore."""
+    model = random_model("llama", max_position_embeddings=4096)
+    spec = ModelSpec.from_config(model.config, torch.float32)
+    seconds = {"c_token": [0.001, 0.4], "c_h": [0.0002, 0.003], "c_kv": [0.0, 0.0], "io_h": [0.0006, 0.001], "io_kv": [0.0012, 0.002]}
+    profile = Profile.new("llama-4k", spec, [64, 256], seconds, {})
+    prompt = random_prompt(34 * CHUNK_TOKENS, spec.vocab_size, rng)
+    long, short = profile.plan(spec, len(prompt)), profile.plan(spec, CHUNK_TOKENS)
+    assert str(long) == "3KV" and str(short) == "1RE+2H"
+    log = tmp_path / "requests.jsonl"
+    engine = ReferenceEngine(model, spec, num_blocks=40)
+    with ServingEngine(
+        engine, model_fingerprint(model, spec), tmp_path / "store", model_name="llama-4k", profile=profile, readers=0, request_log=log
+    ) as serving:
+        _put_in_parts(serving, 0, prompt, len(prompt))  # stores every chunk
+        serving.flush(0)
+        one_put = _put_in_parts(serving, 1, prompt, len(prompt))
+        serving.flush(1)
+        serving.query(2, len(prompt), 40)  # as MII asks before the first piece: the prompt's length
+        pieces = _put_in_parts(serving, 2, prompt, 100)
+        serving.flush(2)
+        _put_in_parts(serving, 3, prompt, 100)  # unannounced: only the arrived 64 tokens are known
+        serving.flush(3)
+    torch.testing.assert_close(pieces, one_put, atol=1e-5, rtol=1e-5)
+    records = {r["uid"]: r for r in map(json.loads, log.read_text().splitlines())}
+    assert records[0]["restores"] == [] and records[0]["plan"] == ""
+    assert records[1]["restores"] == [{"plan": str(long), "tokens": len(prompt) - 1}]
+    steps = records[2]["restores"]
+    assert len(steps) == 22 and {s["plan"] for s in steps} == {str(long)} == {records[2]["plan"]}  # one per piece
+    assert sum(s["tokens"] for s in steps) == records[2]["restored_tokens"] == len(prompt) - records[2]["computed_tokens"]
+    assert {s["plan"] for s in records[3]["restores"]} == {str(short)}

@@ -188,7 +188,7 @@ def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile
                 restore_s += r.restore_s - free
                 restored += r.restored_tokens
                 outputs += len(r.output_ids)
-                plans.add(r.plan)
+                plans.update(step.plan for step in r.restores)
                 history[i] = prompt + r.output_ids
                 if k + 1 < len(sessions[i].turns):
                     heapq.heappush(queue, (clock + sessions[i].turns[k + 1].think_s, i, k + 1))

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend import build_engine, check_mii_version, installed, server_processes_launched_by_hcache, stop
+from .backend import (
+    build_engine,
+    check_mii_version,
+    installed,
+    resolve_profile,
+    server_processes_launched_by_hcache,
+    stop,
+)
 from .config import HCacheConfig
 
 __all__ = ["HCacheConfig", "build_engine", "pipeline", "serve"]
@@ -22,7 +29,7 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
     ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
     import mii
 
-    with installed(_config(hcache)):
+    with installed(_config(hcache, model_name_or_path, kwargs)):
         return mii.pipeline(model_name_or_path, **kwargs)
 
 
@@ -32,8 +39,8 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
     and waits until every process it started has exited."""
     import mii
 
-    config = _config(hcache)
     check_mii_version()
+    config = _config(hcache, model_name_or_path, kwargs)
     launched: list = []
     with server_processes_launched_by_hcache(config, launched):
         client = mii.serve(model_name_or_path, **kwargs)
@@ -47,7 +54,6 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
     return client
 
 
-def _config(hcache: HCacheConfig | dict | None) -> HCacheConfig:
-    if isinstance(hcache, HCacheConfig):
-        return hcache
-    return HCacheConfig(**(hcache or {}))
+def _config(hcache: HCacheConfig | dict | None, model_name_or_path: str, mii_kwargs: dict) -> HCacheConfig:
+    config = hcache if isinstance(hcache, HCacheConfig) else HCacheConfig(**(hcache or {}))
+    return resolve_profile(config, model_name_or_path, mii_kwargs.get("tensor_parallel", 1))

@@ -20,11 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..auto_profile import auto_profile
 from ..engine import ReferenceEngine
 from ..errors import InvalidRequestError
 from ..fingerprint import checkpoint_fingerprint, model_fingerprint
 from ..model_loader import load_model, model_dtype
-from ..serving_engine import ServingEngine
+from ..model_spec import ModelSpec
+from ..profile import Profile, profile_command
+from ..serving_engine import ServingEngine, is_auto
 from ..tensor_parallel import SINGLE, TPGroup, shard_model
 from .config import HCacheConfig
 
@@ -54,7 +57,7 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
         engine,
         fingerprint,
         _rank_dirs(hcache.store_dirs, tp) if hcache.enabled else None,
-        model_name=Path(path).name,
+        model_name=path,
         plan=hcache.plan,
         save=hcache.save,
         namespace=hcache.namespace,
@@ -65,6 +68,26 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
         config=config,
         tp=tp,
     )
+
+
+def resolve_profile(hcache: HCacheConfig, path: str, tensor_parallel: int = 1) -> HCacheConfig:
+    """Settle the profile once, where MII is started and before any replica loads: a given profile that does
+    not fit is refused here, and ``plan="auto"`` alone gets this machine's profile (measured now if none is
+    found and ``measure_profile``) or, after one warning, the default plan. The config returned leaves the
+    replicas nothing to look up. With tensor parallelism each rank checks its own shard's profile instead."""
+    if not hcache.enabled or tensor_parallel > 1 or (hcache.profile is None and not is_auto(hcache.plan)):
+        return hcache
+    from transformers import AutoConfig
+
+    device = hcache.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = model_dtype(hcache.dtype, device)
+    spec = ModelSpec.from_config(AutoConfig.from_pretrained(path), dtype)
+    if hcache.profile is not None:
+        Profile.load(hcache.profile, spec, command=profile_command(path, spec))
+        return hcache
+    measure = (lambda: load_model(path, dtype, device)) if hcache.measure_profile else None
+    found = auto_profile(spec, path, measure=measure)
+    return hcache.model_copy(update={"profile": str(found.resolve()) if found else None, "plan": "auto" if found else None})
 
 
 def _rank_dirs(dirs: list[str], tp: TPGroup) -> list[str]:

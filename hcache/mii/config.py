@@ -16,10 +16,12 @@ class HCacheConfig(BaseModel):
     ``engine``: ``"fastgen"`` (DeepSpeed-FastGen, CUDA only), ``"reference"`` (HF transformers modules, any
     device) or ``"auto"`` (FastGen when a GPU is present). ``plan``: ``None`` (H for MHA models, KV where KV
     is smaller; ``"auto"`` when a profile is given), ``"auto"``, ``"RE"``/``"H"``/``"KV"`` or counts such as
-    ``"2RE+20H+8KV"``. ``store``: quota, TTL, DRAM tier and saver options. ``num_blocks``, ``device`` and
-    ``dtype`` size the reference engine's KV cache and place its model (FastGen takes these from MII's
-    ``inference_engine_config``). ``request_log``: a file that gets one JSON line per finished sequence
-    (tokens restored and computed, bytes read, plan, fallback).
+    ``"2RE+20H+8KV"``. ``"auto"`` alone plans with this machine's profile, measured on first use unless
+    ``measure_profile=False`` (then the default plan serves until ``hcache profile`` has run). ``store``:
+    quota, TTL, DRAM tier and saver options. ``num_blocks``, ``device`` and ``dtype`` size the reference
+    engine's KV cache and place its model (FastGen takes these from MII's ``inference_engine_config``).
+    ``request_log``: a file that gets one JSON line per finished sequence (tokens restored and computed,
+    bytes read, plan, fallback, and each put's restore: plan and tokens).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -29,6 +31,7 @@ class HCacheConfig(BaseModel):
     store_dirs: list[str] = Field(default_factory=lambda: ["hcache-store"], min_length=1)
     profile: str | None = None
     plan: str | None = None
+    measure_profile: bool = True
     save: Literal["plan", "all", "none"] = "plan"
     namespace: str | None = None
     store: StoreConfig = StoreConfig()

@@ -17,7 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default) or a HF model directory")
     p.add_argument("--store-dir", action="append", default=None, help="chunk store directory (repeat for each SSD; default: hcache-store)")
     p.add_argument("--plan", default=None, help="auto, RE, H, KV or counts like 2RE+20H+8KV (default: H for MHA models, KV where KV is smaller)")
-    p.add_argument("--profile", default=None, help="a profile from `hcache profile` (implies --plan auto)")
+    p.add_argument("--profile", default=None, help="a profile from `hcache profile` (implies --plan auto); refused if measured elsewhere")
+    p.add_argument("--no-measure-profile", dest="measure_profile", action="store_false",
+                   help="with --plan auto and no profile for this machine, serve the default plan instead of measuring one first")
     p.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="auto: FastGen on a GPU, else the reference engine")
     p.add_argument("--off", action="store_true", help="serve without hcache (the recompute baseline)")
     p.add_argument("--request-log", default=None, help="append one JSON line per finished sequence to this file")
@@ -35,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         store_dirs=args.store_dir or ["hcache-store"],
         plan=args.plan,
         profile=args.profile,
+        measure_profile=args.measure_profile,
         request_log=args.request_log,
     )
     client = serve(
