@@ -287,3 +287,21 @@ def test_bad_backend_options_are_refused():
         HCacheConfig(engine="vllm")
     with pytest.raises(ValueError, match="readers"):
         HCacheConfig(readers=-1)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--plan", "3H+"], "cannot parse plan"),
+        (["--profile", "nowhere.json"], "no profile at nowhere.json"),
+        (["--store-dir", "/proc/hcache-store"], "cannot create the store directory"),
+    ],
+)
+def test_serve_command_checks_its_config_before_starting_anything(model_dir, args, message, capsys, monkeypatch):
+    from hcache.cli import main
+
+    started = []
+    monkeypatch.setattr("subprocess.Popen.__init__", lambda self, *a, **k: started.append(a))
+    assert main(["serve", "--model", model_dir, "--rest-port", str(_free_port()), "--port", str(_free_port()), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert started == []
