@@ -41,7 +41,12 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
 
     config = _config(hcache)
     check_mii_version()
-    check_deployment(model_name_or_path, config, kwargs.get("tensor_parallel", 1))
+    model_config = kwargs.get("model_config") or {}
+    check_deployment(
+        model_name_or_path or model_config.get("model_name_or_path", ""),
+        config,
+        kwargs.get("tensor_parallel", model_config.get("tensor_parallel", 1)),
+    )
     launched: list = []
     try:
         with server_processes_launched_by_hcache(config, launched):

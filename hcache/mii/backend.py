@@ -9,7 +9,6 @@ backend launches them with :mod:`hcache.mii.launch` instead, which installs the 
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import ReferenceEngine
-from ..errors import InvalidRequestError, StorageError
+from ..errors import InvalidRequestError, ModelNotFoundError, StorageError
 from ..fingerprint import checkpoint_fingerprint, model_fingerprint
 from ..model_loader import check_device, load_model, model_dtype
 from ..model_spec import ModelSpec
@@ -32,7 +31,6 @@ from ..tensor_parallel import SINGLE, TPGroup, shard_model
 from .config import HCacheConfig
 from .requests import CACHE_SALT, check_generate_options, check_rest_body
 
-log = logging.getLogger(__name__)
 CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: not on their command lines
 
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
@@ -108,7 +106,7 @@ def check_deployment(path: str, hcache: HCacheConfig, tensor_parallel: int = 1) 
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise InvalidRequestError(f"cannot read the model config in {path}: {exc}") from exc
+        raise ModelNotFoundError(f"cannot read the model config in {path!r}: {exc}") from exc
     spec = ModelSpec.from_config(config, model_dtype(hcache.dtype, device))
     if hcache.enabled:
         tp = TPGroup(0, tensor_parallel)
