@@ -25,7 +25,9 @@ setup(
         "deepspeed>=0.19,<0.20",
         "deepspeed-mii>=0.3,<0.4",
         "pydantic>=2",
-        "uvicorn",  # MII's OpenAI-compatible server needs it and does not declare it
+        # MII's OpenAI-compatible server needs these and does not declare them
+        "uvicorn",
+        "pydantic-settings>=2",
     ],
     extras_require={"test": ["pytest>=8"]},
     entry_points={"console_scripts": ["hcache=hcache.cli:main"]},

@@ -64,9 +64,12 @@ def run_demo(
     store_dir: str | None = None,
     json_path: str | None = None,
 ) -> bool:
-    """Run the chat; print a table per turn; return whether every restored reply matched recompute."""
+    """Run the chat; print a table per turn; return whether every restored reply matched recompute. The
+    arguments are checked before the model loads or the store opens."""
     if not 1 <= turns <= len(QUESTIONS):
         raise ValueError(f"turns must be between 1 and {len(QUESTIONS)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
     loaded = load_model(model)
     tok = loaded.tokenizer
     if tok is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .errors import ModelNotFoundError
+from .errors import InvalidRequestError, ModelNotFoundError
 from .model_spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -54,14 +54,31 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     a tiny model of a model type, or a full-size shape such as ``llama-2-7b``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    check_device(device)
     if name.startswith(_RANDOM_PREFIX):
         model = random_model(name[len(_RANDOM_PREFIX) :], dtype=dtype, device=device)
         return LoadedModel(name, model, ModelSpec.from_config(model.config, dtype), None)
     path = model_dir(name)
-    spec = ModelSpec.from_config(AutoConfig.from_pretrained(path), dtype)  # refuses a model before loading weights
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:  # transformers reports an unparsable config.json as an OSError
+        raise ModelNotFoundError(f"cannot read the model config in {path}: {exc}") from exc
+    spec = ModelSpec.from_config(config, dtype)  # refuses a model before loading weights
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
     return LoadedModel(name, model, spec, tokenizer)
+
+
+def check_device(device: str | torch.device) -> None:
+    """Refuse a device this machine does not have, before anything is loaded onto it."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequestError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {str(device)!r} was asked for, but this machine has no usable CUDA GPU")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InvalidRequestError(f"device {str(device)!r} was asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
 
 
 def model_dir(name: str) -> Path:

@@ -29,6 +29,8 @@ class Method(str, Enum):
 
 
 _ORDER = {Method.RE: 0, Method.H: 1, Method.KV: 2}
+# Counts in RE, H, KV order, each optional, with a "+" only between two present terms.
+_PLAN = re.compile(r"(?:([0-9]+)RE(?=\+[0-9]|$)\+?)?(?:([0-9]+)H(?=\+[0-9]|$)\+?)?(?:([0-9]+)KV)?", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,15 @@ class RestorePlan:
 
     @classmethod
     def parse(cls, text: str, num_layers: int) -> "RestorePlan":
-        """``"H"``, ``"KV"`` or ``"RE"`` for one method on every layer, or counts such as ``"2RE+20H+8KV"``."""
+        """``"H"``, ``"KV"`` or ``"RE"`` for one method on every layer, or counts such as ``"2RE+20H+8KV"``:
+        ASCII digits, each method at most once and in the order RE, H, KV, joined by single ``+`` signs."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"a plan is a string such as 'H' or '2RE+20H+8KV', not {type(text).__name__}")
         text = text.strip().upper()
         if text in Method.__members__:
             return cls.uniform(num_layers, text)
-        parts = re.fullmatch(r"(?:(\d+)RE)?\+?(?:(\d+)H)?\+?(?:(\d+)KV)?", text)
-        if not text or parts is None:
+        parts = _PLAN.fullmatch(text)
+        if parts is None or not any(parts.groups()):
             raise InvalidRequestError(f"cannot parse plan {text!r}: use RE, H, KV or counts like '2RE+20H+8KV'")
         counts = [int(g or 0) for g in parts.groups()]
         if sum(counts) != num_layers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class HCacheRuntime:
         self.fingerprint, self.profile, self.plan, self.save_formats = s.fingerprint, s.profile, s.plan, s.save_formats
         self.store, self.saver = s.store, s.saver
         self._uids = itertools.count()
+        self._busy = threading.Lock()  # held by the generate call in progress
         eos = getattr(getattr(self.loaded.model, "generation_config", None), "eos_token_id", None)
         self.default_stop_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
 
@@ -126,7 +128,28 @@ class HCacheRuntime:
         namespace: str | None = None,
         stop_token_ids: set[int] | frozenset[int] | None = None,
     ) -> list[RequestResult]:
-        """Greedy generation for a batch of prompts. ``restore=False`` ignores stored state (full recompute)."""
+        """Greedy generation for a batch of prompts. ``restore=False`` ignores stored state (full recompute).
+
+        One call at a time: a call made while another is running on this runtime (from another thread) raises
+        :class:`~hcache.errors.InvalidRequestError` at once, touching nothing. The engine's KV cache, the
+        key chains and the saver belong to one request loop; to serve concurrent clients, batch their
+        prompts into one call, or serve through :mod:`hcache.mii`, whose loop batches them."""
+        if not self._busy.acquire(blocking=False):
+            raise InvalidRequestError(
+                "this HCacheRuntime is already serving a generate() call from another thread; a runtime serves "
+                "one call at a time (batch the prompts into one generate_batch call, or serve with hcache.mii)"
+            )
+        try:
+            return self._generate_batch(prompts, max_new_tokens, plan, restore, namespace, stop_token_ids)
+        finally:
+            self._busy.release()
+
+    def _generate_batch(self, prompts, max_new_tokens, plan, restore, namespace, stop_token_ids) -> list[RequestResult]:
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts is a list of prompts, not {type(prompts).__name__}")
+        given, max_new_tokens = max_new_tokens, _integer(max_new_tokens)
+        if max_new_tokens is None or max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an integer of at least 1, not {given!r}")
         prompts = [self._validate(prompt, max_new_tokens) for prompt in prompts]
         plan = self.resolve_plan(plan) if plan is not None else None
         stops = self.default_stop_ids if stop_token_ids is None else frozenset(stop_token_ids)
@@ -177,17 +200,17 @@ class HCacheRuntime:
 
     def _validate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         """The prompt as plain ints, or a clear error before anything is touched."""
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(
+                f"a prompt is a list of token ids, not {type(prompt).__name__} (a tensor or array: pass .tolist())"
+            )
         if not prompt:
             raise InvalidRequestError("empty prompt: at least one token id is needed")
-        if max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-        ids, bad = [], []
-        for t in prompt:
-            try:
-                ids.append(operator.index(t))
-            except TypeError:
-                bad.append(t)
-        bad += [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        ids = [_integer(t) for t in prompt]
+        not_ints = [t for t, i in zip(prompt, ids) if i is None]
+        if not_ints:
+            raise InvalidRequestError(f"{len(not_ints)} token id(s) are not integers, e.g. {not_ints[0]!r}")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise InvalidRequestError(
                 f"{len(bad)} token id(s) outside the vocabulary [0, {self.spec.vocab_size}), e.g. {bad[0]!r}"
@@ -198,3 +221,13 @@ class HCacheRuntime:
                 f"limit of {self.spec.max_positions}"
             )
         return ids
+
+
+def _integer(value: object) -> int | None:
+    """``value`` as an int if it is an integer (a Python or numpy int, or a 0-d integer tensor) and not a bool."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

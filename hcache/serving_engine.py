@@ -151,8 +151,9 @@ class ServingEngine:
         self.request_log = Path(request_log) if request_log is not None else None
         self.store = self.saver = self._capture = None
         self.save_formats = self._save_formats(save if store_dir is not None else "none")
-        self.copier = Copier(engine.device)
+        self.copier = None
         if store_dir is not None:
+            self.copier = Copier(engine.device)
             chunk_bytes = CHUNK_TOKENS * sum(Method(f).bytes_per_token_layer(self.spec) for fs in self.save_formats for f in fs)
             store.check(chunk_bytes)
             self.store = store.open_store(

@@ -21,3 +21,10 @@ def test_demo_restores_every_turn_by_every_method_with_identical_replies(tmp_pat
 def test_demo_rejects_bad_arguments(capsys):
     assert main(["demo", "--turns", "0"]) == 2
     assert "turns must be between" in capsys.readouterr().err
+
+
+def test_demo_checks_its_arguments_before_touching_the_store(tmp_path, capsys):
+    store = tmp_path / "store"
+    assert main(["demo", "--max-new-tokens", "-1", "--store", str(store)]) == 2
+    assert "max_new_tokens must be at least 1" in capsys.readouterr().err
+    assert not store.exists()

@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,10 +108,19 @@ def test_pipeline_restores_returning_conversation(model_dir, hcache_off, tmp_pat
     _check_restored_and_identical(model_dir, replies, hcache_off, log)
 
 
-def _post(url: str, body: dict) -> object:
+def _post(url: str, body: object) -> object:
+    status, answer = _post_status(url, body)
+    assert status == 200, answer
+    return answer
+
+
+def _post_status(url: str, body: object) -> tuple[int, object]:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 def _wait_for(url: str, process: subprocess.Popen, seconds: float = 120) -> None:
@@ -124,14 +135,44 @@ def _wait_for(url: str, process: subprocess.Popen, seconds: float = 120) -> None
     raise TimeoutError(url)
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of the TCP sockets listening on ``port`` (IPv4 and IPv6, as /proc lists them)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+# 127.0.0.1, ::1 and ::ffff:127.0.0.1, as /proc/net writes them
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+BAD_REST_BODIES = [
+    ({"prompts": [""], "max_new_tokens": 4}, "empty prompt"),
+    ({"prompts": "a string", "max_new_tokens": 4}, "non-empty list of strings"),
+    ({"prompts": [3], "max_new_tokens": 4}, "non-empty list of strings"),
+    ({"max_new_tokens": 4}, 'missing field "prompts"'),
+    ({"prompts": ["Hi"], "max_new_tokens": 4, "temprature": 0.5}, "unknown field"),
+    ({"prompts": ["Hi"], "max_new_tokens": -5}, "at least 1"),
+    ({"prompts": ["Hi"], "max_new_tokens": 0}, "at least 1"),
+    ({"prompts": ["Hi"], "max_new_tokens": "8"}, "must be an integer"),
+    ({"prompts": ["Hi"], "max_new_tokens": 10**9}, "exceeds the context length"),
+    ({"prompts": ["Hi"], "max_new_tokens": 4, "cache_salt": ""}, "cache_salt must be"),
+    (["Hi"], "JSON object"),
+]
+
+
 def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path):
     """Turns 1 and 2 through MII's REST gateway, turn 3 through MII's OpenAI-compatible server (greedy:
-    top_k=1), all against one hcache deployment."""
-    log = tmp_path / "requests.jsonl"
+    top_k=1), all against one hcache deployment, after bad requests that must each be refused alone; then
+    per-request namespaces (``cache_salt``) through both."""
+    log, store = tmp_path / "requests.jsonl", tmp_path / "store"
     rest, balancer = _free_port(), _free_port()
     client = hcache.mii.serve(
         model_dir,
-        hcache={"store_dirs": [str(tmp_path / "store")], "request_log": str(log)},
+        hcache={"store_dirs": [str(store)], "request_log": str(log)},
         deployment_name="hcache-test",
         enable_restful_api=True,
         restful_api_port=rest,
@@ -142,22 +183,49 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
     )
     openai_port = _free_port()
     openai = openai_server(model_dir, balancer, openai_port)
+    url, chat_url = f"http://localhost:{rest}/mii/hcache-test", f"http://localhost:{openai_port}/v1/chat/completions"
     try:
         _wait_for(f"http://localhost:{openai_port}/health", openai)
+        assert _listening_addresses(balancer) and _listening_addresses(balancer) <= LOOPBACK
+        assert not any(str(store) in p.read_text(errors="replace") for p in _cmdlines()), "store path on a command line"
+        for body, reason in BAD_REST_BODIES:
+            status, answer = _post_status(url, body)
+            assert status == 400 and reason in answer["error"], (body, answer)
+        with pytest.raises(Exception, match="empty prompt"):  # past the gateway: refused by the model server
+            client.generate([""], max_new_tokens=4)
+
+        prompts = []
 
         def reply(prompt: str, messages: list[dict]) -> str:
+            prompts.append(prompt)
             if len(messages) < len(QUESTIONS):
                 body = {"prompts": [prompt], "max_new_tokens": NEW_TOKENS, "do_sample": False}
-                return _post(f"http://localhost:{rest}/mii/hcache-test", body)[0]["generated_text"]
+                return _post(url, body)[0]["generated_text"]
             body = {"model": model_dir, "messages": messages, "max_tokens": NEW_TOKENS, "top_k": 1}
-            return _post(f"http://localhost:{openai_port}/v1/chat/completions", body)["choices"][0]["message"]["content"]
+            return _post(chat_url, body)["choices"][0]["message"]["content"]
 
         replies = converse(model_dir, reply)
+        _check_restored_and_identical(model_dir, replies, hcache_off, log)
+
+        # The second turn's prompt is stored in the deployment's namespace only: another tenant restores
+        # nothing of it, then its own state.
+        for salt in ("tenant-b", "tenant-b"):
+            _post(url, {"prompts": [prompts[1]], "max_new_tokens": 1, "cache_salt": salt})
+        chat = {"model": model_dir, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 1}
+        assert _post_status(chat_url, {**chat, "cache_salt": 7})[0] == 400
+        _post(chat_url, {**chat, "cache_salt": "tenant-c"})
     finally:
         openai.terminate()
         openai.wait(30)
         client.terminate_server()
-    _check_restored_and_identical(model_dir, replies, hcache_off, log)
+    extra = _turns(log)[len(QUESTIONS) :]
+    assert [t["restored_tokens"] > 0 for t in extra] == [False, True, False]
+
+
+def _cmdlines():
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and os.path.exists(f"/proc/{entry.name}/cmdline"):
+            yield Path(f"/proc/{entry.name}/cmdline")
 
 
 def _tiny_model(model_dir: str, path) -> str:
@@ -288,3 +356,21 @@ def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, t
     with pytest.raises(ProfileMismatch, match="cpu2-intel-xeon"):
         hcache.mii.pipeline(tiny, hcache={"profile": str(path)})
     assert not launched[1:]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--plan", "3H+"], "cannot parse plan"),
+        (["--profile", "nowhere.json"], "no profile at nowhere.json"),
+        (["--store-dir", "/proc/hcache-store"], "cannot create the store directory"),
+    ],
+)
+def test_serve_command_checks_its_config_before_starting_anything(model_dir, args, message, capsys, monkeypatch):
+    from hcache.cli import main
+
+    started = []
+    monkeypatch.setattr("subprocess.Popen.__init__", lambda self, *a, **k: started.append(a))
+    assert main(["serve", "--model", model_dir, "--rest-port", str(_free_port()), "--port", str(_free_port()), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert started == []

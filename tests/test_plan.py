@@ -12,7 +12,9 @@ def test_parse_and_shape():
     assert RestorePlan.parse("3RE+1KV", 4) == RestorePlan.split(4, re=3, kv=1)
 
 
-@pytest.mark.parametrize("text", ["", "2RE+2H", "H+KV", "6RE", "1KV+4H", "nonsense"])
+@pytest.mark.parametrize(
+    "text", ["", "2RE+2H", "H+KV", "6RE", "1KV+4H", "nonsense", "1RE++4KV", "5H+", "+5H", "\uff15H", "2H+3H", "5", None]
+)
 def test_bad_plans_are_clear_errors(text):
     with pytest.raises(InvalidRequestError):
         RestorePlan.parse(text, 5)

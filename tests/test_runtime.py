@@ -1,7 +1,10 @@
 import hashlib
 import logging
+import threading
 
+import numpy as np
 import pytest
+import torch
 from helpers import corrupt_tensor, loaded, random_prompt
 from storage_chunks import read_back
 
@@ -152,9 +155,24 @@ def test_batch_equals_requests_one_by_one(llama, tmp_path, rng):
         ([1] * 500, {"max_new_tokens": 20}, "context limit"),
         ([1, 256, 3], {}, "outside the vocabulary"),
         ([1, -1, 3], {}, "outside the vocabulary"),
-        ([1, 2.5, 3], {}, "outside the vocabulary"),
+        ([1, 2.5, 3], {}, "not integers"),
+        ([1, "5", 3], {}, "not integers"),
+        ([1, None, 3], {}, "not integers"),
+        ([1, True, 3], {}, "not integers"),
+        (torch.tensor([1, 2, 3]), {}, "not Tensor"),
+        (np.array([1, 2, 3]), {}, "not ndarray"),
         ([1, 2, 3], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([1, 2, 3], {"max_new_tokens": -5}, "max_new_tokens"),
+        ([1, 2, 3], {"max_new_tokens": "5"}, "max_new_tokens"),
+        ([1, 2, 3], {"max_new_tokens": None}, "max_new_tokens"),
+        ([1, 2, 3], {"max_new_tokens": 2.5}, "max_new_tokens"),
+        ([1, 2, 3], {"max_new_tokens": True}, "max_new_tokens"),
         ([1, 2, 3], {"plan": "2H"}, "covers 2 layers"),
+        ([1, 2, 3], {"plan": "1RE++2KV"}, "cannot parse plan"),
+        ([1, 2, 3], {"plan": "3H+"}, "cannot parse plan"),
+        ([1, 2, 3], {"plan": "+3H"}, "cannot parse plan"),
+        ([1, 2, 3], {"plan": "\uff13H"}, "cannot parse plan"),  # a full-width 3
+        ([1, 2, 3], {"plan": 3}, "plan is a string"),
     ],
 )
 def test_bad_requests_are_clear_errors_and_damage_nothing(stored, prompt, kwargs, message):
@@ -169,6 +187,15 @@ def test_bad_requests_are_clear_errors_and_damage_nothing(stored, prompt, kwargs
 def test_bad_model_or_store_is_a_clear_error(llama, tmp_path):
     with pytest.raises(ModelNotFoundError, match="no model at"):
         HCacheRuntime(str(tmp_path / "nowhere"), tmp_path / "store")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(ModelNotFoundError, match="cannot read the model config"):
+        HCacheRuntime(str(corrupt), tmp_path / "store")
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidRequestError, match="no usable CUDA GPU"):
+            HCacheRuntime("random:llama", tmp_path / "store", device="cuda")
+    assert not (tmp_path / "store").exists()
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(StorageError):
@@ -177,3 +204,35 @@ def test_bad_model_or_store_is_a_clear_error(llama, tmp_path):
         HCacheRuntime(llama, tmp_path / "store", save="sometimes")
     with pytest.raises(InvalidRequestError, match="readers must be"):
         HCacheRuntime(llama, tmp_path / "store", readers=-1)
+
+
+def test_threads_sharing_a_runtime_are_refused_not_corrupted(llama, tmp_path, rng):
+    """Concurrent calls on one runtime: each either completes exactly or is refused at once, and what
+    the store holds afterwards restores the exact outputs."""
+    runtime = HCacheRuntime(llama, tmp_path)
+    prompts = [random_prompt(130 + 10 * i, 256, rng) for i in range(4)]
+    expected = [runtime.generate(p, 20, restore=False, stop_token_ids=NO_STOP).output_ids for p in prompts]
+    start, outcomes = threading.Barrier(len(prompts)), [[] for _ in prompts]
+
+    def client(i: int) -> None:
+        start.wait()
+        for _ in range(5):
+            try:
+                outcomes[i].append(runtime.generate(prompts[i], 20, stop_token_ids=NO_STOP).output_ids)
+            except InvalidRequestError as exc:
+                outcomes[i].append(str(exc))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    refused = [o for outs in outcomes for o in outs if isinstance(o, str)]
+    assert refused and all("already serving a generate() call" in o for o in refused)
+    for i, outs in enumerate(outcomes):
+        assert all(o == expected[i] for o in outs if not isinstance(o, str))
+    for prompt, output in zip(prompts, expected):
+        result = runtime.generate(prompt, 20, stop_token_ids=NO_STOP)
+        assert result.restored_tokens >= 128 and result.output_ids == output
+    runtime.close()

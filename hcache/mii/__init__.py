@@ -9,10 +9,13 @@ Both take MII's own arguments too, and return MII's own pipeline and client.
 """
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 from .backend import (
     build_engine,
+    check_deployment,
     check_mii_version,
     installed,
     resolve_profile,
@@ -22,6 +25,8 @@ from .backend import (
 from .config import HCacheConfig
 
 __all__ = ["HCacheConfig", "build_engine", "pipeline", "serve"]
+log = logging.getLogger(__name__)
+TERMINATE_WAIT_S = 15
 
 
 def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
@@ -29,31 +34,59 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
     ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
     import mii
 
-    with installed(_config(hcache, model_name_or_path, kwargs)):
+    path, tensor_parallel = _deployment(model_name_or_path, kwargs)
+    with installed(resolve_profile(_config(hcache), path, tensor_parallel)):
         return mii.pipeline(model_name_or_path, **kwargs)
 
 
 def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
     """``mii.serve`` (same arguments: ``enable_restful_api``, ``deployment_name``, ports, ...) whose replicas
     restore and save through hcache. Returns MII's client; its ``terminate_server()`` stops the deployment
-    and waits until every process it started has exited."""
+    and waits until every process it started has exited (ending those that do not exit).
+
+    The hcache config and model are checked before any process starts. If the deployment still fails to
+    start, every process it started is stopped before the error is raised."""
     import mii
 
     check_mii_version()
-    config = _config(hcache, model_name_or_path, kwargs)
+    path, tensor_parallel = _deployment(model_name_or_path, kwargs)
+    config = resolve_profile(_config(hcache), path, tensor_parallel)
+    check_deployment(path, config, tensor_parallel)
     launched: list = []
-    with server_processes_launched_by_hcache(config, launched):
-        client = mii.serve(model_name_or_path, **kwargs)
+    try:
+        with server_processes_launched_by_hcache(config, launched):
+            client = mii.serve(model_name_or_path, **kwargs)
+    except BaseException:
+        stop(launched, grace_s=0)
+        raise
     terminate = client.terminate_server
 
     def terminate_server() -> None:
-        terminate()
+        # A hung server may never answer the terminate request: give it a while, then stop what is left.
+        asking = threading.Thread(target=_ask_to_terminate, args=(terminate,), daemon=True)
+        asking.start()
+        asking.join(TERMINATE_WAIT_S)
         stop(launched)
 
     client.terminate_server = terminate_server
     return client
 
 
-def _config(hcache: HCacheConfig | dict | None, model_name_or_path: str, mii_kwargs: dict) -> HCacheConfig:
-    config = hcache if isinstance(hcache, HCacheConfig) else HCacheConfig(**(hcache or {}))
-    return resolve_profile(config, model_name_or_path, mii_kwargs.get("tensor_parallel", 1))
+def _ask_to_terminate(terminate) -> None:
+    try:
+        terminate()
+    except Exception as exc:  # the load balancer or the gateway is gone already
+        log.warning("the deployment did not take the terminate request (%s); stopping its processes", exc)
+
+
+def _config(hcache: HCacheConfig | dict | None) -> HCacheConfig:
+    if isinstance(hcache, HCacheConfig):
+        return hcache
+    return HCacheConfig(**(hcache or {}))
+
+
+def _deployment(model_name_or_path: str, mii_kwargs: dict) -> tuple[str, int]:
+    """The model and tensor-parallel degree of MII's arguments, wherever they were given."""
+    model_config = mii_kwargs.get("model_config") or {}
+    path = model_name_or_path or model_config.get("model_name_or_path", "")
+    return path, mii_kwargs.get("tensor_parallel", model_config.get("tensor_parallel", 1))

@@ -10,6 +10,7 @@ backend launches them with :mod:`hcache.mii.launch` instead, which installs the 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,14 +23,17 @@ import torch.distributed as dist
 
 from ..auto_profile import auto_profile
 from ..engine import ReferenceEngine
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, ModelNotFoundError, StorageError
 from ..fingerprint import checkpoint_fingerprint, model_fingerprint
-from ..model_loader import load_model, model_dtype
+from ..model_loader import check_device, load_model, model_dtype
 from ..model_spec import ModelSpec
 from ..profile import Profile, profile_command
 from ..serving_engine import ServingEngine, is_auto
 from ..tensor_parallel import SINGLE, TPGroup, shard_model
 from .config import HCacheConfig
+from .requests import CACHE_SALT, check_generate_options, check_rest_body
+
+CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: not on their command lines
 
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
 
@@ -77,11 +81,9 @@ def resolve_profile(hcache: HCacheConfig, path: str, tensor_parallel: int = 1) -
     replicas nothing to look up. With tensor parallelism each rank checks its own shard's profile instead."""
     if not hcache.enabled or tensor_parallel > 1 or (hcache.profile is None and not is_auto(hcache.plan)):
         return hcache
-    from transformers import AutoConfig
-
+    spec = _model_spec(path, hcache)
     device = hcache.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = model_dtype(hcache.dtype, device)
-    spec = ModelSpec.from_config(AutoConfig.from_pretrained(path), dtype)
     if hcache.profile is not None:
         Profile.load(hcache.profile, spec, command=profile_command(path, spec))
         return hcache
@@ -113,6 +115,45 @@ def _tensor_parallel_group(degree: int) -> TPGroup:
     return tp
 
 
+def check_deployment(path: str, hcache: HCacheConfig, tensor_parallel: int = 1) -> None:
+    """Refuse, before any server process starts, what the model servers would refuse when they build their
+    engine: a model hcache cannot serve, a device this machine lacks, a bad plan or profile (checked by the
+    serving engine's own code, on the model's spec: no weights load), an unusable store or request log."""
+    spec = _model_spec(path, hcache)
+    if hcache.enabled:
+        tp = TPGroup(0, tensor_parallel)
+        ServingEngine(_SpecOnly(spec), "", None, model_name=Path(path).name, plan=hcache.plan, profile=hcache.profile, tp=tp)
+        for directory in hcache.store_dirs:
+            try:
+                Path(directory).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"cannot create the store directory {directory}: {exc}") from exc
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise StorageError(f"the store directory {directory} is not writable")
+    if hcache.request_log is not None and not os.access(Path(hcache.request_log).parent, os.W_OK):
+        raise StorageError(f"cannot write the request log {hcache.request_log}: its directory is missing or read-only")
+
+
+def _model_spec(path: str, hcache: HCacheConfig) -> ModelSpec:
+    """The model's shape from its config alone (no weights), on the device and dtype it will run with."""
+    from transformers import AutoConfig
+
+    device = hcache.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot read the model config in {path!r}: {exc}") from exc
+    return ModelSpec.from_config(config, model_dtype(hcache.dtype, device))
+
+
+class _SpecOnly:
+    """An engine's shape without its weights: enough for a serving engine with no store to check a plan."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+
+
 def engine_kind(hcache: HCacheConfig) -> str:
     if hcache.engine == "auto":
         return "fastgen" if torch.cuda.is_available() else "reference"
@@ -136,12 +177,102 @@ def install(hcache: HCacheConfig) -> Callable[[], None]:
     saved_load = mii.api.load_model
     mii.api.load_model = lambda model_config: build_engine(model_config, hcache)
     undo_cpu = _run_mii_loop_on_cpu() if not torch.cuda.is_available() else lambda: None
+    undo_checks = _check_requests()
 
     def undo() -> None:
         mii.api.load_model = saved_load
         undo_cpu()
+        undo_checks()
 
     return undo
+
+
+def _check_requests() -> Callable[[], None]:
+    """Check each request as MII makes it, before it enters the batching loop (a bad one raises in its
+    caller, and the loop never sees it), and open each new sequence in its request's namespace
+    (``cache_salt``), which rides on MII's request object."""
+    from mii.batching.ragged_batching import RaggedBatchBase
+
+    saved_make, saved_put = RaggedBatchBase.make_request, RaggedBatchBase.put
+
+    def make_request(self, tid, uid, input_tokens, kwargs):
+        options, namespace = check_generate_options(kwargs, len(input_tokens), self.max_length)
+        if namespace is not None and self.model_config.tensor_parallel > 1:
+            raise InvalidRequestError(f"{CACHE_SALT} is not supported with tensor_parallel > 1 yet")
+        request = saved_make(self, tid, uid, input_tokens, options)
+        request.hcache_namespace = namespace
+        return request
+
+    def put(self, uids, tokenized_input):
+        for r in self.scheduled_requests.requests_to_run:
+            # seq_length 0: the sequence's first put (or its first again, after MII preempted and flushed it)
+            if getattr(r, "hcache_namespace", None) is not None and r.seq_length == 0:
+                self.inference_engine.open(r.uid, namespace=r.hcache_namespace)
+        return saved_put(self, uids, tokenized_input)
+
+    RaggedBatchBase.make_request, RaggedBatchBase.put = make_request, put
+
+    def undo() -> None:
+        RaggedBatchBase.make_request, RaggedBatchBase.put = saved_make, saved_put
+
+    return undo
+
+
+def install_server(hcache: HCacheConfig, model_config, rest_gateway: bool) -> None:
+    """For the life of one of MII's server processes: hcache's engine, its internal gRPC and ZMQ ports on
+    loopback only (MII binds them to every interface), and, in the REST gateway, every request checked
+    at the door."""
+    install(hcache)
+    _bind_internal_ports_to_loopback()
+    if rest_gateway:
+        _check_rest_requests(model_config)
+
+
+def _bind_internal_ports_to_loopback() -> None:
+    import grpc
+    import zmq
+
+    make_server, zmq_bind = grpc.server, zmq.Socket.bind
+
+    def server(*args, **kwargs):
+        s = make_server(*args, **kwargs)
+        add_port = s.add_insecure_port
+        s.add_insecure_port = lambda address: add_port(address.replace("[::]:", "localhost:", 1))
+        return s
+
+    grpc.server = server
+    zmq.Socket.bind = lambda self, address: zmq_bind(self, address.replace("tcp://*:", "tcp://127.0.0.1:", 1))
+
+
+def _check_rest_requests(model_config) -> None:
+    """MII's REST gateway, with a bad request refused with HTTP 400 and the reason, before it reaches the
+    deployment."""
+    import mii.grpc_related.restful_gateway as gateway
+    from flask import jsonify, request
+    from mii.constants import RESTFUL_API_PATH
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = model_config.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer or path)
+    max_length = model_config.max_length or ModelSpec.from_config(AutoConfig.from_pretrained(path), torch.float32).max_positions
+    create_app = gateway.createRestfulGatewayApp
+
+    def create_checked_app(deployment_name, server_thread):
+        app = create_app(deployment_name, server_thread)
+        route = f"/{RESTFUL_API_PATH}/{deployment_name}"
+
+        @app.before_request
+        def refuse_bad_request():
+            if request.method == "POST" and request.path == route:
+                try:
+                    check_rest_body(request.get_json(silent=True), tokenizer.encode, max_length)
+                except InvalidRequestError as exc:
+                    return jsonify({"error": str(exc)}), 400
+            return None
+
+        return app
+
+    gateway.createRestfulGatewayApp = create_checked_app
 
 
 def _run_mii_loop_on_cpu() -> Callable[[], None]:
@@ -179,16 +310,21 @@ def server_processes_launched_by_hcache(hcache: HCacheConfig, launched: list[sub
     from mii.backend.server import MIIServer, config_to_b64_str
 
     def launch(self, model_config, msg_server_type, ds_launch_str="", server_args=None):
+        launcher = ds_launch_str.split()
+        if launcher[:1] == ["deepspeed"]:  # DeepSpeed's launcher from this Python, not the first on PATH
+            launcher[:1] = [sys.executable, "-m", "deepspeed.launcher.runner"]
         cmd = [
-            *ds_launch_str.split(),
+            *launcher,
             sys.executable, "-m", "hcache.mii.launch",
-            "--hcache-config", hcache.to_b64(),
             "--model-config", config_to_b64_str(model_config),
             *" ".join(server_args or []).split(),
         ]  # fmt: skip
-        # A session of its own: Ctrl-C reaches only the serving process, which stops the deployment in
-        # order (``terminate_server``) rather than each process dying where it stands.
-        launched.append(subprocess.Popen(cmd, start_new_session=True))
+        # The hcache config (store paths, namespace) goes in the environment, which only this user can read,
+        # not on the command line, which every local user can. A session of its own: Ctrl-C reaches only
+        # the serving process, which stops the deployment in order (``terminate_server``) rather than each
+        # process dying where it stands, and ``stop`` can end the launcher with the server it started.
+        env = dict(os.environ, **{CONFIG_ENV: hcache.model_dump_json()})
+        launched.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         return launched[-1]
 
     saved = MIIServer._launch_server_process
@@ -199,25 +335,34 @@ def server_processes_launched_by_hcache(hcache: HCacheConfig, launched: list[sub
         MIIServer._launch_server_process = saved
 
 
-def openai_server(model_dir: str, balancer_port: int, port: int) -> subprocess.Popen:
-    """MII's OpenAI-compatible server, in front of a running deployment's load balancer."""
+def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "localhost") -> subprocess.Popen:
+    """MII's OpenAI-compatible server on ``host``, in front of a running deployment's load balancer, with
+    the request's ``cache_salt`` passed on (:mod:`hcache.mii.openai_server`)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "mii.entrypoints.openai_api_server", "--model", model_dir,
-         "--load-balancer", f"localhost:{balancer_port}", "--port", str(port)]
+        [sys.executable, "-m", "hcache.mii.openai_server", "--model", model_dir,
+         "--load-balancer", f"localhost:{balancer_port}", "--host", host, "--port", str(port)]
     )  # fmt: skip
 
 
 def stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
-    """Wait for a deployment's processes to exit after ``terminate_server``, and terminate those that do not:
-    MII 0.3's REST gateway with ``restful_processes > 1`` handles ``/terminate`` in a forked child, so the
-    gateway itself never stops."""
-    deadline = time.monotonic() + grace_s
-    for process in processes:
-        try:
-            process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            try:
-                process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    """Wait for a deployment's processes to exit after ``terminate_server``, then end every session still
+    running (each process leads one, see ``launch``), with all it started: a busy or hung model server and
+    the DeepSpeed launcher above it, and MII 0.3's REST gateway, which with ``restful_processes > 1``
+    handles ``/terminate`` in a forked child and so never stops. SIGTERM first, SIGKILL 5 s later."""
+    for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        for process in processes:
+            if sig is not None:
+                _signal_session(process, sig)
+        deadline = time.monotonic() + wait_s
+        while any(_signal_session(p, 0) for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def _signal_session(process: subprocess.Popen, sig: int) -> bool:
+    """Send ``sig`` to every process of ``process``'s session (0: none); whether any was left to get it."""
+    process.poll()  # reap the leader once it exits, or its session never looks empty
+    try:
+        os.killpg(process.pid, sig)
+        return True
+    except ProcessLookupError:
+        return False

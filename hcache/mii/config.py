@@ -1,13 +1,13 @@
 """The hcache backend's options for ``mii.pipeline`` / ``mii.serve``: where state is stored, how it is restored."""
 from __future__ import annotations
 
-import base64
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..storage.host_tier import DEFAULT_READERS
 from ..storage.store_config import StoreConfig
+from .requests import check_namespace
 
 
 class HCacheConfig(BaseModel):
@@ -41,10 +41,7 @@ class HCacheConfig(BaseModel):
     dtype: str | None = None
     request_log: str | None = None
 
-    def to_b64(self) -> str:
-        """A command-line-safe form, the way MII hands its own config to server processes."""
-        return base64.urlsafe_b64encode(self.model_dump_json().encode()).decode()
-
+    @field_validator("namespace")
     @classmethod
-    def from_b64(cls, text: str) -> "HCacheConfig":
-        return cls.model_validate_json(base64.urlsafe_b64decode(text.encode()))
+    def _namespace(cls, namespace: str | None) -> str | None:
+        return check_namespace(namespace, "namespace")

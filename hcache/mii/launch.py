@@ -1,23 +1,26 @@
-"""``python -m hcache.mii.launch --hcache-config B64 <MII's server arguments>``: one of MII's server processes
-(model replica, load balancer or REST gateway) with hcache's engine installed, started by
-:func:`hcache.mii.serve` in place of ``python -m mii.launch.multi_gpu_server``."""
+"""``python -m hcache.mii.launch <MII's server arguments>``: one of MII's server processes (model replica, load
+balancer or REST gateway) with hcache installed, started by :func:`hcache.mii.serve` in place of
+``python -m mii.launch.multi_gpu_server``. The hcache config comes in the environment (``HCACHE_MII_CONFIG``),
+not on the command line, where every local user could read the store paths and namespace."""
 from __future__ import annotations
 
 import argparse
-import sys
+import os
 
-from .backend import install
+from .backend import CONFIG_ENV, install_server
 from .config import HCacheConfig
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--hcache-config", required=True, type=HCacheConfig.from_b64)
-    args, mii_args = parser.parse_known_args()
-    install(args.hcache_config)  # for the life of this process
+    from mii.launch.multi_gpu_server import b64_encoded_config
     from mii.launch.multi_gpu_server import main as mii_main
 
-    sys.argv = [sys.argv[0], *mii_args]
+    config = HCacheConfig.model_validate_json(os.environ.pop(CONFIG_ENV))
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model-config", required=True, type=b64_encoded_config)
+    parser.add_argument("--restful-gateway", action="store_true")
+    args, _ = parser.parse_known_args()
+    install_server(config, args.model_config, args.restful_gateway)  # for the life of this process
     mii_main()
 
 

@@ -24,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--off", action="store_true", help="serve without hcache (the recompute baseline)")
     p.add_argument("--request-log", default=None, help="append one JSON line per finished sequence to this file")
     p.add_argument("--deployment-name", default="hcache", help="the REST path is /mii/<deployment-name>")
+    p.add_argument("--host", default="localhost", help="the address the REST gateway and the OpenAI server listen on (default: localhost; 0.0.0.0 for every interface)")
     p.add_argument("--rest-port", type=int, default=51080, help="MII's REST gateway port")
     p.add_argument("--port", type=int, default=50050, help="MII's load balancer (gRPC) port")
     p.add_argument("--openai-port", type=int, default=None, help="also start MII's OpenAI-compatible server on this port")
@@ -45,15 +46,16 @@ def run(args: argparse.Namespace) -> int:
         hcache=config,
         deployment_name=args.deployment_name,
         enable_restful_api=True,
+        restful_api_host=args.host,
         restful_api_port=args.rest_port,
         port_number=args.port,
     )
     openai = None
     try:
-        print(f"REST: POST http://localhost:{args.rest_port}/mii/{args.deployment_name}  {{\"prompts\": [...], \"max_new_tokens\": N}}")
+        print(f"REST: POST http://{args.host}:{args.rest_port}/mii/{args.deployment_name}  {{\"prompts\": [...], \"max_new_tokens\": N}}")
         if args.openai_port is not None:
-            openai = openai_server(path, args.port, args.openai_port)
-            print(f"OpenAI API: http://localhost:{args.openai_port}/v1/chat/completions  (model: {path})")
+            openai = openai_server(path, args.port, args.openai_port, args.host)
+            print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1/chat/completions  (model: {path})")
         print("serving; Ctrl-C stops", flush=True)
         while openai is None or openai.poll() is None:
             time.sleep(1)

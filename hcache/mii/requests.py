@@ -1,0 +1,89 @@
+"""What a generation request to an hcache deployment may hold. The REST gateway refuses a bad request at the
+door (HTTP 400 with the reason); the model server checks every request again before it enters MII's batching
+loop, so a client that reaches it some other way (MII's gRPC client, the OpenAI-compatible server) gets an
+error for its own request and the loop goes on serving the others."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..errors import InvalidRequestError
+
+CACHE_SALT = "cache_salt"  # the per-request namespace, under vLLM's name
+MAX_SALT_CHARS = 256
+# Generation options a request may set: MII's, less the one MII fills in itself.
+_MII_FIELDS = frozenset(
+    ("max_length", "max_new_tokens", "min_new_tokens", "stream", "ignore_eos", "return_full_text", "do_sample",
+     "top_p", "top_k", "temperature", "stop")
+)  # fmt: skip
+_INTEGER_FIELDS = ("max_length", "max_new_tokens", "min_new_tokens", "top_k")
+_BOOL_FIELDS = ("stream", "ignore_eos", "return_full_text", "do_sample")
+
+
+def check_namespace(namespace: object, name: str = CACHE_SALT) -> str | None:
+    """A namespace (a request's ``cache_salt``, a deployment's ``namespace``) is ``None`` or a non-empty
+    string of printable characters."""
+    if namespace is None:
+        return None
+    if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_SALT_CHARS or not namespace.isprintable():
+        raise InvalidRequestError(
+            f"{name} must be a non-empty string of at most {MAX_SALT_CHARS} printable characters, not {namespace!r:.80}"
+        )
+    return namespace
+
+
+def check_generate_options(options: dict[str, Any], prompt_tokens: int, max_length: int) -> tuple[dict[str, Any], str | None]:
+    """MII's generation options for one prompt of ``prompt_tokens`` tokens on a deployment whose context holds
+    ``max_length``, and the request's namespace; or an :class:`InvalidRequestError` saying what is wrong.
+
+    ``max_new_tokens`` (an integer of at least 1) is optional: without it MII generates up to the context's
+    end. The prompt plus ``max_new_tokens`` must fit in the context (or in ``max_length``, if the request
+    sets a smaller one)."""
+    from mii.config import GenerateParamsConfig
+
+    unknown = sorted(set(options) - _MII_FIELDS - {CACHE_SALT})
+    if unknown:
+        raise InvalidRequestError(f"unknown field(s) {', '.join(unknown)}; a request may set {', '.join(sorted(_MII_FIELDS | {CACHE_SALT}))}")
+    options = dict(options)
+    namespace = check_namespace(options.pop(CACHE_SALT, None))
+    for name in _INTEGER_FIELDS:
+        if name in options and (type(options[name]) is not int):
+            raise InvalidRequestError(f"{name} must be an integer, not {options[name]!r}")
+    for name in _BOOL_FIELDS:
+        if name in options and type(options[name]) is not bool:
+            raise InvalidRequestError(f"{name} must be true or false, not {options[name]!r}")
+    if prompt_tokens < 1:
+        raise InvalidRequestError("empty prompt: it has no tokens to process")
+    limit = options.get("max_length", max_length)
+    if not 1 <= limit <= max_length:
+        raise InvalidRequestError(f"max_length must be between 1 and the context length {max_length}, not {limit}")
+    new_tokens = options.get("max_new_tokens", 1)
+    if new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be at least 1, not {new_tokens}")
+    if prompt_tokens + new_tokens > limit:
+        raise InvalidRequestError(
+            f"a prompt of {prompt_tokens} tokens plus max_new_tokens={new_tokens} exceeds the context length {limit}"
+        )
+    try:
+        GenerateParamsConfig(prompt_length=prompt_tokens, **{"max_length": max_length, **options})
+    except ValidationError as exc:
+        raise InvalidRequestError(f"bad generation options: {exc}") from exc
+    return options, namespace
+
+
+def check_rest_body(body: object, tokenize, max_length: int) -> None:
+    """A body for MII's REST gateway: ``{"prompts": [str, ...], <generation options>}``. ``tokenize`` counts
+    a prompt's tokens as the model server will."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError('the body must be a JSON object such as {"prompts": ["..."], "max_new_tokens": 32}')
+    if "prompts" not in body:
+        raise InvalidRequestError('missing field "prompts": a list of strings')
+    prompts, options = body["prompts"], {k: v for k, v in body.items() if k != "prompts"}
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise InvalidRequestError(f'"prompts" must be a non-empty list of strings, not {prompts!r:.80}')
+    for name, value in options.items():
+        if type(value) not in (str, int, float, bool):  # what MII's gRPC request can carry
+            raise InvalidRequestError(f"{name} must be a string, number or boolean, not {value!r:.80}")
+    for prompt in prompts:
+        check_generate_options(options, len(tokenize(prompt)), max_length)
