@@ -88,7 +88,6 @@ def test_pipelined_restore_equals_sequential(tmp_path, rng, plan):
         for layer in range(lm.spec.num_layers):
             for sequential, pipelined, resident in zip(engine.kv(1, layer), engine.kv(2, layer), engine.kv(3, layer)):
                 assert torch.equal(sequential, pipelined) and torch.equal(sequential, resident), f"layer {layer}"
-        inline.close()
 
 
 def test_io_errors_while_restoring_fall_back_to_recompute(tmp_path, rng, monkeypatch):

@@ -236,3 +236,18 @@ def test_threads_sharing_a_runtime_are_refused_not_corrupted(llama, tmp_path, rn
         result = runtime.generate(prompt, 20, stop_token_ids=NO_STOP)
         assert result.restored_tokens >= 128 and result.output_ids == output
     runtime.close()
+
+
+def test_a_chunk_short_of_the_plans_format_heals(llama, tmp_path, rng):
+    """Chunks stored by a KV plan lack hidden states: an H plan recomputes once, and its save completes them."""
+    prompt = random_prompt(200, 256, rng)
+    with HCacheRuntime(llama, tmp_path, plan="KV") as runtime:
+        expected = runtime.generate(prompt, 4, stop_token_ids=NO_STOP).output_ids
+    with HCacheRuntime(llama, tmp_path, plan="H") as runtime:
+        first = runtime.generate(prompt, 4, stop_token_ids=NO_STOP)
+        assert first.restored_tokens == 0 and "saved without ['H']" in first.fallback
+        runtime.store.flush()
+        runtime.store.drop_resident()  # from the rewritten files
+        second = runtime.generate(prompt, 4, stop_token_ids=NO_STOP)
+        assert second.restored_tokens == 192 and second.fallback is None
+        assert first.output_ids == second.output_ids == expected

@@ -74,6 +74,7 @@ def test_store_survives_sigkill_at_random_moments(tmp_path):
         assert {chunk(i, width=512).key for i in complete} <= listed
         for key in listed:
             check_served(store, key, chunk(key_of[key], width=512))
+        store.close()  # the next writer is another process: it may open the directories only now
     assert len(complete) >= POOL // 2  # the writers made real progress between kills
 
 
@@ -133,3 +134,51 @@ def test_many_sessions_saving_and_restoring_at_once(tmp_path):
     assert on_disk == set(disk.keys())  # the index and the directories agree
     reopened = DiskChunkStore([tmp_path / "a", tmp_path / "b"], quota_bytes=10 * size, verify="full")
     assert reopened.dropped_at_start == 0 and set(reopened.keys()) == set(disk.keys())
+
+
+def test_forked_children_load_their_own_stores_while_the_parent_loads_its(tmp_path):
+    """No buffer is shared across a fork: children loading chunks into their own pools, while the parent
+    loads the same keys into its pool, see no false checksum failure and delete nothing."""
+    chunks = [chunk(i, width=512) for i in range(6)]
+    expected = {c.key: {name: t.numpy().tobytes() for name, t in c.tensors.items()} for c in chunks}
+    size = len(chunk_bytes(0, width=512)[1]) + 4096
+    for d in ("parent", "child0", "child1", "child2"):
+        disk = DiskChunkStore(tmp_path / d)
+        for c in chunks:
+            disk.put(c.key, chunk_bytes(chunks.index(c), width=512)[1])
+        disk.close()
+
+    def load_all(tier) -> bool:
+        """Every chunk from disk into the pool, byte for byte (no torch kernels: they do not survive a fork)."""
+        tier.drop_resident()
+        for c in chunks:
+            image = tier.fetch(c.key).result()
+            same = all(image.tensor(*name).numpy().tobytes() == data for name, data in expected[c.key].items())
+            tier.release(image)
+            if not same:
+                return False
+        return True
+
+    parent = HostTier(DiskChunkStore(tmp_path / "parent"), HostPool(3 * size), readers=2)
+    assert load_all(parent)
+    children = []
+    for i in range(3):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                tier = HostTier(DiskChunkStore(tmp_path / f"child{i}"), HostPool(3 * size), readers=0)
+                ok = all(load_all(tier) for _ in range(5)) and len(tier.disk.keys()) == len(chunks)
+                os.write(write_fd, b"ok" if ok else b"no")
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        children.append((pid, read_fd))
+    assert all(load_all(parent) for _ in range(5))
+    for pid, read_fd in children:
+        os.waitpid(pid, 0)
+        assert os.read(read_fd, 2) == b"ok"
+        os.close(read_fd)
+    for d in ("parent", "child0", "child1", "child2"):
+        assert len(list((tmp_path / d / "chunks").glob("*/*.safetensors"))) == len(chunks), d
+    parent.close()

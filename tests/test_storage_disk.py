@@ -3,6 +3,8 @@ TTL, pins, and write faults."""
 import errno
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from storage_chunks import check_served, chunk, chunk_bytes, read_back
@@ -201,3 +203,58 @@ def test_manifest_records_labels_and_bad_options_are_clear_errors(tmp_path):
         DiskChunkStore(tmp_path / "q", ttl_s=-1)
     with pytest.raises(StorageError, match="verify"):
         DiskChunkStore(tmp_path / "q", verify="sometimes")
+
+
+def _open_elsewhere(path) -> subprocess.CompletedProcess:
+    code = "import sys; from hcache.storage.disk_store import DiskChunkStore; DiskChunkStore(sys.argv[1])"
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+
+
+def test_a_second_process_on_a_store_directory_is_refused_until_the_first_closes(tmp_path):
+    store = DiskChunkStore(tmp_path)
+    again = DiskChunkStore(tmp_path)  # another store object of this process shares the directory
+    refused = _open_elsewhere(tmp_path)
+    assert refused.returncode != 0 and f"in use by another process (pid {os.getpid()})" in refused.stderr
+    store.close()
+    assert _open_elsewhere(tmp_path).returncode != 0  # ``again`` still holds it
+    again.close()
+    assert _open_elsewhere(tmp_path).returncode == 0
+
+
+def test_a_forked_child_does_not_inherit_its_parents_store(tmp_path):
+    store = DiskChunkStore(tmp_path / "parent")
+    store.put(*chunk_bytes(0))
+    key, data = chunk_bytes(1)  # made here: torch's thread pool does not survive a fork
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own store works, its parent's is refused
+        try:
+            mine = DiskChunkStore(tmp_path / "child")
+            mine.put(key, data)
+            ok = read_back(mine, key) == data
+            try:
+                DiskChunkStore(tmp_path / "parent")
+                ok = False
+            except StorageError:
+                pass
+            os.write(write, b"ok" if ok else b"no")
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 2) == b"ok"
+    check_served(store, chunk(0).key, chunk(0))  # the parent's lock and data are untouched
+
+
+def test_files_are_private_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        store = DiskChunkStore(tmp_path / "s")
+        store.put(*chunk_bytes(0))
+    finally:
+        os.umask(old)
+    root = tmp_path / "s"
+    for d in (root, root / "chunks", store.path(chunk(0).key).parent):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+    for f in (root / "hcache-store.json", store.path(chunk(0).key), root / "hcache-store.lock"):
+        assert f.stat().st_mode & 0o777 == 0o600, f

@@ -18,7 +18,7 @@ class HCacheConfig(BaseModel):
     is smaller; ``"auto"`` when a profile is given), ``"auto"``, ``"RE"``/``"H"``/``"KV"`` or counts such as
     ``"2RE+20H+8KV"``. ``"auto"`` alone plans with this machine's profile, measured on first use unless
     ``measure_profile=False`` (then the default plan serves until ``hcache profile`` has run). ``store``:
-    quota, TTL, DRAM tier and saver options. ``num_blocks``, ``device`` and ``dtype`` size the reference
+    quota, TTL, host pool and write-back options. ``num_blocks``, ``device`` and ``dtype`` size the reference
     engine's KV cache and place its model (FastGen takes these from MII's ``inference_engine_config``).
     ``request_log``: a file that gets one JSON line per finished sequence (tokens restored and computed,
     bytes read, plan, fallback, and each put's restore: plan and tokens).

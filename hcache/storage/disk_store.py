@@ -28,12 +28,14 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from ..errors import StorageError
+from . import dir_lock
 from . import direct_io as dio
 from .chunk import ChunkImage, ChunkInvalid, header_names
 from .chunk_key import LAYOUT_VERSION
@@ -46,6 +48,11 @@ _KEY = re.compile(r"[0-9a-f]{32}")
 _MANIFEST = "hcache-store.json"
 _SUFFIX = ".safetensors"
 _DIR_MODE = 0o700
+
+
+def _release_all(releases: list) -> None:
+    for release in releases:
+        release()
 
 
 class StoreFull(OSError):
@@ -99,8 +106,10 @@ class DiskChunkStore:
         self._next_dir = 0
         self._writing: set[str] = set()  # keys with a put in flight
         self._written = threading.Condition(self._lock)  # notified when a put ends
+        releases: list = []
+        self._finalizer = weakref.finalize(self, _release_all, releases)
         for d in self.dirs:
-            self._prepare(d, dict(labels or {}))
+            releases.append(self._prepare(d, dict(labels or {})))
         try:
             self.direct = [direct_io and dio.supports_direct(d) for d in self.dirs]
         except OSError as exc:
@@ -120,19 +129,28 @@ class DiskChunkStore:
         return self._index.quota_bytes
 
     # ---- start-up ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let another process open these directories (also done when the store is collected)."""
+        self._finalizer()
+
     @staticmethod
-    def _prepare(d: Path, labels: dict[str, str]) -> None:
+    def _prepare(d: Path, labels: dict[str, str]) -> Callable[[], None]:
+        """Create and lock ``d`` and record ``labels`` in its manifest; returns the lock's release."""
         try:
             for sub in (d, d / "chunks"):
                 sub.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
                 os.chmod(sub, _DIR_MODE)
+        except OSError as exc:
+            raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
+        release = dir_lock.acquire(d)
+        try:
             manifest = d / _MANIFEST
             record = json.loads(manifest.read_text()) if manifest.exists() else {"layout_version": LAYOUT_VERSION}
             if not isinstance(record, dict):
                 raise StorageError(f"store {d}: {_MANIFEST} is not a JSON object; use a new directory")
             if record.get("layout_version") != LAYOUT_VERSION:
                 raise StorageError(
-                    f"store {d} has layout version {record.get('layout_version')}, this hcache reads "
+                    f"store {d} has layout version {record.get('layout_version')!r}, this hcache reads "
                     f"{LAYOUT_VERSION}; use a new directory"
                 )
             producers = record.setdefault("producers", [])
@@ -145,7 +163,12 @@ class DiskChunkStore:
                     f.write(json.dumps(record, indent=1))
                 os.replace(tmp, manifest)
         except (OSError, ValueError) as exc:
+            release()
             raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
+        except BaseException:
+            release()
+            raise
+        return release
 
     def _rebuild(self, verify: str) -> None:
         found: dict[str, tuple[Path, Entry]] = {}

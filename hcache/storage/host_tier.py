@@ -298,8 +298,9 @@ class HostTier:
             }
 
     def close(self) -> None:
-        """Finish every write-back and stop the threads."""
+        """Finish every write-back, stop the threads and close the backing store."""
         self.flush()
         if self._readers is not None:
             self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
+        self.disk.close()

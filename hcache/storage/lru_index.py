@@ -1,7 +1,7 @@
-"""The capacity policy shared by the disk store and the DRAM tier: sizes, recency, pins, TTL and quota.
+"""The disk store's capacity policy: sizes, recency, pins, TTL and quota.
 
-Entries are kept in least-recently-used order. A chunk that is pinned (an open file of an in-flight
-restore reads it) is never chosen for eviction; a chunk unused for longer than the TTL is expired. Not
+Entries are kept in least-recently-used order. A chunk that is pinned (a read or a write is in flight) is
+never chosen for eviction; a chunk unused for longer than the TTL is expired. Not
 thread-safe by itself: its owner holds a lock around every call.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 class Entry:
     size: int
     last_used: float
-    where: Any  # where the owner keeps the chunk: a directory index, or the bytes themselves
+    where: Any  # where the owner keeps the chunk (the disk store: a directory index)
     pins: int = 0
 
 
