@@ -7,9 +7,9 @@ import sys
 
 from . import bench
 from .errors import HCacheError
-from .storage.host_tier import DEFAULT_READERS
 from .mii import serve_command
 from .model_loader import DEFAULT_MODEL
+from .storage.host_tier import DEFAULT_READERS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from .engine import ReferenceEngine
+from .errors import StorageError
 from .model_loader import LoadedModel
 from .plan import Method
 from .profile import COST_NAMES, TP_COST_NAMES, Profile
@@ -148,12 +149,16 @@ def _io_time(fmt: str, rows: torch.Tensor, readers: int, copier: Copier, repeats
             tier.drop_resident()  # from the disk every time
             images = [f.result() for f in [tier.fetch(k) for k in keys]]
             try:
+                if None in images:
+                    raise StorageError(f"profiling store {roots} lost a chunk it had just written")
                 for layer in range(_IO_LAYERS if images else 0):  # a TP rank may hold no chunk's H
                     with copier.side_stream():
                         copier.gather([im.tensor(layer, fmt) for im in images])
                 copier.drain()
             finally:
+                copier.drain()
                 for im in images:
-                    tier.release(im)
+                    if im is not None:
+                        tier.release(im)
 
         return _median_time(read_all, repeats, rows.device) / _IO_LAYERS

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RestoreOutcome:
     tokens: int  # tokens whose KV is now in the cache, after those the sequence held
-    bytes_read: int  # bytes of stored rows the restore used
+    bytes_read: int  # bytes of the stored tensors the restore copied from (whole 64-row tensors)
     fallback: str | None  # why stored state stopped short of what the lookup found, if it did
 
 
@@ -76,15 +76,16 @@ def restore_prefix(
     present = 0
     while present < len(keys) and tier.contains(keys[present]):
         present += 1
-    fetches = [tier.fetch(key) for key in keys[:present]]
+    fetches: list[Future] = []
     images: list[ChunkImage] = []
     try:
+        fetches += (tier.fetch(key) for key in keys[:present])
         agreed = tp.min(present)  # a prefix that one rank lacks is no prefix at all
         engine.begin_restore(uid, end(agreed) - held)
         if agreed and plan.count(Method.RE):
             engine.recompute_layers(uid, tokens[held : end(agreed)], plan.count(Method.RE))
         fallback = _elsewhere(agreed) if agreed < present else None
-        fallback = _verify(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first) or fallback
+        fallback = _verify(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec) or fallback
         n = len(images)
         jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if agreed else []
         if n or tp.world_size > 1:  # with TP, the other ranks still gather this rank's rows of the H layers
@@ -100,7 +101,7 @@ def restore_prefix(
         for f in fetches:
             try:
                 image = f.result()
-            except (ChunkInvalid, OSError):
+            except BaseException:  # reported above, or the restore is failing anyway: release the rest
                 continue
             if image is not None:
                 tier.release(image)
@@ -132,6 +133,7 @@ def _restore_layers(
                     engine.restore_kv(uid, layer, images[j].tensor(layer, fmt)[lo:hi], start=j * CHUNK_TOKENS + lo - held)
             return None, copier.done()
 
+    copier.follow()
     ahead: deque = deque()
     last = None
     for i in range(len(jobs)):
@@ -150,7 +152,7 @@ def _restore_layers(
 
 def _verify(
     tier: HostTier, keys: list[str], fetches: list[Future], images: list[ChunkImage], tokens: list[int],
-    fingerprint: str, plan: RestorePlan, tp: TPGroup, first: int,
+    fingerprint: str, plan: RestorePlan, tp: TPGroup, first: int, spec: ModelSpec,
 ) -> str | None:
     """Append to ``images`` the fetched chunks, in order, up to the first that is missing, bad, or short of
     a format the plan restores from; why the prefix ends there, if it ends early for a reason."""
@@ -159,8 +161,9 @@ def _verify(
         try:
             image = f.result()
             if image is None:
-                return None  # gone since the lookup (evicted, or no room to load it): the prefix ends here
+                return None  # gone since the lookup (evicted or deleted): the prefix ends here
             image.check(tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
+            _check_shapes(image, stored, spec)
         except (ChunkInvalid, OSError) as exc:
             return _reject(tier, key, j, exc)
         missing = {(layer, fmt) for layer, fmt in stored if tp.stores(first + j, fmt)} - set(image.layout.entries)
@@ -170,6 +173,16 @@ def _verify(
             return reason
         images.append(image)
     return None
+
+
+def _check_shapes(image: ChunkImage, stored: set[tuple[int, str]], spec: ModelSpec) -> None:
+    """Refuse a tensor of another shape or dtype than the model's: a copy would broadcast or convert it."""
+    shapes, dtype = row_shapes(spec), getattr(torch, spec.dtype)
+    for layer, fmt in stored & set(image.layout.entries):
+        entry = image.layout.entries[(layer, fmt)]
+        if entry.shape != (CHUNK_TOKENS, *shapes[fmt]) or entry.dtype != dtype:
+            raise ChunkInvalid(f"chunk {image.key}: L{layer}.{fmt} is {list(entry.shape)} {entry.dtype}, the model's is "
+                               f"{[CHUNK_TOKENS, *shapes[fmt]]} {dtype}")  # fmt: skip
 
 
 def _elsewhere(n: int) -> str:

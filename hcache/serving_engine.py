@@ -34,6 +34,7 @@ from .plan import Method, RestorePlan, default_plan
 from .profile import Profile, profile_command
 from .ragged import Segment
 from .restore import restore_prefix, row_shapes
+from .storage.chunk import ChunkLayout
 from .storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
 from .storage.host_tier import DEFAULT_READERS
 from .storage.saver import ChunkSaver
@@ -154,13 +155,12 @@ class ServingEngine:
         self.copier = None
         if store_dir is not None:
             self.copier = Copier(engine.device)
-            chunk_bytes = CHUNK_TOKENS * sum(Method(f).bytes_per_token_layer(self.spec) for fs in self.save_formats for f in fs)
-            store.check(chunk_bytes)
+            shapes, dtype = row_shapes(self.spec), getattr(torch, self.spec.dtype)
+            tensors = [(layer, f, shapes[f], dtype) for layer, fs in enumerate(self.save_formats) for f in sorted(fs)]
+            store.check(ChunkLayout.plan(tensors, self.fingerprint).nbytes)
             self.store = store.open_store(
                 store_dir, {"fingerprint": self.fingerprint, "dtype": self.spec.dtype}, pin=engine.device.type == "cuda", readers=readers
             )
-            shapes, dtype = row_shapes(self.spec), getattr(torch, self.spec.dtype)
-            tensors = [(layer, f, shapes[f], dtype) for layer, fs in enumerate(self.save_formats) for f in sorted(fs)]
             self.saver = ChunkSaver(self.store, self.fingerprint, tensors, stores=tp.stores)
             if any(self.save_formats):
                 self._capture = _SaveCapture(self.saver, self.save_formats)

@@ -10,10 +10,10 @@ from hcache.model_spec import ModelSpec
 from hcache.plan import RestorePlan
 from hcache.restore import restore_prefix
 from hcache.runtime import HCacheRuntime
+from hcache.storage.chunk_key import chunk_keys, root_key
 from hcache.storage.host_tier import HostTier
 from hcache.transfer.copier import Copier
 from hcache.transfer.host_pool import HostPool
-from hcache.storage.chunk_key import chunk_keys, root_key
 
 # float32: K/V from a saved hidden state go through the same GEMM and RoPE as the forward, but the GEMM
 # may block rows differently, and decode-time rows were produced one token at a time.

@@ -251,3 +251,17 @@ def test_a_chunk_short_of_the_plans_format_heals(llama, tmp_path, rng):
         second = runtime.generate(prompt, 4, stop_token_ids=NO_STOP)
         assert second.restored_tokens == 192 and second.fallback is None
         assert first.output_ids == second.output_ids == expected
+
+
+def test_a_chunk_of_another_shape_is_refused_not_broadcast(stored):
+    """Right key, tokens, fingerprint and checksums, but K/V of one head where the model has more: a copy
+    would broadcast it into place, so it is refused and recomputed."""
+    runtime, prompt, keys, expected = stored
+    runtime.store.flush()
+    tensors = decode(read_back(runtime.store.disk, keys[0]), keys[0]).tensors
+    tensors = {name: t[:, :, :1].contiguous() if name[1] == "KV" else t for name, t in tensors.items()}
+    runtime.store.drop_resident()
+    runtime.store.disk.put(keys[0], encode(Chunk(keys[0], prompt[:64], runtime.fingerprint, tensors)))
+    result = runtime.generate(prompt, 8, plan="KV", stop_token_ids=NO_STOP)
+    assert result.restored_tokens == 0 and "the model's is" in result.fallback
+    assert result.output_ids == expected

@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 from helpers import loaded, random_prompt
+from storage_chunks import read_back
 
 from hcache.errors import StorageError
 from hcache.ragged import Segment
@@ -18,7 +19,6 @@ from hcache.storage.host_tier import HostTier
 from hcache.storage.saver import ChunkSaver
 from hcache.storage.store_config import StoreConfig
 from hcache.transfer.host_pool import HostPool
-from storage_chunks import read_back
 
 FP = "saver-test"
 LAYERS = 3
@@ -174,5 +174,48 @@ def test_a_forward_that_fails_mid_batch_publishes_nothing_and_never_hangs(tmp_pa
     saver.on_layer(0, _rows(0, range(64), 0))  # the forward raises after layer 0: no end_batch
     saver.close(0)  # must return, not wait for a batch that never ends
     assert tier.keys() == [] and saver.chunks_published == 0 and tier.pool.used_bytes == 0
+    saver.shutdown()
+    tier.close()
+
+
+def test_a_forward_that_skips_a_layer_publishes_nothing(tmp_path, rng, caplog):
+    tier = _tier(tmp_path)
+    saver = ChunkSaver(tier, FP, TENSORS)
+    chain = KeyChain(root_key(FP, "0"))
+    saver.open(0, chain)
+    chain.extend(random_prompt(64, 1000, rng))
+    saver.begin_batch([Segment(0, 0, 64, 0)])
+    for layer in (0, 2):  # layer 1 never reaches the saver: its rows in the slot are whatever was there
+        saver.on_layer(layer, _rows(0, range(64), layer))
+    saver.end_batch()
+    saver.close(0)
+    assert tier.keys() == [] and saver.chunks_published == 0 and tier.pool.used_bytes == 0
+    assert "handed over 4 of 6 layer tensors" in caplog.text
+    saver.shutdown()
+    tier.close()
+
+
+def test_a_chunk_finished_by_a_restore_gives_its_slot_back_at_once(tmp_path, rng):
+    """Rows 0-35 of chunk 0 computed, 36-63 restored, then chunk 1 computed: chunk 0 can never fill."""
+    tier = _tier(tmp_path)
+    saver = ChunkSaver(tier, FP, TENSORS)
+    tokens = random_prompt(100, 1000, rng)
+    chain = KeyChain(root_key(FP, "0"))
+    saver.open(0, chain)
+    chain.extend(tokens[:36])
+    saver.begin_batch([Segment(0, 0, 36, 0)])
+    for layer in range(LAYERS):
+        saver.on_layer(layer, _rows(0, range(36), layer))
+    saver.end_batch()
+    held = tier.pool.used_bytes
+    assert held > 0  # chunk 0 waits for its other rows
+    chain.extend(tokens[36:])  # 36-63 restored, 64-99 computed
+    saver.begin_batch([Segment(0, 64, 36, 0)])
+    for layer in range(LAYERS):
+        saver.on_layer(layer, _rows(0, range(64, 100), layer))
+    saver.end_batch()
+    assert tier.pool.used_bytes == held  # chunk 0's slot went back; chunk 1 took one of the same size
+    saver.close(0)
+    assert tier.pool.used_bytes == 0 and saver.chunks_published == 0
     saver.shutdown()
     tier.close()

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..storage.host_tier import DEFAULT_READERS
 from ..model_loader import DEFAULT_MODEL, load_model, model_dtype
 from ..plan import Method, RestorePlan
 from ..profile import Profile
@@ -27,6 +26,7 @@ from ..restore import restore_prefix
 from ..runtime import HCacheRuntime
 from ..scheduler import partition
 from ..storage.chunk_key import chunk_keys, root_key
+from ..storage.host_tier import DEFAULT_READERS
 
 FIXED = ("RE", "H", "KV", "RE+KV")
 

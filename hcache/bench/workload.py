@@ -34,12 +34,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..storage.host_tier import DEFAULT_READERS
 from ..model_loader import DEFAULT_MODEL, LoadedModel, load_model, model_dtype
 from ..profile import Profile
 from ..profiler import measure_profile
 from ..runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS
+from ..storage.host_tier import DEFAULT_READERS
 from ..traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
 
 METHODS = ("ideal", "recompute", "kv", "auto")

@@ -208,10 +208,10 @@ class FastGenEngine:
         """Wrap the model's layer method, ``qkv`` and ``attn`` for one ``put``; restore them however it ends.
 
         ``on_layer`` runs right after ``attn`` (K/V are in the cache) and before ``attn_out`` and the MLP
-        norm, which overwrites the buffer ``hidden`` is a view of. A capture that copies on another stream
-        must order that before the compute stream's next kernel: the saver's ``_copy_async`` does, by making
-        the compute stream wait on its copy event inside ``on_layer``, so nothing later in this layer is
-        enqueued before that wait, and the adapter adds no synchronisation of its own.
+        norm, which overwrites the buffer ``hidden`` is a view of. A capture must take what it keeps before
+        the compute stream's next kernel: the saver copies the rows on the compute stream itself, inside
+        ``on_layer`` (then moves the copy to host on its own stream), so the adapter adds no synchronisation
+        of its own.
         """
         model = self._model
         layer_fn, qkv_fn, attn_fn = getattr(model, self._layer_method), model.qkv.forward, model.attn.forward

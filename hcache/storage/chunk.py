@@ -103,8 +103,8 @@ def _header(entries: dict, data_start: int, key: str, tokens: list[int], fingerp
 
 class ChunkImage:
     """A chunk's image in host memory (``data``: a uint8 tensor, a host-pool slot's view): its tensors are
-    views of it. ``key``/``tokens`` are set when the chunk is sealed (saved) or parsed (loaded); ``slot`` is
-    the host-pool slot that holds it, if one does."""
+    views of it. ``key``/``tokens`` are set when the chunk is published (saved) or parsed (loaded); ``slot``
+    is the host-pool slot that holds it, if one does."""
 
     def __init__(
         self, data: torch.Tensor, layout: ChunkLayout, fingerprint: str, key: str = "", tokens: list[int] | None = None,
@@ -114,6 +114,7 @@ class ChunkImage:
             raise ValueError(f"a chunk image of {layout.nbytes} bytes does not fit in {len(data)}")
         self.data, self.layout, self.fingerprint = data, layout, fingerprint
         self.key, self.tokens, self.slot = key, tokens, slot
+        self._views: dict[tuple[int, str], torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -127,9 +128,13 @@ class ChunkImage:
         return (layer, fmt) in self.layout.entries
 
     def tensor(self, layer: int, fmt: str) -> torch.Tensor:
-        """The ``[64, *row]`` rows of one layer and format, in place."""
-        e = self.layout.entries[(layer, fmt)]
-        return self.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+        """The ``[64, *row]`` rows of one layer and format, in place (a view made once: the saver asks for
+        it every decode step)."""
+        view = self._views.get((layer, fmt))
+        if view is None:
+            e = self.layout.entries[(layer, fmt)]
+            view = self._views[(layer, fmt)] = self.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+        return view
 
     def seal(self, key: str | None = None, tokens: list[int] | None = None) -> None:
         """Write the header (checksums of the rows as they are now), naming the chunk first if ``key`` is
@@ -187,6 +192,8 @@ def _parse_header(head: bytes, key: str) -> tuple[ChunkLayout, dict]:
             raise ValueError("bad header length")
         header = json.loads(head[8 : 8 + header_len])
         meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise ValueError("metadata is not a map of strings")
         data_start, entries, end = 8 + header_len, {}, 0
         for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
             layer, fmt = name[1:].split(".", 1)

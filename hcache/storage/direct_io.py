@@ -104,10 +104,13 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 def read_file(path: Path, out: memoryview, length: int, direct: bool) -> None:
     """Read the whole ``length``-byte file into ``out`` with one request where it can (``out`` holds at least
-    ``length`` rounded up to a block); raises OSError if it is shorter."""
+    ``length`` rounded up to a block); raises FileNotFoundError if the file is no longer that long (replaced
+    meanwhile), OSError if it cannot be read."""
     out = memoryview(out).cast("B")
     fd, direct = open_fd(path, os.O_RDONLY, direct and len(out) >= _round_up(length) and _aligned(out[: _round_up(length)]))
     try:
+        if os.fstat(fd).st_size != length:  # replaced since its length was looked up: not the file asked for
+            raise FileNotFoundError(errno.ENOENT, f"{path} was replaced while being opened")
         want = _round_up(length) if direct else length
         done = 0
         while done < length:

@@ -56,7 +56,8 @@ def _release_all(releases: list) -> None:
 
 
 class StoreFull(OSError):
-    """The quota cannot take a chunk because pinned chunks hold the space (the saver skips that chunk)."""
+    """The quota cannot take a chunk because pinned chunks hold the space (the chunk is not written to disk;
+    the host tier keeps it in memory)."""
 
     def __init__(self, message: str):
         super().__init__(errno.ENOSPC, message)
@@ -214,7 +215,7 @@ class DiskChunkStore:
         return self.dirs[dir_index] / "chunks" / key[:2] / f"{key}{_SUFFIX}"
 
     def contains(self, key: str) -> bool:
-        """Whether the chunk is stored; a hit counts as a use (LRU and TTL), as the saver's dedup is one."""
+        """Whether the chunk is stored; a hit counts as a use (LRU and TTL): a restore's lookup is one."""
         with self._lock:
             if self._lookup(key) is None:
                 return False

@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -26,6 +27,13 @@ from .chunk import Chunk, ChunkImage, ChunkInvalid, ChunkLayout
 from .chunk_store import ChunkStore
 
 log = logging.getLogger(__name__)
+
+
+class HostPoolFull(OSError):
+    """A chunk cannot be loaded: the pool is held by chunks in use. It is kept on disk; the prefix ends."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOMEM, message)
 
 DEFAULT_READERS = min(8, os.cpu_count() or 1)
 DEFAULT_WRITERS = 2
@@ -104,20 +112,25 @@ class HostTier:
             except BaseException as exc:
                 future.set_exception(exc)
 
-        if self._readers is not None:
-            self._readers.submit(task)
-        else:
+        if self._readers is None:
             task()
+            return future
+        try:
+            self._readers.submit(task)
+        except RuntimeError as exc:  # shut down: nobody may wait on this future forever
+            with self._cond:
+                if self._loading.get(args[0]) is future:
+                    del self._loading[args[0]]
+            future.set_exception(exc)
         return future
 
     def _load(self, key: str) -> ChunkImage | None:
         taken: list[Slot] = []
 
-        def take(size: int) -> memoryview | None:
-            slot = self._alloc(size, wait=False)
+        def take(size: int) -> memoryview:
+            slot = self._alloc(size, wait=True)
             if slot is None:
-                log.info("host pool full of chunks in use: chunk %s is not loaded", key)
-                return None
+                raise HostPoolFull(f"the host pool ({self.pool.capacity} bytes) is held by chunks in use; raise host_bytes")
             taken.append(slot)
             return self.pool.buffer(slot)
 
@@ -129,7 +142,7 @@ class HostTier:
             with self._cond:
                 self._loading.pop(key, None)
             if isinstance(exc, ChunkInvalid):
-                self.discard(key)
+                self.disk.discard(key)  # not the pool's copy: one published meanwhile is not this file
             raise
         with self._cond:
             self._loading.pop(key, None)
@@ -178,13 +191,12 @@ class HostTier:
         plan) is replaced."""
         image.key, image.tokens = key, list(tokens)
         with self._cond:
-            held = self._index.get(key)
-            if held is not None and held.names >= image.names:
-                self._index.move_to_end(key)
-                self._drop_ref(image)
+            if self._keeps(key, image):
                 return
         on_disk = self.disk.names(key) if self.disk.contains(key) else None
         with self._cond:
+            if self._keeps(key, image):  # published by another sequence meanwhile
+                return
             old = self._index.pop(key, None)
             if old is not None and old.slot.refs == 0:
                 self.pool.free(old.slot)
@@ -193,7 +205,13 @@ class HostTier:
                 self._drop_ref(image)  # the disk has it already: resident, nothing to write
                 return
             self._writebacks += 1
-        self._writers.submit(self._write_back, image)
+        try:
+            self._writers.submit(self._write_back, image)
+        except RuntimeError:  # shut down: the chunk stays in memory only
+            with self._cond:
+                self._writebacks -= 1
+                self._drop_ref(image)
+                self._cond.notify_all()
 
     def put(self, chunk: Chunk) -> bool:
         """Save a chunk given as tensors (tools, benchmarks), as the saver would; False if the pool has no room."""
@@ -206,8 +224,21 @@ class HostTier:
         self.publish(image, chunk.key, chunk.tokens)
         return True
 
+    def _keeps(self, key: str, image: ChunkImage) -> bool:
+        """With the lock held: whether the pool holds ``key`` with every tensor ``image`` has (then
+        ``image`` is given back)."""
+        held = self._index.get(key)
+        if held is None or not held.names >= image.names:
+            return False
+        self._index.move_to_end(key)
+        self._drop_ref(image)
+        return True
+
     def _write_back(self, image: ChunkImage) -> None:
         try:
+            with self._cond:
+                if self._index.get(image.key) is not image:
+                    return  # replaced (healed) or discarded since: its write would undo that
             image.seal()  # checksums here, off the saver's path: the rows no longer change
             self.disk.put(image.key, self.pool.buffer(image.slot), image.nbytes)
         except Exception as exc:  # ENOSPC, EIO, a full quota: the chunk stays in memory, serving goes on

@@ -38,7 +38,9 @@ TensorSpec = tuple[int, str, tuple[int, ...], torch.dtype]  # layer, format, row
 
 @dataclass
 class _Chunk:
-    image: ChunkImage | None  # None: the pool had no room; this chunk is not saved
+    index: int  # in the sequence
+    image: ChunkImage | None  # None: not saved (the pool had no room, or its first rows were restored)
+    expected: int = 0  # the row the next computed rows of this chunk must start at
     filled: int = 0  # rows that have landed
 
 
@@ -46,25 +48,36 @@ class _Chunk:
 class _Sequence:
     chain: KeyChain
     chunks: dict[int, _Chunk] = field(default_factory=dict)  # by the chunk's index in the sequence
-    in_flight: list[Future] = field(default_factory=list)  # stage-2 work of batches not yet landed (GPU)
+    in_flight: list[Future] = field(default_factory=list)  # stage 2 of batches not yet landed (GPU)
     broken: bool = False  # a forward pass failed mid-batch: its rows are incomplete, publish nothing more
 
 
 @dataclass
-class _Placement:
-    seq: _Sequence
-    row: int  # first row of the segment in the batch
-    pos: int  # its first token's position in the sequence
-    length: int
+class _Piece:
+    """One segment's rows in one chunk: ``n`` rows from batch row ``row`` to chunk row ``offset``."""
 
-    def pieces(self):
-        """``(chunk index, offset in the chunk, batch row, rows)`` of each chunk the segment reaches."""
-        pos, row, left = self.pos, self.row, self.length
-        while left:
-            index, offset = divmod(pos, CHUNK_TOKENS)
-            n = min(left, CHUNK_TOKENS - offset)
-            yield index, offset, row, n
-            pos, row, left = pos + n, row + n, left - n
+    seq: _Sequence
+    chunk: _Chunk
+    offset: int
+    row: int
+    n: int
+
+
+@dataclass
+class _Batch:
+    pieces: list[_Piece]
+    dead: list[_Chunk]  # chunks that can no longer fill: given back once this batch's copies have landed
+    delivered: set[tuple[int, str]] = field(default_factory=set)  # (layer, format) the forward handed over
+    on_device: bool = False
+
+
+def _split(pos: int, row: int, length: int):
+    """``(chunk index, offset in the chunk, batch row, rows)`` of each chunk a segment reaches."""
+    while length:
+        index, offset = divmod(pos, CHUNK_TOKENS)
+        n = min(length, CHUNK_TOKENS - offset)
+        yield index, offset, row, n
+        pos, row, length = pos + n, row + n, length - n
 
 
 class ChunkSaver:
@@ -80,9 +93,9 @@ class ChunkSaver:
         self.chunks_published = 0
         self._tensors = tensors
         self._layouts: dict[frozenset[str], ChunkLayout] = {}
+        self._names = {(layer, fmt) for layer, fmt, *_ in tensors}
         self._seqs: dict[int, _Sequence] = {}
-        self._batch: list[_Placement] | None = None
-        self._staged: list[tuple[int, str, torch.Tensor]] = []  # GPU: (layer, format, device snapshot)
+        self._batch: _Batch | None = None
         self._lock = threading.Lock()
         self._stage2: ThreadPoolExecutor | None = None  # made on the first GPU batch
         self._save_stream = None
@@ -114,11 +127,8 @@ class ChunkSaver:
             return
         for f in seq.in_flight:
             f.result()
-        with self._lock:
-            for c in seq.chunks.values():
-                if c.image is not None:
-                    self.tier.abandon(c.image)
-            seq.chunks.clear()
+        self._give_back(list(seq.chunks.values()))
+        seq.chunks.clear()
 
     def shutdown(self) -> None:
         """Drain, drop every open sequence and stop the stage-2 thread."""
@@ -129,86 +139,123 @@ class ChunkSaver:
 
     # ---- stage 1: called by the engine's forward ------------------------------------------------------
     def begin_batch(self, segments: list[Segment]) -> None:
+        """Give every chunk the batch's rows reach a slot. A chunk whose next computed rows do not start
+        where its last ones ended had rows restored in between: it never fills, so its slot goes back."""
         self._abort_unfinished_batch()
-        placements = [_Placement(self._seqs[s.uid], s.row, s.start, s.length) for s in segments if s.uid in self._seqs]
-        for p in placements:
-            for index, offset, _, _ in p.pieces():
-                if index not in p.seq.chunks:  # one that starts mid-chunk was restored, not computed: it never fills
+        pieces, dead = [], []
+        for s in segments:
+            seq = self._seqs.get(s.uid)
+            if seq is None:
+                continue
+            for c in list(seq.chunks.values()):  # stopped short of this segment: the rest was restored
+                if c.expected < CHUNK_TOKENS and c.index * CHUNK_TOKENS + c.expected < s.start:
+                    dead.append(seq.chunks.pop(c.index))
+            for index, offset, row, n in _split(s.start, s.row, s.length):
+                chunk = seq.chunks.get(index)
+                if chunk is not None and chunk.expected != offset:
+                    dead.append(seq.chunks.pop(index))
+                    chunk = None
+                if chunk is None:
                     image = self.tier.create(self._layout(index), self.fingerprint) if offset == 0 else None
-                    p.seq.chunks[index] = _Chunk(image)
-        self._batch = placements or None
+                    chunk = seq.chunks[index] = _Chunk(index, image, expected=offset)
+                chunk.expected = offset + n
+                pieces.append(_Piece(seq, chunk, offset, row, n))
+        self._batch = _Batch(pieces, dead) if pieces or dead else None
 
     def on_layer(self, layer: int, rows: dict[str, torch.Tensor]) -> None:
-        if self._batch is None:
+        batch = self._batch
+        if batch is None:
             return
         for fmt, t in rows.items():
-            if t.is_cuda:
-                self._staged.append((layer, fmt, t.clone()))  # on the compute stream: the engine may reuse t
-            else:
-                self._copy(self._batch, layer, fmt, t)
+            batch.delivered.add((layer, fmt))
+            if not t.is_cuda:
+                self._copy(batch, layer, fmt, t)
+                continue
+            # A copy on the device, on the compute stream (the engine may reuse t in the next layer); the
+            # copies into the pinned slots go on the save stream, which the forward never waits for.
+            snapshot = t.clone()
+            if self._save_stream is None:
+                self._save_stream = torch.cuda.Stream(t.device)
+                self._stage2 = ThreadPoolExecutor(1, thread_name_prefix="hcache-saver")
+            self._save_stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self._save_stream):
+                self._copy(batch, layer, fmt, snapshot)
+            snapshot.record_stream(self._save_stream)  # its memory is reused only once the copies are done
+            batch.on_device = True
 
     def end_batch(self) -> None:
         batch, self._batch = self._batch, None
-        staged, self._staged = self._staged, []
         if batch is None:
             return
-        if not staged:
+        if batch.pieces and batch.delivered != self._names:  # a capture that skipped a layer: its rows are not all there
+            log.error("saver: a forward pass handed over %d of %d layer tensors; its chunks are not saved",
+                      len(batch.delivered & self._names), len(self._names))  # fmt: skip
+            for p in batch.pieces:
+                p.seq.broken = True
+        if not batch.on_device:
             self._land(batch)
             return
-        if self._stage2 is None:
-            self._stage2 = ThreadPoolExecutor(1, thread_name_prefix="hcache-saver")
-            self._save_stream = torch.cuda.Stream(staged[0][2].device)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(staged[0][2].device))
-        future = self._stage2.submit(self._copy_on_save_stream, batch, staged, ready)
-        for p in batch:
-            p.seq.in_flight = [f for f in p.seq.in_flight if not f.done()] + [future]
+        landed = torch.cuda.Event()
+        landed.record(self._save_stream)
+        future = self._stage2.submit(self._land_when, landed, batch)
+        for seq in {id(p.seq): p.seq for p in batch.pieces}.values():
+            seq.in_flight = [f for f in seq.in_flight if not f.done()] + [future]
 
     def _abort_unfinished_batch(self) -> None:
         """A batch that began but never ended (its forward raised) publishes nothing; nor do its sequences."""
-        if self._batch is not None:
-            for p in self._batch:
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            for p in batch.pieces:
                 p.seq.broken = True
-            self._batch, self._staged = None, []
+            self._give_back(batch.dead)
 
     # ---- the copies and stage 2 -----------------------------------------------------------------------
-    def _copy(self, batch: list[_Placement], layer: int, fmt: str, src: torch.Tensor) -> None:
-        for p in batch:
-            for index, offset, row, n in p.pieces():
-                image = p.seq.chunks[index].image
-                if image is not None and image.has(layer, fmt):
-                    image.tensor(layer, fmt)[offset : offset + n].copy_(src[row : row + n], non_blocking=True)
+    def _copy(self, batch: _Batch, layer: int, fmt: str, src: torch.Tensor) -> None:
+        dst, rows = [], []
+        for p in batch.pieces:
+            image = p.chunk.image
+            if image is not None and image.has(layer, fmt):
+                dst.append(image.tensor(layer, fmt)[p.offset : p.offset + p.n])
+                rows.append(src[p.row : p.row + p.n])
+        if dst:
+            torch._foreach_copy_(dst, rows, non_blocking=True)  # one call for the batch's pieces
 
-    def _copy_on_save_stream(self, batch: list[_Placement], staged: list[tuple[int, str, torch.Tensor]], ready) -> None:
+    def _land_when(self, landed: torch.cuda.Event, batch: _Batch) -> None:
         try:
-            with torch.cuda.stream(self._save_stream):
-                self._save_stream.wait_event(ready)
-                for layer, fmt, snapshot in staged:
-                    self._copy(batch, layer, fmt, snapshot)
-                landed = torch.cuda.Event()
-                landed.record(self._save_stream)
             landed.synchronize()
             self._land(batch)
         except Exception:
             log.exception("saver: copying a batch's rows failed; its chunks are not saved")
-            for p in batch:
+            for p in batch.pieces:
                 p.seq.broken = True
 
-    def _land(self, batch: list[_Placement]) -> None:
-        """The batch's rows are in their slots: count them, and publish every chunk now complete."""
+    def _land(self, batch: _Batch) -> None:
+        """The batch's rows are in their slots: count them, publish every chunk now complete, and give back
+        the slots of chunks that can no longer fill."""
         with self._lock:
-            for p in batch:
-                if p.seq.broken:
+            for p in batch.pieces:
+                chunk = p.chunk
+                chunk.filled += p.n
+                if chunk.filled < CHUNK_TOKENS or p.seq.broken or p.seq.chunks.get(chunk.index) is not chunk:
                     continue
-                for index, _, _, n in p.pieces():
-                    chunk = p.seq.chunks[index]
-                    chunk.filled += n
-                    named = p.seq.chain.chunk(index)
-                    if chunk.filled == CHUNK_TOKENS and named is not None:
-                        del p.seq.chunks[index]
-                        if chunk.image is not None:
-                            self.tier.publish(chunk.image, *named)
-                            self.chunks_published += 1
+                del p.seq.chunks[chunk.index]
+                if chunk.image is not None:
+                    self.tier.publish(chunk.image, *p.seq.chain.chunk(chunk.index))  # keyed before the forward
+                    self.chunks_published += 1
+        self._give_back(batch.dead)
+
+    def _give_back(self, chunks: list[_Chunk]) -> None:
+        """Return unpublished chunks' slots, once no copy into them can still be running."""
+        chunks = [c for c in chunks if c.image is not None]
+        if not chunks:
+            return
+        if self._save_stream is not None:
+            self._save_stream.synchronize()
+        with self._lock:
+            for c in chunks:
+                if c.image is not None:
+                    self.tier.abandon(c.image)
+                    c.image = None
 
     def _layout(self, index: int) -> ChunkLayout:
         stored = [t for t in self._tensors if self.stores(index, t[1])]

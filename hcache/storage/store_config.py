@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import StorageError
-from ..transfer.host_pool import HostPool
+from ..transfer.host_pool import PAGE, HostPool, round_up
 from .disk_store import DiskChunkStore
 from .host_tier import DEFAULT_READERS, DEFAULT_WRITERS, HostTier
 
@@ -30,11 +30,12 @@ class StoreConfig:
     writers: int = DEFAULT_WRITERS
 
     def check(self, chunk_bytes: int) -> None:
-        """Refuse options that cannot hold a chunk of ``chunk_bytes``, before anything is opened."""
+        """Refuse options that cannot hold a chunk file of ``chunk_bytes``, before anything is opened."""
         if self.quota_bytes is not None and self.quota_bytes < chunk_bytes:
             raise StorageError(f"quota_bytes={self.quota_bytes} is smaller than one chunk ({chunk_bytes} bytes)")
-        if self.host_bytes < chunk_bytes:
-            raise StorageError(f"host_bytes={self.host_bytes} is smaller than one chunk ({chunk_bytes} bytes)")
+        slot = round_up(chunk_bytes)
+        if self.host_bytes // PAGE * PAGE < slot:
+            raise StorageError(f"host_bytes={self.host_bytes} is smaller than one chunk's slot ({slot} bytes)")
         if self.writers < 1:
             raise StorageError(f"writers must be at least 1, not {self.writers}")
 

@@ -1,10 +1,10 @@
 """Host-to-device copies for a restore: on a GPU they run on one side stream (the copy engines), and per-layer
 done events are the contract with the compute stream, which waits on a layer's event and nothing else.
 
-The stream and the events are made once per copier and reused by every restore; an event is re-recorded
-only after the compute stream has been told to wait on it (CUDA captures an event's state when the wait
-is enqueued), so ``depth`` layers may be in flight with ``depth + 1`` events. On a CPU the copies run
-inline and there are no events.
+The stream and the events are made once per copier and reused by every restore. With at most ``depth``
+layers in flight and ``depth + 1`` events, an event is re-recorded only after the compute stream has been
+told to wait on it, if it is ever waited on (CUDA captures an event's state when the wait is enqueued). On
+a CPU the copies run inline and there are no events.
 """
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ class Copier:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._events = [torch.cuda.Event() for _ in range(self.depth + 1)] if self.cuda else []
         self._next = 0
+
+    def follow(self) -> None:
+        """Order later copies after the work already queued on the compute stream (a restore's blocks were
+        just allocated there: kernels queued earlier may still use them)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     @contextmanager
     def side_stream(self):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import weakref
 
 import torch
 
@@ -19,6 +20,15 @@ PAGE = 4096
 
 def round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
+
+
+def _register(owner: object, arena: torch.Tensor) -> None:
+    """Page-lock ``arena`` for DMA to the GPU while ``owner`` lives (unregistering does not free it)."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cannot pin a host pool of {arena.numel()} bytes (cudaHostRegister error {int(err)})")
+    weakref.finalize(owner, cudart.cudaHostUnregister, arena.data_ptr())
 
 
 class Slot:
@@ -39,11 +49,10 @@ class HostPool:
         if capacity <= 0:
             raise ValueError(f"a host pool needs at least one page ({PAGE} bytes), not {capacity_bytes}")
         self.capacity, self.pinned = capacity, pin
-        if pin:
-            self.arena = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)  # cudaHostAlloc: page-aligned
-        else:
-            raw = torch.empty(capacity + PAGE, dtype=torch.uint8)  # untouched pages cost nothing until used
-            self.arena = raw[(-raw.data_ptr()) % PAGE :][:capacity]
+        raw = torch.empty(capacity + PAGE, dtype=torch.uint8)  # untouched pages cost nothing until used
+        self.arena = raw[(-raw.data_ptr()) % PAGE :][:capacity]
+        if pin:  # registered in place: torch's pinned allocator would round the size up to a power of two
+            _register(self, self.arena)
         self._lock = threading.Lock()
         self._free: list[list[int]] = [[0, capacity]]  # [start, length], sorted by start, coalesced
         self._slots: list[Slot | None] = []
