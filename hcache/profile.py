@@ -28,7 +28,7 @@ from .plan import Method, RestorePlan
 from .scheduler import LayerCosts, partition
 
 # Bump when what is measured, or how, changes: older profiles are then stale.
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: I/O measured as whole chunks loaded into the host pool, then copied out per layer
 COST_NAMES = ("c_token", "c_h", "c_kv", "io_h", "io_kv")
 TP_COST_NAMES = ("ag_h",)  # measured only with tensor parallelism; 0 without
 
