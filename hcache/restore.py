@@ -85,7 +85,8 @@ def restore_prefix(
         if agreed and plan.count(Method.RE):
             engine.recompute_layers(uid, tokens[held : end(agreed)], plan.count(Method.RE))
         fallback = _elsewhere(agreed) if agreed < present else None
-        fallback = _verify(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec) or fallback
+        verified = _verify(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec)
+        fallback = verified or fallback
         n = len(images)
         jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if agreed else []
         if n or tp.world_size > 1:  # with TP, the other ranks still gather this rank's rows of the H layers
@@ -94,7 +95,8 @@ def restore_prefix(
         if restored < n:
             fallback = fallback or _elsewhere(restored)
         engine.end_restore(uid, tokens[held : end(restored)])
-        used = sum(images[j].layout.entries[(layer, fmt)].nbytes for layer, fmt in jobs for j in _reading(tp, fmt, n, agreed, first) if j < n)
+        read = [(j, layer, fmt) for layer, fmt in jobs for j in _reading(tp, fmt, n, agreed, first) if j < n]
+        used = sum(images[j].layout.entries[(layer, fmt)].nbytes for j, layer, fmt in read)
         return RestoreOutcome(end(restored) - held, used, fallback)
     finally:
         copier.drain()  # no copy may still read a slot given back below

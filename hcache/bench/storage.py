@@ -2,8 +2,9 @@
 
 All three figures are measured side by side in one run on the same directories:
 - ``write_ratio``: chunk-store write throughput (published into the host pool, written back by
-  ``--threads`` writers straight from the slots: atomic publish, fsync, round-robin over the directories) over a raw sequential O_DIRECT write of the same bytes,
-  one large file per directory, fdatasync'd at the end.
+  ``--threads`` writers straight from the slots: atomic publish, fsync, round-robin over the directories)
+  over a raw sequential O_DIRECT write of the same bytes, one large file per directory, fdatasync'd at the
+  end.
 - ``read_ratio``: chunk-store read throughput (a restore of chunks not in memory: one O_DIRECT read per
   chunk into a host-pool slot, every checksum verified, by ``--threads`` readers) over a raw sequential
   O_DIRECT read of those large files.

@@ -88,7 +88,11 @@ class ChunkLayout:
 
 def _header(entries: dict, data_start: int, key: str, tokens: list[int], fingerprint: str, sums: dict[str, str]) -> bytes:
     header = {
-        _name(*k): {"dtype": _NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [e.offset - data_start, e.offset - data_start + e.nbytes]}
+        _name(*k): {
+            "dtype": _NAMES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [e.offset - data_start, e.offset - data_start + e.nbytes],
+        }
         for k, e in entries.items()
     }
     header["__metadata__"] = {
@@ -225,7 +229,8 @@ def encode(chunk: Chunk) -> bytes:
 
 def decode(data: bytes, key: str) -> Chunk:
     """A chunk file's contents, verified (tools and tests)."""
-    image = ChunkImage.parse(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8), key, len(data))
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    image = ChunkImage.parse(buffer, key, len(data))
     tensors = {k: image.tensor(*k).clone() for k in image.layout.entries}
     return Chunk(key, image.tokens, image.fingerprint, tensors)
 

@@ -9,8 +9,9 @@
 - **Capacity.** The pool is bounded; the least recently used chunk that nobody references is evicted to
   make room (it is on disk already, or its write failed and it is simply lost). A referenced slot (a restore
   reads it, a write-back writes it, the saver fills it) is never evicted or reused. When the pool is full of
-  chunks still being written back, the saver waits for them (a counted stall); when nothing in flight can
-  free room, the chunk is not saved (counted) and serving goes on.
+  chunks still being written back, the saver and loads wait for them (counted stalls); when nothing in
+  flight can free room, a chunk being saved is not saved and one being loaded is not loaded (the restore
+  ends there), both counted, and serving goes on.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class HostPoolFull(OSError):
 
     def __init__(self, message: str):
         super().__init__(errno.ENOMEM, message)
+
 
 DEFAULT_READERS = min(8, os.cpu_count() or 1)
 DEFAULT_WRITERS = 2

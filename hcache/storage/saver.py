@@ -87,8 +87,13 @@ class ChunkSaver:
     its key and tokens are on record."""
 
     def __init__(
-        self, tier: HostTier, fingerprint: str, tensors: list[TensorSpec], *, stores: Callable[[int, str], bool] = lambda chunk, fmt: True
-    ):  # fmt: skip
+        self,
+        tier: HostTier,
+        fingerprint: str,
+        tensors: list[TensorSpec],
+        *,
+        stores: Callable[[int, str], bool] = lambda chunk, fmt: True,
+    ):
         self.tier, self.fingerprint, self.stores = tier, fingerprint, stores
         self.chunks_published = 0
         self._tensors = tensors
