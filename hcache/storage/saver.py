@@ -11,8 +11,8 @@ so the forward never waits for PCIe.
 Stage 2, bookkeeping. Once a batch's copies have landed (at once on a CPU; after the save stream's event on
 a GPU, on a stage-2 thread), every chunk whose 64 rows are all there is published: restorable from memory
 at once, written back to disk in the background. Only full chunks are stored; a finished sequence's
-trailing partial chunk is dropped, and a chunk whose first rows were restored rather than computed never
-fills (it is stored already). A stored chunk is immutable.
+trailing partial chunk is dropped, and a chunk some of whose rows were restored rather than computed never
+fills (it is stored already): its slot goes back as soon as that is known. A stored chunk is immutable.
 
 A chunk's key comes from the sequence's key chain, which the serving engine owns: the saver reads it.
 """
@@ -97,7 +97,7 @@ class ChunkSaver:
         self.tier, self.fingerprint, self.stores = tier, fingerprint, stores
         self.chunks_published = 0
         self._tensors = tensors
-        self._layouts: dict[frozenset[str], ChunkLayout] = {}
+        self._layouts: dict[frozenset[tuple[int, str]], ChunkLayout] = {}
         self._names = {(layer, fmt) for layer, fmt, *_ in tensors}
         self._seqs: dict[int, _Sequence] = {}
         self._batch: _Batch | None = None
