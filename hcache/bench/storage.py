@@ -196,7 +196,7 @@ def _save_overhead(args: argparse.Namespace) -> dict:
         "step_ms_on": statistics.median(steps[True]) * 1e3,
         "step_ms_off": statistics.median(steps[False]) * 1e3,
         "saver_stalls": stalls,
-        "saver_chunks_written": written,
+        "saver_chunks_published": written,
         "decode": {
             "model": args.model,
             "batch": args.batch,
