@@ -17,7 +17,7 @@ import torch
 from .engine.interface import Engine
 from .model_spec import ModelSpec
 from .plan import Method, RestorePlan
-from .storage.chunk import ChunkImage, ChunkInvalid
+from .storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from .storage.chunk_key import CHUNK_TOKENS
 from .storage.host_tier import HostTier
 from .tensor_parallel import SINGLE, TPGroup
@@ -121,7 +121,8 @@ def _restore_layers(
     """Each stored layer's rows from the pool into the engine: KV copied into the paged cache, H copied to
     the device and projected. Copies run ``copier.depth`` layers ahead of the compute."""
     n, spec = len(images), engine.spec
-    filler = torch.zeros(CHUNK_TOKENS, spec.hidden_size, dtype=getattr(torch, spec.dtype))
+    dtype = getattr(torch, spec.dtype)
+    filler = torch.zeros(CHUNK_TOKENS, spec.hidden_size, dtype=dtype) if tp.world_size > 1 else None  # TP only
 
     def stage(layer: int, fmt: str):
         with copier.side_stream():
@@ -145,7 +146,7 @@ def _restore_layers(
         if fmt == Method.H.value:
             copier.wait(last, *([rows] if rows is not None else []))
             if rows is None:
-                rows = torch.empty(0, spec.hidden_size, dtype=filler.dtype, device=engine.device)
+                rows = torch.empty(0, spec.hidden_size, dtype=dtype, device=engine.device)
             rows = tp.gather_hidden(rows, agreed, first)[held:stop]  # collective: every rank gathers
             if len(rows):
                 engine.restore_from_hidden(uid, layer, rows)
@@ -159,32 +160,43 @@ def _verify(
     """Append to ``images`` the fetched chunks, in order, up to the first that is missing, bad, or short of
     a format the plan restores from; why the prefix ends there, if it ends early for a reason."""
     stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
+    shapes, dtype = row_shapes(spec), getattr(torch, spec.dtype)
+    # The tensors a chunk must hold, by which TP rank owns its H; chunks share a few layouts, each checked once.
+    needs = [{(layer, fmt) for layer, fmt in stored if tp.stores(r, fmt)} for r in range(tp.world_size)]
+    checked: dict[tuple, tuple[str | None, list[str]]] = {}
     for j, (key, f) in enumerate(zip(keys, fetches)):
         try:
             image = f.result()
             if image is None:
                 return None  # gone since the lookup (evicted or deleted): the prefix ends here
             image.check(tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
-            _check_shapes(image, stored, spec)
+            r = (first + j) % tp.world_size
+            if (image.layout.signature, r) not in checked:
+                checked[(image.layout.signature, r)] = _layout_problems(image.layout, needs[r], shapes, dtype)
+            wrong, missing = checked[(image.layout.signature, r)]
+            if wrong is not None:
+                raise ChunkInvalid(f"chunk {key}: {wrong}")
         except (ChunkInvalid, OSError) as exc:
             return _reject(tier, key, j, exc)
-        missing = {(layer, fmt) for layer, fmt in stored if tp.stores(first + j, fmt)} - set(image.layout.entries)
         if missing:
-            reason = f"chunk {key} was saved without {sorted({f for _, f in missing})} state that plan {plan} needs"
+            reason = f"chunk {key} was saved without {missing} state that plan {plan} needs"
             log.info("%s; recomputing from token %d", reason, j * CHUNK_TOKENS)
             return reason
         images.append(image)
     return None
 
 
-def _check_shapes(image: ChunkImage, stored: set[tuple[int, str]], spec: ModelSpec) -> None:
-    """Refuse a tensor of another shape or dtype than the model's: a copy would broadcast or convert it."""
-    shapes, dtype = row_shapes(spec), getattr(torch, spec.dtype)
-    for layer, fmt in stored & set(image.layout.entries):
-        entry = image.layout.entries[(layer, fmt)]
+def _layout_problems(
+    layout: ChunkLayout, need: set[tuple[int, str]], shapes: dict, dtype: torch.dtype
+) -> tuple[str | None, list[str]]:
+    """Why a chunk of ``layout`` cannot serve ``need``: a tensor of another shape or dtype than the model's
+    (a copy would broadcast or convert it: the chunk is bad), and the formats it lacks (it is merely short)."""
+    for layer, fmt in sorted(need & set(layout.entries)):
+        entry = layout.entries[(layer, fmt)]
         if entry.shape != (CHUNK_TOKENS, *shapes[fmt]) or entry.dtype != dtype:
-            raise ChunkInvalid(f"chunk {image.key}: L{layer}.{fmt} is {list(entry.shape)} {entry.dtype}, the model's is "
-                               f"{[CHUNK_TOKENS, *shapes[fmt]]} {dtype}")  # fmt: skip
+            want = [CHUNK_TOKENS, *shapes[fmt]]
+            return f"L{layer}.{fmt} is {list(entry.shape)} {entry.dtype}, the model's is {want} {dtype}", []
+    return None, sorted({fmt for _, fmt in need - set(layout.entries)})
 
 
 def _elsewhere(n: int) -> str:

@@ -248,7 +248,7 @@ class ReferenceEngine:
     @torch.no_grad()
     def restore_kv(self, uid: int, layer: int, kv: torch.Tensor, start: int = 0) -> None:
         """KV: copy saved rows (K already rotated) into the cache, one copy per run of consecutive slots."""
-        write_kv_rows(self.cache.layers[layer], self._restoring[uid][2], kv.to(self.dtype), start)
+        write_kv_rows(self.cache.layers[layer], self._restoring[uid][2], kv, start)
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks."""

@@ -69,6 +69,8 @@ class ChunkLayout:
     def __init__(self, entries: dict[tuple[int, str], TensorEntry], data_start: int):
         self.entries, self.data_start = entries, data_start
         self.nbytes = data_start + sum(e.nbytes for e in entries.values())
+        # What a restore checks of a chunk's tensors, so it checks each distinct layout once.
+        self.signature = frozenset((k, e.shape, e.dtype) for k, e in entries.items())
 
     @classmethod
     def plan(cls, tensors: list[tuple[int, str, tuple[int, ...], torch.dtype]], fingerprint: str) -> "ChunkLayout":

@@ -11,8 +11,6 @@ from typing import Protocol
 
 
 class ChunkStore(Protocol):
-    bytes_written: int
-
     def contains(self, key: str) -> bool: ...
 
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:

@@ -16,13 +16,11 @@ import mmap
 import os
 from pathlib import Path
 
-ALIGN = 4096
+from ..transfer.host_pool import PAGE as ALIGN
+from ..transfer.host_pool import round_up as _round_up
+
 FILE_MODE = 0o600
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-def _round_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _private_buffer(size: int) -> mmap.mmap:

@@ -58,10 +58,6 @@ class HostTier:
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="hcache-load") if readers else None
         self._writers = ThreadPoolExecutor(writers, thread_name_prefix="hcache-writeback")
 
-    @property
-    def bytes_written(self) -> int:
-        return self.disk.bytes_written
-
     # ---- lookups --------------------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
         with self._cond:

@@ -104,6 +104,7 @@ class ChunkSaver:
         self._lock = threading.Lock()
         self._stage2: ThreadPoolExecutor | None = None  # made on the first GPU batch
         self._save_stream = None
+        self._events: list = []  # GPU: fired events, for the next batches to record
 
     @property
     def stalls(self) -> int:
@@ -200,7 +201,7 @@ class ChunkSaver:
         if not batch.on_device:
             self._land(batch)
             return
-        landed = torch.cuda.Event()
+        landed = self._events.pop() if self._events else torch.cuda.Event()
         landed.record(self._save_stream)
         future = self._stage2.submit(self._land_when, landed, batch)
         for seq in {id(p.seq): p.seq for p in batch.pieces}.values():
@@ -228,6 +229,7 @@ class ChunkSaver:
     def _land_when(self, landed: torch.cuda.Event, batch: _Batch) -> None:
         try:
             landed.synchronize()
+            self._events.append(landed)  # reused by a later batch: it has fired
             self._land(batch)
         except Exception:
             log.exception("saver: copying a batch's rows failed; its chunks are not saved")
