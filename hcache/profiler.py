@@ -142,7 +142,7 @@ def _io_time(fmt: str, rows: torch.Tensor, readers: int, copier: Copier, repeats
             data = encode(Chunk(key, [0] * CHUNK_TOKENS, _FINGERPRINT, {(layer, fmt): part for layer in range(_IO_LAYERS)}))
             disk.put(key, data)
             keys.append(key)
-        tier = HostTier(disk, HostPool(disk.used_bytes + (len(keys) + 1) * PAGE, pin=copier.cuda), readers=readers)
+        tier = HostTier([disk], HostPool(disk.used_bytes + (len(keys) + 1) * PAGE, pin=copier.cuda), readers=readers)
         scratch.callback(tier.close)
 
         def read_all() -> None:

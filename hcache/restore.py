@@ -73,9 +73,7 @@ def restore_prefix(
         return max(held, min(chunks * CHUNK_TOKENS, limit))
 
     first = engine.seen_tokens(uid) // CHUNK_TOKENS  # with TP, which rank stores a chunk's H depends on it
-    present = 0
-    while present < len(keys) and tier.contains(keys[present]):
-        present += 1
+    present = tier.stored_prefix(keys)
     fetches: list[Future] = []
     images: list[ChunkImage] = []
     try:

@@ -103,8 +103,8 @@ class _SaveCapture:
 class ServingEngine:
     """An :class:`~hcache.engine.interface.Engine` served through FastGen's interface, with a chunk store.
 
-    ``store_dir``: one directory or a list (one per SSD); ``None`` serves without a store (nothing is
-    restored or saved: the recompute baseline). ``plan``: ``None`` for the default, ``"auto"`` for the
+    ``store_dir``: one directory or a list (one per SSD); ``None``: no local disk, and with no shared
+    ``store.tiers`` either, no store at all (nothing is restored or saved: the recompute baseline). ``plan``: ``None`` for the default, ``"auto"`` for the
     profile's bubble-free plan for each sequence's restored history, a method name, or counts such as
     ``"2RE+20H+8KV"``. The default is ``"auto"`` when a ``profile`` is given (a :class:`Profile` or a path,
     refused if measured for another model or machine), otherwise H for MHA models and KV where KV is no
@@ -151,9 +151,10 @@ class ServingEngine:
         self.namespace = namespace
         self.request_log = Path(request_log) if request_log is not None else None
         self.store = self.saver = self._capture = None
-        self.save_formats = self._save_formats(save if store_dir is not None else "none")
+        stored = store_dir is not None or bool(store.tiers)
+        self.save_formats = self._save_formats(save if stored else "none")
         self.copier = None
-        if store_dir is not None:
+        if stored:
             self.copier = Copier(engine.device)
             shapes, dtype = row_shapes(self.spec), getattr(torch, self.spec.dtype)
             tensors = [(layer, f, shapes[f], dtype) for layer, fs in enumerate(self.save_formats) for f in sorted(fs)]
@@ -301,10 +302,7 @@ class ServingEngine:
         """The restored history the auto plan is chosen for (the module doc gives the rule): the tokens
         covered by the leading chunks of ``keys`` present in the store, or, when all are and the prompt's
         announced length goes further, up to that prompt's last full chunk."""
-        n = 0
-        while n < len(keys) and self.store.contains(keys[n]):
-            n += 1
-        n = self.tp.min(n)  # every rank must pick the same plan
+        n = self.tp.min(self.store.stored_prefix(keys))  # every rank must pick the same plan
         if n < len(keys):
             return n * CHUNK_TOKENS
         first = self.engine.seen_tokens(uid) // CHUNK_TOKENS  # the chunk ``keys`` start at

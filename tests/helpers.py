@@ -22,7 +22,7 @@ def corrupt_tensor(store, key: str, layer: int, fmt: str) -> None:
     host memory, so that the next restore reads the damaged file."""
     store.flush()
     store.drop_resident()
-    path = store.disk.path(key)
+    path = store.stores[0].path(key)
     data = bytearray(path.read_bytes())
     image = ChunkImage.parse(torch.frombuffer(data, dtype=torch.uint8), key, len(data), verify=False)
     data[image.layout.entries[(layer, fmt)].offset] ^= 0xFF

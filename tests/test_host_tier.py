@@ -15,28 +15,28 @@ from hcache.transfer.host_pool import PAGE, HostPool
 
 def _tier(path, chunks_in_pool: int, **kw) -> HostTier:
     size = -(-len(encode(chunk(0))) // PAGE) * PAGE
-    return HostTier(DiskChunkStore(path, fsync=False), HostPool(chunks_in_pool * size), **kw)
+    return HostTier([DiskChunkStore(path, fsync=False)], HostPool(chunks_in_pool * size), **kw)
 
 
 def test_a_saved_chunk_is_restorable_from_memory_before_its_disk_write_finishes(tmp_path, monkeypatch):
     tier = _tier(tmp_path, 4)
-    gate, put = threading.Event(), tier.disk.put
-    monkeypatch.setattr(tier.disk, "put", lambda *a: (gate.wait(), put(*a)))
+    gate, put = threading.Event(), tier.stores[0].put
+    monkeypatch.setattr(tier.stores[0], "put", lambda *a: (gate.wait(), put(*a)))
     publish(tier, chunk(0))
-    assert not tier.disk.contains(chunk(0).key) and tier.contains(chunk(0).key)  # still being written
+    assert not tier.stores[0].contains(chunk(0).key) and tier.contains(chunk(0).key)  # still being written
     image = tier.fetch(chunk(0).key).result(timeout=5)
     check_image(image, chunk(0))
     tier.release(image)
     gate.set()
     tier.flush()
-    check_served(tier.disk, chunk(0).key, chunk(0))
+    check_served(tier.stores[0], chunk(0).key, chunk(0))
     tier.close()
 
 
 def test_a_miss_is_loaded_from_disk_once_verified_and_then_served_from_memory(tmp_path):
     tier = _tier(tmp_path, 4, readers=2)
     for i in range(2):
-        tier.disk.put(*(chunk(i).key, encode(chunk(i))))
+        tier.stores[0].put(*(chunk(i).key, encode(chunk(i))))
     futures = [tier.fetch(chunk(0).key), tier.fetch(chunk(0).key), tier.fetch(chunk(1).key)]  # two of one key at once
     images = [f.result(timeout=5) for f in futures]
     assert images[0] is images[1] and images[0].slot.refs == 2
@@ -57,7 +57,7 @@ def test_a_corrupt_file_is_refused_when_it_enters_the_pool_and_discarded(tmp_pat
     tier = _tier(tmp_path, 4, readers=0)
     data = bytearray(encode(chunk(0)))
     data[-3] ^= 0xFF
-    tier.disk.put(chunk(0).key, bytes(data))
+    tier.stores[0].put(chunk(0).key, bytes(data))
     with pytest.raises(ChunkInvalid, match="checksum"):
         tier.fetch(chunk(0).key).result()
     assert not tier.contains(chunk(0).key) and tier.pool.used_bytes == 0  # dropped, slot given back
@@ -90,8 +90,8 @@ def test_lru_eviction_never_takes_a_referenced_slot(tmp_path):
 
 def test_a_pool_full_of_write_backs_stalls_the_saver_then_frees(tmp_path, monkeypatch):
     tier = _tier(tmp_path, 2)
-    gate, put = threading.Event(), tier.disk.put
-    monkeypatch.setattr(tier.disk, "put", lambda *a: (gate.wait(), put(*a)))
+    gate, put = threading.Event(), tier.stores[0].put
+    monkeypatch.setattr(tier.stores[0], "put", lambda *a: (gate.wait(), put(*a)))
     publish(tier, chunk(0))
     publish(tier, chunk(1))  # the pool is full of chunks being written back
     threading.Timer(0.3, gate.set).start()
@@ -100,7 +100,7 @@ def test_a_pool_full_of_write_backs_stalls_the_saver_then_frees(tmp_path, monkey
     tier.flush()
     assert sorted(tier.keys()) == sorted(chunk(i).key for i in range(3))
     for i in range(3):
-        check_served(tier.disk, chunk(i).key, chunk(i))
+        check_served(tier.stores[0], chunk(i).key, chunk(i))
     tier.close()
 
 
@@ -127,12 +127,12 @@ def test_a_chunk_saved_with_more_formats_replaces_one_with_fewer(tmp_path):
     image = tier.fetch(short.key).result()
     check_image(image, full)
     tier.release(image)
-    assert tier.disk.names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
+    assert tier.stores[0].names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
     publish(tier, short)  # fewer than what is stored: kept as it is
     tier.flush()
-    assert tier.disk.names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
+    assert tier.stores[0].names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
     tier.drop_resident()
     publish(tier, short)  # the same, when the full one is only on disk
     tier.flush()
-    assert tier.disk.names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
+    assert tier.stores[0].names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
     tier.close()

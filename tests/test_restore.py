@@ -79,7 +79,7 @@ def test_pipelined_restore_equals_sequential(tmp_path, rng, plan):
         runtime.store.flush()
         keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
         engine, plan = runtime.engine, runtime.resolve_plan(plan)
-        inline = HostTier(runtime.store.disk, HostPool(16 << 20), readers=0)
+        inline = HostTier(runtime.store.stores, HostPool(16 << 20), readers=0)
         runtime.store.drop_resident()
         for uid, tier in ((1, inline), (2, runtime.store), (3, runtime.store)):  # 3: from the pool
             outcome = restore_prefix(engine, tier, uid, prompt, keys, runtime.fingerprint, plan, Copier(engine.device, depth=2))
@@ -98,14 +98,14 @@ def test_io_errors_while_restoring_fall_back_to_recompute(tmp_path, rng, monkeyp
         keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
         runtime.store.flush()
         runtime.store.drop_resident()
-        read_into = runtime.store.disk.read_into
+        read_into = runtime.store.stores[0].read_into
 
         def failing_read(key, take):
             if key == keys[1]:
                 raise OSError(errno.EIO, "Input/output error")
             return read_into(key, take)
 
-        monkeypatch.setattr(runtime.store.disk, "read_into", failing_read)
+        monkeypatch.setattr(runtime.store.stores[0], "read_into", failing_read)
         discarded = []
         monkeypatch.setattr(runtime.store, "discard", discarded.append)
         result = runtime.generate(prompt, 6, plan="H")
@@ -117,7 +117,7 @@ def test_io_errors_while_restoring_fall_back_to_recompute(tmp_path, rng, monkeyp
         def refused(key, take):
             raise PermissionError(errno.EACCES, "Permission denied")
 
-        monkeypatch.setattr(runtime.store.disk, "read_into", refused)
+        monkeypatch.setattr(runtime.store.stores[0], "read_into", refused)
         result = runtime.generate(prompt, 6, plan="KV")
         assert result.restored_tokens == 0 and "Permission denied" in result.fallback
         assert result.output_ids == expected

@@ -24,14 +24,14 @@ def llama():
 
 def _store_digest(runtime: HCacheRuntime) -> dict[str, str]:
     runtime.store.flush()
-    return {key: hashlib.sha256(read_back(runtime.store.disk, key)).hexdigest() for key in runtime.store.keys()}
+    return {key: hashlib.sha256(read_back(runtime.store.stores[0], key)).hexdigest() for key in runtime.store.keys()}
 
 
 def _chunk_path(runtime: HCacheRuntime, key: str):
     """The chunk's file, once written back; evicted from the host pool, so that a restore reads the file."""
     runtime.store.flush()
     runtime.store.drop_resident()
-    return runtime.store.disk.path(key)
+    return runtime.store.stores[0].path(key)
 
 
 def test_conversations_sharing_a_system_prompt_share_its_chunks(smollm2, tmp_path):
@@ -96,7 +96,7 @@ def test_corrupt_chunk_is_logged_discarded_and_recomputed(stored, caplog, where)
     assert result.restored_tokens == 64 and result.output_ids == expected
     assert result.fallback and "recomputing from token 64" in caplog.text
     runtime.store.flush()
-    assert decode(read_back(runtime.store.disk, keys[1]), keys[1]).tokens == prompt[64:128]  # replaced by a good chunk
+    assert decode(read_back(runtime.store.stores[0], keys[1]), keys[1]).tokens == prompt[64:128]  # replaced by a good chunk
 
 
 def test_corruption_found_mid_restore_still_gives_exact_output(stored):
@@ -113,15 +113,15 @@ def test_state_of_another_model_is_never_served(stored, tmp_path, rng):
     runtime, prompt, keys, _ = stored
     other = load_model("random:llama")
     other.model = random_model("llama", seed=1)
-    runtime_b = HCacheRuntime(other, runtime.store.disk.root, save="none")
+    runtime_b = HCacheRuntime(other, runtime.store.stores[0].root, save="none")
     expected_b = runtime_b.generate(prompt, 8, restore=False, stop_token_ids=NO_STOP).output_ids
     assert runtime_b.fingerprint != runtime.fingerprint
     assert runtime_b.generate(prompt, 8, stop_token_ids=NO_STOP).restored_tokens == 0  # keys differ
     # Even a chunk filed under B's key is refused when its header names A's weights.
     key_b = chunk_keys(prompt[:64], root_key(runtime_b.fingerprint))[0]
     runtime.store.flush()
-    tensors = decode(read_back(runtime.store.disk, keys[0]), keys[0]).tensors
-    runtime.store.disk.put(key_b, encode(Chunk(key_b, prompt[:64], runtime.fingerprint, tensors)))
+    tensors = decode(read_back(runtime.store.stores[0], keys[0]), keys[0]).tensors
+    runtime.store.stores[0].put(key_b, encode(Chunk(key_b, prompt[:64], runtime.fingerprint, tensors)))
     result = runtime_b.generate(prompt, 8, plan="KV", stop_token_ids=NO_STOP)
     assert result.restored_tokens == 0 and "another model" in result.fallback
     assert result.output_ids == expected_b
@@ -258,10 +258,10 @@ def test_a_chunk_of_another_shape_is_refused_not_broadcast(stored):
     would broadcast it into place, so it is refused and recomputed."""
     runtime, prompt, keys, expected = stored
     runtime.store.flush()
-    tensors = decode(read_back(runtime.store.disk, keys[0]), keys[0]).tensors
+    tensors = decode(read_back(runtime.store.stores[0], keys[0]), keys[0]).tensors
     tensors = {name: t[:, :, :1].contiguous() if name[1] == "KV" else t for name, t in tensors.items()}
     runtime.store.drop_resident()
-    runtime.store.disk.put(keys[0], encode(Chunk(keys[0], prompt[:64], runtime.fingerprint, tensors)))
+    runtime.store.stores[0].put(keys[0], encode(Chunk(keys[0], prompt[:64], runtime.fingerprint, tensors)))
     result = runtime.generate(prompt, 8, plan="KV", stop_token_ids=NO_STOP)
     assert result.restored_tokens == 0 and "the model's is" in result.fallback
     assert result.output_ids == expected

@@ -29,7 +29,7 @@ def _writer(dirs, start: int, report_fd: int) -> None:
     try:
         torch.set_num_threads(1)  # the parent's OpenMP pool did not survive the fork
         size = len(chunk_bytes(0, width=512)[1])
-        tier = HostTier(DiskChunkStore(dirs), HostPool(3 * SESSIONS * size))
+        tier = HostTier([DiskChunkStore(dirs)], HostPool(3 * SESSIONS * size))
         lock = threading.Lock()
 
         def session(s: int) -> None:
@@ -83,7 +83,7 @@ def test_many_sessions_saving_and_restoring_at_once(tmp_path):
     forces eviction. Every chunk served must be the one saved; the quotas must hold; nothing may deadlock."""
     size = max(len(chunk_bytes(i)[1]) for i in range(40))
     disk = DiskChunkStore([tmp_path / "a", tmp_path / "b"], quota_bytes=10 * size, fsync=False)
-    tier = HostTier(disk, HostPool(6 * (size + 4096)), readers=2)
+    tier = HostTier([disk], HostPool(6 * (size + 4096)), readers=2)
     errors, served, over_quota = [], [0], []
     stop = threading.Event()
 
@@ -159,7 +159,7 @@ def test_forked_children_load_their_own_stores_while_the_parent_loads_its(tmp_pa
                 return False
         return True
 
-    parent = HostTier(DiskChunkStore(tmp_path / "parent"), HostPool(3 * size), readers=2)
+    parent = HostTier([DiskChunkStore(tmp_path / "parent")], HostPool(3 * size), readers=2)
     assert load_all(parent)
     children = []
     for i in range(3):
@@ -167,8 +167,8 @@ def test_forked_children_load_their_own_stores_while_the_parent_loads_its(tmp_pa
         pid = os.fork()
         if pid == 0:
             try:
-                tier = HostTier(DiskChunkStore(tmp_path / f"child{i}"), HostPool(3 * size), readers=0)
-                ok = all(load_all(tier) for _ in range(5)) and len(tier.disk.keys()) == len(chunks)
+                tier = HostTier([DiskChunkStore(tmp_path / f"child{i}")], HostPool(3 * size), readers=0)
+                ok = all(load_all(tier) for _ in range(5)) and len(tier.stores[0].keys()) == len(chunks)
                 os.write(write_fd, b"ok" if ok else b"no")
             finally:
                 os._exit(0)

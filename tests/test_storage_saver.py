@@ -32,7 +32,7 @@ def _rows(uid: int, positions: range, layer: int) -> dict[str, torch.Tensor]:
 
 
 def _tier(path, pool_bytes: int = 16 << 20) -> HostTier:
-    return HostTier(DiskChunkStore(path, fsync=False), HostPool(pool_bytes), readers=0)
+    return HostTier([DiskChunkStore(path, fsync=False)], HostPool(pool_bytes), readers=0)
 
 
 def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int, int]]) -> None:
@@ -67,7 +67,7 @@ def _check_store(tier: HostTier, streams: dict[int, list[int]], processed: dict[
         keys = chunk_keys(tokens[: processed[uid]], root_key(FP, str(uid)))
         for c, key in enumerate(keys):
             image = tier.fetch(key).result()
-            on_disk = decode(read_back(tier.disk, key), key)
+            on_disk = decode(read_back(tier.stores[0], key), key)
             assert image.tokens == on_disk.tokens == tokens[c * CHUNK_TOKENS : (c + 1) * CHUNK_TOKENS]
             for layer in range(LAYERS):
                 expected = _rows(uid, range(c * CHUNK_TOKENS, (c + 1) * CHUNK_TOKENS), layer)
@@ -100,8 +100,8 @@ def test_a_pool_full_of_write_backs_applies_back_pressure_and_drops_nothing(tmp_
     chunk_bytes = -(-(ChunkSaver(_tier(tmp_path / "probe"), FP, TENSORS)._layout(0).nbytes) // 4096) * 4096
     tier = _tier(tmp_path, 5 * chunk_bytes)  # the second batch needs 4 chunks where 1 is free
     saver = ChunkSaver(tier, FP, TENSORS)
-    gate, put = threading.Event(), tier.disk.put
-    monkeypatch.setattr(tier.disk, "put", lambda *a: (gate.wait(), put(*a)))  # a slow disk
+    gate, put = threading.Event(), tier.stores[0].put
+    monkeypatch.setattr(tier.stores[0], "put", lambda *a: (gate.wait(), put(*a)))  # a slow disk
     timer = threading.Timer(0.3, gate.set)
     timer.start()
     streams = {0: random_prompt(256, 1000, rng), 1: random_prompt(256, 1000, rng)}
@@ -124,7 +124,7 @@ def test_disk_full_degrades_saving_and_serving_goes_on(tmp_path, rng, monkeypatc
     with HCacheRuntime(loaded("random:llama"), tmp_path) as runtime, caplog.at_level(logging.WARNING):
         first = runtime.generate(prompt, 4, stop_token_ids=set())
         runtime.store.flush()
-        assert runtime.saver.save_errors == 2 and runtime.store.disk.write_errors == 2 and runtime.store.disk.keys() == []
+        assert runtime.saver.save_errors == 2 and runtime.store.stores[0].write_errors == 2 and runtime.store.stores[0].keys() == []
         assert "could not write chunk" in caplog.text
         expected = runtime.generate(prompt, 4, restore=False, stop_token_ids=set()).output_ids
         assert first.output_ids == expected and first.restored_tokens == 0
@@ -150,7 +150,7 @@ def test_runtime_over_two_dirs_a_quota_and_a_small_host_pool_matches_recompute(t
             for plan in ("1RE+1H+1KV", "KV"):
                 assert runtime.generate(p, 5, plan=plan, stop_token_ids=set()).output_ids == out
         runtime.store.flush()
-        assert runtime.store.disk.used_bytes <= 4 << 20 and runtime.store.pool.used_bytes <= 1 << 20
+        assert runtime.store.stores[0].used_bytes <= 4 << 20 and runtime.store.pool.used_bytes <= 1 << 20
         assert runtime.store.evictions > 0  # the pool was too small for everything: chunks came back from disk
         assert runtime.store.bytes_loaded > 0
         assert all(list((tmp_path / d / "chunks").glob("*/*.safetensors")) for d in ("ssd0", "ssd1"))

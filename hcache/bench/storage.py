@@ -131,7 +131,7 @@ def _io_benchmark(dirs: list[Path], args: argparse.Namespace) -> dict:
     return {
         "bytes": total,
         "directories": len(dirs),
-        "direct_io": {"store": tier.disk.direct, "raw": direct_raw},
+        "direct_io": {"store": tier.stores[0].direct, "raw": direct_raw},
         **{f"{name}_mb_s": mb / statistics.median(t) for name, t in times.items()},
         "write_ratio": statistics.median(r / s for r, s in zip(times["raw_write"], times["store_write"])),
         "read_ratio": statistics.median(r / s for r, s in zip(times["raw_read"], times["store_read"])),

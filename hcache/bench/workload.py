@@ -194,7 +194,7 @@ def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile
                     heapq.heappush(queue, (clock + sessions[i].turns[k + 1].think_s, i, k + 1))
                 bar.update()
         stats = runtime.store.stats()  # after close: every chunk the saver captured is on disk
-    held = stats["disk"]["chunks"] * CHUNK_TOKENS
+    held = stats["stores"][0]["chunks"] * CHUNK_TOKENS
     return {
         "rate": rate,
         "ttft_p50_s": float(np.percentile(ttft, 50)),
@@ -203,7 +203,7 @@ def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile
         "tbt_p99_s": float(np.percentile(tbt, 99)) if tbt else None,
         "throughput_tok_s": outputs / (clock - first),
         "restore_tokens_per_s": restored / restore_s if restored and restore_s > 0 else None,
-        "bytes_per_token": 0.0 if method == "ideal" or not held else stats["disk"]["used_bytes"] / held,
+        "bytes_per_token": 0.0 if method == "ideal" or not held else stats["stores"][0]["used_bytes"] / held,
         "restore_share": restore_s / busy,
         "requests": len(ttft),
         "restored_tokens": restored,

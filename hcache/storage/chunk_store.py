@@ -1,8 +1,9 @@
 """What the host tier needs from a store of chunk files behind it; a store knows nothing of models.
 
-A store moves whole chunk images between itself and host-pool slots: one request per chunk, no bounce
-buffer. Implementation: :class:`~hcache.storage.disk_store.DiskChunkStore` (chunk files over several
-directories); a shared store (a network key-value server, say) serves the same calls.
+A store moves whole chunk images between itself and host-pool slots: one request per chunk. Implementations:
+:class:`~hcache.storage.disk_store.DiskChunkStore` (chunk files over several directories, private to a
+process or shared by nodes over one filesystem) and :class:`~hcache.storage.redis_store.RedisChunkStore`
+(a Redis server or cluster shared by nodes).
 """
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from typing import Protocol
 
 
 class ChunkStore(Protocol):
+    name: str  # where it is, for messages
+
     def contains(self, key: str) -> bool: ...
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        """``contains`` of each key, in one round trip where the store is remote."""
 
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
         """Read the chunk's whole image into ``take(size)`` and return ``size``; None if absent (or if

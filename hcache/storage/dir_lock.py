@@ -1,11 +1,12 @@
-"""One process per store directory.
+"""One process per store directory, unless every process opens it as shared.
 
-A store's index, quota and LRU order live in the process that opened it. A second process on the same
-directory would count the quota alone, delete the first one's temporary files at start-up, and evict by
-stale file times. So the first process to open a directory takes an exclusive ``flock`` on its
+A private store's index, quota and LRU order live in the process that opened it. A second process on the
+same directory would count the quota alone, delete the first one's temporary files at start-up, and evict
+by stale file times. So the first process to open a directory takes an exclusive ``flock`` on its
 ``hcache-store.lock`` (the kernel drops it when the process dies, however it dies), and any other process
-is refused with a clear error. Store objects within one process share the lock; a forked child does not
-inherit its parent's.
+is refused with a clear error. A shared store (several nodes over one filesystem) takes the lock shared:
+any number of shared openers, and no private one while they hold it. Store objects within one process
+share the lock (in one mode); a forked child does not inherit its parent's.
 """
 from __future__ import annotations
 
@@ -21,31 +22,35 @@ from ..errors import StorageError
 
 LOCK_NAME = "hcache-store.lock"
 
-_held: dict[Path, list[int]] = {}  # directory -> [fd, store objects using it]
+_held: dict[Path, list] = {}  # directory -> [fd, store objects using it, shared]
 _mutex = threading.Lock()
 
 
-def acquire(directory: Path) -> Callable[[], None]:
-    """Hold ``directory`` for this process; returns the release (call it once)."""
+def acquire(directory: Path, shared: bool = False) -> Callable[[], None]:
+    """Hold ``directory`` for this process (``shared``: along with other shared holders); returns the
+    release (call it once)."""
     key = directory.resolve()
     with _mutex:
         entry = _held.get(key)
         if entry is None:
             fd = os.open(key / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except OSError as exc:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "shared"
                 os.close(fd)
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise StorageError(f"cannot lock the store directory {directory}: {exc}") from exc
                 raise StorageError(
                     f"the store directory {directory} is in use by another process (pid {holder}); give each "
-                    "process (each MII replica) a directory of its own"
+                    "process (each MII replica) a directory of its own, or open it as shared in every one"
                 ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-            entry = _held[key] = [fd, 0]
+            os.ftruncate(fd, 0)  # a shared store names no holder
+            if not shared:
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
+            entry = _held[key] = [fd, 0, shared]
+        elif entry[2] != shared:
+            raise StorageError(f"the store directory {directory} is open here as {'shared' if entry[2] else 'private'} already")
         entry[1] += 1
     return functools.partial(_release, key)
 
@@ -65,7 +70,7 @@ def _forget_in_child() -> None:
     """A child's copies of the parent's lock fds: closing them leaves the parent's locks held."""
     global _mutex
     _mutex = threading.Lock()
-    for fd, _ in _held.values():
+    for fd, *_ in _held.values():
         os.close(fd)
     _held.clear()
 

@@ -17,6 +17,14 @@ unused for that long. A chunk is pinned while :meth:`read_into` reads it, and a 
 evicted.
 
 Privacy. Chunk files hold token ids in clear, so directories are 0700 and files 0600 whatever the umask.
+
+Shared mode (``shared=True``: several nodes over one NFS, Lustre or 3FS mount, each with a store object
+of its own). A chunk another node wrote is found on an index miss, by its path. Publishing stays atomic
+(temporary name, fsync, rename), so a reader sees a whole chunk or none. Each node's quota and LRU count
+only the chunks it has seen; a chunk one node evicts while another reads it is either read whole (the
+reader holds the file open) or fails to read (a stale handle): a clean miss, and any torn read is caught
+by the chunk's checksums. Start-up deletes only temporary files older than a day, since a young one may
+be another node's write in flight.
 """
 from __future__ import annotations
 
@@ -48,6 +56,14 @@ _KEY = re.compile(r"[0-9a-f]{32}")
 _MANIFEST = "hcache-store.json"
 _SUFFIX = ".safetensors"
 _DIR_MODE = 0o700
+_STALE_TMP_S = 86400.0  # in shared mode, a temporary file this old is an abandoned write
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _release_all(releases: list) -> None:
@@ -71,6 +87,7 @@ class DiskChunkStore:
     O_DIRECT where the filesystem allows it. ``fsync``: flush each chunk to the device before publishing
     it (off only for throwaway stores). ``verify``: what start-up checks of each chunk file (``"none"``,
     ``"header"``, ``"full"``). ``labels``: who saves here (recorded in each directory's manifest).
+    ``shared``: other processes or nodes use these directories too (see the module's docstring).
     """
 
     def __init__(
@@ -83,6 +100,7 @@ class DiskChunkStore:
         fsync: bool = True,
         verify: str = "header",
         labels: Mapping[str, str] | None = None,
+        shared: bool = False,
         clock: Callable[[], float] = time.time,
     ):
         paths = [dirs] if isinstance(dirs, (str, os.PathLike)) else list(dirs)
@@ -97,7 +115,8 @@ class DiskChunkStore:
             raise StorageError(f"ttl_s must be positive, not {ttl_s}")
         if verify not in VERIFY_MODES:
             raise StorageError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
-        self.fsync = fsync
+        self.fsync, self.shared = fsync, shared
+        self.name = ("shared " if shared else "") + ",".join(str(p) for p in self.dirs)
         self.bytes_written = 0
         self.write_errors = 0
         self.evictions = 0
@@ -110,7 +129,7 @@ class DiskChunkStore:
         releases: list = []
         self._finalizer = weakref.finalize(self, _release_all, releases)
         for d in self.dirs:
-            releases.append(self._prepare(d, dict(labels or {})))
+            releases.append(self._prepare(d, dict(labels or {}), shared))
         try:
             self.direct = [direct_io and dio.supports_direct(d) for d in self.dirs]
         except OSError as exc:
@@ -135,7 +154,7 @@ class DiskChunkStore:
         self._finalizer()
 
     @staticmethod
-    def _prepare(d: Path, labels: dict[str, str]) -> Callable[[], None]:
+    def _prepare(d: Path, labels: dict[str, str], shared: bool) -> Callable[[], None]:
         """Create and lock ``d`` and record ``labels`` in its manifest; returns the lock's release."""
         try:
             for sub in (d, d / "chunks"):
@@ -143,7 +162,7 @@ class DiskChunkStore:
                 os.chmod(sub, _DIR_MODE)
         except OSError as exc:
             raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
-        release = dir_lock.acquire(d)
+        release = dir_lock.acquire(d, shared)
         try:
             manifest = d / _MANIFEST
             record = json.loads(manifest.read_text()) if manifest.exists() else {"layout_version": LAYOUT_VERSION}
@@ -177,7 +196,8 @@ class DiskChunkStore:
             for path in (d / "chunks").glob("*/*"):
                 name = path.name
                 if name.startswith(".") and name.endswith(".tmp"):
-                    path.unlink(missing_ok=True)  # a write that never got published
+                    if not self.shared or _age(path) > _STALE_TMP_S:
+                        path.unlink(missing_ok=True)  # a write that never got published
                     continue
                 key = name[: -len(_SUFFIX)]
                 if not name.endswith(_SUFFIX) or not _KEY.fullmatch(key) or path.parent.name != key[:2]:
@@ -221,6 +241,9 @@ class DiskChunkStore:
                 return False
             self._index.touch(key)
             return True
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        return [self.contains(key) for key in keys]
 
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
         """Read a whole chunk file with one request into ``take(size)`` (a buffer of at least ``size``

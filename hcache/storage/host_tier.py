@@ -1,13 +1,15 @@
-"""The host tier: chunks held in host-pool slots, in front of the disk store.
+"""The host tier: chunks held in host-pool slots, in front of the stores below it (the local disk, a
+shared server or filesystem), which are tried in order.
 
 - **Save.** The saver lays a chunk out in a slot (:meth:`HostTier.create`) and writes its rows there; when
   the chunk is complete it is published (:meth:`HostTier.publish`): restorable from memory at once, and
-  written back to disk by writer threads, straight from the slot.
-- **Restore.** :meth:`HostTier.fetch` serves a chunk in the pool at once; a miss is read from disk by a
-  reader thread with one request into a new slot, and its checksums are verified then, once: a chunk in the
-  pool is trusted from then on.
+  written back to every store by writer threads, straight from the slot.
+- **Restore.** :meth:`HostTier.fetch` serves a chunk in the pool at once; a miss is read from the first
+  store that has it by a reader thread with one request into a new slot, and its checksums are verified
+  then, once: a chunk in the pool is trusted from then on. A chunk found in a lower store is promoted: it
+  stays in the pool and is written back to the stores above the one it came from.
 - **Capacity.** The pool is bounded; the least recently used chunk that nobody references is evicted to
-  make room (it is on disk already, or its write failed and it is simply lost). A referenced slot (a restore
+  make room (it is in the stores already, or its write failed and it is simply lost). A referenced slot (a restore
   reads it, a write-back writes it, the saver fills it) is never evicted or reused. When the pool is full of
   chunks still being written back, the saver and loads wait for them (counted stalls); when nothing in
   flight can free room, a chunk being saved is not saved and one being loaded is not loaded (the restore
@@ -21,6 +23,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..transfer.host_pool import HostPool, Slot
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class HostPoolFull(OSError):
-    """A chunk cannot be loaded: the pool is held by chunks in use. It is kept on disk; the prefix ends."""
+    """A chunk cannot be loaded: the pool is held by chunks in use. It is kept in its store; the prefix ends."""
 
     def __init__(self, message: str):
         super().__init__(errno.ENOMEM, message)
@@ -42,13 +45,15 @@ DEFAULT_WRITERS = 2
 
 
 class HostTier:
-    """``readers``: threads that load chunks from disk (0: load inline, on the caller's thread);
-    ``writers``: threads that write chunks back."""
+    """``stores``: the tiers below the pool, nearest first; ``readers``: threads that load chunks from them
+    (0: load inline, on the caller's thread); ``writers``: threads that write chunks back."""
 
-    def __init__(self, disk: ChunkStore, pool: HostPool, *, readers: int = DEFAULT_READERS, writers: int = DEFAULT_WRITERS):
+    def __init__(self, stores: Sequence[ChunkStore], pool: HostPool, *, readers: int = DEFAULT_READERS, writers: int = DEFAULT_WRITERS):
         if readers < 0 or writers < 1:
             raise ValueError(f"a host tier needs readers >= 0 and writers >= 1, not {readers} and {writers}")
-        self.disk, self.pool = disk, pool
+        if not stores:
+            raise ValueError("a host tier needs at least one store below it")
+        self.stores, self.pool = list(stores), pool
         self.hits = self.misses = self.evictions = self.write_errors = self.unsaved = 0
         self.stalls, self.stall_s, self.bytes_loaded = 0, 0.0, 0
         self._cond = threading.Condition()
@@ -60,15 +65,26 @@ class HostTier:
 
     # ---- lookups --------------------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
+        return self.stored_prefix([key]) == 1
+
+    def stored_prefix(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, are stored in some tier: one batched look-up per store."""
         with self._cond:
-            if key in self._index:
-                return True
-        return self.disk.contains(key)
+            n = next((i for i, key in enumerate(keys) if key not in self._index), len(keys))
+        missing = list(keys[n:])
+        for store in self.stores:
+            if not missing:
+                break
+            missing = [key for key, hit in zip(missing, store.contains_many(missing)) if not hit]
+        gaps = set(missing)
+        return next((i for i, key in enumerate(keys) if key in gaps), len(keys))
 
     def keys(self) -> list[str]:
         with self._cond:
-            resident = set(self._index)
-        return sorted(resident | set(self.disk.keys()))
+            found = set(self._index)
+        for store in self.stores:
+            found.update(store.keys())
+        return sorted(found)
 
     def resident(self, key: str) -> bool:
         """Whether the chunk is in host memory now."""
@@ -132,15 +148,19 @@ class HostTier:
             taken.append(slot)
             return self.pool.buffer(slot)
 
+        image, found = None, 0
         try:
-            size = self.disk.read_into(key, take)
-            image = None if size is None else ChunkImage.parse(self.pool.view(taken[0]), key, size, slot=taken[0])
+            for found, store in enumerate(self.stores):
+                size = store.read_into(key, take)
+                if size is not None:
+                    image = ChunkImage.parse(self.pool.view(taken[0]), key, size, slot=taken[0])
+                    break
         except BaseException as exc:
             self._free_unpublished(taken)
             with self._cond:
                 self._loading.pop(key, None)
             if isinstance(exc, ChunkInvalid):
-                self.disk.discard(key)  # not the pool's copy: one published meanwhile is not this file
+                self.stores[found].discard(key)  # not the pool's copy: one published meanwhile is not this one
             raise
         with self._cond:
             self._loading.pop(key, None)
@@ -152,8 +172,11 @@ class HostTier:
                 self._free_unpublished(taken)
                 image = self._index[key]
                 self.pool.ref(image.slot)
-            else:
-                self._index[key] = image
+                return image
+            self._index[key] = image
+            if found:  # promote it into the stores above the one that had it
+                self.pool.ref(image.slot)
+                self._write_behind(image, self.stores[:found])
         return image
 
     def _share(self, key: str, first: Future) -> ChunkImage | None:
@@ -183,33 +206,19 @@ class HostTier:
         self._free_unpublished([image.slot])
 
     def publish(self, image: ChunkImage, key: str, tokens: list[int]) -> None:
-        """Name a complete chunk and make it restorable now; write it back to disk in the background. The
-        caller's reference passes to the write-back, which writes its header. A chunk already stored with
-        every tensor this one has is kept, and this one given back; one stored with fewer (saved by another
-        plan) is replaced."""
+        """Name a complete chunk and make it restorable now; write it back to the stores in the background.
+        The caller's reference passes to the write-back, which writes its header. A chunk already held
+        with every tensor this one has is kept, and this one given back; one held with fewer (saved by
+        another plan) is replaced, in the pool now and in each store by the write-back."""
         image.key, image.tokens = key, list(tokens)
         with self._cond:
             if self._keeps(key, image):
-                return
-        on_disk = self.disk.names(key) if self.disk.contains(key) else None
-        with self._cond:
-            if self._keeps(key, image):  # published by another sequence meanwhile
                 return
             old = self._index.pop(key, None)
             if old is not None and old.slot.refs == 0:
                 self.pool.free(old.slot)
             self._index[key] = image
-            if on_disk is not None and on_disk >= image.names:
-                self._drop_ref(image)  # the disk has it already: resident, nothing to write
-                return
-            self._writebacks += 1
-        try:
-            self._writers.submit(self._write_back, image)
-        except RuntimeError:  # shut down: the chunk stays in memory only
-            with self._cond:
-                self._writebacks -= 1
-                self._drop_ref(image)
-                self._cond.notify_all()
+            self._write_behind(image, self.stores, seal=True)
 
     def put(self, chunk: Chunk) -> bool:
         """Save a chunk given as tensors (tools, benchmarks), as the saver would; False if the pool has no room."""
@@ -232,19 +241,37 @@ class HostTier:
         self._drop_ref(image)
         return True
 
-    def _write_back(self, image: ChunkImage) -> None:
+    def _write_behind(self, image: ChunkImage, stores: list[ChunkStore], *, seal: bool = False) -> None:
+        """With the lock held: hand the caller's reference to ``image`` to a writer thread that writes it
+        to ``stores`` (``seal``: first writing its header)."""
+        self._writebacks += 1
         try:
-            with self._cond:
-                if self._index.get(image.key) is not image:
-                    return  # replaced (healed) or discarded since: its write would undo that
-            image.seal()  # checksums here, off the saver's path: the rows no longer change
-            self.disk.put(image.key, self.pool.buffer(image.slot), image.nbytes)
-        except Exception as exc:  # ENOSPC, EIO, a full quota: the chunk stays in memory, serving goes on
-            with self._cond:
-                self.write_errors += 1
-                errors = self.write_errors
-            if errors == 1 or errors % 100 == 0:
-                log.warning("could not write chunk %s to disk (%s); %d chunk(s) not written so far", image.key, exc, errors)
+            self._writers.submit(self._write_back, image, stores, seal)
+        except RuntimeError:  # shut down: the chunk stays in memory only
+            self._writebacks -= 1
+            self._drop_ref(image)
+            self._cond.notify_all()
+
+    def _write_back(self, image: ChunkImage, stores: list[ChunkStore], seal: bool) -> None:
+        try:
+            for store in stores:
+                with self._cond:
+                    if self._index.get(image.key) is not image:
+                        return  # replaced (healed) or discarded since: its write would undo that
+                held = store.names(image.key)
+                if held is not None and held >= image.names:
+                    continue  # that store has it, with as many formats: nothing to write
+                if seal:
+                    image.seal()  # checksums here, off the saver's path: the rows no longer change
+                    seal = False
+                try:
+                    store.put(image.key, self.pool.buffer(image.slot), image.nbytes)
+                except Exception as exc:  # ENOSPC, EIO, a full quota, a server down: serving goes on
+                    with self._cond:
+                        self.write_errors += 1
+                        errors = self.write_errors
+                    if errors == 1 or errors % 100 == 0:
+                        log.warning("could not write chunk %s to %s (%s); %d write(s) failed so far", image.key, _label(store), exc, errors)
         finally:
             with self._cond:
                 self._writebacks -= 1
@@ -252,7 +279,7 @@ class HostTier:
                 self._cond.notify_all()
 
     def flush(self) -> None:
-        """Wait until every published chunk has been written back (or has failed to be)."""
+        """Wait until every published chunk has been written back to every store (or has failed to be)."""
         with self._cond:
             while self._writebacks:
                 self._cond.wait()
@@ -293,15 +320,17 @@ class HostTier:
             self._cond.notify_all()
 
     def discard(self, key: str) -> None:
-        """Forget a chunk in memory and on disk (a restore reading it keeps its slot until it releases it)."""
+        """Forget a chunk in memory and in every store (a restore reading it keeps its slot until it
+        releases it)."""
         with self._cond:
             image = self._index.pop(key, None)
             if image is not None and image.slot.refs == 0:
                 self.pool.free(image.slot)
-        self.disk.discard(key)
+        for store in self.stores:
+            store.discard(key)
 
     def drop_resident(self) -> int:
-        """Evict every chunk nobody references (the next restore of them reads the disk); how many."""
+        """Evict every chunk nobody references (the next restore of them reads a store); how many."""
         with self._cond:
             idle = [k for k, im in self._index.items() if im.slot.refs == 0]
             for k in idle:
@@ -323,13 +352,18 @@ class HostTier:
                 "unsaved": self.unsaved,
                 "write_errors": self.write_errors,
                 "bytes_loaded": self.bytes_loaded,
-                "disk": self.disk.stats(),
+                "stores": [store.stats() for store in self.stores],
             }
 
     def close(self) -> None:
-        """Finish every write-back, stop the threads and close the backing store."""
+        """Finish every write-back, stop the threads and close the stores."""
         self.flush()
         if self._readers is not None:
             self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
-        self.disk.close()
+        for store in self.stores:
+            store.close()
+
+
+def _label(store: ChunkStore) -> str:
+    return getattr(store, "name", type(store).__name__)

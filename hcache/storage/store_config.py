@@ -1,14 +1,18 @@
-"""How a runtime's store is built: the disk store's options and the host tier in front of it."""
+"""How a runtime's store is built: the host tier, the local disk store under it, and shared tiers below."""
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from ..errors import StorageError
 from ..transfer.host_pool import PAGE, HostPool, round_up
 from .disk_store import DiskChunkStore
+from .chunk_store import ChunkStore
 from .host_tier import DEFAULT_READERS, DEFAULT_WRITERS, HostTier
+from .redis_store import SCHEMES as REDIS_SCHEMES
+from .redis_store import RedisChunkStore
 
 DEFAULT_HOST_BYTES = 4 << 30
 
@@ -19,7 +23,10 @@ class StoreConfig:
     the host pool, the tier in front of the disk that holds recent chunks and every chunk being saved
     (pinned when the engine is on a GPU; on a CPU its pages cost nothing until used). ``direct_io``,
     ``fsync``, ``verify``: see :class:`~hcache.storage.disk_store.DiskChunkStore`. ``writers``: threads
-    writing chunks back to disk."""
+    writing chunks back to the stores. ``tiers``: stores shared with other nodes, below the local disk
+    (nearest first): ``redis://host:port/db``, ``redis+cluster://host:port,host:port`` (options: see
+    :meth:`~hcache.storage.redis_store.RedisChunkStore.from_url`), or a directory on a shared filesystem
+    (``file:///mnt/shared/hcache`` or a plain path)."""
 
     quota_bytes: int | None = None
     ttl_s: float | None = None
@@ -28,6 +35,7 @@ class StoreConfig:
     fsync: bool = True
     verify: str = "header"
     writers: int = DEFAULT_WRITERS
+    tiers: tuple[str, ...] = ()
 
     def check(self, chunk_bytes: int) -> None:
         """Refuse options that cannot hold a chunk file of ``chunk_bytes``, before anything is opened."""
@@ -38,19 +46,37 @@ class StoreConfig:
             raise StorageError(f"host_bytes={self.host_bytes} is smaller than one chunk's slot ({slot} bytes)")
         if self.writers < 1:
             raise StorageError(f"writers must be at least 1, not {self.writers}")
+        for url in self.tiers:  # parsed now; a Redis tier connects on first use
+            RedisChunkStore.from_url(url) if _is_redis(url) else _path(url)
 
     def open_store(
         self,
-        dirs: str | os.PathLike | Sequence[str | os.PathLike],
+        dirs: str | os.PathLike | Sequence[str | os.PathLike] | None,
         labels: Mapping[str, str] | None = None,
         *,
         pin: bool = False,
         readers: int = DEFAULT_READERS,
     ) -> HostTier:
-        """The host tier over the disk store in ``dirs``; ``pin``: page-lock the pool for DMA to a GPU."""
+        """The host tier over the disk store in ``dirs`` (None: no local disk) and the shared ``tiers``;
+        ``pin``: page-lock the pool for DMA to a GPU."""
         if self.host_bytes <= 0:
             raise StorageError(f"host_bytes must be positive, not {self.host_bytes}")
-        disk = DiskChunkStore(
+        if dirs is None and not self.tiers:
+            raise StorageError("a store needs a local directory or a shared tier")
+        stores: list[ChunkStore] = []
+        try:
+            if dirs is not None:
+                stores.append(self._disk(dirs, labels, shared=False))
+            for url in self.tiers:
+                stores.append(RedisChunkStore.from_url(url) if _is_redis(url) else self._disk(_path(url), labels, shared=True))
+        except BaseException:
+            for store in stores:
+                store.close()
+            raise
+        return HostTier(stores, HostPool(self.host_bytes, pin=pin), readers=readers, writers=self.writers)
+
+    def _disk(self, dirs, labels: Mapping[str, str] | None, shared: bool) -> DiskChunkStore:
+        return DiskChunkStore(
             dirs,
             quota_bytes=self.quota_bytes,
             ttl_s=self.ttl_s,
@@ -58,5 +84,18 @@ class StoreConfig:
             fsync=self.fsync,
             verify=self.verify,
             labels=labels,
+            shared=shared,
         )
-        return HostTier(disk, HostPool(self.host_bytes, pin=pin), readers=readers, writers=self.writers)
+
+
+def _is_redis(url: str) -> bool:
+    return urlsplit(url).scheme in REDIS_SCHEMES
+
+
+def _path(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        return parts.path
+    if parts.scheme:
+        raise StorageError(f"unknown tier {url!r}: expected redis://, redis+cluster://, file:// or a directory")
+    return url

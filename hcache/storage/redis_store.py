@@ -1,0 +1,229 @@
+"""Chunks on a Redis server or cluster, shared by every serving node that points at it.
+
+One chunk is one value: the chunk's whole file image, header and checksums included, so a value read
+back is verified like a file (by the host tier, on entry to the pool). One value per chunk is also the
+faster layout: a restore wants every layer of a chunk, and one GET of a whole chunk beats a pipeline of
+one GET per layer (``hcache bench storage --tier redis`` measures both). Keys are
+``<prefix>:<namespace>:<chunk key>``; the chunk key already names the model and the tenant, and the
+namespace keeps deployments that share a server apart.
+
+A shared server is allowed to fail. A server that is down, slower than ``timeout_s`` or full makes
+lookups and reads misses (serving goes on by recompute) and writes fail (the chunk stays in the tiers
+above); each failure is counted, a warning is logged for the first and every 100th, and the store then
+leaves the server alone for ``backoff_s`` so that a slow server costs one timeout, not one per chunk.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable
+from urllib.parse import parse_qs, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
+from redis.retry import Retry
+
+from ..errors import StorageError
+from .chunk import ChunkInvalid, header_names
+
+log = logging.getLogger(__name__)
+
+SCHEMES = ("redis", "rediss", "redis+cluster")
+DEFAULT_TIMEOUT_S = 1.0
+DEFAULT_BACKOFF_S = 2.0
+_HEADER_PROBE = 64 << 10  # a chunk header is a few KiB: one GETRANGE reads it whole
+
+
+class _Unavailable(Exception):
+    """The store is backing off after a failure: the call is not made."""
+
+
+class RedisChunkStore:
+    """A :class:`~hcache.storage.chunk_store.ChunkStore` on Redis; build it with :meth:`from_url`.
+
+    ``connect``: makes the client (called lazily, so a server that is down at start-up is a miss, not an
+    error). ``ttl_s``: values expire after this long unused (each read renews it); None keeps them until
+    the server evicts them (run it with ``maxmemory-policy allkeys-lru``)."""
+
+    def __init__(
+        self,
+        connect: Callable[[], redis.Redis | RedisCluster],
+        *,
+        name: str,
+        prefix: str = "hcache",
+        namespace: str = "default",
+        ttl_s: float | None = None,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+    ):
+        if ttl_s is not None and ttl_s <= 0:
+            raise StorageError(f"{name}: ttl must be positive, not {ttl_s}")
+        if ":" in namespace or not namespace or not prefix:
+            raise StorageError(f"{name}: prefix and namespace must be non-empty, and the namespace has no ':'")
+        self.name, self.ttl_s, self.backoff_s = name, ttl_s, backoff_s
+        self._prefix = f"{prefix}:{namespace}:"
+        self._connect = connect
+        self._client: redis.Redis | RedisCluster | None = None
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.errors = self.skipped = self.bytes_read = self.bytes_written = 0
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisChunkStore:
+        """``redis://[user:password@]host:port/db`` (``rediss://`` for TLS) or
+        ``redis+cluster://host:port,host:port``, with options ``?prefix=&namespace=&ttl=&timeout=&backoff=``."""
+        parts = urlsplit(url)
+        if parts.scheme not in SCHEMES or not parts.hostname:
+            raise StorageError(f"not a Redis tier: {url!r} (expected redis://host:port/db or redis+cluster://host:port,...)")
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        unknown = set(query) - {"prefix", "namespace", "ttl", "timeout", "backoff"}
+        if unknown:
+            raise StorageError(f"{url}: unknown option(s) {sorted(unknown)}")
+        try:
+            ttl = float(query["ttl"]) if "ttl" in query else None
+            timeout = float(query.get("timeout", DEFAULT_TIMEOUT_S))
+            backoff = float(query.get("backoff", DEFAULT_BACKOFF_S))
+        except ValueError as exc:
+            raise StorageError(f"{url}: {exc}") from exc
+        if timeout <= 0 or backoff < 0:
+            raise StorageError(f"{url}: timeout must be positive and backoff non-negative")
+        # One retry: a connection the server dropped (it restarted) is re-made; a dead server fails fast.
+        common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1))
+        name = parts._replace(query="", netloc=parts.netloc.rpartition("@")[2]).geturl()  # no password in logs
+        if parts.scheme == "redis+cluster":
+            try:
+                nodes = [ClusterNode(h, int(p)) for h, _, p in (n.rpartition(":") for n in parts.netloc.split(","))]
+            except ValueError as exc:
+                raise StorageError(f"{url}: cluster nodes must be host:port,host:port") from exc
+
+            def connect():
+                return RedisCluster(startup_nodes=nodes, **common)
+        else:
+
+            def connect():
+                return redis.Redis.from_url(parts._replace(query="").geturl(), **common)
+
+        options = {k: query[k] for k in ("prefix", "namespace") if k in query}
+        return cls(connect, name=name, ttl_s=ttl, backoff_s=backoff, **options)
+
+    # ---- the ChunkStore protocol ------------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        def call(client):
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._prefix + key)
+            return [bool(n) for n in pipe.execute()]
+
+        return self._guard("look up", call, [False] * len(keys))
+
+    def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
+        """GET the chunk and copy it into ``take(size)``; a failure of the server is a miss."""
+
+        def call(client):
+            name = self._prefix + key
+            return client.get(name) if self.ttl_s is None else client.getex(name, px=int(self.ttl_s * 1000))
+
+        value = self._guard("read", call, None)
+        if value is None:
+            return None
+        out = take(len(value))
+        if out is None:
+            return None
+        memoryview(out).cast("B")[: len(value)] = value
+        with self._lock:
+            self.bytes_read += len(value)
+        return len(value)
+
+    def names(self, key: str) -> frozenset[str] | None:
+        name = self._prefix + key
+
+        def call(client):
+            pipe = client.pipeline(transaction=False)
+            pipe.strlen(name)
+            pipe.getrange(name, 0, _HEADER_PROBE - 1)
+            size, head = pipe.execute()
+            end = 8 + int.from_bytes(head[:8], "little")
+            if len(head) < min(end, size):  # a header longer than the probe: read the rest
+                head += client.getrange(name, len(head), end - 1)
+            return size, head
+
+        size, head = self._guard("look up", call, (0, b""))
+        if not size:
+            return None
+        try:
+            return header_names(io.BytesIO(head), key, size)
+        except ChunkInvalid:
+            return None
+
+    def put(self, key: str, data: memoryview, length: int | None = None) -> None:
+        """SET the chunk (atomic on the server); raises OSError when the server cannot take it."""
+        value = memoryview(data).cast("B")[: length]
+
+        def call(client):
+            ttl = None if self.ttl_s is None else int(self.ttl_s * 1000)
+            client.set(self._prefix + key, value, px=ttl)
+            return True
+
+        if not self._guard("write", call, False, quiet=True):
+            raise OSError(f"{self.name}: chunk {key} not written (server unavailable or full)")
+        with self._lock:
+            self.bytes_written += len(value)
+
+    def discard(self, key: str) -> None:
+        self._guard("delete", lambda client: client.delete(self._prefix + key), None)
+
+    def keys(self) -> list[str]:
+        def call(client):
+            cut = len(self._prefix)
+            return sorted({k[cut:].decode() for k in client.scan_iter(match=self._prefix + "*", count=1000)})
+
+        return self._guard("list", call, [])
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "tier": self.name,
+                "errors": self.errors,
+                "skipped": self.skipped,
+                "bytes_read": self.bytes_read,
+                "bytes_written": self.bytes_written,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # ---- failures ----------------------------------------------------------------------------------
+    def _guard(self, what: str, call, default, *, quiet: bool = False):
+        """``call(client)``, or ``default`` when the server fails (counted, logged once per 100) or the
+        store is backing off after a failure. ``quiet``: the caller reports the failure itself."""
+        try:
+            return call(self._get_client())
+        except _Unavailable:
+            return default
+        except (redis.RedisError, RedisClusterException, OSError) as exc:
+            with self._lock:
+                self.errors += 1
+                errors = self.errors
+                self._down_until = time.monotonic() + self.backoff_s
+            if not quiet and (errors == 1 or errors % 100 == 0):
+                log.warning("%s: could not %s (%s); %d failure(s) so far, serving goes on without it", self.name, what, exc, errors)
+            return default
+
+    def _get_client(self):
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                self.skipped += 1
+                raise _Unavailable
+            if self._client is None:
+                self._client = self._connect()
+            return self._client
+
