@@ -23,3 +23,42 @@ def rng() -> torch.Generator:
     seed = torch.seed()
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+def _start(server):
+    from hcache.bench.redis_server import redis_missing
+
+    why = redis_missing()
+    if why:
+        pytest.skip(why)
+    return server.start()
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A standalone redis-server shared by the tests of this session (each test uses its own namespace)."""
+    from hcache.bench.redis_server import RedisServer
+
+    server = _start(RedisServer())
+    yield server.url
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url():
+    """A 3-master Redis Cluster on loopback, shared by the tests of this session."""
+    from hcache.bench.redis_server import RedisCluster
+
+    cluster = _start(RedisCluster(3))
+    yield cluster.url
+    cluster.close()
+
+
+@pytest.fixture
+def redis_server():
+    """A standalone redis-server of the test's own, which it may kill or restart."""
+    from hcache.bench.redis_server import RedisServer
+
+    server = _start(RedisServer())
+    yield server
+    server.close()

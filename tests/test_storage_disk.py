@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from storage_chunks import check_served, chunk, chunk_bytes, read_back
@@ -208,6 +209,34 @@ def test_manifest_records_labels_and_bad_options_are_clear_errors(tmp_path):
 def _open_elsewhere(path) -> subprocess.CompletedProcess:
     code = "import sys; from hcache.storage.disk_store import DiskChunkStore; DiskChunkStore(sys.argv[1])"
     return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+
+
+def test_a_shared_directory_serves_chunks_other_processes_publish(tmp_path):
+    """Shared mode (one filesystem, several nodes): any number of shared openers, no private one; a chunk
+    another process published is found by its path; start-up keeps a young temporary file (another node's
+    write in flight) and deletes an abandoned one."""
+    store = DiskChunkStore(tmp_path, shared=True)
+    key, data = chunk_bytes(0)
+    (tmp_path / "payload").write_bytes(data)
+    code = (
+        "import sys; from pathlib import Path; from hcache.storage.disk_store import DiskChunkStore; "
+        "s = DiskChunkStore(sys.argv[1], shared=True); s.put(sys.argv[2], Path(sys.argv[3]).read_bytes())"
+    )
+    other = subprocess.run([sys.executable, "-c", code, str(tmp_path), key, str(tmp_path / "payload")], capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr
+    assert store.contains(key)
+    check_served(store, key, chunk(0))
+    refused = _open_elsewhere(tmp_path)
+    assert refused.returncode != 0 and "open it as shared in every one" in refused.stderr
+    with pytest.raises(StorageError, match="open here as shared"):
+        DiskChunkStore(tmp_path)
+    young, old = (store.path(key).with_name(f".{key}.{n}.tmp") for n in ("young", "old"))
+    for tmp in (young, old):
+        tmp.write_bytes(b"partial")
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    store.close()
+    DiskChunkStore(tmp_path, shared=True).close()
+    assert young.exists() and not old.exists()
 
 
 def test_a_second_process_on_a_store_directory_is_refused_until_the_first_closes(tmp_path):
