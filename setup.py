@@ -25,6 +25,8 @@ setup(
         "deepspeed>=0.19,<0.20",
         "deepspeed-mii>=0.3,<0.4",
         "pydantic>=2",
+        # shared tiers: a Redis server or cluster (hiredis parses large values in C)
+        "redis[hiredis]>=5",
         # MII's OpenAI-compatible server needs these and does not declare them
         "uvicorn",
         "pydantic-settings>=2",

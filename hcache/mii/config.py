@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..storage.host_tier import DEFAULT_READERS
 from ..storage.store_config import StoreConfig
@@ -18,7 +18,8 @@ class HCacheConfig(BaseModel):
     is smaller; ``"auto"`` when a profile is given), ``"auto"``, ``"RE"``/``"H"``/``"KV"`` or counts such as
     ``"2RE+20H+8KV"``. ``"auto"`` alone plans with this machine's profile, measured on first use unless
     ``measure_profile=False`` (then the default plan serves until ``hcache profile`` has run). ``store``:
-    quota, TTL, host pool and write-back options. ``num_blocks``, ``device`` and ``dtype`` size the reference
+    quota, TTL, host pool and write-back options, and ``tiers``: stores shared with other replicas (a
+    Redis server or cluster, a shared filesystem) below the local ``store_dirs``, which may then be empty. ``num_blocks``, ``device`` and ``dtype`` size the reference
     engine's KV cache and place its model (FastGen takes these from MII's ``inference_engine_config``).
     ``request_log``: a file that gets one JSON line per finished sequence (tokens restored and computed,
     bytes read, plan, fallback, and each put's restore: plan and tokens).
@@ -28,7 +29,7 @@ class HCacheConfig(BaseModel):
 
     enabled: bool = True
     engine: Literal["auto", "fastgen", "reference"] = "auto"
-    store_dirs: list[str] = Field(default_factory=lambda: ["hcache-store"], min_length=1)
+    store_dirs: list[str] = Field(default_factory=lambda: ["hcache-store"])
     profile: str | None = None
     plan: str | None = None
     measure_profile: bool = True
@@ -40,6 +41,12 @@ class HCacheConfig(BaseModel):
     device: str | None = None
     dtype: str | None = None
     request_log: str | None = None
+
+    @model_validator(mode="after")
+    def _somewhere_to_store(self) -> HCacheConfig:
+        if not self.store_dirs and not self.store.tiers:
+            raise ValueError("store_dirs may be empty only when store.tiers names a shared tier")
+        return self
 
     @field_validator("namespace")
     @classmethod

@@ -7,6 +7,7 @@ import sys
 import time
 
 from ..model_loader import DEFAULT_MODEL, model_dir
+from ..storage.store_config import StoreConfig
 from . import serve
 from .backend import openai_server
 from .config import HCacheConfig
@@ -16,6 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model with DeepSpeed-MII and hcache (REST, optionally OpenAI API)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default) or a HF model directory")
     p.add_argument("--store-dir", action="append", default=None, help="chunk store directory (repeat for each SSD; default: hcache-store)")
+    p.add_argument("--tier", action="append", default=[], metavar="URL",
+                   help="a store shared with other replicas, below the local directory (repeat; nearest first): "
+                   "redis://host:port/db, redis+cluster://host:port,host:port, or a directory on a shared filesystem")
     p.add_argument("--plan", default=None, help="auto, RE, H, KV or counts like 2RE+20H+8KV (default: H for MHA models, KV where KV is smaller)")
     p.add_argument("--profile", default=None, help="a profile from `hcache profile` (implies --plan auto); refused if measured elsewhere")
     p.add_argument("--no-measure-profile", dest="measure_profile", action="store_false",
@@ -36,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         enabled=not args.off,
         engine=args.engine,
         store_dirs=args.store_dir or ["hcache-store"],
+        store=StoreConfig(tiers=tuple(args.tier)),
         plan=args.plan,
         profile=args.profile,
         measure_profile=args.measure_profile,

@@ -37,6 +37,13 @@ class StoreConfig:
     writers: int = DEFAULT_WRITERS
     tiers: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if isinstance(self.tiers, str):
+            raise StorageError(f"tiers is a list of tier URLs, not the string {self.tiers!r}")
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+        for url in self.tiers:  # parsed now; a Redis tier connects on first use
+            RedisChunkStore.from_url(url) if _is_redis(url) else _path(url)
+
     def check(self, chunk_bytes: int) -> None:
         """Refuse options that cannot hold a chunk file of ``chunk_bytes``, before anything is opened."""
         if self.quota_bytes is not None and self.quota_bytes < chunk_bytes:
@@ -46,8 +53,6 @@ class StoreConfig:
             raise StorageError(f"host_bytes={self.host_bytes} is smaller than one chunk's slot ({slot} bytes)")
         if self.writers < 1:
             raise StorageError(f"writers must be at least 1, not {self.writers}")
-        for url in self.tiers:  # parsed now; a Redis tier connects on first use
-            RedisChunkStore.from_url(url) if _is_redis(url) else _path(url)
 
     def open_store(
         self,
