@@ -10,6 +10,15 @@ All three figures are measured side by side in one run on the same directories:
   O_DIRECT read of those large files.
 - ``save_overhead``: time per decode step with the two-stage saver on over off, on the reference engine;
   runs are interleaved and the median of the per-round ratios is taken.
+
+With ``--tier redis://host:port/db`` (or ``--tier redis``: a server of its own on loopback) the store is
+that Redis tier alone, and the raw side is redis-py on the same bytes, with as many threads:
+- ``redis_read_ratio``: a restore of chunks not in memory (one GET per chunk into a pool slot, every
+  checksum verified) over raw GETs of the same values; ``redis_write_ratio``: publishing (write-back by
+  the tier's writers) over raw SETs.
+- ``redis_layer_values_ratio``: raw pipelined GETs of one value per (chunk, layer) over raw GETs of one
+  value per chunk: the other layout the store could have used.
+- ``save_overhead``: as above, saving to the Redis tier (no local disk).
 """
 from __future__ import annotations
 
@@ -31,12 +40,14 @@ from ..storage.chunk import Chunk, encode
 from ..storage.chunk_key import CHUNK_TOKENS, next_key, root_key
 from ..storage.store_config import StoreConfig
 from ..transfer.host_pool import PAGE
+from ._redis_server import RedisServer
 
 _BLOCK = 4 << 20  # raw I/O request size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dirs", nargs="+", default=None, help="directories to test, one per SSD (default: one temporary directory)")
+    parser.add_argument("--tier", default=None, help="measure a Redis tier instead: redis://host:port/db, or 'redis' for a server of its own")
     parser.add_argument("--chunks", type=int, default=64, help="chunks written and read")
     parser.add_argument("--layers", type=int, default=30, help="layers per chunk")
     parser.add_argument("--width", type=int, default=576, help="values per token and layer (fp32)")
@@ -53,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.tier is not None:
+        return _run_redis(args)
     scratch = None
     if args.dirs is None:
         scratch = tempfile.mkdtemp(prefix="hcache-bench-storage-")
@@ -64,18 +77,46 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         for d in [Path(scratch)] if scratch else dirs:
             shutil.rmtree(d, ignore_errors=True)
-    save_result = _save_overhead(args)
-    result = {**io_result, **save_result}
+    result = {**io_result, **_save_overhead(args)}
     print(
         f"write: store {result['store_write_mb_s']:.0f} MB/s, raw O_DIRECT {result['raw_write_mb_s']:.0f} MB/s, "
         f"ratio {result['write_ratio']:.2f}\n"
         f"read:  store {result['store_read_mb_s']:.0f} MB/s, raw O_DIRECT {result['raw_read_mb_s']:.0f} MB/s, "
-        f"ratio {result['read_ratio']:.2f}\n"
+        f"ratio {result['read_ratio']:.2f}"
+    )
+    _print_save(result)
+    return result
+
+
+def _run_redis(args: argparse.Namespace) -> dict:
+    if args.tier != "redis" and not args.tier.startswith(("redis://", "rediss://")):
+        raise SystemExit(f"bench storage --tier measures one Redis server (redis://host:port/db or 'redis'), not {args.tier!r}")
+    server = RedisServer().start() if args.tier == "redis" else None
+    url = server.url if server else args.tier
+    try:
+        result = {"tier": "redis (a server of its own on loopback)" if server else url, **_redis_benchmark(url, args)}
+        result.update(_save_overhead(args, tiers=(url,)))
+    finally:
+        if server:
+            server.close()
+    print(
+        f"write: store {result['store_write_mb_s']:.0f} MB/s, raw SET {result['raw_write_mb_s']:.0f} MB/s, "
+        f"ratio {result['redis_write_ratio']:.2f}\n"
+        f"read:  store {result['store_read_mb_s']:.0f} MB/s, raw GET {result['raw_read_mb_s']:.0f} MB/s, "
+        f"ratio {result['redis_read_ratio']:.2f}\n"
+        f"one value per layer: raw pipelined GETs {result['raw_layer_read_mb_s']:.0f} MB/s, "
+        f"{result['redis_layer_values_ratio']:.2f} of one value per chunk"
+    )
+    _print_save(result)
+    return result
+
+
+def _print_save(result: dict) -> None:
+    print(
         f"decode step: saving off {result['step_ms_off']:.1f} ms, on {result['step_ms_on']:.1f} ms, "
         f"overhead {result['save_overhead'] * 100:+.1f}% (saver stalls: {result['saver_stalls']})\n"
         "absolute figures depend on this machine's disk and CPU; compare only the ratios, measured side by side"
     )
-    return result
 
 
 # ---- chunk store against raw sequential I/O ------------------------------------------------------------
@@ -91,16 +132,82 @@ def _chunks(args: argparse.Namespace) -> list[tuple[Chunk, bytes]]:
 
 
 def _io_benchmark(dirs: list[Path], args: argparse.Namespace) -> dict:
-    """Store and raw I/O alternate, ``--repeats`` times; throughputs and ratios are medians over repeats,
-    so a disk shared with other work disturbs both sides alike."""
     chunks = _chunks(args)
     total = sum(len(data) for _, data in chunks)
-    tier = StoreConfig(host_bytes=total + (len(chunks) + 1) * PAGE, writers=args.threads).open_store(dirs, readers=args.threads)
+    tier = StoreConfig(host_bytes=_pool_bytes(chunks), writers=args.threads).open_store(dirs, readers=args.threads)
     raw_files = [d / "raw-sequential.bin" for d in dirs]
     share = -(-total // len(dirs))
+    with ThreadPoolExecutor(len(dirs)) as raw_pool:
+        times = _alternate(tier, chunks, args, {
+            "raw_write": lambda: list(raw_pool.map(lambda p: _raw_write(p, share), raw_files)),
+            "raw_read": lambda: list(raw_pool.map(_raw_read, raw_files)),
+        })
+    tier.close()
+    return {
+        "bytes": total,
+        "directories": len(dirs),
+        "direct_io": {"store": tier.stores[0].direct, "raw": [direct_io.supports_direct(d) for d in dirs]},
+        **_throughputs(times, total),
+        "write_ratio": _ratio(times, "raw_write", "store_write"),
+        "read_ratio": _ratio(times, "raw_read", "store_read"),
+    }
+
+
+def _redis_benchmark(url: str, args: argparse.Namespace) -> dict:
+    import redis
+
+    chunks = _chunks(args)
+    total = sum(len(data) for _, data in chunks)
+    namespace = f"bench{os.getpid()}"
+    config = StoreConfig(host_bytes=_pool_bytes(chunks), writers=args.threads, tiers=(f"{url}?namespace={namespace}",))
+    tier = config.open_store(None, readers=args.threads)
+    client = redis.Redis.from_url(url, max_connections=args.threads, socket_timeout=30)
+    raw = {f"raw:{namespace}:{chunk.key}": data for chunk, data in chunks}
+    layers = {  # the other layout: one value per (chunk, layer), read with one pipeline per chunk
+        f"raw:{namespace}:{chunk.key}": [(f"raw:{namespace}:{chunk.key}:{n}", t.numpy().tobytes()) for n, t in chunk.tensors.items()]
+        for chunk, _ in chunks
+    }
+
+    def get_layers(name: str) -> list:
+        pipe = client.pipeline(transaction=False)
+        for layer_name, _ in layers[name]:
+            pipe.get(layer_name)
+        return pipe.execute()
+
+    for name, values in layers.items():
+        client.mset(dict(values))
+    with ThreadPoolExecutor(args.threads) as pool:
+        times = _alternate(tier, chunks, args, {
+            "raw_write": lambda: list(pool.map(lambda kv: client.set(*kv), raw.items())),
+            "raw_read": lambda: list(pool.map(client.get, raw)),
+            "raw_layer_read": lambda: list(pool.map(get_layers, raw)),
+        })
+    errors = tier.stores[0].stats()["errors"] + tier.write_errors
+    tier.close()
+    for name, values in layers.items():
+        client.delete(name, *(n for n, _ in values))
+    client.close()
+    if errors:
+        raise RuntimeError(f"{errors} Redis operation(s) failed during the benchmark: its figures would be wrong")
+    return {
+        "bytes": total,
+        **_throughputs(times, total),
+        "redis_write_ratio": _ratio(times, "raw_write", "store_write"),
+        "redis_read_ratio": _ratio(times, "raw_read", "store_read"),
+        "redis_layer_values_ratio": _ratio(times, "raw_read", "raw_layer_read"),
+    }
+
+
+def _pool_bytes(chunks: list[tuple[Chunk, bytes]]) -> int:
+    return sum(len(data) for _, data in chunks) + (len(chunks) + 1) * PAGE
+
+
+def _alternate(tier, chunks: list[tuple[Chunk, bytes]], args: argparse.Namespace, raw: dict) -> dict[str, list[float]]:
+    """The store's writes and reads alternate with the ``raw`` ones, ``--repeats`` times, so that a device
+    shared with other work disturbs both sides alike; the seconds each took, by name."""
 
     def store_write() -> None:
-        """As the saver publishes: into the host pool, written back by the tier's writers (fsync per chunk)."""
+        """As the saver publishes: into the host pool, written back by the tier's writers."""
         for chunk, _ in chunks:
             tier.put(chunk)
         tier.flush()
@@ -111,31 +218,25 @@ def _io_benchmark(dirs: list[Path], args: argparse.Namespace) -> dict:
         for image in [f.result() for f in [tier.fetch(chunk.key) for chunk, _ in chunks]]:
             tier.release(image)
 
-    times: dict[str, list[float]] = {"store_write": [], "raw_write": [], "store_read": [], "raw_read": []}
-    with ThreadPoolExecutor(len(dirs)) as raw_pool:
-        for _ in tqdm(range(args.repeats), desc="I/O repeats (store and raw)", leave=False):
-            for key in tier.keys():
-                tier.discard(key)
-            for name, work in [
-                ("store_write", store_write),
-                ("raw_write", lambda: list(raw_pool.map(lambda p: _raw_write(p, share), raw_files))),
-                ("store_read", store_read),
-                ("raw_read", lambda: list(raw_pool.map(_raw_read, raw_files))),
-            ]:
-                began = time.perf_counter()
-                work()
-                times[name].append(time.perf_counter() - began)
-    tier.close()
-    direct_raw = [direct_io.supports_direct(d) for d in dirs]
-    mb = total / 1e6
-    return {
-        "bytes": total,
-        "directories": len(dirs),
-        "direct_io": {"store": tier.stores[0].direct, "raw": direct_raw},
-        **{f"{name}_mb_s": mb / statistics.median(t) for name, t in times.items()},
-        "write_ratio": statistics.median(r / s for r, s in zip(times["raw_write"], times["store_write"])),
-        "read_ratio": statistics.median(r / s for r, s in zip(times["raw_read"], times["store_read"])),
-    }
+    work = {"store_write": store_write, "store_read": store_read, **raw}
+    times: dict[str, list[float]] = {name: [] for name in work}
+    for _ in tqdm(range(args.repeats), desc="I/O repeats (store and raw)", leave=False):
+        for key in tier.keys():
+            tier.discard(key)
+        for name, fn in work.items():
+            began = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - began)
+    return times
+
+
+def _throughputs(times: dict[str, list[float]], total: int) -> dict[str, float]:
+    return {f"{name}_mb_s": total / 1e6 / statistics.median(t) for name, t in times.items()}
+
+
+def _ratio(times: dict[str, list[float]], raw: str, store: str) -> float:
+    """The store's throughput over the raw one: the median of per-repeat ratios."""
+    return statistics.median(r / s for r, s in zip(times[raw], times[store]))
 
 
 def _raw_write(path: Path, nbytes: int) -> None:
@@ -162,7 +263,7 @@ def _raw_read(path: Path) -> int:
 
 
 # ---- the saver on a decode loop ---------------------------------------------------------------------------
-def _save_overhead(args: argparse.Namespace) -> dict:
+def _save_overhead(args: argparse.Namespace, tiers: tuple[str, ...] = ()) -> dict:
     from ..model_loader import load_model
     from ..runtime import HCacheRuntime
 
@@ -175,7 +276,12 @@ def _save_overhead(args: argparse.Namespace) -> dict:
         return [torch.randint(0, loaded.spec.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
 
     with tempfile.TemporaryDirectory(prefix="hcache-bench-saver-") as tmp:
-        runtimes = {on: HCacheRuntime(loaded, Path(tmp) / str(on), save="plan" if on else "none") for on in (True, False)}
+        runtimes = {
+            on: HCacheRuntime(
+                loaded, None if on and tiers else Path(tmp) / str(on), save="plan" if on else "none", store=StoreConfig(tiers=tiers if on else ())
+            )
+            for on in (True, False)
+        }
         for rt in runtimes.values():  # warm-up: first-call allocations, thread start
             rt.generate_batch(batch(), 4, restore=False, stop_token_ids=set())
         steps: dict[bool, list[float]] = {True: [], False: []}
