@@ -1,6 +1,8 @@
 """Benchmarks run end to end on a tiny model and report the figures their issues name."""
 import json
 
+import pytest
+
 from hcache.cli import main
 
 
@@ -39,3 +41,18 @@ def test_bench_transfer_reports_the_data_path_against_a_copy(tmp_path):
     for name in ("kv_restore_vs_copy", "saver_ingest_vs_copy", "h_vs_kv", "h_vs_recompute", "h_vs_bound", "copy_gb_s"):
         assert result[name] > 0, name
     assert set(result["restore_s"]) == {"KV", "H", "RE"} and result["history"] == 256 and result["layers"] == 2
+
+
+def test_bench_storage_measures_a_redis_tier_of_its_own_against_redis_py(tmp_path):
+    from hcache.bench._redis_server import redis_missing
+
+    if why := redis_missing():
+        pytest.skip(why)
+    out = tmp_path / "storage.json"
+    args = ["bench", "storage", "--tier", "redis", "--chunks", "4", "--layers", "2", "--repeats", "1", "--model", "random:llama",
+            "--batch", "2", "--steps", "3", "--rounds", "1", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    for name in ("redis_read_ratio", "redis_write_ratio", "redis_layer_values_ratio", "store_read_mb_s", "raw_read_mb_s"):
+        assert result[name] > 0, name
+    assert result["saver_chunks_published"] > 0 and "step_ms_on" in result
