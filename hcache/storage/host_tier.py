@@ -139,6 +139,9 @@ class HostTier:
         return future
 
     def _load(self, key: str) -> ChunkImage | None:
+        """Load ``key`` from the first store that serves it whole. A copy that fails its checks is discarded
+        from its store, and one that cannot be read is kept; either way the next store is tried, and its
+        copy, once verified, is promoted over the bad one. The last failure is raised if no store serves it."""
         taken: list[Slot] = []
 
         def take(size: int) -> memoryview:
@@ -148,24 +151,32 @@ class HostTier:
             taken.append(slot)
             return self.pool.buffer(slot)
 
-        image, found = None, 0
+        image, failure = None, None
         try:
             for found, store in enumerate(self.stores):
-                size = store.read_into(key, take)
-                if size is not None:
-                    image = ChunkImage.parse(self.pool.view(taken[0]), key, size, slot=taken[0])
-                    break
-        except BaseException as exc:
+                try:
+                    size = store.read_into(key, take)
+                    if size is not None:
+                        image = ChunkImage.parse(self.pool.view(taken[0]), key, size, slot=taken[0])
+                        break
+                except HostPoolFull:
+                    raise
+                except (ChunkInvalid, OSError) as exc:
+                    failure = exc
+                    if isinstance(exc, ChunkInvalid):
+                        store.discard(key)  # not the pool's copy: one published meanwhile is not this one
+                self._free_unpublished(taken)
+                taken.clear()
+        except BaseException:
             self._free_unpublished(taken)
             with self._cond:
                 self._loading.pop(key, None)
-            if isinstance(exc, ChunkInvalid):
-                self.stores[found].discard(key)  # not the pool's copy: one published meanwhile is not this one
             raise
         with self._cond:
             self._loading.pop(key, None)
             if image is None:
-                self._free_unpublished(taken)
+                if failure is not None:
+                    raise failure
                 return None
             self.bytes_loaded += size
             if key in self._index:  # published meanwhile: serve that copy
