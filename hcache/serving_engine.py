@@ -322,6 +322,10 @@ class ServingEngine:
     def get_remaining_block_capacity(self, uid: int) -> int:
         return self.engine.get_remaining_block_capacity(uid)
 
+    def is_open(self, uid: int) -> bool:
+        """Whether ``uid`` has been opened (or put) and not flushed since."""
+        return uid in self._seqs
+
     def record(self, uid: int) -> SequenceRecord:
         """What an open sequence has cost so far."""
         return self._seqs[uid].record
@@ -331,9 +335,11 @@ class ServingEngine:
         then free its KV blocks."""
         seq = self._seqs.pop(uid, None)
         self._announced.pop(uid, None)
-        if self.saver is not None:
-            self.saver.close(uid)
-        self.engine.flush(uid)
+        try:
+            if self.saver is not None:
+                self.saver.close(uid)
+        finally:  # a save that failed must not keep the sequence's KV blocks
+            self.engine.flush(uid)
         if seq is not None and self.request_log is not None and self.tp.rank == 0:  # ranks restore alike
             with self.request_log.open("a") as f:
                 f.write(json.dumps({"uid": uid, "time": time.time(), **asdict(seq.record)}) + "\n")

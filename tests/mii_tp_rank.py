@@ -5,7 +5,7 @@ import os
 import sys
 
 import hcache.mii
-from test_mii import NEW_TOKENS, converse
+from test_mii import NEW_TOKENS, QUESTIONS, converse
 
 model_dir, store, out, zmq_port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 pipe = hcache.mii.pipeline(
@@ -16,6 +16,8 @@ pipe = hcache.mii.pipeline(
     hcache={"store_dirs": [store], "request_log": f"{store}/requests.jsonl", "plan": "H", "readers": 0},
 )
 replies = converse(model_dir, lambda prompt, _: pipe([prompt], max_new_tokens=NEW_TOKENS, do_sample=False)[0].generated_text)
+for _ in range(2):  # in a namespace of its own: the second restores what the first stored
+    pipe([2 * QUESTIONS[0]], max_new_tokens=1, cache_salt="tenant-b")
 pipe.inference_engine.close()
 with open(out, "w") as f:
     json.dump(replies, f)

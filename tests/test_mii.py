@@ -5,14 +5,17 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -94,7 +97,7 @@ def _check_restored_and_identical(model_dir: str, replies: list[str], reference:
     """Replies equal hcache off's, and each later turn restores at least every full chunk of the previous
     turn's prompt (a prefix of its own), which the previous turn stored."""
     assert replies == reference
-    turns = _turns(log)
+    turns = _turns(log)[: len(QUESTIONS)]  # later lines: the caller's further requests
     assert len(turns) == len(QUESTIONS)
     assert turns[0]["restored_tokens"] == 0
     for turn, previous_prompt in zip(turns[1:], _prompt_tokens(model_dir, replies)):
@@ -106,6 +109,33 @@ def test_pipeline_restores_returning_conversation(model_dir, hcache_off, tmp_pat
     log = tmp_path / "requests.jsonl"
     replies = _pipeline_chat(model_dir, {"store_dirs": [str(tmp_path / "store")], "request_log": str(log)})
     _check_restored_and_identical(model_dir, replies, hcache_off, log)
+
+
+FAULT_DIR = os.path.join(os.path.dirname(__file__), "fault_injection")
+FAULT_WORD = " xylophone"  # its first token makes the engine's forward raise (tests/fault_injection)
+
+
+def _fault_token(model_dir: str) -> int:
+    return AutoTokenizer.from_pretrained(model_dir).encode(FAULT_WORD)[0]
+
+
+def test_pipeline_call_that_fails_in_the_loop_fails_alone(model_dir, tmp_path, monkeypatch):
+    """A forward that raises inside MII's loop fails its call with a clear error; the pipeline serves on."""
+    from fault_injection.sitecustomize import faulty
+
+    from hcache.engine.reference import ReferenceEngine
+    from hcache.mii.failures import RequestFailed
+
+    monkeypatch.setattr(ReferenceEngine, "step", faulty(ReferenceEngine.step, _fault_token(model_dir)))
+    pipe = hcache.mii.pipeline(model_dir, hcache={"store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port())
+    try:
+        before = pipe([QUESTIONS[0]], max_new_tokens=4, do_sample=False)[0].generated_text
+        with pytest.raises(RequestFailed, match="injected fault"):
+            pipe([QUESTIONS[0], "I play the" + FAULT_WORD], max_new_tokens=4, do_sample=False)
+        assert pipe([QUESTIONS[0]], max_new_tokens=4, do_sample=False)[0].generated_text == before
+    finally:
+        pipe.inference_engine.close()
+        pipe.destroy()
 
 
 def _post(url: str, body: object) -> object:
@@ -169,7 +199,7 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
     top_k=1), all against one hcache deployment, after bad requests that must each be refused alone; then
     per-request namespaces (``cache_salt``) through both."""
     log, store = tmp_path / "requests.jsonl", tmp_path / "store"
-    rest, balancer = _free_port(), _free_port()
+    rest, balancer, zmq = _free_port(), _free_port(), _free_port()
     client = hcache.mii.serve(
         model_dir,
         hcache={"store_dirs": [str(store)], "request_log": str(log)},
@@ -179,7 +209,7 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
         restful_processes=1,
         port_number=balancer,
         torch_dist_port=_free_port(),
-        zmq_port_number=_free_port(),
+        zmq_port_number=zmq,
     )
     openai_port = _free_port()
     openai = openai_server(model_dir, balancer, openai_port)
@@ -191,8 +221,13 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
         for body, reason in BAD_REST_BODIES:
             status, answer = _post_status(url, body)
             assert status == 400 and reason in answer["error"], (body, answer)
-        with pytest.raises(Exception, match="empty prompt"):  # past the gateway: refused by the model server
+        with pytest.raises(grpc.RpcError) as refused:  # past the gateway: refused by the model server
             client.generate([""], max_new_tokens=4)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty prompt" in refused.value.details()
+        completion = {"model": model_dir, "prompt": "", "max_tokens": 4}  # the OpenAI server checks less
+        status, answer = _post_status(f"http://localhost:{openai_port}/v1/completions", completion)
+        assert status == 400 and "empty prompt" in answer["message"], answer
+        assert _listening_addresses(zmq) and _listening_addresses(zmq) <= LOOPBACK
 
         prompts = []
 
@@ -220,6 +255,76 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
         client.terminate_server()
     extra = _turns(log)[len(QUESTIONS) :]
     assert [t["restored_tokens"] > 0 for t in extra] == [False, True, False]
+
+
+def test_serve_fails_a_request_alone_and_ctrl_c_stops_a_hung_deployment(model_dir, tmp_path):
+    """``hcache serve`` with a fault injected in its engine's forward (tests/fault_injection): a request that
+    hits it gets HTTP 500 and the reason; one batched with it is recomputed alone and answered as if alone;
+    later requests are served. Then, every process of the deployment stopped (SIGSTOP: a hung server),
+    Ctrl-C still ends them all."""
+    rest, log, out = _free_port(), tmp_path / "requests.jsonl", tmp_path / "serve.out"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAULT_DIR, repo]), HCACHE_TEST_FAULT_TOKEN=str(_fault_token(model_dir)))
+    command = [sys.executable, "-m", "hcache", "serve", "--model", model_dir, "--store-dir", str(tmp_path / "store"),
+               "--request-log", str(log), "--rest-port", str(rest), "--port", str(_free_port())]  # fmt: skip
+    with open(out, "w") as output:
+        serve = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+    stopped: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while "serving; Ctrl-C stops" not in out.read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(1)
+        url, body = f"http://localhost:{rest}/mii/hcache", {"prompts": [QUESTIONS[0]], "max_new_tokens": 200, "ignore_eos": True, "do_sample": False}
+        alone = _post(url, body)
+        with ThreadPoolExecutor(1) as pool:
+            batched = pool.submit(_post, url, body)
+            time.sleep(1)  # it is decoding now: the failing prompt's first put joins its batch
+            status, answer = _post_status(url, {"prompts": ["I play the" + FAULT_WORD], "max_new_tokens": 4})
+            assert status == 500 and "injected fault" in answer["error"], answer
+            assert batched.result(timeout=300) == alone
+        assert _post(url, {"prompts": ["Hi"], "max_new_tokens": 2})[0]["generated_length"] == 2
+        uids = [turn["uid"] for turn in _turns(log)]
+        assert len(uids) > len(set(uids)), "the batched sequence was not recomputed alone"
+
+        stopped = _descendants(serve.pid)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=90) == 0
+        assert not [pid for pid in stopped if _alive(pid)]
+    finally:
+        for pid in stopped | _descendants(serve.pid):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        serve.kill()
+        serve.wait()
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _cmdlines():
@@ -262,6 +367,8 @@ def test_tensor_parallel_pipeline_equals_one_rank(model_dir, tmp_path):
     for r in range(2):
         replies = json.loads((tmp_path / f"rank{r}.json").read_text())
         _check_restored_and_identical(tiny, replies, reference, store / "requests.jsonl")
+    # then one prompt twice under a cache_salt, which reaches rank 1 with MII's broadcast: new, then restored
+    assert [t["restored_tokens"] > 0 for t in _turns(store / "requests.jsonl")[len(QUESTIONS) :]] == [False, True]
     assert sorted(p.name for p in store.iterdir()) == ["requests.jsonl", "tp2-rank0", "tp2-rank1"]
 
 

@@ -18,6 +18,7 @@ from .backend import (
     check_deployment,
     check_mii_version,
     installed,
+    keeping_the_loop_installed,
     resolve_profile,
     server_processes_launched_by_hcache,
     stop,
@@ -36,7 +37,9 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
 
     path, tensor_parallel = _deployment(model_name_or_path, kwargs)
     with installed(resolve_profile(_config(hcache), path, tensor_parallel)):
-        return mii.pipeline(model_name_or_path, **kwargs)
+        pipe = mii.pipeline(model_name_or_path, **kwargs)
+        keeping_the_loop_installed(pipe)
+        return pipe
 
 
 def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):

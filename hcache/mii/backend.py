@@ -31,6 +31,7 @@ from ..profile import Profile, profile_command
 from ..serving_engine import ServingEngine, is_auto
 from ..storage.store_config import StoreConfig
 from ..tensor_parallel import SINGLE, TPGroup, shard_model
+from . import failures
 from .config import HCacheConfig
 from .requests import CACHE_SALT, check_generate_options, check_rest_body
 
@@ -58,6 +59,8 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
         config = model_config.inference_engine_config
     if model_config.max_length is None:  # else MII reads it from FastGen's checkpoint engine
         model_config.max_length = engine.spec.max_positions
+        if isinstance(engine, ReferenceEngine):  # a longer sequence would wait in MII's scheduler forever
+            model_config.max_length = min(model_config.max_length, engine.cache.num_blocks * engine.cache.block_size)
     return ServingEngine(
         engine,
         fingerprint,
@@ -177,13 +180,17 @@ def install(hcache: HCacheConfig) -> Callable[[], None]:
     check_mii_version()
     saved_load = mii.api.load_model
     mii.api.load_model = lambda model_config: build_engine(model_config, hcache)
-    undo_cpu = _run_mii_loop_on_cpu() if not torch.cuda.is_available() else lambda: None
-    undo_checks = _check_requests()
+    undos = [
+        _run_mii_loop_on_cpu() if not torch.cuda.is_available() else lambda: None,
+        _check_requests(),
+        failures.install(),  # after the checks: it wraps them
+        _bind_internal_ports_to_loopback(),
+    ]
 
     def undo() -> None:
         mii.api.load_model = saved_load
-        undo_cpu()
-        undo_checks()
+        for undo_one in reversed(undos):
+            undo_one()
 
     return undo
 
@@ -191,45 +198,67 @@ def install(hcache: HCacheConfig) -> Callable[[], None]:
 def _check_requests() -> Callable[[], None]:
     """Check each request as MII makes it, before it enters the batching loop (a bad one raises in its
     caller, and the loop never sees it), and open each new sequence in its request's namespace
-    (``cache_salt``), which rides on MII's request object."""
+    (``cache_salt``), which rides on MII's request object and, to the other tensor-parallel ranks, on
+    MII's broadcast of the batch."""
+    from mii.batching.data_classes import Request, RequestMsg
     from mii.batching.ragged_batching import RaggedBatchBase
 
-    saved_make, saved_put = RaggedBatchBase.make_request, RaggedBatchBase.put
+    make, put = RaggedBatchBase.make_request, RaggedBatchBase.put
 
     def make_request(self, tid, uid, input_tokens, kwargs):
         options, namespace = check_generate_options(kwargs, len(input_tokens), self.max_length)
-        if namespace is not None and self.model_config.tensor_parallel > 1:
-            raise InvalidRequestError(f"{CACHE_SALT} is not supported with tensor_parallel > 1 yet")
-        request = saved_make(self, tid, uid, input_tokens, options)
+        request = make(self, tid, uid, input_tokens, options)
         request.hcache_namespace = namespace
         return request
 
-    def put(self, uids, tokenized_input):
+    def put_in_namespaces(self, uids, tokenized_input):
+        engine = self.inference_engine
         for r in self.scheduled_requests.requests_to_run:
-            # seq_length 0: the sequence's first put (or its first again, after MII preempted and flushed it)
-            if getattr(r, "hcache_namespace", None) is not None and r.seq_length == 0:
-                self.inference_engine.open(r.uid, namespace=r.hcache_namespace)
-        return saved_put(self, uids, tokenized_input)
+            # not open: its first put, or its first again after MII preempted or hcache retried it
+            if getattr(r, "hcache_namespace", None) is not None and r.uid in uids and not engine.is_open(r.uid):
+                engine.open(r.uid, namespace=r.hcache_namespace)
+        return put(self, uids, tokenized_input)
 
-    RaggedBatchBase.make_request, RaggedBatchBase.put = make_request, put
+    RaggedBatchBase.make_request, RaggedBatchBase.put = make_request, put_in_namespaces
+    if not getattr(Request, "hcache_broadcasts_namespace", False):  # for good: MII ignores the extra key
+        to_msg, from_msg = Request.to_msg_dict, RequestMsg.from_msg_dict
+
+        def to_msg_dict(self):
+            return {**to_msg(self), CACHE_SALT: getattr(self, "hcache_namespace", None)}
+
+        def msg_from_dict(msg):
+            request = from_msg(msg)
+            request.hcache_namespace = msg.get(CACHE_SALT)
+            return request
+
+        Request.to_msg_dict, RequestMsg.from_msg_dict = to_msg_dict, staticmethod(msg_from_dict)
+        Request.hcache_broadcasts_namespace = True
 
     def undo() -> None:
-        RaggedBatchBase.make_request, RaggedBatchBase.put = saved_make, saved_put
+        RaggedBatchBase.make_request, RaggedBatchBase.put = make, put
 
     return undo
 
 
+def keeping_the_loop_installed(pipeline) -> None:
+    """Keep hcache's request checks and failure handling on ``pipeline`` (built while :func:`install`\ ed)
+    after the install is undone: its class becomes a subclass that holds them."""
+    cls = type(pipeline)
+    methods = {name: getattr(cls, name) for name in (*failures.LOOP_METHODS, "make_request", "put")}
+    pipeline.__class__ = type(cls.__name__, (cls,), methods)
+
+
 def install_server(hcache: HCacheConfig, model_config, rest_gateway: bool) -> None:
-    """For the life of one of MII's server processes: hcache's engine, its internal gRPC and ZMQ ports on
-    loopback only (MII binds them to every interface), and, in the REST gateway, every request checked
-    at the door."""
+    """For the life of one of MII's server processes: :func:`install`, and, in the REST gateway, every
+    request checked at the door and every error answered with its HTTP status and message."""
     install(hcache)
-    _bind_internal_ports_to_loopback()
     if rest_gateway:
         _check_rest_requests(model_config)
 
 
-def _bind_internal_ports_to_loopback() -> None:
+def _bind_internal_ports_to_loopback() -> Callable[[], None]:
+    """MII's internal gRPC servers and rank 0's ZMQ broadcast listen on loopback only (MII binds them to
+    every interface); returns the undo."""
     import grpc
     import zmq
 
@@ -244,10 +273,17 @@ def _bind_internal_ports_to_loopback() -> None:
     grpc.server = server
     zmq.Socket.bind = lambda self, address: zmq_bind(self, address.replace("tcp://*:", "tcp://127.0.0.1:", 1))
 
+    def undo() -> None:
+        grpc.server, zmq.Socket.bind = make_server, zmq_bind
+
+    return undo
+
 
 def _check_rest_requests(model_config) -> None:
     """MII's REST gateway, with a bad request refused with HTTP 400 and the reason, before it reaches the
-    deployment."""
+    deployment, and a request the deployment fails answered with :func:`failures.http_status` and the
+    deployment's message (MII's gateway answers every error with a bare HTTP 500)."""
+    import grpc
     import mii.grpc_related.restful_gateway as gateway
     from flask import jsonify, request
     from mii.constants import RESTFUL_API_PATH
@@ -271,6 +307,16 @@ def _check_rest_requests(model_config) -> None:
                     return jsonify({"error": str(exc)}), 400
             return None
 
+        [endpoint] = [rule.endpoint for rule in app.url_map.iter_rules() if rule.rule == route]
+        generate = app.view_functions[endpoint]
+
+        def generate_or_answer_the_error(*args, **kwargs):
+            try:
+                return generate(*args, **kwargs)
+            except grpc.RpcError as exc:
+                return jsonify({"error": exc.details()}), failures.http_status(exc.code())
+
+        app.view_functions[endpoint] = generate_or_answer_the_error
         return app
 
     gateway.createRestfulGatewayApp = create_checked_app

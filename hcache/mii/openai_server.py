@@ -1,14 +1,19 @@
 """``python -m hcache.mii.openai_server <MII's OpenAI server arguments>``: MII's OpenAI-compatible server, whose
 completion and chat requests also take ``cache_salt`` (vLLM's name for a per-request namespace). It is
-checked with the request (HTTP 400 if bad) and passed on to the deployment with the generation options."""
+checked with the request (HTTP 400 if bad) and passed on to the deployment with the generation options.
+A request the deployment fails is answered with an OpenAI error object, the deployment's message and
+:func:`~hcache.mii.failures.http_status` (MII's answers a bare HTTP 500)."""
 from __future__ import annotations
 
 import runpy
 from contextvars import ContextVar
 from typing import Optional
 
+import grpc
+import uvicorn
 from pydantic import Field, field_validator
 
+from .failures import http_status
 from .requests import CACHE_SALT, check_namespace
 
 _salt: ContextVar[Optional[str]] = ContextVar(CACHE_SALT, default=None)  # the salt of the request being served
@@ -44,8 +49,22 @@ def main() -> None:
         return to_proto(options if salt is None else {**options, CACHE_SALT: salt})
 
     mii.utils.kwarg_dict_to_proto = kwarg_dict_to_proto
+    run = uvicorn.run
+
+    def run_answering_errors(app, **kwargs):
+        app.add_exception_handler(grpc.RpcError, _answer_error)
+        run(app, **kwargs)
+
+    uvicorn.run = run_answering_errors
     # MII's server reads these names when its module runs, so it gets the versions above.
     runpy.run_module("mii.entrypoints.openai_api_server", run_name="__main__", alter_sys=True)
+
+
+async def _answer_error(request, exc):
+    from fastapi.responses import JSONResponse
+
+    status = http_status(exc.code())
+    return JSONResponse({"object": "error", "message": exc.details(), "code": status}, status_code=status)
 
 
 if __name__ == "__main__":
