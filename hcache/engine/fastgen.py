@@ -8,7 +8,7 @@ FastGen runs the model; this adapter adds what hcache needs around it, without e
   norm's reused output buffer still holds it. The wrappers exist only for the duration of that ``put``.
 - **restore**: blocks come from FastGen's own state manager and descriptors; the K/V GEMM reads the K and V
   rows of FastGen's fused ``qkv_w`` (and ``qkv_b``); RoPE and scatter use :func:`hcache.ops.rotate_and_write`
-  on FastGen's cache tensor, whose per-layer layout ``[num_blocks, block_size, 2, n_kv_heads, head_size]``
+  with FastGen's RoPE rule (:mod:`hcache.ops.rope`: its kernel's rounding, not transformers') on FastGen's cache tensor, whose per-layer layout ``[num_blocks, block_size, 2, n_kv_heads, head_size]``
   is hcache's. Recompute runs FastGen's own embedding and first layers over a ragged batch built as ``put``
   builds it.
 
@@ -261,7 +261,7 @@ class FastGenEngine:
         desc = self._state.get_or_create_sequence(uid)
         self._model.maybe_allocate_kv(desc, num_tokens)
         positions = torch.arange(base, base + num_tokens, device=self.device)
-        cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype)
+        cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype, rule="fastgen")  # as FastGen's forward rotates
         slots = self._slots(uid, base, num_tokens)
         self._restoring[uid] = _Restore(base, num_tokens, slots, cos_sin, slot_runs(slots))
 
