@@ -494,3 +494,55 @@ def test_serving_engine_over_fastgen_restores_and_survives_a_corrupt_chunk(tmp_p
     assert record.restored_tokens == 2 * 15 and "checksum mismatch" in record.fallback
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     serving.close()
+
+
+# ---- hcache bench ops: FastGen's kernel set up through DeepSpeed's own Python --------------------------
+def test_bench_ops_sets_up_fastgens_rotary_kernel_as_fastgen_does(monkeypatch):
+    """``hcache bench ops``'s FastGen column builds DeepSpeed's real state manager, KV cache and ragged batch
+    (only the two JIT-built CUDA modules are faked) and calls ``BlockedRotaryEmbeddings``; the fake kernel
+    reads what the CUDA kernel reads (batch metadata, sequence descriptors, the block list behind
+    ``kv_ptrs``) and writes K rotated by tests/fastgen_kernel.py, so the cache shows whether every token
+    reaches its block at its position."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from deepspeed.inference.v2.kernels.ragged_ops.linear_blocked_kv_rotary import blocked_kv_rotary
+    from deepspeed.inference.v2.ragged import kv_cache, ragged_manager, ragged_wrapper
+
+    from hcache.bench import ops as bench_ops
+
+    host_buffers = SimpleNamespace(allocate_fast_host_buffer=lambda t: torch.empty_like(t, device="cpu"))
+    for module in (ragged_manager, ragged_wrapper):
+        monkeypatch.setattr(module, "RaggedUtilsBuilder", lambda: SimpleNamespace(load=lambda: host_buffers))
+    for module in (kv_cache, ragged_manager, ragged_wrapper):  # the "device" is the host
+        monkeypatch.setattr(module, "get_accelerator", lambda: SimpleNamespace(current_device=lambda: "cpu"))
+    for module in (kv_cache, ragged_manager):  # the real one pins its host memory
+        monkeypatch.setattr(module, "BlockedAllocator", FakeAllocator)
+    calls = []
+
+    def kv_rotary_embeddings(kv_cache, q, k, v, rotary_dim, theta_base, batch_metadata, seq_metadata, tokens_to_seq, kv_ptrs):
+        n_tokens = int(batch_metadata[0])
+        (start, n, seen, _), = seq_metadata[: int(batch_metadata[1])].tolist()
+        blocks = -(-n // kv_cache.shape[1])
+        table = torch.tensor(list((ctypes.c_int32 * blocks).from_address(int(kv_ptrs[0]))))  # what the kernel dereferences
+        pos = torch.arange(seen, seen + n)
+        heads, head = kv_cache.shape[3:]
+        rows = slice(start, start + n)
+        rotated = fastgen_kernel.kv_rotary(k[rows].view(n, heads, head), pos, rotary_dim, theta_base)
+        kv_cache[table[pos // kv_cache.shape[1]], pos % kv_cache.shape[1]] = torch.stack((rotated, v[rows].view(n, heads, head)), 1)
+        calls.append((n_tokens, tokens_to_seq[:n_tokens].tolist(), k, v, kv_cache))
+
+    kernels = SimpleNamespace(kv_rotary_embeddings=kv_rotary_embeddings)
+    monkeypatch.setattr(blocked_kv_rotary, "RaggedOpsBuilder", lambda: SimpleNamespace(load=lambda: kernels))
+
+    tokens, block = 300, 4  # 75 blocks: more than a KV cache config's default of 64 per sequence
+    rope = bench_ops._rope(2, 64, {"rope_type": "default", "rope_theta": 10000.0})
+    run = bench_ops._fastgen(2, 64, rope, torch.float16, tokens, block, torch.device("cpu"))
+    run()
+    (n_tokens, token_seq, k, v, cache), = calls
+    assert n_tokens == tokens and token_seq == [0] * tokens and cache.shape == (75, block, 2, 2, 64)
+    assert k.shape == v.shape == (tokens, 128) and k.stride(0) == 3 * 128  # views of one fused qkv row
+    flat = cache.flatten(0, 1)[:tokens]  # one sequence, blocks allocated in order
+    pos = torch.arange(tokens)
+    assert torch.equal(flat[:, 1], v.reshape(tokens, 2, 64))
+    assert torch.equal(flat[:, 0], fastgen_kernel.kv_rotary(k.reshape(tokens, 2, 64), pos, 64, 10000.0))
