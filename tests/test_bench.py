@@ -21,7 +21,8 @@ def test_bench_restore_reports_every_method_the_bound_and_the_regret(tmp_path):
 def test_bench_mii_compares_methods_through_mii(tmp_path):
     """Through MII's own pipeline: every method gives the same tokens, and kv and h restore the history."""
     out = tmp_path / "mii.json"
-    args = ["bench", "mii", "--history", "192", "--turn", "16", "--new-tokens", "4", "--repeats", "1", "--json", str(out)]
+    args = ["bench", "mii", "--engine", "reference", "--model", "random:llama", "--history", "192", "--turn", "16",
+            "--new-tokens", "4", "--repeats", "1", "--json", str(out)]
     assert main(args) == 0
     result = json.loads(out.read_text())
     methods = result["methods"]
