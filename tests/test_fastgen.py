@@ -422,7 +422,10 @@ def test_begin_restore_without_room_raises_and_allocates_nothing():
 
 
 # ---- the real engine (needs FastGen's CUDA kernels) ----------------------------------------------------
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FastGen's kernels need a CUDA GPU; the fakes above cover the logic")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="FastGen's kernels need a CUDA GPU; the fakes above cover the logic")
+
+
+@needs_gpu
 def test_real_fastgen_restore_equals_recompute(tmp_path):
     from transformers import LlamaForCausalLM
 
@@ -462,6 +465,111 @@ def test_real_fastgen_restore_equals_recompute(tmp_path):
         else:  # RE runs FastGen's own layers; KV copies FastGen's own bits
             assert torch.equal(got, want)
     assert restored == recompute
+
+
+# Tiny random models of each family FastGen runs, in shapes its kernels take (head size 64, full rotary).
+FAMILY_OVERRIDES = {
+    "llama": {},
+    "mistral": dict(sliding_window=None),
+    "qwen2": {},
+    "phi3": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+# per plan, each of the 3 layers' method
+PLANS = {"RE": "RE RE RE", "H": "H H H", "KV": "KV KV KV", "1RE+1H+1KV": "RE H KV"}
+GPU_FORWARD = 720  # one put (FastGen's batches hold 768 tokens): 11 full 64-token chunks are saved
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_OVERRIDES))
+def real_fastgen(request, tmp_path_factory):
+    """A FastGen engine over a tiny random fp16 model of each family, its KV cache allocated at 512 blocks
+    (not most of the GPU), so the families' engines fit one after another."""
+    if not torch.cuda.is_available():
+        pytest.skip("FastGen's kernels need a CUDA GPU; the fakes above cover the logic")
+    from hcache.model_loader import random_model
+
+    family = request.param
+    path = tmp_path_factory.mktemp(family)
+    model = random_model(family, dtype=torch.float16, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=512, max_position_embeddings=2048, **FAMILY_OVERRIDES[family])
+    model.save_pretrained(path)
+    engine = build_fastgen_engine(str(path), {"state_manager": {"memory_config": {"mode": "allocate", "size": 512}}})
+    yield family, engine
+    del engine
+    torch.cuda.empty_cache()
+
+
+def _greedy(engine: FastGenEngine, uid: int, logits: torch.Tensor, n: int = 4) -> list[int]:
+    out = [int(logits.argmax(-1)[-1])]
+    for _ in range(n - 1):
+        out.append(int(engine.step([(uid, [out[-1]])]).argmax(-1)[-1]))
+    return out
+
+
+def _check_restored_kv(engine: FastGenEngine, uid: int, reference_uid: int, methods: list[str], n: int) -> None:
+    """The first ``n`` positions of ``uid``'s cache against FastGen's own forward of the same tokens: RE
+    (FastGen's own layers) and KV (FastGen's own bytes) bit for bit, H's V bit for bit and its K within
+    the bound of hcache's copy of FastGen's RoPE rule (fastgen_kernel.rope_bound)."""
+    positions = torch.arange(n, device=engine.device)
+    for layer, method in enumerate(methods):
+        got, want = cached_kv(engine, uid, layer)[:n], cached_kv(engine, reference_uid, layer)[:n]
+        if method == "H":
+            assert torch.equal(got[:, 1], want[:, 1]), f"layer {layer}: V"
+            fastgen_kernel.assert_within_rope_bound(got[:, 0].cpu(), want[:, 0].cpu(), positions.cpu(), engine.spec.head_size)
+        else:
+            assert torch.equal(got, want), f"layer {layer} ({method})"
+
+
+@needs_gpu
+def test_real_fastgen_restores_each_family_by_each_method_ending_inside_a_chunk(real_fastgen, tmp_path):
+    """Per family and plan, through hcache's serving engine: a 720-token conversation is saved; it returns
+    with its first 700 tokens, so the restore covers 699 tokens and ends inside chunk 10. The restored
+    cache is FastGen's own forward's (up to the RoPE bound for H's K), and greedy decoding continues alike."""
+    from hcache.serving_engine import ServingEngine
+
+    family, engine = real_fastgen
+    history = [int(t) for t in torch.randint(0, engine.spec.vocab_size, (GPU_FORWARD,), generator=torch.Generator().manual_seed(3))]
+    reference_logits = engine.step([(900, history[:700])])
+    reference = _greedy(engine, 900, reference_logits)
+    engine.flush(900)
+    engine.step([(901, history)])  # FastGen's own cache of the saved forward
+    for i, (plan, methods) in enumerate(PLANS.items()):
+        serving = ServingEngine(engine, f"fp-{family}", tmp_path / plan, model_name=family, plan=plan, save="all", readers=0)
+        saved, returning = 10 * i + 1, 10 * i + 2
+        serving.put([saved], [history])
+        serving.flush(saved)
+        logits = serving.put([returning], [history[:700]])
+        record = serving.record(returning)
+        assert record.restored_tokens == 699 and record.fallback is None, (plan, record)
+        _check_restored_kv(engine, returning, 901, methods.split(), 699)
+        assert _greedy(engine, returning, logits) == reference, plan
+        serving.flush(returning)
+        serving.close()
+    engine.flush(901)
+
+
+@needs_gpu
+def test_real_fastgen_falls_back_past_a_corrupt_chunk(real_fastgen, tmp_path):
+    """A stored H tensor of chunk 3 is damaged: the restore ends at chunk 3, the rest is prefilled, and
+    greedy decoding continues as after FastGen's own forward."""
+    from helpers import corrupt_tensor
+
+    from hcache.serving_engine import ServingEngine
+    from hcache.storage.chunk_key import chunk_keys, root_key
+
+    family, engine = real_fastgen
+    history = [int(t) for t in torch.randint(0, engine.spec.vocab_size, (GPU_FORWARD,), generator=torch.Generator().manual_seed(4))]
+    reference = _greedy(engine, 900, engine.step([(900, history)]))
+    engine.flush(900)
+    serving = ServingEngine(engine, f"fp-{family}", tmp_path, model_name=family, plan="1RE+1H+1KV", save="all", readers=0)
+    serving.put([1], [history])
+    serving.flush(1)
+    corrupt_tensor(serving.store, chunk_keys(history, root_key(serving.fingerprint))[3], 1, "H")
+    logits = serving.put([2], [history])
+    record = serving.record(2)
+    assert record.restored_tokens == 3 * 64 and "checksum mismatch" in record.fallback
+    assert _greedy(engine, 2, logits) == reference
+    serving.flush(2)
+    serving.close()
 
 
 def test_serving_engine_over_fastgen_restores_and_survives_a_corrupt_chunk(tmp_path):
