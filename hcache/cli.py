@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--store", default=None, help="chunk store directory (default: a temporary one)")
     demo.add_argument("--json", dest="json_path", default=None, help="also write the figures to this file")
 
-    sub.add_parser("prepare", help="convert the embedded default model once, so later loads are fast")
+    prepare = sub.add_parser("prepare", help="convert the embedded default model once, so later loads are fast")
+    prepare.add_argument("--fastgen", action="store_true",
+                         help="instead, build DeepSpeed-FastGen's ops once (a GPU and nvcc, or prebuilt ops)")
     profile = sub.add_parser("profile", help="measure per-layer restore costs of a model on this machine")
     profile.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default), a HF model directory, 'random:<type>'")
     profile.add_argument("--device", default=None, help="cuda when a GPU is present, else cpu")
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench.run(args, command)
         if args.command == "serve":
             return serve_command.run(args)
+        if args.command == "prepare" and args.fastgen:
+            return _prepare_fastgen()
         if args.command == "prepare":
             from .model_loader import load_model
 
@@ -61,6 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     except (HCacheError, ValueError) as exc:
         print(f"hcache: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _prepare_fastgen() -> int:
+    try:
+        from .engine.fastgen import build_fastgen_ops
+
+        names = build_fastgen_ops()
+    except ImportError as exc:
+        print(f"hcache: error: FastGen needs DeepSpeed (pip install 'deepspeed==0.19.*'): {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # no GPU, an untested DeepSpeed, no nvcc, or the build failed
+        print(f"hcache: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"FastGen's ops ready: {', '.join(names)}")
     return 0
 
 

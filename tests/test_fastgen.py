@@ -654,3 +654,37 @@ def test_bench_ops_sets_up_fastgens_rotary_kernel_as_fastgen_does(monkeypatch):
     pos = torch.arange(tokens)
     assert torch.equal(flat[:, 1], v.reshape(tokens, 2, 64))
     assert torch.equal(flat[:, 0], fastgen_kernel.kv_rotary(k.reshape(tokens, 2, 64), pos, 64, 10000.0))
+
+
+# ---- hcache prepare --fastgen ---------------------------------------------------------------------------
+def test_prepare_fastgen_without_a_gpu_says_so(capsys):
+    from hcache.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without a GPU")
+    assert main(["prepare", "--fastgen"]) == 2
+    assert "FastGen needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_prepare_fastgen_builds_fastgens_three_ops_or_says_what_is_missing(monkeypatch, capsys):
+    """With a GPU, each of DeepSpeed's builders for FastGen's dense models is loaded (compiled if not
+    prebuilt); without nvcc and without prebuilt ops, the error says what to install."""
+    import torch.utils.cpp_extension
+    from deepspeed.ops import op_builder
+
+    from hcache.cli import main
+
+    loaded = []
+    # the CUDA builders' names (on a machine without CUDA, op_builder exports placeholders)
+    for name, op in [("InferenceCoreBuilder", "inference_core_ops"), ("RaggedOpsBuilder", "ragged_device_ops"),
+                     ("RaggedUtilsBuilder", "ragged_ops")]:
+        monkeypatch.setattr(op_builder, name, type(name, (), {"name": op, "load": lambda self: loaded.append(self.name)}))
+    monkeypatch.setattr(deepspeed, "__version__", "0.19.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.utils.cpp_extension, "CUDA_HOME", None)
+    assert main(["prepare", "--fastgen"]) == 2
+    assert "no CUDA toolkit (nvcc)" in capsys.readouterr().err and loaded == []
+    monkeypatch.setattr(torch.utils.cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    assert main(["prepare", "--fastgen"]) == 0
+    assert loaded == ["inference_core_ops", "ragged_device_ops", "ragged_ops"]
+    assert "FastGen's ops ready" in capsys.readouterr().out

@@ -61,6 +61,35 @@ def check_cuda() -> None:
         )
 
 
+# DeepSpeed's op builders for FastGen's dense models: core GEMM/norm/activation ops, the ragged kernels
+# (attention, rotary KV write, embedding, logits gather) and the ragged batch's host buffers. The cutlass
+# builder serves only MoE and quantized GEMMs.
+FASTGEN_OP_BUILDERS = ("InferenceCoreBuilder", "RaggedOpsBuilder", "RaggedUtilsBuilder")
+
+
+def build_fastgen_ops() -> list[str]:
+    """Compile FastGen's ops once, or load them where DeepSpeed was installed with them prebuilt, so that a
+    first request does not wait for the just-in-time build (minutes). Returns the ops' names."""
+    import deepspeed
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops import op_builder
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    check_deepspeed_version(deepspeed.__version__)
+    check_cuda()
+    builders = [getattr(op_builder, name)() for name in FASTGEN_OP_BUILDERS]
+    to_compile = [b.name for b in builders if not installed_ops.get(b.name, False)]
+    if to_compile and CUDA_HOME is None:
+        raise RuntimeError(
+            f"DeepSpeed has no prebuilt {', '.join(to_compile)} and no CUDA toolkit (nvcc) was found to compile "
+            f"them: install the CUDA toolkit matching torch's CUDA {torch.version.cuda} and set CUDA_HOME, or "
+            "install DeepSpeed with its ops prebuilt (DS_BUILD_OPS=1)"
+        )
+    for builder in builders:
+        builder.load()
+    return [b.name for b in builders]
+
+
 def build_fastgen_engine(path: str, engine_config: Any = None, **build_kwargs: Any) -> "FastGenEngine":
     """Check the model, deepspeed and the GPU, then ``build_hf_engine(path, engine_config)`` and wrap it.
 
