@@ -688,3 +688,22 @@ def test_prepare_fastgen_builds_fastgens_three_ops_or_says_what_is_missing(monke
     assert main(["prepare", "--fastgen"]) == 0
     assert loaded == ["inference_core_ops", "ragged_device_ops", "ragged_ops"]
     assert "FastGen's ops ready" in capsys.readouterr().out
+
+
+# ---- hcache profile --engine fastgen ---------------------------------------------------------------------
+def test_profile_measures_through_the_fastgen_adapter():
+    """The profiler's costs come from the FastGen engine's own restore primitives (here over the fakes)."""
+    from hcache.profiler import measure_engine
+
+    profile = measure_engine(fastgen(), "fake", [64, 128], repeats=1, readers=1)
+    assert profile.tokens == [64, 128]
+    assert all(len(v) == 2 and all(s > 0 for s in v) for v in profile.seconds.values())
+
+
+def test_profile_fastgen_without_a_gpu_says_so(capsys):
+    from hcache.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without a GPU")
+    assert main(["profile", "--engine", "fastgen", "--model", "random:llama", "--short"]) == 2
+    assert "--engine fastgen needs a CUDA GPU" in capsys.readouterr().err
