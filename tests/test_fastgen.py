@@ -461,7 +461,7 @@ def test_real_fastgen_restore_equals_recompute(tmp_path):
             # which evaluates the kernel's arithmetic in IEEE fp32 where the kernel uses fast-math cos/sin/pow
             # and an FMA: a few fp16 ulps of each rotated pair (fastgen_kernel.rope_bound says why)
             assert torch.equal(got[:, 1], want[:, 1])
-            fastgen_kernel.assert_within_rope_bound(got[:, 0], want[:, 0], positions, cfg.head_dim)
+            fastgen_kernel.assert_within_rope_bound(got[:, 0].cpu(), want[:, 0].cpu(), positions, cfg.head_dim)
         else:  # RE runs FastGen's own layers; KV copies FastGen's own bits
             assert torch.equal(got, want)
     assert restored == recompute
@@ -477,6 +477,7 @@ FAMILY_OVERRIDES = {
 # per plan, each of the 3 layers' method
 PLANS = {"RE": "RE RE RE", "H": "H H H", "KV": "KV KV KV", "1RE+1H+1KV": "RE H KV"}
 GPU_FORWARD = 720  # one put (FastGen's batches hold 768 tokens): 11 full 64-token chunks are saved
+RETURNING = 704  # its first 11 chunks: a put of them restores all but the last token, ending inside chunk 10
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILY_OVERRIDES))
@@ -509,12 +510,12 @@ def _check_restored_kv(engine: FastGenEngine, uid: int, reference_uid: int, meth
     """The first ``n`` positions of ``uid``'s cache against FastGen's own forward of the same tokens: RE
     (FastGen's own layers) and KV (FastGen's own bytes) bit for bit, H's V bit for bit and its K within
     the bound of hcache's copy of FastGen's RoPE rule (fastgen_kernel.rope_bound)."""
-    positions = torch.arange(n, device=engine.device)
+    positions = torch.arange(n)
     for layer, method in enumerate(methods):
         got, want = cached_kv(engine, uid, layer)[:n], cached_kv(engine, reference_uid, layer)[:n]
         if method == "H":
             assert torch.equal(got[:, 1], want[:, 1]), f"layer {layer}: V"
-            fastgen_kernel.assert_within_rope_bound(got[:, 0].cpu(), want[:, 0].cpu(), positions.cpu(), engine.spec.head_size)
+            fastgen_kernel.assert_within_rope_bound(got[:, 0].cpu(), want[:, 0].cpu(), positions, engine.spec.head_size)
         else:
             assert torch.equal(got, want), f"layer {layer} ({method})"
 
@@ -522,13 +523,14 @@ def _check_restored_kv(engine: FastGenEngine, uid: int, reference_uid: int, meth
 @needs_gpu
 def test_real_fastgen_restores_each_family_by_each_method_ending_inside_a_chunk(real_fastgen, tmp_path):
     """Per family and plan, through hcache's serving engine: a 720-token conversation is saved; it returns
-    with its first 700 tokens, so the restore covers 699 tokens and ends inside chunk 10. The restored
-    cache is FastGen's own forward's (up to the RoPE bound for H's K), and greedy decoding continues alike."""
+    with its first 704 tokens (11 chunks), so the restore covers 703 tokens and ends inside chunk 10 (the
+    last token's logits are computed). The restored cache is FastGen's own forward's (up to the RoPE bound
+    for H's K), and greedy decoding continues alike."""
     from hcache.serving_engine import ServingEngine
 
     family, engine = real_fastgen
     history = [int(t) for t in torch.randint(0, engine.spec.vocab_size, (GPU_FORWARD,), generator=torch.Generator().manual_seed(3))]
-    reference_logits = engine.step([(900, history[:700])])
+    reference_logits = engine.step([(900, history[:RETURNING])])
     reference = _greedy(engine, 900, reference_logits)
     engine.flush(900)
     engine.step([(901, history)])  # FastGen's own cache of the saved forward
@@ -537,10 +539,10 @@ def test_real_fastgen_restores_each_family_by_each_method_ending_inside_a_chunk(
         saved, returning = 10 * i + 1, 10 * i + 2
         serving.put([saved], [history])
         serving.flush(saved)
-        logits = serving.put([returning], [history[:700]])
+        logits = serving.put([returning], [history[:RETURNING]])
         record = serving.record(returning)
-        assert record.restored_tokens == 699 and record.fallback is None, (plan, record)
-        _check_restored_kv(engine, returning, 901, methods.split(), 699)
+        assert record.restored_tokens == RETURNING - 1 and record.fallback is None, (plan, record)
+        _check_restored_kv(engine, returning, 901, methods.split(), RETURNING - 1)
         assert _greedy(engine, returning, logits) == reference, plan
         serving.flush(returning)
         serving.close()
