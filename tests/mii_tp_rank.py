@@ -13,7 +13,7 @@ pipe = hcache.mii.pipeline(
     tensor_parallel=int(os.environ["WORLD_SIZE"]),
     all_rank_output=True,  # every rank builds the next turn's prompt from the replies
     zmq_port_number=zmq_port,
-    hcache={"store_dirs": [store], "request_log": f"{store}/requests.jsonl", "plan": "H", "readers": 0},
+    hcache={"engine": "reference", "store_dirs": [store], "request_log": f"{store}/requests.jsonl", "plan": "H", "readers": 0},
 )
 replies = converse(model_dir, lambda prompt, _: pipe([prompt], max_new_tokens=NEW_TOKENS, do_sample=False)[0].generated_text)
 for _ in range(2):  # in a namespace of its own: the second restores what the first stored

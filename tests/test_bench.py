@@ -23,7 +23,8 @@ def test_bench_restore_reports_every_method_the_bound_and_the_regret(tmp_path):
 def test_bench_mii_compares_methods_through_mii(tmp_path):
     """Through MII's own pipeline: every method gives the same tokens, and kv and h restore the history."""
     out = tmp_path / "mii.json"
-    args = ["bench", "mii", "--history", "192", "--turn", "16", "--new-tokens", "4", "--repeats", "1", "--json", str(out)]
+    args = ["bench", "mii", "--engine", "reference", "--model", "random:llama", "--history", "192", "--turn", "16",
+            "--new-tokens", "4", "--repeats", "1", "--json", str(out)]
     assert main(args) == 0
     result = json.loads(out.read_text())
     methods = result["methods"]
@@ -31,6 +32,8 @@ def test_bench_mii_compares_methods_through_mii(tmp_path):
     assert all(m["tokens_match"] and m["ttft_s_median"] > 0 for m in methods.values())
     assert methods["recompute"]["restored_tokens"] == 0
     assert methods["kv"]["restored_tokens"] == methods["h"]["restored_tokens"] == 192
+    assert all(m["prefill_s"] > 0 and m["decode_s_per_token"] is not None and m["prefill_cost"] > 0 for m in methods.values())
+    assert methods["recompute"]["prefill_cost"] == methods["recompute"]["decode_cost"] == 1
 
 
 def test_bench_transfer_reports_the_data_path_against_a_copy(tmp_path):

@@ -3,7 +3,8 @@ import json
 from hcache.cli import main
 
 
-def test_demo_restores_every_turn_by_every_method_with_identical_replies(tmp_path, capsys):
+def test_demo_restores_every_turn_by_every_method_with_identical_replies(smollm2, tmp_path, capsys):
+    """The demo's default model is SmolLM2: skipped where it is not installed."""
     out = tmp_path / "demo.json"
     assert main(["demo", "--turns", "2", "--max-new-tokens", "12", "--json", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -75,7 +75,7 @@ def _pipeline_chat(model_dir: str, hcache_config: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def hcache_off(model_dir) -> list[str]:
     """The replies of MII over the same engine with hcache off: the reference."""
-    return _pipeline_chat(model_dir, {"enabled": False})
+    return _pipeline_chat(model_dir, {"enabled": False, "engine": "reference"})
 
 
 def _turns(log) -> list[dict]:
@@ -107,7 +107,7 @@ def _check_restored_and_identical(model_dir: str, replies: list[str], reference:
 
 def test_pipeline_restores_returning_conversation(model_dir, hcache_off, tmp_path):
     log = tmp_path / "requests.jsonl"
-    replies = _pipeline_chat(model_dir, {"store_dirs": [str(tmp_path / "store")], "request_log": str(log)})
+    replies = _pipeline_chat(model_dir, {"engine": "reference", "store_dirs": [str(tmp_path / "store")], "request_log": str(log)})
     _check_restored_and_identical(model_dir, replies, hcache_off, log)
 
 
@@ -202,7 +202,7 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
     rest, balancer, zmq = _free_port(), _free_port(), _free_port()
     client = hcache.mii.serve(
         model_dir,
-        hcache={"store_dirs": [str(store)], "request_log": str(log)},
+        hcache={"engine": "reference", "store_dirs": [str(store)], "request_log": str(log)},
         deployment_name="hcache-test",
         enable_restful_api=True,
         restful_api_port=rest,
@@ -346,7 +346,7 @@ def test_tensor_parallel_pipeline_equals_one_rank(model_dir, tmp_path):
     those of one rank with hcache off, and later turns restore. (A random llama with SmolLM2's tokenizer:
     SmolLM2's 3 KV heads do not split in two.)"""
     tiny = _tiny_model(model_dir, tmp_path / "model")
-    reference = _pipeline_chat(tiny, {"enabled": False})
+    reference = _pipeline_chat(tiny, {"enabled": False, "engine": "reference"})
 
     store, zmq_port = tmp_path / "store", str(_free_port())
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the hcache under test, installed or not
@@ -434,7 +434,7 @@ def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, t
         caplog.clear()
 
     log = tmp_path / "requests.jsonl"
-    options = {"plan": "auto", "measure_profile": False, "store_dirs": [str(tmp_path / "store")], "request_log": str(log)}
+    options = {"engine": "reference", "plan": "auto", "measure_profile": False, "store_dirs": [str(tmp_path / "store")], "request_log": str(log)}
     pipe = hcache.mii.pipeline(tiny, hcache=options, zmq_port_number=_free_port())
     try:
         assert pipe.inference_engine.plan == default_plan(spec)
@@ -454,14 +454,14 @@ def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, t
 
     monkeypatch.setattr(hcache.mii, "server_processes_launched_by_hcache", launch)
     with pytest.raises(_Started):
-        main(["serve", "--model", tiny, "--plan", "auto", "--no-measure-profile"])
+        main(["serve", "--model", tiny, "--engine", "reference", "--plan", "auto", "--no-measure-profile"])
     assert launched[0].plan is None and launched[0].profile is None  # the replicas serve the default plan
     warned_once()
 
-    assert main(["serve", "--model", tiny, "--profile", str(path)]) == 2
+    assert main(["serve", "--model", tiny, "--engine", "reference", "--profile", str(path)]) == 2
     assert f"measured on 'cpu2-intel-xeon', this machine is 'cpu2-amd-epyc'; run `{command}` here" in capsys.readouterr().err
     with pytest.raises(ProfileMismatch, match="cpu2-intel-xeon"):
-        hcache.mii.pipeline(tiny, hcache={"profile": str(path)})
+        hcache.mii.pipeline(tiny, hcache={"engine": "reference", "profile": str(path)})
     assert not launched[1:]
 
 
@@ -478,6 +478,6 @@ def test_serve_command_checks_its_config_before_starting_anything(model_dir, arg
 
     started = []
     monkeypatch.setattr("subprocess.Popen.__init__", lambda self, *a, **k: started.append(a))
-    assert main(["serve", "--model", model_dir, "--rest-port", str(_free_port()), "--port", str(_free_port()), *args]) == 2
+    assert main(["serve", "--model", model_dir, "--engine", "reference", "--rest-port", str(_free_port()), "--port", str(_free_port()), *args]) == 2
     assert message in capsys.readouterr().err
     assert started == []

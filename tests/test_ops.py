@@ -16,6 +16,7 @@ from hcache.model_spec import ModelSpec, RopeSpec
 from hcache.ops import apply_rope, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
 from hcache.ops.rope_scatter import resolve_backend
 
+import fastgen_kernel
 from helpers import loaded, random_prompt
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -86,13 +87,13 @@ BLOCK_SIZE, NUM_BLOCKS = 16, 24
 N_KV = {64: 1, 80: 2, 96: 3, 128: 8, 256: 2}  # GQA and MHA alike: K/V see only the KV heads
 
 
-def check_kernel_against_reference(head_size, n_kv, dtype, rope, rng):
+def check_kernel_against_reference(head_size, n_kv, dtype, rope, rng, rule="hf"):
     slots, positions, unused_blocks = ragged_batch(SEQUENCES, BLOCK_SIZE, NUM_BLOCKS, rng)
     n = len(slots)
     # K and V as the K/V GEMM leaves them: strided views of one [T, 2·kv_dim] output
     kv = torch.randn(n, 2 * n_kv * head_size, generator=rng).to(dtype)
     k, v = (x.view(n, n_kv, head_size) for x in kv.split(n_kv * head_size, dim=-1))
-    cos_sin = rope_cos_sin(rope, positions, dtype) if rope else None
+    cos_sin = rope_cos_sin(rope, positions, dtype, rule) if rope else None
     poison = torch.full((NUM_BLOCKS, BLOCK_SIZE, 2, n_kv, head_size), float("nan"), dtype=dtype)
     expected, cache = poison.clone(), poison.clone()
     rotate_and_write(expected, slots, k, v, cos_sin, backend="torch")
@@ -121,6 +122,50 @@ def interpret(monkeypatch):
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 def test_kernel_equals_reference(head_size, dtype, interpret, rng):
     check_kernel_against_reference(head_size, N_KV[head_size], dtype, rope_spec("full", head_size), rng)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_kernel_equals_reference_under_fastgens_rule(head_size, dtype, interpret, rng):
+    """float32 tables: the kernel rounds once, as the reference does for them."""
+    check_kernel_against_reference(head_size, N_KV[head_size], dtype, rope_spec("full", head_size), rng, rule="fastgen")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("theta, head_size", [(10000.0, 64), (1e6, 128)])
+def test_fastgen_rule_is_fastgens_kernel_arithmetic(theta, head_size, dtype, rng):
+    """The "fastgen" rule against a torch emulation of FastGen's kernel written from its CUDA source
+    (tests/fastgen_kernel.py). Both evaluate the same fp32 operations with the same torch functions, so
+    here they agree bit for bit; against the real kernel (fast-math cos/sin/pow, FMA) the GPU tests allow
+    the few fp16 ulps that :func:`fastgen_kernel.rope_bound` derives. theta 1e6 (Mistral, Qwen2) puts
+    FastGen's lowest fp16 frequencies among the subnormals."""
+    rope = ModelSpec.from_config(AutoConfig.for_model(
+        "llama", hidden_size=4 * head_size, num_attention_heads=4, num_key_value_heads=2, rope_theta=theta)).rope
+    positions = torch.cat((torch.arange(700), torch.randint(700, 8192, (100,), generator=rng)))
+    k = (3 * torch.randn(len(positions), 2, head_size, generator=rng)).to(dtype)
+    expected = fastgen_kernel.kv_rotary(k, positions, rope.rotary_dim, theta)
+    cache = torch.zeros(len(positions), 1, 2, 2, head_size, dtype=dtype)
+    slots = torch.arange(len(positions))
+    rotate_and_write(cache, slots, k, k, rope_cos_sin(rope, positions, dtype, "fastgen"), backend="torch")
+    assert torch.equal(cache[:, 0, 0], expected)
+    if dtype == torch.float16:  # the issue's symptom: transformers' rounding is far outside FastGen's bound
+        hf = apply_rope(k, *rope_cos_sin(rope, positions, dtype, "hf"))
+        with pytest.raises(AssertionError, match="past the bound"):
+            fastgen_kernel.assert_within_rope_bound(hf, expected, positions, rope.rotary_dim)
+
+
+def test_fastgen_bound_covers_fma_and_fast_math_error(rng):
+    """The GPU tolerance covers what the real kernel changes: the last sum fused (one fp32 rounding fewer)
+    and cos/sin off by the fast-math error bound at each token's position."""
+    positions = torch.randint(0, 8192, (500,), generator=rng)
+    k = (3 * torch.randn(500, 2, 128, generator=rng)).half()
+    expected = fastgen_kernel.kv_rotary(k, positions, 128, 10000.0)
+    rope = ModelSpec.from_config(AutoConfig.for_model("llama", hidden_size=512, num_attention_heads=4)).rope
+    cos, sin = rope_cos_sin(rope, positions, torch.float16, "fastgen")
+    err = fastgen_kernel.fast_math_angle_error(positions).double()[:, None]
+    cos, sin = cos.double() + err, sin.double() - err
+    fused = apply_rope(k.double(), cos, sin).half()  # float64 then one rounding: what an FMA does, and more
+    fastgen_kernel.assert_within_rope_bound(fused, expected, positions, 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -190,8 +235,9 @@ def test_bench_ops_without_a_gpu_times_only_the_reference(monkeypatch, tmp_path)
     assert case["torch_ms"] > 0 and case["kernel_ms"] is None and case["kernel_gbps"] is None
 
 
-@pytest.mark.parametrize("dtype, head_size, half", [(torch.float32, 128, 64), (torch.bfloat16, 80, 20)])
-def test_kernel_compiles_for_a_gpu_without_fma(dtype, head_size, half, monkeypatch):
+@pytest.mark.parametrize("dtype, tables, head_size, half", [
+    (torch.float32, torch.float32, 128, 64), (torch.bfloat16, torch.bfloat16, 80, 20), (torch.float16, torch.float32, 128, 64)])
+def test_kernel_compiles_for_a_gpu_without_fma(dtype, tables, head_size, half, monkeypatch):
     """The interpreter accepts code the compiler rejects: compile for sm_90 too (ptxas ships with triton).
     The reference's bits need FMA contraction off (float32 is where it would apply: 16-bit products are
     rounded before the sum); 16-byte accesses are what bandwidth needs."""
@@ -203,11 +249,13 @@ def test_kernel_compiles_for_a_gpu_without_fma(dtype, head_size, half, monkeypat
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fn = kernel._jit(kernel._rope_scatter, False)
-    elem = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}[dtype]
-    constexprs = dict(HEAD_SIZE=head_size, HALF=half, ROUND=kernel._jit(kernel._ROUND[dtype], False),
+    ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+    constexprs = dict(HEAD_SIZE=head_size, HALF=half, ROUND_OP=kernel._jit(kernel._ROUND[tables], False),
+                      ROUND=kernel._jit(kernel._ROUND[dtype], False),
                       BLOCK_T=4, BLOCK_H=8, BLOCK_D=128, BLOCK_HALF=64)
-    signature = {name: "constexpr" if name in constexprs else "*i64" if name == "slot_ptr" else elem
-                 if name.endswith("_ptr") else "i32" for name in fn.arg_names}
+    signature = {name: "constexpr" if name in constexprs else "*i64" if name == "slot_ptr"
+                 else ptr[tables] if name in ("cos_ptr", "sin_ptr") else ptr[dtype] if name.endswith("_ptr")
+                 else "i32" for name in fn.arg_names}
     # what the JIT assumes of 16-byte-aligned pointers and strides that are multiples of 16
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                if name.endswith("_ptr") or name.startswith("stride")}

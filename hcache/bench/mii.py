@@ -7,11 +7,14 @@ own ``pipeline``, once per method, each with a store of its own:
 - ``recompute``: hcache's engine with hcache off, which prefills the whole history;
 - ``kv``, ``h`` (and ``auto`` with ``--profile``): hcache restoring the history by that plan.
 
-Each method first answers ``history + turn₀`` with ``--new-tokens`` greedy tokens, which saves the history
-and gives the tokens compared with the first method's (``tokens_match``). Then, ``--repeats`` times after a
-warm-up, a new ``turn`` follows the same history, and the time of ``pipe([prompt], max_new_tokens=1)`` is
-its TTFT (tokenising and MII's scheduling included, alike for every method). ``ttft_speedup`` is
-recompute's median TTFT over each method's.
+Each method first prefills ``history + turn₀`` (one token: ``prefill_s``, with hcache saving the history,
+without for ``mii`` and ``recompute``). Then, ``--repeats`` times after a warm-up, a new ``turn`` follows the
+same history, and the time of ``pipe([prompt], max_new_tokens=1)`` is its TTFT (tokenising and MII's
+scheduling included, alike for every method). Last, one more returning turn is answered with
+``--new-tokens`` greedy tokens, compared with the first method's (``tokens_match``); its time past the
+median TTFT, per further token, is ``decode_s_per_token`` (saving on or off, as for prefill).
+``ttft_speedup`` is recompute's median TTFT over each method's; ``prefill_cost`` and ``decode_cost`` are
+each method's prefill and decode times over recompute's: the cost of saving, where hcache saves.
 """
 from __future__ import annotations
 
@@ -64,38 +67,49 @@ def run(args: argparse.Namespace) -> dict:
         def words(n: int) -> str:
             return " ".join(f"w{i}." for i in torch.randint(0, vocab, (n,), generator=gen).tolist())
 
-        history, turns = words(args.history), [words(args.turn) for _ in range(args.repeats + 2)]
+        history, turns = words(args.history), [words(args.turn) for _ in range(args.repeats + 3)]
         results, reference = {}, None
         for name, options in tqdm(methods.items(), desc="methods", unit="method"):
             log = Path(tmp) / f"{name}.jsonl"
             config = None if options is None else {"engine": engine, "store_dirs": [f"{tmp}/{name}"], "request_log": str(log), **options}
             pipe = _pipeline(str(model_dir), config)
             try:
-                tokens = pipe([f"{history} {turns[0]}"], max_new_tokens=args.new_tokens, do_sample=False)[0].generated_text
+                prefill = _timed(lambda: pipe([f"{history} {turns[0]}"], max_new_tokens=1, do_sample=False))[1]
+                ttft = [_timed(lambda: pipe([f"{history} {turn}"], max_new_tokens=1, do_sample=False))[1] for turn in turns[1:-1]]
+                out, answered = _timed(lambda: pipe([f"{history} {turns[-1]}"], max_new_tokens=args.new_tokens, do_sample=False))
+                tokens = out[0].generated_text
                 reference = reference if reference is not None else tokens
-                ttft = []
-                for turn in turns[1:]:
-                    start = time.perf_counter()
-                    pipe([f"{history} {turn}"], max_new_tokens=1, do_sample=False)
-                    ttft.append(time.perf_counter() - start)
             finally:
                 if config is not None:
                     pipe.inference_engine.close()
                 pipe.destroy()
             turns_logged = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+            ttft_median = statistics.median(ttft[1:])  # the first returning turn warms up
             results[name] = {
-                "ttft_s_median": statistics.median(ttft[1:]),  # the first returning turn warms up
+                "ttft_s_median": ttft_median,
+                "prefill_s": prefill,
+                "decode_s_per_token": (answered - ttft_median) / max(args.new_tokens - 1, 1),
                 "tokens_match": tokens == reference,
                 "restored_tokens": turns_logged[-1]["restored_tokens"] if turns_logged else 0,
             }
-    base = results["recompute"]["ttft_s_median"]
+    base = results["recompute"]
     for r in results.values():
-        r["ttft_speedup"] = base / r["ttft_s_median"]
+        r["ttft_speedup"] = base["ttft_s_median"] / r["ttft_s_median"]
+        r["prefill_cost"] = r["prefill_s"] / base["prefill_s"]
+        r["decode_cost"] = r["decode_s_per_token"] / base["decode_s_per_token"]
     print(f"{args.model} on {engine}, history {args.history} + turn {args.turn} tokens, median of {args.repeats}")
-    print(f"{'method':<10}{'TTFT s':>10}{'speedup':>9}{'restored':>10}  tokens match")
+    print(f"{'method':<10}{'TTFT s':>10}{'speedup':>9}{'restored':>10}{'prefill':>9}{'decode':>8}  tokens match")
     for name, r in results.items():
-        print(f"{name:<10}{r['ttft_s_median']:>10.3f}{r['ttft_speedup']:>8.2f}x{r['restored_tokens']:>10}  {r['tokens_match']}")
+        print(f"{name:<10}{r['ttft_s_median']:>10.3f}{r['ttft_speedup']:>8.2f}x{r['restored_tokens']:>10}"
+              f"{r['prefill_cost']:>8.2f}x{r['decode_cost']:>7.2f}x  {r['tokens_match']}")
     return {"model": args.model, "engine": engine, "history_tokens": args.history, "turn_tokens": args.turn, "methods": results}
+
+
+def _timed(fn):
+    """``fn()``'s result and its wall time in seconds."""
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
 
 
 def _pipeline(model_dir: str, hcache_config: dict | None):

@@ -9,7 +9,8 @@ as the K/V GEMM leaves them (strided views of one ``[T, 2·kv_dim]`` output):
 
 Bandwidth counts the bytes a kernel must move: K and V read, K and V written, plus what each reads besides
 (the kernel: half a cos and a sin row and a slot per token; FastGen: Q read and written, as it rotates Q
-in place). The kernel's output is checked against the reference, bit for bit, before it is timed.
+in place). The kernel runs FastGen's RoPE rule (float32 cos/sin, :mod:`hcache.ops.rope`) where the shape's
+RoPE is unscaled, as on FastGen's engine. The kernel's output is checked against the reference, bit for bit, before it is timed.
 Kernel timings need a GPU: on a CPU only the torch reference is timed.
 """
 from __future__ import annotations
@@ -93,18 +94,22 @@ def _restore_batch(tokens: int, block_size: int, device: torch.device) -> tuple[
     return torch.cat(slots), torch.cat(positions), num_blocks
 
 
-def _fastgen(n_kv: int, head_size: int, rope: RopeSpec, dtype: torch.dtype, tokens: int, block_size: int) -> Callable[[], None]:
-    """FastGen's fused rotary + blocked-KV write over the same tokens, as one sequence (Q heads = KV heads)."""
+def _fastgen(n_kv: int, head_size: int, rope: RopeSpec, dtype: torch.dtype, tokens: int, block_size: int,
+             device: torch.device) -> Callable[[], None]:
+    """FastGen's fused rotary + blocked-KV write over the same tokens, as one sequence (Q heads = KV heads),
+    set up as FastGen's engine sets it up: a ``DSStateManager`` over one KV cache config (a tuple of them:
+    one per allocation group), and a finalized ``RaggedBatchWrapper`` of the sequence."""
     from deepspeed.inference.v2.kernels.ragged_ops import BlockedRotaryEmbeddings
     from deepspeed.inference.v2.ragged import (AllocationMode, DSStateManager, DSStateManagerConfig, KVCacheConfig,
                                                MemoryConfig, RaggedBatchWrapper)
 
     num_blocks = -(-tokens // block_size)
     kv_config = KVCacheConfig(block_size=block_size, num_allocation_groups=1, cache_shape=(1, n_kv, head_size),
-                              cache_dtype=dtype)
+                              cache_dtype=dtype, max_blocks_per_allocation_group=num_blocks)
     config = DSStateManagerConfig(max_tracked_sequences=1, max_ragged_sequence_count=1, max_ragged_batch_size=tokens,
+                                  max_context=max(tokens, 8192),
                                   memory_config=MemoryConfig(mode=AllocationMode.ALLOCATE, size=num_blocks))
-    batch, manager = RaggedBatchWrapper(config), DSStateManager(config, kv_config)
+    batch, manager = RaggedBatchWrapper(config), DSStateManager(config, (kv_config,))
     seq = manager.get_or_create_sequence(0)
     seq.extend_kv_cache(manager.allocate_blocks(num_blocks))
     batch.clear()
@@ -112,9 +117,9 @@ def _fastgen(n_kv: int, head_size: int, rope: RopeSpec, dtype: torch.dtype, toke
     seq.pre_forward(tokens)
     batch.finalize()
     kernel = BlockedRotaryEmbeddings(head_size, n_kv, n_kv, dtype, rope.rotary_dim, rope.theta)
-    qkv = torch.randn(tokens, 3 * n_kv * head_size, dtype=dtype, device="cuda")
-    cache = manager.get_cache(0)
-    return lambda: kernel(cache, qkv, batch)
+    qkv = torch.randn(tokens, 3 * n_kv * head_size, dtype=dtype, device=device)
+    # the closure holds the manager: the batch's kv_ptrs point into its block-id tensor
+    return lambda: kernel(manager.get_cache(0), qkv, batch)
 
 
 def _case(name: str, tokens: int, args: argparse.Namespace, device: torch.device, peak: float | None) -> dict:
@@ -125,7 +130,8 @@ def _case(name: str, tokens: int, args: argparse.Namespace, device: torch.device
     slots, positions, num_blocks = _restore_batch(tokens, args.block_size, device)
     kv_dim = n_kv * head_size
     k, v = (x.view(tokens, n_kv, head_size) for x in torch.randn(tokens, 2 * kv_dim, device=device, dtype=dtype).split(kv_dim, -1))
-    cos_sin = rope_cos_sin(rope, positions, dtype)  # once per restore, shared by every layer: not timed
+    rule = "fastgen" if rope.rope_type == "default" else "hf"  # FastGen's engine rule; it has no scaled RoPE
+    cos_sin = rope_cos_sin(rope, positions, dtype, rule)  # once per restore, shared by every layer: not timed
     caches = {b: torch.zeros(num_blocks, args.block_size, 2, n_kv, head_size, dtype=dtype, device=device) for b in ("torch", "triton")}
 
     def run(backend: str) -> Callable[[], None]:
@@ -133,7 +139,7 @@ def _case(name: str, tokens: int, args: argparse.Namespace, device: torch.device
 
     kv_bytes = 2 * 2 * tokens * kv_dim * itemsize  # K and V, read once and written once
     result = {"shape": name, "n_kv_heads": n_kv, "head_size": head_size, "rope_type": rope.rope_type,
-              "dtype": args.dtype, "tokens": tokens}
+              "dtype": args.dtype, "rope_rule": rule, "tokens": tokens}
     result["torch_ms"] = _median_ms(run("torch"), args.repeats, device)
     if device.type != "cuda":
         return {**result, "kernel_ms": None, "kernel_gbps": None, "fraction_of_copy_peak": None,
@@ -141,13 +147,13 @@ def _case(name: str, tokens: int, args: argparse.Namespace, device: torch.device
 
     run("triton")()
     result["matches_reference"] = torch.equal(caches["triton"], caches["torch"])
-    kernel_bytes = kv_bytes + 2 * tokens * (rope.rotary_dim // 2) * itemsize + slots.numel() * slots.element_size()
+    kernel_bytes = kv_bytes + 2 * tokens * (rope.rotary_dim // 2) * cos_sin[0].element_size() + slots.numel() * slots.element_size()
     result["kernel_ms"] = _median_ms(run("triton"), args.repeats, device)
     result["kernel_gbps"] = kernel_bytes / result["kernel_ms"] / 1e6
     result["fraction_of_copy_peak"] = result["kernel_gbps"] / peak
     result["kernel_speedup_over_torch"] = result["torch_ms"] / result["kernel_ms"]
     try:
-        fastgen_ms = _median_ms(_fastgen(n_kv, head_size, rope, dtype, tokens, args.block_size), args.repeats, device)
+        fastgen_ms = _median_ms(_fastgen(n_kv, head_size, rope, dtype, tokens, args.block_size, device), args.repeats, device)
         q_bytes = 2 * tokens * kv_dim * itemsize
         result["fastgen"] = {"ms": fastgen_ms, "gbps": (kv_bytes + q_bytes) / fastgen_ms / 1e6,
                              "kernel_speedup": fastgen_ms / result["kernel_ms"]}

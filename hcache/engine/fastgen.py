@@ -8,7 +8,7 @@ FastGen runs the model; this adapter adds what hcache needs around it, without e
   norm's reused output buffer still holds it. The wrappers exist only for the duration of that ``put``.
 - **restore**: blocks come from FastGen's own state manager and descriptors; the K/V GEMM reads the K and V
   rows of FastGen's fused ``qkv_w`` (and ``qkv_b``); RoPE and scatter use :func:`hcache.ops.rotate_and_write`
-  on FastGen's cache tensor, whose per-layer layout ``[num_blocks, block_size, 2, n_kv_heads, head_size]``
+  with FastGen's RoPE rule (:mod:`hcache.ops.rope`: its kernel's rounding, not transformers') on FastGen's cache tensor, whose per-layer layout ``[num_blocks, block_size, 2, n_kv_heads, head_size]``
   is hcache's. Recompute runs FastGen's own embedding and first layers over a ragged batch built as ``put``
   builds it.
 
@@ -59,6 +59,35 @@ def check_cuda() -> None:
             "FastGen needs a CUDA GPU (its ragged kernels are CUDA-only) and none is available; "
             "use the reference engine (hcache.engine.ReferenceEngine) on a CPU"
         )
+
+
+# DeepSpeed's op builders for FastGen's dense models: core GEMM/norm/activation ops, the ragged kernels
+# (attention, rotary KV write, embedding, logits gather) and the ragged batch's host buffers. The cutlass
+# builder serves only MoE and quantized GEMMs.
+FASTGEN_OP_BUILDERS = ("InferenceCoreBuilder", "RaggedOpsBuilder", "RaggedUtilsBuilder")
+
+
+def build_fastgen_ops() -> list[str]:
+    """Compile FastGen's ops once, or load them where DeepSpeed was installed with them prebuilt, so that a
+    first request does not wait for the just-in-time build (minutes). Returns the ops' names."""
+    import deepspeed
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops import op_builder
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    check_deepspeed_version(deepspeed.__version__)
+    check_cuda()
+    builders = [getattr(op_builder, name)() for name in FASTGEN_OP_BUILDERS]
+    to_compile = [b.name for b in builders if not installed_ops.get(b.name, False)]
+    if to_compile and CUDA_HOME is None:
+        raise RuntimeError(
+            f"DeepSpeed has no prebuilt {', '.join(to_compile)} and no CUDA toolkit (nvcc) was found to compile "
+            f"them: install the CUDA toolkit matching torch's CUDA {torch.version.cuda} and set CUDA_HOME, or "
+            "install DeepSpeed with its ops prebuilt (DS_BUILD_OPS=1)"
+        )
+    for builder in builders:
+        builder.load()
+    return [b.name for b in builders]
 
 
 def build_fastgen_engine(path: str, engine_config: Any = None, **build_kwargs: Any) -> "FastGenEngine":
@@ -261,7 +290,7 @@ class FastGenEngine:
         desc = self._state.get_or_create_sequence(uid)
         self._model.maybe_allocate_kv(desc, num_tokens)
         positions = torch.arange(base, base + num_tokens, device=self.device)
-        cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype)
+        cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype, rule="fastgen")  # as FastGen's forward rotates
         slots = self._slots(uid, base, num_tokens)
         self._restoring[uid] = _Restore(base, num_tokens, slots, cos_sin, slot_runs(slots))
 

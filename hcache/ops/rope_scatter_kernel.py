@@ -5,8 +5,8 @@ where the torch reference makes a rotated copy of K first. One program handles `
 ``BLOCK_H`` KV heads, so each token's cos/sin row is loaded once for all its heads.
 
 The arithmetic follows :func:`hcache.ops.rope.apply_rope` operation by operation (``x1·cos - x2·sin`` and
-``x2·cos + x1·sin``, each product and sum rounded to the input dtype), and FMA contraction is off, so the
-kernel writes the reference's bits exactly: the tests check that under the interpreter, and
+``x2·cos + x1·sin`` in float32; with cos/sin in K's dtype each product and sum is rounded to it, with
+float32 cos/sin only the result), and FMA contraction is off, so the kernel writes the reference's bits exactly: the tests check that under the interpreter, and
 ``hcache bench ops`` on a GPU before timing. Only the first half of each cos/sin row is read: in the
 half-split layout both halves hold the same values.
 """
@@ -30,7 +30,7 @@ def _rope_scatter(
     n_tokens, n_heads,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     stride_slot, stride_kv, stride_head,
-    HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, ROUND: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, ROUND_OP: tl.constexpr, ROUND: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -51,15 +51,16 @@ def _rope_scatter(
 
     if HALF > 0:
         # apply_rope: x·cos + rotate_half(x)·sin with rotate_half(x) = [-x2, x1], in float32 (the
-        # interpreter cannot compute in bf16), rounded to the input dtype wherever torch rounds.
+        # interpreter cannot compute in bf16), rounded to the input dtype wherever torch rounds: ROUND_OP
+        # after each operation (identity for float32 tables), ROUND at the end.
         j = tl.arange(0, BLOCK_HALF)[None, None, :]
         in_half = rows_ok & (j < HALF)
         cos = tl.load(cos_ptr + t * stride_cos + j, mask=t_ok & (j < HALF)).to(tl.float32)
         sin = tl.load(sin_ptr + t * stride_sin + j, mask=t_ok & (j < HALF)).to(tl.float32)
         x1 = tl.load(k_src + j, mask=in_half).to(tl.float32)
         x2 = tl.load(k_src + HALF + j, mask=in_half).to(tl.float32)
-        out1 = ROUND(ROUND(x1 * cos) + ROUND(-x2 * sin))
-        out2 = ROUND(ROUND(x2 * cos) + ROUND(x1 * sin))
+        out1 = ROUND(ROUND_OP(ROUND_OP(x1 * cos) + ROUND_OP(-x2 * sin)))
+        out2 = ROUND(ROUND_OP(ROUND_OP(x2 * cos) + ROUND_OP(x1 * sin)))
         tl.store(dst + j, out1.to(out_ty), mask=in_half)
         tl.store(dst + HALF + j, out2.to(out_ty), mask=in_half)
     if 2 * HALF < HEAD_SIZE:  # partial rotary or no RoPE: the channels past the rotary ones are copied
@@ -118,8 +119,8 @@ def launch(
         rows, rotary_dim = cos_sin[0].shape
         if cos_sin[1].shape != (rows, rotary_dim) or rows != n_tokens or rotary_dim % 2 or rotary_dim > head_size:
             raise ValueError(f"cos/sin {tuple(cos_sin[0].shape)} do not fit k {tuple(k.shape)}")
-        if cos_sin[0].dtype != k.dtype or cos_sin[1].dtype != k.dtype:
-            raise ValueError(f"cos/sin must have K's dtype ({k.dtype}); got {cos_sin[0].dtype}")
+        if cos_sin[0].dtype not in (k.dtype, torch.float32) or cos_sin[1].dtype != cos_sin[0].dtype:
+            raise ValueError(f"cos/sin must be float32 or K's dtype ({k.dtype}); got {cos_sin[0].dtype}, {cos_sin[1].dtype}")
     if n_tokens == 0:
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -132,6 +133,7 @@ def launch(
     else:
         cos, sin = cos_sin
         half = cos.shape[-1] // 2
+    round_op = _ROUND[cos.dtype if cos_sin is not None else k.dtype]
     block_d = triton.next_power_of_2(head_size)
     block_h = min(triton.next_power_of_2(n_heads), max(1, _TILE_ELEMENTS // block_d))
     block_t = max(1, _TILE_ELEMENTS // (block_h * block_d))
@@ -142,7 +144,7 @@ def launch(
         n_tokens, n_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         cache_rows.stride(0), cache_rows.stride(1), cache_rows.stride(2),
-        HEAD_SIZE=head_size, HALF=half, ROUND=_jit(_ROUND[k.dtype], interpret),
+        HEAD_SIZE=head_size, HALF=half, ROUND_OP=_jit(round_op, interpret), ROUND=_jit(_ROUND[k.dtype], interpret),
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         **COMPILE_OPTIONS,
     )
