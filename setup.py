@@ -25,6 +25,7 @@ setup(
         "deepspeed>=0.19,<0.20",
         "deepspeed-mii>=0.3,<0.4",
         "pydantic>=2",
+        "prometheus-client>=0.17",
         # MII's OpenAI-compatible server needs these and does not declare them
         "uvicorn",
         "pydantic-settings>=2",

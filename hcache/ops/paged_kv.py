@@ -36,6 +36,18 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tu
     return kv[:, 0], kv[:, 1]
 
 
+def block_slots(blocks: list[int], lo: int, hi: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Flat cache slots of rows ``[lo, hi)`` of ``blocks`` read as one run of tokens."""
+    table = torch.tensor(blocks, dtype=torch.long, device=device)
+    return slot_mapping(table, torch.arange(lo, hi, device=device), block_size)
+
+
+def copy_slots(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy one layer's K/V rows at ``src`` slots to ``dst`` slots (one gather and one scatter on the device)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    flat[dst] = flat[src]
+
+
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
     """``(first row, first slot, length)`` of each run of consecutive ``slots`` ``[T]``: a restore's rows map
     to whole runs of a block, so each run is filled with one copy."""
