@@ -166,13 +166,14 @@ BAD_REST_BODIES = [
 
 def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path):
     """Turns 1 and 2 through MII's REST gateway, turn 3 through MII's OpenAI-compatible server (greedy:
-    top_k=1), all against one hcache deployment, after bad requests that must each be refused alone; then
-    per-request namespaces (``cache_salt``) through both."""
+    top_k=1), all against one hcache deployment with the GPU prefix cache, after bad requests that must each
+    be refused alone; then per-request namespaces (``cache_salt``) through both, and the deployment's
+    Prometheus counters."""
     log, store = tmp_path / "requests.jsonl", tmp_path / "store"
-    rest, balancer = _free_port(), _free_port()
+    rest, balancer, metrics = _free_port(), _free_port(), _free_port()
     client = hcache.mii.serve(
         model_dir,
-        hcache={"store_dirs": [str(store)], "request_log": str(log)},
+        hcache={"store_dirs": [str(store)], "request_log": str(log), "gpu_cache": True, "metrics_port": metrics},
         deployment_name="hcache-test",
         enable_restful_api=True,
         restful_api_port=rest,
@@ -214,12 +215,15 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
         chat = {"model": model_dir, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 1}
         assert _post_status(chat_url, {**chat, "cache_salt": 7})[0] == 400
         _post(chat_url, {**chat, "cache_salt": "tenant-c"})
+        counters = urllib.request.urlopen(f"http://localhost:{metrics}/metrics", timeout=30).read().decode()
     finally:
         openai.terminate()
         openai.wait(30)
         client.terminate_server()
     extra = _turns(log)[len(QUESTIONS) :]
     assert [t["restored_tokens"] > 0 for t in extra] == [False, True, False]
+    adopted = sum(t["gpu_tokens"] for t in _turns(log))
+    assert adopted > 0 and f"hcache_gpu_cache_hit_tokens_total {float(adopted)}" in counters
 
 
 def _cmdlines():

@@ -26,6 +26,7 @@ from ..engine import ReferenceEngine
 from ..errors import InvalidRequestError, ModelNotFoundError, StorageError
 from ..fingerprint import checkpoint_fingerprint, model_fingerprint
 from ..model_loader import check_device, load_model, model_dtype
+from ..metrics import serve_metrics
 from ..model_spec import ModelSpec
 from ..profile import Profile, profile_command
 from ..serving_engine import ServingEngine, is_auto
@@ -57,7 +58,7 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
         config = model_config.inference_engine_config
     if model_config.max_length is None:  # else MII reads it from FastGen's checkpoint engine
         model_config.max_length = engine.spec.max_positions
-    return ServingEngine(
+    serving = ServingEngine(
         engine,
         fingerprint,
         _rank_dirs(hcache.store_dirs, tp) if hcache.enabled else None,
@@ -71,7 +72,11 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
         request_log=hcache.request_log,
         config=config,
         tp=tp,
+        gpu_cache=hcache.gpu_cache,
     )
+    if hcache.metrics_port is not None:
+        serve_metrics(serving.metrics, hcache.metrics_port + tp.rank, hcache.metrics_host)
+    return serving
 
 
 def resolve_profile(hcache: HCacheConfig, path: str, tensor_parallel: int = 1) -> HCacheConfig:
@@ -190,7 +195,8 @@ def install(hcache: HCacheConfig) -> Callable[[], None]:
 def _check_requests() -> Callable[[], None]:
     """Check each request as MII makes it, before it enters the batching loop (a bad one raises in its
     caller, and the loop never sees it), and open each new sequence in its request's namespace
-    (``cache_salt``), which rides on MII's request object."""
+    (``cache_salt``), which rides on MII's request object. Before each put, requests still waiting in MII's
+    buffer start reading their stored chunks into the host pool (look-ahead prefetch), once each."""
     from mii.batching.ragged_batching import RaggedBatchBase
 
     saved_make, saved_put = RaggedBatchBase.make_request, RaggedBatchBase.put
@@ -204,6 +210,10 @@ def _check_requests() -> Callable[[], None]:
         return request
 
     def put(self, uids, tokenized_input):
+        for r in self.buffer:
+            if not r.is_flush_request and r.seq_length == 0 and not getattr(r, "hcache_prefetched", False):
+                self.inference_engine.prefetch(r.prompt_tokens.tolist(), getattr(r, "hcache_namespace", None))
+                r.hcache_prefetched = True
         for r in self.scheduled_requests.requests_to_run:
             # seq_length 0: the sequence's first put (or its first again, after MII preempted and flushed it)
             if getattr(r, "hcache_namespace", None) is not None and r.seq_length == 0:
