@@ -177,11 +177,15 @@ class GpuPrefixCache:
         """Copy the pieces into sequence ``uid``, after what it holds; ``tokens`` are theirs."""
         engine = self.engine
         engine.begin_restore(uid, len(tokens))
+        size = engine.block_size
         for layer in range(engine.spec.num_layers):
             start = 0
             for entry, lo, hi in adoption.pieces:
-                engine.restore_kv(uid, layer, engine.held_kv(layer, entry.blocks, lo, hi), start)
-                start += hi - lo
+                for i, block in enumerate(entry.blocks):  # a view of each cached block: no gather
+                    a, b = max(lo, i * size), min(hi, (i + 1) * size)
+                    if b > a:
+                        engine.restore_kv(uid, layer, engine.block_kv(layer, block)[a - i * size : b - i * size], start)
+                        start += b - a
         engine.end_restore(uid, tokens)
         self._touch([entry for entry, _, _ in adoption.pieces])
 

@@ -26,7 +26,7 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.paged_kv import block_slots, copy_slots, slot_runs, write_kv_rows
+from ..ops.paged_kv import block_slots, copy_runs, slot_runs, write_kv_rows
 from ..ragged import Segment
 from .capture import LayerCapture
 
@@ -331,10 +331,10 @@ class FastGenEngine:
 
     @torch.no_grad()
     def copy_to_blocks(self, uid: int, start: int, length: int, blocks: list[int]) -> None:
-        src = self._slots(uid, start, length)
-        dst = block_slots(blocks, 0, length, self.block_size, self.device)
+        src = slot_runs(self._slots(uid, start, length))
+        dst = slot_runs(block_slots(blocks, 0, length, self.block_size, self.device))
         for layer in range(self.spec.num_layers):
-            copy_slots(self._state.get_cache(layer), src, dst)
+            copy_runs(self._state.get_cache(layer), src, dst)
 
-    def held_kv(self, layer: int, blocks: list[int], lo: int, hi: int) -> torch.Tensor:
-        return read_kv(self._state.get_cache(layer), block_slots(blocks, lo, hi, self.block_size, self.device))
+    def block_kv(self, layer: int, block: int) -> torch.Tensor:
+        return self._state.get_cache(layer)[block]

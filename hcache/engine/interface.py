@@ -77,7 +77,7 @@ class Engine(Protocol):
         """Copy every layer's K/V of the sequence's tokens ``[start, start + length)`` into held ``blocks``."""
         ...
 
-    def held_kv(self, layer: int, blocks: list[int], lo: int, hi: int) -> torch.Tensor:
-        """Rows ``[lo, hi)`` of held ``blocks`` in one layer, ``[hi - lo, 2, n_kv_heads, head_size]`` on the
-        device: what :meth:`restore_kv` takes."""
+    def block_kv(self, layer: int, block: int) -> torch.Tensor:
+        """One block of one layer's cache, ``[block_size, 2, n_kv_heads, head_size]``: a view, what
+        :meth:`restore_kv` takes rows of."""
         ...

@@ -19,7 +19,7 @@ from ..errors import InvalidRequestError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
 from ..ops.kv_projection import linear_rows
-from ..ops.paged_kv import block_slots, copy_slots, slot_runs, write_kv_rows
+from ..ops.paged_kv import block_slots, copy_runs, slot_runs, write_kv_rows
 from .blocked_kv_cache import BlockedKVCache
 from ..ragged import Segment
 from .capture import LayerCapture
@@ -258,13 +258,13 @@ class ReferenceEngine:
         self.cache.free(blocks)
 
     def copy_to_blocks(self, uid: int, start: int, length: int, blocks: list[int]) -> None:
-        src = self._slots(self.sequences[uid], start, length)
-        dst = block_slots(blocks, 0, length, self.block_size, self.device)
-        for cache in self.cache.layers:
-            copy_slots(cache, src, dst)
+        src = slot_runs(self._slots(self.sequences[uid], start, length))
+        dst = slot_runs(block_slots(blocks, 0, length, self.block_size, self.device))
+        for layer in range(self.spec.num_layers):
+            copy_runs(self.cache.layers[layer], src, dst)
 
-    def held_kv(self, layer: int, blocks: list[int], lo: int, hi: int) -> torch.Tensor:
-        return read_kv(self.cache.layers[layer], block_slots(blocks, lo, hi, self.block_size, self.device))
+    def block_kv(self, layer: int, block: int) -> torch.Tensor:
+        return self.cache.layers[layer][block]
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks."""
