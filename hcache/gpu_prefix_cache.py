@@ -79,9 +79,6 @@ class GpuPrefixCache:
     def evictable_blocks(self) -> int:
         return sum(len(e.blocks) for e in self._entries.values() if not e.pins)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
@@ -91,17 +88,14 @@ class GpuPrefixCache:
         or restored) into the cache, shallow chunks first while blocks can be had; ``partial``: the saver
         state of its trailing partial chunk, owned by the cache from now on."""
         full = min(len(chain.chunks), seen // CHUNK_TOKENS)
-        parents = [key for key, _ in chain.chunks]
         kept: list[_Entry] = []
         try:
-            for i in range(full):
-                entry = self._keep(uid, chain.chunks[i][0], i * CHUNK_TOKENS, chain.chunks[i][1], kept)
-                if entry is None:
+            for i, (key, tokens) in enumerate(chain.chunks[:full]):
+                if self._keep(uid, key, i * CHUNK_TOKENS, tokens, kept) is None:
                     break
-            else:
-                if chain.tail and seen == full * CHUNK_TOKENS + len(chain.tail):
-                    parent = parents[full - 1] if full else chain.key
-                    entry = self._keep(uid, partial_key(parent), full * CHUNK_TOKENS, chain.tail, kept)
+            else:  # every full chunk is kept, and the sequence holds exactly the chain: its partial chunk too
+                if chain.tail and full == len(chain.chunks) and seen == full * CHUNK_TOKENS + len(chain.tail):
+                    entry = self._keep(uid, partial_key(chain.key), seen - len(chain.tail), chain.tail, kept)
                     if entry is not None and entry.partial is None and partial is not None:
                         entry.partial, partial = partial, None
         finally:
