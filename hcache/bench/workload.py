@@ -25,8 +25,9 @@ that the GPU cache had.
 Replies are forced to the trace's lengths (no stop token). ``bytes_per_token`` is the store's bytes over
 the tokens it holds, chunk headers included. Throughput is output tokens over the replay's span (first
 arrival to last reply). ``restore_share`` is the share of the engine's busy time spent restoring.
-Absolute CPU times mean little; compare the methods within one run. Replays through DeepSpeed-MII are
-not built (no MII backend yet): this benchmark drives hcache's reference runtime.
+Absolute CPU times mean little; compare the methods within one run. Replays through DeepSpeed-MII (and
+plain MII as a baseline) are not built: this benchmark drives hcache's reference runtime, and
+``hcache bench mii`` times single returning conversations through MII.
 """
 from __future__ import annotations
 
