@@ -31,29 +31,34 @@ class ServingMetrics:
         self.registry.register(self)
 
     def collect(self):
-        s = self.serving
-
-        def counter(name: str, doc: str, value: float | dict, label: str | None = None):
-            family = CounterMetricFamily(name, doc, labels=[label] if label else None)
-            for key, v in (value.items() if label else [(None, value)]):
-                family.add_metric([key] if label else [], v)
-            return family
-
-        yield counter("hcache_restored_tokens", "Tokens restored instead of prefilled, by source", dict(self.restored_tokens), "source")
-        yield counter("hcache_restored_layer_tokens", "Tokens times layers restored from the store, by method", dict(self.restored_layer_tokens), "method")
+        s, cache = self.serving, self.serving.gpu_cache
         tier = s.store.stats() if s.store is not None else {}
-        read = {**self.bytes_read, "disk": tier.get("bytes_loaded", 0)}
-        yield counter("hcache_bytes_read", "Bytes read by restores, by tier (disk: read into the host pool)", read, "tier")
-        yield counter("hcache_fallbacks", "Restores that used stored state only in part", self.fallbacks)
-        yield counter("hcache_sequences", "Sequences finished", self.sequences)
-        yield counter("hcache_prefetch_hidden_seconds", "Seconds of disk reads that look-ahead prefetch ran before their restore", self.prefetch_hidden_s)
-        yield counter("hcache_prefetched_chunks", "Chunk loads started by look-ahead prefetch", s.prefetcher.chunks if s.prefetcher else 0)
-        yield counter("hcache_saver_stalls", "Times the saver waited for room in the host pool", tier.get("stalls", 0))
-        yield counter("hcache_saver_stall_seconds", "Seconds the saver waited for room in the host pool", tier.get("stall_seconds", 0.0))
-        cache = s.gpu_cache
-        yield counter("hcache_gpu_cache_hit_tokens", "Tokens looked up and adopted from the GPU prefix cache", cache.hit_tokens if cache else 0)
-        yield counter("hcache_gpu_cache_miss_tokens", "Tokens looked up and not in the GPU prefix cache", cache.miss_tokens if cache else 0)
-        yield counter("hcache_gpu_cache_evictions", "Entries evicted from the GPU prefix cache", cache.evictions if cache else 0)
+        counters = [  # name, help, value (or {label value: value}), label
+            ("hcache_restored_tokens", "Tokens restored instead of prefilled, by source", self.restored_tokens, "source"),
+            ("hcache_restored_layer_tokens", "Tokens times layers restored from the store, by method",
+             self.restored_layer_tokens, "method"),
+            ("hcache_bytes_read", "Bytes read by restores, by tier (disk: read into the host pool)",
+             {**self.bytes_read, "disk": tier.get("bytes_loaded", 0)}, "tier"),
+            ("hcache_fallbacks", "Restores that used stored state only in part", self.fallbacks, None),
+            ("hcache_sequences", "Sequences finished", self.sequences, None),
+            ("hcache_prefetch_hidden_seconds", "Seconds of disk reads that look-ahead prefetch ran before their restore",
+             self.prefetch_hidden_s, None),
+            ("hcache_prefetched_chunks", "Chunk loads started by look-ahead prefetch",
+             s.prefetcher.chunks if s.prefetcher else 0, None),
+            ("hcache_saver_stalls", "Times the saver waited for room in the host pool", tier.get("stalls", 0), None),
+            ("hcache_saver_stall_seconds", "Seconds the saver waited for room in the host pool",
+             tier.get("stall_seconds", 0.0), None),
+            ("hcache_gpu_cache_hit_tokens", "Tokens looked up and adopted from the GPU prefix cache",
+             cache.hit_tokens if cache else 0, None),
+            ("hcache_gpu_cache_miss_tokens", "Tokens looked up and not in the GPU prefix cache",
+             cache.miss_tokens if cache else 0, None),
+            ("hcache_gpu_cache_evictions", "Entries evicted from the GPU prefix cache", cache.evictions if cache else 0, None),
+        ]
+        for name, doc, value, label in counters:
+            family = CounterMetricFamily(name, doc, labels=[label] if label else None)
+            for key, v in value.items() if label else [(None, value)]:
+                family.add_metric([key] if label else [], v)
+            yield family
         blocks = GaugeMetricFamily("hcache_gpu_cache_blocks", "KV blocks the GPU prefix cache holds")
         blocks.add_metric([], cache.blocks if cache else 0)
         yield blocks

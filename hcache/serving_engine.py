@@ -277,7 +277,7 @@ class ServingEngine:
             raise
 
     def _put(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
-        if len(batch) > 1 and self.prefetcher is not None:  # the later sequences' reads run while the first ones restore
+        if len(batch) > 1 and self.prefetcher is not None:  # later sequences' reads run while earlier ones restore
             for uid, tokens in batch:
                 seq = self._seqs[uid]
                 if seq.restore:
@@ -415,7 +415,8 @@ class ServingEngine:
         (those after what the GPU prefix cache holds of it); how many loads started."""
         if self.prefetcher is None:
             return 0
-        keys = chunk_keys(list(tokens), root_key(self.fingerprint, namespace if namespace is not None else self.namespace))
+        root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
+        keys = chunk_keys(list(tokens), root)
         cached = 0
         while self.gpu_cache is not None and cached < len(keys) and keys[cached] in self.gpu_cache:
             cached += 1

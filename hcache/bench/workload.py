@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> dict:
     if not methods or set(methods) - set(METHODS):
         raise ValueError(f"--methods must name some of {', '.join(METHODS)}, not {args.methods!r}")
     if args.kv_blocks is not None and args.kv_blocks * CHUNK_TOKENS < args.max_tokens:
-        raise ValueError(f"--kv-blocks must hold a whole history of --max-tokens {args.max_tokens}: at least {-(-args.max_tokens // CHUNK_TOKENS)}")
+        least = -(-args.max_tokens // CHUNK_TOKENS)
+        raise ValueError(f"--kv-blocks must hold a whole history of --max-tokens {args.max_tokens}: at least {least}")
     if args.zipf is not None and (args.sharegpt or args.trace not in LEVAL):
         raise ValueError("--zipf applies to the L-Eval presets only")
     loaded = load_model(args.model, dtype=model_dtype(args.dtype, args.device), device=args.device)
