@@ -34,7 +34,7 @@ class _Entry:
     key: str
     tokens: list[int]  # 64 for a full chunk, fewer for a partial one
     blocks: list[int]
-    partial: object = None  # a partial chunk's saver state, resumed by its first adopter (ServingEngine.flush)
+    partial: object = None  # a partial chunk's saver state (ChunkSaver.close), resumed by its first adopter
     pins: int = 0
 
 
