@@ -108,6 +108,27 @@ def test_pipeline_restores_returning_conversation(model_dir, hcache_off, tmp_pat
     _check_restored_and_identical(model_dir, replies, hcache_off, log)
 
 
+def test_a_request_waiting_in_miis_buffer_prefetches_its_stored_chunks(model_dir, tmp_path):
+    """With one sequence at a time, the second prompt of a call waits in MII's buffer while the first runs:
+    its stored chunks (on disk, out of the host pool) start loading then, and the replies equal separate
+    calls'."""
+    pipe = hcache.mii.pipeline(
+        model_dir, hcache={"store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port(),
+        inference_engine_config={"state_manager": {"max_ragged_sequence_count": 1}},
+    )  # fmt: skip
+    try:
+        prompts = [QUESTIONS[0], 2 * NOTE + "Which city is on the Spree?"]
+        alone = [pipe([p], max_new_tokens=4, do_sample=False)[0].generated_text for p in prompts]
+        engine = pipe.inference_engine
+        engine.store.flush()
+        engine.store.drop_resident()
+        assert [r.generated_text for r in pipe(prompts, max_new_tokens=4, do_sample=False)] == alone
+        assert engine.metrics.snapshot()["hcache_prefetched_chunks_total"] >= 2
+    finally:
+        pipe.inference_engine.close()
+        pipe.destroy()
+
+
 def _post(url: str, body: object) -> object:
     status, answer = _post_status(url, body)
     assert status == 200, answer

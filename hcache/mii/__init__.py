@@ -17,6 +17,7 @@ from .backend import (
     build_engine,
     check_deployment,
     check_mii_version,
+    hook_requests,
     installed,
     resolve_profile,
     server_processes_launched_by_hcache,
@@ -30,13 +31,16 @@ TERMINATE_WAIT_S = 15
 
 
 def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
-    """``mii.pipeline`` (same arguments) whose engine restores and saves through hcache. The pipeline's
-    ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
+    """``mii.pipeline`` (same arguments) whose engine restores and saves through hcache, and whose batching
+    loop checks each request and prefetches for waiting ones (:func:`~hcache.mii.backend.hook_requests`).
+    The pipeline's ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
     import mii
 
     path, tensor_parallel = _deployment(model_name_or_path, kwargs)
     with installed(resolve_profile(_config(hcache), path, tensor_parallel)):
-        return mii.pipeline(model_name_or_path, **kwargs)
+        pipe = mii.pipeline(model_name_or_path, **kwargs)
+    hook_requests(pipe)
+    return pipe
 
 
 def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import MethodType
 
 import torch
 import torch.distributed as dist
@@ -182,7 +183,7 @@ def install(hcache: HCacheConfig) -> Callable[[], None]:
     saved_load = mii.api.load_model
     mii.api.load_model = lambda model_config: build_engine(model_config, hcache)
     undo_cpu = _run_mii_loop_on_cpu() if not torch.cuda.is_available() else lambda: None
-    undo_checks = _check_requests()
+    undo_checks = hook_requests()
 
     def undo() -> None:
         mii.api.load_model = saved_load
@@ -192,11 +193,13 @@ def install(hcache: HCacheConfig) -> Callable[[], None]:
     return undo
 
 
-def _check_requests() -> Callable[[], None]:
-    """Check each request as MII makes it, before it enters the batching loop (a bad one raises in its
+def hook_requests(pipeline: object = None) -> Callable[[], None]:
+    """On ``pipeline`` (one MII pipeline, for its life) or on every MII batching loop of this process: check
+    each request as MII makes it, before it enters the batching loop (a bad one raises in its
     caller, and the loop never sees it), and open each new sequence in its request's namespace
     (``cache_salt``), which rides on MII's request object. Before each put, requests still waiting in MII's
-    buffer start reading their stored chunks into the host pool (look-ahead prefetch), once each."""
+    buffer start reading their stored chunks into the host pool (look-ahead prefetch), once each. Returns the
+    undo."""
     from mii.batching.ragged_batching import RaggedBatchBase
 
     saved_make, saved_put = RaggedBatchBase.make_request, RaggedBatchBase.put
@@ -220,6 +223,9 @@ def _check_requests() -> Callable[[], None]:
                 self.inference_engine.open(r.uid, namespace=r.hcache_namespace)
         return saved_put(self, uids, tokenized_input)
 
+    if pipeline is not None:
+        pipeline.make_request, pipeline.put = MethodType(make_request, pipeline), MethodType(put, pipeline)
+        return lambda: (delattr(pipeline, "make_request"), delattr(pipeline, "put"))
     RaggedBatchBase.make_request, RaggedBatchBase.put = make_request, put
 
     def undo() -> None:
