@@ -88,7 +88,8 @@ class SequenceRecord:
 @dataclass
 class _Sequence:
     plan: RestorePlan | None  # None: auto, until the first restore chooses it
-    restore: bool
+    restore: bool  # from the store
+    adopt: bool  # from the GPU prefix cache (there may be one without a store)
     chain: KeyChain  # over the tokens the engine holds, and those of a put in progress; the saver reads it
     prompt_tokens: int = 0  # the prompt's length if announced before the first put (see the module doc)
     failed: bool = False  # a put raised part-way: the engine, the chain and the saver may disagree
@@ -245,7 +246,9 @@ class ServingEngine:
         root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
         resolved = self.plan if plan is None else self.resolve_plan(plan)
         chain = KeyChain(root)
-        self._seqs[uid] = _Sequence(resolved, restore and self.store is not None, chain, self._announced.pop(uid, 0))
+        self._seqs[uid] = _Sequence(
+            resolved, restore and self.store is not None, restore and self.gpu_cache is not None, chain, self._announced.pop(uid, 0)
+        )
         if self._capture is not None:
             self.saver.open(uid, chain)
 
@@ -313,7 +316,7 @@ class ServingEngine:
             seq = self._seqs[uid]
             aligned = seq.chain.tail + tokens
             found = None
-            if seq.restore and len(tokens) > 1:
+            if seq.adopt and len(tokens) > 1:
                 keys = chunk_keys(aligned, seq.chain.key)
                 found = self.gpu_cache.match(aligned, keys, seq.chain.key, len(seq.chain.tail), len(aligned) - 1)
             adoptions.append(found)

@@ -128,6 +128,17 @@ def test_two_sequences_sharing_a_system_prompt_at_once(llama, tmp_path, rng):
             assert r.output_ids == _recompute(llama, prompt, 6, tmp_path)
 
 
+def test_without_a_store_the_gpu_cache_alone_serves_returning_prompts(tmp_path, rng):
+    """Prefix caching with nothing stored (MII with hcache off): the cache is all there is, and exact."""
+    vocab = loaded("random:llama").spec.vocab_size
+    prompt = random_prompt(2 * CHUNK_TOKENS + 30, vocab, rng)
+    with _serving(None, 16, gpu_cache=True) as serving, _serving(None, 16) as fresh:
+        serving.put([0], [prompt[:-1]])
+        serving.flush(0)
+        torch.testing.assert_close(serving.put([1], [prompt]), fresh.put([1], [prompt]), atol=1e-5, rtol=1e-5)
+        assert serving.record(1).gpu_tokens == len(prompt) - 1
+
+
 def test_prefetch_reads_a_waiting_prompt_into_the_host_pool(llama, tmp_path, rng):
     """A prompt waiting to run has its stored chunks read into the host pool; its restore then reports the
     reads as hidden, and is exact."""
