@@ -27,6 +27,7 @@ setup(
         "pydantic>=2",
         # shared tiers: a Redis server or cluster (hiredis parses large values in C)
         "redis[hiredis]>=5",
+        "prometheus-client>=0.17",
         # MII's OpenAI-compatible server needs these and does not declare them
         "uvicorn",
         "pydantic-settings>=2",

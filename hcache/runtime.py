@@ -2,8 +2,9 @@
 
 For each request: look up the longest stored prefix of the prompt, restore it by a plan (or a forced
 method), prefill the rest, generate, and save the new state of the prompt and of the generated tokens.
-Like the paper's design, no KV stays on the device between requests: history lives in the store, and
-every request restores it.
+Like the paper's design, by default no KV stays on the device between requests: history lives in the
+store, and every request restores it. With ``gpu_cache=True`` finished requests' KV stays in spare blocks
+of the engine's cache, and a returning prefix is copied from there (:mod:`hcache.gpu_prefix_cache`).
 """
 from __future__ import annotations
 
@@ -41,14 +42,18 @@ class RequestResult:
     restore_s: float = 0.0  # time in the restore (lookup, reads, rebuild), part of ttft_s
     tbt_s: list[float] = field(default_factory=list)  # time between consecutive output tokens
     restores: list[RestoreStep] = field(default_factory=list)  # each put's restore: plan and tokens
+    gpu_tokens: int = 0  # of restored_tokens, adopted from the GPU prefix cache
+    prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
 
 
 class HCacheRuntime:
     """Serve prompts on the reference engine with hcache's restore and save: a greedy decode loop over a
     :class:`~hcache.serving_engine.ServingEngine`, which documents ``plan``, ``save``, ``profile``,
     ``readers`` and ``store``. ``measure_profile=False``: with ``plan="auto"`` and no profile for this
-    machine, serve the default plan instead of measuring a short profile on first use. ``store_dir``: one directory or a list (one per SSD). Saving runs in
-    background threads; :meth:`close` (or leaving a ``with`` block) drains them.
+    machine, serve the default plan instead of measuring a short profile on first use. ``store_dir``: one
+    directory or a list (one per SSD). ``gpu_cache``: keep finished requests' KV in the spare blocks of the
+    engine's ``num_blocks``. Saving runs in background threads; :meth:`close` (or leaving a ``with`` block)
+    drains them. Counters: ``metrics`` (:mod:`hcache.metrics`).
 
     ``tensor_parallel``: this process's rank of a tensor-parallel group; the model is sharded in place for
     it, and every rank must make the same calls at once (the forward and restore are collective).
@@ -69,6 +74,7 @@ class HCacheRuntime:
         readers: int = DEFAULT_READERS,
         tensor_parallel: TPGroup = SINGLE,
         measure_profile: bool = True,
+        gpu_cache: bool = False,
     ):
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
         fingerprint = model_fingerprint(self.loaded.model, self.loaded.spec)  # of the whole model, on every rank
@@ -87,10 +93,11 @@ class HCacheRuntime:
             readers=readers,
             tp=tensor_parallel,
             measure=(lambda: self.loaded) if measure_profile else None,
+            gpu_cache=gpu_cache,
         )
         s = self.serving  # fixed for its life
         self.fingerprint, self.profile, self.plan, self.save_formats = s.fingerprint, s.profile, s.plan, s.save_formats
-        self.store, self.saver = s.store, s.saver
+        self.store, self.saver, self.gpu_cache, self.metrics = s.store, s.saver, s.gpu_cache, s.metrics
         self._uids = itertools.count()
         self._busy = threading.Lock()  # held by the generate call in progress
         eos = getattr(getattr(self.loaded.model, "generation_config", None), "eos_token_id", None)
@@ -111,8 +118,15 @@ class HCacheRuntime:
         self.close()
 
     def drop_device_cache(self) -> None:
-        """Free every sequence's device KV; the next request must restore from the store."""
+        """Free every sequence's device KV and the GPU prefix cache; the next request must restore from the store."""
         self.engine.flush_all()
+        if self.gpu_cache is not None:
+            self.gpu_cache.clear()
+
+    def prefetch(self, prompt: list[int], namespace: str | None = None) -> int:
+        """Look-ahead for a request that waits to run: start reading its stored chunks into the host pool
+        while other requests run; how many loads started."""
+        return self.serving.prefetch(prompt, namespace)
 
     def generate(self, prompt: list[int], max_new_tokens: int = 32, **kwargs) -> RequestResult:
         return self.generate_batch([prompt], max_new_tokens, **kwargs)[0]
@@ -165,7 +179,8 @@ class HCacheRuntime:
                 self.serving.flush(uid)
         return [
             RequestResult(
-                out, len(prompt), r.restored_tokens, r.plan, ttft, r.bytes_read, r.fallback, r.restore_s, gaps, r.restores
+                out, len(prompt), r.restored_tokens, r.plan, ttft, r.bytes_read, r.fallback, r.restore_s, gaps,
+                r.restores, r.gpu_tokens, r.prefetch_hidden_s,
             )
             for out, prompt, r, gaps in zip(outputs, prompts, records, tbt)
         ]

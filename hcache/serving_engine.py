@@ -14,6 +14,13 @@ has arrived is stored, the stored run may go on past them; if the prompt's lengt
 the prompt's last full chunk, which is exact for a returning conversation whose new turn is under a chunk,
 and otherwise overestimates by its new tokens. Every later piece restores by that plan, so a prompt restores
 by the same plan in pieces as in one put.
+
+With ``gpu_cache=True``, finished sequences' chunks stay in spare KV blocks (:mod:`hcache.gpu_prefix_cache`):
+a put first adopts what that cache holds of its prefix, then restores what follows from the store. The
+cached blocks count as free in ``free_blocks``, and each put first evicts as many as its tokens need.
+Requests known before they run can :meth:`ServingEngine.prefetch` their stored chunks into the host pool
+(:mod:`hcache.prefetch`); a put of several sequences does so for all of them before restoring the first.
+Counters are in ``metrics`` (:mod:`hcache.metrics`).
 """
 from __future__ import annotations
 
@@ -29,8 +36,11 @@ import torch
 from .auto_profile import auto_profile
 from .engine.interface import Engine
 from .errors import InvalidRequestError
+from .gpu_prefix_cache import Adoption, GpuPrefixCache
+from .metrics import ServingMetrics
 from .model_loader import LoadedModel
 from .plan import Method, RestorePlan, default_plan
+from .prefetch import Prefetcher
 from .profile import Profile, profile_command
 from .ragged import Segment
 from .restore import restore_prefix, row_shapes
@@ -50,20 +60,26 @@ AUTO = "auto"
 
 @dataclass
 class RestoreStep:
-    """One put's restore: the plan it followed and how many tokens it restored."""
+    """One put's restore: the plan it followed, how many tokens it restored from the store, how many it
+    adopted from the GPU prefix cache before, and the seconds of its disk reads that prefetch ran ahead."""
 
     plan: str
     tokens: int
+    gpu_tokens: int = 0
+    hidden_s: float = 0.0
 
 
 @dataclass
 class SequenceRecord:
-    """What one sequence cost, summed over its puts: tokens restored from the store and run through the forward."""
+    """What one sequence cost, summed over its puts: tokens restored (from the GPU prefix cache or the store)
+    and run through the forward."""
 
     restored_tokens: int = 0
+    gpu_tokens: int = 0  # of restored_tokens, adopted from the GPU prefix cache
     computed_tokens: int = 0
     bytes_read: int = 0
     restore_s: float = 0.0
+    prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
     plan: str = ""  # the plan its restores follow; "" until one is tried
     fallback: str | None = None  # why stored state was used only in part, if it was
     restores: list[RestoreStep] = field(default_factory=list)  # one per put that restored tokens
@@ -72,7 +88,8 @@ class SequenceRecord:
 @dataclass
 class _Sequence:
     plan: RestorePlan | None  # None: auto, until the first restore chooses it
-    restore: bool
+    restore: bool  # from the store
+    adopt: bool  # from the GPU prefix cache (there may be one without a store)
     chain: KeyChain  # over the tokens the engine holds, and those of a put in progress; the saver reads it
     prompt_tokens: int = 0  # the prompt's length if announced before the first put (see the module doc)
     failed: bool = False  # a put raised part-way: the engine, the chain and the saver may disagree
@@ -114,7 +131,8 @@ class ServingEngine:
     the context range), ``"all"`` hidden states and KV for every layer, ``"none"`` nothing. ``readers``:
     threads that load stored chunks from disk into the host pool while the RE layers compute (0: inline).
     ``request_log``: a file that gets one JSON line per finished sequence (from rank 0). ``config``: the
-    engine config MII schedules by (it reads ``_config.state_manager``).
+    engine config MII schedules by (it reads ``_config.state_manager``). ``gpu_cache``: keep finished
+    sequences' KV in spare blocks of the engine's cache and adopt it (the module doc).
 
     With tensor parallelism, every rank of ``tp`` runs one of these over its shard of the engine, with the
     whole model's ``fingerprint``, and makes the same calls at once: the forward and restore are collective.
@@ -138,6 +156,7 @@ class ServingEngine:
         config: object = None,
         tp: TPGroup = SINGLE,
         measure: Callable[[], LoadedModel] | None = None,
+        gpu_cache: bool = False,
     ):
         if save not in SAVE_POLICIES:
             raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
@@ -165,6 +184,10 @@ class ServingEngine:
             self.saver = ChunkSaver(self.store, self.fingerprint, tensors, stores=tp.stores)
             if any(self.save_formats):
                 self._capture = _SaveCapture(self.saver, self.save_formats)
+        self.prefetcher = Prefetcher(self.store) if self.store is not None else None
+        drop = self.saver.drop_partial if self.saver is not None else (lambda partial: None)
+        self.gpu_cache = GpuPrefixCache(engine, drop) if gpu_cache else None
+        self.metrics = ServingMetrics(self)
         self._seqs: dict[int, _Sequence] = {}
         self._announced: dict[int, int] = {}  # uid -> tokens queried before its first put
 
@@ -224,7 +247,9 @@ class ServingEngine:
         root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
         resolved = self.plan if plan is None else self.resolve_plan(plan)
         chain = KeyChain(root)
-        self._seqs[uid] = _Sequence(resolved, restore and self.store is not None, chain, self._announced.pop(uid, 0))
+        self._seqs[uid] = _Sequence(
+            resolved, restore and self.store is not None, restore and self.gpu_cache is not None, chain, self._announced.pop(uid, 0)
+        )
         if self._capture is not None:
             self.saver.open(uid, chain)
 
@@ -256,7 +281,25 @@ class ServingEngine:
             raise
 
     def _put(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
-        requests = [(uid, tokens[self._restore(uid, tokens) :]) for uid, tokens in batch]
+        if len(batch) > 1 and self.prefetcher is not None:  # later sequences' reads run while earlier ones restore
+            for uid, tokens in batch:
+                seq = self._seqs[uid]
+                if seq.restore:
+                    self.prefetcher.prefetch(chunk_keys(seq.chain.tail + tokens, seq.chain.key))
+        adoptions = self._match(batch)
+        try:
+            requests = []
+            for (uid, tokens), adoption in zip(batch, adoptions):
+                step = RestoreStep("", 0)
+                n = self._adopt(uid, tokens, adoption, step) if adoption is not None else 0
+                n += self._restore(uid, tokens[n:], step)
+                if n:
+                    self._seqs[uid].record.restores.append(step)
+                requests.append((uid, tokens[n:]))
+        finally:
+            for adoption in adoptions:
+                if adoption is not None:
+                    self.gpu_cache.unpin(adoption)
         for uid, tokens in requests:  # before the forward: the saver keys the chunks it completes
             self._seqs[uid].chain.extend(tokens)
         logits = self.engine.step(requests, self._capture)
@@ -264,7 +307,52 @@ class ServingEngine:
             self._seqs[uid].record.computed_tokens += len(tokens)
         return logits
 
-    def _restore(self, uid: int, tokens: list[int]) -> int:
+    def _match(self, batch: list[tuple[int, list[int]]]) -> list[Adoption | None]:
+        """What each sequence adopts from the GPU prefix cache (pinned), after evicting enough of the rest for
+        the batch's new tokens; if pinned entries stand in the way, the batch adopts nothing (and restores)."""
+        if self.gpu_cache is None:
+            return [None] * len(batch)
+        adoptions = []
+        for uid, tokens in batch:
+            seq = self._seqs[uid]
+            aligned = seq.chain.tail + tokens
+            found = None
+            if seq.adopt and len(tokens) > 1:
+                keys = chunk_keys(aligned, seq.chain.key)
+                found = self.gpu_cache.match(aligned, keys, seq.chain.key, len(seq.chain.tail), len(aligned) - 1)
+            adoptions.append(found)
+        needed = sum(self.engine.query(uid, len(tokens), 1 << 30)[1] for uid, tokens in batch)
+        if not self.gpu_cache.make_room(needed):
+            for adoption in adoptions:
+                if adoption is not None:
+                    self.gpu_cache.truncate(adoption, 0)
+            self.gpu_cache.make_room(needed)  # if it still fails, the engine says the cache is full
+        return adoptions
+
+    def _adopt(self, uid: int, tokens: list[int], adoption: Adoption, step: RestoreStep) -> int:
+        """Copy what the GPU prefix cache holds of ``tokens`` into the sequence; how many tokens that is."""
+        n = self.tp.min(adoption.tokens)  # every rank adopts alike
+        if n < adoption.tokens:
+            self.gpu_cache.truncate(adoption, n)
+        if not n:
+            return 0
+        seq, start = self._seqs[uid], time.perf_counter()
+        self.gpu_cache.adopt(uid, adoption, tokens[:n])
+        partial = self.gpu_cache.take_partial(adoption) if self._capture is not None else None
+        if partial is not None:  # the chunk it ends in is still saved, from its rows computed before
+            self.saver.resume(uid, *partial)
+        seq.chain.extend(tokens[:n])
+        record, spec = seq.record, self.spec
+        record.restored_tokens += n
+        record.gpu_tokens += n
+        record.restore_s += time.perf_counter() - start
+        step.gpu_tokens = n
+        self.metrics.restored_tokens["gpu_cache"] += n
+        kv_bytes = 2 * spec.num_kv_heads * spec.head_size * torch.finfo(getattr(torch, spec.dtype)).bits // 8
+        self.metrics.bytes_read["gpu"] += n * spec.num_layers * kv_bytes
+        return n
+
+    def _restore(self, uid: int, tokens: list[int], step: RestoreStep) -> int:
         """Restore what the store holds of ``tokens``, all but the last (its logits are the answer); how many
         were restored. Chunks are keyed by whole 64-token blocks, so the lookup starts at the chunk the
         sequence ends in, whose first tokens it holds already."""
@@ -283,6 +371,7 @@ class ServingEngine:
                 return 0
             seq.plan = self.plan_for(None, history)
         plan = seq.plan
+        hidden = self.prefetcher.hidden(keys)
         outcome = restore_prefix(
             self.engine, self.store, uid, aligned, keys, self.fingerprint, plan, self.copier, self.tp,
             held=len(held), limit=len(aligned) - 1,
@@ -291,10 +380,17 @@ class ServingEngine:
         record.restored_tokens += outcome.tokens
         record.bytes_read += outcome.bytes_read
         record.restore_s += time.perf_counter() - start
+        record.prefetch_hidden_s += hidden
         record.plan = str(plan)
         record.fallback = outcome.fallback or record.fallback
-        if outcome.tokens:
-            record.restores.append(RestoreStep(record.plan, outcome.tokens))
+        step.plan, step.tokens, step.hidden_s = record.plan, outcome.tokens, hidden
+        metrics = self.metrics
+        metrics.restored_tokens["store"] += outcome.tokens
+        metrics.bytes_read["host"] += outcome.bytes_read
+        metrics.prefetch_hidden_s += hidden
+        metrics.fallbacks += outcome.fallback is not None
+        for m in plan.layers:
+            metrics.restored_layer_tokens[m.value] += outcome.tokens
         seq.chain.extend(tokens[: outcome.tokens])
         return outcome.tokens
 
@@ -315,9 +411,24 @@ class ServingEngine:
             self._announced[uid] = max(self._announced.get(uid, 0), max_request_tokens)
         return self.engine.query(uid, max_request_tokens, max_request_blocks)
 
+    def prefetch(self, tokens: Sequence[int], namespace: str | None = None) -> int:
+        """Look-ahead: start reading into the host pool the stored chunks of a prompt that waits to run
+        (those after what the GPU prefix cache holds of it); how many loads started."""
+        if self.prefetcher is None:
+            return 0
+        root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
+        keys = chunk_keys(list(tokens), root)
+        cached = 0
+        while self.gpu_cache is not None and cached < len(keys) and keys[cached] in self.gpu_cache:
+            cached += 1
+        return self.prefetcher.prefetch(keys[cached:])
+
     @property
     def free_blocks(self) -> torch.Tensor:
-        return self.engine.free_blocks
+        """Free blocks, counting those the GPU prefix cache could give up (each put evicts what it needs)."""
+        if self.gpu_cache is None:
+            return self.engine.free_blocks
+        return torch.as_tensor(self.engine.free_blocks) + self.gpu_cache.evictable_blocks
 
     def get_remaining_block_capacity(self, uid: int) -> int:
         return self.engine.get_remaining_block_capacity(uid)
@@ -332,14 +443,17 @@ class ServingEngine:
 
     def flush(self, uid: int) -> None:
         """Finish a sequence: wait until its full chunks are stored (so a returning conversation finds them),
-        then free its KV blocks."""
+        keep its KV in the GPU prefix cache, if there is one, then free its KV blocks."""
         seq = self._seqs.pop(uid, None)
         self._announced.pop(uid, None)
+        keep = self.gpu_cache is not None and seq is not None and not seq.failed
         try:
-            if self.saver is not None:
-                self.saver.close(uid)
+            partial = self.saver.close(uid, keep_partial=keep) if self.saver is not None else None
+            if keep:
+                self.gpu_cache.keep(uid, seq.chain, self.engine.seen_tokens(uid), partial)
         finally:  # a save that failed must not keep the sequence's KV blocks
             self.engine.flush(uid)
+        self.metrics.sequences += seq is not None
         if seq is not None and self.request_log is not None and self.tp.rank == 0:  # ranks restore alike
             with self.request_log.open("a") as f:
                 f.write(json.dumps({"uid": uid, "time": time.time(), **asdict(seq.record)}) + "\n")

@@ -709,3 +709,33 @@ def test_profile_fastgen_without_a_gpu_says_so(capsys):
         pytest.skip("checks the message on a machine without a GPU")
     assert main(["profile", "--engine", "fastgen", "--model", "random:llama", "--short"]) == 2
     assert "--engine fastgen needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_serving_engine_over_fastgen_adopts_from_the_gpu_prefix_cache(tmp_path):
+    """The GPU prefix cache over the adapter: a finished prompt's chunks are copied into blocks reserved from
+    FastGen's own allocator; a returning prompt, put as MII puts it (16 tokens at a time, so every adoption
+    starts inside a chunk), adopts them and gives a fresh engine's logits; clearing the cache gives every
+    block back to FastGen."""
+    from hcache.serving_engine import ServingEngine
+
+    prompt = [int(t) for t in torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(3))]
+    serving = ServingEngine(fastgen(num_blocks=64), "fp", tmp_path, model_name="fake", plan="KV", readers=0, gpu_cache=True)
+    fresh = fastgen(num_blocks=64)
+    for off in range(0, 195, MAX_BATCH):  # 3 chunks and 3 tokens of a 4th
+        serving.put([0], [prompt[off : min(off + MAX_BATCH, 195)]])
+    serving.flush(0)
+    assert serving.gpu_cache.blocks == 3 * 64 // BLOCK + 1 and serving.engine.free_blocks == [64 - 25]
+    assert int(min(serving.free_blocks)) == 64
+    for off in range(0, len(prompt), MAX_BATCH):
+        logits = serving.put([1], [prompt[off : off + MAX_BATCH]])
+        want = fresh.step([(1, prompt[off : off + MAX_BATCH])])
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    # a chunk is keyed by all its tokens: each full chunk's last put adopts its 15 rows before the last
+    # token; the last put adopts the 3 cached rows of the partial chunk
+    assert serving.record(1).gpu_tokens == 3 * 15 + 3
+    for layer in range(LAYERS):
+        torch.testing.assert_close(cached_kv(serving.engine, 1, layer), cached_kv(fresh, 1, layer), rtol=1e-5, atol=1e-5)
+    serving.flush(1)
+    serving.gpu_cache.clear()
+    assert serving.engine.free_blocks == [64]
+    serving.close()

@@ -127,12 +127,33 @@ def test_pipeline_call_that_fails_in_the_loop_fails_alone(model_dir, tmp_path, m
     from hcache.mii.failures import RequestFailed
 
     monkeypatch.setattr(ReferenceEngine, "step", faulty(ReferenceEngine.step, _fault_token(model_dir)))
-    pipe = hcache.mii.pipeline(model_dir, hcache={"store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port())
+    pipe = hcache.mii.pipeline(model_dir, hcache={"engine": "reference", "store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port())
     try:
         before = pipe([QUESTIONS[0]], max_new_tokens=4, do_sample=False)[0].generated_text
         with pytest.raises(RequestFailed, match="injected fault"):
             pipe([QUESTIONS[0], "I play the" + FAULT_WORD], max_new_tokens=4, do_sample=False)
         assert pipe([QUESTIONS[0]], max_new_tokens=4, do_sample=False)[0].generated_text == before
+    finally:
+        pipe.inference_engine.close()
+        pipe.destroy()
+
+
+def test_a_request_waiting_in_miis_buffer_prefetches_its_stored_chunks(model_dir, tmp_path):
+    """With one sequence at a time, the second prompt of a call waits in MII's buffer while the first runs:
+    its stored chunks (on disk, out of the host pool) start loading then, and the replies equal separate
+    calls'."""
+    pipe = hcache.mii.pipeline(
+        model_dir, hcache={"engine": "reference", "store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port(),
+        inference_engine_config={"state_manager": {"max_ragged_sequence_count": 1}},
+    )  # fmt: skip
+    try:
+        prompts = [QUESTIONS[0], 2 * NOTE + "Which city is on the Spree?"]
+        alone = [pipe([p], max_new_tokens=4, do_sample=False)[0].generated_text for p in prompts]
+        engine = pipe.inference_engine
+        engine.store.flush()
+        engine.store.drop_resident()
+        assert [r.generated_text for r in pipe(prompts, max_new_tokens=4, do_sample=False)] == alone
+        assert engine.metrics.snapshot()["hcache_prefetched_chunks_total"] >= 2
     finally:
         pipe.inference_engine.close()
         pipe.destroy()
@@ -196,13 +217,14 @@ BAD_REST_BODIES = [
 
 def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path):
     """Turns 1 and 2 through MII's REST gateway, turn 3 through MII's OpenAI-compatible server (greedy:
-    top_k=1), all against one hcache deployment, after bad requests that must each be refused alone; then
-    per-request namespaces (``cache_salt``) through both."""
+    top_k=1), all against one hcache deployment with the GPU prefix cache, after bad requests that must each
+    be refused alone; then per-request namespaces (``cache_salt``) through both, and the deployment's
+    Prometheus counters."""
     log, store = tmp_path / "requests.jsonl", tmp_path / "store"
-    rest, balancer, zmq = _free_port(), _free_port(), _free_port()
+    rest, balancer, zmq, metrics = _free_port(), _free_port(), _free_port(), _free_port()
     client = hcache.mii.serve(
         model_dir,
-        hcache={"engine": "reference", "store_dirs": [str(store)], "request_log": str(log)},
+        hcache={"engine": "reference", "store_dirs": [str(store)], "request_log": str(log), "gpu_cache": True, "metrics_port": metrics},
         deployment_name="hcache-test",
         enable_restful_api=True,
         restful_api_port=rest,
@@ -249,12 +271,15 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
         chat = {"model": model_dir, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 1}
         assert _post_status(chat_url, {**chat, "cache_salt": 7})[0] == 400
         _post(chat_url, {**chat, "cache_salt": "tenant-c"})
+        counters = urllib.request.urlopen(f"http://localhost:{metrics}/metrics", timeout=30).read().decode()
     finally:
         openai.terminate()
         openai.wait(30)
         client.terminate_server()
     extra = _turns(log)[len(QUESTIONS) :]
     assert [t["restored_tokens"] > 0 for t in extra] == [False, True, False]
+    adopted = sum(t["gpu_tokens"] for t in _turns(log))
+    assert adopted > 0 and f"hcache_gpu_cache_hit_tokens_total {float(adopted)}" in counters
 
 
 def test_serve_fails_a_request_alone_and_ctrl_c_stops_a_hung_deployment(model_dir, tmp_path):

@@ -180,7 +180,7 @@ def test_auto_plan_is_chosen_once_per_history_in_pieces_as_in_one_put(tmp_path, 
     torch.testing.assert_close(pieces, one_put, atol=1e-5, rtol=1e-5)
     records = {r["uid"]: r for r in map(json.loads, log.read_text().splitlines())}
     assert records[0]["restores"] == [] and records[0]["plan"] == ""
-    assert records[1]["restores"] == [{"plan": str(long), "tokens": len(prompt) - 1}]
+    assert records[1]["restores"] == [{"plan": str(long), "tokens": len(prompt) - 1, "gpu_tokens": 0, "hidden_s": 0.0}]
     steps = records[2]["restores"]
     assert len(steps) == 22 and {s["plan"] for s in steps} == {str(long)} == {records[2]["plan"]}  # one per piece
     assert sum(s["tokens"] for s in steps) == records[2]["restored_tokens"] == len(prompt) - records[2]["computed_tokens"]

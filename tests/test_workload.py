@@ -125,7 +125,7 @@ def test_bench_workload_reports_every_method(tmp_path):
     assert main(args) == 0
     result = json.loads(out.read_text())
     methods = result["methods"]
-    assert set(methods) == {"ideal", "recompute", "kv", "auto"} and result["rates"] == [1.0, 8.0]
+    assert set(methods) == {"ideal", "recompute", "kv", "auto", "auto_gpu_cache"} and result["rates"] == [1.0, 8.0]
     for m in methods.values():
         for key in ("ttft_p50_s", "ttft_p99_s", "tbt_mean_s", "tbt_p99_s", "throughput_tok_s"):
             assert m[key] > 0, key
@@ -136,12 +136,17 @@ def test_bench_workload_reports_every_method(tmp_path):
     assert methods["recompute"]["by_rate"][0]["restored_tokens"] == 0 < methods["kv"]["by_rate"][0]["restored_tokens"]
     assert methods["kv"]["restore_tokens_per_s"] > 0 and methods["recompute"]["restore_tokens_per_s"] is None
     assert methods["kv"]["restore_share"] > 0 and methods["ideal"]["restore_share"] == 0
+    # every returning turn finds its history in the GPU cache (4 histories fit), and the tokens it adopts
+    # are more than auto alone restores (the partial last chunk too)
+    cached, alone = methods["auto_gpu_cache"]["by_rate"][0], methods["auto"]["by_rate"][0]
+    assert cached["gpu_cache_hit_rate"] > 0 and methods["auto"]["gpu_cache_hit_rate"] is None
+    assert cached["restored_tokens"] > alone["restored_tokens"] and cached["gpu_tokens"] > 0
     rows = (tmp_path / "workload.csv").read_text().splitlines()
-    assert rows[0].startswith("method,rate,ttft_p50_s") and len(rows) == 1 + 4 * 2
+    assert rows[0].startswith("method,rate,ttft_p50_s") and len(rows) == 1 + 5 * 2
     assert (tmp_path / "workload.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("bad", [["--rates", "0,1"], ["--rates", "fast"], ["--max-tokens", "4096"], ["--methods", "kv,magic"]])
+@pytest.mark.parametrize("bad", [["--rates", "0,1"], ["--rates", "fast"], ["--max-tokens", "4096"], ["--methods", "kv,magic"], ["--kv-blocks", "3"]])
 def test_bench_workload_refuses_bad_options(bad, capsys):
     assert main(["bench", "workload", "--model", "random:llama", "--sessions", "2", *bad]) == 2
     assert "hcache: error:" in capsys.readouterr().err

@@ -15,11 +15,19 @@ trace, with the same token ids, in a store of its own, so no method reuses anoth
 - ``auto``: hcache's bubble-free plan per history length, from a profile (``--profile``, or measured at
   start over the trace's history range). On a GQA model such as SmolLM2 on this CPU the plan is all-KV,
   so auto is KV there; hidden states pay off on MHA models (Llama-2-7B).
+- ``auto_gpu_cache``: ``auto`` with the GPU prefix cache (:mod:`hcache.gpu_prefix_cache`): finished
+  requests' KV stays in the engine's spare blocks (``--kv-blocks`` in all, the same for every method), and
+  a returning history is copied from there, partial last chunk included; only what was evicted is restored.
+Every method but ``ideal`` and ``recompute`` prefetches (look-ahead): before a request runs, each request
+already waiting in the queue starts reading its stored chunks into the host pool; ``prefetch_hidden_s`` is
+the read time that ran ahead of the restores. ``gpu_cache_hit_rate``: the share of the tokens looked up
+that the GPU cache had.
 Replies are forced to the trace's lengths (no stop token). ``bytes_per_token`` is the store's bytes over
 the tokens it holds, chunk headers included. Throughput is output tokens over the replay's span (first
 arrival to last reply). ``restore_share`` is the share of the engine's busy time spent restoring.
-Absolute CPU times mean little; compare the methods within one run. Replays through DeepSpeed-MII are
-not built (no MII backend yet): this benchmark drives hcache's reference runtime.
+Absolute CPU times mean little; compare the methods within one run. Replays through DeepSpeed-MII (and
+plain MII as a baseline) are not built: this benchmark drives hcache's reference runtime, and
+``hcache bench mii`` times single returning conversations through MII.
 """
 from __future__ import annotations
 
@@ -42,15 +50,16 @@ from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import DEFAULT_READERS
 from ..traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
 
-METHODS = ("ideal", "recompute", "kv", "auto")
-_RUNTIME = {  # method -> (plan, save policy, restore)
-    "ideal": ("KV", "plan", True),
-    "recompute": ("KV", "none", False),
-    "kv": ("KV", "plan", True),
-    "auto": ("auto", "plan", True),
+METHODS = ("ideal", "recompute", "kv", "auto", "auto_gpu_cache")
+_RUNTIME = {  # method -> (plan, save policy, restore, GPU prefix cache)
+    "ideal": ("KV", "plan", True, False),
+    "recompute": ("KV", "none", False, False),
+    "kv": ("KV", "plan", True, False),
+    "auto": ("auto", "plan", True, False),
+    "auto_gpu_cache": ("auto", "plan", True, True),
 }
 METRICS = ("ttft_p50_s", "ttft_p99_s", "tbt_mean_s", "tbt_p99_s", "throughput_tok_s", "restore_tokens_per_s",
-           "bytes_per_token", "restore_share", "requests")
+           "bytes_per_token", "restore_share", "requests", "gpu_cache_hit_rate", "prefetch_hidden_s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=1024, help="cap on a session's whole history (at most the model's context)")
     parser.add_argument("--max-turns", type=int, default=4, help="turns kept per session")
     parser.add_argument("--think-scale", type=float, default=0.05, help="think times times this (1 = the published means)")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="the engine's KV blocks of 64 tokens, for every method (default: 4 histories of --max-tokens)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
     parser.add_argument("--profile", default=None, help="profile for the auto plan (default: measure one at start)")
     parser.add_argument("--readers", type=int, default=DEFAULT_READERS)
@@ -80,6 +91,9 @@ def run(args: argparse.Namespace) -> dict:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or set(methods) - set(METHODS):
         raise ValueError(f"--methods must name some of {', '.join(METHODS)}, not {args.methods!r}")
+    if args.kv_blocks is not None and args.kv_blocks * CHUNK_TOKENS < args.max_tokens:
+        least = -(-args.max_tokens // CHUNK_TOKENS)
+        raise ValueError(f"--kv-blocks must hold a whole history of --max-tokens {args.max_tokens}: at least {least}")
     if args.zipf is not None and (args.sharegpt or args.trace not in LEVAL):
         raise ValueError("--zipf applies to the L-Eval presets only")
     loaded = load_model(args.model, dtype=model_dtype(args.dtype, args.device), device=args.device)
@@ -88,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--max-tokens must lie in [{CHUNK_TOKENS}, {spec.max_positions}] for {loaded.name}, not {args.max_tokens}")
     traces = [_trace(args, loaded, rate) for rate in rates]
     profile = None
-    if "auto" in methods:
+    if {"auto", "auto_gpu_cache"} & set(methods):
         profile = (
             Profile.load(args.profile, spec) if args.profile
             else measure_profile(loaded, sorted({CHUNK_TOKENS, args.max_tokens}), repeats=2, readers=args.readers)
@@ -108,6 +122,7 @@ def run(args: argparse.Namespace) -> dict:
             "name": traces[0].name, "sessions": len(sessions), "requests": requests, "seed": args.seed,
             "scale": args.scale, "max_output": args.max_output, "max_tokens": args.max_tokens,
             "max_turns": args.max_turns, "think_scale": args.think_scale, "zipf": args.zipf,
+            "kv_blocks": _kv_blocks(args),
             "mean_input_tokens": float(np.mean([t.input_tokens for t in turns])),
             "mean_output_tokens": float(np.mean([t.output_tokens for t in turns])),
             "mean_session_tokens": float(np.mean([s.total_tokens for s in sessions])),
@@ -126,6 +141,10 @@ def run(args: argparse.Namespace) -> dict:
     if plot:
         _plot(result, plot)
     return result
+
+
+def _kv_blocks(args: argparse.Namespace) -> int:
+    return args.kv_blocks or 4 * -(-args.max_tokens // CHUNK_TOKENS)
 
 
 def _rates(text: str) -> list[float]:
@@ -156,37 +175,48 @@ def _ids(seed: int, key: tuple[int, ...], n: int, vocab: int) -> list[int]:
 
 
 def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile: Profile | None, args, bar: tqdm) -> dict:
-    plan, save, restore = _RUNTIME[method]
+    plan, save, restore, gpu_cache = _RUNTIME[method]
     vocab = loaded.spec.vocab_size
     sessions = trace.sessions
     ttft, tbt, restore_s, busy, restored, outputs, plans = [], [], 0.0, 0.0, 0, 0, set()
+    gpu_tokens, hidden_s = 0, 0.0
     with tempfile.TemporaryDirectory(prefix=f"hcache-workload-{method}-") as store_dir:
         with HCacheRuntime(
             loaded, store_dir, plan=plan, save=save, profile=profile if plan == "auto" else None,
-            readers=args.readers, num_blocks=-(-args.max_tokens // CHUNK_TOKENS) + 2,
+            readers=args.readers, num_blocks=_kv_blocks(args), gpu_cache=gpu_cache,
         ) as runtime:
             history = {
                 i: _ids(args.seed, (1, s.document), s.context_tokens, vocab) if s.context_tokens else []
                 for i, s in enumerate(sessions)
             }
+
+            def prompt_of(i: int, k: int) -> list[int]:
+                return history[i] + _ids(args.seed, (2, i, k), sessions[i].turns[k].input_tokens, vocab)
+
             queue = [(s.arrival_s, i, 0) for i, s in enumerate(sessions)]
             heapq.heapify(queue)
             clock = first = queue[0][0]
             while queue:
                 arrival, i, k = heapq.heappop(queue)
                 turn = sessions[i].turns[k]
-                prompt = history[i] + _ids(args.seed, (2, i, k), turn.input_tokens, vocab)
+                prompt = prompt_of(i, k)
+                begin = max(clock, arrival)
+                if restore and method != "ideal":  # look-ahead: the requests waiting behind this one
+                    for waiting in sorted(queue):
+                        if waiting[0] <= begin:
+                            runtime.prefetch(prompt_of(*waiting[1:]))
                 start = time.perf_counter()
                 r = runtime.generate(prompt, turn.output_tokens, restore=restore, stop_token_ids=())
                 service = time.perf_counter() - start
                 free = r.restore_s if method == "ideal" else 0.0  # ideal: the history is already on the device
-                begin = max(clock, arrival)
                 clock = begin + service - free
                 ttft.append(begin - arrival + r.ttft_s - free)
                 tbt += r.tbt_s
                 busy += service - free
                 restore_s += r.restore_s - free
                 restored += r.restored_tokens
+                gpu_tokens += r.gpu_tokens
+                hidden_s += r.prefetch_hidden_s
                 outputs += len(r.output_ids)
                 plans.update(step.plan for step in r.restores)
                 history[i] = prompt + r.output_ids
@@ -194,6 +224,7 @@ def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile
                     heapq.heappush(queue, (clock + sessions[i].turns[k + 1].think_s, i, k + 1))
                 bar.update()
         stats = runtime.store.stats()  # after close: every chunk the saver captured is on disk
+        cache = runtime.gpu_cache
     held = stats["stores"][0]["chunks"] * CHUNK_TOKENS
     return {
         "rate": rate,
@@ -207,6 +238,9 @@ def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile
         "restore_share": restore_s / busy,
         "requests": len(ttft),
         "restored_tokens": restored,
+        "gpu_tokens": gpu_tokens,
+        "gpu_cache_hit_rate": cache.hit_tokens / max(cache.hit_tokens + cache.miss_tokens, 1) if cache else None,
+        "prefetch_hidden_s": hidden_s,
         "plans": sorted(plans),
     }
 
@@ -215,17 +249,20 @@ def _print(result: dict) -> None:
     t = result["trace"]
     print(f"workload {t['name']} on {result['model']}: {t['sessions']} sessions, {t['requests']} requests, "
           f"mean input {t['mean_input_tokens']:.0f}, output {t['mean_output_tokens']:.0f}, session {t['mean_session_tokens']:.0f} tokens")
-    print(f"{'method':>10} {'rate/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TBT mean':>9} {'TBT p99':>9} "
-          f"{'tok/s':>7} {'restore tok/s':>13} {'B/token':>8} {'restoring':>9}")
+    print(f"{'method':>14} {'rate/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TBT mean':>9} {'TBT p99':>9} "
+          f"{'tok/s':>7} {'restore tok/s':>13} {'B/token':>8} {'restoring':>9} {'GPU hits':>8}")
     for name, m in result["methods"].items():
         for r in m["by_rate"]:
-            print(f"{name:>10} {r['rate']:>7.2f} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} {_f(r['tbt_mean_s'], 9, 4)} "
+            print(f"{name:>14} {r['rate']:>7.2f} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} {_f(r['tbt_mean_s'], 9, 4)} "
                   f"{_f(r['tbt_p99_s'], 9, 4)} {r['throughput_tok_s']:>7.1f} {_f(r['restore_tokens_per_s'], 13, 0)} "
-                  f"{r['bytes_per_token']:>8.0f} {r['restore_share']:>9.1%}")
+                  f"{r['bytes_per_token']:>8.0f} {r['restore_share']:>9.1%} {_f(r['gpu_cache_hit_rate'], 8, 3)}")
     ref = result["methods"]
     if "recompute" in ref:
         ratios = ", ".join(f"{n} {ref['recompute']['ttft_p50_s'] / m['ttft_p50_s']:.2f}" for n, m in ref.items() if n != "recompute")
         print(f"TTFT p50 speedup over recompute at {result['reference_rate']}/s: {ratios}")
+    if "auto" in ref and "auto_gpu_cache" in ref:
+        print(f"auto + GPU cache TTFT p50 at {result['reference_rate']}/s: "
+              f"{ref['auto_gpu_cache']['ttft_p50_s'] / ref['auto']['ttft_p50_s']:.2f}x auto alone's")
 
 
 def _f(x: float | None, width: int, digits: int) -> str:

@@ -26,7 +26,7 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.paged_kv import slot_runs, write_kv_rows
+from ..ops.paged_kv import block_slots, copy_runs, slot_runs, write_kv_rows
 from ..ragged import Segment
 from .capture import LayerCapture
 
@@ -346,3 +346,24 @@ class FastGenEngine:
         desc = self._state.get_sequence(uid)
         desc.pre_forward(len(tokens))
         desc.post_forward()
+
+    # ---- blocks held for no sequence (the GPU prefix cache's) ------------------------------------------
+    def hold_blocks(self, num_blocks: int) -> list[int]:
+        """Blocks reserved from FastGen's own allocator, as its state manager reserves a sequence's."""
+        free = min(self.free_blocks)
+        if num_blocks > free:
+            raise CacheFullError(f"{num_blocks} blocks wanted for the prefix cache, {free} free")
+        return self._state._kv_cache.reserve(num_blocks).tolist()
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        self._state._kv_cache.free(blocks)
+
+    @torch.no_grad()
+    def copy_to_blocks(self, uid: int, start: int, length: int, blocks: list[int]) -> None:
+        src = slot_runs(self._slots(uid, start, length))
+        dst = slot_runs(block_slots(blocks, 0, length, self.block_size, self.device))
+        for layer in range(self.spec.num_layers):
+            copy_runs(self._state.get_cache(layer), src, dst)
+
+    def block_kv(self, layer: int, block: int) -> torch.Tensor:
+        return self._state.get_cache(layer)[block]

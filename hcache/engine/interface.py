@@ -64,3 +64,20 @@ class Engine(Protocol):
         ...
 
     def end_restore(self, uid: int, tokens: list[int]) -> None: ...
+
+    # ---- blocks held for no sequence: the GPU prefix cache's (:mod:`hcache.gpu_prefix_cache`) -------
+    def hold_blocks(self, num_blocks: int) -> list[int]:
+        """Take blocks from the cache's own allocator (they count as used in ``free_blocks``);
+        :class:`~hcache.errors.CacheFullError` if fewer are free."""
+        ...
+
+    def release_blocks(self, blocks: list[int]) -> None: ...
+
+    def copy_to_blocks(self, uid: int, start: int, length: int, blocks: list[int]) -> None:
+        """Copy every layer's K/V of the sequence's tokens ``[start, start + length)`` into held ``blocks``."""
+        ...
+
+    def block_kv(self, layer: int, block: int) -> torch.Tensor:
+        """One block of one layer's cache, ``[block_size, 2, n_kv_heads, head_size]``: a view, what
+        :meth:`restore_kv` takes rows of."""
+        ...

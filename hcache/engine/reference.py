@@ -19,7 +19,7 @@ from ..errors import InvalidRequestError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
 from ..ops.kv_projection import linear_rows
-from ..ops.paged_kv import slot_runs, write_kv_rows
+from ..ops.paged_kv import block_slots, copy_runs, slot_runs, write_kv_rows
 from .blocked_kv_cache import BlockedKVCache
 from ..ragged import Segment
 from .capture import LayerCapture
@@ -249,6 +249,22 @@ class ReferenceEngine:
     def restore_kv(self, uid: int, layer: int, kv: torch.Tensor, start: int = 0) -> None:
         """KV: copy saved rows (K already rotated) into the cache, one copy per run of consecutive slots."""
         write_kv_rows(self.cache.layers[layer], self._restoring[uid][2], kv, start)
+
+    # ---- blocks held for no sequence (the GPU prefix cache's) --------------------------------------
+    def hold_blocks(self, num_blocks: int) -> list[int]:
+        return self.cache.allocate(num_blocks)
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        self.cache.free(blocks)
+
+    def copy_to_blocks(self, uid: int, start: int, length: int, blocks: list[int]) -> None:
+        src = slot_runs(self._slots(self.sequences[uid], start, length))
+        dst = slot_runs(block_slots(blocks, 0, length, self.block_size, self.device))
+        for layer in range(self.spec.num_layers):
+            copy_runs(self.cache.layers[layer], src, dst)
+
+    def block_kv(self, layer: int, block: int) -> torch.Tensor:
+        return self.cache.layers[layer][block]
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks."""

@@ -31,8 +31,10 @@ TERMINATE_WAIT_S = 15
 
 
 def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
-    """``mii.pipeline`` (same arguments) whose engine restores and saves through hcache. The pipeline's
-    ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
+    """``mii.pipeline`` (same arguments) whose engine restores and saves through hcache, and whose batching
+    loop checks each request, prefetches for waiting ones and fails a call alone
+    (:func:`~hcache.mii.backend.keeping_the_loop_installed`).
+    The pipeline's ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
     import mii
 
     path, tensor_parallel = _deployment(model_name_or_path, kwargs)

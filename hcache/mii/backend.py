@@ -26,6 +26,7 @@ from ..engine import ReferenceEngine
 from ..errors import InvalidRequestError, ModelNotFoundError, StorageError
 from ..fingerprint import checkpoint_fingerprint, model_fingerprint
 from ..model_loader import check_device, load_model, model_dtype
+from ..metrics import serve_metrics
 from ..model_spec import ModelSpec
 from ..profile import Profile, profile_command
 from ..serving_engine import ServingEngine, is_auto
@@ -61,7 +62,7 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
         model_config.max_length = engine.spec.max_positions
         if isinstance(engine, ReferenceEngine):  # a longer sequence would wait in MII's scheduler forever
             model_config.max_length = min(model_config.max_length, engine.cache.num_blocks * engine.cache.block_size)
-    return ServingEngine(
+    serving = ServingEngine(
         engine,
         fingerprint,
         _rank_dirs(hcache.store_dirs, tp) if hcache.enabled and hcache.store_dirs else None,
@@ -75,7 +76,11 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
         request_log=hcache.request_log,
         config=config,
         tp=tp,
+        gpu_cache=hcache.gpu_cache,
     )
+    if hcache.metrics_port is not None:
+        serve_metrics(serving.metrics, hcache.metrics_port + tp.rank, hcache.metrics_host)
+    return serving
 
 
 def resolve_profile(hcache: HCacheConfig, path: str, tensor_parallel: int = 1) -> HCacheConfig:
@@ -199,7 +204,8 @@ def _check_requests() -> Callable[[], None]:
     """Check each request as MII makes it, before it enters the batching loop (a bad one raises in its
     caller, and the loop never sees it), and open each new sequence in its request's namespace
     (``cache_salt``), which rides on MII's request object and, to the other tensor-parallel ranks, on
-    MII's broadcast of the batch."""
+    MII's broadcast of the batch. Before each put, requests still waiting in MII's buffer start reading
+    their stored chunks into the host pool (look-ahead prefetch), once each. Returns the undo."""
     from mii.batching.data_classes import Request, RequestMsg
     from mii.batching.ragged_batching import RaggedBatchBase
 
@@ -213,6 +219,10 @@ def _check_requests() -> Callable[[], None]:
 
     def put_in_namespaces(self, uids, tokenized_input):
         engine = self.inference_engine
+        for r in self.buffer:
+            if not r.is_flush_request and r.seq_length == 0 and not getattr(r, "hcache_prefetched", False):
+                engine.prefetch(r.prompt_tokens.tolist(), getattr(r, "hcache_namespace", None))
+                r.hcache_prefetched = True
         for r in self.scheduled_requests.requests_to_run:
             # not open: its first put, or its first again after MII preempted or hcache retried it
             if getattr(r, "hcache_namespace", None) is not None and r.uid in uids and not engine.is_open(r.uid):

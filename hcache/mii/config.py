@@ -22,7 +22,10 @@ class HCacheConfig(BaseModel):
     Redis server or cluster, a shared filesystem) below the local ``store_dirs``, which may then be empty. ``num_blocks``, ``device`` and ``dtype`` size the reference
     engine's KV cache and place its model (FastGen takes these from MII's ``inference_engine_config``).
     ``request_log``: a file that gets one JSON line per finished sequence (tokens restored and computed,
-    bytes read, plan, fallback, and each put's restore: plan and tokens).
+    bytes read, plan, fallback, and each put's restore: plan and tokens). ``gpu_cache``: keep finished
+    sequences' KV in spare KV blocks and adopt it (:mod:`hcache.gpu_prefix_cache`). ``metrics_port``: serve
+    the counters (:mod:`hcache.metrics`) for Prometheus on ``metrics_host`` from each model server process
+    (tensor-parallel rank ``r`` on ``metrics_port + r``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -41,6 +44,9 @@ class HCacheConfig(BaseModel):
     device: str | None = None
     dtype: str | None = None
     request_log: str | None = None
+    gpu_cache: bool = False
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    metrics_host: str = "localhost"
 
     @model_validator(mode="after")
     def _somewhere_to_store(self) -> HCacheConfig:

@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --plan auto and no profile for this machine, serve the default plan instead of measuring one first")
     p.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="auto: FastGen on a GPU, else the reference engine")
     p.add_argument("--off", action="store_true", help="serve without hcache (the recompute baseline)")
+    p.add_argument("--gpu-cache", action="store_true", help="keep finished sequences' KV in spare KV blocks and reuse it (a GPU prefix cache)")
+    p.add_argument("--metrics-port", type=int, default=9464, help="serve Prometheus counters on this port, on --host (default 9464; 0: off)")
     p.add_argument("--request-log", default=None, help="append one JSON line per finished sequence to this file")
     p.add_argument("--deployment-name", default="hcache", help="the REST path is /mii/<deployment-name>")
     p.add_argument("--host", default="localhost", help="the address the REST gateway and the OpenAI server listen on (default: localhost; 0.0.0.0 for every interface)")
@@ -45,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         profile=args.profile,
         measure_profile=args.measure_profile,
         request_log=args.request_log,
+        gpu_cache=args.gpu_cache,
+        metrics_port=args.metrics_port or None,
+        metrics_host=args.host,
     )
     client = serve(
         path,
@@ -61,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         if args.openai_port is not None:
             openai = openai_server(path, args.port, args.openai_port, args.host)
             print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1/chat/completions  (model: {path})")
+        if args.metrics_port:
+            print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics")
         print("serving; Ctrl-C stops", flush=True)
         while openai is None or openai.poll() is None:
             time.sleep(1)

@@ -36,6 +36,12 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tu
     return kv[:, 0], kv[:, 1]
 
 
+def block_slots(blocks: list[int], lo: int, hi: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Flat cache slots of rows ``[lo, hi)`` of ``blocks`` read as one run of tokens."""
+    table = torch.tensor(blocks, dtype=torch.long, device=device)
+    return slot_mapping(table, torch.arange(lo, hi, device=device), block_size)
+
+
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
     """``(first row, first slot, length)`` of each run of consecutive ``slots`` ``[T]``: a restore's rows map
     to whole runs of a block, so each run is filled with one copy."""
@@ -61,3 +67,11 @@ def write_kv_rows(cache: torch.Tensor, runs: list[tuple[int, int, int]], kv: tor
         flat[slot + start - row : slot + start - row + n].copy_(kv[done : done + n], non_blocking=True)
         start += n
         i += 1
+
+
+def copy_runs(cache: torch.Tensor, src: list[tuple[int, int, int]], dst: list[tuple[int, int, int]]) -> None:
+    """Copy one layer's rows from slots ``src`` to slots ``dst`` (both as :func:`slot_runs` of the same rows):
+    one contiguous copy per run boundary, no gather."""
+    flat = cache.view(-1, *cache.shape[2:])
+    for row, slot, n in src:
+        write_kv_rows(cache, dst, flat[slot : slot + n], row)

@@ -44,6 +44,9 @@ class _Chunk:
     filled: int = 0  # rows that have landed
 
 
+PartialChunk = _Chunk  # a finished sequence's trailing chunk, kept to be resumed (see ``close``)
+
+
 @dataclass
 class _Sequence:
     chain: KeyChain
@@ -124,17 +127,42 @@ class ChunkSaver:
         """Start saving sequence ``uid``, whose chunk keys ``chain`` gives."""
         self._seqs[uid] = _Sequence(chain)
 
-    def close(self, uid: int) -> None:
+    def close(self, uid: int, keep_partial: bool = False) -> PartialChunk | None:
         """Wait until every full chunk of ``uid`` is published, then forget ``uid``; its partial chunks are
-        given back."""
+        given back. With ``keep_partial``, its trailing partial chunk, if every row of it so far was computed
+        and has landed, is returned instead: a sequence that goes on with the same tokens may :meth:`resume`
+        it, so the chunk is still saved when its first rows were not computed again; or
+        :meth:`drop_partial` gives it back."""
         self._abort_unfinished_batch()
         seq = self._seqs.pop(uid, None)
         if seq is None:
-            return
+            return None
         for f in seq.in_flight:
             f.result()
+        kept = None
+        if keep_partial and not seq.broken:
+            last = seq.chunks.get(len(seq.chain.chunks))
+            if last is not None and last.image is not None and 0 < last.filled == last.expected == len(seq.chain.tail):
+                kept = seq.chunks.pop(last.index)
         self._give_back(list(seq.chunks.values()))
         seq.chunks.clear()
+        return kept
+
+    def resume(self, uid: int, partial: PartialChunk, rows: int) -> None:
+        """Continue ``partial`` (from :meth:`close`) in sequence ``uid``, whose chunk at the same index begins
+        with the same first ``rows`` tokens, after the same chunks: the rows ``uid`` computes next fill it
+        from ``rows`` on. Whatever ``uid`` had of that chunk is given back."""
+        seq = self._seqs.get(uid)
+        if seq is None or not 0 < rows <= partial.filled:
+            self.drop_partial(partial)
+            return
+        partial.expected = partial.filled = rows
+        old = seq.chunks.pop(partial.index, None)
+        seq.chunks[partial.index] = partial
+        self._give_back([old] if old is not None else [])
+
+    def drop_partial(self, partial: PartialChunk) -> None:
+        self._give_back([partial])
 
     def shutdown(self) -> None:
         """Drain, drop every open sequence and stop the stage-2 thread."""

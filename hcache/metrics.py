@@ -1,0 +1,80 @@
+"""The serving engine's counters, for Prometheus (``prometheus-client``) and from Python.
+
+The serving engine counts what only it sees (tokens restored by source and method, bytes read by tier,
+fallbacks, prefetch); the GPU prefix cache and the host tier keep their own counts, read when the registry
+is collected, so nothing is counted twice. Each serving engine has a registry of its own:
+``hcache serve`` exposes it over HTTP (:func:`serve_metrics`), and :meth:`ServingMetrics.snapshot` reads
+it as a dict, e.g. ``snapshot()['hcache_gpu_cache_hit_tokens_total']``.
+"""
+from __future__ import annotations
+
+from collections import Counter as Tally
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from .serving_engine import ServingEngine
+
+
+class ServingMetrics:
+    def __init__(self, serving: "ServingEngine"):
+        self.serving = serving
+        self.restored_tokens: Tally = Tally()  # by source: gpu_cache, store
+        self.restored_layer_tokens: Tally = Tally()  # from the store: tokens x layers, by method (RE, H, KV)
+        self.bytes_read: Tally = Tally()  # by tier: gpu (the prefix cache's copies), host (host pool to device)
+        self.fallbacks = 0  # restores that used stored state only in part
+        self.prefetch_hidden_s = 0.0
+        self.sequences = 0  # finished
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def collect(self):
+        s, cache = self.serving, self.serving.gpu_cache
+        tier = s.store.stats() if s.store is not None else {}
+        counters = [  # name, help, value (or {label value: value}), label
+            ("hcache_restored_tokens", "Tokens restored instead of prefilled, by source", self.restored_tokens, "source"),
+            ("hcache_restored_layer_tokens", "Tokens times layers restored from the store, by method",
+             self.restored_layer_tokens, "method"),
+            ("hcache_bytes_read", "Bytes read by restores, by tier (store: from the stores below into the host pool)",
+             {**self.bytes_read, "store": tier.get("bytes_loaded", 0)}, "tier"),
+            ("hcache_store_write_errors", "Chunk writes a store below the host pool refused (the chunk stays in memory)",
+             tier.get("write_errors", 0), None),
+            ("hcache_fallbacks", "Restores that used stored state only in part", self.fallbacks, None),
+            ("hcache_sequences", "Sequences finished", self.sequences, None),
+            ("hcache_prefetch_hidden_seconds", "Seconds of disk reads that look-ahead prefetch ran before their restore",
+             self.prefetch_hidden_s, None),
+            ("hcache_prefetched_chunks", "Chunk loads started by look-ahead prefetch",
+             s.prefetcher.chunks if s.prefetcher else 0, None),
+            ("hcache_saver_stalls", "Times the saver waited for room in the host pool", tier.get("stalls", 0), None),
+            ("hcache_saver_stall_seconds", "Seconds the saver waited for room in the host pool",
+             tier.get("stall_seconds", 0.0), None),
+            ("hcache_gpu_cache_hit_tokens", "Tokens looked up and adopted from the GPU prefix cache",
+             cache.hit_tokens if cache else 0, None),
+            ("hcache_gpu_cache_miss_tokens", "Tokens looked up and not in the GPU prefix cache",
+             cache.miss_tokens if cache else 0, None),
+            ("hcache_gpu_cache_evictions", "Entries evicted from the GPU prefix cache", cache.evictions if cache else 0, None),
+        ]
+        for name, doc, value, label in counters:
+            family = CounterMetricFamily(name, doc, labels=[label] if label else None)
+            for key, v in value.items() if label else [(None, value)]:
+                family.add_metric([key] if label else [], v)
+            yield family
+        blocks = GaugeMetricFamily("hcache_gpu_cache_blocks", "KV blocks the GPU prefix cache holds")
+        blocks.add_metric([], cache.blocks if cache else 0)
+        yield blocks
+
+    def snapshot(self) -> dict[str, float]:
+        """Every sample now, by name, with labels as Prometheus writes them: ``name{label="value"}``."""
+        out = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return out
+
+
+def serve_metrics(metrics: ServingMetrics, port: int, host: str = "localhost"):
+    """Expose ``metrics`` for Prometheus at ``http://host:port/metrics`` from a daemon thread."""
+    return start_http_server(port, addr=host, registry=metrics.registry)
