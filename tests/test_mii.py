@@ -290,8 +290,8 @@ def test_serve_fails_a_request_alone_and_ctrl_c_stops_a_hung_deployment(model_di
     rest, log, out = _free_port(), tmp_path / "requests.jsonl", tmp_path / "serve.out"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAULT_DIR, repo]), HCACHE_TEST_FAULT_TOKEN=str(_fault_token(model_dir)))
-    command = [sys.executable, "-m", "hcache", "serve", "--model", model_dir, "--store-dir", str(tmp_path / "store"),
-               "--request-log", str(log), "--rest-port", str(rest), "--port", str(_free_port())]  # fmt: skip
+    command = [sys.executable, "-m", "hcache", "serve", "--model", model_dir, "--engine", "reference", "--store-dir", str(tmp_path / "store"),
+               "--request-log", str(log), "--rest-port", str(rest), "--port", str(_free_port()), "--metrics-port", "0"]  # fmt: skip
     with open(out, "w") as output:
         serve = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
     stopped: set[int] = set()
