@@ -1,4 +1,5 @@
 """The host pool (hcache/transfer/host_pool.py): one arena, page-aligned slots, refcounts, reuse."""
+import os
 import pytest
 import torch
 
@@ -54,3 +55,18 @@ def test_views_of_one_slot_never_touch_another():
         pool.view(s).view(torch.int32).fill_(i)
     for i, s in enumerate(slots):
         assert torch.all(pool.view(s).view(torch.int32) == i)
+
+
+def test_pools_larger_than_memory_cost_nothing_until_used_and_the_process_can_still_fork():
+    """A process holding several default-sized pools (one per runtime) must still fork: the arena is not
+    charged against the commit limit until its pages are touched, and a child gets a private copy."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    pools = [HostPool(memory) for _ in range(2)]
+    slot = pools[0].alloc(PAGE)
+    pools[0].buffer(slot)[:5] = b"hello"
+    pid = os.fork()
+    if pid == 0:
+        pools[0].buffer(slot)[:5] = b"child"  # the child's copy only
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert bytes(pools[0].buffer(slot)[:5]) == b"hello"

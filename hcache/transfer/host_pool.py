@@ -10,6 +10,7 @@ that is still referenced.
 from __future__ import annotations
 
 import bisect
+import mmap
 import threading
 import weakref
 
@@ -38,6 +39,9 @@ class Slot:
         self.index, self.start, self.nbytes, self.refs = index, start, nbytes, 1
 
 
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Python < 3.13 lacks the name; Linux's value on x86 and arm
+
+
 class HostPool:
     """``capacity_bytes`` of host memory (rounded down to pages). ``pin``: page-locked, for DMA to a GPU.
 
@@ -49,8 +53,11 @@ class HostPool:
         if capacity <= 0:
             raise ValueError(f"a host pool needs at least one page ({PAGE} bytes), not {capacity_bytes}")
         self.capacity, self.pinned = capacity, pin
-        raw = torch.empty(capacity + PAGE, dtype=torch.uint8)  # untouched pages cost nothing until used
-        self.arena = raw[(-raw.data_ptr()) % PAGE :][:capacity]
+        # Private (a forked child gets its own copy), page-aligned, and not charged against the commit limit
+        # until touched (MAP_NORESERVE): a 4 GiB pool costs nothing unused, and a process holding several can
+        # still fork.
+        self._memory = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        self.arena = torch.frombuffer(self._memory, dtype=torch.uint8)
         if pin:  # registered in place: torch's pinned allocator would round the size up to a power of two
             _register(self, self.arena)
         self._lock = threading.Lock()
