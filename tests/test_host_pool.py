@@ -1,5 +1,6 @@
 """The host pool (hcache/transfer/host_pool.py): one arena, page-aligned slots, refcounts, reuse."""
 import os
+
 import pytest
 import torch
 
