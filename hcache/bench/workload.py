@@ -334,7 +334,7 @@ def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, ar
     """One method's replay at one rate, through ``serve(method, store_dir)`` (the runtime's or MII's)."""
     sessions = trace.sessions
     ttft, tbt, restore_s, busy, restored, outputs, plans = [], [], 0.0, 0.0, 0, 0, set()
-    gpu_tokens, hidden_s, replies = 0, 0.0, []
+    gpu_tokens, hidden_s, replies = 0, 0.0, {}
     with tempfile.TemporaryDirectory(prefix=f"hcache-workload-{method}-") as store_dir:
         with serve(method, store_dir) as runtime:
             history = {
@@ -372,7 +372,7 @@ def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, ar
                 outputs += len(r.output_ids)
                 plans.update(step.plan for step in r.restores)
                 history[i] = prompt + r.output_ids
-                replies.append(r.output_ids)
+                replies[f"{i}.{k}"] = r.output_ids
                 if k + 1 < len(sessions[i].turns):
                     heapq.heappush(queue, (clock + sessions[i].turns[k + 1].think_s, i, k + 1))
                 bar.update()
@@ -395,7 +395,7 @@ def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, ar
         "gpu_cache_hit_rate": cache.hit_tokens / max(cache.hit_tokens + cache.miss_tokens, 1) if cache else None,
         "prefetch_hidden_s": hidden_s,
         "plans": sorted(plans),
-        "replies": replies,  # in the order served
+        "replies": replies,  # by "session.turn"
     }
 
 
