@@ -150,3 +150,25 @@ def test_bench_workload_reports_every_method(tmp_path):
 def test_bench_workload_refuses_bad_options(bad, capsys):
     assert main(["bench", "workload", "--model", "random:llama", "--sessions", "2", *bad]) == 2
     assert "hcache: error:" in capsys.readouterr().err
+
+
+def test_bench_workload_replays_through_mii(tmp_path):
+    out = tmp_path / "mii.json"
+    args = ["bench", "workload", "--through", "mii", "--engine", "reference", "--model", "random:llama", "--sessions", "2",
+            "--rates", "4", "--scale", "1", "--max-output", "4", "--max-tokens", "384", "--max-turns", "3", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    methods = result["methods"]
+    assert set(methods) == {"recompute", "kv", "auto", "auto_gpu_cache"} and result["through"] == "mii (reference)"
+    for m in methods.values():
+        assert m["ttft_p50_s"] > 0 and m["tbt_mean_s"] > 0 and m["requests"] == result["trace"]["requests"]
+    runs = {name: m["by_rate"][0] for name, m in methods.items()}
+    assert len({json.dumps(r["replies"], sort_keys=True) for r in runs.values()}) == 1  # greedy: restoring changes no reply
+    assert runs["recompute"]["restored_tokens"] == 0 and methods["recompute"]["bytes_per_token"] == 0
+    assert runs["kv"]["restored_tokens"] > 0 and runs["auto"]["restored_tokens"] > 0
+    assert runs["auto_gpu_cache"]["gpu_cache_hit_rate"] > 0 and runs["auto_gpu_cache"]["gpu_tokens"] > 0
+
+
+def test_bench_workload_through_mii_refuses_runtime_only_methods(capsys):
+    assert main(["bench", "workload", "--through", "mii", "--engine", "reference", "--methods", "ideal,kv"]) == 2
+    assert "--through mii" in capsys.readouterr().err

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
         methods["auto"] = {"plan": "auto", "profile": args.profile}
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="hcache-bench-mii-") as tmp:
-        model_dir = _save_model(args.model, model_dtype(args.dtype, "cuda" if engine == "fastgen" else "cpu"), Path(tmp) / "model")
+        model_dir = save_random_model(args.model, model_dtype(args.dtype, "cuda" if engine == "fastgen" else "cpu"), Path(tmp) / "model")
         config = json.loads((model_dir / "config.json").read_text())
         vocab, context = config["vocab_size"], config["max_position_embeddings"]
         if args.history + args.turn + args.new_tokens > context:
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> dict:
         for name, options in tqdm(methods.items(), desc="methods", unit="method"):
             log = Path(tmp) / f"{name}.jsonl"
             config = None if options is None else {"engine": engine, "store_dirs": [f"{tmp}/{name}"], "request_log": str(log), **options}
-            pipe = _pipeline(str(model_dir), config)
+            pipe = pipeline_on_free_port(str(model_dir), config)
             try:
                 prefill = _timed(lambda: pipe([f"{history} {turns[0]}"], max_new_tokens=1, do_sample=False))[1]
                 ttft = [_timed(lambda: pipe([f"{history} {turn}"], max_new_tokens=1, do_sample=False))[1] for turn in turns[1:-1]]
@@ -112,7 +112,7 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def _pipeline(model_dir: str, hcache_config: dict | None):
+def pipeline_on_free_port(model_dir: str, hcache_config: dict | None):
     """``hcache.mii.pipeline``, or plain ``mii.pipeline`` for ``None``, on a free ZMQ port."""
     import mii
 
@@ -126,7 +126,7 @@ def _pipeline(model_dir: str, hcache_config: dict | None):
     return hcache.mii.pipeline(model_dir, hcache=hcache_config, zmq_port_number=port)
 
 
-def _save_model(name: str, dtype: torch.dtype, path: Path) -> Path:
+def save_random_model(name: str, dtype: torch.dtype, path: Path) -> Path:
     """A random-weight model of shape ``random:<shape>`` and a word-level tokenizer over its vocabulary."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast

@@ -25,15 +25,25 @@ that the GPU cache had.
 Replies are forced to the trace's lengths (no stop token). ``bytes_per_token`` is the store's bytes over
 the tokens it holds, chunk headers included. Throughput is output tokens over the replay's span (first
 arrival to last reply). ``restore_share`` is the share of the engine's busy time spent restoring.
-Absolute CPU times mean little; compare the methods within one run. Replays through DeepSpeed-MII (and
-plain MII as a baseline) are not built: this benchmark drives hcache's reference runtime, and
-``hcache bench mii`` times single returning conversations through MII.
+Absolute CPU times mean little; compare the methods within one run.
+
+``--through mii`` replays the same loop through DeepSpeed-MII's own ``mii.pipeline`` (``hcache.mii.pipeline``,
+``--engine``: the reference engine on a CPU, FastGen on a GPU), one call per request, for ``recompute``
+(hcache off), ``kv``, ``auto``, ``auto_gpu_cache`` and, on FastGen, ``mii``: plain ``mii.pipeline`` without
+hcache. MII returns whole replies, so the pipeline's batching steps are timed: with one sequence running,
+each of the reply's steps made one token, the first of them ending the prefill (TTFT) and the rest the
+TBTs. Restores come from the request log; prefetch is the engine's. MII takes text, so prompts are words
+that tokenize back to the same ids: a ``random:`` model is saved with ``hcache bench mii``'s word-level
+tokenizer (exact, replies included); an HF model's prompts are drawn from its whole-word tokens and its
+replies are tokenized again from their text, so a reply's ids may differ slightly from the model's.
+``ideal`` is runtime-only.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import heapq
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -42,10 +52,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..model_loader import DEFAULT_MODEL, LoadedModel, load_model, model_dtype
+from ..model_loader import DEFAULT_MODEL, LoadedModel, load_model, model_dir, model_dtype
 from ..profile import Profile
 from ..profiler import measure_profile
-from ..runtime import HCacheRuntime
+from ..runtime import HCacheRuntime, RequestResult
+from ..serving_engine import RestoreStep
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import DEFAULT_READERS
 from ..traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
@@ -57,6 +68,14 @@ _RUNTIME = {  # method -> (plan, save policy, restore, GPU prefix cache)
     "kv": ("KV", "plan", True, False),
     "auto": ("auto", "plan", True, False),
     "auto_gpu_cache": ("auto", "plan", True, True),
+}
+MII_METHODS = ("recompute", "kv", "auto", "auto_gpu_cache", "mii")
+_MII = {  # method -> hcache.mii config (None: plain mii.pipeline)
+    "recompute": {"enabled": False},
+    "kv": {"plan": "KV"},
+    "auto": {"plan": "auto"},
+    "auto_gpu_cache": {"plan": "auto", "gpu_cache": True},
+    "mii": None,
 }
 METRICS = ("ttft_p50_s", "ttft_p99_s", "tbt_mean_s", "tbt_p99_s", "throughput_tok_s", "restore_tokens_per_s",
            "bytes_per_token", "restore_share", "requests", "gpu_cache_hit_rate", "prefetch_hidden_s")
@@ -79,7 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--think-scale", type=float, default=0.05, help="think times times this (1 = the published means)")
     parser.add_argument("--kv-blocks", type=int, default=None,
                         help="the engine's KV blocks of 64 tokens, for every method (default: 4 histories of --max-tokens)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
+    parser.add_argument("--through", default="runtime", choices=["runtime", "mii"], help="replay through hcache's runtime or mii.pipeline")
+    parser.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="--through mii: auto is FastGen on a GPU")
+    parser.add_argument("--methods", default=None,
+                        help=f"runtime: a subset of {','.join(METHODS)}; mii: of {','.join(MII_METHODS)} (mii on FastGen only)")
     parser.add_argument("--profile", default=None, help="profile for the auto plan (default: measure one at start)")
     parser.add_argument("--readers", type=int, default=DEFAULT_READERS)
     parser.add_argument("--csv", dest="csv_path", default=None, help="write one row per method and rate here (default: next to --json)")
@@ -88,9 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     rates = _rates(args.rates)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods or set(methods) - set(METHODS):
-        raise ValueError(f"--methods must name some of {', '.join(METHODS)}, not {args.methods!r}")
+    engine = _mii_engine(args) if args.through == "mii" else None
+    offered = METHODS if engine is None else [m for m in MII_METHODS if m != "mii" or engine == "fastgen"]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else list(offered)
+    if not methods or set(methods) - set(offered):
+        raise ValueError(f"--methods must name some of {', '.join(offered)} with --through {args.through}"
+                         f"{f' on {engine}' if engine else ''}, not {args.methods!r}")
     if args.kv_blocks is not None and args.kv_blocks * CHUNK_TOKENS < args.max_tokens:
         least = -(-args.max_tokens // CHUNK_TOKENS)
         raise ValueError(f"--kv-blocks must hold a whole history of --max-tokens {args.max_tokens}: at least {least}")
@@ -109,15 +134,21 @@ def run(args: argparse.Namespace) -> dict:
         )
     requests = sum(len(s.turns) for s in traces[0].sessions)
     by_rate: dict[str, list[dict]] = {m: [] for m in methods}
-    with tqdm(total=requests * len(rates) * len(methods), desc="replay", unit="req") as bar:
+    with tempfile.TemporaryDirectory(prefix="hcache-workload-") as tmp, \
+            tqdm(total=requests * len(rates) * len(methods), desc="replay", unit="req") as bar:
+        if engine is None:
+            serve, words = _runtime(loaded, profile, args), np.arange(spec.vocab_size)
+        else:
+            serve, words = _through_mii(loaded, engine, profile, args, Path(tmp))
         for rate, trace in zip(rates, traces):
             for method in methods:
                 bar.set_postfix(rate=rate, method=method)
-                by_rate[method].append(_replay(loaded, trace, rate, method, profile, args, bar))
+                by_rate[method].append(_replay(serve, words, trace, rate, method, args, bar))
     sessions = traces[0].sessions
     turns = [t for s in sessions for t in s.turns]
     result = {
         "model": loaded.name,
+        "through": args.through if engine is None else f"mii ({engine})",
         "trace": {
             "name": traces[0].name, "sessions": len(sessions), "requests": requests, "seed": args.seed,
             "scale": args.scale, "max_output": args.max_output, "max_tokens": args.max_tokens,
@@ -169,29 +200,150 @@ def _trace(args: argparse.Namespace, loaded: LoadedModel, rate: float) -> Trace:
     return trace
 
 
-def _ids(seed: int, key: tuple[int, ...], n: int, vocab: int) -> list[int]:
-    """Token ids that depend only on ``key``: every method and rate sends the same prompts."""
-    return np.random.default_rng([seed, *key]).integers(0, vocab, n).tolist()
+def _ids(seed: int, key: tuple[int, ...], n: int, words: np.ndarray) -> list[int]:
+    """Token ids drawn from ``words`` that depend only on ``key``: every method and rate sends the same prompts."""
+    return words[np.random.default_rng([seed, *key]).integers(0, len(words), n)].tolist()
 
 
-def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile: Profile | None, args, bar: tqdm) -> dict:
-    plan, save, restore, gpu_cache = _RUNTIME[method]
-    vocab = loaded.spec.vocab_size
-    sessions = trace.sessions
-    ttft, tbt, restore_s, busy, restored, outputs, plans = [], [], 0.0, 0.0, 0, 0, set()
-    gpu_tokens, hidden_s = 0, 0.0
-    with tempfile.TemporaryDirectory(prefix=f"hcache-workload-{method}-") as store_dir:
-        with HCacheRuntime(
+def _runtime(loaded: LoadedModel, profile: Profile | None, args):
+    """``serve(method, store_dir)``: an :class:`HCacheRuntime` set up for ``method``."""
+
+    def serve(method: str, store_dir: str) -> _Runtime:
+        plan, save, restore, gpu_cache = _RUNTIME[method]
+        return _Runtime(HCacheRuntime(
             loaded, store_dir, plan=plan, save=save, profile=profile if plan == "auto" else None,
             readers=args.readers, num_blocks=_kv_blocks(args), gpu_cache=gpu_cache,
-        ) as runtime:
+        ), restore)
+
+    return serve
+
+
+class _Runtime:
+    """The replay's view of a server: ``generate``, ``prefetch``, and its ``store`` and ``gpu_cache``."""
+
+    def __init__(self, runtime: HCacheRuntime, restore: bool):
+        self.runtime, self.restore = runtime, restore
+        self.prefetch, self.store, self.gpu_cache = runtime.prefetch, runtime.store, runtime.gpu_cache
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> RequestResult:
+        return self.runtime.generate(prompt, max_new_tokens, restore=self.restore, stop_token_ids=())
+
+    def __enter__(self) -> "_Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runtime.close()
+
+
+def _mii_engine(args: argparse.Namespace) -> str:
+    from ..mii.backend import engine_kind
+    from ..mii.config import HCacheConfig
+
+    return engine_kind(HCacheConfig(engine=args.engine))
+
+def _through_mii(loaded: LoadedModel, engine: str, profile: Profile | None, args, tmp: Path):
+    """``serve(method, store_dir)``: a pipeline through MII for ``method``, and the token ids prompts are drawn
+    from (those that tokenize back to themselves: see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    from .mii import save_random_model
+
+    random = args.model.startswith("random:")
+    path = save_random_model(args.model, loaded.model.dtype, tmp / "model") if random else model_dir(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    words = np.arange(loaded.spec.vocab_size) if random else _whole_words(tokenizer)
+    if profile is not None:
+        profile.save(tmp / "profile.json")
+
+    def serve(method: str, store_dir: str) -> _Mii:
+        options = _MII[method]
+        config = None if options is None else {
+            "engine": engine, "store_dirs": [store_dir], "request_log": f"{store_dir}/requests.jsonl",
+            "num_blocks": _kv_blocks(args), "readers": args.readers, "dtype": args.dtype, **options,
+            **({"profile": str(tmp / "profile.json")} if options.get("plan") == "auto" else {}),
+        }
+        return _Mii(str(path), tokenizer, config)
+
+    return serve, words
+
+
+def _whole_words(tokenizer) -> np.ndarray:
+    """Ids of the tokens that are one space-led alphabetic word and tokenize back to themselves alone: a text
+    of such words tokenizes to exactly its ids."""
+    texts = tokenizer.batch_decode([[t] for t in range(len(tokenizer))])
+    ids = [t for t, w in enumerate(texts) if len(w) > 1 and w[0] == " " and w[1:].isascii() and w[1:].isalpha()]
+    encoded = tokenizer([texts[t] for t in ids], add_special_tokens=False)["input_ids"]
+    return np.array([t for t, e in zip(ids, encoded) if e == [t]])
+
+
+class _Mii:
+    """``hcache.mii.pipeline`` (plain ``mii.pipeline`` for ``config=None``) answering one prompt per call,
+    with the same view as :class:`_Runtime`. Its batching steps are timed: with one sequence running, each of
+    the reply's steps made one of its tokens."""
+
+    def __init__(self, path: str, tokenizer, config: dict | None):
+        from .mii import pipeline_on_free_port
+
+        self.tokenizer, self.config = tokenizer, config
+        self.pipe = pipeline_on_free_port(path, config)
+        served = self.pipe.inference_engine if config is not None else None
+        self.store = served.store if served is not None else None
+        self.gpu_cache = served.gpu_cache if served is not None else None
+        self.prefetch = served.prefetch if served is not None else (lambda prompt: 0)
+        self.steps: list[float] = []
+        step = self.pipe.generate
+
+        def timed_step(*a, **kw):
+            step(*a, **kw)
+            self.steps.append(time.perf_counter())
+
+        self.pipe.generate = timed_step
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> RequestResult:
+        self.steps.clear()
+        start = time.perf_counter()
+        reply = self.pipe([self.tokenizer.decode(prompt)], max_new_tokens=max_new_tokens, ignore_eos=True, do_sample=False)[0]
+        if reply.generated_length != max_new_tokens or len(self.steps) < max_new_tokens:
+            raise RuntimeError(f"MII answered {reply.generated_length} tokens in {len(self.steps)} steps, not {max_new_tokens}")
+        times = self.steps[-max_new_tokens:]  # the first ended the prefill
+        record = json.loads(Path(self.config["request_log"]).read_text().splitlines()[-1]) if self.config else {}
+        return RequestResult(
+            output_ids=self.tokenizer.encode(reply.generated_text, add_special_tokens=False),
+            prompt_tokens=reply.prompt_length,
+            restored_tokens=record.get("restored_tokens", 0),
+            plan=record.get("plan", ""),
+            ttft_s=times[0] - start,
+            bytes_read=record.get("bytes_read", 0),
+            fallback=record.get("fallback"),
+            restore_s=record.get("restore_s", 0.0),
+            tbt_s=np.diff(times).tolist(),
+            restores=[RestoreStep(**step) for step in record.get("restores", [])],
+            gpu_tokens=record.get("gpu_tokens", 0),
+            prefetch_hidden_s=record.get("prefetch_hidden_s", 0.0),
+        )
+
+    def __enter__(self) -> "_Mii":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.config is not None:
+            self.pipe.inference_engine.close()
+        self.pipe.destroy()
+
+def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, args, bar: tqdm) -> dict:
+    """One method's replay at one rate, through ``serve(method, store_dir)`` (the runtime's or MII's)."""
+    sessions = trace.sessions
+    ttft, tbt, restore_s, busy, restored, outputs, plans = [], [], 0.0, 0.0, 0, 0, set()
+    gpu_tokens, hidden_s, replies = 0, 0.0, {}
+    with tempfile.TemporaryDirectory(prefix=f"hcache-workload-{method}-") as store_dir:
+        with serve(method, store_dir) as runtime:
             history = {
-                i: _ids(args.seed, (1, s.document), s.context_tokens, vocab) if s.context_tokens else []
+                i: _ids(args.seed, (1, s.document), s.context_tokens, words) if s.context_tokens else []
                 for i, s in enumerate(sessions)
             }
 
             def prompt_of(i: int, k: int) -> list[int]:
-                return history[i] + _ids(args.seed, (2, i, k), sessions[i].turns[k].input_tokens, vocab)
+                return history[i] + _ids(args.seed, (2, i, k), sessions[i].turns[k].input_tokens, words)
 
             queue = [(s.arrival_s, i, 0) for i, s in enumerate(sessions)]
             heapq.heapify(queue)
@@ -201,12 +353,12 @@ def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile
                 turn = sessions[i].turns[k]
                 prompt = prompt_of(i, k)
                 begin = max(clock, arrival)
-                if restore and method != "ideal":  # look-ahead: the requests waiting behind this one
+                if method not in ("ideal", "recompute"):  # look-ahead: the requests waiting behind this one
                     for waiting in sorted(queue):
                         if waiting[0] <= begin:
                             runtime.prefetch(prompt_of(*waiting[1:]))
                 start = time.perf_counter()
-                r = runtime.generate(prompt, turn.output_tokens, restore=restore, stop_token_ids=())
+                r = runtime.generate(prompt, turn.output_tokens)
                 service = time.perf_counter() - start
                 free = r.restore_s if method == "ideal" else 0.0  # ideal: the history is already on the device
                 clock = begin + service - free
@@ -220,12 +372,13 @@ def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile
                 outputs += len(r.output_ids)
                 plans.update(step.plan for step in r.restores)
                 history[i] = prompt + r.output_ids
+                replies[f"{i}.{k}"] = r.output_ids
                 if k + 1 < len(sessions[i].turns):
                     heapq.heappush(queue, (clock + sessions[i].turns[k + 1].think_s, i, k + 1))
                 bar.update()
-        stats = runtime.store.stats()  # after close: every chunk the saver captured is on disk
+        stats = runtime.store.stats() if runtime.store else None  # after close: every chunk saved is on disk
         cache = runtime.gpu_cache
-    held = stats["stores"][0]["chunks"] * CHUNK_TOKENS
+    held = stats["stores"][0]["chunks"] * CHUNK_TOKENS if stats else 0
     return {
         "rate": rate,
         "ttft_p50_s": float(np.percentile(ttft, 50)),
@@ -242,6 +395,7 @@ def _replay(loaded: LoadedModel, trace: Trace, rate: float, method: str, profile
         "gpu_cache_hit_rate": cache.hit_tokens / max(cache.hit_tokens + cache.miss_tokens, 1) if cache else None,
         "prefetch_hidden_s": hidden_s,
         "plans": sorted(plans),
+        "replies": replies,  # by "session.turn"
     }
 
 
