@@ -241,6 +241,7 @@ def _mii_engine(args: argparse.Namespace) -> str:
 
     return engine_kind(HCacheConfig(engine=args.engine))
 
+
 def _through_mii(loaded: LoadedModel, engine: str, profile: Profile | None, args, tmp: Path):
     """``serve(method, store_dir)``: a pipeline through MII for ``method``, and the token ids prompts are drawn
     from (those that tokenize back to themselves: see the module docstring)."""
@@ -329,6 +330,7 @@ class _Mii:
         if self.config is not None:
             self.pipe.inference_engine.close()
         self.pipe.destroy()
+
 
 def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, args, bar: tqdm) -> dict:
     """One method's replay at one rate, through ``serve(method, store_dir)`` (the runtime's or MII's)."""
