@@ -8,8 +8,8 @@ from urllib.parse import urlsplit
 
 from ..errors import StorageError
 from ..transfer.host_pool import PAGE, HostPool, round_up
-from .disk_store import DiskChunkStore
 from .chunk_store import ChunkStore
+from .disk_store import DiskChunkStore
 from .host_tier import DEFAULT_READERS, DEFAULT_WRITERS, HostTier
 from .redis_store import SCHEMES as REDIS_SCHEMES
 from .redis_store import RedisChunkStore
@@ -19,7 +19,7 @@ DEFAULT_HOST_BYTES = 4 << 30
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """``quota_bytes``/``ttl_s``: the disk store's capacity (None: unbounded / no expiry). ``host_bytes``:
+    """``quota_bytes``/``ttl_s``: each disk store's capacity, local or shared (None: unbounded / no expiry). ``host_bytes``:
     the host pool, the tier in front of the disk that holds recent chunks and every chunk being saved
     (pinned when the engine is on a GPU; on a CPU its pages cost nothing until used). ``direct_io``,
     ``fsync``, ``verify``: see :class:`~hcache.storage.disk_store.DiskChunkStore`. ``writers``: threads
