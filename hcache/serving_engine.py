@@ -121,8 +121,9 @@ class ServingEngine:
     """An :class:`~hcache.engine.interface.Engine` served through FastGen's interface, with a chunk store.
 
     ``store_dir``: one directory or a list (one per SSD); ``None``: no local disk, and with no shared
-    ``store.tiers`` either, no store at all (nothing is restored or saved: the recompute baseline). ``plan``: ``None`` for the default, ``"auto"`` for the
-    profile's bubble-free plan for each sequence's restored history, a method name, or counts such as
+    ``store.tiers`` either, no store at all (nothing is restored or saved: the recompute baseline).
+    ``plan``: ``None`` for the default, ``"auto"`` for the profile's bubble-free plan for each sequence's
+    restored history, a method name, or counts such as
     ``"2RE+20H+8KV"``. The default is ``"auto"`` when a ``profile`` is given (a :class:`Profile` or a path,
     refused if measured for another model or machine), otherwise H for MHA models and KV where KV is no
     larger. ``plan="auto"`` alone uses this machine's profile (:mod:`hcache.auto_profile`): found in the

@@ -21,7 +21,9 @@ _START_S = 10.0
 def redis_missing() -> str | None:
     """Why a server cannot be started here, or None."""
     missing = [tool for tool in ("redis-server", "redis-cli") if shutil.which(tool) is None]
-    return f"{' and '.join(missing)} not installed (Debian package redis-server; scripts/install.sh installs it as root)" if missing else None
+    if not missing:
+        return None
+    return f"{' and '.join(missing)} not installed (Debian package redis-server; scripts/install.sh installs it as root)"
 
 
 def _free_port(cluster: bool) -> int:
