@@ -29,9 +29,7 @@ class Prefetcher:
     def prefetch(self, keys: list[str]) -> int:
         """Start loading the leading stored chunks of ``keys`` that are not in memory; how many started."""
         started = 0
-        for key in keys:
-            if not self.tier.contains(key):
-                break
+        for key in keys[: self.tier.stored_prefix(keys)]:  # one batched look-up
             with self._lock:
                 if key in self._loads:
                     continue
