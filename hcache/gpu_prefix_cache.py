@@ -171,15 +171,16 @@ class GpuPrefixCache:
         """Copy the pieces into sequence ``uid``, after what it holds; ``tokens`` are theirs."""
         engine = self.engine
         engine.begin_restore(uid, len(tokens))
-        size = engine.block_size
-        for layer in range(engine.spec.num_layers):
-            start = 0
-            for entry, lo, hi in adoption.pieces:
-                for i, block in enumerate(entry.blocks):  # a view of each cached block: no gather
-                    a, b = max(lo, i * size), min(hi, (i + 1) * size)
-                    if b > a:
-                        engine.restore_kv(uid, layer, engine.block_kv(layer, block)[a - i * size : b - i * size], start)
-                        start += b - a
+        size, spans, start = engine.block_size, [], 0  # (cached block, its rows, the sequence's first row)
+        for entry, lo, hi in adoption.pieces:
+            for i, block in enumerate(entry.blocks):
+                a, b = max(lo, i * size), min(hi, (i + 1) * size)
+                if b > a:
+                    spans.append((block, slice(a - i * size, b - i * size), start))
+                    start += b - a
+        for layer in range(engine.spec.num_layers):  # a view of each cached block: no gather
+            for block, rows, at in spans:
+                engine.restore_kv(uid, layer, engine.block_kv(layer, block)[rows], at)
         engine.end_restore(uid, tokens)
         self._touch([entry for entry, _, _ in adoption.pieces])
 

@@ -117,6 +117,12 @@ class _SaveCapture:
         self.saver.end_batch()
 
 
+def _restores(seq: _Sequence, tokens: list[int]) -> bool:
+    """Whether a put of ``tokens`` may restore from the store: all but its last token can be restored, so a
+    one-token put (a decode step) never does."""
+    return seq.restore and len(tokens) > 1
+
+
 class ServingEngine:
     """An :class:`~hcache.engine.interface.Engine` served through FastGen's interface, with a chunk store.
 
@@ -285,7 +291,7 @@ class ServingEngine:
         if len(batch) > 1 and self.prefetcher is not None:  # later sequences' reads run while earlier ones restore
             for uid, tokens in batch:
                 seq = self._seqs[uid]
-                if seq.restore:
+                if _restores(seq, tokens):  # not a decode step: no look-up on the decode path
                     self.prefetcher.prefetch(chunk_keys(seq.chain.tail + tokens, seq.chain.key))
         adoptions = self._match(batch)
         try:
@@ -358,7 +364,7 @@ class ServingEngine:
         were restored. Chunks are keyed by whole 64-token blocks, so the lookup starts at the chunk the
         sequence ends in, whose first tokens it holds already."""
         seq = self._seqs[uid]
-        if not seq.restore or len(tokens) < 2:
+        if not _restores(seq, tokens):
             return 0
         held = seq.chain.tail
         aligned = held + tokens
