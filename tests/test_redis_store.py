@@ -47,13 +47,13 @@ def test_chunks_round_trip_whole_and_are_listed_and_deleted(url):
 
 
 def test_values_expire_unless_read(redis_url):
-    store = RedisChunkStore.from_url(f"{redis_url}?namespace=ttl-{uuid.uuid4().hex[:8]}&ttl=0.3")
+    store = RedisChunkStore.from_url(f"{redis_url}?namespace=ttl-{uuid.uuid4().hex[:8]}&ttl=1")
     key = chunk(0).key
     store.put(key, memoryview(encode(chunk(0))))
-    for _ in range(3):  # each read renews the TTL
-        time.sleep(0.15)
+    for _ in range(3):  # each read renews the TTL: 1.2 s in all, longer than one TTL
+        time.sleep(0.4)
         assert read_back(store, key) is not None
-    time.sleep(0.5)
+    time.sleep(1.5)
     assert not store.contains(key)
 
 
@@ -123,7 +123,7 @@ def test_a_slow_server_costs_one_timeout_then_is_left_alone_for_the_backoff(redi
     first = time.perf_counter() - began
     began = time.perf_counter()
     assert store.contains_many([chunk(i).key for i in range(4)]) == [False] * 4
-    assert first >= 0.2 and time.perf_counter() - began < 0.05
+    assert first >= 0.2 and time.perf_counter() - began < 0.1
     assert store.stats()["errors"] == 1 and store.stats()["skipped"] == 1
 
 
