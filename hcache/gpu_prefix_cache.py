@@ -8,7 +8,7 @@ restored (HCache §6.4; SGLang's radix cache and vLLM's prefix caching do the sa
   allocator counts references, and a copy can never be written by the sequence it came from.
 - **Adopt.** A new sequence whose tokens continue a cached chain adopts the leading cached chunks (from the
   row it holds, so also in the middle of a chunk), then the cached partial chunk as far as its tokens
-  match. Adoption is a restore (``begin_restore``, ``restore_kv`` per layer, ``end_restore``): what is
+  match. Adoption is a restore (``begin_restore``, one device copy per layer, ``end_restore``): what is
   missing after it is restored from the store or prefilled. A key names every token before it, under the
   model's fingerprint and the namespace, so adopted state is exactly the state that prefix computes.
 - **Evict.** Least recently used first. Adopting or keeping a chain touches its deepest entry first, so a
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .engine.interface import Engine
+from .ops.paged_kv import block_slots
 from .storage.chunk_key import CHUNK_TOKENS, KeyChain
 
 
@@ -171,16 +172,8 @@ class GpuPrefixCache:
         """Copy the pieces into sequence ``uid``, after what it holds; ``tokens`` are theirs."""
         engine = self.engine
         engine.begin_restore(uid, len(tokens))
-        size, spans, start = engine.block_size, [], 0  # (cached block, its rows, the sequence's first row)
-        for entry, lo, hi in adoption.pieces:
-            for i, block in enumerate(entry.blocks):
-                a, b = max(lo, i * size), min(hi, (i + 1) * size)
-                if b > a:
-                    spans.append((block, slice(a - i * size, b - i * size), start))
-                    start += b - a
-        for layer in range(engine.spec.num_layers):  # a view of each cached block: no gather
-            for block, rows, at in spans:
-                engine.restore_kv(uid, layer, engine.block_kv(layer, block)[rows], at)
+        slots = [block_slots(entry.blocks, lo, hi, engine.block_size, engine.device) for entry, lo, hi in adoption.pieces]
+        engine.restore_from_slots(uid, torch.cat(slots))
         engine.end_restore(uid, tokens)
         self._touch([entry for entry, _, _ in adoption.pieces])
 

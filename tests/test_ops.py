@@ -14,6 +14,7 @@ from hcache.cli import main
 from hcache.engine import ReferenceEngine
 from hcache.model_spec import ModelSpec, RopeSpec
 from hcache.ops import apply_rope, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
+from hcache.ops.paged_kv import copy_slots
 from hcache.ops.rope_scatter import resolve_backend
 
 import fastgen_kernel
@@ -279,3 +280,17 @@ def test_kernel_rejects_shapes_the_reference_would(interpret):
         rotate_and_write(cache, slots, k, v, (cos[:4], sin[:4]))
     with pytest.raises(ValueError, match="dtype"):
         rotate_and_write(cache, slots, k, v, (cos.half(), sin.half()))
+
+
+def test_copy_slots_moves_every_layers_rows_between_scattered_blocks(rng):
+    caches = [torch.randn(6, 4, 2, 3, 8, generator=rng) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    src = torch.tensor([9, 10, 11, 12, 2])  # across a block boundary, then another block
+    dst = torch.tensor([20, 21, 22, 23, 16])
+    copy_slots(caches, src, dst)
+    for cache, old in zip(caches, before):
+        flat, old_flat = cache.view(24, 2, 3, 8), old.view(24, 2, 3, 8)
+        assert torch.equal(flat[dst], old_flat[src])
+        untouched = torch.ones(24, dtype=torch.bool)
+        untouched[dst] = False
+        assert torch.equal(flat[untouched], old_flat[untouched])

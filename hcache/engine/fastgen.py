@@ -26,7 +26,7 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.paged_kv import block_slots, copy_runs, slot_runs, write_kv_rows
+from ..ops.paged_kv import block_slots, copy_slots, slot_runs, write_kv_rows
 from ..ragged import Segment
 from .capture import LayerCapture
 
@@ -360,10 +360,12 @@ class FastGenEngine:
 
     @torch.no_grad()
     def copy_to_blocks(self, uid: int, start: int, length: int, blocks: list[int]) -> None:
-        src = slot_runs(self._slots(uid, start, length))
-        dst = slot_runs(block_slots(blocks, 0, length, self.block_size, self.device))
-        for layer in range(self.spec.num_layers):
-            copy_runs(self._state.get_cache(layer), src, dst)
+        dst = block_slots(blocks, 0, length, self.block_size, self.device)
+        copy_slots(self._caches(), self._slots(uid, start, length), dst)
 
-    def block_kv(self, layer: int, block: int) -> torch.Tensor:
-        return self._state.get_cache(layer)[block]
+    @torch.no_grad()
+    def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
+        copy_slots(self._caches(), slots, self._restoring[uid].slots[: len(slots)])
+
+    def _caches(self) -> list[torch.Tensor]:
+        return [self._state.get_cache(layer) for layer in range(self.spec.num_layers)]

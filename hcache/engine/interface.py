@@ -77,7 +77,7 @@ class Engine(Protocol):
         """Copy every layer's K/V of the sequence's tokens ``[start, start + length)`` into held ``blocks``."""
         ...
 
-    def block_kv(self, layer: int, block: int) -> torch.Tensor:
-        """One block of one layer's cache, ``[block_size, 2, n_kv_heads, head_size]``: a view, what
-        :meth:`restore_kv` takes rows of."""
+    def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
+        """The restore's first ``len(slots)`` rows, every layer, copied on the device from flat cache ``slots``
+        ``[T]`` of held blocks (slot = block * block_size + row): one gather and scatter per layer."""
         ...

@@ -19,7 +19,7 @@ from ..errors import InvalidRequestError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
 from ..ops.kv_projection import linear_rows
-from ..ops.paged_kv import block_slots, copy_runs, slot_runs, write_kv_rows
+from ..ops.paged_kv import block_slots, copy_slots, slot_runs, write_kv_rows
 from .blocked_kv_cache import BlockedKVCache
 from ..ragged import Segment
 from .capture import LayerCapture
@@ -257,14 +257,15 @@ class ReferenceEngine:
     def release_blocks(self, blocks: list[int]) -> None:
         self.cache.free(blocks)
 
+    @torch.no_grad()
     def copy_to_blocks(self, uid: int, start: int, length: int, blocks: list[int]) -> None:
-        src = slot_runs(self._slots(self.sequences[uid], start, length))
-        dst = slot_runs(block_slots(blocks, 0, length, self.block_size, self.device))
-        for layer in range(self.spec.num_layers):
-            copy_runs(self.cache.layers[layer], src, dst)
+        src = self._slots(self.sequences[uid], start, length)
+        copy_slots(self.cache.layers, src, block_slots(blocks, 0, length, self.block_size, self.device))
 
-    def block_kv(self, layer: int, block: int) -> torch.Tensor:
-        return self.cache.layers[layer][block]
+    @torch.no_grad()
+    def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
+        """Copy on the device: the restore's first ``len(slots)`` rows, every layer, from flat ``slots``."""
+        copy_slots(self.cache.layers, slots, self._restoring[uid][0][: len(slots)])
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks."""

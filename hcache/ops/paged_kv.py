@@ -69,9 +69,9 @@ def write_kv_rows(cache: torch.Tensor, runs: list[tuple[int, int, int]], kv: tor
         i += 1
 
 
-def copy_runs(cache: torch.Tensor, src: list[tuple[int, int, int]], dst: list[tuple[int, int, int]]) -> None:
-    """Copy one layer's rows from slots ``src`` to slots ``dst`` (both as :func:`slot_runs` of the same rows):
-    one contiguous copy per run boundary, no gather."""
-    flat = cache.view(-1, *cache.shape[2:])
-    for row, slot, n in src:
-        write_kv_rows(cache, dst, flat[slot : slot + n], row)
+def copy_slots(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy every layer's K/V from flat slots ``src`` ``[T]`` to ``dst`` ``[T]`` (disjoint): one gather and one
+    scatter per layer, on the device, however the slots are scattered over blocks."""
+    for cache in caches:
+        flat = cache.view(-1, *cache.shape[2:])
+        flat.index_copy_(0, dst, flat.index_select(0, src))
