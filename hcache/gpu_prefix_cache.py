@@ -2,24 +2,26 @@
 own KV cache and keyed by the chunk key chain, so a returning prefix is copied on the device instead of
 restored (HCache §6.4; SGLang's radix cache and vLLM's prefix caching do the same).
 
-- **Keep.** When a sequence finishes, each of its full chunks is copied into blocks taken from the engine's
-  allocator, under its chunk key, and so is its trailing partial chunk, under its parent's key, matched
-  token by token. Copies on the device (a few TB/s on a GPU) rather than shared blocks: neither engine's
-  allocator counts references, and a copy can never be written by the sequence it came from.
+- **Keep.** When a sequence finishes, the cache takes over its KV blocks instead of copying them: each of
+  its full chunks not cached yet becomes an entry, under its chunk key, over the blocks its rows lie in,
+  and so does its trailing partial chunk, under its parent's key, matched token by token. Blocks no entry
+  needs go back to the engine. Entries count the blocks they share (a block of 128 rows holds two chunks),
+  and a block is freed when its last entry goes. Kept blocks are never written again: only their owner
+  could write them, and it has finished.
 - **Adopt.** A new sequence whose tokens continue a cached chain adopts the leading cached chunks (from the
   row it holds, so also in the middle of a chunk), then the cached partial chunk as far as its tokens
-  match. Adoption is a restore (``begin_restore``, one device copy per layer, ``end_restore``): what is
+  match. It copies them on the device (a few TB/s on a GPU) rather than sharing the blocks, because the
+  adopter writes after them and neither engine's allocator counts references. Adoption is a restore (``begin_restore``, one device copy per layer, ``end_restore``): what is
   missing after it is restored from the store or prefilled. A key names every token before it, under the
   model's fingerprint and the namespace, so adopted state is exactly the state that prefix computes.
 - **Evict.** Least recently used first. Adopting or keeping a chain touches its deepest entry first, so a
   prefix outlives its continuations. Eviction runs when the engine needs blocks for running work (the
-  serving engine reports cached blocks as free, and makes room before each put), and when a finished
-  sequence is kept. An entry being adopted is pinned and never evicted; running sequences own their own
+  serving engine reports cached blocks as free, and makes room before each put). An entry being adopted is pinned and never evicted; running sequences own their own
   blocks, so eviction never touches them. Evicting costs no state: the chunk is in the store too.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +37,7 @@ class _Entry:
     key: str
     tokens: list[int]  # 64 for a full chunk, fewer for a partial one
     blocks: list[int]
+    offset: int  # the entry's first row in its first block
     partial: object = None  # a partial chunk's saver state (ChunkSaver.close), resumed by its first adopter
     pins: int = 0
 
@@ -70,62 +73,52 @@ class GpuPrefixCache:
     def __init__(self, engine: Engine, drop_partial: Callable[[object], None] = lambda partial: None):
         self.engine, self._drop_partial = engine, drop_partial
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._refs: Counter[int] = Counter()  # block -> entries holding it
         self.hit_tokens = self.miss_tokens = self.evictions = 0
 
     @property
     def blocks(self) -> int:
-        return sum(len(e.blocks) for e in self._entries.values())
+        return len(self._refs)
 
     @property
     def evictable_blocks(self) -> int:
-        return sum(len(e.blocks) for e in self._entries.values() if not e.pins)
+        """Blocks that evicting every unpinned entry would free."""
+        pinned = {b for e in self._entries.values() if e.pins for b in e.blocks}
+        return len(self._refs.keys() - pinned)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
     # ---- keep -----------------------------------------------------------------------------------------
-    def keep(self, uid: int, chain: KeyChain, seen: int, partial: object = None) -> None:
-        """Copy what a finishing sequence holds of ``chain`` (the first ``seen`` tokens, all of them computed
-        or restored) into the cache, shallow chunks first while blocks can be had; ``partial``: the saver
-        state of its trailing partial chunk, owned by the cache from now on."""
+    def keep(self, blocks: list[int], chain: KeyChain, seen: int, partial: object = None) -> None:
+        """Take over a finished sequence's KV ``blocks`` (:meth:`Engine.detach`), which hold the first ``seen``
+        tokens of ``chain``, all of them computed or restored: its chunks not cached yet become entries, and
+        the blocks they do not need go back to the engine. ``partial``: the saver state of its trailing
+        partial chunk, owned by the cache from now on."""
         full = min(len(chain.chunks), seen // CHUNK_TOKENS)
-        kept: list[_Entry] = []
+        pieces = [(key, i * CHUNK_TOKENS, tokens) for i, (key, tokens) in enumerate(chain.chunks[:full])]
+        if chain.tail and full == len(chain.chunks) and seen == full * CHUNK_TOKENS + len(chain.tail):
+            pieces.append((partial_key(chain.key), seen - len(chain.tail), chain.tail))  # it holds exactly the chain
+        size, kept = self.engine.block_size, []
         try:
-            for i, (key, tokens) in enumerate(chain.chunks[:full]):
-                if self._keep(uid, key, i * CHUNK_TOKENS, tokens, kept) is None:
-                    break
-            else:  # every full chunk is kept, and the sequence holds exactly the chain: its partial chunk too
-                if chain.tail and full == len(chain.chunks) and seen == full * CHUNK_TOKENS + len(chain.tail):
-                    entry = self._keep(uid, partial_key(chain.key), seen - len(chain.tail), chain.tail, kept)
-                    if entry is not None and entry.partial is None and partial is not None:
-                        entry.partial, partial = partial, None
+            for key, start, tokens in pieces:
+                entry = self._entries.get(key)
+                if entry is None or entry.tokens[: len(tokens)] != tokens or len(entry.tokens) < len(tokens):
+                    if entry is not None:  # a partial chunk that another continuation of the same parent replaces
+                        if entry.pins:
+                            break
+                        self._evict(key)
+                    first, end = start // size, -(-(start + len(tokens)) // size)
+                    entry = self._entries[key] = _Entry(key, list(tokens), blocks[first:end], start - first * size)
+                    self._refs.update(entry.blocks)
+                kept.append(entry)
+                if key == partial_key(chain.key) and entry.partial is None:
+                    entry.partial, partial = partial, None
         finally:
-            for entry in kept:
-                entry.pins -= 1
+            self.engine.release_blocks([b for b in blocks if b not in self._refs])
             self._touch(kept)
             if partial is not None:
                 self._drop_partial(partial)
-
-    def _keep(self, uid: int, key: str, start: int, tokens: list[int], kept: list[_Entry]) -> _Entry | None:
-        """The entry of ``key`` (found, or copied from the sequence), pinned and added to ``kept``; None if no
-        blocks can be had."""
-        entry = self._entries.get(key)
-        if entry is not None and entry.tokens[: len(tokens)] == tokens and len(entry.tokens) >= len(tokens):
-            entry.pins += 1
-            kept.append(entry)
-            return entry
-        if entry is not None:
-            if entry.pins:
-                return None
-            self._evict(key)  # a partial chunk that another continuation of the same parent replaces
-        need = -(-len(tokens) // self.engine.block_size)
-        if not self.make_room(need):
-            return None
-        blocks = self.engine.hold_blocks(need)
-        self.engine.copy_to_blocks(uid, start, len(tokens), blocks)
-        entry = self._entries[key] = _Entry(key, list(tokens), blocks, pins=1)
-        kept.append(entry)
-        return entry
 
     # ---- adopt ----------------------------------------------------------------------------------------
     def match(self, tokens: list[int], keys: list[str], parent: str, held: int, limit: int) -> Adoption:
@@ -172,7 +165,7 @@ class GpuPrefixCache:
         """Copy the pieces into sequence ``uid``, after what it holds; ``tokens`` are theirs."""
         engine = self.engine
         engine.begin_restore(uid, len(tokens))
-        slots = [block_slots(entry.blocks, lo, hi, engine.block_size, engine.device) for entry, lo, hi in adoption.pieces]
+        slots = [block_slots(e.blocks, e.offset + lo, e.offset + hi, engine.block_size, engine.device) for e, lo, hi in adoption.pieces]
         engine.restore_from_slots(uid, torch.cat(slots))
         engine.end_restore(uid, tokens)
         self._touch([entry for entry, _, _ in adoption.pieces])
@@ -208,7 +201,11 @@ class GpuPrefixCache:
 
     def _evict(self, key: str) -> None:
         entry = self._entries.pop(key)
-        self.engine.release_blocks(entry.blocks)
+        self._refs.subtract(entry.blocks)
+        freed = [b for b in entry.blocks if self._refs[b] <= 0]
+        for block in freed:
+            del self._refs[block]
+        self.engine.release_blocks(freed)
         self.evictions += 1
         if entry.partial is not None:
             self._drop_partial(entry.partial)

@@ -450,16 +450,17 @@ class ServingEngine:
 
     def flush(self, uid: int) -> None:
         """Finish a sequence: wait until its full chunks are stored (so a returning conversation finds them),
-        keep its KV in the GPU prefix cache, if there is one, then free its KV blocks."""
+        then hand its KV blocks to the GPU prefix cache, if there is one, or free them."""
         seq = self._seqs.pop(uid, None)
         self._announced.pop(uid, None)
         keep = self.gpu_cache is not None and seq is not None and not seq.failed
         try:
             partial = self.saver.close(uid, keep_partial=keep) if self.saver is not None else None
             if keep:
-                self.gpu_cache.keep(uid, seq.chain, self.engine.seen_tokens(uid), partial)
+                seen = self.engine.seen_tokens(uid)
+                self.gpu_cache.keep(self.engine.detach(uid), seq.chain, seen, partial)
         finally:  # a save that failed must not keep the sequence's KV blocks
-            self.engine.flush(uid)
+            self.engine.flush(uid)  # nothing left to free once detached
         self.metrics.sequences += seq is not None
         if seq is not None and self.request_log is not None and self.tp.rank == 0:  # ranks restore alike
             with self.request_log.open("a") as f:

@@ -22,9 +22,9 @@ def llama():
     return loaded("random:llama")
 
 
-def _serving(store_dir, num_blocks: int, **kwargs) -> ServingEngine:
+def _serving(store_dir, num_blocks: int, block_size: int = 64, **kwargs) -> ServingEngine:
     lm = loaded("random:llama")
-    engine = ReferenceEngine(lm.model, lm.spec, num_blocks=num_blocks)
+    engine = ReferenceEngine(lm.model, lm.spec, num_blocks=num_blocks, block_size=block_size)
     return ServingEngine(engine, model_fingerprint(lm.model, lm.spec), store_dir, model_name=lm.name, readers=0, **kwargs)
 
 
@@ -80,6 +80,33 @@ def test_adoption_in_the_middle_of_a_chunk(tmp_path, rng, part):
                 torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_blocks_of_two_chunks_are_shared_by_their_entries_and_freed_with_the_last(tmp_path, rng):
+    """Blocks of 128 rows (FastGen's for a head size of 64) hold two chunks each: a finished sequence's blocks
+    are taken over, its entries share them, a returning prompt adopts exactly, and a block goes back to the
+    engine only when the last entry on it is evicted."""
+    vocab = loaded("random:llama").spec.vocab_size
+    first = random_prompt(3 * CHUNK_TOKENS + 10, vocab, rng)
+    second = first + random_prompt(30, vocab, rng)
+    with _serving(tmp_path / "a", 8, 128, plan="KV", gpu_cache=True) as serving, _serving(tmp_path / "b", 8, 128, save="none") as fresh:
+        serving.put([0], [first])
+        serving.flush(0)
+        cache = serving.gpu_cache
+        assert cache.blocks == 2 and serving.engine.cache.free_blocks == 6  # c0 c1 | c2 partial
+        torch.testing.assert_close(serving.put([1], [second]), fresh.put([1], [second]), atol=1e-5, rtol=1e-5)
+        assert serving.record(1).gpu_tokens == len(first)
+        for layer in range(serving.spec.num_layers):
+            for got, ref in zip(serving.engine.kv(1, layer), fresh.engine.kv(1, layer)):
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        serving.flush(1)
+        # its first block duplicates cached chunks and is freed; its second holds the longer partial chunk,
+        # which replaces the shorter one (whose block c2 still holds). Least recently used first: the
+        # partial chunk, c2, c1, c0.
+        assert cache.blocks == 3 and serving.engine.cache.free_blocks == 5
+        for free, blocks, evictions in [(6, 2, 2), (7, 1, 3), (8, 0, 5)]:
+            assert cache.make_room(free)
+            assert (serving.engine.cache.free_blocks, cache.blocks, cache.evictions) == (free, blocks, evictions)
+
+
 def test_eviction_under_pressure_while_other_sequences_run(tmp_path, rng):
     """A small KV cache: one sequence decodes throughout while others come and go. Cached chunks are given
     up for running work (the engine never reports a full cache), entries being adopted are not (the put
@@ -106,10 +133,11 @@ def test_eviction_under_pressure_while_other_sequences_run(tmp_path, rng):
             record = serving.record(uid)
             serving.flush(uid)
             fresh.flush(uid)
-            # 1: nothing cached yet (its flush keeps 3 chunks, no room for the 4th). 2: those 3 are pinned
-            # for adoption, but its 6 blocks need 2 of them: it adopts nothing, they are evicted, and it
-            # restores from the store. 3: adopts the one cached chunk left, restores the next 2.
-            assert (record.gpu_tokens, record.restored_tokens) == [(0, 0), (0, 192), (64, 192)][uid - 1]
+            # 1: nothing cached yet; its flush hands its 4 blocks over (3 chunks and a partial one). 2: those
+            # 3 chunks are pinned for adoption, but its 6 blocks need 2 of them: it adopts nothing, they are
+            # evicted, and it restores from the store; its flush hands its 6 blocks over. 3: adopts the 3
+            # shared chunks from them (its 4 blocks evict the 3 entries it does not match).
+            assert (record.gpu_tokens, record.restored_tokens) == [(0, 0), (0, 192), (192, 192)][uid - 1]
         assert serving.gpu_cache.evictions > 0
         both(0, [9])
 

@@ -6,10 +6,10 @@ its think time after the previous reply finished. Every request really runs on t
 measured times advance the clock, so TTFT = queueing wait + measured time to the first token (restore,
 prefill) and TBT is the measured time between consecutive tokens. Each (method, rate) replays the same
 trace, with the same token ids, in a store of its own, so no method reuses another's chunks:
-- ``ideal``: no eviction, as if every history stayed in device memory (prefix sharing included). It is
-  the KV-offload run with its restore time counted as zero: TTFT is the prefill of the new tokens over the
-  history already on the device. It stores nothing off the device: ``bytes_per_token`` 0. (The last 0–63
-  tokens of a history, which the store never holds, are still prefilled, so ideal is slightly pessimistic.)
+- ``ideal``: no eviction, as if every history stayed in device memory (prefix sharing included): the GPU
+  prefix cache with blocks for every session's history, and the time of every restore (adoption or read)
+  counted as zero, so TTFT is the prefill of the new tokens over the history already on the device. It
+  stores nothing off the device: ``bytes_per_token`` 0.
 - ``recompute``: ignores stored state and prefills the whole history (``restore=False``, nothing saved).
 - ``kv``: KV offload: every layer's K/V saved, and restored from the store.
 - ``auto``: hcache's bubble-free plan per history length, from a profile (``--profile``, or measured at
@@ -63,7 +63,7 @@ from ..traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
 
 METHODS = ("ideal", "recompute", "kv", "auto", "auto_gpu_cache")
 _RUNTIME = {  # method -> (plan, save policy, restore, GPU prefix cache)
-    "ideal": ("KV", "plan", True, False),
+    "ideal": ("KV", "plan", True, True),
     "recompute": ("KV", "none", False, False),
     "kv": ("KV", "plan", True, False),
     "auto": ("auto", "plan", True, False),
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="hcache-workload-") as tmp, \
             tqdm(total=requests * len(rates) * len(methods), desc="replay", unit="req") as bar:
         if engine is None:
-            serve, words = _runtime(loaded, profile, args), np.arange(spec.vocab_size)
+            serve, words = _runtime(loaded, profile, args, traces[0]), np.arange(spec.vocab_size)
         else:
             serve, words = _through_mii(loaded, engine, profile, args, Path(tmp))
         for rate, trace in zip(rates, traces):
@@ -205,14 +205,17 @@ def _ids(seed: int, key: tuple[int, ...], n: int, words: np.ndarray) -> list[int
     return words[np.random.default_rng([seed, *key]).integers(0, len(words), n)].tolist()
 
 
-def _runtime(loaded: LoadedModel, profile: Profile | None, args):
-    """``serve(method, store_dir)``: an :class:`HCacheRuntime` set up for ``method``."""
+def _runtime(loaded: LoadedModel, profile: Profile | None, args, trace: Trace):
+    """``serve(method, store_dir)``: an :class:`HCacheRuntime` set up for ``method``; ideal's engine has blocks
+    for every session's history too, so its GPU prefix cache never evicts."""
+    every_history = sum(-(-s.total_tokens // CHUNK_TOKENS) for s in trace.sessions)
 
     def serve(method: str, store_dir: str) -> _Runtime:
         plan, save, restore, gpu_cache = _RUNTIME[method]
         return _Runtime(HCacheRuntime(
             loaded, store_dir, plan=plan, save=save, profile=profile if plan == "auto" else None,
-            readers=args.readers, num_blocks=_kv_blocks(args), gpu_cache=gpu_cache,
+            readers=args.readers, num_blocks=_kv_blocks(args) + (every_history if method == "ideal" else 0),
+            gpu_cache=gpu_cache,
         ), restore)
 
     return serve

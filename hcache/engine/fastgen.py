@@ -26,7 +26,7 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.paged_kv import block_slots, copy_slots, slot_runs, write_kv_rows
+from ..ops.paged_kv import copy_slots, slot_runs, write_kv_rows
 from ..ragged import Segment
 from .capture import LayerCapture
 
@@ -182,7 +182,8 @@ class FastGenEngine:
 
     def flush(self, uid: int) -> None:
         self._restoring.pop(uid, None)
-        self._engine.flush(uid)
+        if self._state.get_sequence(uid) is not None:  # FastGen warns of an unknown one (detached, say)
+            self._engine.flush(uid)
 
     # ---- forward ------------------------------------------------------------------------------------
     def seen_tokens(self, uid: int) -> int:
@@ -348,20 +349,19 @@ class FastGenEngine:
         desc.post_forward()
 
     # ---- blocks held for no sequence (the GPU prefix cache's) ------------------------------------------
-    def hold_blocks(self, num_blocks: int) -> list[int]:
-        """Blocks reserved from FastGen's own allocator, as its state manager reserves a sequence's."""
-        free = min(self.free_blocks)
-        if num_blocks > free:
-            raise CacheFullError(f"{num_blocks} blocks wanted for the prefix cache, {free} free")
-        return self._state._kv_cache.reserve(num_blocks).tolist()
+    def detach(self, uid: int) -> list[int]:
+        """What FastGen's ``flush_sequence`` does, but the blocks are not given back to its allocator."""
+        self._restoring.pop(uid, None)
+        desc = self._state.get_sequence(uid)
+        if desc is None:
+            return []
+        blocks = desc.all_block_ids().tolist()
+        self._state._tracking_allocator.free(desc.tracking_id)
+        del self._state._seqs[uid]
+        return blocks
 
     def release_blocks(self, blocks: list[int]) -> None:
         self._state._kv_cache.free(blocks)
-
-    @torch.no_grad()
-    def copy_to_blocks(self, uid: int, start: int, length: int, blocks: list[int]) -> None:
-        dst = block_slots(blocks, 0, length, self.block_size, self.device)
-        copy_slots(self._caches(), self._slots(uid, start, length), dst)
 
     @torch.no_grad()
     def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:

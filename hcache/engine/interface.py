@@ -66,16 +66,12 @@ class Engine(Protocol):
     def end_restore(self, uid: int, tokens: list[int]) -> None: ...
 
     # ---- blocks held for no sequence: the GPU prefix cache's (:mod:`hcache.gpu_prefix_cache`) -------
-    def hold_blocks(self, num_blocks: int) -> list[int]:
-        """Take blocks from the cache's own allocator (they count as used in ``free_blocks``);
-        :class:`~hcache.errors.CacheFullError` if fewer are free."""
+    def detach(self, uid: int) -> list[int]:
+        """Drop a sequence like :meth:`flush`, but hand its KV blocks to the caller instead of freeing them
+        (they stay used in ``free_blocks`` until :meth:`release_blocks`); [] for an unknown sequence."""
         ...
 
     def release_blocks(self, blocks: list[int]) -> None: ...
-
-    def copy_to_blocks(self, uid: int, start: int, length: int, blocks: list[int]) -> None:
-        """Copy every layer's K/V of the sequence's tokens ``[start, start + length)`` into held ``blocks``."""
-        ...
 
     def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
         """The restore's first ``len(slots)`` rows, every layer, copied on the device from flat cache ``slots``

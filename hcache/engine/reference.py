@@ -19,7 +19,7 @@ from ..errors import InvalidRequestError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
 from ..ops.kv_projection import linear_rows
-from ..ops.paged_kv import block_slots, copy_slots, slot_runs, write_kv_rows
+from ..ops.paged_kv import copy_slots, slot_runs, write_kv_rows
 from .blocked_kv_cache import BlockedKVCache
 from ..ragged import Segment
 from .capture import LayerCapture
@@ -251,16 +251,13 @@ class ReferenceEngine:
         write_kv_rows(self.cache.layers[layer], self._restoring[uid][2], kv, start)
 
     # ---- blocks held for no sequence (the GPU prefix cache's) --------------------------------------
-    def hold_blocks(self, num_blocks: int) -> list[int]:
-        return self.cache.allocate(num_blocks)
+    def detach(self, uid: int) -> list[int]:
+        self._restoring.pop(uid, None)
+        seq = self.sequences.pop(uid, None)
+        return seq.blocks if seq is not None else []
 
     def release_blocks(self, blocks: list[int]) -> None:
         self.cache.free(blocks)
-
-    @torch.no_grad()
-    def copy_to_blocks(self, uid: int, start: int, length: int, blocks: list[int]) -> None:
-        src = self._slots(self.sequences[uid], start, length)
-        copy_slots(self.cache.layers, src, block_slots(blocks, 0, length, self.block_size, self.device))
 
     @torch.no_grad()
     def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
