@@ -1,4 +1,4 @@
-"""A prefix cache on the engine's device: the KV of finished sequences, kept in spare blocks of the engine's
+"""A prefix cache on the engine's device: the KV of finished sequences, kept in their blocks of the engine's
 own KV cache and keyed by the chunk key chain, so a returning prefix is copied on the device instead of
 restored (HCache §6.4; SGLang's radix cache and vLLM's prefix caching do the same).
 
@@ -11,13 +11,15 @@ restored (HCache §6.4; SGLang's radix cache and vLLM's prefix caching do the sa
 - **Adopt.** A new sequence whose tokens continue a cached chain adopts the leading cached chunks (from the
   row it holds, so also in the middle of a chunk), then the cached partial chunk as far as its tokens
   match. It copies them on the device (a few TB/s on a GPU) rather than sharing the blocks, because the
-  adopter writes after them and neither engine's allocator counts references. Adoption is a restore (``begin_restore``, one device copy per layer, ``end_restore``): what is
-  missing after it is restored from the store or prefilled. A key names every token before it, under the
-  model's fingerprint and the namespace, so adopted state is exactly the state that prefix computes.
+  adopter writes after them and neither engine's allocator counts references. Adoption is a restore
+  (``begin_restore``, one gather and scatter per layer, ``end_restore``): what is missing after it is
+  restored from the store or prefilled. A key names every token before it, under the model's fingerprint
+  and the namespace, so adopted state is exactly the state that prefix computes.
 - **Evict.** Least recently used first. Adopting or keeping a chain touches its deepest entry first, so a
   prefix outlives its continuations. Eviction runs when the engine needs blocks for running work (the
-  serving engine reports cached blocks as free, and makes room before each put). An entry being adopted is pinned and never evicted; running sequences own their own
-  blocks, so eviction never touches them. Evicting costs no state: the chunk is in the store too.
+  serving engine reports cached blocks as free, and makes room before each put). An entry being adopted
+  is pinned and never evicted; running sequences own their own blocks, so eviction never touches them.
+  Evicting costs no state: the chunk is in the store too.
 """
 from __future__ import annotations
 
@@ -165,7 +167,8 @@ class GpuPrefixCache:
         """Copy the pieces into sequence ``uid``, after what it holds; ``tokens`` are theirs."""
         engine = self.engine
         engine.begin_restore(uid, len(tokens))
-        slots = [block_slots(e.blocks, e.offset + lo, e.offset + hi, engine.block_size, engine.device) for e, lo, hi in adoption.pieces]
+        size, device = engine.block_size, engine.device
+        slots = [block_slots(e.blocks, e.offset + lo, e.offset + hi, size, device) for e, lo, hi in adoption.pieces]
         engine.restore_from_slots(uid, torch.cat(slots))
         engine.end_restore(uid, tokens)
         self._touch([entry for entry, _, _ in adoption.pieces])

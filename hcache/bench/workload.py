@@ -16,7 +16,7 @@ trace, with the same token ids, in a store of its own, so no method reuses anoth
   start over the trace's history range). On a GQA model such as SmolLM2 on this CPU the plan is all-KV,
   so auto is KV there; hidden states pay off on MHA models (Llama-2-7B).
 - ``auto_gpu_cache``: ``auto`` with the GPU prefix cache (:mod:`hcache.gpu_prefix_cache`): finished
-  requests' KV stays in the engine's spare blocks (``--kv-blocks`` in all, the same for every method), and
+  requests' KV stays in the engine's blocks (``--kv-blocks`` in all, as for every method but ideal), and
   a returning history is copied from there, partial last chunk included; only what was evicted is restored.
 Every method but ``ideal`` and ``recompute`` prefetches (look-ahead): before a request runs, each request
 already waiting in the queue starts reading its stored chunks into the host pool; ``prefetch_hidden_s`` is
@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-turns", type=int, default=4, help="turns kept per session")
     parser.add_argument("--think-scale", type=float, default=0.05, help="think times times this (1 = the published means)")
     parser.add_argument("--kv-blocks", type=int, default=None,
-                        help="the engine's KV blocks of 64 tokens, for every method (default: 4 histories of --max-tokens)")
+                        help="the engine's KV blocks of 64 tokens, for every method but ideal (default: 4 histories of --max-tokens)")
     parser.add_argument("--through", default="runtime", choices=["runtime", "mii"], help="replay through hcache's runtime or mii.pipeline")
     parser.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="--through mii: auto is FastGen on a GPU")
     parser.add_argument("--methods", default=None,
