@@ -174,7 +174,6 @@ def _io_time(fmt: str, rows: torch.Tensor, readers: int, copier: Copier, repeats
                 for layer in range(_IO_LAYERS if images else 0):  # a TP rank may hold no chunk's H
                     with copier.side_stream():
                         copier.gather([im.tensor(layer, fmt) for im in images])
-                copier.drain()
             finally:
                 copier.drain()
                 for im in images:

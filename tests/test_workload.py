@@ -1,4 +1,5 @@
 """Workload traces reproduce the published statistics, and ``hcache bench workload`` reports every method."""
+import argparse
 import json
 import random
 
@@ -172,3 +173,16 @@ def test_bench_workload_replays_through_mii(tmp_path):
 def test_bench_workload_through_mii_refuses_runtime_only_methods(capsys):
     assert main(["bench", "workload", "--through", "mii", "--engine", "reference", "--methods", "ideal,kv"]) == 2
     assert "--through mii" in capsys.readouterr().err
+
+
+def test_through_mii_fastgen_gets_kv_blocks_in_its_own_block_size(monkeypatch):
+    """FastGen sizes its cache from MII's engine config, in blocks of its own size (128 rows for a head size
+    of 64, 64 for 128): ``--kv-blocks`` of 64 tokens are converted, rounding up."""
+    from deepspeed.inference.v2.kernels.ragged_ops.blocked_flash import blocked_flash
+
+    from hcache.bench.workload import _fastgen_memory
+
+    monkeypatch.setattr(blocked_flash, "get_kv_block_size", lambda head_size: 128 if head_size <= 64 else 64)
+    args = argparse.Namespace(kv_blocks=5, max_tokens=1024)
+    assert _fastgen_memory(args, 64) == {"state_manager": {"memory_config": {"mode": "allocate", "size": 3}}}
+    assert _fastgen_memory(args, 128)["state_manager"]["memory_config"]["size"] == 5

@@ -112,8 +112,9 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def pipeline_on_free_port(model_dir: str, hcache_config: dict | None):
-    """``hcache.mii.pipeline``, or plain ``mii.pipeline`` for ``None``, on a free ZMQ port."""
+def pipeline_on_free_port(model_dir: str, hcache_config: dict | None, **mii_options):
+    """``hcache.mii.pipeline``, or plain ``mii.pipeline`` for ``None``, on a free ZMQ port, with MII's
+    ``mii_options``."""
     import mii
 
     import hcache.mii
@@ -122,8 +123,8 @@ def pipeline_on_free_port(model_dir: str, hcache_config: dict | None):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     if hcache_config is None:
-        return mii.pipeline(model_dir, zmq_port_number=port)
-    return hcache.mii.pipeline(model_dir, hcache=hcache_config, zmq_port_number=port)
+        return mii.pipeline(model_dir, zmq_port_number=port, **mii_options)
+    return hcache.mii.pipeline(model_dir, hcache=hcache_config, zmq_port_number=port, **mii_options)
 
 
 def save_random_model(name: str, dtype: torch.dtype, path: Path) -> Path:

@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-turns", type=int, default=4, help="turns kept per session")
     parser.add_argument("--think-scale", type=float, default=0.05, help="think times times this (1 = the published means)")
     parser.add_argument("--kv-blocks", type=int, default=None,
-                        help="the engine's KV blocks of 64 tokens, for every method but ideal (default: 4 histories of --max-tokens)")
+                        help="the engine's KV blocks of 64 tokens (FastGen's own blocks, as many tokens), for every method but ideal (default: 4 histories of --max-tokens)")
     parser.add_argument("--through", default="runtime", choices=["runtime", "mii"], help="replay through hcache's runtime or mii.pipeline")
     parser.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="--through mii: auto is FastGen on a GPU")
     parser.add_argument("--methods", default=None,
@@ -259,16 +259,30 @@ def _through_mii(loaded: LoadedModel, engine: str, profile: Profile | None, args
     if profile is not None:
         profile.save(tmp / "profile.json")
 
+    # FastGen takes its cache's size from MII's engine config, in blocks of its own size; the reference
+    # engine from hcache's config, with its device
+    mii_options = {"inference_engine_config": _fastgen_memory(args, loaded.spec.head_size)} if engine == "fastgen" else {}
+    placed = {"device": args.device} if engine == "reference" else {}
+
     def serve(method: str, store_dir: str) -> _Mii:
         options = _MII[method]
         config = None if options is None else {
             "engine": engine, "store_dirs": [store_dir], "request_log": f"{store_dir}/requests.jsonl",
-            "num_blocks": _kv_blocks(args), "readers": args.readers, "dtype": args.dtype, **options,
+            "num_blocks": _kv_blocks(args), "readers": args.readers, "dtype": args.dtype, **placed, **options,
             **({"profile": str(tmp / "profile.json")} if options.get("plan") == "auto" else {}),
         }
-        return _Mii(str(path), tokenizer, config)
+        return _Mii(str(path), tokenizer, config, mii_options)
 
     return serve, words
+
+
+def _fastgen_memory(args: argparse.Namespace, head_size: int) -> dict:
+    """MII's engine config that gives FastGen the KV cache of ``--kv-blocks`` (blocks of 64 tokens), in
+    blocks of FastGen's own size for this head size (DeepSpeed's rule; it reads the GPU's capability)."""
+    from deepspeed.inference.v2.kernels.ragged_ops.blocked_flash.blocked_flash import get_kv_block_size
+
+    blocks = -(-_kv_blocks(args) * CHUNK_TOKENS // get_kv_block_size(head_size))
+    return {"state_manager": {"memory_config": {"mode": "allocate", "size": blocks}}}
 
 
 def _whole_words(tokenizer) -> np.ndarray:
@@ -285,11 +299,11 @@ class _Mii:
     with the same view as :class:`_Runtime`. Its batching steps are timed: with one sequence running, each of
     the reply's steps made one of its tokens."""
 
-    def __init__(self, path: str, tokenizer, config: dict | None):
+    def __init__(self, path: str, tokenizer, config: dict | None, mii_options: dict):
         from .mii import pipeline_on_free_port
 
         self.tokenizer, self.config = tokenizer, config
-        self.pipe = pipeline_on_free_port(path, config)
+        self.pipe = pipeline_on_free_port(path, config, **mii_options)
         served = self.pipe.inference_engine if config is not None else None
         self.store = served.store if served is not None else None
         self.gpu_cache = served.gpu_cache if served is not None else None

@@ -17,9 +17,9 @@ from torch import nn
 
 from ..errors import InvalidRequestError
 from ..model_spec import ModelSpec
-from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
+from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write
 from ..ops.kv_projection import linear_rows
-from ..ops.paged_kv import copy_slots, slot_runs, write_kv_rows
+from ..ops.paged_kv import block_slots, copy_slots, slot_runs, write_kv_rows
 from .blocked_kv_cache import BlockedKVCache
 from ..ragged import Segment
 from .capture import LayerCapture
@@ -135,9 +135,7 @@ class ReferenceEngine:
             seq.blocks.extend(self.cache.allocate(missing))
 
     def _slots(self, seq: Sequence, start: int, length: int) -> torch.Tensor:
-        table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + length, device=self.device)
-        return slot_mapping(table, positions, self.cache.block_size)
+        return block_slots(seq.blocks, start, start + length, self.cache.block_size, self.device)
 
     # ---- forward -----------------------------------------------------------------------------------
     @torch.no_grad()
