@@ -167,9 +167,9 @@ class GpuPrefixCache:
         """Copy the pieces into sequence ``uid``, after what it holds; ``tokens`` are theirs."""
         engine = self.engine
         engine.begin_restore(uid, len(tokens))
-        size, device = engine.block_size, engine.device
-        slots = [block_slots(e.blocks, e.offset + lo, e.offset + hi, size, device) for e, lo, hi in adoption.pieces]
-        engine.restore_from_slots(uid, torch.cat(slots))
+        # the slots on the host, then one transfer: no per-chunk copies or kernels on the device
+        slots = [block_slots(e.blocks, e.offset + lo, e.offset + hi, engine.block_size, "cpu") for e, lo, hi in adoption.pieces]
+        engine.restore_from_slots(uid, torch.cat(slots).to(engine.device))
         engine.end_restore(uid, tokens)
         self._touch([entry for entry, _, _ in adoption.pieces])
 

@@ -117,10 +117,10 @@ class _SaveCapture:
         self.saver.end_batch()
 
 
-def _restores(seq: _Sequence, tokens: list[int]) -> bool:
-    """Whether a put of ``tokens`` may restore from the store: all but its last token can be restored, so a
-    one-token put (a decode step) never does."""
-    return seq.restore and len(tokens) > 1
+def _restores(allowed: bool, tokens: list[int]) -> bool:
+    """Whether a put of ``tokens`` may restore (from the store, or from the GPU prefix cache), if ``allowed``:
+    all but its last token can be restored, so a one-token put (a decode step) never does."""
+    return allowed and len(tokens) > 1
 
 
 class ServingEngine:
@@ -291,7 +291,7 @@ class ServingEngine:
         if len(batch) > 1 and self.prefetcher is not None:  # later sequences' reads run while earlier ones restore
             for uid, tokens in batch:
                 seq = self._seqs[uid]
-                if _restores(seq, tokens):  # not a decode step: no look-up on the decode path
+                if _restores(seq.restore, tokens):  # not a decode step: no look-up on the decode path
                     self.prefetcher.prefetch(chunk_keys(seq.chain.tail + tokens, seq.chain.key))
         adoptions = self._match(batch)
         try:
@@ -324,7 +324,7 @@ class ServingEngine:
             seq = self._seqs[uid]
             aligned = seq.chain.tail + tokens
             found = None
-            if seq.adopt and len(tokens) > 1:
+            if _restores(seq.adopt, tokens):
                 keys = chunk_keys(aligned, seq.chain.key)
                 found = self.gpu_cache.match(aligned, keys, seq.chain.key, len(seq.chain.tail), len(aligned) - 1)
             adoptions.append(found)
@@ -349,14 +349,13 @@ class ServingEngine:
         if partial is not None:  # the chunk it ends in is still saved, from its rows computed before
             self.saver.resume(uid, *partial)
         seq.chain.extend(tokens[:n])
-        record, spec = seq.record, self.spec
+        record = seq.record
         record.restored_tokens += n
         record.gpu_tokens += n
         record.restore_s += time.perf_counter() - start
         step.gpu_tokens = n
         self.metrics.restored_tokens["gpu_cache"] += n
-        kv_bytes = 2 * spec.num_kv_heads * spec.head_size * torch.finfo(getattr(torch, spec.dtype)).bits // 8
-        self.metrics.bytes_read["gpu"] += n * spec.num_layers * kv_bytes
+        self.metrics.bytes_read["gpu"] += n * self.spec.num_layers * self.spec.kv_bytes_per_token_layer
         return n
 
     def _restore(self, uid: int, tokens: list[int], step: RestoreStep) -> int:
@@ -364,7 +363,7 @@ class ServingEngine:
         were restored. Chunks are keyed by whole 64-token blocks, so the lookup starts at the chunk the
         sequence ends in, whose first tokens it holds already."""
         seq = self._seqs[uid]
-        if not _restores(seq, tokens):
+        if not _restores(seq.restore, tokens):
             return 0
         held = seq.chain.tail
         aligned = held + tokens

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,7 +80,11 @@ def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
         gpu_cache=hcache.gpu_cache,
     )
     if hcache.metrics_port is not None:
-        serve_metrics(serving.metrics, hcache.metrics_port + tp.rank, hcache.metrics_host)
+        port = hcache.metrics_port + tp.rank
+        try:
+            serve_metrics(serving.metrics, port, hcache.metrics_host)
+        except OSError as e:  # another replica on this host has the port: serve without the endpoint
+            warnings.warn(f"hcache metrics not served on {hcache.metrics_host}:{port}: {e}", stacklevel=2)
     return serving
 
 
@@ -251,7 +256,7 @@ def _check_requests() -> Callable[[], None]:
 
 
 def keeping_the_loop_installed(pipeline) -> None:
-    """Keep hcache's request checks and failure handling on ``pipeline`` (built while :func:`install`\ ed)
+    """Keep hcache's request checks and failure handling on ``pipeline`` (built while :func:`install` was in effect)
     after the install is undone: its class becomes a subclass that holds them."""
     cls = type(pipeline)
     methods = {name: getattr(cls, name) for name in (*failures.LOOP_METHODS, "make_request", "put")}
