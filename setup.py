@@ -1,8 +1,12 @@
+import re
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'__version__ = "(.+)"', open("hcache/version.py", encoding="utf-8").read()).group(1)
 
 setup(
     name="hcache",
-    version="0.1.0",
+    version=VERSION,
     description="Fast LLM state restoration from saved hidden states (HCache, EuroSys '25)",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

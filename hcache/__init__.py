@@ -1,12 +1,14 @@
 """hcache: restore LLM state from saved hidden states (HCache, EuroSys '25)."""
+from .config import HCacheConfig
 from .errors import HCacheError, InvalidRequestError, ModelNotFoundError, StorageError, UnsupportedModelError
 from .model_loader import load_model
 from .model_spec import ModelSpec
 from .plan import Method, RestorePlan
 from .runtime import HCacheRuntime, RequestResult
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
+    "HCacheConfig",
     "HCacheError",
     "HCacheRuntime",
     "InvalidRequestError",
@@ -17,5 +19,6 @@ __all__ = [
     "RestorePlan",
     "StorageError",
     "UnsupportedModelError",
+    "__version__",
     "load_model",
 ]

@@ -9,18 +9,17 @@ it as a dict, e.g. ``snapshot()['hcache_gpu_cache_hit_tokens_total']``.
 from __future__ import annotations
 
 from collections import Counter as Tally
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from .serving_engine import ServingEngine
-
 
 class ServingMetrics:
-    def __init__(self, serving: "ServingEngine"):
-        self.serving = serving
+    """``store`` (a host tier), ``prefetcher`` and ``gpu_cache``: the serving engine's parts whose own
+    counts are read at collection time (each may be None)."""
+
+    def __init__(self, store=None, prefetcher=None, gpu_cache=None):
+        self.store, self.prefetcher, self.gpu_cache = store, prefetcher, gpu_cache
         self.restored_tokens: Tally = Tally()  # by source: gpu_cache, store
         self.restored_layer_tokens: Tally = Tally()  # from the store: tokens x layers, by method (RE, H, KV)
         self.bytes_read: Tally = Tally()  # by tier: gpu (the prefix cache's copies), host (host pool to device)
@@ -31,8 +30,8 @@ class ServingMetrics:
         self.registry.register(self)
 
     def collect(self):
-        s, cache = self.serving, self.serving.gpu_cache
-        tier = s.store.stats() if s.store is not None else {}
+        cache = self.gpu_cache
+        tier = self.store.stats() if self.store is not None else {}
         counters = [  # name, help, value (or {label value: value}), label
             ("hcache_restored_tokens", "Tokens restored instead of prefilled, by source", self.restored_tokens, "source"),
             ("hcache_restored_layer_tokens", "Tokens times layers restored from the store, by method",
@@ -46,7 +45,7 @@ class ServingMetrics:
             ("hcache_prefetch_hidden_seconds", "Seconds of disk reads that look-ahead prefetch ran before their restore",
              self.prefetch_hidden_s, None),
             ("hcache_prefetched_chunks", "Chunk loads started by look-ahead prefetch",
-             s.prefetcher.chunks if s.prefetcher else 0, None),
+             self.prefetcher.chunks if self.prefetcher else 0, None),
             ("hcache_saver_stalls", "Times the saver waited for room in the host pool", tier.get("stalls", 0), None),
             ("hcache_saver_stall_seconds", "Seconds the saver waited for room in the host pool",
              tier.get("stall_seconds", 0.0), None),

@@ -56,18 +56,26 @@ class RestorePlan:
     def parse(cls, text: str, num_layers: int) -> "RestorePlan":
         """``"H"``, ``"KV"`` or ``"RE"`` for one method on every layer, or counts such as ``"2RE+20H+8KV"``:
         ASCII digits, each method at most once and in the order RE, H, KV, joined by single ``+`` signs."""
+        counts = cls.check_syntax(text)
+        if counts is None:
+            return cls.uniform(num_layers, text.strip().upper())
+        if sum(counts) != num_layers:
+            raise InvalidRequestError(f"plan {text.strip()!r} covers {sum(counts)} layers, the model has {num_layers}")
+        return cls.split(num_layers, re=counts[0], kv=counts[2])
+
+    @staticmethod
+    def check_syntax(text: object) -> tuple[int, int, int] | None:
+        """The RE, H and KV counts a plan string gives (None: one method on every layer), or a clear error;
+        whether the counts fit a model is :meth:`parse`'s to check."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"a plan is a string such as 'H' or '2RE+20H+8KV', not {type(text).__name__}")
         text = text.strip().upper()
         if text in Method.__members__:
-            return cls.uniform(num_layers, text)
+            return None
         parts = _PLAN.fullmatch(text)
         if parts is None or not any(parts.groups()):
-            raise InvalidRequestError(f"cannot parse plan {text!r}: use RE, H, KV or counts like '2RE+20H+8KV'")
-        counts = [int(g or 0) for g in parts.groups()]
-        if sum(counts) != num_layers:
-            raise InvalidRequestError(f"plan {text!r} covers {sum(counts)} layers, the model has {num_layers}")
-        return cls.split(num_layers, re=counts[0], kv=counts[2])
+            raise InvalidRequestError(f"cannot parse plan {text!r}: use auto, RE, H, KV or counts like '2RE+20H+8KV'")
+        return tuple(int(g or 0) for g in parts.groups())
 
     def count(self, method: Method) -> int:
         return sum(m is method for m in self.layers)

@@ -26,6 +26,7 @@ from .model_loader import cache_home
 from .model_spec import ModelSpec
 from .plan import Method, RestorePlan
 from .scheduler import LayerCosts, partition
+from .version import __version__
 
 # Bump when what is measured, or how, changes: older profiles are then stale.
 PROFILE_VERSION = 2  # 2: I/O measured as whole chunks loaded into the host pool, then copied out per layer
@@ -142,8 +143,6 @@ class Profile:
     def new(
         cls, model_name: str, spec: ModelSpec, tokens: list[int], seconds: dict, bandwidth: dict, tensor_parallel: int = 1
     ) -> "Profile":
-        from . import __version__
-
         return cls(
             model_name, model_shape_key(spec), spec.describe(), machine_name(), machine_facts(),
             list(tokens), seconds, bandwidth, PROFILE_VERSION, __version__, tensor_parallel=tensor_parallel,

@@ -18,15 +18,13 @@ from pathlib import Path
 
 import torch
 
+from .config import HCacheConfig, resolve
 from .engine import ReferenceEngine
 from .errors import InvalidRequestError
 from .fingerprint import model_fingerprint
 from .model_loader import DEFAULT_MODEL, LoadedModel, load_model
 from .plan import RestorePlan
-from .profile import Profile
 from .serving_engine import RestoreStep, ServingEngine
-from .storage.host_tier import DEFAULT_READERS
-from .storage.store_config import StoreConfig
 from .tensor_parallel import SINGLE, TPGroup, shard_model
 
 
@@ -48,12 +46,14 @@ class RequestResult:
 
 class HCacheRuntime:
     """Serve prompts on the reference engine with hcache's restore and save: a greedy decode loop over a
-    :class:`~hcache.serving_engine.ServingEngine`, which documents ``plan``, ``save``, ``profile``,
-    ``readers`` and ``store``. ``measure_profile=False``: with ``plan="auto"`` and no profile for this
-    machine, serve the default plan instead of measuring a short profile on first use. ``store_dir``: one
-    directory or a list (one per SSD). ``gpu_cache``: keep finished requests' KV in the spare blocks of the
-    engine's ``num_blocks``. Saving runs in background threads; :meth:`close` (or leaving a ``with`` block)
-    drains them. Counters: ``metrics`` (:mod:`hcache.metrics`).
+    :class:`~hcache.serving_engine.ServingEngine`. The keyword arguments are settings of
+    :class:`~hcache.config.HCacheConfig` (``plan``, ``save``, ``profile``, ``store``, ``readers``...),
+    checked before the model loads and resolved once for the model here. ``store_dir``: one directory or
+    a list (one per SSD); ``None``: no local disk (then ``store.tiers`` must name a shared tier).
+    ``measure_profile=False``: with ``plan="auto"`` and no profile for this machine, serve the default plan
+    instead of measuring a short profile on first use. ``gpu_cache``: keep finished requests' KV in the
+    spare blocks of the engine's ``num_blocks``. Saving runs in background threads; :meth:`close` (or
+    leaving a ``with`` block) drains them. Counters: ``metrics`` (:mod:`hcache.metrics`).
 
     ``tensor_parallel``: this process's rank of a tensor-parallel group; the model is sharded in place for
     it, and every rank must make the same calls at once (the forward and restore are collective).
@@ -62,39 +62,21 @@ class HCacheRuntime:
     def __init__(
         self,
         model: str | LoadedModel = DEFAULT_MODEL,
-        store_dir: str | Path | Sequence[str | Path] = "hcache-store",
+        store_dir: str | Path | Sequence[str | Path] | None = "hcache-store",
         *,
-        plan: str | RestorePlan | None = None,
-        save: str = "plan",
-        namespace: str | None = None,
-        num_blocks: int = 256,
         device: str = "cpu",
-        store: StoreConfig = StoreConfig(),
-        profile: str | Path | Profile | None = None,
-        readers: int = DEFAULT_READERS,
         tensor_parallel: TPGroup = SINGLE,
-        measure_profile: bool = True,
-        gpu_cache: bool = False,
+        **settings,
     ):
+        settings = HCacheConfig.of(store_dirs=store_dir, device=device, **settings)
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
         fingerprint = model_fingerprint(self.loaded.model, self.loaded.spec)  # of the whole model, on every rank
         model_shard, self.spec = shard_model(self.loaded.model, self.loaded.spec, tensor_parallel)
-        self.engine = ReferenceEngine(model_shard, self.spec, num_blocks=num_blocks)
-        self.serving = ServingEngine(
-            self.engine,
-            fingerprint,
-            store_dir,
-            model_name=self.loaded.name,
-            plan=plan,
-            save=save,
-            namespace=namespace,
-            store=store,
-            profile=profile,
-            readers=readers,
-            tp=tensor_parallel,
-            measure=(lambda: self.loaded) if measure_profile else None,
-            gpu_cache=gpu_cache,
+        self.config = resolve(
+            settings, self.spec, self.loaded.name, tensor_parallel=tensor_parallel.world_size, measure=lambda: self.loaded
         )
+        self.engine = ReferenceEngine(model_shard, self.spec, num_blocks=settings.num_blocks)
+        self.serving = ServingEngine(self.engine, fingerprint, self.config, tp=tensor_parallel)
         s = self.serving  # fixed for its life
         self.fingerprint, self.profile, self.plan, self.save_formats = s.fingerprint, s.profile, s.plan, s.save_formats
         self.store, self.saver, self.gpu_cache, self.metrics = s.store, s.saver, s.gpu_cache, s.metrics

@@ -33,29 +33,22 @@ from pathlib import Path
 
 import torch
 
-from .auto_profile import auto_profile
+from .config import ResolvedConfig
 from .engine.interface import Engine
 from .errors import InvalidRequestError
 from .gpu_prefix_cache import Adoption, GpuPrefixCache
 from .metrics import ServingMetrics
-from .model_loader import LoadedModel
-from .plan import Method, RestorePlan, default_plan
+from .plan import Method, RestorePlan
 from .prefetch import Prefetcher
-from .profile import Profile, profile_command
 from .ragged import Segment
 from .restore import restore_prefix, row_shapes
 from .storage.chunk import ChunkLayout
 from .storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
-from .storage.host_tier import DEFAULT_READERS
 from .storage.saver import ChunkSaver
-from .storage.store_config import StoreConfig
 from .tensor_parallel import SINGLE, TPGroup
 from .transfer.copier import Copier
 
 log = logging.getLogger(__name__)
-
-SAVE_POLICIES = ("plan", "all", "none")
-AUTO = "auto"
 
 
 @dataclass
@@ -124,22 +117,11 @@ def _restores(allowed: bool, tokens: list[int]) -> bool:
 
 
 class ServingEngine:
-    """An :class:`~hcache.engine.interface.Engine` served through FastGen's interface, with a chunk store.
-
-    ``store_dir``: one directory or a list (one per SSD); ``None``: no local disk, and with no shared
-    ``store.tiers`` either, no store at all (nothing is restored or saved: the recompute baseline).
-    ``plan``: ``None`` for the default, ``"auto"`` for the profile's bubble-free plan for each sequence's
-    restored history, a method name, or counts such as
-    ``"2RE+20H+8KV"``. The default is ``"auto"`` when a ``profile`` is given (a :class:`Profile` or a path,
-    refused if measured for another model or machine), otherwise H for MHA models and KV where KV is no
-    larger. ``plan="auto"`` alone uses this machine's profile (:mod:`hcache.auto_profile`): found in the
-    cache, else measured on first use from the model ``measure`` returns, else the default plan. ``save``:
-    ``"plan"`` saves the formats the plan restores from (for ``"auto"``, those of every plan it picks over
-    the context range), ``"all"`` hidden states and KV for every layer, ``"none"`` nothing. ``readers``:
-    threads that load stored chunks from disk into the host pool while the RE layers compute (0: inline).
-    ``request_log``: a file that gets one JSON line per finished sequence (from rank 0). ``config``: the
-    engine config MII schedules by (it reads ``_config.state_manager``). ``gpu_cache``: keep finished
-    sequences' KV in spare blocks of the engine's cache and adopt it (the module doc).
+    """An :class:`~hcache.engine.interface.Engine` served through FastGen's interface, with a chunk store,
+    by a :class:`~hcache.config.ResolvedConfig` (resolved for this engine's model; the settings are
+    documented on :class:`~hcache.config.HCacheConfig`). With the store disabled, nothing is restored or
+    saved: the recompute baseline. ``engine_config``: the engine config MII schedules by (it reads
+    ``_config.state_manager``).
 
     With tensor parallelism, every rank of ``tp`` runs one of these over its shard of the engine, with the
     whole model's ``fingerprint``, and makes the same calls at once: the forward and restore are collective.
@@ -147,101 +129,48 @@ class ServingEngine:
     """
 
     def __init__(
-        self,
-        engine: Engine,
-        fingerprint: str,
-        store_dir: str | Path | Sequence[str | Path] | None,
-        *,
-        model_name: str,
-        plan: str | RestorePlan | None = None,
-        save: str = "plan",
-        namespace: str | None = None,
-        store: StoreConfig = StoreConfig(),
-        profile: str | Path | Profile | None = None,
-        readers: int = DEFAULT_READERS,
-        request_log: str | Path | None = None,
-        config: object = None,
-        tp: TPGroup = SINGLE,
-        measure: Callable[[], LoadedModel] | None = None,
-        gpu_cache: bool = False,
+        self, engine: Engine, fingerprint: str, config: ResolvedConfig, *, tp: TPGroup = SINGLE, engine_config: object = None
     ):
-        if save not in SAVE_POLICIES:
-            raise InvalidRequestError(f"save must be one of {SAVE_POLICIES}, not {save!r}")
-        if readers < 0:
-            raise InvalidRequestError(f"readers must be 0 (read inline) or more, not {readers}")
-        self.engine, self.spec, self.tp = engine, engine.spec, tp
+        config.check_engine(engine.spec)
+        if tp.world_size != config.tensor_parallel:
+            raise InvalidRequestError(
+                f"the hcache config was resolved for tensor parallelism {config.tensor_parallel}, not {tp.world_size}"
+            )
+        settings = config.settings
+        self.config, self.engine, self.spec, self.tp = config, engine, engine.spec, tp
         self.fingerprint = tp.fingerprint(fingerprint)
-        self._config = config  # the name MII reads
-        self.profile = self._load_profile(profile, plan, model_name, measure)
-        self.plan = self.resolve_plan(None if self.profile is None and is_auto(plan) else plan)
-        self.namespace = namespace
-        self.request_log = Path(request_log) if request_log is not None else None
-        self.store = self.saver = self._capture = None
-        stored = store_dir is not None or bool(store.tiers)
-        self.save_formats = self._save_formats(save if stored else "none")
-        self.copier = None
-        if stored:
+        self._config = engine_config  # the name MII reads
+        self.profile, self.plan, self.save_formats = config.profile, config.plan, list(config.save_formats)
+        self.namespace = settings.namespace
+        self.request_log = Path(settings.request_log) if settings.request_log is not None else None
+        self.store = self.saver = self._capture = self.copier = None
+        if config.stored:
             self.copier = Copier(engine.device)
             shapes, dtype = row_shapes(self.spec), getattr(torch, self.spec.dtype)
             tensors = [(layer, f, shapes[f], dtype) for layer, fs in enumerate(self.save_formats) for f in sorted(fs)]
-            store.check(ChunkLayout.plan(tensors, self.fingerprint).nbytes)
-            self.store = store.open_store(
-                store_dir, {"fingerprint": self.fingerprint, "dtype": self.spec.dtype}, pin=engine.device.type == "cuda", readers=readers
+            config.store.check(ChunkLayout.plan(tensors, self.fingerprint).nbytes)
+            self.store = config.store.open_store(
+                config.store_dirs(tp.rank),
+                {"fingerprint": self.fingerprint, "dtype": self.spec.dtype},
+                pin=engine.device.type == "cuda",
+                readers=settings.readers,
             )
             self.saver = ChunkSaver(self.store, self.fingerprint, tensors, stores=tp.stores)
             if any(self.save_formats):
                 self._capture = _SaveCapture(self.saver, self.save_formats)
         self.prefetcher = Prefetcher(self.store) if self.store is not None else None
         drop = self.saver.drop_partial if self.saver is not None else (lambda partial: None)
-        self.gpu_cache = GpuPrefixCache(engine, drop) if gpu_cache else None
-        self.metrics = ServingMetrics(self)
+        self.gpu_cache = GpuPrefixCache(engine, drop) if settings.gpu_cache else None
+        self.metrics = ServingMetrics(self.store, self.prefetcher, self.gpu_cache)
         self._seqs: dict[int, _Sequence] = {}
         self._announced: dict[int, int] = {}  # uid -> tokens queried before its first put
 
-    # ---- plans ----------------------------------------------------------------------------------------
-    def _load_profile(
-        self, profile: str | Path | Profile | None, plan: object, model_name: str, measure: Callable[[], LoadedModel] | None
-    ) -> Profile | None:
-        """The profile given (which must fit), or for ``plan="auto"`` alone this machine's, if there is one."""
-        command = profile_command(model_name, self.spec)
-        if isinstance(profile, Profile):
-            profile.check(self.spec, self.tp.world_size, command)
-            return profile
-        if profile is None and is_auto(plan):
-            profile = auto_profile(self.spec, model_name, self.tp.world_size, measure)
-        return None if profile is None else Profile.load(profile, self.spec, self.tp.world_size, command)
-
     def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
-        """A fixed plan, or None for the profile's plan per history length."""
-        if plan is None:
-            return None if self.profile is not None else default_plan(self.spec)
-        if is_auto(plan):
-            if self.profile is None:
-                raise InvalidRequestError("plan 'auto' needs a profile: pass profile=... or run `hcache profile`")
-            return None
-        if isinstance(plan, RestorePlan):
-            if len(plan.layers) != self.spec.num_layers:
-                raise InvalidRequestError(f"plan {plan} covers {len(plan.layers)} layers, the model has {self.spec.num_layers}")
-            return plan
-        return RestorePlan.parse(plan, self.spec.num_layers)
+        """A request's plan: a fixed plan, or None for the profile's plan per history length."""
+        return self.config.request_plan(plan)
 
     def plan_for(self, plan: RestorePlan | None, history: int) -> RestorePlan:
-        return plan if plan is not None else self.profile.plan(self.spec, history)
-
-    def _save_formats(self, save: str) -> list[frozenset[str]]:
-        """Per layer, the formats to save: for the auto plan, every format it restores from at any length."""
-        if save == "none":
-            return [frozenset()] * self.spec.num_layers
-        if save == "all":
-            return [frozenset((Method.H.value, Method.KV.value))] * self.spec.num_layers
-        lengths = [0]
-        if self.plan is None:
-            lengths = sorted({*self.profile.tokens, *_powers_of_two(CHUNK_TOKENS, self.spec.max_positions)})
-        formats = [set() for _ in range(self.spec.num_layers)]
-        for length in lengths:
-            for layer, m in enumerate(self.plan_for(self.plan, length).layers):
-                formats[layer] |= {m.stored_format} - {None}
-        return [frozenset(f) for f in formats]
+        return self.config.plan_for(plan, history)
 
     # ---- FastGen's interface --------------------------------------------------------------------------
     def open(
@@ -479,10 +408,3 @@ class ServingEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def is_auto(plan: object) -> bool:
-    return isinstance(plan, str) and plan.strip().lower() == AUTO
-
-
-def _powers_of_two(start: int, stop: int) -> list[int]:
-    return [start << i for i in range(max(1, stop // start).bit_length())]

@@ -27,3 +27,13 @@ def corrupt_tensor(store, key: str, layer: int, fmt: str) -> None:
     image = ChunkImage.parse(torch.frombuffer(data, dtype=torch.uint8), key, len(data), verify=False)
     data[image.layout.entries[(layer, fmt)].offset] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def serving_engine(engine, fingerprint: str, store_dir, model_name: str = "test", **settings):
+    """A serving engine over ``engine``, by ``settings`` (:class:`~hcache.config.HCacheConfig`) resolved for
+    its model, as the runtime builds one."""
+    from hcache.config import resolve
+    from hcache.serving_engine import ServingEngine
+
+    config = resolve({"store_dirs": store_dir, **settings}, engine.spec, model_name)
+    return ServingEngine(engine, fingerprint, config)

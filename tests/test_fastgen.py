@@ -526,7 +526,7 @@ def test_real_fastgen_restores_each_family_by_each_method_ending_inside_a_chunk(
     with its first 704 tokens (11 chunks), so the restore covers 703 tokens and ends inside chunk 10 (the
     last token's logits are computed). The restored cache is FastGen's own forward's (up to the RoPE bound
     for H's K), and greedy decoding continues alike."""
-    from hcache.serving_engine import ServingEngine
+    from helpers import serving_engine
 
     family, engine = real_fastgen
     history = [int(t) for t in torch.randint(0, engine.spec.vocab_size, (GPU_FORWARD,), generator=torch.Generator().manual_seed(3))]
@@ -535,7 +535,7 @@ def test_real_fastgen_restores_each_family_by_each_method_ending_inside_a_chunk(
     engine.flush(900)
     engine.step([(901, history)])  # FastGen's own cache of the saved forward
     for i, (plan, methods) in enumerate(PLANS.items()):
-        serving = ServingEngine(engine, f"fp-{family}", tmp_path / plan, model_name=family, plan=plan, save="all", readers=0)
+        serving = serving_engine(engine, f"fp-{family}", tmp_path / plan, model_name=family, plan=plan, save="all", readers=0)
         saved, returning = 10 * i + 1, 10 * i + 2
         serving.put([saved], [history])
         serving.flush(saved)
@@ -553,16 +553,15 @@ def test_real_fastgen_restores_each_family_by_each_method_ending_inside_a_chunk(
 def test_real_fastgen_falls_back_past_a_corrupt_chunk(real_fastgen, tmp_path):
     """A stored H tensor of chunk 3 is damaged: the restore ends at chunk 3, the rest is prefilled, and
     greedy decoding continues as after FastGen's own forward."""
-    from helpers import corrupt_tensor
+    from helpers import corrupt_tensor, serving_engine
 
-    from hcache.serving_engine import ServingEngine
     from hcache.storage.chunk_key import chunk_keys, root_key
 
     family, engine = real_fastgen
     history = [int(t) for t in torch.randint(0, engine.spec.vocab_size, (GPU_FORWARD,), generator=torch.Generator().manual_seed(4))]
     reference = _greedy(engine, 900, engine.step([(900, history)]))
     engine.flush(900)
-    serving = ServingEngine(engine, f"fp-{family}", tmp_path, model_name=family, plan="1RE+1H+1KV", save="all", readers=0)
+    serving = serving_engine(engine, f"fp-{family}", tmp_path, model_name=family, plan="1RE+1H+1KV", save="all", readers=0)
     serving.put([1], [history])
     serving.flush(1)
     corrupt_tensor(serving.store, chunk_keys(history, root_key(serving.fingerprint))[3], 1, "H")
@@ -578,13 +577,12 @@ def test_serving_engine_over_fastgen_restores_and_survives_a_corrupt_chunk(tmp_p
     """hcache's serving engine over the adapter, driven as MII drives it (puts of at most
     max_ragged_batch_size tokens): a returning prompt is restored and gives the same logits, and so it does
     when a stored tensor is corrupt (the restore ends short, at that chunk, and the rest is prefilled)."""
-    from helpers import corrupt_tensor
+    from helpers import corrupt_tensor, serving_engine
 
-    from hcache.serving_engine import ServingEngine
     from hcache.storage.chunk_key import chunk_keys, root_key
 
     prompt = [int(t) for t in torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(2))]
-    serving = ServingEngine(fastgen(), "fp", tmp_path, model_name="fake", plan="1RE+1H+1KV", save="all", readers=0)
+    serving = serving_engine(fastgen(), "fp", tmp_path, model_name="fake", plan="1RE+1H+1KV", save="all", readers=0)
 
     def put(uid: int) -> torch.Tensor:
         for off in range(0, len(prompt), MAX_BATCH):
@@ -716,10 +714,10 @@ def test_serving_engine_over_fastgen_adopts_from_the_gpu_prefix_cache(tmp_path):
     FastGen's own allocator; a returning prompt, put as MII puts it (16 tokens at a time, so every adoption
     starts inside a chunk), adopts them and gives a fresh engine's logits; clearing the cache gives every
     block back to FastGen."""
-    from hcache.serving_engine import ServingEngine
+    from helpers import serving_engine
 
     prompt = [int(t) for t in torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(3))]
-    serving = ServingEngine(fastgen(num_blocks=64), "fp", tmp_path, model_name="fake", plan="KV", readers=0, gpu_cache=True)
+    serving = serving_engine(fastgen(num_blocks=64), "fp", tmp_path, model_name="fake", plan="KV", readers=0, gpu_cache=True)
     fresh = fastgen(num_blocks=64)
     for off in range(0, 195, MAX_BATCH):  # 3 chunks and 3 tokens of a 4th
         serving.put([0], [prompt[off : min(off + MAX_BATCH, 195)]])

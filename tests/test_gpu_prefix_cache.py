@@ -5,7 +5,7 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import loaded, random_prompt
+from helpers import loaded, random_prompt, serving_engine
 
 from hcache.engine import ReferenceEngine
 from hcache.fingerprint import model_fingerprint
@@ -25,7 +25,7 @@ def llama():
 def _serving(store_dir, num_blocks: int, block_size: int = 64, **kwargs) -> ServingEngine:
     lm = loaded("random:llama")
     engine = ReferenceEngine(lm.model, lm.spec, num_blocks=num_blocks, block_size=block_size)
-    return ServingEngine(engine, model_fingerprint(lm.model, lm.spec), store_dir, model_name=lm.name, readers=0, **kwargs)
+    return serving_engine(engine, model_fingerprint(lm.model, lm.spec), store_dir, model_name=lm.name, readers=0, **kwargs)
 
 
 def _put_in_parts(serving: ServingEngine, uid: int, prompt: list[int], part: int) -> torch.Tensor:
@@ -160,7 +160,7 @@ def test_without_a_store_the_gpu_cache_alone_serves_returning_prompts(tmp_path, 
     """Prefix caching with nothing stored (MII with hcache off): the cache is all there is, and exact."""
     vocab = loaded("random:llama").spec.vocab_size
     prompt = random_prompt(2 * CHUNK_TOKENS + 30, vocab, rng)
-    with _serving(None, 16, gpu_cache=True) as serving, _serving(None, 16) as fresh:
+    with _serving(None, 16, gpu_cache=True, enabled=False) as serving, _serving(None, 16, enabled=False) as fresh:
         serving.put([0], [prompt[:-1]])
         serving.flush(0)
         torch.testing.assert_close(serving.put([1], [prompt]), fresh.put([1], [prompt]), atol=1e-5, rtol=1e-5)

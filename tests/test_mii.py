@@ -24,7 +24,8 @@ import hcache.mii
 from hcache.cli import main
 from hcache.errors import InvalidRequestError, UnsupportedModelError
 from hcache.mii.backend import openai_server
-from hcache.mii.config import HCacheConfig
+from hcache.config import HCacheConfig
+from hcache.mii.backend import resolve_deployment
 from hcache.model_loader import model_dir as resolve_model_dir
 from hcache.model_loader import random_model
 from hcache.model_spec import ModelSpec
@@ -405,16 +406,18 @@ class _ModelConfig:
         self.inference_engine_config, self.max_length = None, None
 
 
-def test_unsupported_model_type_is_named(tmp_path):
+def test_unsupported_model_type_is_named_before_mii_starts(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    monkeypatch.setattr("mii.pipeline", lambda *a, **k: pytest.fail("MII started"))
     with pytest.raises(UnsupportedModelError, match="llama"):
-        hcache.mii.build_engine(_ModelConfig(tmp_path), HCacheConfig(enabled=False, engine="reference"))
+        hcache.mii.pipeline(str(tmp_path), hcache={"enabled": False, "engine": "reference"})
 
 
 def test_fastgen_without_a_gpu_says_so(model_dir, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(RuntimeError, match="FastGen needs a CUDA GPU"):
-        hcache.mii.build_engine(_ModelConfig(model_dir), HCacheConfig(enabled=False, engine="fastgen"))
+        config = resolve_deployment(HCacheConfig(enabled=False, engine="fastgen"), model_dir)
+        hcache.mii.build_engine(_ModelConfig(model_dir), config)
 
 
 def test_untested_mii_version_is_refused(monkeypatch, model_dir):
@@ -480,7 +483,7 @@ def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, t
     monkeypatch.setattr(hcache.mii, "server_processes_launched_by_hcache", launch)
     with pytest.raises(_Started):
         main(["serve", "--model", tiny, "--engine", "reference", "--plan", "auto", "--no-measure-profile"])
-    assert launched[0].plan is None and launched[0].profile is None  # the replicas serve the default plan
+    assert launched[0].plan == default_plan(spec) and launched[0].profile is None  # the replicas serve the default plan
     warned_once()
 
     assert main(["serve", "--model", tiny, "--engine", "reference", "--profile", str(path)]) == 2

@@ -200,10 +200,19 @@ def test_bad_model_or_store_is_a_clear_error(llama, tmp_path):
     blocker.write_text("")
     with pytest.raises(StorageError):
         HCacheRuntime(llama, blocker / "store")
-    with pytest.raises(InvalidRequestError, match="save must be"):
-        HCacheRuntime(llama, tmp_path / "store", save="sometimes")
-    with pytest.raises(InvalidRequestError, match="readers must be"):
-        HCacheRuntime(llama, tmp_path / "store", readers=-1)
+    # Bad settings are refused before the model loads (a missing model would be the error otherwise).
+    nowhere = str(tmp_path / "nowhere")
+    with pytest.raises(InvalidRequestError, match="setting 'save': Input should be 'plan', 'all' or 'none'"):
+        HCacheRuntime(nowhere, tmp_path / "store", save="sometimes")
+    with pytest.raises(InvalidRequestError, match="setting 'readers': Input should be greater than or equal to 0"):
+        HCacheRuntime(nowhere, tmp_path / "store", readers=-1)
+    with pytest.raises(InvalidRequestError, match="setting 'num_blocks': Input should be greater than 0"):
+        HCacheRuntime(nowhere, tmp_path / "store", num_blocks=0)
+    with pytest.raises(InvalidRequestError, match="setting 'plan': cannot parse plan"):
+        HCacheRuntime(nowhere, tmp_path / "store", plan="3H+")
+    with pytest.raises(InvalidRequestError, match="setting 'colour': Extra inputs are not permitted"):
+        HCacheRuntime(nowhere, tmp_path / "store", colour="blue")
+    assert not (tmp_path / "store").exists()
 
 
 def test_threads_sharing_a_runtime_are_refused_not_corrupted(llama, tmp_path, rng):

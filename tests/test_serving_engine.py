@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import loaded, random_prompt
+from helpers import loaded, random_prompt, serving_engine
 
 from hcache.engine import ReferenceEngine
 from hcache.errors import CacheFullError, InvalidRequestError
@@ -21,7 +21,7 @@ PROMPT = 5 * CHUNK_TOKENS + 10
 def _serving(store_dir, **kwargs) -> ServingEngine:
     lm = loaded("random:llama")
     engine = ReferenceEngine(lm.model, lm.spec, num_blocks=32)
-    return ServingEngine(engine, model_fingerprint(lm.model, lm.spec), store_dir, model_name=lm.name, readers=0, **kwargs)
+    return serving_engine(engine, model_fingerprint(lm.model, lm.spec), store_dir, model_name=lm.name, readers=0, **kwargs)
 
 
 def _put_in_parts(serving: ServingEngine, uid: int, prompt: list[int], part: int) -> torch.Tensor:
@@ -80,7 +80,7 @@ def test_chunks_saved_after_a_restore_continue_the_chain(tmp_path, rng, part):
 
 def test_without_a_store_nothing_is_restored_or_saved(tmp_path, rng):
     prompt = random_prompt(2 * CHUNK_TOKENS + 3, loaded("random:llama").spec.vocab_size, rng)
-    with _serving(None) as serving:
+    with _serving(None, enabled=False) as serving:
         assert serving.store is None and serving.saver is None and serving._capture is None
         for uid in range(2):
             serving.put([uid], [prompt])
@@ -106,7 +106,7 @@ def test_request_log_has_a_line_per_finished_sequence(tmp_path, rng):
 def test_capacity_follows_fastgen(tmp_path):
     """``query`` answers as FastGen's ``get_kv_requirements`` does: all tokens if the blocks allow,
     else as many as fit in the blocks granted."""
-    with _serving(None) as serving:
+    with _serving(None, enabled=False) as serving:
         assert serving.query(0, 100, 10) == (100, 2)
         assert serving.query(0, 200, 2) == (128, 2)
         serving.put([0], [list(range(1, 71))])  # 70 tokens: 2 blocks, 58 free slots in the last
@@ -134,7 +134,7 @@ def test_a_failed_put_saves_nothing_wrong(tmp_path, rng):
     prompt = random_prompt(3 * CHUNK_TOKENS + 5, vocab, rng)
     lm = loaded("random:llama")
     small = ReferenceEngine(lm.model, lm.spec, num_blocks=4)  # 256 tokens: the prompt plus 64 decode steps do not fit
-    with ServingEngine(small, model_fingerprint(lm.model, lm.spec), tmp_path, model_name=lm.name, plan="KV", readers=0) as serving:
+    with serving_engine(small, model_fingerprint(lm.model, lm.spec), tmp_path, model_name=lm.name, plan="KV", readers=0) as serving:
         serving.put([0], [prompt[:150]])
         with pytest.raises(CacheFullError):
             serving.put([0], [prompt[150:] + [1] * 64])
@@ -165,7 +165,7 @@ def test_auto_plan_is_chosen_once_per_history_in_pieces_as_in_one_put(tmp_path, 
     assert str(long) == "3KV" and str(short) == "1RE+2H"
     log = tmp_path / "requests.jsonl"
     engine = ReferenceEngine(model, spec, num_blocks=40)
-    with ServingEngine(
+    with serving_engine(
         engine, model_fingerprint(model, spec), tmp_path / "store", model_name="llama-4k", profile=profile, readers=0, request_log=log
     ) as serving:
         _put_in_parts(serving, 0, prompt, len(prompt))  # stores every chunk

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from ..mii.backend import engine_kind
-    from ..mii.config import HCacheConfig
+    from ..config import HCacheConfig
 
     engine = engine_kind(HCacheConfig(engine=args.engine))
     if not args.model.startswith("random:"):

@@ -240,7 +240,7 @@ class _Runtime:
 
 def _mii_engine(args: argparse.Namespace) -> str:
     from ..mii.backend import engine_kind
-    from ..mii.config import HCacheConfig
+    from ..config import HCacheConfig
 
     return engine_kind(HCacheConfig(engine=args.engine))
 

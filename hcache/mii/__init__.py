@@ -13,17 +13,17 @@ import logging
 import threading
 from typing import Any
 
+from ..config import HCacheConfig
 from .backend import (
     build_engine,
     check_deployment,
     check_mii_version,
     installed,
     keeping_the_loop_installed,
-    resolve_profile,
+    resolve_deployment,
     server_processes_launched_by_hcache,
     stop,
 )
-from .config import HCacheConfig
 
 __all__ = ["HCacheConfig", "build_engine", "pipeline", "serve"]
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
     import mii
 
     path, tensor_parallel = _deployment(model_name_or_path, kwargs)
-    with installed(resolve_profile(_config(hcache), path, tensor_parallel)):
+    with installed(resolve_deployment(HCacheConfig.of(hcache), path, tensor_parallel)):
         pipe = mii.pipeline(model_name_or_path, **kwargs)
         keeping_the_loop_installed(pipe)
         return pipe
@@ -49,14 +49,14 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
     restore and save through hcache. Returns MII's client; its ``terminate_server()`` stops the deployment
     and waits until every process it started has exited (ending those that do not exit).
 
-    The hcache config and model are checked before any process starts. If the deployment still fails to
+    The hcache config is resolved, and the model and store checked, before any process starts. If the deployment still fails to
     start, every process it started is stopped before the error is raised."""
     import mii
 
     check_mii_version()
     path, tensor_parallel = _deployment(model_name_or_path, kwargs)
-    config = resolve_profile(_config(hcache), path, tensor_parallel)
-    check_deployment(path, config, tensor_parallel)
+    config = resolve_deployment(HCacheConfig.of(hcache), path, tensor_parallel)
+    check_deployment(config)
     launched: list = []
     try:
         with server_processes_launched_by_hcache(config, launched):
@@ -82,12 +82,6 @@ def _ask_to_terminate(terminate) -> None:
         terminate()
     except Exception as exc:  # the load balancer or the gateway is gone already
         log.warning("the deployment did not take the terminate request (%s); stopping its processes", exc)
-
-
-def _config(hcache: HCacheConfig | dict | None) -> HCacheConfig:
-    if isinstance(hcache, HCacheConfig):
-        return hcache
-    return HCacheConfig(**(hcache or {}))
 
 
 def _deployment(model_name_or_path: str, mii_kwargs: dict) -> tuple[str, int]:

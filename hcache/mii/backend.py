@@ -22,19 +22,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..auto_profile import auto_profile
+from ..config import HCacheConfig, ResolvedConfig, resolve
 from ..engine import ReferenceEngine
 from ..errors import InvalidRequestError, ModelNotFoundError, StorageError
 from ..fingerprint import checkpoint_fingerprint, model_fingerprint
 from ..model_loader import check_device, load_model, model_dtype
 from ..metrics import serve_metrics
 from ..model_spec import ModelSpec
-from ..profile import Profile, profile_command
-from ..serving_engine import ServingEngine, is_auto
-from ..storage.store_config import StoreConfig
-from ..tensor_parallel import SINGLE, TPGroup, shard_model
+from ..serving_engine import ServingEngine
+from ..tensor_parallel import SINGLE, TPGroup, local_spec, shard_model
 from . import failures
-from .config import HCacheConfig
 from .requests import CACHE_SALT, check_generate_options, check_rest_body
 
 CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: not on their command lines
@@ -42,76 +39,51 @@ CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: 
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
 
 
-def build_engine(model_config, hcache: HCacheConfig) -> ServingEngine:
-    """The engine MII serves ``model_config`` with (``model_config`` is MII's ``ModelConfig``). With
-    ``tensor_parallel`` above 1, this process is one rank of the deployment (MII starts one per rank)."""
-    path = model_config.model_name_or_path
+def build_engine(model_config, hcache: ResolvedConfig) -> ServingEngine:
+    """The engine MII serves ``model_config`` with (``model_config`` is MII's ``ModelConfig``), by the config
+    :func:`resolve_deployment` resolved. With ``tensor_parallel`` above 1, this process is one rank of the
+    deployment (MII starts one per rank)."""
+    path, settings = model_config.model_name_or_path, hcache.settings
     tp = _tensor_parallel_group(model_config.tensor_parallel)
-    if engine_kind(hcache) == "fastgen":
+    if engine_kind(settings) == "fastgen":
         from ..engine.fastgen import build_fastgen_engine
 
         engine = build_fastgen_engine(path, model_config.inference_engine_config)
         fingerprint, config = checkpoint_fingerprint(path, engine.spec), engine.config
     else:
-        device = hcache.device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-        loaded = load_model(path, model_dtype(hcache.dtype, device), device)
+        device = settings.device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+        loaded = load_model(path, model_dtype(settings.dtype, device), device)
         fingerprint = model_fingerprint(loaded.model, loaded.spec)  # of the whole model, on every rank
         shard, spec = shard_model(loaded.model, loaded.spec, tp)
-        engine = ReferenceEngine(shard, spec, num_blocks=hcache.num_blocks)
+        engine = ReferenceEngine(shard, spec, num_blocks=settings.num_blocks)
         config = model_config.inference_engine_config
     if model_config.max_length is None:  # else MII reads it from FastGen's checkpoint engine
         model_config.max_length = engine.spec.max_positions
         if isinstance(engine, ReferenceEngine):  # a longer sequence would wait in MII's scheduler forever
             model_config.max_length = min(model_config.max_length, engine.cache.num_blocks * engine.cache.block_size)
-    serving = ServingEngine(
-        engine,
-        fingerprint,
-        _rank_dirs(hcache.store_dirs, tp) if hcache.enabled and hcache.store_dirs else None,
-        model_name=path,
-        plan=hcache.plan,
-        save=hcache.save,
-        namespace=hcache.namespace,
-        store=hcache.store if hcache.enabled else StoreConfig(),
-        profile=hcache.profile,
-        readers=hcache.readers,
-        request_log=hcache.request_log,
-        config=config,
-        tp=tp,
-        gpu_cache=hcache.gpu_cache,
-    )
-    if hcache.metrics_port is not None:
-        port = hcache.metrics_port + tp.rank
+    serving = ServingEngine(engine, fingerprint, hcache, tp=tp, engine_config=config)
+    if settings.metrics_port is not None:
+        port = settings.metrics_port + tp.rank
         try:
-            serve_metrics(serving.metrics, port, hcache.metrics_host)
+            serve_metrics(serving.metrics, port, settings.metrics_host)
         except OSError as e:  # another replica on this host has the port: serve without the endpoint
-            warnings.warn(f"hcache metrics not served on {hcache.metrics_host}:{port}: {e}", stacklevel=2)
+            warnings.warn(f"hcache metrics not served on {settings.metrics_host}:{port}: {e}", stacklevel=2)
     return serving
 
 
-def resolve_profile(hcache: HCacheConfig, path: str, tensor_parallel: int = 1) -> HCacheConfig:
-    """Settle the profile once, where MII is started and before any replica loads: a given profile that does
-    not fit is refused here, and ``plan="auto"`` alone gets this machine's profile (measured now if none is
-    found and ``measure_profile``) or, after one warning, the default plan. The config returned leaves the
-    replicas nothing to look up. With tensor parallelism each rank checks its own shard's profile instead."""
-    if not hcache.enabled or tensor_parallel > 1 or (hcache.profile is None and not is_auto(hcache.plan)):
-        return hcache
-    spec = _model_spec(path, hcache)
-    device = hcache.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = model_dtype(hcache.dtype, device)
-    if hcache.profile is not None:
-        Profile.load(hcache.profile, spec, command=profile_command(path, spec))
-        return hcache
-    measure = (lambda: load_model(path, dtype, device)) if hcache.measure_profile else None
-    found = auto_profile(spec, path, measure=measure)
-    return hcache.model_copy(update={"profile": str(found.resolve()) if found else None, "plan": "auto" if found else None})
-
-
-def _rank_dirs(dirs: list[str], tp: TPGroup) -> list[str]:
-    """Each rank of a deployment stores in directories of its own: a store's index and quota assume one
-    writer process per directory."""
-    if tp.world_size == 1:
-        return dirs
-    return [str(Path(d) / f"tp{tp.world_size}-rank{tp.rank}") for d in dirs]
+def resolve_deployment(settings: HCacheConfig, path: str, tensor_parallel: int = 1) -> ResolvedConfig:
+    """Resolve the settings once, where MII is started and before any model server loads, for the model's
+    shape read from its config (with tensor parallelism, a rank's shard): a bad setting, plan or profile is
+    refused here, and ``plan="auto"`` alone gets this machine's profile (measured now, from the model, if
+    none is found and ``measure_profile``) or, after one warning, the default plan. The model servers get
+    the result and resolve nothing."""
+    spec = _model_spec(path, settings)
+    if tensor_parallel > 1:
+        spec = local_spec(spec, TPGroup(0, tensor_parallel))
+    device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve(
+        settings, spec, path, tensor_parallel=tensor_parallel, measure=lambda: load_model(path, getattr(torch, spec.dtype), device)
+    )
 
 
 def _tensor_parallel_group(degree: int) -> TPGroup:
@@ -129,43 +101,37 @@ def _tensor_parallel_group(degree: int) -> TPGroup:
     return tp
 
 
-def check_deployment(path: str, hcache: HCacheConfig, tensor_parallel: int = 1) -> None:
-    """Refuse, before any server process starts, what the model servers would refuse when they build their
-    engine: a model hcache cannot serve, a device this machine lacks, a bad plan or profile (checked by the
-    serving engine's own code, on the model's spec: no weights load), an unusable store or request log."""
-    spec = _model_spec(path, hcache)
-    if hcache.enabled:
-        tp = TPGroup(0, tensor_parallel)
-        ServingEngine(_SpecOnly(spec), "", None, model_name=Path(path).name, plan=hcache.plan, profile=hcache.profile, tp=tp)
-        for directory in hcache.store_dirs:
-            try:
-                Path(directory).mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StorageError(f"cannot create the store directory {directory}: {exc}") from exc
-            if not os.access(directory, os.W_OK | os.X_OK):
-                raise StorageError(f"the store directory {directory} is not writable")
-    if hcache.request_log is not None and not os.access(Path(hcache.request_log).parent, os.W_OK):
-        raise StorageError(f"cannot write the request log {hcache.request_log}: its directory is missing or read-only")
+def check_deployment(hcache: ResolvedConfig) -> None:
+    """Refuse, before any server process starts, a store or request log the model servers could not use."""
+    settings = hcache.settings
+    for directory in settings.store_dirs if hcache.stored else ():
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the store directory {directory}: {exc}") from exc
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise StorageError(f"the store directory {directory} is not writable")
+    if settings.request_log is not None and not os.access(Path(settings.request_log).parent, os.W_OK):
+        raise StorageError(f"cannot write the request log {settings.request_log}: its directory is missing or read-only")
 
 
-def _model_spec(path: str, hcache: HCacheConfig) -> ModelSpec:
-    """The model's shape from its config alone (no weights), on the device and dtype it will run with."""
+def _model_spec(path: str, settings: HCacheConfig) -> ModelSpec:
+    """The model's shape from its config alone (no weights), in the dtype its engine will run it in:
+    ``dtype`` if set; FastGen runs a checkpoint in its own half-precision dtype; the reference engine in
+    float16 on a GPU and float32 on the CPU."""
     from transformers import AutoConfig
 
-    device = hcache.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot read the model config in {path!r}: {exc}") from exc
-    return ModelSpec.from_config(config, model_dtype(hcache.dtype, device))
-
-
-class _SpecOnly:
-    """An engine's shape without its weights: enough for a serving engine with no store to check a plan."""
-
-    def __init__(self, spec: ModelSpec):
-        self.spec = spec
+    dtype = model_dtype(settings.dtype, device)
+    if settings.dtype is None and engine_kind(settings) == "fastgen":
+        checkpoint = getattr(config, "torch_dtype", None)
+        dtype = checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.float16
+    return ModelSpec.from_config(config, dtype)
 
 
 def engine_kind(hcache: HCacheConfig) -> str:
@@ -183,7 +149,7 @@ def check_mii_version() -> None:
         raise InvalidRequestError(f"the hcache MII backend is tested with deepspeed-mii >={lo},<{hi}; found {mii.__version__}")
 
 
-def install(hcache: HCacheConfig) -> Callable[[], None]:
+def install(hcache: ResolvedConfig) -> Callable[[], None]:
     """Make this process's MII build hcache's engine; returns the undo."""
     import mii.api
 
@@ -263,7 +229,7 @@ def keeping_the_loop_installed(pipeline) -> None:
     pipeline.__class__ = type(cls.__name__, (cls,), methods)
 
 
-def install_server(hcache: HCacheConfig, model_config, rest_gateway: bool) -> None:
+def install_server(hcache: ResolvedConfig, model_config, rest_gateway: bool) -> None:
     """For the life of one of MII's server processes: :func:`install`, and, in the REST gateway, every
     request checked at the door and every error answered with its HTTP status and message."""
     install(hcache)
@@ -357,7 +323,7 @@ def _run_mii_loop_on_cpu() -> Callable[[], None]:
 
 
 @contextmanager
-def installed(hcache: HCacheConfig) -> Iterator[None]:
+def installed(hcache: ResolvedConfig) -> Iterator[None]:
     undo = install(hcache)
     try:
         yield
@@ -366,7 +332,7 @@ def installed(hcache: HCacheConfig) -> Iterator[None]:
 
 
 @contextmanager
-def server_processes_launched_by_hcache(hcache: HCacheConfig, launched: list[subprocess.Popen]) -> Iterator[None]:
+def server_processes_launched_by_hcache(hcache: ResolvedConfig, launched: list[subprocess.Popen]) -> Iterator[None]:
     """While ``mii.serve`` starts its processes, start them through :mod:`hcache.mii.launch` with the
     hcache config, in MII's own command line otherwise, and collect them in ``launched``."""
     from mii.backend.server import MIIServer, config_to_b64_str

@@ -1,6 +1,6 @@
 """``python -m hcache.mii.launch <MII's server arguments>``: one of MII's server processes (model replica, load
 balancer or REST gateway) with hcache installed, started by :func:`hcache.mii.serve` in place of
-``python -m mii.launch.multi_gpu_server``. The hcache config comes in the environment (``HCACHE_MII_CONFIG``),
+``python -m mii.launch.multi_gpu_server``. The resolved hcache config comes in the environment (``HCACHE_MII_CONFIG``),
 not on the command line, where every local user could read the store paths and namespace."""
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import argparse
 import os
 
 from .backend import CONFIG_ENV, install_server
-from .config import HCacheConfig
+from ..config import ResolvedConfig
 
 
 def main() -> None:
     from mii.launch.multi_gpu_server import b64_encoded_config
     from mii.launch.multi_gpu_server import main as mii_main
 
-    config = HCacheConfig.model_validate_json(os.environ.pop(CONFIG_ENV))
+    config = ResolvedConfig.model_validate_json(os.environ.pop(CONFIG_ENV))
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model-config", required=True, type=b64_encoded_config)
     parser.add_argument("--restful-gateway", action="store_true")

@@ -13,8 +13,9 @@ import grpc
 import uvicorn
 from pydantic import Field, field_validator
 
+from ..storage.chunk_key import check_namespace
 from .failures import http_status
-from .requests import CACHE_SALT, check_namespace
+from .requests import CACHE_SALT
 
 _salt: ContextVar[Optional[str]] = ContextVar(CACHE_SALT, default=None)  # the salt of the request being served
 
@@ -29,7 +30,7 @@ def _with_cache_salt(request_model: type) -> type:
         @field_validator(CACHE_SALT)
         @classmethod
         def _record(cls, salt: Optional[str]) -> Optional[str]:
-            _salt.set(check_namespace(salt))
+            _salt.set(check_namespace(salt, CACHE_SALT))
             return salt
 
     WithCacheSalt.__name__ = request_model.__name__

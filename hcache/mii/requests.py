@@ -9,9 +9,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..errors import InvalidRequestError
+from ..storage.chunk_key import check_namespace
 
 CACHE_SALT = "cache_salt"  # the per-request namespace, under vLLM's name
-MAX_SALT_CHARS = 256
 # Generation options a request may set: MII's, less the one MII fills in itself.
 _MII_FIELDS = frozenset(
     ("max_length", "max_new_tokens", "min_new_tokens", "stream", "ignore_eos", "return_full_text", "do_sample",
@@ -19,18 +19,6 @@ _MII_FIELDS = frozenset(
 )  # fmt: skip
 _INTEGER_FIELDS = ("max_length", "max_new_tokens", "min_new_tokens", "top_k")
 _BOOL_FIELDS = ("stream", "ignore_eos", "return_full_text", "do_sample")
-
-
-def check_namespace(namespace: object, name: str = CACHE_SALT) -> str | None:
-    """A namespace (a request's ``cache_salt``, a deployment's ``namespace``) is ``None`` or a non-empty
-    string of printable characters."""
-    if namespace is None:
-        return None
-    if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_SALT_CHARS or not namespace.isprintable():
-        raise InvalidRequestError(
-            f"{name} must be a non-empty string of at most {MAX_SALT_CHARS} printable characters, not {namespace!r:.80}"
-        )
-    return namespace
 
 
 def check_generate_options(options: dict[str, Any], prompt_tokens: int, max_length: int) -> tuple[dict[str, Any], str | None]:
@@ -46,7 +34,7 @@ def check_generate_options(options: dict[str, Any], prompt_tokens: int, max_leng
     if unknown:
         raise InvalidRequestError(f"unknown field(s) {', '.join(unknown)}; a request may set {', '.join(sorted(_MII_FIELDS | {CACHE_SALT}))}")
     options = dict(options)
-    namespace = check_namespace(options.pop(CACHE_SALT, None))
+    namespace = check_namespace(options.pop(CACHE_SALT, None), CACHE_SALT)
     for name in _INTEGER_FIELDS:
         if name in options and (type(options[name]) is not int):
             raise InvalidRequestError(f"{name} must be an integer, not {options[name]!r}")

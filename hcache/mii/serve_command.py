@@ -3,31 +3,38 @@ optionally, MII's OpenAI-compatible server in front of it, until interrupted."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
+from ..config import HCacheConfig
+from ..errors import InvalidRequestError
 from ..model_loader import DEFAULT_MODEL, model_dir
-from ..storage.store_config import StoreConfig
 from . import serve
 from .backend import openai_server
-from .config import HCacheConfig
+
+DEFAULT_METRICS_PORT = 9464
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model with DeepSpeed-MII and hcache (REST, optionally OpenAI API)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default) or a HF model directory")
+    p.add_argument("--config", default=None, metavar="JSON",
+                   help="hcache settings as a JSON file (the fields of hcache.HCacheConfig, as for hcache.mii); the flags below override it")
     p.add_argument("--store-dir", action="append", default=None, help="chunk store directory (repeat for each SSD; default: hcache-store)")
-    p.add_argument("--tier", action="append", default=[], metavar="URL",
+    p.add_argument("--tier", action="append", default=None, metavar="URL",
                    help="a store shared with other replicas, below the local directory (repeat; nearest first): "
                    "redis://host:port/db, redis+cluster://host:port,host:port, or a directory on a shared filesystem")
     p.add_argument("--plan", default=None, help="auto, RE, H, KV or counts like 2RE+20H+8KV (default: H for MHA models, KV where KV is smaller)")
     p.add_argument("--profile", default=None, help="a profile from `hcache profile` (implies --plan auto); refused if measured elsewhere")
-    p.add_argument("--no-measure-profile", dest="measure_profile", action="store_false",
+    p.add_argument("--no-measure-profile", dest="measure_profile", action="store_false", default=None,
                    help="with --plan auto and no profile for this machine, serve the default plan instead of measuring one first")
-    p.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="auto: FastGen on a GPU, else the reference engine")
-    p.add_argument("--off", action="store_true", help="serve without hcache (the recompute baseline)")
-    p.add_argument("--gpu-cache", action="store_true", help="keep finished sequences' KV in spare KV blocks and reuse it (a GPU prefix cache)")
-    p.add_argument("--metrics-port", type=int, default=9464, help="serve Prometheus counters on this port, on --host (default 9464; 0: off)")
+    p.add_argument("--engine", default=None, choices=["auto", "fastgen", "reference"], help="auto (default): FastGen on a GPU, else the reference engine")
+    p.add_argument("--off", dest="enabled", action="store_false", default=None, help="serve without hcache (the recompute baseline)")
+    p.add_argument("--gpu-cache", action="store_true", default=None, help="keep finished sequences' KV in spare KV blocks and reuse it (a GPU prefix cache)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help=f"serve Prometheus counters on this port, on --host (default {DEFAULT_METRICS_PORT}; 0: off)")
     p.add_argument("--request-log", default=None, help="append one JSON line per finished sequence to this file")
     p.add_argument("--deployment-name", default="hcache", help="the REST path is /mii/<deployment-name>")
     p.add_argument("--host", default="localhost", help="the address the REST gateway and the OpenAI server listen on (default: localhost; 0.0.0.0 for every interface)")
@@ -36,21 +43,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--openai-port", type=int, default=None, help="also start MII's OpenAI-compatible server on this port")
 
 
+def settings(args: argparse.Namespace) -> HCacheConfig:
+    """The settings of ``--config`` (if given) with the flags given on top, validated."""
+    base = {"metrics_port": DEFAULT_METRICS_PORT}
+    if args.config is not None:
+        try:
+            given = json.loads(Path(args.config).read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidRequestError(f"--config {args.config}: not a readable JSON file ({exc})") from None
+        if not isinstance(given, dict):
+            raise InvalidRequestError(f"--config {args.config}: expected a JSON object of hcache settings, not {type(given).__name__}")
+        base.update(given)
+    flags = {
+        "enabled": args.enabled, "engine": args.engine, "store_dirs": args.store_dir, "plan": args.plan,
+        "profile": args.profile, "measure_profile": args.measure_profile, "request_log": args.request_log,
+        "gpu_cache": args.gpu_cache, "metrics_host": args.host,
+    }  # fmt: skip
+    given = {k: v for k, v in flags.items() if v is not None}
+    if args.metrics_port is not None:
+        given["metrics_port"] = args.metrics_port or None  # 0: off
+    if args.tier is not None:
+        given["store"] = {**dict(base.get("store") or {}), "tiers": args.tier}
+    return HCacheConfig.of(base, **given)
+
+
 def run(args: argparse.Namespace) -> int:
+    config = settings(args)
     path = str(model_dir(args.model))
-    config = HCacheConfig(
-        enabled=not args.off,
-        engine=args.engine,
-        store_dirs=args.store_dir or ["hcache-store"],
-        store=StoreConfig(tiers=tuple(args.tier)),
-        plan=args.plan,
-        profile=args.profile,
-        measure_profile=args.measure_profile,
-        request_log=args.request_log,
-        gpu_cache=args.gpu_cache,
-        metrics_port=args.metrics_port or None,
-        metrics_host=args.host,
-    )
     client = serve(
         path,
         hcache=config,
@@ -66,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
         if args.openai_port is not None:
             openai = openai_server(path, args.port, args.openai_port, args.host)
             print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1/chat/completions  (model: {path})")
-        if args.metrics_port:
-            print(f"Prometheus metrics: http://{args.host}:{args.metrics_port}/metrics")
+        if config.metrics_port:
+            print(f"Prometheus metrics: http://{args.host}:{config.metrics_port}/metrics")
         print("serving; Ctrl-C stops", flush=True)
         while openai is None or openai.poll() is None:
             time.sleep(1)

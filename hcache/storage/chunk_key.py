@@ -12,9 +12,24 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import InvalidRequestError
+
 CHUNK_TOKENS = 64
 LAYOUT_VERSION = 1
 _DIGEST = 16
+MAX_NAMESPACE_CHARS = 256
+
+
+def check_namespace(namespace: object, name: str = "namespace") -> str | None:
+    """A namespace (a deployment's, or a request's ``name``) is ``None`` or a non-empty string of printable
+    characters."""
+    if namespace is None:
+        return None
+    if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAMESPACE_CHARS or not namespace.isprintable():
+        raise InvalidRequestError(
+            f"{name} must be a non-empty string of at most {MAX_NAMESPACE_CHARS} printable characters, not {namespace!r:.80}"
+        )
+    return namespace
 
 
 def root_key(fingerprint: str, namespace: str | None = None) -> str:

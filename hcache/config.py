@@ -1,0 +1,278 @@
+"""hcache's settings, and the one step that resolves them for a model.
+
+Every entry point builds one :class:`HCacheConfig`: :class:`~hcache.runtime.HCacheRuntime` from its keyword
+arguments, :mod:`hcache.mii` from its ``hcache=`` config, ``hcache serve`` from its flags. The environment
+adds ``HCACHE_HOME``, where profiles measured here are cached. :func:`resolve` turns the settings and the
+model's shape into a :class:`ResolvedConfig` (the plan policy, the profile, the formats to save), where the
+process that starts serving runs: the runtime's constructor, or ``hcache.mii.pipeline``/``serve`` before
+any model server starts. Engines, the serving engine and MII's model servers receive the resolved object
+and resolve nothing again. Bad settings are refused here, each with one :class:`InvalidRequestError`
+message, before a model loads or a store opens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .auto_profile import auto_profile
+from .errors import InvalidRequestError
+from .model_loader import LoadedModel, model_dtype
+from .model_spec import ModelSpec
+from .plan import Method, RestorePlan, default_plan
+from .profile import Profile, profile_command
+from .storage.chunk_key import CHUNK_TOKENS, check_namespace
+from .storage.host_tier import DEFAULT_READERS
+from .storage.store_config import StoreConfig
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+SavePolicy = Literal["plan", "all", "none"]
+
+
+class HCacheConfig(BaseModel):
+    """What a user sets. ``enabled=False`` serves on the same engine with no store: the recompute baseline.
+
+    ``engine``: ``"fastgen"`` (DeepSpeed-FastGen, CUDA only), ``"reference"`` (HF transformers modules, any
+    device) or ``"auto"`` (FastGen when a GPU is present; the runtime always uses the reference engine).
+    ``store_dirs``: local chunk store directories, one per SSD. ``plan``: ``None`` (H for MHA models, KV
+    where KV is no larger; ``"auto"`` when a ``profile`` is given), ``"auto"`` (the profile's bubble-free
+    plan for each history length), ``"RE"``/``"H"``/``"KV"`` or counts such as ``"2RE+20H+8KV"``.
+    ``profile``: a profile file from ``hcache profile`` (or a :class:`~hcache.profile.Profile`), refused if
+    measured for another model or machine.
+    ``"auto"`` alone plans with this machine's profile, measured on first use unless
+    ``measure_profile=False`` (then the default plan serves until ``hcache profile`` has run). ``save``:
+    ``"plan"`` saves the formats the plan restores from, ``"all"`` hidden states and KV for every layer,
+    ``"none"`` nothing. ``namespace``: keeps this deployment's chunks apart from others' in a shared store.
+    ``store``: quota, TTL, host pool and write-back options, and ``tiers``: stores shared with other nodes
+    (a Redis server or cluster, a shared filesystem) below the local ``store_dirs``, which may then be
+    empty. ``readers``: threads that load stored chunks into the host pool while the RE layers compute (0:
+    inline). ``num_blocks``, ``device`` and ``dtype`` size the reference engine's KV cache and place its
+    model (FastGen takes these from MII's ``inference_engine_config``). ``request_log``: a file that gets
+    one JSON line per finished sequence. ``gpu_cache``: keep finished sequences' KV in spare KV blocks and
+    adopt it (:mod:`hcache.gpu_prefix_cache`). ``metrics_port``: serve the counters
+    (:mod:`hcache.metrics`) for Prometheus on ``metrics_host`` from each model server process
+    (tensor-parallel rank ``r`` on ``metrics_port + r``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    engine: Literal["auto", "fastgen", "reference"] = "auto"
+    store_dirs: list[str] = Field(default_factory=lambda: ["hcache-store"])
+    profile: str | Profile | None = None
+    plan: str | None = None
+    measure_profile: bool = True
+    save: SavePolicy = "plan"
+    namespace: str | None = None
+    store: StoreConfig = StoreConfig()
+    readers: int = Field(DEFAULT_READERS, ge=0)
+    num_blocks: int = Field(256, gt=0)
+    device: str | None = None
+    dtype: str | None = None
+    request_log: str | None = None
+    gpu_cache: bool = False
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    metrics_host: str = "localhost"
+
+    @classmethod
+    def of(cls, settings: HCacheConfig | Mapping | None = None, /, **overrides) -> HCacheConfig:
+        """``settings`` (a config or a dict) with ``overrides``, validated; a bad value raises
+        :class:`InvalidRequestError` naming the setting."""
+        if isinstance(settings, HCacheConfig) and not overrides:
+            return settings
+        given = settings.model_dump() if isinstance(settings, HCacheConfig) else dict(settings or {})
+        try:
+            return cls(**{**given, **overrides})
+        except ValidationError as exc:
+            raise InvalidRequestError(_message(exc)) from None
+
+    @field_validator("profile", "request_log", mode="before")
+    @classmethod
+    def _path(cls, path: object) -> object:
+        return str(path) if isinstance(path, Path) else path
+
+    @field_validator("store_dirs", mode="before")
+    @classmethod
+    def _dirs(cls, dirs: object) -> object:
+        if dirs is None:
+            return []
+        if isinstance(dirs, (str, Path)):
+            return [str(dirs)]
+        return [str(d) for d in dirs] if isinstance(dirs, Sequence) else dirs
+
+    @field_validator("plan")
+    @classmethod
+    def _plan(cls, plan: str | None) -> str | None:
+        if plan is None or is_auto(plan):
+            return plan
+        RestorePlan.check_syntax(plan)  # the layer count is checked against the model in resolve()
+        return plan.strip().upper()
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, dtype: str | None) -> str | None:
+        if dtype is not None:
+            model_dtype(dtype, "cpu")
+        return dtype
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, namespace: str | None) -> str | None:
+        return check_namespace(namespace, "namespace")
+
+    @model_validator(mode="after")
+    def _somewhere_to_store(self) -> HCacheConfig:
+        if self.enabled and not self.store_dirs and not self.store.tiers:
+            raise ValueError(
+                "store_dirs may be empty only when store.tiers names a shared tier (enabled=False serves with no store)"
+            )
+        return self
+
+
+class ResolvedConfig(BaseModel):
+    """Settings resolved for one model (with tensor parallelism, one rank's shard): what the serving engine
+    serves by. ``plan``: a fixed plan, or ``None`` for the profile's plan per history length.
+    ``save_formats``: per layer, the stored formats to save (for the auto plan, every format it restores
+    from at any length). Plain data, so that ``hcache.mii.serve`` hands it to its model servers as JSON."""
+
+    model_config = ConfigDict(frozen=True)
+
+    settings: HCacheConfig
+    spec: ModelSpec
+    model_name: str
+    tensor_parallel: int = 1
+    profile: Profile | None = None
+    plan: RestorePlan | None = None
+    save_formats: tuple[frozenset[str], ...]
+
+    @property
+    def stored(self) -> bool:
+        """Whether there is a store (a local directory or a shared tier) to restore from and save to."""
+        return self.settings.enabled
+
+    @property
+    def store(self) -> StoreConfig:
+        return self.settings.store
+
+    def store_dirs(self, rank: int = 0) -> list[str] | None:
+        """The local store directories of tensor-parallel ``rank`` (None: no local disk). Ranks store in
+        directories of their own: a store's index and quota assume one writer process per directory."""
+        dirs = self.settings.store_dirs
+        if not self.stored or not dirs:
+            return None
+        if self.tensor_parallel == 1:
+            return dirs
+        return [str(Path(d) / f"tp{self.tensor_parallel}-rank{rank}") for d in dirs]
+
+    def request_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
+        """A request's own plan (``None``: the configured one), checked against the model; ``None`` back
+        means the profile's plan per history length."""
+        if plan is None:
+            return self.plan
+        if is_auto(plan):
+            if self.profile is None:
+                raise InvalidRequestError("plan 'auto' needs a profile: pass profile=... or run `hcache profile`")
+            return None
+        return _fixed_plan(plan, self.spec)
+
+    def plan_for(self, plan: RestorePlan | None, history: int) -> RestorePlan:
+        """The plan a restore of ``history`` tokens follows, given a request's resolved ``plan``."""
+        return plan if plan is not None else self.profile.plan(self.spec, history)
+
+    def check_engine(self, spec: ModelSpec) -> None:
+        """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype
+        too if a profile was: costs are measured in one dtype)."""
+        mine = self.spec if self.profile is not None else dataclasses.replace(self.spec, dtype=spec.dtype)
+        if spec.to_json() != mine.to_json():
+            raise InvalidRequestError(
+                f"the engine's model ({spec.describe()}) is not the one the hcache config was resolved for "
+                f"({self.spec.describe()}): resolve it for this engine's model, dtype and tensor parallelism"
+            )
+
+
+def resolve(
+    settings: HCacheConfig | Mapping | None,
+    spec: ModelSpec,
+    model_name: str,
+    *,
+    tensor_parallel: int = 1,
+    measure: Callable[[], LoadedModel] | None = None,
+) -> ResolvedConfig:
+    """The settings resolved for ``spec`` (with tensor parallelism, a rank's shard). The profile is the one
+    given (which must fit), or for ``plan="auto"`` alone this machine's (:mod:`hcache.auto_profile`),
+    measured from the model ``measure`` returns if none is found and ``measure_profile`` allows, else none
+    and the default plan after one warning."""
+    settings = HCacheConfig.of(settings)
+    profile = None
+    if settings.enabled:
+        command = profile_command(model_name, spec)
+        profile = settings.profile
+        if profile is None and is_auto(settings.plan):
+            profile = auto_profile(spec, model_name, tensor_parallel, measure if settings.measure_profile else None)
+        if isinstance(profile, Profile):
+            profile.check(spec, tensor_parallel, command)
+        elif profile is not None:
+            profile = Profile.load(profile, spec, tensor_parallel, command)
+    auto = profile is not None and (settings.plan is None or is_auto(settings.plan))
+    plan = None if auto else _fixed_plan(settings.plan, spec)
+    save = settings.save if settings.enabled else "none"
+    return ResolvedConfig(
+        settings=settings,
+        spec=spec,
+        model_name=model_name,
+        tensor_parallel=tensor_parallel,
+        profile=profile,
+        plan=plan,
+        save_formats=_save_formats(save, plan, profile, spec),
+    )
+
+
+def is_auto(plan: object) -> bool:
+    return isinstance(plan, str) and plan.strip().lower() == AUTO
+
+
+def _fixed_plan(plan: str | RestorePlan | None, spec: ModelSpec) -> RestorePlan:
+    """A fixed plan for ``spec``: the one given, or the default for ``None`` (and for ``"auto"`` with no
+    profile, after :func:`auto_profile`'s warning)."""
+    if plan is None or is_auto(plan):
+        return default_plan(spec)
+    if isinstance(plan, RestorePlan):
+        if len(plan.layers) != spec.num_layers:
+            raise InvalidRequestError(f"plan {plan} covers {len(plan.layers)} layers, the model has {spec.num_layers}")
+        return plan
+    return RestorePlan.parse(plan, spec.num_layers)
+
+
+def _save_formats(
+    save: str, plan: RestorePlan | None, profile: Profile | None, spec: ModelSpec
+) -> tuple[frozenset[str], ...]:
+    if save == "none":
+        return (frozenset(),) * spec.num_layers
+    if save == "all":
+        return (frozenset((Method.H.value, Method.KV.value)),) * spec.num_layers
+    if plan is not None:
+        plans = [plan]
+    else:  # every plan auto picks over the context range
+        lengths = sorted({*profile.tokens, *_powers_of_two(CHUNK_TOKENS, spec.max_positions)})
+        plans = [profile.plan(spec, n) for n in lengths]
+    return tuple(frozenset(p.layers[layer].stored_format for p in plans) - {None} for layer in range(spec.num_layers))
+
+
+def _powers_of_two(start: int, stop: int) -> list[int]:
+    return [start << i for i in range(max(1, stop // start).bit_length())]
+
+
+def _message(exc: ValidationError) -> str:
+    """One line per bad setting: its name and what is wrong with it."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"]) or "config"
+        why = str(error["ctx"]["error"]) if "error" in error.get("ctx", {}) else error["msg"]
+        lines.append(f"hcache setting {where!r}: {why} (given {error['input']!r})" if where != "config" else why)
+    return "; ".join(lines)

@@ -1,0 +1,2 @@
+"""The package version: one place, read by the package, by profiles (which record it) and by setup.py."""
+__version__ = "0.1.0"

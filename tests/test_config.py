@@ -1,0 +1,123 @@
+"""Settings are resolved once, at the top: refused there with one message each, and handed down whole."""
+import argparse
+import json
+
+import pytest
+from helpers import loaded
+
+from hcache.config import HCacheConfig, ResolvedConfig, resolve
+from hcache.errors import InvalidRequestError
+from hcache.mii import serve_command
+from hcache.plan import RestorePlan
+from hcache.profile import Profile
+from hcache.tensor_parallel import TPGroup, local_spec
+
+
+def _serve_settings(*argv: str) -> HCacheConfig:
+    parser = argparse.ArgumentParser()
+    serve_command.add_parser(parser.add_subparsers(dest="command"))
+    return serve_command.settings(parser.parse_args(["serve", *argv]))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"num_blocks": -1}, "hcache setting 'num_blocks': Input should be greater than 0 (given -1)"),
+        ({"store": {"writers": "two"}}, "hcache setting 'store.writers'"),
+        ({"plan": "2RE++1KV"}, "hcache setting 'plan': cannot parse plan '2RE++1KV'"),
+        ({"save": "sometimes"}, "hcache setting 'save': Input should be 'plan', 'all' or 'none'"),
+        ({"dtype": "int8"}, "hcache setting 'dtype': unknown dtype 'int8'"),
+        ({"metrics_port": 70000}, "hcache setting 'metrics_port'"),
+        ({"namespace": "a\nb"}, "hcache setting 'namespace': namespace must be a non-empty string"),
+        ({"store_dirs": []}, "store_dirs may be empty only when store.tiers names a shared tier"),
+        ({"pln": "H"}, "hcache setting 'pln': Extra inputs are not permitted"),
+    ],
+)
+def test_each_bad_setting_is_refused_with_one_message(settings, message):
+    with pytest.raises(InvalidRequestError) as refused:
+        HCacheConfig.of(settings)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_two_bad_settings_are_both_named():
+    with pytest.raises(InvalidRequestError, match="'readers'.*; .*'num_blocks'"):
+        HCacheConfig.of(num_blocks=0, readers=-1)
+
+
+def test_the_plan_is_checked_against_the_model_when_resolved():
+    spec = loaded("random:llama").spec  # 3 layers
+    settings = HCacheConfig.of(plan="2H")  # well formed: the model decides
+    with pytest.raises(InvalidRequestError, match="covers 2 layers, the model has 3"):
+        resolve(settings, spec, "random:llama")
+    resolved = resolve(HCacheConfig.of(plan="1re+2kv"), spec, "random:llama")
+    assert str(resolved.plan) == "1RE+2KV" and resolved.profile is None
+    assert resolved.save_formats == (frozenset(), frozenset({"KV"}), frozenset({"KV"}))
+
+
+def test_a_profile_given_makes_auto_the_plan_and_saves_every_format_it_may_use():
+    spec = loaded("random:llama").spec
+    seconds = {"c_token": [0.001, 0.4], "c_h": [0.0002, 0.003], "c_kv": [0.0, 0.0], "io_h": [0.0006, 0.001], "io_kv": [0.0012, 0.002]}
+    profile = Profile.new("random:llama", spec, [64, 256], seconds, {})
+    resolved = resolve({"profile": profile}, spec, "random:llama")
+    assert resolved.plan is None and resolved.profile is profile
+    short, long = resolved.plan_for(None, 64), resolved.plan_for(None, spec.max_positions)
+    assert short != long
+    for layer, formats in enumerate(resolved.save_formats):
+        assert formats >= {m.stored_format for m in (short.layers[layer], long.layers[layer])} - {None}
+    assert resolved.request_plan("H") == RestorePlan.uniform(3, "H") and resolved.request_plan("auto") is None
+
+
+def test_the_resolved_config_travels_as_json_whole():
+    """What hcache.mii.serve hands its model servers: they rebuild it exactly, and resolve nothing."""
+    spec = loaded("random:llama").spec
+    seconds = {name: [0.001, 0.004] for name in ("c_token", "c_h", "c_kv", "io_h", "io_kv")}
+    resolved = resolve(
+        {"profile": Profile.new("m", spec, [64, 256], seconds, {}), "store": {"tiers": ["redis://localhost:1/0"]}, "namespace": "t1"},
+        spec,
+        "m",
+    )
+    again = ResolvedConfig.model_validate_json(resolved.model_dump_json())
+    assert again.model_dump_json() == resolved.model_dump_json()
+    assert again.spec == spec and again.plan is None and again.save_formats == resolved.save_formats
+    assert again.profile.seconds == resolved.profile.seconds and again.plan_for(None, 256) == resolved.plan_for(None, 256)
+    assert again.store.tiers == ("redis://localhost:1/0",)
+
+
+def test_an_engine_of_another_model_is_refused():
+    spec = loaded("random:llama").spec
+    resolved = resolve({}, spec, "random:llama", tensor_parallel=1)
+    resolved.check_engine(spec)
+    with pytest.raises(InvalidRequestError, match="not the one the hcache config was resolved for"):
+        resolved.check_engine(loaded("random:qwen2").spec)
+
+
+def test_tensor_parallel_ranks_store_in_directories_of_their_own(tmp_path):
+    spec = local_spec(loaded("random:llama").spec, TPGroup(0, 2))
+    resolved = resolve({"store_dirs": [str(tmp_path / "a"), str(tmp_path / "b")]}, spec, "random:llama", tensor_parallel=2)
+    assert resolved.store_dirs(1) == [str(tmp_path / "a" / "tp2-rank1"), str(tmp_path / "b" / "tp2-rank1")]
+    assert resolve({"enabled": False}, spec, "m", tensor_parallel=2).store_dirs(0) is None
+
+
+def test_serve_takes_a_config_file_and_its_flags_override_it(tmp_path):
+    path = tmp_path / "hcache.json"
+    path.write_text(json.dumps({"plan": "KV", "namespace": "tenant", "store": {"quota_bytes": 1 << 30}, "metrics_port": 9500}))
+    settings = _serve_settings("--config", str(path), "--plan", "H", "--tier", "redis://localhost:6379/0")
+    assert settings.plan == "H" and settings.namespace == "tenant" and settings.metrics_port == 9500
+    assert settings.store.quota_bytes == 1 << 30 and settings.store.tiers == ("redis://localhost:6379/0",)
+    assert _serve_settings().metrics_port == serve_command.DEFAULT_METRICS_PORT
+    assert _serve_settings("--metrics-port", "0").metrics_port is None and _serve_settings("--off").enabled is False
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not a readable JSON file"),
+        ("[1, 2]", "expected a JSON object of hcache settings, not list"),
+        ('{"readers": -2}', "hcache setting 'readers'"),
+    ],
+)
+def test_a_bad_config_file_is_refused(tmp_path, content, message):
+    path = tmp_path / "hcache.json"
+    path.write_text(content)
+    with pytest.raises(InvalidRequestError, match=message):
+        _serve_settings("--config", str(path))

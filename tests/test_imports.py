@@ -1,0 +1,112 @@
+"""The package's import graph: every module imports on its own, and no modules import each other.
+
+A cycle lets a lower module reach back into a higher one (the configuration once went from the MII backend
+to the serving engine, to the profile, to auto-profiling and back), and makes what works depend on which
+module happens to be imported first. The graph counts every import, those inside functions too.
+"""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import hcache
+
+PACKAGE = Path(hcache.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__main__.py":  # a script: importing it runs the command line
+            continue
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> tuple[set[str], set[str]]:
+    """The hcache modules ``module`` imports, and the top-level names of the other packages it imports."""
+    ours, theirs = set(), set()
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            (ours if name.split(".")[0] == "hcache" else theirs).add(name.split(".")[0] if name.split(".")[0] != "hcache" else name)
+    ours = {m for m in ours if m in modules and m != module}
+    return ours, theirs
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_modules_import_each_other():
+    modules = _modules()
+    graph = {m: _imports(m, p, modules)[0] for m, p in modules.items()}
+    assert len(graph) > 40 and graph["hcache.runtime"] >= {"hcache.config", "hcache.serving_engine"}  # the graph is read
+    mutual = sorted((a, b) for a in graph for b in graph[a] if a < b and a in graph[b])
+    assert not mutual, f"modules that import each other: {mutual}"
+    assert not _cycles(graph), f"import cycles: {_cycles(graph)}"
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    """Each module is imported by a child forked from an interpreter that holds the third-party packages but
+    no hcache module, so each import starts from nothing of hcache (and costs a fork, not a torch import)."""
+    modules = _modules()
+    third_party = sorted(set().union(*(_imports(m, p, modules)[1] for m, p in modules.items())) - set(sys.stdlib_module_names))
+    script = f"""
+import importlib, os, sys, traceback
+for name in {third_party!r}:
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass  # an optional dependency: the module that needs it says so when imported
+assert not any(m == "hcache" or m.startswith("hcache.") for m in sys.modules)
+failed = []
+for module in {sorted(modules)!r}:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            importlib.import_module(module)
+            os._exit(0)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+    if os.waitpid(pid, 0)[1] != 0:
+        failed.append(module)
+print("imported", len({sorted(modules)!r}) - len(failed), "failed", failed)
+sys.exit(1 if failed else 0)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert f"imported {len(modules)} failed []" in result.stdout
