@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from . import bench
+from . import bench, check
 from .errors import HCacheError
 from .mii import serve_command
 from .model_loader import DEFAULT_MODEL
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--out", default=None, help="output path (default: $HCACHE_HOME/profiles/<machine>-<model>.json, where plan auto looks)")
     bench.add_parsers(sub)
     serve_command.add_parser(sub)
+    check.add_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench.run(args, command)
         if args.command == "serve":
             return serve_command.run(args)
+        if args.command == "check":
+            return check.run(args, command)
         if args.command == "prepare" and args.fastgen:
             return _prepare_fastgen()
         if args.command == "prepare":

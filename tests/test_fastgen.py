@@ -459,7 +459,7 @@ def test_real_fastgen_restore_equals_recompute(tmp_path):
         got, want = cached_kv(engine, 2, layer)[: len(prompt) - 1], reference_kv[layer][:-1]
         if layer in (1, 2):  # H: V is the same GEMM's bits; K rotated by hcache's copy of FastGen's RoPE rule,
             # which evaluates the kernel's arithmetic in IEEE fp32 where the kernel uses fast-math cos/sin/pow
-            # and an FMA: a few fp16 ulps of each rotated pair (fastgen_kernel.rope_bound says why)
+            # and an FMA: a few fp16 ulps of each rotated pair (hcache.ops.rope_bound says why)
             assert torch.equal(got[:, 1], want[:, 1])
             fastgen_kernel.assert_within_rope_bound(got[:, 0].cpu(), want[:, 0].cpu(), positions, cfg.head_dim)
         else:  # RE runs FastGen's own layers; KV copies FastGen's own bits
@@ -509,7 +509,7 @@ def _greedy(engine: FastGenEngine, uid: int, logits: torch.Tensor, n: int = 4) -
 def _check_restored_kv(engine: FastGenEngine, uid: int, reference_uid: int, methods: list[str], n: int) -> None:
     """The first ``n`` positions of ``uid``'s cache against FastGen's own forward of the same tokens: RE
     (FastGen's own layers) and KV (FastGen's own bytes) bit for bit, H's V bit for bit and its K within
-    the bound of hcache's copy of FastGen's RoPE rule (fastgen_kernel.rope_bound)."""
+    the bound of hcache's copy of FastGen's RoPE rule (hcache.ops.rope_bound)."""
     positions = torch.arange(n)
     for layer, method in enumerate(methods):
         got, want = cached_kv(engine, uid, layer)[:n], cached_kv(engine, reference_uid, layer)[:n]

@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..mii.backend import engine_kind
     from ..config import HCacheConfig
+    from ..mii.backend import engine_kind
 
     engine = engine_kind(HCacheConfig(engine=args.engine))
     if not args.model.startswith("random:"):

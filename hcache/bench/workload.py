@@ -239,8 +239,8 @@ class _Runtime:
 
 
 def _mii_engine(args: argparse.Namespace) -> str:
-    from ..mii.backend import engine_kind
     from ..config import HCacheConfig
+    from ..mii.backend import engine_kind
 
     return engine_kind(HCacheConfig(engine=args.engine))
 

@@ -26,7 +26,7 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.paged_kv import copy_slots, slot_runs, write_kv_rows
+from ..ops.paged_kv import copy_slots, gather_kv, slot_runs, write_kv_rows
 from ..ragged import Segment
 from .capture import LayerCapture
 
@@ -366,6 +366,11 @@ class FastGenEngine:
     @torch.no_grad()
     def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
         copy_slots(self._caches(), slots, self._restoring[uid].slots[: len(slots)])
+
+    def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached K and V of a sequence, gathered from its blocks (for checks, not the serving path)."""
+        desc = self._state.get_sequence(uid)
+        return gather_kv(self._state.get_cache(layer), desc.all_block_ids().to(self.device, torch.long), desc.seen_tokens if length is None else length)
 
     def _caches(self) -> list[torch.Tensor]:
         return [self._state.get_cache(layer) for layer in range(self.spec.num_layers)]

@@ -73,6 +73,11 @@ class Engine(Protocol):
 
     def release_blocks(self, blocks: list[int]) -> None: ...
 
+    def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's cached K and V ``[length, n_kv_heads, head_size]`` of one layer (default: every
+        seen token), gathered from its blocks: for checks against recompute, not the serving path."""
+        ...
+
     def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
         """The restore's first ``len(slots)`` rows, every layer, copied on the device from flat cache ``slots``
         ``[T]`` of held blocks (slot = block * block_size + row): one gather and scatter per layer."""

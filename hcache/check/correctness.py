@@ -1,0 +1,119 @@
+"""Every restore method against recompute, per model family and engine: a conversation is saved, then
+returns; the restored cache must be the one the engine's own forward builds, and the greedy tokens after it
+the same.
+
+The rule per engine: on the reference engine every layer's K and V within float rounding of the forward's
+(1e-5 in float32, two ulps of the value in half precision: the projection GEMM may block rows differently);
+on FastGen, RE and KV layers bit for bit, H's V bit for bit and H's K within the bound of FastGen's
+fast-math RoPE (:mod:`hcache.ops.rope_bound`).
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..config import resolve
+from ..engine import ReferenceEngine
+from ..engine.interface import Engine
+from ..fingerprint import model_fingerprint
+from ..model_loader import random_model
+from ..model_spec import ModelSpec
+from ..ops.rope_bound import rope_bound
+from ..serving_engine import ServingEngine
+from ..storage.chunk_key import CHUNK_TOKENS
+
+FAMILIES = {  # config overrides FastGen needs (no sliding window; Phi-3's default RoPE)
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {},
+    "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+}
+PLANS = ("RE", "H", "KV", "1RE+1H+1KV")  # the random shapes have 3 layers
+NEW_TOKENS = 4
+
+
+def check_restores(engines: list[str], families: tuple[str, ...] = tuple(FAMILIES), progress=None) -> list[dict]:
+    """One case per engine, family and plan; each says whether it passed and by how much."""
+    cases = []
+    for kind in engines:
+        for family in families:
+            for case in _family(kind, family):
+                cases.append(case)
+                if progress is not None:
+                    progress(case)
+    return cases
+
+
+def _family(kind: str, family: str) -> Iterator[dict]:
+    with tempfile.TemporaryDirectory(prefix="hcache-check-") as tmp:
+        engine, fingerprint = _engine(kind, family, Path(tmp))
+        # FastGen runs a forward in batches of up to 768 tokens: one put holds the saved history.
+        history_tokens = 720 if kind == "fastgen" else 3 * CHUNK_TOKENS + 8
+        returning = history_tokens // CHUNK_TOKENS * CHUNK_TOKENS  # the restore ends inside its last chunk
+        spec = engine.spec
+        history = torch.randint(0, spec.vocab_size, (history_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+        for i, plan in enumerate(PLANS):
+            config = resolve({"store_dirs": [f"{tmp}/{plan}"], "save": "all", "readers": 0, "plan": plan}, spec, f"random:{family}")
+            with ServingEngine(engine, fingerprint, config) as serving:
+                saved, reference, restored = 10 * i + 1, 10 * i + 2, 10 * i + 3
+                serving.put([saved], [history])
+                serving.flush(saved)
+                serving.open(reference, restore=False)
+                want = _greedy(serving, reference, serving.put([reference], [history[:returning]]))
+                got = _greedy(serving, restored, serving.put([restored], [history[:returning]]))
+                record = serving.record(restored)
+                n = returning - 1
+                errors = [_layer_error(kind, m.value, engine, restored, reference, layer, n, spec) for layer, m in enumerate(config.plan.layers)]
+                serving.flush(restored)
+                serving.flush(reference)
+            yield {
+                "engine": kind, "family": family, "dtype": spec.dtype, "plan": plan, "restored_tokens": record.restored_tokens,
+                "expected_tokens": n, "fallback": record.fallback, "tokens_equal": got == want,
+                "worst_excess": max(errors), "ok": record.restored_tokens == n and got == want and max(errors) <= 0,
+            }  # fmt: skip
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _engine(kind: str, family: str, tmp: Path) -> tuple[Engine, str]:
+    gpu = torch.cuda.is_available()
+    dtype = torch.float16 if gpu else torch.float32
+    shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, max_position_embeddings=2048)
+    model = random_model(family, dtype, device="cuda" if gpu else "cpu", **shape, **FAMILIES[family])
+    if kind == "reference":
+        spec = ModelSpec.from_config(model.config, dtype)
+        return ReferenceEngine(model, spec, num_blocks=64), model_fingerprint(model, spec)
+    from ..engine.fastgen import build_fastgen_engine
+    from ..fingerprint import checkpoint_fingerprint
+
+    model.save_pretrained(tmp / "model")
+    del model
+    torch.cuda.empty_cache()
+    engine = build_fastgen_engine(str(tmp / "model"), {"state_manager": {"memory_config": {"mode": "allocate", "size": 512}}})
+    return engine, checkpoint_fingerprint(str(tmp / "model"), engine.spec)
+
+
+def _greedy(serving: ServingEngine, uid: int, logits: torch.Tensor) -> list[int]:
+    out = [int(logits[-1].argmax())]
+    for _ in range(NEW_TOKENS - 1):
+        out.append(int(serving.put([uid], [[out[-1]]])[-1].argmax()))
+    return out
+
+
+def _layer_error(kind: str, method: str, engine: Engine, uid: int, reference: int, layer: int, n: int, spec: ModelSpec) -> float:
+    """How far past its bound one layer's restored K/V lies: <= 0 within it, inf where it must be bit for bit
+    and is not."""
+    (k, v), (want_k, want_v) = (tuple(t.cpu() for t in engine.kv(u, layer, n)) for u in (uid, reference))
+    if kind == "fastgen":
+        if not torch.equal(v, want_v) or (method != "H" and not torch.equal(k, want_k)):
+            return math.inf
+        if method != "H":
+            return 0.0
+        return ((k.float() - want_k.float()).abs() - rope_bound(want_k, torch.arange(n), spec.rope.rotary_dim)).max().item()
+    tolerance = (lambda want: 1e-5) if spec.dtype == "float32" else (lambda want: 2 * torch.finfo(want.dtype).eps * want.float().abs())
+    return max(((got.float() - want.float()).abs() - tolerance(want)).max().item() for got, want in ((k, want_k), (v, want_v)))

@@ -1,0 +1,37 @@
+"""Restore speed against its bounds, on a GPU: the existing benchmarks, run at the sizes the targets name.
+
+Each figure is a ratio measured side by side in one run (see each benchmark's docstring): KV restore over a
+pinned copy of the same bytes, H over its bound, over KV and over recompute, at 1K, 4K and 16K tokens of a
+Llama-2-7B-shaped model from the host pool; the Triton RoPE-and-scatter kernel over the device copy peak;
+the chunk store's disk read over raw O_DIRECT and the saver's decode overhead; and ``bench mii``'s TTFT at
+2K and 4K. Absolute times mean something only on a GPU, so on a CPU this step is skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+
+
+def measure_speed(quick: bool, progress) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "needs a CUDA GPU: absolute restore times mean something only there"}
+    runs = [("transfer", ["--history", str(n)], f"transfer_{n}") for n in (1024, 4096, *(() if quick else (16384,)))]
+    runs.append(("ops", ["--tokens", "4096", *(() if quick else ["16384"])], "ops"))
+    if not quick:
+        runs.append(("storage", ["--model", "random:llama-2-7b", "--chunks", "64"], "storage"))
+        runs += [("mii", ["--history", str(n)], f"mii_{n}") for n in (2048, 4096)]
+    results = {}
+    for bench, argv, name in runs:
+        progress(name)
+        results[name] = _bench(bench, argv)
+    return results
+
+
+def _bench(name: str, argv: list[str]) -> dict:
+    """``hcache bench <name> <argv>``, in this process, with the benchmark's own defaults for the rest."""
+    module = importlib.import_module(f"hcache.bench.{name}")
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(argv))

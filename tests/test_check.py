@@ -1,0 +1,59 @@
+"""``hcache check`` on the CPU: the reference-engine subset it runs there, and the failures it must catch."""
+import json
+
+import torch
+
+from hcache.check.correctness import FAMILIES, PLANS, check_restores
+from hcache.cli import main
+from hcache.engine import ReferenceEngine
+
+
+def test_check_reports_the_machine_and_passes_every_restore_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "check"
+    assert main(["check", "--quick", "--out", str(out), "--store-dir", str(tmp_path / "store")]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    steps = report["steps"]
+    assert report["command"].startswith("hcache check --quick") and list(steps) == ["environment", "floors", "correctness", "speed"]
+    assert steps["environment"]["torch"] == torch.__version__ and steps["environment"]["store"]["free_bytes"] > 0
+    assert steps["floors"]["host_copy_gbps"] > 0 and steps["floors"]["disk_read_gbps"] > 0
+    cases = steps["correctness"]["cases"]
+    assert {(c["family"], c["plan"]) for c in cases} == {(f, p) for f in FAMILIES for p in PLANS}
+    assert all(c["ok"] and c["tokens_equal"] and c["restored_tokens"] == c["expected_tokens"] > 0 for c in cases), cases
+    if not torch.cuda.is_available():
+        assert "needs a CUDA GPU" in steps["speed"]["skipped"]
+    table = out.with_suffix(".md").read_text()
+    assert "| reference | phi3 | float32 | 1RE+1H+1KV | 191/191 | True |" in table and "**NO**" not in table
+    assert "correctness: every case passed" in capsys.readouterr().out
+
+
+def test_a_wrong_restore_fails_its_cases(monkeypatch):
+    """Hidden states restored off by a small amount: the plans that use H fail, and only those."""
+    restore = ReferenceEngine.restore_from_hidden
+    monkeypatch.setattr(ReferenceEngine, "restore_from_hidden", lambda self, uid, layer, hidden, start=0: restore(self, uid, layer, hidden * 1.001, start))
+    cases = {c["plan"]: c for c in check_restores(["reference"], ("llama",))}
+    assert [plan for plan, c in cases.items() if not c["ok"]] == ["H", "1RE+1H+1KV"]
+    assert cases["H"]["worst_excess"] > 0 and cases["KV"]["worst_excess"] <= 0
+
+
+def test_a_failed_case_or_step_is_recorded_and_the_command_exits_1(tmp_path, monkeypatch, capsys):
+    failing = {"engine": "reference", "family": "llama", "dtype": "float32", "plan": "H", "restored_tokens": 191,
+               "expected_tokens": 191, "fallback": None, "tokens_equal": False, "worst_excess": 0.5, "ok": False}  # fmt: skip
+    monkeypatch.setattr("hcache.check.check_restores", lambda engines, progress=None: [failing])
+
+    def no_disk(*args):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("hcache.check.measure_floors", no_disk)
+    out = tmp_path / "check"
+    assert main(["check", "--quick", "--out", str(out)]) == 1
+    steps = json.loads(out.with_suffix(".json").read_text())["steps"]
+    assert steps["floors"]["error"] == "OSError: disk gone" and steps["correctness"]["cases"] == [failing] and "speed" in steps
+    assert "| reference | llama | float32 | H | 191/191 | False | 0.5 | **NO** |" in out.with_suffix(".md").read_text()
+    assert "1 case(s) failed: reference llama H" in capsys.readouterr().out
+
+
+def test_the_check_covers_families_fastgen_serves():
+    from hcache.engine.fastgen import check_model_type
+
+    for family in FAMILIES:
+        check_model_type(family)  # raises for a family FastGen does not serve
