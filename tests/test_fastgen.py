@@ -337,6 +337,17 @@ def test_capacity_delegates_to_fastgen():
     assert engine.seen_tokens(7) == 0 and engine.free_blocks == [32]
 
 
+def test_kv_reads_a_sequence_from_its_blocks():
+    """``kv`` (what ``hcache check`` compares) is the cache's rows of the sequence, in token order."""
+    engine = fastgen()
+    prefill(engine, 3, TOKENS)  # 40 tokens over 5 blocks of 8
+    for layer in range(LAYERS):
+        k, v = engine.kv(3, layer)
+        want = cached_kv(engine, 3, layer)
+        assert k.shape == (len(TOKENS), KV_HEADS, HEAD) and torch.equal(k, want[:, 0]) and torch.equal(v, want[:, 1])
+        assert torch.equal(engine.kv(3, layer, 13)[0], want[:13, 0])
+
+
 # ---- capture --------------------------------------------------------------------------------------------
 def test_capture_gets_each_layers_input_and_kv_and_changes_nothing():
     plain, captured = fastgen(), fastgen()
