@@ -1,7 +1,8 @@
 """The host tier: saved chunks restorable from memory before their disk write, write-back, loads verified
-once, LRU eviction that never touches a referenced slot, back-pressure, and healing a chunk short of a
-format."""
+once, LRU eviction that never touches a referenced slot, back-pressure, healing a chunk short of a format, and
+pool hits counted as uses by the stores below."""
 import threading
+import time
 
 import pytest
 import torch
@@ -136,3 +137,22 @@ def test_a_chunk_saved_with_more_formats_replaces_one_with_fewer(tmp_path):
     tier.flush()
     assert tier.stores[0].names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
     tier.close()
+
+
+def test_pool_hits_renew_a_chunks_ttl_on_disk_and_across_a_restart(tmp_path):
+    now = [time.time()]  # file times and the clock must agree: a restart reads the TTL from file times
+    store = DiskChunkStore(tmp_path, ttl_s=60, fsync=False, clock=lambda: now[0])
+    tier = HostTier([store], HostPool(4 * 64 * PAGE))
+    for i in range(2):
+        publish(tier, chunk(i))
+    tier.flush()
+    for _ in range(4):  # 0 is restored from the pool every 30 s, 1 never
+        now[0] += 30
+        assert tier.stored_prefix([chunk(0).key]) == 1
+    tier.flush()
+    tier.drop_resident()
+    assert tier.stored_prefix([chunk(0).key]) == 1 and tier.stored_prefix([chunk(1).key]) == 0
+    tier.close()
+    reopened = DiskChunkStore(tmp_path, ttl_s=60, clock=lambda: now[0])
+    assert reopened.keys() == [chunk(0).key]
+    check_served(reopened, chunk(0).key, chunk(0))

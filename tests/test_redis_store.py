@@ -57,6 +57,23 @@ def test_values_expire_unless_read(redis_url):
     assert not store.contains(key)
 
 
+def test_a_touch_renews_a_values_ttl(redis_url):
+    """Host-pool hits passed down: a value the pool keeps serving does not expire below it."""
+    namespace = f"touch-{uuid.uuid4().hex[:8]}"
+    store = RedisChunkStore.from_url(f"{redis_url}?namespace={namespace}&ttl=2")
+    key, name = chunk(0).key, f"hcache:{namespace}:{chunk(0).key}"
+    store.put(key, memoryview(encode(chunk(0))))
+    client = redis.Redis.from_url(redis_url)
+    time.sleep(0.5)
+    assert client.pttl(name) <= 1600
+    store.touch([key, "ee" * 16])
+    assert client.pttl(name) > 1800
+    without_ttl = RedisChunkStore.from_url(f"{redis_url}?namespace={namespace}")
+    without_ttl.touch([key])  # the server's LRU order
+    assert store.stats()["errors"] == without_ttl.stats()["errors"] == 0
+    client.close()
+
+
 def test_namespaces_and_prefixes_keep_deployments_apart(url):
     a = RedisChunkStore.from_url(url)
     b = RedisChunkStore.from_url(url.replace("namespace=", "namespace=other"))

@@ -12,9 +12,11 @@ every chunk file is checked (its header and length by default, every checksum wi
 a bad one is deleted. So the index never lists a chunk that is not on disk whole.
 
 Capacity. ``quota_bytes`` bounds the bytes of chunk files; a put that does not fit evicts the least
-recently used chunks first (the order is rebuilt from file times at start-up). ``ttl_s`` expires chunks
-unused for that long. A chunk is pinned while :meth:`read_into` reads it, and a pinned chunk is never
-evicted.
+recently used chunks first. ``ttl_s`` expires chunks unused for that long. A use is a look-up, a read, or a
+hit in a tier above passed down by :meth:`touch` (the host pool serves the most used chunks, so without it
+they would look the least used here). A use also sets the file's time, at most once per ``_STAMP_S`` (or
+an eighth of the TTL), since the order and the TTL are rebuilt from file times at start-up. A chunk is
+pinned while :meth:`read_into` reads it, and a pinned chunk is never evicted.
 
 Privacy. Chunk files hold token ids in clear, so directories are 0700 and files 0600 whatever the umask.
 
@@ -57,6 +59,7 @@ _MANIFEST = "hcache-store.json"
 _SUFFIX = ".safetensors"
 _DIR_MODE = 0o700
 _STALE_TMP_S = 86400.0  # in shared mode, a temporary file this old is an abandoned write
+_STAMP_S = 60.0  # a use is recorded in the file's time at most this often: a restart's order is that coarse
 
 
 def _age(path: Path) -> float:
@@ -64,6 +67,14 @@ def _age(path: Path) -> float:
         return time.time() - path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+def _set_time(stamp: tuple[Path, float] | None) -> None:
+    if stamp is not None:
+        try:
+            os.utime(stamp[0], (stamp[1], stamp[1]))
+        except OSError:
+            pass  # evicted or replaced meanwhile: a replacement's time is as recent
 
 
 def _release_all(releases: list) -> None:
@@ -123,6 +134,7 @@ class DiskChunkStore:
         self.dropped_at_start = 0  # chunk files found bad at start-up
         self._lock = threading.Lock()
         self._index = LruIndex(quota_bytes, ttl_s, clock)
+        self._stamp_s = _STAMP_S if ttl_s is None else min(_STAMP_S, ttl_s / 8)
         self._next_dir = 0
         self._writing: set[str] = set()  # keys with a put in flight
         self._written = threading.Condition(self._lock)  # notified when a put ends
@@ -215,7 +227,7 @@ class DiskChunkStore:
                     self.dropped_at_start += 1
                     path.unlink(missing_ok=True)
                     continue
-                entry = Entry(st.st_size, st.st_mtime, i)
+                entry = Entry(st.st_size, st.st_mtime, i, stamped=st.st_mtime)
                 if key in found:  # the same chunk in two directories: keep the newer copy
                     older, newer = sorted([found[key], (path, entry)], key=lambda pe: pe[1].last_used)
                     older[0].unlink(missing_ok=True)
@@ -239,11 +251,19 @@ class DiskChunkStore:
         with self._lock:
             if self._lookup(key) is None:
                 return False
-            self._index.touch(key)
-            return True
+            stamp = self._use(key)
+        _set_time(stamp)
+        return True
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         return [self.contains(key) for key in keys]
+
+    def touch(self, keys: list[str]) -> None:
+        """Uses of these chunks served by a tier above (host-pool hits)."""
+        with self._lock:
+            stamps = [self._use(key) for key in keys if key in self._index and key not in self._writing]
+        for stamp in stamps:
+            _set_time(stamp)
 
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
         """Read a whole chunk file with one request into ``take(size)`` (a buffer of at least ``size``
@@ -253,9 +273,10 @@ class DiskChunkStore:
             entry = self._lookup(key)
             if entry is None:
                 return None
-            self._index.touch(key)
+            stamp = self._use(key)
             entry.pins += 1
             where, size = entry.where, entry.size
+        _set_time(stamp)
         try:
             out = take(size)
             if out is None:
@@ -304,7 +325,8 @@ class DiskChunkStore:
                 self._next_dir = (self._next_dir + 1) % len(self.dirs)
             # Reserve the space now, so concurrent puts cannot overshoot the quota together; the pin
             # keeps the reservation from being evicted before the file exists.
-            entry = Entry(size, self._index.clock(), where, pins=1)
+            now = self._index.clock()
+            entry = Entry(size, now, where, pins=1, stamped=now)
             self._index.add(key, entry)
             self._writing.add(key)
         path = self.path(key, where)
@@ -367,6 +389,14 @@ class DiskChunkStore:
             self._evict([(key, self._index.remove(key))])
             return None
         return entry
+
+    def _use(self, key: str) -> tuple[Path, float] | None:
+        """Count a use of an indexed chunk; the file time to set with it, when the last one set is stale."""
+        entry = self._index.touch(key)
+        if entry.last_used - entry.stamped < self._stamp_s:
+            return None
+        entry.stamped = entry.last_used
+        return self.path(key, entry.where), entry.last_used
 
     def _adopt(self, key: str) -> Entry | None:
         """A chunk published by another process (or another store object) over the same directories."""

@@ -124,6 +124,21 @@ class RedisChunkStore:
 
         return self._guard("look up", call, [False] * len(keys))
 
+    def touch(self, keys: list[str]) -> None:
+        """Uses served by a tier above: each renews its value's TTL, or without one its place in the
+        server's LRU order."""
+
+        def call(client):
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                if self.ttl_s is None:
+                    pipe.touch(self._prefix + key)
+                else:
+                    pipe.pexpire(self._prefix + key, int(self.ttl_s * 1000))
+            pipe.execute()
+
+        self._guard("touch", call, None)
+
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
         """GET the chunk and copy it into ``take(size)``; a failure of the server is a miss."""
 
