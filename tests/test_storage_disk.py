@@ -250,6 +250,27 @@ def test_a_second_process_on_a_store_directory_is_refused_until_the_first_closes
     assert _open_elsewhere(tmp_path).returncode == 0
 
 
+def test_check_refuses_what_opening_would_and_opens_nothing(tmp_path):
+    """The check a server runs before starting the processes that open its store (issue 25)."""
+    store = DiskChunkStore(tmp_path / "held")
+    DiskChunkStore.check(tmp_path / "held")  # this process holds it: its engines may open it too
+    store.close()
+    code = "import sys; from hcache.storage.disk_store import DiskChunkStore; DiskChunkStore.check(sys.argv[1:])"
+    refused = subprocess.run([sys.executable, "-c", code, str(tmp_path / "held")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 0  # released
+    shared = DiskChunkStore(tmp_path / "held", shared=True)
+    with pytest.raises(StorageError, match="open here as shared"):
+        DiskChunkStore.check(tmp_path / "held")
+    DiskChunkStore.check(tmp_path / "held", shared=True)
+    shared.close()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "hcache-store.json").write_text(json.dumps({"layout_version": LAYOUT_VERSION - 1}))
+    with pytest.raises(StorageError, match=f"has layout version {LAYOUT_VERSION - 1}"):
+        DiskChunkStore.check([tmp_path / "new", tmp_path / "old"])
+    DiskChunkStore.check(tmp_path / "new")
+    assert not (tmp_path / "new" / "hcache-store.json").exists() and not DiskChunkStore(tmp_path / "new").keys()
+
+
 def test_a_forked_child_does_not_inherit_its_parents_store(tmp_path):
     store = DiskChunkStore(tmp_path / "parent")
     store.put(*chunk_bytes(0))

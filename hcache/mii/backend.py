@@ -137,13 +137,8 @@ def check_deployment(path: str, hcache: HCacheConfig, tensor_parallel: int = 1) 
     if hcache.enabled:
         tp = TPGroup(0, tensor_parallel)
         ServingEngine(_SpecOnly(spec), "", None, model_name=Path(path).name, plan=hcache.plan, profile=hcache.profile, tp=tp)
-        for directory in hcache.store_dirs:
-            try:
-                Path(directory).mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StorageError(f"cannot create the store directory {directory}: {exc}") from exc
-            if not os.access(directory, os.W_OK | os.X_OK):
-                raise StorageError(f"the store directory {directory} is not writable")
+        for rank in range(tensor_parallel):  # what each rank's engine will open
+            hcache.store.check_dirs(_rank_dirs(hcache.store_dirs, TPGroup(rank, tensor_parallel)) if hcache.store_dirs else None)
     if hcache.request_log is not None and not os.access(Path(hcache.request_log).parent, os.W_OK):
         raise StorageError(f"cannot write the request log {hcache.request_log}: its directory is missing or read-only")
 

@@ -77,6 +77,15 @@ def _set_time(stamp: tuple[Path, float] | None) -> None:
             pass  # evicted or replaced meanwhile: a replacement's time is as recent
 
 
+def _dir_list(dirs: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    paths = [Path(dirs)] if isinstance(dirs, (str, os.PathLike)) else [Path(p) for p in dirs]
+    if not paths:
+        raise StorageError("a chunk store needs at least one directory")
+    if len({p.resolve() for p in paths}) != len(paths):
+        raise StorageError(f"a directory is listed twice in {[str(p) for p in paths]}")
+    return paths
+
+
 def _release_all(releases: list) -> None:
     for release in releases:
         release()
@@ -114,12 +123,7 @@ class DiskChunkStore:
         shared: bool = False,
         clock: Callable[[], float] = time.time,
     ):
-        paths = [dirs] if isinstance(dirs, (str, os.PathLike)) else list(dirs)
-        if not paths:
-            raise StorageError("a chunk store needs at least one directory")
-        self.dirs = [Path(p) for p in paths]
-        if len({p.resolve() for p in self.dirs}) != len(self.dirs):
-            raise StorageError(f"a directory is listed twice in {[str(p) for p in self.dirs]}")
+        self.dirs = _dir_list(dirs)
         if quota_bytes is not None and quota_bytes <= 0:
             raise StorageError(f"quota_bytes must be positive, not {quota_bytes}")
         if ttl_s is not None and ttl_s <= 0:
@@ -161,13 +165,28 @@ class DiskChunkStore:
         return self._index.quota_bytes
 
     # ---- start-up ----------------------------------------------------------------------------------
+    @classmethod
+    def check(cls, dirs: str | os.PathLike | Sequence[str | os.PathLike], *, shared: bool = False) -> None:
+        """Raise the StorageError that opening a store on ``dirs`` would raise for a directory (one that
+        cannot be made or written, that another process holds, or of another layout), reading no chunk: for
+        a check before starting the processes that will open it."""
+        for d in _dir_list(dirs):
+            release = cls._prepare(d, None, shared)
+            try:
+                dio.supports_direct(d)
+            except OSError as exc:
+                raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
+            finally:
+                release()
+
     def close(self) -> None:
         """Let another process open these directories (also done when the store is collected)."""
         self._finalizer()
 
     @staticmethod
-    def _prepare(d: Path, labels: dict[str, str], shared: bool) -> Callable[[], None]:
-        """Create and lock ``d`` and record ``labels`` in its manifest; returns the lock's release."""
+    def _prepare(d: Path, labels: dict[str, str] | None, shared: bool) -> Callable[[], None]:
+        """Create and lock ``d`` and record ``labels`` in its manifest (None: only check it); returns the
+        lock's release."""
         try:
             for sub in (d, d / "chunks"):
                 sub.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
@@ -186,7 +205,7 @@ class DiskChunkStore:
                     f"{LAYOUT_VERSION}; use a new directory"
                 )
             producers = record.setdefault("producers", [])
-            if not manifest.exists() or (labels and labels not in producers):
+            if labels is not None and (not manifest.exists() or (labels and labels not in producers)):
                 if labels:
                     producers.append(labels)
                 tmp = d / f".{_MANIFEST}.{uuid.uuid4().hex}.tmp"
