@@ -215,6 +215,13 @@ def test_bad_model_or_store_is_a_clear_error(llama, tmp_path):
     (corrupt / "config.json").write_text('{"model_type": "llama",')
     with pytest.raises(ModelNotFoundError, match="cannot read the model config"):
         HCacheRuntime(str(corrupt), tmp_path / "store")
+    no_weights = tmp_path / "no-weights"
+    random_model("llama").config.save_pretrained(no_weights)
+    with pytest.raises(ModelNotFoundError, match="cannot load the model weights in"):
+        HCacheRuntime(str(no_weights), tmp_path / "store")
+    for blocks in (0, -1):
+        with pytest.raises(InvalidRequestError, match=f"not num_blocks={blocks} of block_size=64 tokens"):
+            HCacheRuntime(llama, tmp_path / "store", num_blocks=blocks)
     if not torch.cuda.is_available():
         with pytest.raises(InvalidRequestError, match="no usable CUDA GPU"):
             HCacheRuntime("random:llama", tmp_path / "store", device="cuda")

@@ -205,6 +205,8 @@ class DiskChunkStore:
                     f"{LAYOUT_VERSION}; use a new directory"
                 )
             producers = record.setdefault("producers", [])
+            if not isinstance(producers, list):
+                raise StorageError(f"store {d}: the producers in {_MANIFEST} are not a list; use a new directory")
             if labels is not None and (not manifest.exists() or (labels and labels not in producers)):
                 if labels:
                     producers.append(labels)
