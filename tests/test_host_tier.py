@@ -8,7 +8,7 @@ import pytest
 import torch
 from storage_chunks import FINGERPRINT, Chunk, check_image, check_served, chunk, publish
 
-from hcache.storage.chunk import ChunkInvalid, ChunkLayout, encode
+from hcache.storage.chunk import ChunkInvalid, ChunkLayout, decode, encode
 from hcache.storage.disk_store import DiskChunkStore
 from hcache.storage.host_tier import HostTier
 from hcache.transfer.host_pool import PAGE, HostPool
@@ -156,3 +156,21 @@ def test_pool_hits_renew_a_chunks_ttl_on_disk_and_across_a_restart(tmp_path):
     reopened = DiskChunkStore(tmp_path, ttl_s=60, clock=lambda: now[0])
     assert reopened.keys() == [chunk(0).key]
     check_served(reopened, chunk(0).key, chunk(0))
+
+
+@pytest.mark.parametrize("change", [b"appended", None])
+def test_a_chunk_file_whose_length_changed_is_rewritten_by_the_next_write_back(tmp_path, change):
+    """Header intact, length changed while the store is open: the write-back's check of what is stored
+    must see it (issue 25), or the file stays on disk failing full verification."""
+    tier = _tier(tmp_path, 4, readers=0)
+    publish(tier, chunk(0))
+    tier.flush()
+    tier.drop_resident()
+    path = tier.stores[0].path(chunk(0).key)
+    data = path.read_bytes()
+    path.write_bytes(data + change if change else data[:-100])
+    publish(tier, chunk(0))  # saved again (by a restore that recomputed it, or a promotion)
+    tier.flush()
+    assert path.read_bytes() == data
+    decode(path.read_bytes(), chunk(0).key)  # every checksum
+    tier.close()

@@ -313,15 +313,17 @@ class DiskChunkStore:
             self._unpin(entry)
 
     def names(self, key: str) -> frozenset[str] | None:
-        """The tensor names a stored chunk holds (from its header), or None if it is absent or unreadable."""
+        """The tensor names a stored chunk holds (from its header), or None if it is absent or unreadable.
+        The header is checked against the file's length, not the index's: a write-back asks this to skip a
+        chunk stored already, and must not skip one whose file changed length behind the store's back."""
         with self._lock:
             entry = self._lookup(key)
             if entry is None:
                 return None
-            where, size = entry.where, entry.size
+            where = entry.where
         try:
             with open(self.path(key, where), "rb") as f:
-                return header_names(f, key, size)
+                return header_names(f, key, os.fstat(f.fileno()).st_size)
         except (OSError, ChunkInvalid):
             return None
 
