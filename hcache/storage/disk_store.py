@@ -26,7 +26,8 @@ of its own). A chunk another node wrote is found on an index miss, by its path. 
 only the chunks it has seen; a chunk one node evicts while another reads it is either read whole (the
 reader holds the file open) or fails to read (a stale handle): a clean miss, and any torn read is caught
 by the chunk's checksums. Start-up deletes only temporary files older than a day, since a young one may
-be another node's write in flight.
+be another node's write in flight; so does a private store's start-up when another store object of the
+process has the directory open already (its writes may be in flight).
 """
 from __future__ import annotations
 
@@ -144,13 +145,16 @@ class DiskChunkStore:
         self._written = threading.Condition(self._lock)  # notified when a put ends
         releases: list = []
         self._finalizer = weakref.finalize(self, _release_all, releases)
+        sole = []  # per directory: no other store object here holds it, so its temporary files are abandoned
         for d in self.dirs:
-            releases.append(self._prepare(d, dict(labels or {}), shared))
+            release, first = self._prepare(d, dict(labels or {}), shared)
+            releases.append(release)
+            sole.append(first and not shared)
         try:
             self.direct = [direct_io and dio.supports_direct(d) for d in self.dirs]
         except OSError as exc:
             raise StorageError(f"chunk store {self.dirs} is not writable: {exc}") from exc
-        self._rebuild(verify)
+        self._rebuild(verify, sole)
 
     @property
     def root(self) -> Path:
@@ -171,7 +175,7 @@ class DiskChunkStore:
         cannot be made or written, that another process holds, or of another layout), reading no chunk: for
         a check before starting the processes that will open it."""
         for d in _dir_list(dirs):
-            release = cls._prepare(d, None, shared)
+            release, _ = cls._prepare(d, None, shared)
             try:
                 dio.supports_direct(d)
             except OSError as exc:
@@ -184,16 +188,16 @@ class DiskChunkStore:
         self._finalizer()
 
     @staticmethod
-    def _prepare(d: Path, labels: dict[str, str] | None, shared: bool) -> Callable[[], None]:
+    def _prepare(d: Path, labels: dict[str, str] | None, shared: bool) -> tuple[Callable[[], None], bool]:
         """Create and lock ``d`` and record ``labels`` in its manifest (None: only check it); returns the
-        lock's release."""
+        lock's release and whether this is the only store object of the process on ``d``."""
         try:
             for sub in (d, d / "chunks"):
                 sub.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
                 os.chmod(sub, _DIR_MODE)
         except OSError as exc:
             raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
-        release = dir_lock.acquire(d, shared)
+        release, first = dir_lock.acquire(d, shared)
         try:
             manifest = d / _MANIFEST
             record = json.loads(manifest.read_text()) if manifest.exists() else {"layout_version": LAYOUT_VERSION}
@@ -221,15 +225,15 @@ class DiskChunkStore:
         except BaseException:
             release()
             raise
-        return release
+        return release, first
 
-    def _rebuild(self, verify: str) -> None:
+    def _rebuild(self, verify: str, sole: list[bool]) -> None:
         found: dict[str, tuple[Path, Entry]] = {}
         for i, d in enumerate(self.dirs):
             for path in (d / "chunks").glob("*/*"):
                 name = path.name
                 if name.startswith(".") and name.endswith(".tmp"):
-                    if not self.shared or _age(path) > _STALE_TMP_S:
+                    if sole[i] or _age(path) > _STALE_TMP_S:
                         path.unlink(missing_ok=True)  # a write that never got published
                     continue
                 key = name[: -len(_SUFFIX)]
