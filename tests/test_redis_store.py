@@ -111,6 +111,31 @@ def test_a_corrupt_value_is_refused_on_entry_and_dropped(url):
     tier.close()
 
 
+def test_a_value_of_another_type_is_a_bad_chunk_replaced_not_a_server_failure(redis_url):
+    """Issue 25: a list under a chunk's key made the tier back off and was never replaced."""
+    namespace = f"type-{uuid.uuid4().hex[:8]}"
+    store = RedisChunkStore.from_url(f"{redis_url}?namespace={namespace}")
+    tier = _tier([store], readers=0)
+    key, name = chunk(0).key, f"hcache:{namespace}:{chunk(0).key}"
+    client = redis.Redis.from_url(redis_url)
+    client.rpush(name, b"not a chunk")
+    publish(tier, chunk(0))  # the write-back finds no chunk there, and writes one
+    tier.flush()
+    check_bytes(read_back(store, key), key, chunk(0))
+    client.delete(name)
+    client.rpush(name, b"not a chunk")
+    tier.drop_resident()
+    with pytest.raises(ChunkInvalid, match="not a string"):
+        tier.fetch(key).result()
+    assert not client.exists(name)  # discarded, so the next save writes it
+    publish(tier, chunk(0))
+    tier.flush()
+    check_bytes(read_back(store, key), key, chunk(0))
+    assert store.stats()["errors"] == store.stats()["skipped"] == 0
+    tier.close()
+    client.close()
+
+
 def test_a_dead_server_is_a_miss_counted_and_logged_once(redis_server, caplog):
     store = RedisChunkStore.from_url(f"{redis_server.url}?backoff=0&timeout=0.5")
     store.put(chunk(0).key, memoryview(encode(chunk(0))))
