@@ -28,9 +28,9 @@ from hcache.mii.config import HCacheConfig
 from hcache.model_loader import model_dir as resolve_model_dir
 from hcache.model_loader import random_model
 from hcache.model_spec import ModelSpec
-from hcache.storage.chunk_key import LAYOUT_VERSION
 from hcache.plan import default_plan
 from hcache.profile import Profile, ProfileMismatch, default_profile_path
+from hcache.storage.chunk_key import LAYOUT_VERSION
 
 NOTE = (
     "Paris is the capital and largest city of France, on the Seine. Berlin is the capital and largest city of "

@@ -11,9 +11,9 @@ from storage_chunks import read_back
 from hcache.errors import InvalidRequestError, ModelNotFoundError, StorageError
 from hcache.model_loader import load_model, random_model
 from hcache.runtime import HCacheRuntime
-from hcache.storage.store_config import StoreConfig
 from hcache.storage.chunk import Chunk, decode, encode
 from hcache.storage.chunk_key import chunk_keys, root_key
+from hcache.storage.store_config import StoreConfig
 
 NO_STOP = set()
 
