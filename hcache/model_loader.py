@@ -64,7 +64,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     except (OSError, ValueError) as exc:  # transformers reports an unparsable config.json as an OSError
         raise ModelNotFoundError(f"cannot read the model config in {path}: {exc}") from exc
     spec = ModelSpec.from_config(config, dtype)  # refuses a model before loading weights
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as exc:  # no weights file, or one that cannot be read
+        raise ModelNotFoundError(f"cannot load the model weights in {path}: {exc}") from exc
+    model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
     return LoadedModel(name, model, spec, tokenizer)
 

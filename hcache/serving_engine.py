@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -391,7 +392,8 @@ class ServingEngine:
             self.engine.flush(uid)  # nothing left to free once detached
         self.metrics.sequences += seq is not None
         if seq is not None and self.request_log is not None and self.tp.rank == 0:  # ranks restore alike
-            with self.request_log.open("a") as f:
+            # 0600 whatever the umask, as the store's files: it holds token counts per conversation
+            with os.fdopen(os.open(self.request_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:
                 f.write(json.dumps({"uid": uid, "time": time.time(), **asdict(seq.record)}) + "\n")
 
     def close(self) -> None:

@@ -59,3 +59,11 @@ def test_bench_storage_measures_a_redis_tier_of_its_own_against_redis_py(tmp_pat
     for name in ("redis_read_ratio", "redis_write_ratio", "redis_layer_values_ratio", "store_read_mb_s", "raw_read_mb_s"):
         assert result[name] > 0, name
     assert result["saver_chunks_published"] > 0 and "step_ms_on" in result
+
+
+def test_bench_quota_counts_the_tokens_a_quota_keeps_restorable_across_a_restart(tmp_path):
+    out = tmp_path / "quota.json"
+    assert main(["bench", "quota", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["shared_chunk_kept"] and result["chunks_kept"] == 4
+    assert result["restored_tokens_per_prompt"] == [64, 64, 64, 128, 128, 128]

@@ -1,13 +1,14 @@
 """The host tier: saved chunks restorable from memory before their disk write, write-back, loads verified
-once, LRU eviction that never touches a referenced slot, back-pressure, and healing a chunk short of a
-format."""
+once, LRU eviction that never touches a referenced slot, back-pressure, healing a chunk short of a format, and
+pool hits counted as uses by the stores below."""
 import threading
+import time
 
 import pytest
 import torch
 from storage_chunks import FINGERPRINT, Chunk, check_image, check_served, chunk, publish
 
-from hcache.storage.chunk import ChunkInvalid, ChunkLayout, encode
+from hcache.storage.chunk import ChunkInvalid, ChunkLayout, decode, encode
 from hcache.storage.disk_store import DiskChunkStore
 from hcache.storage.host_tier import HostTier
 from hcache.transfer.host_pool import PAGE, HostPool
@@ -135,4 +136,41 @@ def test_a_chunk_saved_with_more_formats_replaces_one_with_fewer(tmp_path):
     publish(tier, short)  # the same, when the full one is only on disk
     tier.flush()
     assert tier.stores[0].names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
+    tier.close()
+
+
+def test_pool_hits_renew_a_chunks_ttl_on_disk_and_across_a_restart(tmp_path):
+    now = [time.time()]  # file times and the clock must agree: a restart reads the TTL from file times
+    store = DiskChunkStore(tmp_path, ttl_s=60, fsync=False, clock=lambda: now[0])
+    tier = HostTier([store], HostPool(4 * 64 * PAGE))
+    for i in range(2):
+        publish(tier, chunk(i))
+    tier.flush()
+    for _ in range(4):  # 0 is restored from the pool every 30 s, 1 never
+        now[0] += 30
+        assert tier.stored_prefix([chunk(0).key]) == 1
+    tier.flush()
+    tier.drop_resident()
+    assert tier.stored_prefix([chunk(0).key]) == 1 and tier.stored_prefix([chunk(1).key]) == 0
+    tier.close()
+    reopened = DiskChunkStore(tmp_path, ttl_s=60, clock=lambda: now[0])
+    assert reopened.keys() == [chunk(0).key]
+    check_served(reopened, chunk(0).key, chunk(0))
+
+
+@pytest.mark.parametrize("change", [b"appended", None])
+def test_a_chunk_file_whose_length_changed_is_rewritten_by_the_next_write_back(tmp_path, change):
+    """Header intact, length changed while the store is open: the write-back's check of what is stored
+    must see it (issue 25), or the file stays on disk failing full verification."""
+    tier = _tier(tmp_path, 4, readers=0)
+    publish(tier, chunk(0))
+    tier.flush()
+    tier.drop_resident()
+    path = tier.stores[0].path(chunk(0).key)
+    data = path.read_bytes()
+    path.write_bytes(data + change if change else data[:-100])
+    publish(tier, chunk(0))  # saved again (by a restore that recomputed it, or a promotion)
+    tier.flush()
+    assert path.read_bytes() == data
+    decode(path.read_bytes(), chunk(0).key)  # every checksum
     tier.close()

@@ -31,6 +31,7 @@ from hcache.model_loader import random_model
 from hcache.model_spec import ModelSpec
 from hcache.plan import default_plan
 from hcache.profile import Profile, ProfileMismatch, default_profile_path
+from hcache.storage.chunk_key import LAYOUT_VERSION
 
 NOTE = (
     "Paris is the capital and largest city of France, on the Seine. Berlin is the capital and largest city of "
@@ -498,7 +499,7 @@ def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, t
     [
         (["--plan", "3H+"], "cannot parse plan"),
         (["--profile", "nowhere.json"], "no profile at nowhere.json"),
-        (["--store-dir", "/proc/hcache-store"], "cannot create the store directory"),
+        (["--store-dir", "/proc/hcache-store"], "chunk store /proc/hcache-store is not a writable directory"),
     ],
 )
 def test_serve_command_checks_its_config_before_starting_anything(model_dir, args, message, capsys, monkeypatch):
@@ -508,4 +509,28 @@ def test_serve_command_checks_its_config_before_starting_anything(model_dir, arg
     monkeypatch.setattr("subprocess.Popen.__init__", lambda self, *a, **k: started.append(a))
     assert main(["serve", "--model", model_dir, "--engine", "reference", "--rest-port", str(_free_port()), "--port", str(_free_port()), *args]) == 2
     assert message in capsys.readouterr().err
+    assert started == []
+
+
+def test_serve_command_refuses_a_store_it_could_not_open_before_starting_anything(model_dir, tmp_path, capsys, monkeypatch):
+    """Issue 25: a store directory held by another process, or of an old layout, is found by the pre-start
+    check, with its reason, not after MII's start-up by a crashed server."""
+    from hcache.cli import main
+
+    held, old = tmp_path / "held", tmp_path / "old"
+    old.mkdir()
+    (old / "hcache-store.json").write_text(json.dumps({"layout_version": LAYOUT_VERSION - 1}))
+    code = "import sys; from hcache.storage.disk_store import DiskChunkStore; store = DiskChunkStore(sys.argv[1]); print('open', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(held)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    started = []
+    monkeypatch.setattr("subprocess.Popen.__init__", lambda self, *a, **k: started.append(a))
+    try:
+        assert holder.stdout.readline() == "open\n"
+        for store_dir, message in [(held, f"in use by another process (pid {holder.pid})"), (old, f"has layout version {LAYOUT_VERSION - 1}")]:
+            ports = ["--rest-port", str(_free_port()), "--port", str(_free_port())]
+            assert main(["serve", "--model", model_dir, "--engine", "reference", *ports, "--store-dir", str(store_dir)]) == 2
+            assert message in capsys.readouterr().err
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
     assert started == []

@@ -57,6 +57,23 @@ def test_values_expire_unless_read(redis_url):
     assert not store.contains(key)
 
 
+def test_a_touch_renews_a_values_ttl(redis_url):
+    """Host-pool hits passed down: a value the pool keeps serving does not expire below it."""
+    namespace = f"touch-{uuid.uuid4().hex[:8]}"
+    store = RedisChunkStore.from_url(f"{redis_url}?namespace={namespace}&ttl=2")
+    key, name = chunk(0).key, f"hcache:{namespace}:{chunk(0).key}"
+    store.put(key, memoryview(encode(chunk(0))))
+    client = redis.Redis.from_url(redis_url)
+    time.sleep(0.5)
+    assert client.pttl(name) <= 1600
+    store.touch([key, "ee" * 16])
+    assert client.pttl(name) > 1800
+    without_ttl = RedisChunkStore.from_url(f"{redis_url}?namespace={namespace}")
+    without_ttl.touch([key])  # the server's LRU order
+    assert store.stats()["errors"] == without_ttl.stats()["errors"] == 0
+    client.close()
+
+
 def test_namespaces_and_prefixes_keep_deployments_apart(url):
     a = RedisChunkStore.from_url(url)
     b = RedisChunkStore.from_url(url.replace("namespace=", "namespace=other"))
@@ -92,6 +109,31 @@ def test_a_corrupt_value_is_refused_on_entry_and_dropped(url):
         tier.fetch(chunk(0).key).result()
     assert not store.contains(chunk(0).key)
     tier.close()
+
+
+def test_a_value_of_another_type_is_a_bad_chunk_replaced_not_a_server_failure(redis_url):
+    """Issue 25: a list under a chunk's key made the tier back off and was never replaced."""
+    namespace = f"type-{uuid.uuid4().hex[:8]}"
+    store = RedisChunkStore.from_url(f"{redis_url}?namespace={namespace}")
+    tier = _tier([store], readers=0)
+    key, name = chunk(0).key, f"hcache:{namespace}:{chunk(0).key}"
+    client = redis.Redis.from_url(redis_url)
+    client.rpush(name, b"not a chunk")
+    publish(tier, chunk(0))  # the write-back finds no chunk there, and writes one
+    tier.flush()
+    check_bytes(read_back(store, key), key, chunk(0))
+    client.delete(name)
+    client.rpush(name, b"not a chunk")
+    tier.drop_resident()
+    with pytest.raises(ChunkInvalid, match="not a string"):
+        tier.fetch(key).result()
+    assert not client.exists(name)  # discarded, so the next save writes it
+    publish(tier, chunk(0))
+    tier.flush()
+    check_bytes(read_back(store, key), key, chunk(0))
+    assert store.stats()["errors"] == store.stats()["skipped"] == 0
+    tier.close()
+    client.close()
 
 
 def test_a_dead_server_is_a_miss_counted_and_logged_once(redis_server, caplog):

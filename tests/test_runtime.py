@@ -8,11 +8,13 @@ import torch
 from helpers import corrupt_tensor, loaded, random_prompt
 from storage_chunks import read_back
 
+from hcache.engine import ReferenceEngine
 from hcache.errors import InvalidRequestError, ModelNotFoundError, StorageError
 from hcache.model_loader import load_model, random_model
 from hcache.runtime import HCacheRuntime
 from hcache.storage.chunk import Chunk, decode, encode
 from hcache.storage.chunk_key import chunk_keys, root_key
+from hcache.storage.store_config import StoreConfig
 
 NO_STOP = set()
 
@@ -55,6 +57,28 @@ def test_conversations_sharing_a_system_prompt_share_its_chunks(smollm2, tmp_pat
     processed = len(second) + len(result.output_ids) - 1
     assert runtime.saver.chunks_published - written == processed // 64 - result.restored_tokens // 64
     assert result.output_ids == runtime.generate(second, 4, restore=False).output_ids
+
+
+def test_a_disk_quota_keeps_the_chunk_every_conversation_starts_with(llama, tmp_path, rng):
+    """Issue 25: the shared chunk is restored from the host pool, so unless those hits count as uses on the
+    disk it looks least recently used there, is evicted first, and after a restart nothing restores."""
+    with HCacheRuntime(llama, tmp_path / "probe") as runtime:  # the size of one chunk file
+        runtime.generate(random_prompt(65, 256, rng), 1)
+        runtime.store.flush()
+        chunk_file = runtime.store.stores[0].used_bytes
+    system = random_prompt(64, 256, rng)
+    prompts = [system + random_prompt(70, 256, rng) for _ in range(6)]  # 2 chunks each, the first shared
+    store = StoreConfig(quota_bytes=4 * chunk_file)
+    with HCacheRuntime(llama, tmp_path / "store", store=store) as runtime:
+        for _ in range(3):
+            for prompt in prompts:
+                runtime.generate(prompt, 2)
+    keys = [chunk_keys(prompt[:-1], root_key(runtime.fingerprint)) for prompt in prompts]
+    with HCacheRuntime(llama, tmp_path / "store", store=store) as runtime:
+        # the shared chunk, and the last three prompts' own (each of them evicted the oldest of the others)
+        assert set(runtime.store.keys()) == {keys[0][0]} | {k[1] for k in keys[3:]}
+        restored = [runtime.generate(prompt, 2).restored_tokens for prompt in reversed(prompts)]
+    assert restored == [128, 128, 128, 64, 64, 64]
 
 
 def test_namespaces_never_share_state(llama, tmp_path, rng):
@@ -192,6 +216,13 @@ def test_bad_model_or_store_is_a_clear_error(llama, tmp_path):
     (corrupt / "config.json").write_text('{"model_type": "llama",')
     with pytest.raises(ModelNotFoundError, match="cannot read the model config"):
         HCacheRuntime(str(corrupt), tmp_path / "store")
+    no_weights = tmp_path / "no-weights"
+    random_model("llama").config.save_pretrained(no_weights)
+    with pytest.raises(ModelNotFoundError, match="cannot load the model weights in"):
+        HCacheRuntime(str(no_weights), tmp_path / "store")
+    for blocks in (0, -1):  # the runtime's setting is refused before; an engine built directly refuses it too
+        with pytest.raises(InvalidRequestError, match=f"not num_blocks={blocks} of block_size=64 tokens"):
+            ReferenceEngine(llama.model, llama.spec, num_blocks=blocks)
     if not torch.cuda.is_available():
         with pytest.raises(InvalidRequestError, match="no usable CUDA GPU"):
             HCacheRuntime("random:llama", tmp_path / "store", device="cuda")

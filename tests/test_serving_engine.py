@@ -1,6 +1,7 @@
 """The serving engine under FastGen's interface: restore before prefill, in steps when a prompt arrives in
 parts (Dynamic SplitFuse), and exact either way."""
 import json
+import os
 
 import pytest
 import torch
@@ -88,14 +89,19 @@ def test_without_a_store_nothing_is_restored_or_saved(tmp_path, rng):
             serving.flush(uid)
 
 
-def test_request_log_has_a_line_per_finished_sequence(tmp_path, rng):
+def test_request_log_has_a_line_per_finished_sequence_and_is_private(tmp_path, rng):
     prompt = random_prompt(CHUNK_TOKENS + 2, loaded("random:llama").spec.vocab_size, rng)
     log = tmp_path / "requests.jsonl"
-    with _serving(tmp_path / "store", plan="KV", request_log=log) as serving:
-        for uid in (7, 8):
-            serving.put([uid], [prompt])
-            serving.put([uid], [[1]])  # a decode step
-            serving.flush(uid)
+    umask = os.umask(0o022)
+    try:
+        with _serving(tmp_path / "store", plan="KV", request_log=log) as serving:
+            for uid in (7, 8):
+                serving.put([uid], [prompt])
+                serving.put([uid], [[1]])  # a decode step
+                serving.flush(uid)
+    finally:
+        os.umask(umask)
+    assert log.stat().st_mode & 0o777 == 0o600  # token counts per conversation, like the store's files
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(r["uid"], r["restored_tokens"], r["computed_tokens"]) for r in lines] == [
         (7, 0, CHUNK_TOKENS + 3),

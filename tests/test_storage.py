@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -7,7 +8,7 @@ from storage_chunks import read_back
 
 from hcache.errors import StorageError
 from hcache.storage.chunk import Chunk, ChunkImage, ChunkInvalid, ChunkLayout, decode, encode
-from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+from hcache.storage.chunk_key import CHUNK_TOKENS, LAYOUT_VERSION, chunk_keys, root_key
 from hcache.storage.disk_store import DiskChunkStore
 
 
@@ -99,6 +100,9 @@ def test_unwritable_or_foreign_store_is_a_clear_error(tmp_path):
     (tmp_path / "s" / "hcache-store.json").write_text('{"layout_version": 99}')
     with pytest.raises(StorageError, match="layout version 99"):
         DiskChunkStore(tmp_path / "s")
+    (tmp_path / "s" / "hcache-store.json").write_text(json.dumps({"layout_version": LAYOUT_VERSION, "producers": "me"}))
+    with pytest.raises(StorageError, match="producers in hcache-store.json are not a list"):
+        DiskChunkStore(tmp_path / "s", labels={"fingerprint": "f"})
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -89,6 +90,7 @@ def test_start_up_drops_temporary_torn_and_foreign_files(tmp_path):
     p.write_bytes(bytes(data))
     tmp = store.path(good.key).with_name(f".{good.key}.dead.tmp")
     tmp.write_bytes(b"half a chunk")
+    store.close()  # the next opener is the only one: a temporary file left is a write that never finished
     assert DiskChunkStore(tmp_path).keys() == sorted([good.key, flipped.key])  # header check: length ok
     assert not tmp.exists()
     full = DiskChunkStore(tmp_path, verify="full")
@@ -248,6 +250,52 @@ def test_a_second_process_on_a_store_directory_is_refused_until_the_first_closes
     assert _open_elsewhere(tmp_path).returncode != 0  # ``again`` still holds it
     again.close()
     assert _open_elsewhere(tmp_path).returncode == 0
+
+
+def test_check_refuses_what_opening_would_and_opens_nothing(tmp_path):
+    """The check a server runs before starting the processes that open its store (issue 25)."""
+    store = DiskChunkStore(tmp_path / "held")
+    DiskChunkStore.check(tmp_path / "held")  # this process holds it: its engines may open it too
+    store.close()
+    code = "import sys; from hcache.storage.disk_store import DiskChunkStore; DiskChunkStore.check(sys.argv[1:])"
+    elsewhere = subprocess.run([sys.executable, "-c", code, str(tmp_path / "held")], capture_output=True, text=True, timeout=120)
+    assert elsewhere.returncode == 0, elsewhere.stderr  # closed: another process may open it
+    shared = DiskChunkStore(tmp_path / "held", shared=True)
+    with pytest.raises(StorageError, match="open here as shared"):
+        DiskChunkStore.check(tmp_path / "held")
+    DiskChunkStore.check(tmp_path / "held", shared=True)
+    shared.close()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "hcache-store.json").write_text(json.dumps({"layout_version": LAYOUT_VERSION - 1}))
+    with pytest.raises(StorageError, match=f"has layout version {LAYOUT_VERSION - 1}"):
+        DiskChunkStore.check([tmp_path / "new", tmp_path / "old"])
+    DiskChunkStore.check(tmp_path / "new")
+    assert not (tmp_path / "new" / "hcache-store.json").exists() and not DiskChunkStore(tmp_path / "new").keys()
+
+
+def test_a_second_store_object_keeps_the_first_ones_write_in_flight(tmp_path, monkeypatch):
+    """The lock is per process, so a second store object's start-up must not sweep the first one's
+    temporary files (issue 25)."""
+    first = DiskChunkStore(tmp_path)
+    writing, go, failed = threading.Event(), threading.Event(), []
+    real_write = direct_io._write_all
+    monkeypatch.setattr(direct_io, "_write_all", lambda fd, view: (writing.set(), go.wait(10), real_write(fd, view)))
+
+    def put():
+        try:
+            first.put(*chunk_bytes(0))
+        except OSError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=put)
+    thread.start()
+    assert writing.wait(10)
+    second = DiskChunkStore(tmp_path)
+    go.set()
+    thread.join(10)
+    assert failed == [] and list(tmp_path.rglob("*.tmp")) == []
+    check_served(first, chunk(0).key, chunk(0))
+    check_served(second, chunk(0).key, chunk(0))
 
 
 def test_a_forked_child_does_not_inherit_its_parents_store(tmp_path):

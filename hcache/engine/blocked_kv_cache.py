@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CacheFullError
+from ..errors import CacheFullError, InvalidRequestError
 from ..model_spec import ModelSpec
 
 
@@ -12,7 +12,10 @@ class BlockedKVCache:
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int = 64, device: str | torch.device = "cpu"):
         if num_blocks <= 0 or block_size <= 0:
-            raise ValueError("num_blocks and block_size must be positive")
+            raise InvalidRequestError(
+                f"the KV cache needs a positive number of blocks of a positive size, not num_blocks={num_blocks} "
+                f"of block_size={block_size} tokens"
+            )
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, 2, spec.num_kv_heads, spec.head_size)

@@ -102,15 +102,12 @@ def _tensor_parallel_group(degree: int) -> TPGroup:
 
 
 def check_deployment(hcache: ResolvedConfig) -> None:
-    """Refuse, before any server process starts, a store or request log the model servers could not use."""
+    """Refuse, before any server process starts, a store or request log the model servers could not use:
+    each rank's store directories are checked as its engine will open them (lock free, layout current)."""
     settings = hcache.settings
-    for directory in settings.store_dirs if hcache.stored else ():
-        try:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"cannot create the store directory {directory}: {exc}") from exc
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise StorageError(f"the store directory {directory} is not writable")
+    if hcache.stored:
+        for rank in range(hcache.tensor_parallel):
+            settings.store.check_dirs(hcache.store_dirs(rank))
     if settings.request_log is not None and not os.access(Path(settings.request_log).parent, os.W_OK):
         raise StorageError(f"cannot write the request log {settings.request_log}: its directory is missing or read-only")
 

@@ -19,6 +19,10 @@ class ChunkStore(Protocol):
     def contains_many(self, keys: list[str]) -> list[bool]:
         """``contains`` of each key, in one round trip where the store is remote."""
 
+    def touch(self, keys: list[str]) -> None:
+        """Count a use of these chunks served by a tier above (LRU, TTL), in one round trip where the store
+        is remote; keys it does not hold are ignored."""
+
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
         """Read the chunk's whole image into ``take(size)`` and return ``size``; None if absent (or if
         ``take`` gives no buffer). Raises OSError when it cannot be read."""

@@ -6,7 +6,8 @@ by stale file times. So the first process to open a directory takes an exclusive
 ``hcache-store.lock`` (the kernel drops it when the process dies, however it dies), and any other process
 is refused with a clear error. A shared store (several nodes over one filesystem) takes the lock shared:
 any number of shared openers, and no private one while they hold it. Store objects within one process
-share the lock (in one mode); a forked child does not inherit its parent's.
+share the lock (in one mode), so only the first of them may delete temporary files at start-up: the others'
+writes may be in flight. A forked child does not inherit its parent's lock.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ _held: dict[Path, list] = {}  # directory -> [fd, store objects using it, shared
 _mutex = threading.Lock()
 
 
-def acquire(directory: Path, shared: bool = False) -> Callable[[], None]:
+def acquire(directory: Path, shared: bool = False) -> tuple[Callable[[], None], bool]:
     """Hold ``directory`` for this process (``shared``: along with other shared holders); returns the
-    release (call it once)."""
+    release (call it once) and whether no other store object of this process holds it."""
     key = directory.resolve()
     with _mutex:
         entry = _held.get(key)
@@ -52,7 +53,7 @@ def acquire(directory: Path, shared: bool = False) -> Callable[[], None]:
         elif entry[2] != shared:
             raise StorageError(f"the store directory {directory} is open here as {'shared' if entry[2] else 'private'} already")
         entry[1] += 1
-    return functools.partial(_release, key)
+        return functools.partial(_release, key), entry[1] == 1
 
 
 def _release(key: Path) -> None:

@@ -12,9 +12,11 @@ every chunk file is checked (its header and length by default, every checksum wi
 a bad one is deleted. So the index never lists a chunk that is not on disk whole.
 
 Capacity. ``quota_bytes`` bounds the bytes of chunk files; a put that does not fit evicts the least
-recently used chunks first (the order is rebuilt from file times at start-up). ``ttl_s`` expires chunks
-unused for that long. A chunk is pinned while :meth:`read_into` reads it, and a pinned chunk is never
-evicted.
+recently used chunks first. ``ttl_s`` expires chunks unused for that long. A use is a look-up, a read, or a
+hit in a tier above passed down by :meth:`touch` (the host pool serves the most used chunks, so without it
+they would look the least used here). A use also sets the file's time, at most once per ``_STAMP_S`` (or
+an eighth of the TTL), since the order and the TTL are rebuilt from file times at start-up. A chunk is
+pinned while :meth:`read_into` reads it, and a pinned chunk is never evicted.
 
 Privacy. Chunk files hold token ids in clear, so directories are 0700 and files 0600 whatever the umask.
 
@@ -24,7 +26,8 @@ of its own). A chunk another node wrote is found on an index miss, by its path. 
 only the chunks it has seen; a chunk one node evicts while another reads it is either read whole (the
 reader holds the file open) or fails to read (a stale handle): a clean miss, and any torn read is caught
 by the chunk's checksums. Start-up deletes only temporary files older than a day, since a young one may
-be another node's write in flight.
+be another node's write in flight; so does a private store's start-up when another store object of the
+process has the directory open already (its writes may be in flight).
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ _MANIFEST = "hcache-store.json"
 _SUFFIX = ".safetensors"
 _DIR_MODE = 0o700
 _STALE_TMP_S = 86400.0  # in shared mode, a temporary file this old is an abandoned write
+_STAMP_S = 60.0  # a use is recorded in the file's time at most this often: a restart's order is that coarse
 
 
 def _age(path: Path) -> float:
@@ -64,6 +68,23 @@ def _age(path: Path) -> float:
         return time.time() - path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+def _set_time(stamp: tuple[Path, float] | None) -> None:
+    if stamp is not None:
+        try:
+            os.utime(stamp[0], (stamp[1], stamp[1]))
+        except OSError:
+            pass  # evicted or replaced meanwhile: a replacement's time is as recent
+
+
+def _dir_list(dirs: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    paths = [Path(dirs)] if isinstance(dirs, (str, os.PathLike)) else [Path(p) for p in dirs]
+    if not paths:
+        raise StorageError("a chunk store needs at least one directory")
+    if len({p.resolve() for p in paths}) != len(paths):
+        raise StorageError(f"a directory is listed twice in {[str(p) for p in paths]}")
+    return paths
 
 
 def _release_all(releases: list) -> None:
@@ -103,12 +124,7 @@ class DiskChunkStore:
         shared: bool = False,
         clock: Callable[[], float] = time.time,
     ):
-        paths = [dirs] if isinstance(dirs, (str, os.PathLike)) else list(dirs)
-        if not paths:
-            raise StorageError("a chunk store needs at least one directory")
-        self.dirs = [Path(p) for p in paths]
-        if len({p.resolve() for p in self.dirs}) != len(self.dirs):
-            raise StorageError(f"a directory is listed twice in {[str(p) for p in self.dirs]}")
+        self.dirs = _dir_list(dirs)
         if quota_bytes is not None and quota_bytes <= 0:
             raise StorageError(f"quota_bytes must be positive, not {quota_bytes}")
         if ttl_s is not None and ttl_s <= 0:
@@ -123,18 +139,22 @@ class DiskChunkStore:
         self.dropped_at_start = 0  # chunk files found bad at start-up
         self._lock = threading.Lock()
         self._index = LruIndex(quota_bytes, ttl_s, clock)
+        self._stamp_s = _STAMP_S if ttl_s is None else min(_STAMP_S, ttl_s / 8)
         self._next_dir = 0
         self._writing: set[str] = set()  # keys with a put in flight
         self._written = threading.Condition(self._lock)  # notified when a put ends
         releases: list = []
         self._finalizer = weakref.finalize(self, _release_all, releases)
+        sole = []  # per directory: no other store object here holds it, so its temporary files are abandoned
         for d in self.dirs:
-            releases.append(self._prepare(d, dict(labels or {}), shared))
+            release, first = self._prepare(d, dict(labels or {}), shared)
+            releases.append(release)
+            sole.append(first and not shared)
         try:
             self.direct = [direct_io and dio.supports_direct(d) for d in self.dirs]
         except OSError as exc:
             raise StorageError(f"chunk store {self.dirs} is not writable: {exc}") from exc
-        self._rebuild(verify)
+        self._rebuild(verify, sole)
 
     @property
     def root(self) -> Path:
@@ -149,20 +169,35 @@ class DiskChunkStore:
         return self._index.quota_bytes
 
     # ---- start-up ----------------------------------------------------------------------------------
+    @classmethod
+    def check(cls, dirs: str | os.PathLike | Sequence[str | os.PathLike], *, shared: bool = False) -> None:
+        """Raise the StorageError that opening a store on ``dirs`` would raise for a directory (one that
+        cannot be made or written, that another process holds, or of another layout), reading no chunk: for
+        a check before starting the processes that will open it."""
+        for d in _dir_list(dirs):
+            release, _ = cls._prepare(d, None, shared)
+            try:
+                dio.supports_direct(d)
+            except OSError as exc:
+                raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
+            finally:
+                release()
+
     def close(self) -> None:
         """Let another process open these directories (also done when the store is collected)."""
         self._finalizer()
 
     @staticmethod
-    def _prepare(d: Path, labels: dict[str, str], shared: bool) -> Callable[[], None]:
-        """Create and lock ``d`` and record ``labels`` in its manifest; returns the lock's release."""
+    def _prepare(d: Path, labels: dict[str, str] | None, shared: bool) -> tuple[Callable[[], None], bool]:
+        """Create and lock ``d`` and record ``labels`` in its manifest (None: only check it); returns the
+        lock's release and whether this is the only store object of the process on ``d``."""
         try:
             for sub in (d, d / "chunks"):
                 sub.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
                 os.chmod(sub, _DIR_MODE)
         except OSError as exc:
             raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
-        release = dir_lock.acquire(d, shared)
+        release, first = dir_lock.acquire(d, shared)
         try:
             manifest = d / _MANIFEST
             record = json.loads(manifest.read_text()) if manifest.exists() else {"layout_version": LAYOUT_VERSION}
@@ -174,7 +209,9 @@ class DiskChunkStore:
                     f"{LAYOUT_VERSION}; use a new directory"
                 )
             producers = record.setdefault("producers", [])
-            if not manifest.exists() or (labels and labels not in producers):
+            if not isinstance(producers, list):
+                raise StorageError(f"store {d}: the producers in {_MANIFEST} are not a list; use a new directory")
+            if labels is not None and (not manifest.exists() or (labels and labels not in producers)):
                 if labels:
                     producers.append(labels)
                 tmp = d / f".{_MANIFEST}.{uuid.uuid4().hex}.tmp"
@@ -188,15 +225,15 @@ class DiskChunkStore:
         except BaseException:
             release()
             raise
-        return release
+        return release, first
 
-    def _rebuild(self, verify: str) -> None:
+    def _rebuild(self, verify: str, sole: list[bool]) -> None:
         found: dict[str, tuple[Path, Entry]] = {}
         for i, d in enumerate(self.dirs):
             for path in (d / "chunks").glob("*/*"):
                 name = path.name
                 if name.startswith(".") and name.endswith(".tmp"):
-                    if not self.shared or _age(path) > _STALE_TMP_S:
+                    if sole[i] or _age(path) > _STALE_TMP_S:
                         path.unlink(missing_ok=True)  # a write that never got published
                     continue
                 key = name[: -len(_SUFFIX)]
@@ -215,7 +252,7 @@ class DiskChunkStore:
                     self.dropped_at_start += 1
                     path.unlink(missing_ok=True)
                     continue
-                entry = Entry(st.st_size, st.st_mtime, i)
+                entry = Entry(st.st_size, st.st_mtime, i, stamped=st.st_mtime)
                 if key in found:  # the same chunk in two directories: keep the newer copy
                     older, newer = sorted([found[key], (path, entry)], key=lambda pe: pe[1].last_used)
                     older[0].unlink(missing_ok=True)
@@ -239,11 +276,19 @@ class DiskChunkStore:
         with self._lock:
             if self._lookup(key) is None:
                 return False
-            self._index.touch(key)
-            return True
+            stamp = self._use(key)
+        _set_time(stamp)
+        return True
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         return [self.contains(key) for key in keys]
+
+    def touch(self, keys: list[str]) -> None:
+        """Uses of these chunks served by a tier above (host-pool hits)."""
+        with self._lock:
+            stamps = [self._use(key) for key in keys if key in self._index and key not in self._writing]
+        for stamp in stamps:
+            _set_time(stamp)
 
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
         """Read a whole chunk file with one request into ``take(size)`` (a buffer of at least ``size``
@@ -253,9 +298,10 @@ class DiskChunkStore:
             entry = self._lookup(key)
             if entry is None:
                 return None
-            self._index.touch(key)
+            stamp = self._use(key)
             entry.pins += 1
             where, size = entry.where, entry.size
+        _set_time(stamp)
         try:
             out = take(size)
             if out is None:
@@ -271,15 +317,17 @@ class DiskChunkStore:
             self._unpin(entry)
 
     def names(self, key: str) -> frozenset[str] | None:
-        """The tensor names a stored chunk holds (from its header), or None if it is absent or unreadable."""
+        """The tensor names a stored chunk holds (from its header), or None if it is absent or unreadable.
+        The header is checked against the file's length, not the index's: a write-back asks this to skip a
+        chunk stored already, and must not skip one whose file changed length behind the store's back."""
         with self._lock:
             entry = self._lookup(key)
             if entry is None:
                 return None
-            where, size = entry.where, entry.size
+            where = entry.where
         try:
             with open(self.path(key, where), "rb") as f:
-                return header_names(f, key, size)
+                return header_names(f, key, os.fstat(f.fileno()).st_size)
         except (OSError, ChunkInvalid):
             return None
 
@@ -304,7 +352,8 @@ class DiskChunkStore:
                 self._next_dir = (self._next_dir + 1) % len(self.dirs)
             # Reserve the space now, so concurrent puts cannot overshoot the quota together; the pin
             # keeps the reservation from being evicted before the file exists.
-            entry = Entry(size, self._index.clock(), where, pins=1)
+            now = self._index.clock()
+            entry = Entry(size, now, where, pins=1, stamped=now)
             self._index.add(key, entry)
             self._writing.add(key)
         path = self.path(key, where)
@@ -367,6 +416,14 @@ class DiskChunkStore:
             self._evict([(key, self._index.remove(key))])
             return None
         return entry
+
+    def _use(self, key: str) -> tuple[Path, float] | None:
+        """Count a use of an indexed chunk; the file time to set with it, when the last one set is stale."""
+        entry = self._index.touch(key)
+        if entry.last_used - entry.stamped < self._stamp_s:
+            return None
+        entry.stamped = entry.last_used
+        return self.path(key, entry.where), entry.last_used
 
     def _adopt(self, key: str) -> Entry | None:
         """A chunk published by another process (or another store object) over the same directories."""

@@ -8,6 +8,10 @@ shared server or filesystem), which are tried in order.
   store that has it by a reader thread with one request into a new slot, and its checksums are verified
   then, once: a chunk in the pool is trusted from then on. A chunk found in a lower store is promoted: it
   stays in the pool and is written back to the stores above the one it came from.
+- **Recency.** A pool hit is a use the stores below would never see, and their LRU order and TTL would
+  then evict or expire the most used chunks first (a system prompt every conversation shares). So the hits
+  a restore's look-up finds are passed down (:meth:`ChunkStore.touch`), batched, on a writer thread: off
+  the restore's path, yet before the puts of any write-back queued after them.
 - **Capacity.** The pool is bounded; the least recently used chunk that nobody references is evicted to
   make room (it is in the stores already, or its write failed and it is simply lost). A referenced slot (a restore
   reads it, a write-back writes it, the saver fills it) is never evicted or reused. When the pool is full of
@@ -60,6 +64,9 @@ class HostTier:
         self._index: OrderedDict[str, ChunkImage] = OrderedDict()  # published chunks, least recently used first
         self._loading: dict[str, Future] = {}
         self._writebacks = 0
+        self._uses: dict[str, None] = {}  # pool hits not passed down yet, in order
+        self._passes = 0  # tasks queued to pass them down
+        self._passing = threading.Lock()  # held while uses are passed down
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="hcache-load") if readers else None
         self._writers = ThreadPoolExecutor(writers, thread_name_prefix="hcache-writeback")
 
@@ -71,6 +78,7 @@ class HostTier:
         """How many of ``keys``, from the first, are stored in some tier: one batched look-up per store."""
         with self._cond:
             n = next((i for i, key in enumerate(keys) if key not in self._index), len(keys))
+            self._note_uses(keys[:n])
         missing = list(keys[n:])
         for store in self.stores:
             if not missing:
@@ -90,6 +98,39 @@ class HostTier:
         """Whether the chunk is in host memory now."""
         with self._cond:
             return key in self._index
+
+    def _note_uses(self, keys: Sequence[str]) -> None:
+        """With the lock held: queue pool hits to be passed down to the stores."""
+        if not keys:
+            return
+        queued = bool(self._uses)
+        self._uses.update(dict.fromkeys(keys))
+        if queued:
+            return  # a task queued already takes these too
+        self._passes += 1
+        try:
+            self._writers.submit(self._pass_task)
+        except RuntimeError:  # shut down
+            self._passes -= 1
+            self._uses.clear()
+
+    def _pass_task(self) -> None:
+        try:
+            self._pass_uses()
+        finally:
+            with self._cond:
+                self._passes -= 1
+                self._cond.notify_all()
+
+    def _pass_uses(self) -> None:
+        """Touch every use noted so far in every store. Uses being passed by another thread are passed
+        when this returns, so a write-back that calls it first evicts by an order that includes them."""
+        with self._passing:
+            with self._cond:
+                keys, self._uses = list(self._uses), {}
+            if keys:
+                for store in self.stores:
+                    store.touch(keys)
 
     # ---- restore side ---------------------------------------------------------------------------------
     def fetch(self, key: str) -> Future:
@@ -265,6 +306,7 @@ class HostTier:
 
     def _write_back(self, image: ChunkImage, stores: list[ChunkStore], seal: bool) -> None:
         try:
+            self._pass_uses()
             for store in stores:
                 with self._cond:
                     if self._index.get(image.key) is not image:
@@ -290,9 +332,10 @@ class HostTier:
                 self._cond.notify_all()
 
     def flush(self) -> None:
-        """Wait until every published chunk has been written back to every store (or has failed to be)."""
+        """Wait until every published chunk has been written back to every store (or has failed to be),
+        and every use noted has been passed down."""
         with self._cond:
-            while self._writebacks:
+            while self._writebacks or self._passes:
                 self._cond.wait()
 
     # ---- capacity -------------------------------------------------------------------------------------

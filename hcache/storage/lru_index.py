@@ -18,6 +18,7 @@ class Entry:
     last_used: float
     where: Any  # where the owner keeps the chunk (the disk store: a directory index)
     pins: int = 0
+    stamped: float = 0.0  # the last use the owner recorded where a restart finds it (the disk store: the file time)
 
 
 class LruIndex:

@@ -13,6 +13,8 @@ A shared server is allowed to fail. A server that is down, slower than ``timeout
 lookups and reads misses (serving goes on by recompute) and writes fail (the chunk stays in the tiers
 above); each failure is counted, a warning is logged for the first and every 100th, and the store then
 leaves the server alone for ``backoff_s`` so that a slow server costs one timeout, not one per chunk.
+A value of another type under a chunk's key (a list, say) is no failure of the server: it is a bad chunk,
+discarded when read and replaced when written.
 """
 from __future__ import annotations
 
@@ -124,8 +126,24 @@ class RedisChunkStore:
 
         return self._guard("look up", call, [False] * len(keys))
 
+    def touch(self, keys: list[str]) -> None:
+        """Uses served by a tier above: each renews its value's TTL, or without one its place in the
+        server's LRU order."""
+
+        def call(client):
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                if self.ttl_s is None:
+                    pipe.touch(self._prefix + key)
+                else:
+                    pipe.pexpire(self._prefix + key, int(self.ttl_s * 1000))
+            pipe.execute()
+
+        self._guard("touch", call, None)
+
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
-        """GET the chunk and copy it into ``take(size)``; a failure of the server is a miss."""
+        """GET the chunk and copy it into ``take(size)``; a failure of the server is a miss, and a value of
+        another type raises ChunkInvalid (the host tier then discards it)."""
 
         def call(client):
             name = self._prefix + key
@@ -155,11 +173,9 @@ class RedisChunkStore:
                 head += client.getrange(name, len(head), end - 1)
             return size, head
 
-        size, head = self._guard("look up", call, (0, b""))
-        if not size:
-            return None
         try:
-            return header_names(io.BytesIO(head), key, size)
+            size, head = self._guard("look up", call, (0, b""))
+            return header_names(io.BytesIO(head), key, size) if size else None
         except ChunkInvalid:
             return None
 
@@ -206,12 +222,15 @@ class RedisChunkStore:
     # ---- failures ----------------------------------------------------------------------------------
     def _guard(self, what: str, call, default, *, quiet: bool = False):
         """``call(client)``, or ``default`` when the server fails (counted, logged once per 100) or the
-        store is backing off after a failure. ``quiet``: the caller reports the failure itself."""
+        store is backing off after a failure. ``quiet``: the caller reports the failure itself. Raises
+        ChunkInvalid for a value of another type under the key."""
         try:
             return call(self._get_client())
         except _Unavailable:
             return default
         except (redis.RedisError, RedisClusterException, OSError) as exc:
+            if isinstance(exc, redis.ResponseError) and "WRONGTYPE" in str(exc):
+                raise ChunkInvalid(f"{self.name}: the value under a chunk's key is not a string: {exc}") from exc
             with self._lock:
                 self.errors += 1
                 errors = self.errors

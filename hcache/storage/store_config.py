@@ -54,6 +54,16 @@ class StoreConfig:
         if self.writers < 1:
             raise StorageError(f"writers must be at least 1, not {self.writers}")
 
+    def check_dirs(self, dirs: str | os.PathLike | Sequence[str | os.PathLike] | None) -> None:
+        """Raise what :meth:`open_store` would for the local ``dirs`` and the shared directory tiers (held
+        by another process, of another layout, not writable), opening nothing: for a check before the
+        processes that open them start."""
+        if dirs is not None:
+            DiskChunkStore.check(dirs)
+        for url in self.tiers:
+            if not _is_redis(url):
+                DiskChunkStore.check(_path(url), shared=True)
+
     def open_store(
         self,
         dirs: str | os.PathLike | Sequence[str | os.PathLike] | None,
