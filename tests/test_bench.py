@@ -24,7 +24,7 @@ def test_bench_mii_compares_methods_through_mii(tmp_path):
     """Through MII's own pipeline: every method gives the same tokens, and kv and h restore the history."""
     out = tmp_path / "mii.json"
     args = ["bench", "mii", "--engine", "reference", "--model", "random:llama", "--history", "192", "--turn", "16",
-            "--new-tokens", "4", "--repeats", "1", "--json", str(out)]
+            "--new-tokens", "16", "--repeats", "1", "--json", str(out)]  # decode time well above the calls' noise
     assert main(args) == 0
     result = json.loads(out.read_text())
     methods = result["methods"]

@@ -2,8 +2,10 @@
 by Triton's interpreter on the CPU) against the reference, bit for bit, on a poisoned paged cache."""
 import json
 
+import fastgen_kernel
 import pytest
 import torch
+from helpers import loaded, random_prompt
 from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_apply
@@ -15,10 +17,8 @@ from hcache.engine import ReferenceEngine
 from hcache.model_spec import ModelSpec, RopeSpec
 from hcache.ops import apply_rope, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
 from hcache.ops.paged_kv import copy_slots
+from hcache.ops.rope_bound import fast_math_angle_error
 from hcache.ops.rope_scatter import resolve_backend
-
-import fastgen_kernel
-from helpers import loaded, random_prompt
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -138,7 +138,7 @@ def test_fastgen_rule_is_fastgens_kernel_arithmetic(theta, head_size, dtype, rng
     """The "fastgen" rule against a torch emulation of FastGen's kernel written from its CUDA source
     (tests/fastgen_kernel.py). Both evaluate the same fp32 operations with the same torch functions, so
     here they agree bit for bit; against the real kernel (fast-math cos/sin/pow, FMA) the GPU tests allow
-    the few fp16 ulps that :func:`fastgen_kernel.rope_bound` derives. theta 1e6 (Mistral, Qwen2) puts
+    the few fp16 ulps that :func:`hcache.ops.rope_bound.rope_bound` derives. theta 1e6 (Mistral, Qwen2) puts
     FastGen's lowest fp16 frequencies among the subnormals."""
     rope = ModelSpec.from_config(AutoConfig.for_model(
         "llama", hidden_size=4 * head_size, num_attention_heads=4, num_key_value_heads=2, rope_theta=theta)).rope
@@ -163,7 +163,7 @@ def test_fastgen_bound_covers_fma_and_fast_math_error(rng):
     expected = fastgen_kernel.kv_rotary(k, positions, 128, 10000.0)
     rope = ModelSpec.from_config(AutoConfig.for_model("llama", hidden_size=512, num_attention_heads=4)).rope
     cos, sin = rope_cos_sin(rope, positions, torch.float16, "fastgen")
-    err = fastgen_kernel.fast_math_angle_error(positions).double()[:, None]
+    err = fast_math_angle_error(positions).double()[:, None]
     cos, sin = cos.double() + err, sin.double() - err
     fused = apply_rope(k.double(), cos, sin).half()  # float64 then one rounding: what an FMA does, and more
     fastgen_kernel.assert_within_rope_bound(fused, expected, positions, 128)
