@@ -17,6 +17,7 @@ FastGen's kernels are CUDA-only: :func:`build_fastgen_engine` refuses to start w
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.paged_kv import copy_slots, slot_runs, write_kv_rows
+from ..ops.paged_kv import block_runs, copy_slots, write_kv_rows
 from ..ragged import Segment
 from .capture import LayerCapture
 
@@ -111,6 +112,12 @@ def build_fastgen_engine(path: str, engine_config: Any = None, **build_kwargs: A
         )
     check_cuda()
     return FastGenEngine(build_hf_engine(path, engine_config, **build_kwargs), hf_config)
+
+
+def _host_blocks(desc: Any) -> list[int]:
+    """A sequence's blocks from its descriptor's host shadow (``all_block_ids()`` is the device copy: reading
+    it back would sync). FastGen's dense models have one allocation group."""
+    return desc.kv_cache_ids(on_device=False)[0][: desc.cur_allocated_blocks].tolist()
 
 
 @dataclass
@@ -293,7 +300,8 @@ class FastGenEngine:
         positions = torch.arange(base, base + num_tokens, device=self.device)
         cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype, rule="fastgen")  # as FastGen's forward rotates
         slots = self._slots(uid, base, num_tokens)
-        self._restoring[uid] = _Restore(base, num_tokens, slots, cos_sin, slot_runs(slots))
+        runs = block_runs(_host_blocks(desc), base, num_tokens, self.block_size)
+        self._restoring[uid] = _Restore(base, num_tokens, slots, cos_sin, runs)
 
     @torch.no_grad()
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
@@ -304,8 +312,8 @@ class FastGenEngine:
         rotate_and_write(cache, r.slots[rows], k, v, (r.cos_sin[0][rows], r.cos_sin[1][rows]))
 
     @torch.no_grad()
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor, start: int = 0) -> None:
-        write_kv_rows(self._state.get_cache(layer), self._restoring[uid].runs, kv, start)
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | Sequence[torch.Tensor], start: int = 0) -> None:
+        write_kv_rows(self._state.get_cache(layer), self._restoring[uid].runs, [kv] if isinstance(kv, torch.Tensor) else kv, start)
 
     @torch.no_grad()
     def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:
@@ -355,7 +363,7 @@ class FastGenEngine:
         desc = self._state.get_sequence(uid)
         if desc is None:
             return []
-        blocks = desc.all_block_ids().tolist()
+        blocks = _host_blocks(desc)
         self._state._tracking_allocator.free(desc.tracking_id)
         del self._state._seqs[uid]
         return blocks

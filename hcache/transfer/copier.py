@@ -25,8 +25,9 @@ class Copier:
         self._next = 0
 
     def follow(self) -> None:
-        """Order later copies after the work already queued on the compute stream (a restore's blocks were
-        just allocated there: kernels queued earlier may still use them)."""
+        """Order later copies after the work queued on the compute stream so far, and nothing queued later:
+        call it right after a restore's blocks are allocated (kernels queued earlier may still use them),
+        before its RE layers, so the copies overlap those."""
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -40,13 +41,10 @@ class Copier:
             yield
 
     def gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """The parts' rows, in order, as one tensor on the device: one copy per part (a DMA from pinned
-        memory on a GPU). Call inside :meth:`side_stream`."""
+        """The parts' rows, in order, as one tensor on the device: one batched call, one copy per part (a
+        DMA from pinned memory on a GPU). Call inside :meth:`side_stream`."""
         out = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device=self.device)
-        row = 0
-        for p in parts:
-            out[row : row + len(p)].copy_(p, non_blocking=True)
-            row += len(p)
+        torch._foreach_copy_(list(out.split([len(p) for p in parts])), parts, non_blocking=True)
         return out
 
     def done(self) -> torch.cuda.Event | None:

@@ -1,0 +1,173 @@
+"""Budgets of launches, syncs and allocations that the CPU suite holds the GPU path to.
+
+A CPU cannot time a GPU, but it can count what would cost time there. These tests drive hcache's serving
+engine over the reference engine (a tiny random Llama) and count, at the aten dispatch level
+(:class:`Counter`), what a restore and a saving forward ask of the device:
+
+- **host syncs**: ops that make the host wait for the device when their operand is on a GPU.
+- **device ops**: non-view aten ops touching a device tensor, a proxy for kernel launches and copies.
+- **engine calls** per restored layer.
+
+On a CPU every tensor lives in host memory, so "device tensor" needs a rule. The one here: a tensor is a
+*host* tensor iff its storage is hcache's host pool (the pinned arena every chunk lives in; on a GPU, the
+only host memory a restore or a save touches); every other tensor is a device tensor, as it would be on a
+GPU (the cache, weights, activations, slots). So a hostward copy is a copy into the pool from elsewhere,
+and a sync is a sync op (``_local_scalar_dense`` — ``item()``, ``int()``, ``bool()`` —, ``nonzero``,
+``masked_select``, ``equal``, boolean-mask indexing...) on a device tensor, or ``tolist()``, ``cpu()``,
+``numpy()`` of one. Host bookkeeping must therefore stay in Python ints and lists, never round-trip
+through a tensor: strict, but then a count of zero here is zero on a GPU. Work on the host pool's own
+bytes (checksums of chunks) is host work by construction and is not counted.
+
+Streams and events are counted by the GPU branches of hcache's own code, driven on the CPU with
+:func:`fake_cuda` (stream and event objects that count themselves; copies run inline).
+
+``pytest -s`` prints every count; a broken budget fails with the count it found.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+
+import pytest
+import torch
+from helpers import random_prompt, serving_engine
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hcache.serving_engine as serving_module
+from hcache.engine import ReferenceEngine
+from hcache.fingerprint import model_fingerprint
+from hcache.model_loader import random_model
+from hcache.model_spec import ModelSpec
+from hcache.storage.chunk_key import CHUNK_TOKENS
+
+LAYERS = 4
+PLANS = ["RE", "H", "KV", f"1RE+{LAYERS - 2}H+1KV"]
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "equal", "is_nonzero", "allclose",
+            "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave"}  # fmt: skip
+HOST_READS = ("tolist", "cpu", "numpy")
+
+
+class Counter(TorchDispatchMode):
+    """Counts device ops by name, and host syncs with where they happened, while active (see the module doc)."""
+
+    def __init__(self, host: torch.Tensor):
+        super().__init__()
+        self.host = host.untyped_storage().data_ptr()
+        self.ops: collections.Counter = collections.Counter()
+        self.syncs: collections.Counter = collections.Counter()
+
+    def on_host(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() == self.host
+
+    def sync(self, what: str) -> None:
+        import traceback
+
+        frame = next(f for f in reversed(traceback.extract_stack()[:-2]) if "/hcache/" in f.filename)
+        self.syncs[f"{what} at {os.path.basename(frame.filename)}:{frame.lineno}"] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        device = [t for t in tensors if not self.on_host(t)]
+        name = func.overloadpacket.__name__
+        if device and not func.is_view:
+            self.ops[name] += 1
+        bool_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))  # fmt: skip
+        if device and (name in SYNC_OPS or bool_index):
+            self.sync(name)
+        if name in ("copy_", "_foreach_copy_"):  # a copy into the pool from a device tensor, not asynchronous
+            pairs = zip(args[0], args[1]) if name == "_foreach_copy_" else [(args[0], args[1])]
+            if not kwargs.get("non_blocking", len(args) > 2 and args[2]):
+                for dst, src in pairs:
+                    if self.on_host(dst) and not self.on_host(src):
+                        self.sync("blocking hostward copy")
+        return out
+
+
+@contextlib.contextmanager
+def counting(counter: Counter, monkeypatch):
+    """``counter`` active, and ``tolist``/``cpu``/``numpy`` of device tensors counted as syncs."""
+    with monkeypatch.context() as m:
+        for name in HOST_READS:
+            original = getattr(torch.Tensor, name)
+
+            def read(self, *args, _original=original, _name=name, **kwargs):
+                if not counter.on_host(self):
+                    counter.sync(_name)
+                return _original(self, *args, **kwargs)
+
+            m.setattr(torch.Tensor, name, read)
+        with counter:
+            yield counter
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = random_model("llama", num_hidden_layers=LAYERS, max_position_embeddings=2048)
+    return model, ModelSpec.from_config(model.config, torch.float32)
+
+
+def _serving(model, tmp_path, plan: str):
+    model, spec = model
+    engine = ReferenceEngine(model, spec, num_blocks=40)
+    return serving_engine(engine, model_fingerprint(model, spec), tmp_path, model_name="budget", plan=plan, save="all", readers=0)
+
+
+class Restores:
+    """Counts each restore (``restore_prefix`` from start to end) and the engine's restore calls per layer."""
+
+    def __init__(self, serving, monkeypatch):
+        self.serving, self.monkeypatch = serving, monkeypatch
+        self.counters: list[Counter] = []
+        self.calls: collections.Counter = collections.Counter()  # (primitive, layer) -> calls
+        restore = serving_module.restore_prefix
+
+        def counted(*args, **kwargs):
+            with counting(Counter(serving.store.pool.arena), monkeypatch) as counter:
+                self.counters.append(counter)
+                return restore(*args, **kwargs)
+
+        monkeypatch.setattr(serving_module, "restore_prefix", counted)
+        for name in ("restore_kv", "restore_from_hidden"):
+            self._count_calls(serving.engine, name)
+
+    def _count_calls(self, engine, name: str) -> None:
+        original = getattr(engine, name)
+
+        def call(uid, layer, *args, **kwargs):
+            self.calls[(name, layer)] += 1
+            return original(uid, layer, *args, **kwargs)
+
+        self.monkeypatch.setattr(engine, name, call)
+
+
+def _restore(model, tmp_path, monkeypatch, rng, plan: str, chunks: int) -> tuple[Counter, collections.Counter]:
+    """Save a ``chunks``-chunk history, then restore it in one put; the restore's counts."""
+    spec = model[1]
+    prompt = random_prompt(chunks * CHUNK_TOKENS + 1, spec.vocab_size, rng)
+    with _serving(model, tmp_path / f"{plan}-{chunks}", plan) as serving:
+        serving.put([0], [prompt])
+        serving.flush(0)
+        restores = Restores(serving, monkeypatch)
+        serving.put([1], [prompt])
+        assert serving.record(1).restored_tokens == chunks * CHUNK_TOKENS
+        (counter,) = restores.counters
+        return counter, restores.calls
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_restore_never_syncs_and_its_work_does_not_grow_with_chunks(model, tmp_path, monkeypatch, rng, plan):
+    """From a restore's start to its end: no host sync; the same device ops for 2 chunks as for 8 (a KV layer
+    is one batched copy, an H layer one gather and one projection); one engine call per stored layer."""
+    found = {n: _restore(model, tmp_path, monkeypatch, rng, plan, n) for n in (2, 8)}
+    for n, (counter, calls) in found.items():
+        print(f"\n{plan}, {n} chunks: {sum(counter.ops.values())} device ops {dict(counter.ops)}; syncs {dict(counter.syncs)}; "
+              f"engine calls {dict(calls)}")  # fmt: skip
+    for n, (counter, calls) in found.items():
+        assert not counter.syncs, f"{plan}, {n} chunks: host syncs during a restore: {dict(counter.syncs)}"
+        assert set(calls.values()) <= {1}, f"{plan}, {n} chunks: engine calls per layer: {dict(calls)}"
+    (few, _), (many, _) = found[2], found[8]
+    assert many.ops == few.ops, f"{plan}: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
