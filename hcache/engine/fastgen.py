@@ -149,6 +149,10 @@ class FastGenEngine:
         )
         self._kv_proj = [self._layer_kv_projection(i) for i in range(self.spec.num_layers)]
         self._restoring: dict[int, _Restore] = {}
+        # Marks the uploads of the ragged batch's pinned host buffers that recompute queued last: those
+        # buffers are rewritten by the next batch's finalize (see recompute_layers).
+        self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._upload_pending = False
 
     def _check_dims(self, cache: torch.Tensor) -> None:
         spec, model = self.spec, self._model
@@ -202,6 +206,7 @@ class FastGenEngine:
         self._check_fits(requests)
         uids = [uid for uid, _ in requests]
         tokens = [torch.tensor(t, dtype=torch.int64) for _, t in requests]
+        self._reuse_batch_buffers()
         if capture is None:
             return self._engine.put(uids, tokens, do_checks=False)
         segments, row = [], 0
@@ -323,6 +328,11 @@ class FastGenEngine:
         Each batch is inserted as ``put`` inserts a sequence, but through a placeholder descriptor that
         says where the batch starts: the real descriptor's ``seen_tokens`` grows only at :meth:`end_restore`,
         so this can run any number of times (the profiler times it) before the restore ends.
+
+        Every batch reuses the ragged batch's pinned host buffers: ``finalize`` rewrites them on the host,
+        then queues their copies to the device, and ``prepare_batch`` does the same with the attention
+        atoms. Nothing syncs between batches, so the next batch's host writes wait on an event recorded
+        after this batch's uploads were queued (not on the forward: the host stays one batch ahead).
         """
         from deepspeed.inference.v2.ragged import PlaceholderSequenceDescriptor
 
@@ -336,14 +346,26 @@ class FastGenEngine:
         max_rows = self.config.state_manager.max_ragged_batch_size
         for off in range(0, len(tokens), max_rows):
             view = PlaceholderSequenceDescriptor(r.base + off, desc.cur_allocated_blocks, desc.kv_blocks_ptr)
+            self._reuse_batch_buffers()
             batch.clear()
             batch.insert_sequence(view, torch.tensor(tokens[off : off + max_rows], dtype=torch.int64))
             batch.finalize()
             model.prepare_batch(batch)
+            if self._uploaded is not None:
+                self._uploaded.record()
+                self._upload_pending = True
             residual = model._forward_embed(batch)
             residual, hidden = model.norm(residual, None, model._transformer[0].attn_norm_gamma, beta=None)
             for i in range(num_layers):
                 residual, hidden = layer(i, residual, hidden, batch)
+
+    def _reuse_batch_buffers(self) -> None:
+        """Before the ragged batch's host buffers are rewritten: wait until recompute's last uploads of them
+        have run (a ``put`` after a restore rewrites them too). FastGen's own puts are ordered by their
+        callers, who read each put's logits back before the next."""
+        if self._upload_pending:
+            self._uploaded.synchronize()
+            self._upload_pending = False
 
     def end_restore(self, uid: int, tokens: list[int]) -> None:
         """Count ``tokens`` as seen, with the descriptor calls ``put`` makes around a forward. A restore that
