@@ -35,6 +35,7 @@ from helpers import random_prompt, serving_engine
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hcache.serving_engine as serving_module
+import hcache.storage.chunk_key as chunk_key
 from hcache.engine import ReferenceEngine
 from hcache.fingerprint import model_fingerprint
 from hcache.model_loader import random_model
@@ -110,10 +111,12 @@ def model():
     return model, ModelSpec.from_config(model.config, torch.float32)
 
 
-def _serving(model, tmp_path, plan: str):
+def _serving(model, tmp_path, plan: str, **settings):
     model, spec = model
     engine = ReferenceEngine(model, spec, num_blocks=40)
-    return serving_engine(engine, model_fingerprint(model, spec), tmp_path, model_name="budget", plan=plan, save="all", readers=0)
+    return serving_engine(
+        engine, model_fingerprint(model, spec), tmp_path, model_name="budget", plan=plan, save="all", readers=0, **settings
+    )
 
 
 class Restores:
@@ -171,3 +174,25 @@ def test_a_restore_never_syncs_and_its_work_does_not_grow_with_chunks(model, tmp
         assert set(calls.values()) <= {1}, f"{plan}, {n} chunks: engine calls per layer: {dict(calls)}"
     (few, _), (many, _) = found[2], found[8]
     assert many.ops == few.ops, f"{plan}: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
+
+
+def test_a_put_hashes_each_chunk_once_for_its_lookups(model, tmp_path, monkeypatch, rng):
+    """A put of several sequences, with the GPU prefix cache, prefetches, adopts and restores: its chunk keys
+    are hashed once for all three look-ups, and once more as the sequence's key chain takes the tokens
+    (the chain computes its own keys)."""
+    prompts = [random_prompt(3 * CHUNK_TOKENS + 1, model[1].vocab_size, rng) for _ in range(2)]
+    with _serving(model, tmp_path, "KV", gpu_cache=True) as serving:
+        serving.put([0, 1], prompts)
+        serving.flush(0)
+        hashes = collections.Counter()
+        next_key = chunk_key.next_key
+
+        def counted(parent, tokens):
+            hashes[tuple(tokens)] += 1
+            return next_key(parent, tokens)
+
+        monkeypatch.setattr(chunk_key, "next_key", counted)
+        serving.put([2, 3], prompts)
+        assert serving.record(2).gpu_tokens and serving.record(3).restored_tokens  # adopted, and restored
+    print(f"\nhashes per chunk in one put: {sorted(hashes.values())}")
+    assert len(hashes) == 6 and max(hashes.values()) == 2, f"hashes per chunk in one put: {dict(collections.Counter(hashes.values()))}"
