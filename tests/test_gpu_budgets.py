@@ -57,6 +57,7 @@ class Counter(TorchDispatchMode):
         self.host = host.untyped_storage().data_ptr()
         self.ops: collections.Counter = collections.Counter()
         self.syncs: collections.Counter = collections.Counter()
+        self.hostward = 0  # copies into host memory from a device tensor (each a PCIe transfer on a GPU)
 
     def on_host(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() == self.host
@@ -79,12 +80,12 @@ class Counter(TorchDispatchMode):
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))  # fmt: skip
         if device and (name in SYNC_OPS or bool_index):
             self.sync(name)
-        if name in ("copy_", "_foreach_copy_"):  # a copy into the pool from a device tensor, not asynchronous
-            pairs = zip(args[0], args[1]) if name == "_foreach_copy_" else [(args[0], args[1])]
-            if not kwargs.get("non_blocking", len(args) > 2 and args[2]):
-                for dst, src in pairs:
-                    if self.on_host(dst) and not self.on_host(src):
-                        self.sync("blocking hostward copy")
+        if name in ("copy_", "_foreach_copy_"):
+            pairs = list(zip(args[0], args[1]) if name == "_foreach_copy_" else [(args[0], args[1])])
+            hostward = sum(self.on_host(dst) and not self.on_host(src) for dst, src in pairs)
+            self.hostward += hostward
+            if hostward and not kwargs.get("non_blocking", len(args) > 2 and args[2]):
+                self.sync("blocking hostward copy")
         return out
 
 
@@ -196,3 +197,33 @@ def test_a_put_hashes_each_chunk_once_for_its_lookups(model, tmp_path, monkeypat
         assert serving.record(2).gpu_tokens and serving.record(3).restored_tokens  # adopted, and restored
     print(f"\nhashes per chunk in one put: {sorted(hashes.values())}")
     assert len(hashes) == 6 and max(hashes.values()) == 2, f"hashes per chunk in one put: {dict(collections.Counter(hashes.values()))}"
+
+
+def test_a_saving_forward_never_syncs_and_copies_each_chunk_to_the_host_once(model, tmp_path, monkeypatch, rng):
+    """The forwards of a prefill and of decode steps that save every layer as H and KV, with the saver
+    staging rows as on a GPU: no host sync, and no copy to the host until a chunk is full, then one copy of
+    the whole chunk (all its tensors), not one per layer, format and sequence at every step."""
+    prompt = random_prompt(100, model[1].vocab_size, rng)
+    with _serving(model, tmp_path, "KV") as serving:
+        serving.saver.stage = True
+        counters = []
+        step = serving.engine.step
+
+        def counted(requests, capture=None):
+            with counting(Counter(serving.store.pool.arena), monkeypatch) as counter:
+                counters.append(counter)
+                return step(requests, capture)
+
+        monkeypatch.setattr(serving.engine, "step", counted)
+        serving.put([0], [prompt])  # chunk 0 is full
+        for token in range(40):  # chunk 1 is full at the 28th decode step
+            serving.put([0], [[token]])
+        serving.flush(0)
+        assert serving.saver.chunks_published == 2
+    hostward = [c.hostward for c in counters]
+    syncs = collections.Counter()
+    for c in counters:
+        syncs.update(c.syncs)
+    print(f"\nhostward copies per forward (prefill, then 40 decode steps): {hostward}; syncs {dict(syncs)}")
+    assert not syncs, f"host syncs in saving forwards: {dict(syncs)}"
+    assert hostward == [1] + [0] * 27 + [1] + [0] * 12, f"hostward copies per forward: {hostward}"
