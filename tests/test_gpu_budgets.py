@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hcache.serving_engine as serving_module
 import hcache.storage.chunk_key as chunk_key
+import hcache.transfer.copier as copier_module
 from hcache.engine import ReferenceEngine
 from hcache.fingerprint import model_fingerprint
 from hcache.model_loader import random_model
@@ -227,3 +228,72 @@ def test_a_saving_forward_never_syncs_and_copies_each_chunk_to_the_host_once(mod
     print(f"\nhostward copies per forward (prefill, then 40 decode steps): {hostward}; syncs {dict(syncs)}")
     assert not syncs, f"host syncs in saving forwards: {dict(syncs)}"
     assert hostward == [1] + [0] * 27 + [1] + [0] * 12, f"hostward copies per forward: {hostward}"
+
+
+class FakeCuda:
+    """Streams and events that count their construction and do nothing else (copies run inline), installed
+    with hcache's copy paths taking their GPU branches on the CPU (:func:`~hcache.transfer.copier.uses_streams`)."""
+
+    def __init__(self, monkeypatch):
+        self.made = collections.Counter()
+        fake = self
+
+        class Stream:
+            def __init__(self, *args, **kwargs):
+                fake.made["Stream"] += 1
+
+            def wait_stream(self, other): ...
+            def wait_event(self, event): ...
+            def synchronize(self): ...
+
+        class Event:
+            def __init__(self, *args, **kwargs):
+                fake.made["Event"] += 1
+
+            def record(self, stream=None): ...
+            def synchronize(self): ...
+
+        compute = object.__new__(Stream)  # the current stream: not made by hcache
+        monkeypatch.setattr(copier_module, "uses_streams", lambda device: True)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+        pin = torch.Tensor.pin_memory
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: (fake.made.update(["pin_memory"]), pin(self, *a))[1])
+
+
+def test_streams_events_and_pinned_memory_are_made_once_not_per_restore_or_layer(model, tmp_path, monkeypatch, rng):
+    """hcache's GPU branches (the restore copier's side stream and events, the saver's staging and save
+    stream), driven on the CPU with fake streams: after the serving engine is built, a first save and
+    restore make the saver's stream and its landing events; more saves and restores by every plan, over more
+    chunks and layers, make nothing more. Restores stay exact on the GPU branches."""
+    cuda = FakeCuda(monkeypatch)
+    spec = model[1]
+    with _serving(model, tmp_path, "KV") as serving:
+        built = dict(cuda.made)
+        logits, restored = {}, {}
+
+        def turn(uid: int, prompt: list[int], plan: str) -> None:
+            serving.open(uid, plan=plan)
+            logits[uid] = serving.put([uid], [prompt])
+            restored[uid] = serving.record(uid).restored_tokens
+            serving.put([uid], [[1]])  # a decode step saves too
+            serving.flush(uid)
+
+        short = random_prompt(2 * CHUNK_TOKENS + 1, spec.vocab_size, rng)
+        turn(0, short, "KV")
+        turn(1, short, "KV")
+        first = dict(cuda.made)
+        long = short[:-1] + random_prompt(6 * CHUNK_TOKENS + 1, spec.vocab_size, rng)
+        for uid, plan in enumerate(PLANS, start=2):
+            turn(uid, long, plan)
+        assert restored == {0: 0, 1: 2 * CHUNK_TOKENS} | {uid: 2 * CHUNK_TOKENS for uid in range(2, 3)} | {
+            uid: 8 * CHUNK_TOKENS for uid in range(3, 2 + len(PLANS))}  # fmt: skip
+    print(f"\nmade with the engine {built}; by the first save and restore {first}; after {len(PLANS)} more {dict(cuda.made)}")
+    assert built == {"Stream": 1, "Event": copier_module.DEFAULT_DEPTH + 1}, f"made with the engine: {built}"
+    assert first["Stream"] == 2 and cuda.made == first, f"made by restores and saves: first {first}, then {dict(cuda.made)}"
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+    for uid in range(3, 2 + len(PLANS)):
+        torch.testing.assert_close(logits[uid], logits[2], atol=1e-5, rtol=1e-5)

@@ -29,6 +29,7 @@ from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
 from ..ops.paged_kv import block_runs, copy_slots, write_kv_rows
 from ..ragged import Segment
+from ..transfer import copier
 from .capture import LayerCapture
 
 # model_types whose FastGen implementation this adapter has read: dense, rotate-half RoPE, fused [q; k; v].
@@ -151,7 +152,7 @@ class FastGenEngine:
         self._restoring: dict[int, _Restore] = {}
         # Marks the uploads of the ragged batch's pinned host buffers that recompute queued last: those
         # buffers are rewritten by the next batch's finalize (see recompute_layers).
-        self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._uploaded = torch.cuda.Event() if copier.uses_streams(self.device) else None
         self._upload_pending = False
 
     def _check_dims(self, cache: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ragged import Segment
+from ..transfer import copier
 from .chunk import ChunkImage, ChunkLayout
 from .chunk_key import CHUNK_TOKENS, KeyChain
 from .host_tier import HostTier
@@ -90,7 +91,7 @@ class ChunkSaver:
     format)``: whether this saver stores that format of a sequence's chunk (a tensor-parallel rank stores
     the hidden states of only some chunks); a chunk is published with what it stores, even nothing, so that
     its key and tokens are on record. ``stage``: stage chunks on the rows' device and copy each to the host
-    once, when full (None: when the rows are on a GPU; the tests force it on a CPU)."""
+    once, when full (None: when the rows are on a GPU)."""
 
     def __init__(
         self,
@@ -223,7 +224,7 @@ class ChunkSaver:
             self._land(batch)
             return
         device = full[0].staged.data.device
-        if device.type != "cuda":
+        if not copier.uses_streams(device):
             self._unstage(full)
             self._land(batch)
             return
@@ -262,7 +263,7 @@ class ChunkSaver:
     # ---- the copies and stage 2 -----------------------------------------------------------------------
     def _copy(self, batch: _Batch, layer: int, fmt: str, src: torch.Tensor) -> None:
         """The layer's rows into each piece's chunk: its staged image on the rows' device, or its slot."""
-        stage = src.is_cuda if self.stage is None else self.stage
+        stage = copier.uses_streams(src.device) if self.stage is None else self.stage
         dst, rows = [], []
         for p in batch.pieces:
             chunk = p.chunk

@@ -15,11 +15,17 @@ import torch
 DEFAULT_DEPTH = 4
 
 
+def uses_streams(device: torch.device) -> bool:
+    """Whether copies to and from ``device`` run on side streams ordered by events: a GPU's. The one test
+    of it in hcache's copy paths, so the CPU suite can drive those paths with counting fake streams."""
+    return device.type == "cuda"
+
+
 class Copier:
     def __init__(self, device: torch.device | str, depth: int = DEFAULT_DEPTH):
         self.device = torch.device(device)
         self.depth = max(1, depth)
-        self.cuda = self.device.type == "cuda"
+        self.cuda = uses_streams(self.device)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._events = [torch.cuda.Event() for _ in range(self.depth + 1)] if self.cuda else []
         self._next = 0
