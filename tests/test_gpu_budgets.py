@@ -238,11 +238,15 @@ class FakeCuda:
         self.made = collections.Counter()
         fake = self
 
+        self.log: list[str] = []
+
         class Stream:
             def __init__(self, *args, **kwargs):
                 fake.made["Stream"] += 1
 
-            def wait_stream(self, other): ...
+            def wait_stream(self, other):
+                fake.log.append("copies wait for compute")
+
             def wait_event(self, event): ...
             def synchronize(self): ...
 
@@ -297,3 +301,20 @@ def test_streams_events_and_pinned_memory_are_made_once_not_per_restore_or_layer
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
     for uid in range(3, 2 + len(PLANS)):
         torch.testing.assert_close(logits[uid], logits[2], atol=1e-5, rtol=1e-5)
+
+
+def test_a_restores_copies_wait_for_its_allocation_not_for_its_re_layers(model, tmp_path, monkeypatch, rng):
+    """The copy stream is ordered after the compute queued when the restore's blocks were allocated, before
+    the RE layers are queued: its copies then overlap those layers, as the scheduler's plan assumes."""
+    cuda = FakeCuda(monkeypatch)
+    prompt = random_prompt(2 * CHUNK_TOKENS + 1, model[1].vocab_size, rng)
+    with _serving(model, tmp_path, "1RE+2H+1KV") as serving:
+        serving.put([0], [prompt])
+        serving.flush(0)
+        for name in ("begin_restore", "recompute_layers"):
+            original = getattr(serving.engine, name)
+            monkeypatch.setattr(serving.engine, name, lambda *a, _f=original, _n=name: (cuda.log.append(_n), _f(*a))[1])
+        cuda.log.clear()
+        serving.put([1], [prompt])
+    print(f"\norder: {cuda.log}")
+    assert cuda.log[:3] == ["begin_restore", "copies wait for compute", "recompute_layers"], cuda.log
