@@ -9,7 +9,7 @@ with three primitives: :meth:`recompute_layers` (RE), :meth:`restore_from_hidden
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections import abc
 from dataclasses import dataclass, field
 
 import torch
@@ -245,7 +245,7 @@ class ReferenceEngine:
         rotate_and_write(self.cache.layers[layer], slots[rows], k, v, rows_cos_sin)
 
     @torch.no_grad()
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | Sequence[torch.Tensor], start: int = 0) -> None:
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | abc.Sequence[torch.Tensor], start: int = 0) -> None:
         """KV: copy saved rows (K already rotated) into the cache, in one batched copy."""
         write_kv_rows(self.cache.layers[layer], self._restoring[uid][2], [kv] if isinstance(kv, torch.Tensor) else kv, start)
 
