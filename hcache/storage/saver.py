@@ -11,8 +11,9 @@ waits for, where copying each batch's rows would make one small PCIe copy per se
 decode step.
 
 Stage 2, bookkeeping. Once a batch's copies have landed (at once on a CPU, or when no chunk crossed to the
-host; after the save stream's event on a GPU, on a stage-2 thread), every chunk whose 64 rows are all there is published: restorable from memory
-at once, written back to every store tier (disk, shared tiers) in the background. Only full chunks are stored; a finished sequence's
+host; after the save stream's event on a GPU, on a stage-2 thread), every chunk whose 64 rows are all there
+is published: restorable from memory at once, written back to every store tier (disk, shared tiers) in the
+background. Only full chunks are stored; a finished sequence's
 trailing partial chunk is dropped, and a chunk some of whose rows were restored rather than computed never
 fills (it is stored already): its slot goes back as soon as that is known. A stored chunk is immutable.
 
@@ -246,9 +247,9 @@ class ChunkSaver:
     @staticmethod
     def _unstage(chunks: list[_Chunk]) -> None:
         """Copy full staged chunks to their host slots, each in one copy of its tensors' bytes."""
-        tensors = [slice(c.image.layout.data_start, c.image.layout.nbytes) for c in chunks]
-        torch._foreach_copy_([c.image.data[t] for c, t in zip(chunks, tensors)],
-                             [c.staged.data[t] for c, t in zip(chunks, tensors)], non_blocking=True)  # fmt: skip
+        spans = [slice(c.image.layout.data_start, c.image.layout.nbytes) for c in chunks]
+        torch._foreach_copy_([c.image.data[b] for c, b in zip(chunks, spans)],
+                             [c.staged.data[b] for c, b in zip(chunks, spans)], non_blocking=True)  # fmt: skip
         for c in chunks:
             c.staged = None
 
