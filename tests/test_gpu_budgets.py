@@ -18,8 +18,9 @@ and a sync is a sync op (``_local_scalar_dense`` — ``item()``, ``int()``, ``bo
 through a tensor: strict, but then a count of zero here is zero on a GPU. Work on the host pool's own
 bytes (checksums of chunks) is host work by construction and is not counted.
 
-Streams and events are counted by the GPU branches of hcache's own code, driven on the CPU with
-:func:`fake_cuda` (stream and event objects that count themselves; copies run inline).
+Streams, events and ``pin_memory`` calls are counted in the GPU branches of hcache's own copy paths,
+driven on the CPU by :class:`FakeCuda` (stream and event objects that count themselves; copies run
+inline). hcache's one pinned buffer is the host pool, registered once per store (tests/test_host_pool.py).
 
 ``pytest -s`` prints every count; a broken budget fails with the count it found.
 """
