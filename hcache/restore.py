@@ -80,6 +80,7 @@ def restore_prefix(
         fetches += (tier.fetch(key) for key in keys[:present])
         agreed = tp.min(present)  # a prefix that one rank lacks is no prefix at all
         engine.begin_restore(uid, end(agreed) - held)
+        copier.follow()  # the copies wait for the blocks' allocation, not for the RE layers queued next
         if agreed and plan.count(Method.RE):
             engine.recompute_layers(uid, tokens[held : end(agreed)], plan.count(Method.RE))
         fallback = _elsewhere(agreed) if agreed < present else None
@@ -128,13 +129,13 @@ def _restore_layers(
                 parts = [images[j].tensor(layer, fmt) if j < n else filler for j in _reading(tp, fmt, n, agreed, first)]
                 rows = copier.gather(parts) if parts else None
                 return rows, copier.done()
-            for j in range(n):
-                lo, hi = max(held - j * CHUNK_TOKENS, 0), min(stop - j * CHUNK_TOKENS, CHUNK_TOKENS)
-                if hi > lo:
-                    engine.restore_kv(uid, layer, images[j].tensor(layer, fmt)[lo:hi], start=j * CHUNK_TOKENS + lo - held)
+            if n:  # one call for the layer: the rows from ``held`` in the first chunk to ``stop`` in the last
+                parts = [images[j].tensor(layer, fmt) for j in range(n)]
+                parts[-1] = parts[-1][: stop - (n - 1) * CHUNK_TOKENS]
+                parts[0] = parts[0][held:]
+                engine.restore_kv(uid, layer, parts)
             return None, copier.done()
 
-    copier.follow()
     ahead: deque = deque()
     last = None
     for i in range(len(jobs)):

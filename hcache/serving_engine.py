@@ -218,18 +218,18 @@ class ServingEngine:
             raise
 
     def _put(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
+        keys = {uid: self._keys(uid, tokens) for uid, tokens in batch}  # hashed once per put
         if len(batch) > 1 and self.prefetcher is not None:  # later sequences' reads run while earlier ones restore
             for uid, tokens in batch:
-                seq = self._seqs[uid]
-                if _restores(seq.restore, tokens):  # not a decode step: no look-up on the decode path
-                    self.prefetcher.prefetch(chunk_keys(seq.chain.tail + tokens, seq.chain.key))
-        adoptions = self._match(batch)
+                if _restores(self._seqs[uid].restore, tokens):
+                    self.prefetcher.prefetch(keys[uid])
+        adoptions = self._match(batch, keys)
         try:
             requests = []
             for (uid, tokens), adoption in zip(batch, adoptions):
-                step = RestoreStep("", 0)
+                step, held = RestoreStep("", 0), len(self._seqs[uid].chain.tail)
                 n = self._adopt(uid, tokens, adoption, step) if adoption is not None else 0
-                n += self._restore(uid, tokens[n:], step)
+                n += self._restore(uid, tokens[n:], step, keys[uid][(held + n) // CHUNK_TOKENS :])
                 if n:
                     self._seqs[uid].record.restores.append(step)
                 requests.append((uid, tokens[n:]))
@@ -244,7 +244,15 @@ class ServingEngine:
             self._seqs[uid].record.computed_tokens += len(tokens)
         return logits
 
-    def _match(self, batch: list[tuple[int, list[int]]]) -> list[Adoption | None]:
+    def _keys(self, uid: int, tokens: list[int]) -> list[str]:
+        """The keys of the full chunks that a put of ``tokens`` reaches, from the chunk the sequence ends in;
+        none for a put that cannot restore (a decode step: no hashing on the decode path)."""
+        seq = self._seqs[uid]
+        if not _restores(seq.restore or seq.adopt, tokens):
+            return []
+        return chunk_keys(seq.chain.tail + tokens, seq.chain.key)
+
+    def _match(self, batch: list[tuple[int, list[int]]], keys: dict[int, list[str]]) -> list[Adoption | None]:
         """What each sequence adopts from the GPU prefix cache (pinned), after evicting enough of the rest for
         the batch's new tokens; if pinned entries stand in the way, the batch adopts nothing (and restores)."""
         if self.gpu_cache is None:
@@ -255,8 +263,7 @@ class ServingEngine:
             aligned = seq.chain.tail + tokens
             found = None
             if _restores(seq.adopt, tokens):
-                keys = chunk_keys(aligned, seq.chain.key)
-                found = self.gpu_cache.match(aligned, keys, seq.chain.key, len(seq.chain.tail), len(aligned) - 1)
+                found = self.gpu_cache.match(aligned, keys[uid], seq.chain.key, len(seq.chain.tail), len(aligned) - 1)
             adoptions.append(found)
         needed = sum(self.engine.query(uid, len(tokens), 1 << 30)[1] for uid, tokens in batch)
         if not self.gpu_cache.make_room(needed):
@@ -288,16 +295,15 @@ class ServingEngine:
         self.metrics.bytes_read["gpu"] += n * self.spec.num_layers * self.spec.kv_bytes_per_token_layer
         return n
 
-    def _restore(self, uid: int, tokens: list[int], step: RestoreStep) -> int:
+    def _restore(self, uid: int, tokens: list[int], step: RestoreStep, keys: list[str]) -> int:
         """Restore what the store holds of ``tokens``, all but the last (its logits are the answer); how many
         were restored. Chunks are keyed by whole 64-token blocks, so the lookup starts at the chunk the
-        sequence ends in, whose first tokens it holds already."""
+        sequence ends in, whose first tokens it holds already: ``keys`` are those chunks' keys."""
         seq = self._seqs[uid]
         if not _restores(seq.restore, tokens):
             return 0
         held = seq.chain.tail
         aligned = held + tokens
-        keys = chunk_keys(aligned, seq.chain.key)
         if not keys:
             return 0
         start = time.perf_counter()

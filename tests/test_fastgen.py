@@ -425,6 +425,30 @@ def test_restore_rebuilds_the_forwards_kv_and_next_token(prefix):
     torch.testing.assert_close(target.step([(1, [3])]), source.step([(1, [3])]), rtol=1e-5, atol=1e-5)
 
 
+def test_recompute_batches_wait_for_the_previous_batchs_uploads_before_rewriting_host_buffers(monkeypatch):
+    """Each FastGen batch rewrites the ragged batch's pinned host buffers and uploads them without blocking:
+    the next batch's finalize (and the put after a restore) must wait on an event recorded once the previous
+    uploads were queued, or a middle batch's K/V may be computed from the next batch's tokens. The fakes run
+    inline, so the order of the calls is what is checked; the GPU test below checks the K/V."""
+    engine, calls = fastgen(), []
+
+    class Event:
+        def record(self):
+            calls.append("record")
+
+        def synchronize(self):
+            calls.append("wait")
+
+    engine._uploaded = Event()
+    finalize = engine._engine._batch.finalize
+    monkeypatch.setattr(engine._engine._batch, "finalize", lambda *a, **k: (calls.append("finalize"), finalize(*a, **k))[1])
+    engine.begin_restore(1, len(TOKENS))  # 40 tokens: batches of 16, 16 and 8
+    engine.recompute_layers(1, TOKENS, LAYERS)
+    engine.end_restore(1, TOKENS)
+    engine.step([(1, [3])])
+    assert calls == ["finalize", "record"] + ["wait", "finalize", "record"] * 2 + ["wait", "finalize"]
+
+
 def test_begin_restore_without_room_raises_and_allocates_nothing():
     engine = fastgen(num_blocks=4)
     with pytest.raises(CacheFullError):
@@ -476,6 +500,29 @@ def test_real_fastgen_restore_equals_recompute(tmp_path):
         else:  # RE runs FastGen's own layers; KV copies FastGen's own bits
             assert torch.equal(got, want)
     assert restored == recompute
+
+
+@needs_gpu
+def test_real_fastgen_recompute_over_many_batches_equals_prefill(tmp_path):
+    """Recompute in FastGen batches of 64 tokens, queued without a sync between them, gives the K/V of a
+    prefill in the same batches run one at a time: no batch reads another's tokens from the shared host
+    buffers."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = hf_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                    num_hidden_layers=4, vocab_size=1000, max_position_embeddings=2048)
+    LlamaForCausalLM(cfg).half().save_pretrained(tmp_path)
+    engine = build_fastgen_engine(str(tmp_path), {"state_manager": {"max_ragged_batch_size": 64, "memory_config": {"mode": "allocate", "size": 64}}})
+    prompt = [int(t) for t in torch.randint(0, 1000, (700,))]
+    for off in range(0, len(prompt), 64):
+        engine.step([(1, prompt[off : off + 64])])
+        torch.cuda.synchronize()
+    engine.begin_restore(2, len(prompt))
+    engine.recompute_layers(2, prompt, cfg.num_hidden_layers)
+    engine.end_restore(2, prompt)
+    for layer in range(cfg.num_hidden_layers):
+        assert torch.equal(cached_kv(engine, 2, layer), cached_kv(engine, 1, layer)), f"layer {layer}"
 
 
 # Tiny random models of each family FastGen runs, in shapes its kernels take (head size 64, full rotary).

@@ -39,14 +39,15 @@ def _recompute(llama, prompt: list[int], n: int, tmp_path) -> list[int]:
         return runtime.generate(prompt, n, restore=False, stop_token_ids=NO_STOP).output_ids
 
 
-@pytest.mark.parametrize("plan", ["KV", "H"])
-def test_a_returning_conversation_is_served_from_the_gpu_cache_exactly(llama, tmp_path, rng, plan):
+@pytest.mark.parametrize("plan, stage", [("KV", False), ("H", False), ("H", True)])  # stage: the saver's GPU way
+def test_a_returning_conversation_is_served_from_the_gpu_cache_exactly(llama, tmp_path, rng, plan, stage):
     """Every token the first turn computed is adopted (full chunks and the partial last one), nothing is
     read from the store, the reply equals recompute's, and the chunk the adopted partial one became is
     still saved (the saver resumes it)."""
     vocab = llama.spec.vocab_size
     first = random_prompt(3 * CHUNK_TOKENS + 20, vocab, rng)
     with HCacheRuntime(llama, tmp_path / "store", plan=plan, gpu_cache=True) as runtime:
+        runtime.saver.stage = stage
         reply = runtime.generate(first, 8, stop_token_ids=NO_STOP).output_ids
         second = first + reply + random_prompt(50, vocab, rng)
         r = runtime.generate(second, 8, stop_token_ids=NO_STOP)
@@ -56,6 +57,8 @@ def test_a_returning_conversation_is_served_from_the_gpu_cache_exactly(llama, tm
         runtime.store.flush()
         held = second + r.output_ids[:-1]
         assert all(runtime.store.contains(k) for k in chunk_keys(held, root_key(runtime.fingerprint)))
+        runtime.drop_device_cache()
+        assert runtime.generate(second, 8, stop_token_ids=NO_STOP).output_ids == r.output_ids  # from the store
 
 
 @pytest.mark.parametrize("part", [100, 40])

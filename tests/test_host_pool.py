@@ -1,5 +1,6 @@
 """The host pool (hcache/transfer/host_pool.py): one arena, page-aligned slots, refcounts, reuse."""
 import os
+import re
 
 import pytest
 import torch
@@ -71,3 +72,36 @@ def test_pools_larger_than_memory_cost_nothing_until_used_and_the_process_can_st
         os._exit(0)
     assert os.waitpid(pid, 0)[1] == 0
     assert bytes(pools[0].buffer(slot)[:5]) == b"hello"
+
+
+def test_a_pinned_pool_is_registered_for_every_context_and_not_inherited_by_a_fork(monkeypatch):
+    """cudaHostRegisterPortable (flag 1): pinned in every CUDA context, not only the one current at open;
+    MADV_DONTFORK: a forked child neither shares nor copies-on-write the pinned pages (the kernel's "dc"
+    flag on the mapping). cudart is faked, so this runs without a GPU."""
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append((ptr, size, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", Cudart)
+    pool = HostPool(4 * PAGE, pin=True)
+    assert calls == [(pool.arena.data_ptr(), 4 * PAGE, 1)]
+    assert "dc" in _vm_flags(pool.arena.data_ptr())
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping that holds ``address`` (/proc/self/smaps)."""
+    mapping = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if head:
+                mapping = int(head[1], 16) <= address < int(head[2], 16)
+            elif mapping and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -79,9 +79,10 @@ def _check_store(tier: HostTier, streams: dict[int, list[int]], processed: dict[
     return checked
 
 
-def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng):
+@pytest.mark.parametrize("stage", [False, True])  # True: the GPU's way, rows staged on their device until a chunk is full
+def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, stage):
     tier = _tier(tmp_path)
-    saver = ChunkSaver(tier, FP, TENSORS)
+    saver = ChunkSaver(tier, FP, TENSORS, stage=stage)
     streams = {uid: random_prompt(300, 1000, rng) for uid in range(5)}
     # a prefill of uneven lengths (chunks straddle batches), then decode steps of one token each
     steps = [{uid: 37 + 20 * uid for uid in streams}]

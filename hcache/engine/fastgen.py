@@ -17,6 +17,7 @@ FastGen's kernels are CUDA-only: :func:`build_fastgen_engine` refuses to start w
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +27,9 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.paged_kv import copy_slots, gather_kv, slot_runs, write_kv_rows
+from ..ops.paged_kv import block_runs, copy_slots, gather_kv, write_kv_rows
 from ..ragged import Segment
+from ..transfer import copier
 from .capture import LayerCapture
 
 # model_types whose FastGen implementation this adapter has read: dense, rotate-half RoPE, fused [q; k; v].
@@ -113,6 +115,12 @@ def build_fastgen_engine(path: str, engine_config: Any = None, **build_kwargs: A
     return FastGenEngine(build_hf_engine(path, engine_config, **build_kwargs), hf_config)
 
 
+def _host_blocks(desc: Any) -> list[int]:
+    """A sequence's blocks from its descriptor's host shadow (``all_block_ids()`` is the device copy: reading
+    it back would sync). FastGen's dense models have one allocation group."""
+    return desc.kv_cache_ids(on_device=False)[0][: desc.cur_allocated_blocks].tolist()
+
+
 @dataclass
 class _Restore:
     base: int  # the sequence's seen tokens when the restore began: position of its first restored token
@@ -142,6 +150,10 @@ class FastGenEngine:
         )
         self._kv_proj = [self._layer_kv_projection(i) for i in range(self.spec.num_layers)]
         self._restoring: dict[int, _Restore] = {}
+        # Marks the uploads of the ragged batch's pinned host buffers that recompute queued last: those
+        # buffers are rewritten by the next batch's finalize (see recompute_layers).
+        self._uploaded = torch.cuda.Event() if copier.uses_streams(self.device) else None
+        self._upload_pending = False
 
     def _check_dims(self, cache: torch.Tensor) -> None:
         spec, model = self.spec, self._model
@@ -195,6 +207,7 @@ class FastGenEngine:
         self._check_fits(requests)
         uids = [uid for uid, _ in requests]
         tokens = [torch.tensor(t, dtype=torch.int64) for _, t in requests]
+        self._reuse_batch_buffers()
         if capture is None:
             return self._engine.put(uids, tokens, do_checks=False)
         segments, row = [], 0
@@ -293,7 +306,8 @@ class FastGenEngine:
         positions = torch.arange(base, base + num_tokens, device=self.device)
         cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype, rule="fastgen")  # as FastGen's forward rotates
         slots = self._slots(uid, base, num_tokens)
-        self._restoring[uid] = _Restore(base, num_tokens, slots, cos_sin, slot_runs(slots))
+        runs = block_runs(_host_blocks(desc), base, num_tokens, self.block_size)
+        self._restoring[uid] = _Restore(base, num_tokens, slots, cos_sin, runs)
 
     @torch.no_grad()
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
@@ -304,8 +318,8 @@ class FastGenEngine:
         rotate_and_write(cache, r.slots[rows], k, v, (r.cos_sin[0][rows], r.cos_sin[1][rows]))
 
     @torch.no_grad()
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor, start: int = 0) -> None:
-        write_kv_rows(self._state.get_cache(layer), self._restoring[uid].runs, kv, start)
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | Sequence[torch.Tensor], start: int = 0) -> None:
+        write_kv_rows(self._state.get_cache(layer), self._restoring[uid].runs, [kv] if isinstance(kv, torch.Tensor) else kv, start)
 
     @torch.no_grad()
     def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:
@@ -315,6 +329,11 @@ class FastGenEngine:
         Each batch is inserted as ``put`` inserts a sequence, but through a placeholder descriptor that
         says where the batch starts: the real descriptor's ``seen_tokens`` grows only at :meth:`end_restore`,
         so this can run any number of times (the profiler times it) before the restore ends.
+
+        Every batch reuses the ragged batch's pinned host buffers: ``finalize`` rewrites them on the host,
+        then queues their copies to the device, and ``prepare_batch`` does the same with the attention
+        atoms. Nothing syncs between batches, so the next batch's host writes wait on an event recorded
+        after this batch's uploads were queued (not on the forward: the host stays one batch ahead).
         """
         from deepspeed.inference.v2.ragged import PlaceholderSequenceDescriptor
 
@@ -328,14 +347,26 @@ class FastGenEngine:
         max_rows = self.config.state_manager.max_ragged_batch_size
         for off in range(0, len(tokens), max_rows):
             view = PlaceholderSequenceDescriptor(r.base + off, desc.cur_allocated_blocks, desc.kv_blocks_ptr)
+            self._reuse_batch_buffers()
             batch.clear()
             batch.insert_sequence(view, torch.tensor(tokens[off : off + max_rows], dtype=torch.int64))
             batch.finalize()
             model.prepare_batch(batch)
+            if self._uploaded is not None:
+                self._uploaded.record()
+                self._upload_pending = True
             residual = model._forward_embed(batch)
             residual, hidden = model.norm(residual, None, model._transformer[0].attn_norm_gamma, beta=None)
             for i in range(num_layers):
                 residual, hidden = layer(i, residual, hidden, batch)
+
+    def _reuse_batch_buffers(self) -> None:
+        """Before the ragged batch's host buffers are rewritten: wait until recompute's last uploads of them
+        have run (a ``put`` after a restore rewrites them too). FastGen's own puts are ordered by their
+        callers, who read each put's logits back before the next."""
+        if self._upload_pending:
+            self._uploaded.synchronize()
+            self._upload_pending = False
 
     def end_restore(self, uid: int, tokens: list[int]) -> None:
         """Count ``tokens`` as seen, with the descriptor calls ``put`` makes around a forward. A restore that
@@ -355,7 +386,7 @@ class FastGenEngine:
         desc = self._state.get_sequence(uid)
         if desc is None:
             return []
-        blocks = desc.all_block_ids().tolist()
+        blocks = _host_blocks(desc)
         self._state._tracking_allocator.free(desc.tracking_id)
         del self._state._seqs[uid]
         return blocks

@@ -4,6 +4,7 @@ loop drives the serving layer through the FastGen half of it (``put``/``query``/
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -58,9 +59,10 @@ class Engine(Protocol):
         """H: rows ``[start, start + len(hidden))`` of the restore from saved normalised layer inputs."""
         ...
 
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor, start: int = 0) -> None:
-        """KV: rows ``[start, start + len(kv))`` of the restore from saved ``[T, 2, n_kv_heads, head_size]``
-        rows (K rotated), which may be in pinned host memory: the copy runs on the caller's current stream."""
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | Sequence[torch.Tensor], start: int = 0) -> None:
+        """KV: rows ``[start, start + T)`` of the restore from saved ``[T, 2, n_kv_heads, head_size]`` rows (K
+        rotated), one tensor or consecutive parts (a chunk's rows each, so a layer is one call however many
+        chunks it spans), which may be in pinned host memory: the copies run on the caller's current stream."""
         ...
 
     def end_restore(self, uid: int, tokens: list[int]) -> None: ...

@@ -9,6 +9,7 @@ with three primitives: :meth:`recompute_layers` (RE), :meth:`restore_from_hidden
 from __future__ import annotations
 
 import functools
+from collections import abc
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,7 @@ from ..errors import InvalidRequestError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write
 from ..ops.kv_projection import linear_rows
-from ..ops.paged_kv import block_slots, copy_slots, slot_runs, write_kv_rows
+from ..ops.paged_kv import block_runs, block_slots, copy_slots, write_kv_rows
 from .blocked_kv_cache import BlockedKVCache
 from ..ragged import Segment
 from .capture import LayerCapture
@@ -220,7 +221,7 @@ class ReferenceEngine:
         positions = torch.arange(start, start + num_tokens, device=self.device)
         cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype) if self.spec.rope else None
         slots = self._slots(seq, start, num_tokens)
-        self._restoring[uid] = (slots, cos_sin, slot_runs(slots))
+        self._restoring[uid] = (slots, cos_sin, block_runs(seq.blocks, start, num_tokens, self.block_size))
 
     def end_restore(self, uid: int, tokens: list[int]) -> None:
         """Mark ``tokens`` as present in every layer of the cache, once all layers are restored."""
@@ -244,9 +245,9 @@ class ReferenceEngine:
         rotate_and_write(self.cache.layers[layer], slots[rows], k, v, rows_cos_sin)
 
     @torch.no_grad()
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor, start: int = 0) -> None:
-        """KV: copy saved rows (K already rotated) into the cache, one copy per run of consecutive slots."""
-        write_kv_rows(self.cache.layers[layer], self._restoring[uid][2], kv, start)
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | abc.Sequence[torch.Tensor], start: int = 0) -> None:
+        """KV: copy saved rows (K already rotated) into the cache, in one batched copy."""
+        write_kv_rows(self.cache.layers[layer], self._restoring[uid][2], [kv] if isinstance(kv, torch.Tensor) else kv, start)
 
     # ---- blocks held for no sequence (the GPU prefix cache's) --------------------------------------
     def detach(self, uid: int) -> list[int]:

@@ -2,7 +2,7 @@
 
 Only the K and V rows of the QKV weight are multiplied, so no Q is computed. The rows are gathered once
 into one ``[2·kv_dim, D]`` matrix per layer (a view when the model fuses QKV with K and V adjacent), so a
-restore is a single GEMM per row-chunk.
+restore is a single GEMM per layer.
 """
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ import torch
 from torch import nn
 
 from ..model_spec import ModelSpec, WeightRows
-
-# FastGen's linear modules share one output buffer of this many rows; restore GEMMs never exceed it.
-DEFAULT_MAX_ROWS = 768
 
 
 def linear_rows(module: nn.Linear, rows: WeightRows) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -24,11 +21,10 @@ def linear_rows(module: nn.Linear, rows: WeightRows) -> tuple[torch.Tensor, torc
 class KVProjection:
     """The K/V rows ``[2·kv_dim, D]`` (K then V) of one layer's QKV projection, and their bias."""
 
-    def __init__(self, spec: ModelSpec, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = DEFAULT_MAX_ROWS):
+    def __init__(self, spec: ModelSpec, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias = weight, bias
         self.kv_dim = spec.kv_dim
         self.head_shape = (spec.num_kv_heads, spec.head_size)
-        self.max_rows = max_rows
 
     @classmethod
     @torch.no_grad()
@@ -43,10 +39,8 @@ class KVProjection:
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[T, n_kv_heads, head_size]`` (K not yet rotated) from hidden ``[T, D]``."""
-        out = torch.empty(hidden.shape[0], 2 * self.kv_dim, dtype=self.weight.dtype, device=self.weight.device)
-        for start in range(0, hidden.shape[0], self.max_rows):
-            rows = slice(start, start + self.max_rows)
-            out[rows] = torch.nn.functional.linear(hidden[rows].to(self.weight.dtype), self.weight, self.bias)
+        """K and V ``[T, n_kv_heads, head_size]`` (K not yet rotated) from hidden ``[T, D]``: one GEMM into its
+        own output (never a FastGen module's shared buffer, so no cap on ``T``)."""
+        out = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
         k, v = out.split(self.kv_dim, dim=-1)
         return k.reshape(-1, *self.head_shape), v.reshape(-1, *self.head_shape)

@@ -7,6 +7,7 @@ A sequence owns a list of blocks (its block table); token ``p`` of it lives in s
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 
 import torch
 
@@ -42,31 +43,46 @@ def block_slots(blocks: list[int], lo: int, hi: int, block_size: int, device: to
     return slot_mapping(table, torch.arange(lo, hi, device=device), block_size)
 
 
-def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
-    """``(first row, first slot, length)`` of each run of consecutive ``slots`` ``[T]``: a restore's rows map
-    to whole runs of a block, so each run is filled with one copy."""
-    if len(slots) == 0:
-        return []
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(slots[1:] - slots[:-1] != 1).flatten().cpu() + 1])
-    ends = torch.cat([starts[1:], torch.tensor([len(slots)])])
-    first_slots = slots.cpu()[starts]
-    return list(zip(starts.tolist(), first_slots.tolist(), (ends - starts).tolist()))
+def block_runs(blocks: list[int], start: int, length: int, block_size: int) -> list[tuple[int, int, int]]:
+    """``(first row, first slot, length)`` of each run of consecutive slots that rows ``[start, start +
+    length)`` of a sequence with block table ``blocks`` occupy: a run ends where the next block is not
+    adjacent. Computed on the host from the table, so a restore never reads slots back from the device."""
+    runs: list[tuple[int, int, int]] = []
+    row = 0
+    while row < length:
+        pos = start + row
+        n = min(block_size - pos % block_size, length - row)
+        slot = blocks[pos // block_size] * block_size + pos % block_size
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((row, slot, n))
+        row += n
+    return runs
 
 
-def write_kv_rows(cache: torch.Tensor, runs: list[tuple[int, int, int]], kv: torch.Tensor, start: int) -> None:
-    """Copy stored ``kv`` ``[T, 2, n_kv_heads, head_size]`` (K rotated, the cache's own row layout) into rows
-    ``[start, start + T)`` of a restore whose slots are ``runs`` (:func:`slot_runs`): one copy per run it
-    spans, asynchronous from pinned host memory to a GPU."""
+def write_kv_rows(
+    cache: torch.Tensor, runs: list[tuple[int, int, int]], parts: Sequence[torch.Tensor], start: int
+) -> None:
+    """Copy stored rows ``[T, 2, n_kv_heads, head_size]`` (K rotated, the cache's own row layout), given as
+    consecutive ``parts`` (a chunk's rows each), into rows ``[start, start + T)`` of a restore whose slots
+    are ``runs`` (:func:`block_runs`): one batched call for the layer, one copy per (part, run) overlap,
+    asynchronous from pinned host memory to a GPU."""
     flat = cache.view(-1, *cache.shape[2:])
-    stop = start + len(kv)
+    dst, src = [], []
     i = bisect.bisect_right(runs, (start, float("inf"), 0)) - 1
-    while start < stop:
-        row, slot, length = runs[i]
-        n = min(stop, row + length) - start
-        done = len(kv) - (stop - start)
-        flat[slot + start - row : slot + start - row + n].copy_(kv[done : done + n], non_blocking=True)
-        start += n
-        i += 1
+    for part in parts:
+        done = 0
+        while done < len(part):
+            row, slot, length = runs[i]
+            n = min(row + length - start, len(part) - done)
+            dst.append(flat[slot + start - row : slot + start - row + n])
+            src.append(part[done : done + n])
+            done, start = done + n, start + n
+            if start == row + length:
+                i += 1
+    if dst:
+        torch._foreach_copy_(dst, src, non_blocking=True)
 
 
 def copy_slots(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:

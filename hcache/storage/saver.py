@@ -3,14 +3,17 @@ without stalling the forward pass.
 
 Stage 1, on the forward's thread. When a batch begins, every chunk its rows reach gets a host-pool slot
 (:meth:`~hcache.storage.host_tier.HostTier.create`: it waits, counted, only while the pool is full of
-chunks still being written back). Each layer's rows then go straight into those slots, one copy per chunk
-segment. On a GPU the rows are first copied device to device on the compute stream (microseconds; the
-engine may reuse its buffer in the next layer), and the copies into the pinned slots run on a save stream,
-so the forward never waits for PCIe.
+chunks still being written back). On a CPU each layer's rows then go straight into those slots, one batched
+copy per layer. On a GPU they go into a device copy of the chunk's image instead (one batched copy per
+layer, on the compute stream: the engine may reuse its buffer in the next layer), and a chunk crosses to
+its pinned slot once, whole, when its last row is in: one copy on a save stream that the forward never
+waits for, where copying each batch's rows would make one small PCIe copy per sequence and layer at every
+decode step.
 
-Stage 2, bookkeeping. Once a batch's copies have landed (at once on a CPU; after the save stream's event on
-a GPU, on a stage-2 thread), every chunk whose 64 rows are all there is published: restorable from memory
-at once, written back to every store tier (disk, shared tiers) in the background. Only full chunks are stored; a finished sequence's
+Stage 2, bookkeeping. Once a batch's copies have landed (at once on a CPU, or when no chunk crossed to the
+host; after the save stream's event on a GPU, on a stage-2 thread), every chunk whose 64 rows are all there
+is published: restorable from memory at once, written back to every store tier (disk, shared tiers) in the
+background. Only full chunks are stored; a finished sequence's
 trailing partial chunk is dropped, and a chunk some of whose rows were restored rather than computed never
 fills (it is stored already): its slot goes back as soon as that is known. A stored chunk is immutable.
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ragged import Segment
+from ..transfer import copier
 from .chunk import ChunkImage, ChunkLayout
 from .chunk_key import CHUNK_TOKENS, KeyChain
 from .host_tier import HostTier
@@ -42,6 +46,7 @@ class _Chunk:
     image: ChunkImage | None  # None: not saved (the pool had no room, or its first rows were restored)
     expected: int = 0  # the row the next computed rows of this chunk must start at
     filled: int = 0  # rows that have landed
+    staged: ChunkImage | None = None  # staging only: the image on the device, copied to ``image`` when full
 
 
 PartialChunk = _Chunk  # a finished sequence's trailing chunk, kept to be resumed (see ``close``)
@@ -71,7 +76,6 @@ class _Batch:
     pieces: list[_Piece]
     dead: list[_Chunk]  # chunks that can no longer fill: given back once this batch's copies have landed
     delivered: set[tuple[int, str]] = field(default_factory=set)  # (layer, format) the forward handed over
-    on_device: bool = False
 
 
 def _split(pos: int, row: int, length: int):
@@ -87,7 +91,8 @@ class ChunkSaver:
     """``tensors``: every ``(layer, format, row shape, dtype)`` the engine hands over. ``stores(chunk_index,
     format)``: whether this saver stores that format of a sequence's chunk (a tensor-parallel rank stores
     the hidden states of only some chunks); a chunk is published with what it stores, even nothing, so that
-    its key and tokens are on record."""
+    its key and tokens are on record. ``stage``: stage chunks on the rows' device and copy each to the host
+    once, when full (None: when the rows are on a GPU)."""
 
     def __init__(
         self,
@@ -96,8 +101,9 @@ class ChunkSaver:
         tensors: list[TensorSpec],
         *,
         stores: Callable[[int, str], bool] = lambda chunk, fmt: True,
+        stage: bool | None = None,
     ):
-        self.tier, self.fingerprint, self.stores = tier, fingerprint, stores
+        self.tier, self.fingerprint, self.stores, self.stage = tier, fingerprint, stores, stage
         self.chunks_published = 0
         self._tensors = tensors
         self._layouts: dict[frozenset[tuple[int, str]], ChunkLayout] = {}
@@ -202,20 +208,7 @@ class ChunkSaver:
             return
         for fmt, t in rows.items():
             batch.delivered.add((layer, fmt))
-            if not t.is_cuda:
-                self._copy(batch, layer, fmt, t)
-                continue
-            # A copy on the device, on the compute stream (the engine may reuse t in the next layer); the
-            # copies into the pinned slots go on the save stream, which the forward never waits for.
-            snapshot = t.clone()
-            if self._save_stream is None:
-                self._save_stream = torch.cuda.Stream(t.device)
-                self._stage2 = ThreadPoolExecutor(1, thread_name_prefix="hcache-saver")
-            self._save_stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(self._save_stream):
-                self._copy(batch, layer, fmt, snapshot)
-            snapshot.record_stream(self._save_stream)  # its memory is reused only once the copies are done
-            batch.on_device = True
+            self._copy(batch, layer, fmt, t)  # on the current (compute) stream: the engine may reuse t next
 
     def end_batch(self) -> None:
         batch, self._batch = self._batch, None
@@ -226,14 +219,39 @@ class ChunkSaver:
                       len(batch.delivered & self._names), len(self._names))  # fmt: skip
             for p in batch.pieces:
                 p.seq.broken = True
-        if not batch.on_device:
+        full = list({id(p.chunk): p.chunk for p in batch.pieces
+                     if p.chunk.staged is not None and p.chunk.expected == CHUNK_TOKENS and not p.seq.broken}.values())  # fmt: skip
+        if not full:
             self._land(batch)
             return
+        device = full[0].staged.data.device
+        if not copier.uses_streams(device):
+            self._unstage(full)
+            self._land(batch)
+            return
+        # The whole chunks cross to their pinned slots on the save stream, which the forward never waits for.
+        if self._save_stream is None:
+            self._save_stream = torch.cuda.Stream(device)
+            self._stage2 = ThreadPoolExecutor(1, thread_name_prefix="hcache-saver")
+        self._save_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._save_stream):
+            for c in full:
+                c.staged.data.record_stream(self._save_stream)  # its memory is reused only once the copy is done
+            self._unstage(full)
         landed = self._events.pop() if self._events else torch.cuda.Event()
         landed.record(self._save_stream)
         future = self._stage2.submit(self._land_when, landed, batch)
         for seq in {id(p.seq): p.seq for p in batch.pieces}.values():
             seq.in_flight = [f for f in seq.in_flight if not f.done()] + [future]
+
+    @staticmethod
+    def _unstage(chunks: list[_Chunk]) -> None:
+        """Copy full staged chunks to their host slots, each in one copy of its tensors' bytes."""
+        spans = [slice(c.image.layout.data_start, c.image.layout.nbytes) for c in chunks]
+        torch._foreach_copy_([c.image.data[b] for c, b in zip(chunks, spans)],
+                             [c.staged.data[b] for c, b in zip(chunks, spans)], non_blocking=True)  # fmt: skip
+        for c in chunks:
+            c.staged = None
 
     def _abort_unfinished_batch(self) -> None:
         """A batch that began but never ended (its forward raised) publishes nothing; nor do its sequences."""
@@ -245,12 +263,18 @@ class ChunkSaver:
 
     # ---- the copies and stage 2 -----------------------------------------------------------------------
     def _copy(self, batch: _Batch, layer: int, fmt: str, src: torch.Tensor) -> None:
+        """The layer's rows into each piece's chunk: its staged image on the rows' device, or its slot."""
+        stage = copier.uses_streams(src.device) if self.stage is None else self.stage
         dst, rows = [], []
         for p in batch.pieces:
-            image = p.chunk.image
-            if image is not None and image.has(layer, fmt):
-                dst.append(image.tensor(layer, fmt)[p.offset : p.offset + p.n])
-                rows.append(src[p.row : p.row + p.n])
+            chunk = p.chunk
+            if chunk.image is None or not chunk.image.has(layer, fmt):
+                continue
+            if stage and chunk.staged is None:  # one per chunk, from the caching allocator
+                data = torch.empty(chunk.image.layout.nbytes, dtype=torch.uint8, device=src.device)
+                chunk.staged = ChunkImage(data, chunk.image.layout, self.fingerprint)
+            dst.append((chunk.staged if stage else chunk.image).tensor(layer, fmt)[p.offset : p.offset + p.n])
+            rows.append(src[p.row : p.row + p.n])
         if dst:
             torch._foreach_copy_(dst, rows, non_blocking=True)  # one call for the batch's pieces
 
@@ -290,7 +314,7 @@ class ChunkSaver:
             for c in chunks:
                 if c.image is not None:
                     self.tier.abandon(c.image)
-                    c.image = None
+                    c.image = c.staged = None
 
     def _layout(self, index: int) -> ChunkLayout:
         stored = [t for t in self._tensors if self.stores(index, t[1])]

@@ -23,10 +23,16 @@ def round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
 
 
-def _register(owner: object, arena: torch.Tensor) -> None:
-    """Page-lock ``arena`` for DMA to the GPU while ``owner`` lives (unregistering does not free it)."""
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
+
+
+def _register(owner: object, memory: mmap.mmap, arena: torch.Tensor) -> None:
+    """Page-lock ``arena`` (``memory``'s pages) for DMA to the GPU while ``owner`` lives (unregistering does
+    not free it). A forked child does not inherit the mapping: a copy-on-write page of the parent would move
+    away from under the DMA that the registration points at."""
+    memory.madvise(mmap.MADV_DONTFORK)
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+    err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), _HOST_REGISTER_PORTABLE)
     if int(err) != 0:
         raise RuntimeError(f"cannot pin a host pool of {arena.numel()} bytes (cudaHostRegister error {int(err)})")
     weakref.finalize(owner, cudart.cudaHostUnregister, arena.data_ptr())
@@ -53,13 +59,13 @@ class HostPool:
         if capacity <= 0:
             raise ValueError(f"a host pool needs at least one page ({PAGE} bytes), not {capacity_bytes}")
         self.capacity, self.pinned = capacity, pin
-        # Private (a forked child gets its own copy), page-aligned, and not charged against the commit limit
+        # Private (a forked child gets its own copy, unless the pool is pinned), page-aligned, and not charged against the commit limit
         # until touched (MAP_NORESERVE): a 4 GiB pool costs nothing unused, and a process holding several can
         # still fork.
         self._memory = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         self.arena = torch.frombuffer(self._memory, dtype=torch.uint8)
         if pin:  # registered in place: torch's pinned allocator would round the size up to a power of two
-            _register(self, self.arena)
+            _register(self, self._memory, self.arena)
         self._lock = threading.Lock()
         self._free: list[list[int]] = [[0, capacity]]  # [start, length], sorted by start, coalesced
         self._slots: list[Slot | None] = []
