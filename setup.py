@@ -36,6 +36,6 @@ setup(
         "uvicorn",
         "pydantic-settings>=2",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={"test": ["pytest>=8", "mkdocs>=1.6", "mkdocs-material>=9"]},
     entry_points={"console_scripts": ["hcache=hcache.cli:main"]},
 )

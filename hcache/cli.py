@@ -14,7 +14,7 @@ from .model_loader import DEFAULT_MODEL
 from .storage.host_tier import DEFAULT_READERS
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hcache", description="Fast LLM state restoration from hidden states.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log restore decisions and fallbacks")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parsers(sub)
     serve_command.add_parser(sub)
     check.add_parser(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "demo":
