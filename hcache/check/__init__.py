@@ -45,11 +45,10 @@ def run(args: argparse.Namespace, command: str) -> int:
     engines = ["reference", *(["fastgen"] if torch.cuda.is_available() else [])]
     with tempfile.TemporaryDirectory(prefix="hcache-check-store-") as tmp:
         store = Path(args.store_dir or tmp)
-        cases = tqdm(total=len(engines) * len(FAMILIES) * len(PLANS), desc="correctness", unit="case", leave=False)
         steps = [
             ("environment", lambda: describe_environment(store)),
             ("floors", lambda: measure_floors(store, args.quick)),
-            ("correctness", lambda: {"cases": check_restores(engines, progress=lambda case: cases.update())}),
+            ("correctness", lambda: {"cases": _with_progress(engines)}),
             ("speed", lambda: measure_speed(args.quick, lambda name: print(f"  speed: {name}", flush=True))),
         ]
         for i, (name, step) in enumerate(steps, 1):
@@ -62,10 +61,14 @@ def run(args: argparse.Namespace, command: str) -> int:
                 print(f"  {name} failed: {result['error']}", flush=True)
             report["steps"][name] = {**result, "seconds": round(time.perf_counter() - start, 1)}
             _write(report, out)
-        cases.close()
     failed = _failed(report["steps"]["correctness"])
     print(f"wrote {out}.json and {out}.md; correctness: {failed or 'every case passed'}")
     return 1 if failed else 0
+
+
+def _with_progress(engines: list[str]) -> list[dict]:
+    with tqdm(total=len(engines) * len(FAMILIES) * len(PLANS), desc="  correctness", unit="case", leave=False) as bar:
+        return check_restores(engines, progress=lambda case: bar.update())
 
 
 def _failed(step: dict) -> str:
