@@ -12,7 +12,6 @@ message, before a model loads or a store opens.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -29,8 +28,6 @@ from .storage.chunk_key import CHUNK_TOKENS, check_namespace
 from .storage.host_tier import DEFAULT_READERS
 from .storage.store_config import StoreConfig
 
-log = logging.getLogger(__name__)
-
 AUTO = "auto"
 SavePolicy = Literal["plan", "all", "none"]
 
@@ -42,7 +39,8 @@ class HCacheConfig(BaseModel):
     device) or ``"auto"`` (FastGen when a GPU is present; the runtime always uses the reference engine).
     ``store_dirs``: local chunk store directories, one per SSD. ``plan``: ``None`` (H for MHA models, KV
     where KV is no larger; ``"auto"`` when a ``profile`` is given), ``"auto"`` (the profile's bubble-free
-    plan for each history length), ``"RE"``/``"H"``/``"KV"`` or counts such as ``"2RE+20H+8KV"``.
+    plan for each history length), ``"RE"``/``"H"``/``"KV"``, counts such as ``"2RE+20H+8KV"``, or a
+    :class:`~hcache.plan.RestorePlan`.
     ``profile``: a profile file from ``hcache profile`` (or a :class:`~hcache.profile.Profile`), refused if
     measured for another model or machine.
     ``"auto"`` alone plans with this machine's profile, measured on first use unless
@@ -66,7 +64,7 @@ class HCacheConfig(BaseModel):
     engine: Literal["auto", "fastgen", "reference"] = "auto"
     store_dirs: list[str] = Field(default_factory=lambda: ["hcache-store"])
     profile: str | Profile | None = None
-    plan: str | None = None
+    plan: str | RestorePlan | None = None
     measure_profile: bool = True
     save: SavePolicy = "plan"
     namespace: str | None = None
@@ -108,8 +106,8 @@ class HCacheConfig(BaseModel):
 
     @field_validator("plan")
     @classmethod
-    def _plan(cls, plan: str | None) -> str | None:
-        if plan is None or is_auto(plan):
+    def _plan(cls, plan: str | RestorePlan | None) -> str | RestorePlan | None:
+        if plan is None or is_auto(plan) or isinstance(plan, RestorePlan):
             return plan
         RestorePlan.check_syntax(plan)  # the layer count is checked against the model in resolve()
         return plan.strip().upper()

@@ -52,6 +52,9 @@ def test_the_plan_is_checked_against_the_model_when_resolved():
     resolved = resolve(HCacheConfig.of(plan="1re+2kv"), spec, "random:llama")
     assert str(resolved.plan) == "1RE+2KV" and resolved.profile is None
     assert resolved.save_formats == (frozenset(), frozenset({"KV"}), frozenset({"KV"}))
+    assert resolve({"plan": RestorePlan.uniform(3, "H")}, spec, "random:llama").plan == RestorePlan.uniform(3, "H")
+    with pytest.raises(InvalidRequestError, match="plan 2KV covers 2 layers, the model has 3"):
+        resolve({"plan": RestorePlan.uniform(2, "KV")}, spec, "random:llama")
 
 
 def test_a_profile_given_makes_auto_the_plan_and_saves_every_format_it_may_use():
