@@ -125,8 +125,8 @@ def _model_spec(path: str, settings: HCacheConfig) -> ModelSpec:
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot read the model config in {path!r}: {exc}") from exc
     dtype = model_dtype(settings.dtype, device)
-    if settings.dtype is None and engine_kind(settings) == "fastgen":
-        checkpoint = getattr(config, "torch_dtype", None)
+    if settings.dtype is None and engine_kind(settings) == "fastgen":  # FastGen runs the config's dtype
+        checkpoint = getattr(config, "dtype", None)
         dtype = checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.float16
     return ModelSpec.from_config(config, dtype)
 
