@@ -124,3 +124,17 @@ def test_a_bad_config_file_is_refused(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(InvalidRequestError, match=message):
         _serve_settings("--config", str(path))
+
+
+def test_a_deployment_is_resolved_for_the_dtype_its_engine_runs(tmp_path):
+    """FastGen runs a checkpoint in the dtype its config names; the reference engine in float32 on a CPU."""
+    import torch
+
+    from hcache.mii.backend import resolve_deployment
+    from hcache.model_loader import random_model
+
+    random_model("llama", torch.bfloat16).save_pretrained(tmp_path)
+    assert resolve_deployment(HCacheConfig(engine="fastgen"), str(tmp_path)).spec.dtype == "bfloat16"
+    assert resolve_deployment(HCacheConfig(engine="fastgen", dtype="float16"), str(tmp_path)).spec.dtype == "float16"
+    if not torch.cuda.is_available():
+        assert resolve_deployment(HCacheConfig(engine="reference"), str(tmp_path)).spec.dtype == "float32"
