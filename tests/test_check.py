@@ -57,3 +57,24 @@ def test_the_check_covers_families_fastgen_serves():
 
     for family in FAMILIES:
         check_model_type(family)  # raises for a family FastGen does not serve
+
+
+def test_a_family_that_cannot_run_fails_its_cases_and_the_others_still_run(monkeypatch):
+    from hcache.check import correctness as module
+
+    build = module._engine
+
+    def engine(kind, family, tmp):
+        if family == "qwen2":
+            raise RuntimeError("no engine for qwen2")
+        return build(kind, family, tmp)
+
+    monkeypatch.setattr(module, "_engine", engine)
+    cases = check_restores(["reference"], ("qwen2", "llama"))
+    assert [(c["family"], c["ok"]) for c in cases] == [("qwen2", False)] * 4 + [("llama", True)] * 4
+    assert cases[0]["error"] == "RuntimeError: no engine for qwen2"
+    from hcache.check import markdown
+
+    table = markdown({"machine": {"gpu": None, "cpu": "x", "date": "d"}, "command": "c",
+                      "steps": {"correctness": {"cases": cases, "seconds": 1}}})  # fmt: skip
+    assert "| reference | qwen2 | | RE | could not run: `RuntimeError: no engine for qwen2` | | | **NO** |" in table

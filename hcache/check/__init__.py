@@ -93,13 +93,19 @@ def markdown(report: dict) -> str:
             lines += [f"failed: `{step['error']}`", ""]
         elif name == "correctness":
             lines += ["| engine | family | dtype | plan | restored | tokens equal | worst error less its bound (<= 0 passes) | ok |", "|---|---|---|---|---|---|---|---|"]
-            lines += [f"| {c['engine']} | {c['family']} | {c['dtype']} | {c['plan']} | {c['restored_tokens']}/{c['expected_tokens']} | "
-                      f"{c['tokens_equal']} | {c['worst_excess']:.3g} | {'yes' if c['ok'] else '**NO**'} |" for c in step["cases"]]
+            lines += [_case_row(c) for c in step["cases"]]
         else:
             lines += ["| figure | value |", "|---|---|"]
             lines += [f"| {key} | {_cell(value)} |" for key, value in _flat(step) if key != "seconds"]
         lines.append("")
     return "\n".join(lines)
+
+
+def _case_row(c: dict) -> str:
+    if "error" in c:
+        return f"| {c['engine']} | {c['family']} | | {c['plan']} | could not run: `{_cell(c['error'])}` | | | **NO** |"
+    return (f"| {c['engine']} | {c['family']} | {c['dtype']} | {c['plan']} | {c['restored_tokens']}/{c['expected_tokens']} | "
+            f"{c['tokens_equal']} | {c['worst_excess']:.3g} | {'yes' if c['ok'] else '**NO**'} |")
 
 
 def _flat(value, prefix: str = ""):

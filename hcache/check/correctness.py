@@ -37,14 +37,25 @@ NEW_TOKENS = 4
 
 
 def check_restores(engines: list[str], families: tuple[str, ...] = tuple(FAMILIES), progress=None) -> list[dict]:
-    """One case per engine, family and plan; each says whether it passed and by how much."""
+    """One case per engine, family and plan; each says whether it passed and by how much. A family that
+    cannot run (its engine fails to build, say) fails its remaining plans with the error, and the others
+    still run."""
     cases = []
     for kind in engines:
         for family in families:
-            for case in _family(kind, family):
-                cases.append(case)
-                if progress is not None:
-                    progress(case)
+            done = set()
+            try:
+                for case in _family(kind, family):
+                    cases.append(case)
+                    done.add(case["plan"])
+                    if progress is not None:
+                        progress(case)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                for plan in (p for p in PLANS if p not in done):
+                    cases.append({"engine": kind, "family": family, "plan": plan, "error": error, "ok": False})
+                    if progress is not None:
+                        progress(cases[-1])
     return cases
 
 
