@@ -230,8 +230,24 @@ def install_server(hcache: ResolvedConfig, model_config, rest_gateway: bool) -> 
     """For the life of one of MII's server processes: :func:`install`, and, in the REST gateway, every
     request checked at the door and every error answered with its HTTP status and message."""
     install(hcache)
+    _store_everything_at_shutdown()
     if rest_gateway:
         _check_rest_requests(model_config)
+
+
+def _store_everything_at_shutdown() -> None:
+    """A model server told to stop (MII's terminate) closes its serving engine once its batching loop has
+    ended: the saver drains and every chunk saved is written to the stores below, Redis included, before the
+    process exits. Otherwise chunks still queued for write-back are left to the interpreter's exit."""
+    from mii.batching.ragged_batching import MIIAsyncPipeline
+
+    shutdown = MIIAsyncPipeline.shutdown
+
+    def shutdown_and_store(self) -> None:
+        shutdown(self)
+        self.inference_engine.close()
+
+    MIIAsyncPipeline.shutdown = shutdown_and_store
 
 
 def _bind_internal_ports_to_loopback() -> Callable[[], None]:
@@ -365,7 +381,8 @@ def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "lo
     the request's ``cache_salt`` passed on (:mod:`hcache.mii.openai_server`)."""
     return subprocess.Popen(
         [sys.executable, "-m", "hcache.mii.openai_server", "--model", model_dir,
-         "--load-balancer", f"localhost:{balancer_port}", "--host", host, "--port", str(port)]
+         "--load-balancer", f"localhost:{balancer_port}", "--host", host, "--port", str(port)],
+        start_new_session=True,  # Ctrl-C reaches the serving process, which drains this one first
     )  # fmt: skip
 
 

@@ -2,10 +2,14 @@
 completion and chat requests also take ``cache_salt`` (vLLM's name for a per-request namespace). It is
 checked with the request (HTTP 400 if bad) and passed on to the deployment with the generation options.
 A request the deployment fails is answered with an OpenAI error object, the deployment's message and
-:func:`~hcache.mii.failures.http_status` (MII's answers a bare HTTP 500)."""
+:func:`~hcache.mii.failures.http_status` (MII's answers a bare HTTP 500). After SIGUSR1 (a drain, sent by
+``hcache serve`` when it is told to stop) ``GET /health`` answers 503, so that a load balancer's health check
+takes the node out of rotation while it still serves what it was sent."""
 from __future__ import annotations
 
 import runpy
+import signal
+import threading
 from contextvars import ContextVar
 from typing import Optional
 
@@ -17,6 +21,8 @@ from ..storage.chunk_key import check_namespace
 from .failures import http_status
 from .requests import CACHE_SALT
 
+DRAIN_SIGNAL = signal.SIGUSR1
+_draining = threading.Event()
 _salt: ContextVar[Optional[str]] = ContextVar(CACHE_SALT, default=None)  # the salt of the request being served
 
 
@@ -54,11 +60,22 @@ def main() -> None:
 
     def run_answering_errors(app, **kwargs):
         app.add_exception_handler(grpc.RpcError, _answer_error)
+        app.middleware("http")(_health_while_draining)
         run(app, **kwargs)
+
+    signal.signal(DRAIN_SIGNAL, lambda *_: _draining.set())
 
     uvicorn.run = run_answering_errors
     # MII's server reads these names when its module runs, so it gets the versions above.
     runpy.run_module("mii.entrypoints.openai_api_server", run_name="__main__", alter_sys=True)
+
+
+async def _health_while_draining(request, call_next):
+    if _draining.is_set() and request.url.path == "/health":
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return await call_next(request)
 
 
 async def _answer_error(request, exc):

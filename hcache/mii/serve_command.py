@@ -1,9 +1,16 @@
 """``hcache serve``: a DeepSpeed-MII deployment with the hcache backend, with MII's REST gateway and,
-optionally, MII's OpenAI-compatible server in front of it, until interrupted."""
+optionally, MII's OpenAI-compatible server in front of it, until interrupted.
+
+SIGTERM or Ctrl-C drains the node: its OpenAI server's ``/health`` answers 503 at once, so a load balancer
+stops sending it requests; ``--drain-s`` later the server stops taking connections and finishes the
+requests it has; then the deployment stops, and each model server writes every chunk it saved to its
+stores before it exits."""
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,8 +20,11 @@ from ..errors import InvalidRequestError
 from ..model_loader import DEFAULT_MODEL, model_dir
 from . import serve
 from .backend import openai_server
+from .openai_server import DRAIN_SIGNAL
 
 DEFAULT_METRICS_PORT = 9464
+DRAIN_S = 3.0  # a health check every second, two failures to take a node out (hcache/fleet/haproxy.cfg), and margin
+FINISH_S = 300  # the longest the OpenAI server may take to finish its requests once it stops taking new ones
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +51,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rest-port", type=int, default=51080, help="MII's REST gateway port")
     p.add_argument("--port", type=int, default=50050, help="MII's load balancer (gRPC) port")
     p.add_argument("--openai-port", type=int, default=None, help="also start MII's OpenAI-compatible server on this port")
+    p.add_argument("--zmq-port", type=int, default=25555, help="MII's port for broadcasting a batch to its ranks (loopback)")
+    p.add_argument("--dist-port", type=int, default=29500, help="torch.distributed's port for the ranks (loopback)")
+    p.add_argument("--drain-s", type=float, default=DRAIN_S,
+                   help=f"on SIGTERM, seconds /health answers 503 before the OpenAI server stops taking requests (default {DRAIN_S})")
 
 
 def settings(args: argparse.Namespace) -> HCacheConfig:
@@ -70,6 +84,7 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
 def run(args: argparse.Namespace) -> int:
     config = settings(args)
     path = str(model_dir(args.model))
+    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C (by default SIGTERM ends only this process)
     client = serve(
         path,
         hcache=config,
@@ -78,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         restful_api_host=args.host,
         restful_api_port=args.rest_port,
         port_number=args.port,
+        zmq_port_number=args.zmq_port,
+        torch_dist_port=args.dist_port,
     )
     openai = None
     try:
@@ -93,9 +110,29 @@ def run(args: argparse.Namespace) -> int:
         print("hcache: the OpenAI-compatible server exited", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if openai is not None and openai.poll() is None:
+            _drain(openai, args.drain_s)
         return 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the stop short
         if openai is not None:
-            openai.terminate()
-            openai.wait(30)
+            openai.terminate()  # uvicorn stops taking connections and finishes the requests it has
+            try:
+                openai.wait(FINISH_S)
+            except subprocess.TimeoutExpired:
+                openai.kill()
+                openai.wait()
         client.terminate_server()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _drain(openai: subprocess.Popen, seconds: float) -> None:
+    """Fail the OpenAI server's health check and keep serving ``seconds``, so the balancer takes the node
+    out of rotation before it stops taking connections."""
+    print(f"draining: /health answers 503; stopping in {seconds:g} s", flush=True)
+    openai.send_signal(DRAIN_SIGNAL)
+    time.sleep(seconds)

@@ -53,6 +53,8 @@ class RedisChunkStore:
     error). ``ttl_s``: values expire after this long unused (each read renews it); None keeps them until
     the server evicts them (run it with ``maxmemory-policy allkeys-lru``)."""
 
+    kind = "redis"
+
     def __init__(
         self,
         connect: Callable[[], redis.Redis | RedisCluster],
