@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..config import HCacheConfig
@@ -44,19 +45,22 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
         return pipe
 
 
-def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
+def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, checked: Callable[[], None] | None = None, **kwargs: Any):
     """``mii.serve`` (same arguments: ``enable_restful_api``, ``deployment_name``, ports, ...) whose replicas
     restore and save through hcache. Returns MII's client; its ``terminate_server()`` stops the deployment
     and waits until every process it started has exited (ending those that do not exit).
 
-    The hcache config is resolved, and the model and store checked, before any process starts. If the deployment still fails to
-    start, every process it started is stopped before the error is raised."""
+    The hcache config is resolved, and the model and store checked, before any process starts (then
+    ``checked()`` is called, if given). If the deployment still fails to start, every process it started is
+    stopped before the error is raised."""
     import mii
 
     check_mii_version()
     path, tensor_parallel = _deployment(model_name_or_path, kwargs)
     config = resolve_deployment(HCacheConfig.of(hcache), path, tensor_parallel)
     check_deployment(config)
+    if checked is not None:
+        checked()
     launched: list = []
     try:
         with server_processes_launched_by_hcache(config, launched):

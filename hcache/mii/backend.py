@@ -35,6 +35,7 @@ from . import failures
 from .requests import CACHE_SALT, check_generate_options, check_rest_body
 
 CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: not on their command lines
+STARTING_ENV = "HCACHE_OPENAI_STARTING"  # set: the OpenAI server's deployment is starting (hcache.mii.openai_server)
 
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
 
@@ -368,20 +369,30 @@ def server_processes_launched_by_hcache(hcache: ResolvedConfig, launched: list[s
         launched.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         return launched[-1]
 
-    saved = MIIServer._launch_server_process
-    MIIServer._launch_server_process = launch
+    def wait_until_live(self, processes, replicas):
+        # MII's own wait sleeps 5 s a round, even once the servers are up: a node would start seconds late.
+        for process, replica in zip(processes, replicas):
+            while not all(self._is_socket_open(replica.hostname, port) for port in replica.tensor_parallel_ports):
+                if process is not None and process.poll() is not None:
+                    raise RuntimeError(f"the model server exited with status {process.returncode} while starting")
+                time.sleep(0.2)
+
+    saved = MIIServer._launch_server_process, MIIServer._wait_until_server_is_live
+    MIIServer._launch_server_process, MIIServer._wait_until_server_is_live = launch, wait_until_live
     try:
         yield
     finally:
-        MIIServer._launch_server_process = saved
+        MIIServer._launch_server_process, MIIServer._wait_until_server_is_live = saved
 
 
-def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "localhost") -> subprocess.Popen:
-    """MII's OpenAI-compatible server on ``host``, in front of a running deployment's load balancer, with
-    the request's ``cache_salt`` passed on (:mod:`hcache.mii.openai_server`)."""
+def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "localhost", *, starting: bool = False) -> subprocess.Popen:
+    """MII's OpenAI-compatible server on ``host``, in front of a deployment's load balancer, with the
+    request's ``cache_salt`` passed on (:mod:`hcache.mii.openai_server`). ``starting``: the deployment is
+    still starting; ``/health`` answers 503 until the server gets ``READY_SIGNAL``."""
     return subprocess.Popen(
         [sys.executable, "-m", "hcache.mii.openai_server", "--model", model_dir,
          "--load-balancer", f"localhost:{balancer_port}", "--host", host, "--port", str(port)],
+        env={**os.environ, STARTING_ENV: "1"} if starting else None,
         start_new_session=True,  # Ctrl-C reaches the serving process, which drains this one first
     )  # fmt: skip
 

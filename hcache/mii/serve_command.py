@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from ..errors import InvalidRequestError
 from ..model_loader import DEFAULT_MODEL, model_dir
 from . import serve
 from .backend import openai_server
-from .openai_server import DRAIN_SIGNAL
+from .openai_server import DRAIN_SIGNAL, READY_SIGNAL
 
 DEFAULT_METRICS_PORT = 9464
 DRAIN_S = 3.0  # a health check every second, two failures to take a node out (hcache/fleet/haproxy.cfg), and margin
@@ -49,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deployment-name", default="hcache", help="the REST path is /mii/<deployment-name>")
     p.add_argument("--host", default="localhost", help="the address the REST gateway and the OpenAI server listen on (default: localhost; 0.0.0.0 for every interface)")
     p.add_argument("--rest-port", type=int, default=51080, help="MII's REST gateway port")
+    p.add_argument("--no-rest", dest="rest", action="store_false", help="no REST gateway: the OpenAI API alone (with --openai-port)")
     p.add_argument("--port", type=int, default=50050, help="MII's load balancer (gRPC) port")
     p.add_argument("--openai-port", type=int, default=None, help="also start MII's OpenAI-compatible server on this port")
     p.add_argument("--zmq-port", type=int, default=25555, help="MII's port for broadcasting a batch to its ranks (loopback)")
@@ -84,23 +86,31 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
 def run(args: argparse.Namespace) -> int:
     config = settings(args)
     path = str(model_dir(args.model))
-    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C (by default SIGTERM ends only this process)
-    client = serve(
-        path,
-        hcache=config,
-        deployment_name=args.deployment_name,
-        enable_restful_api=True,
-        restful_api_host=args.host,
-        restful_api_port=args.rest_port,
-        port_number=args.port,
-        zmq_port_number=args.zmq_port,
-        torch_dist_port=args.dist_port,
-    )
-    openai = None
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C (by default SIGTERM ends only this process)
+    openai = client = None
+
+    def start_openai() -> None:  # once the settings are checked; it starts while the deployment does
+        nonlocal openai
+        if args.openai_port is not None:  # healthy once the deployment is up
+            openai = openai_server(path, args.port, args.openai_port, args.host, starting=True)
+
     try:
-        print(f"REST: POST http://{args.host}:{args.rest_port}/mii/{args.deployment_name}  {{\"prompts\": [...], \"max_new_tokens\": N}}")
-        if args.openai_port is not None:
-            openai = openai_server(path, args.port, args.openai_port, args.host)
+        client = serve(
+            path,
+            hcache=config,
+            checked=start_openai,
+            deployment_name=args.deployment_name,
+            enable_restful_api=args.rest,
+            restful_api_host=args.host,
+            restful_api_port=args.rest_port,
+            port_number=args.port,
+            zmq_port_number=args.zmq_port,
+            torch_dist_port=args.dist_port,
+        )
+        if args.rest:
+            print(f"REST: POST http://{args.host}:{args.rest_port}/mii/{args.deployment_name}  {{\"prompts\": [...], \"max_new_tokens\": N}}")
+        if openai is not None:
+            _signal_when_listening(openai, args.host, args.openai_port, READY_SIGNAL)
             print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1/chat/completions  (model: {path})")
         if config.metrics_port:
             print(f"Prometheus metrics: http://{args.host}:{config.metrics_port}/metrics")
@@ -110,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         print("hcache: the OpenAI-compatible server exited", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        if openai is not None and openai.poll() is None:
+        if client is not None and openai is not None and openai.poll() is None:
             _drain(openai, args.drain_s)
         return 0
     finally:
@@ -123,11 +133,20 @@ def run(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 openai.kill()
                 openai.wait()
-        client.terminate_server()
+        if client is not None:
+            client.terminate_server()
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+def _signal_when_listening(openai: subprocess.Popen, host: str, port: int, sig: int) -> None:
+    """Send ``sig`` to the OpenAI server once it listens (it handles the signal by then; before, the
+    signal would end it)."""
+    while openai.poll() is None:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            openai.send_signal(sig)
+            return
+        except OSError:
+            time.sleep(0.2)
 
 
 def _drain(openai: subprocess.Popen, seconds: float) -> None:

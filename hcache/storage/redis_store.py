@@ -115,6 +115,18 @@ class RedisChunkStore:
         options = {k: query[k] for k in ("prefix", "namespace") if k in query}
         return cls(connect, name=name, ttl_s=ttl, backoff_s=backoff, **options)
 
+    def ping(self) -> None:
+        """Raise StorageError unless the server answers now: for a check at start-up, where a server that
+        cannot be reached is a mistake in the configuration, not an outage to serve through."""
+        try:
+            client = self._connect()
+            try:
+                client.ping()
+            finally:
+                client.close()
+        except (redis.RedisError, RedisClusterException, OSError) as exc:
+            raise StorageError(f"{self.name}: the Redis server cannot be reached ({exc})") from exc
+
     # ---- the ChunkStore protocol ------------------------------------------------------------------
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]
