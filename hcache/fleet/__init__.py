@@ -10,6 +10,7 @@ by ``hcache fleet``, ``hcache bench fleet`` and the tests; on several machines, 
 """
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
@@ -42,10 +43,23 @@ def haproxy_missing() -> str | None:
     return None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A free port, and the ``span - 1`` after it free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if all(_bindable(host, p) for p in range(port + 1, port + span)):
+            return port
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 def check_port_free(host: str, port: int, what: str) -> None:
@@ -58,6 +72,11 @@ def check_port_free(host: str, port: int, what: str) -> None:
             raise InvalidRequestError(f"{what}: cannot listen on {host}:{port} ({exc.strerror}); is another server there?") from None
 
 
+def _node_ports() -> dict[str, int]:
+    """A node's free ports; MII's model server listens on the one after its load balancer's."""
+    return {"balancer": free_port(span=2), **{k: free_port() for k in ("openai", "zmq", "dist", "metrics")}}
+
+
 @dataclass
 class Node:
     """One ``hcache serve`` of a fleet; ``directory`` holds its store, request log and output."""
@@ -66,7 +85,7 @@ class Node:
     directory: Path
     serve_args: list[str]
     host: str = "127.0.0.1"
-    ports: dict[str, int] = field(default_factory=lambda: {k: free_port() for k in ("openai", "balancer", "zmq", "dist", "metrics")})
+    ports: dict[str, int] = field(default_factory=_node_ports)
     process: subprocess.Popen | None = None
 
     @property
@@ -148,6 +167,22 @@ class Node:
         if self.process is not None:
             _kill(_tree(self.process.pid))
             self.process.wait()
+
+
+def chat(
+    base_url: str, model: str, messages: list[dict], session: str, max_tokens: int, cache_salt: str | None = None
+) -> tuple[str, str]:
+    """One greedy chat completion through an OpenAI API at ``base_url`` with the conversation's
+    ``session`` header (and cache namespace, if given): the reply, and the node that gave it (the
+    balancer's header)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "top_k": 1}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    request = urllib.request.Request(
+        f"{base_url}/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json", SESSION_HEADER: session}
+    )
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
+        return json.loads(answer.read())["choices"][0]["message"]["content"], answer.headers[NODE_HEADER]
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -232,6 +267,12 @@ class Fleet:
                 tail = (self.directory / "haproxy.log").read_text(errors="replace")[-2000:]
                 raise InvalidRequestError(f"HAProxy did not start on {self.host}:{self.port}: {tail}")
             time.sleep(0.2)
+
+    def node_for(self, session: str) -> str:
+        """The node the balancer sends ``session``'s requests to now (asked with a ``GET /health``)."""
+        request = urllib.request.Request(f"http://{self.host}:{self.port}/health", headers={SESSION_HEADER: session})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.headers[NODE_HEADER]
 
     def _routes(self) -> bool:
         """Whether the balancer passes a request to a node (its first health checks have run)."""

@@ -10,6 +10,7 @@ backend launches them with :mod:`hcache.mii.launch` instead, which installs the 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from .requests import CACHE_SALT, check_generate_options, check_rest_body
 CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: not on their command lines
 STARTING_ENV = "HCACHE_OPENAI_STARTING"  # set: the OpenAI server's deployment is starting (hcache.mii.openai_server)
 
+IDLE_WAIT_S = 0.1
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
 
 
@@ -232,8 +234,29 @@ def install_server(hcache: ResolvedConfig, model_config, rest_gateway: bool) -> 
     request checked at the door and every error answered with its HTTP status and message."""
     install(hcache)
     _store_everything_at_shutdown()
+    _wait_when_idle()
     if rest_gateway:
         _check_rest_requests(model_config)
+
+
+def _wait_when_idle() -> None:
+    """MII's serving loop polls its request queue without blocking, so an idle model server keeps a CPU core
+    busy (several nodes on one machine starve each other). With nothing to run, rank 0 now blocks on the
+    queue instead: a request wakes it at once, and a stop is still seen within ``IDLE_WAIT_S``. Everything
+    running goes back through that queue after each step, so an empty buffer and queue mean idle."""
+    from mii.batching.ragged_batching import MIIAsyncPipeline
+
+    schedule = MIIAsyncPipeline.schedule_requests
+
+    def schedule_requests(self) -> None:
+        if self.is_rank_0 and not self.buffer:
+            try:
+                self.buffer.append(self.request_queue.get(timeout=IDLE_WAIT_S))
+            except queue.Empty:
+                pass
+        schedule(self)
+
+    MIIAsyncPipeline.schedule_requests = schedule_requests
 
 
 def _store_everything_at_shutdown() -> None:
