@@ -10,6 +10,8 @@ by ``hcache fleet``, ``hcache bench fleet`` and the tests; on several machines, 
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import shutil
 import signal
@@ -169,20 +171,40 @@ class Node:
             self.process.wait()
 
 
+@dataclass
+class Reply:
+    text: str
+    node: str  # the node that gave it (the balancer's header)
+    ttft_s: float | None = None  # streamed: the time to the first token
+
+
 def chat(
-    base_url: str, model: str, messages: list[dict], session: str, max_tokens: int, cache_salt: str | None = None
-) -> tuple[str, str]:
+    base_url: str, model: str, messages: list[dict], session: str, max_tokens: int, *, cache_salt: str | None = None,
+    stream: bool = False,
+) -> Reply:  # fmt: skip
     """One greedy chat completion through an OpenAI API at ``base_url`` with the conversation's
-    ``session`` header (and cache namespace, if given): the reply, and the node that gave it (the
-    balancer's header)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "top_k": 1}
+    ``session`` header (and cache namespace, if given); ``stream``: streamed, to time its first token."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "top_k": 1, "stream": stream}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
     request = urllib.request.Request(
         f"{base_url}/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json", SESSION_HEADER: session}
     )
+    start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
-        return json.loads(answer.read())["choices"][0]["message"]["content"], answer.headers[NODE_HEADER]
+        node = answer.headers[NODE_HEADER]
+        if not stream:
+            return Reply(json.loads(answer.read())["choices"][0]["message"]["content"], node)
+        text, ttft = "", None
+        for line in answer:  # server-sent events: a role first, then one chunk of content a token
+            data = line.removeprefix(b"data: ").strip()
+            if not data or data == b"[DONE]":
+                continue
+            delta = json.loads(data)["choices"][0]["delta"]
+            if "content" in delta:
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                text += delta["content"]
+        return Reply(text, node, ttft)
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -228,6 +250,20 @@ class Fleet:
     def config_path(self) -> Path:
         return self.directory / "haproxy.cfg"
 
+    @property
+    def stats_socket(self) -> Path:
+        return self.directory / "haproxy.sock"
+
+    def balancer_stats(self) -> dict[str, dict[str, str]]:
+        """HAProxy's counters for each node, by name (``show stat``): ``status``, ``stot`` (requests),
+        ``wretr`` (retries on it), ``wredis`` (requests sent elsewhere after failing on it), ..."""
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(self.stats_socket))
+            s.sendall(b"show stat\n")
+            data = b"".join(iter(lambda: s.recv(65536), b""))
+        rows = csv.DictReader(io.StringIO(data.decode().lstrip("# ")))
+        return {r["svname"]: r for r in rows if r["pxname"] == "nodes" and r["svname"] not in ("FRONTEND", "BACKEND")}
+
     def start(self) -> Fleet:
         why = haproxy_missing()
         if why:
@@ -254,7 +290,9 @@ class Fleet:
     def _start_haproxy(self) -> None:
         servers = "\n".join(f"    server {n.name} {n.host}:{n.ports['openai']}" for n in self.nodes)
         template = Template((Path(__file__).parent / "haproxy.cfg").read_text())
-        self.config_path.write_text(template.substitute(bind=f"{self.host}:{self.port}", servers=servers, timeout_s=TIMEOUT_S))
+        self.config_path.write_text(template.substitute(
+            bind=f"{self.host}:{self.port}", servers=servers, timeout_s=TIMEOUT_S, stats_socket=self.stats_socket.resolve()
+        ))  # fmt: skip
         check = subprocess.run(["haproxy", "-c", "-q", "-f", str(self.config_path)], capture_output=True, text=True)
         if check.returncode:
             raise InvalidRequestError(f"HAProxy refused {self.config_path}: {check.stdout}{check.stderr}")
