@@ -107,6 +107,8 @@ def _restored_by_source(fleet: Fleet, kill_time: float) -> dict:
             entry = json.loads(line)
             phase = out["after_kill" if entry["time"] > kill_time else "before_kill"]
             for source, n in {"gpu_cache": entry["gpu_tokens"], **entry["tier_tokens"]}.items():
+                if not n:
+                    continue
                 phase[source] = phase.get(source, 0) + n
     return out
 
