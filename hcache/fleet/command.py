@@ -6,6 +6,7 @@ import argparse
 import signal
 import time
 
+from ..mii.serve_command import signals_ignored
 from ..model_loader import DEFAULT_MODEL
 from . import Fleet
 
@@ -16,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis", default=None, metavar="URL",
                    help="the shared tier: a running Redis (redis://host:port/db, options as for serve --tier); default: start a redis-server")
     p.add_argument("--port", type=int, default=8080, help="the balancer's port (default 8080); the nodes' ports are chosen free")
-    p.add_argument("--host", default="127.0.0.1", help="the balancer's and the nodes' address (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="the balancer's address (default 127.0.0.1; 0.0.0.0 for every interface); the nodes listen on 127.0.0.1")
     p.add_argument("--dir", default="hcache-fleet", help="each node's store, request log and output, and HAProxy's config (default hcache-fleet)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="as for hcache serve")
     p.add_argument("--config", default=None, metavar="JSON", help="hcache settings for every node, as for hcache serve --config")
@@ -25,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     serve_args = ["--model", args.model, *(["--config", args.config] if args.config else [])]
     fleet = Fleet(args.nodes, args.dir, redis_url=args.redis, host=args.host, port=args.port, serve_args=serve_args)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
+    on_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
     try:
         print(f"starting {args.nodes} node(s), HAProxy and Redis ...", flush=True)
         fleet.start()
@@ -43,6 +44,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        fleet.stop()
+        with signals_ignored(signal.SIGINT, signal.SIGTERM):
+            fleet.stop()
+        signal.signal(signal.SIGTERM, on_sigterm)

@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import HCacheConfig
@@ -86,7 +88,6 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
 def run(args: argparse.Namespace) -> int:
     config = settings(args)
     path = str(model_dir(args.model))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C (by default SIGTERM ends only this process)
     openai = client = None
 
     def start_openai() -> None:  # once the settings are checked; it starts while the deployment does
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         if args.openai_port is not None:  # healthy once the deployment is up
             openai = openai_server(path, args.port, args.openai_port, args.host, starting=True)
 
+    on_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C (by default SIGTERM ends only this process)
     try:
         client = serve(
             path,
@@ -124,17 +126,29 @@ def run(args: argparse.Namespace) -> int:
             _drain(openai, args.drain_s)
         return 0
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the stop short
-        if openai is not None:
-            openai.terminate()  # uvicorn stops taking connections and finishes the requests it has
-            try:
-                openai.wait(FINISH_S)
-            except subprocess.TimeoutExpired:
-                openai.kill()
-                openai.wait()
-        if client is not None:
-            client.terminate_server()
+        with signals_ignored(signal.SIGINT, signal.SIGTERM):
+            if openai is not None:
+                openai.terminate()  # uvicorn stops taking connections and finishes the requests it has
+                try:
+                    openai.wait(FINISH_S)
+                except subprocess.TimeoutExpired:
+                    openai.kill()
+                    openai.wait()
+            if client is not None:
+                client.terminate_server()
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+@contextmanager
+def signals_ignored(*signals: int) -> Iterator[None]:
+    """Ignore ``signals`` inside (a second Ctrl-C must not cut a stop short), restoring their handlers after:
+    a process that starts children later must not pass them an ignored SIGINT."""
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
 
 
 def _signal_when_listening(openai: subprocess.Popen, host: str, port: int, sig: int) -> None:
