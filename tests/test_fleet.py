@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -231,7 +232,10 @@ def test_a_killed_nodes_conversation_moves_and_is_restored_from_redis(fleet, mod
     time.sleep(0.5)  # the write-backs of the last turn's chunks to Redis (milliseconds)
     owner.kill()
     before, restored = len(_log(other)), _restored(other)
-    assert client.turn("moved") == other.name
+    try:
+        assert client.turn("moved") == other.name
+    except urllib.error.HTTPError as exc:  # the balancer's log says which node it tried, and what each did
+        pytest.fail(f"{exc}; HAProxy's log ends:\n{(fleet.directory / 'haproxy.log').read_text()[-3000:]}")
     assert fleet.balancer_stats()[owner.name]["wredis"] == "1"  # tried on the dead node, then sent on
     turn = _last_turn(other, before)
     assert turn["tier_tokens"].get("redis", 0) >= first_prompt // 64 * 64 > 0, turn

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
@@ -279,8 +279,12 @@ class Fleet:
             for node in self.nodes:
                 node.serve_args = [*node.serve_args, "--gpu-cache", "--tier", self.redis_url]
                 node.start()
-            with ThreadPoolExecutor(len(self.nodes)) as pool:
-                list(pool.map(Node.wait_ready, self.nodes))
+            pool = ThreadPoolExecutor(len(self.nodes))
+            try:  # the first node that fails stops the start (stop() then ends the others' waits too)
+                for ready in as_completed([pool.submit(n.wait_ready) for n in self.nodes]):
+                    ready.result()
+            finally:
+                pool.shutdown(wait=False)
             self._start_haproxy()
         except BaseException:
             self.stop()
@@ -296,9 +300,10 @@ class Fleet:
         check = subprocess.run(["haproxy", "-c", "-q", "-f", str(self.config_path)], capture_output=True, text=True)
         if check.returncode:
             raise InvalidRequestError(f"HAProxy refused {self.config_path}: {check.stdout}{check.stderr}")
-        log = open(self.directory / "haproxy.log", "ab")
-        with log:
-            self.haproxy = subprocess.Popen(["haproxy", "-db", "-f", str(self.config_path)], stdout=log, stderr=subprocess.STDOUT)
+        with open(self.directory / "haproxy.log", "ab") as log:
+            self.haproxy = subprocess.Popen(  # its own session, as the nodes': the fleet stops it after they drain
+                ["haproxy", "-db", "-f", str(self.config_path)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + 30
         while not self._routes():
             if self.haproxy.poll() is not None or time.monotonic() > deadline:

@@ -38,7 +38,7 @@ from .requests import CACHE_SALT, check_generate_options, check_rest_body
 CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: not on their command lines
 STARTING_ENV = "HCACHE_OPENAI_STARTING"  # set: the OpenAI server's deployment is starting (hcache.mii.openai_server)
 
-IDLE_WAIT_S = 0.1
+IDLE_WAIT_S = 0.1  # an idle model server waits this long on its request queue at a time (see _wait_when_idle)
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
 
 
