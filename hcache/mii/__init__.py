@@ -10,8 +10,11 @@ Both take MII's own arguments too, and return MII's own pipeline and client.
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..config import HCacheConfig
@@ -29,6 +32,7 @@ from .backend import (
 __all__ = ["HCacheConfig", "build_engine", "pipeline", "serve"]
 log = logging.getLogger(__name__)
 TERMINATE_WAIT_S = 15
+MII_CACHE_ENV = "MII_CACHE_PATH"
 
 
 def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
@@ -63,7 +67,7 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
         checked()
     launched: list = []
     try:
-        with server_processes_launched_by_hcache(config, launched):
+        with server_processes_launched_by_hcache(config, launched), _own_mii_cache():
             client = mii.serve(model_name_or_path, **kwargs)
     except BaseException:
         stop(launched, grace_s=0)
@@ -79,6 +83,24 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
 
     client.terminate_server = terminate_server
     return client
+
+
+@contextmanager
+def _own_mii_cache() -> Iterator[None]:
+    """MII writes a deployment's config to ``$MII_CACHE_PATH/<deployment name>/score.py`` and imports it back
+    to start the deployment: two deployments of one name starting at once on a machine (the nodes of a
+    fleet) would each start with the other's ports. Each ``serve`` gets a directory of its own for it,
+    removed once the deployment is up."""
+    saved = os.environ.get(MII_CACHE_ENV)
+    with tempfile.TemporaryDirectory(prefix="hcache-mii-") as private:
+        os.environ[MII_CACHE_ENV] = private
+        try:
+            yield
+        finally:
+            if saved is None:
+                del os.environ[MII_CACHE_ENV]
+            else:
+                os.environ[MII_CACHE_ENV] = saved
 
 
 def _ask_to_terminate(terminate) -> None:
