@@ -13,14 +13,13 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-import hcache.mii
 from hcache.bench._redis_server import redis_missing
 from hcache.fleet import Fleet, chat, free_port, haproxy_missing
 from hcache.model_loader import model_dir as resolve_model_dir
@@ -49,53 +48,26 @@ def model_path(smollm2) -> str:
     return str(resolve_model_dir("smollm2"))
 
 
-def _reference(model_path: str) -> list[list[str]]:
-    """Each conversation's replies from MII over the same engine with hcache off, one process: the truth."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pipe = hcache.mii.pipeline(model_path, hcache={"enabled": False, "engine": "reference"}, zmq_port_number=free_port())
-    try:
-        out = []
-        for questions in CONVERSATIONS:
-            messages, replies = [], []
-            for question in questions:
-                messages.append({"role": "user", "content": question})
-                prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                replies.append(pipe([prompt], max_new_tokens=NEW_TOKENS, do_sample=False)[0].generated_text)
-                messages.append({"role": "assistant", "content": replies[-1]})
-            out.append(replies)
-        return out
-    finally:
-        pipe.inference_engine.close()
-        pipe.destroy()
+@pytest.fixture(scope="module")
+def fleet(model_path, tmp_path_factory):
+    with Fleet(2, tmp_path_factory.mktemp("fleet"), port=free_port(), serve_args=["--model", model_path, "--engine", "reference"]) as f:
+        yield f
 
 
 @pytest.fixture(scope="module")
-def fleet_and_reference(model_path, tmp_path_factory):
-    """The fleet, started while the reference replies are computed (each takes a while on a CPU)."""
-    fleet = Fleet(2, tmp_path_factory.mktemp("fleet"), port=free_port(), serve_args=["--model", model_path, "--engine", "reference"])
-    with ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(fleet.start)
-        try:
-            truth = _reference(model_path)
-        except BaseException:
-            wait([starting])
-            fleet.stop()
-            raise
-        starting.result()
-    try:
-        yield fleet, truth
-    finally:
-        fleet.stop()
-
-
-@pytest.fixture
-def fleet(fleet_and_reference) -> Fleet:
-    return fleet_and_reference[0]
-
-
-@pytest.fixture
-def reference(fleet_and_reference) -> list[list[str]]:
-    return fleet_and_reference[1]
+def reference(fleet, model_path) -> list[list[str]]:
+    """Each conversation's replies recomputed: every request in a namespace of its own (``cache_salt``), where
+    nothing is stored, so a node prefills the whole history (tests/test_mii.py holds such replies equal to
+    MII's with hcache off)."""
+    out = []
+    for c, questions in enumerate(CONVERSATIONS):
+        messages, replies = [], []
+        for question in questions:
+            messages.append({"role": "user", "content": question})
+            replies.append(chat(fleet.url, model_path, messages, f"reference-{c}", NEW_TOKENS, cache_salt=uuid.uuid4().hex).text)
+            messages.append({"role": "assistant", "content": replies[-1]})
+        out.append(replies)
+    return out
 
 
 class Client:
@@ -123,6 +95,18 @@ def _node(fleet: Fleet, name: str):
 
 def _log(node) -> list[dict]:
     return [json.loads(line) for line in node.request_log.read_text().splitlines()] if node.request_log.exists() else []
+
+
+def _logged(node) -> int:
+    """How many sequences the node has logged, once the last reply's line is in (a sequence is logged when
+    MII flushes it, just after its reply has gone)."""
+    n = len(_log(node))
+    while True:
+        time.sleep(0.3)
+        now = len(_log(node))
+        if now == n:
+            return n
+        n = now
 
 
 def _restored(node) -> dict[str, float]:
@@ -154,7 +138,7 @@ def _last_turn(node, before: int) -> dict:
 def test_a_conversations_turns_stay_on_one_node_and_adopt_its_gpu_cache(fleet, model_path, reference):
     client = Client(fleet, model_path, 0, reference, "stay")
     owner = _node(fleet, fleet.node_for("stay"))
-    before = len(_log(owner))
+    before = _logged(owner)
     served = {client.turn("stay") for _ in CONVERSATIONS[0]}
     assert served == {owner.name}
     turns = _new_turns(owner, before, 3)
@@ -203,7 +187,7 @@ def test_redis_killed_then_back_nodes_recompute_then_use_it_again(fleet, model_p
     fleet.redis.stop()
     client = Client(fleet, model_path, 1, reference, "down")
     assert client.turn(_session_on(fleet, first.name, "down")) == first.name
-    before = len(_log(second))
+    before = _logged(second)
     assert client.turn(_session_on(fleet, second.name, "down")) == second.name
     turn = _last_turn(second, before)
     assert turn["restored_tokens"] == 0 and turn["computed_tokens"] > 64
@@ -213,7 +197,7 @@ def test_redis_killed_then_back_nodes_recompute_then_use_it_again(fleet, model_p
     client = Client(fleet, model_path, 2, reference, "back")
     assert client.turn(_session_on(fleet, first.name, "back")) == first.name
     assert redis.Redis(port=fleet.redis.port).dbsize() > 0  # saved to the new server
-    before, restored = len(_log(second)), _restored(second)
+    before, restored = _logged(second), _restored(second)
     assert client.turn(_session_on(fleet, second.name, "back")) == second.name
     assert _last_turn(second, before)["tier_tokens"].get("redis", 0) >= 64
     assert _restored(second)["redis"] > restored["redis"]
@@ -231,7 +215,7 @@ def test_a_killed_nodes_conversation_moves_and_is_restored_from_redis(fleet, mod
     first_prompt = len(tokenizer.encode(tokenizer.apply_chat_template(client.messages[:1], tokenize=False, add_generation_prompt=True)))
     time.sleep(0.5)  # the write-backs of the last turn's chunks to Redis (milliseconds)
     owner.kill()
-    before, restored = len(_log(other)), _restored(other)
+    before, restored = _logged(other), _restored(other)
     try:
         assert client.turn("moved") == other.name
     except urllib.error.HTTPError as exc:  # the balancer's log says which node it tried, and what each did
