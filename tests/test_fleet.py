@@ -1,8 +1,8 @@
 """A fleet as users run it, on loopback: HAProxy (Debian's package) in front of two ``hcache serve`` nodes
 (SmolLM2 on the reference engine, each with its own disk store and GPU prefix cache), one redis-server
 below them. Conversations keep to a node, move when it is gone and are restored from Redis there, and
-every reply equals MII's with hcache off (greedy). One fleet serves the tests in file order; the last one
-kills a node."""
+every reply equals the recompute of the same conversation (greedy). One fleet serves the tests in file
+order; the last one kills a node."""
 import json
 import os
 import socket
