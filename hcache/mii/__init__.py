@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -66,11 +67,13 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
     if checked is not None:
         checked()
     launched: list = []
+    mii_cache = tempfile.mkdtemp(prefix="hcache-mii-")
     try:
-        with server_processes_launched_by_hcache(config, launched), _own_mii_cache():
+        with server_processes_launched_by_hcache(config, launched), _mii_cache_at(mii_cache):
             client = mii.serve(model_name_or_path, **kwargs)
     except BaseException:
         stop(launched, grace_s=0)
+        shutil.rmtree(mii_cache, ignore_errors=True)
         raise
     terminate = client.terminate_server
 
@@ -80,27 +83,27 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
         asking.start()
         asking.join(TERMINATE_WAIT_S)
         stop(launched)
+        shutil.rmtree(mii_cache, ignore_errors=True)
 
     client.terminate_server = terminate_server
     return client
 
 
 @contextmanager
-def _own_mii_cache() -> Iterator[None]:
-    """MII writes a deployment's config to ``$MII_CACHE_PATH/<deployment name>/score.py`` and imports it back
-    to start the deployment: two deployments of one name starting at once on a machine (the nodes of a
-    fleet) would each start with the other's ports. Each ``serve`` gets a directory of its own for it,
-    removed once the deployment is up."""
+def _mii_cache_at(path: str) -> Iterator[None]:
+    """MII writes a deployment's config to ``$MII_CACHE_PATH/<deployment name>/score.py``, imports it back to
+    start the deployment, and its REST gateway reads it for each request: two deployments of one name
+    starting at once on a machine (the nodes of a fleet) would each start with the other's ports. Each
+    ``serve`` and the processes it starts use a directory of their own for it, removed when it stops."""
     saved = os.environ.get(MII_CACHE_ENV)
-    with tempfile.TemporaryDirectory(prefix="hcache-mii-") as private:
-        os.environ[MII_CACHE_ENV] = private
-        try:
-            yield
-        finally:
-            if saved is None:
-                del os.environ[MII_CACHE_ENV]
-            else:
-                os.environ[MII_CACHE_ENV] = saved
+    os.environ[MII_CACHE_ENV] = path
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[MII_CACHE_ENV]
+        else:
+            os.environ[MII_CACHE_ENV] = saved
 
 
 def _ask_to_terminate(terminate) -> None:
