@@ -35,7 +35,9 @@ setup(
         # MII's OpenAI-compatible server needs these and does not declare them
         "uvicorn",
         "pydantic-settings>=2",
+        "psutil>=5.9",  # a fleet's processes; deepspeed needs it too
     ],
+    package_data={"hcache.fleet": ["haproxy.cfg"]},
     extras_require={"test": ["pytest>=8", "mkdocs>=1.6", "mkdocs-material>=9"]},
     entry_points={"console_scripts": ["hcache=hcache.cli:main"]},
 )

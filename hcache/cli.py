@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import bench, check
 from .errors import HCacheError
+from .fleet import command as fleet_command
 from .mii import serve_command
 from .model_loader import DEFAULT_MODEL
 from .storage.host_tier import DEFAULT_READERS
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--out", default=None, help="output path (default: $HCACHE_HOME/profiles/<machine>-<model>.json, where plan auto looks)")
     bench.add_parsers(sub)
     serve_command.add_parser(sub)
+    fleet_command.add_parser(sub)
     check.add_parser(sub)
     return parser
 
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench.run(args, command)
         if args.command == "serve":
             return serve_command.run(args)
+        if args.command == "fleet":
+            return fleet_command.run(args)
         if args.command == "check":
             return check.run(args, command)
         if args.command == "prepare" and args.fastgen:

@@ -20,7 +20,7 @@ class ServingMetrics:
 
     def __init__(self, store=None, prefetcher=None, gpu_cache=None):
         self.store, self.prefetcher, self.gpu_cache = store, prefetcher, gpu_cache
-        self.restored_tokens: Tally = Tally()  # by source: gpu_cache, store
+        self.restored_tokens: Tally = Tally()  # by source: gpu_cache, host (the pool), then each store's kind
         self.restored_layer_tokens: Tally = Tally()  # from the store: tokens x layers, by method (RE, H, KV)
         self.bytes_read: Tally = Tally()  # by tier: gpu (the prefix cache's copies), host (host pool to device)
         self.fallbacks = 0  # restores that used stored state only in part
@@ -32,8 +32,11 @@ class ServingMetrics:
     def collect(self):
         cache = self.gpu_cache
         tier = self.store.stats() if self.store is not None else {}
+        sources = ["gpu_cache"] * (cache is not None) + ["host", *(s.kind for s in self.store.stores)] * (self.store is not None)
         counters = [  # name, help, value (or {label value: value}), label
-            ("hcache_restored_tokens", "Tokens restored instead of prefilled, by source", self.restored_tokens, "source"),
+            ("hcache_restored_tokens", "Tokens restored instead of prefilled, by source: the GPU prefix cache, the host pool "
+             "(host), or the store a chunk was read from (disk, shared_disk, redis)",
+             {**dict.fromkeys(sources, 0), **self.restored_tokens}, "source"),
             ("hcache_restored_layer_tokens", "Tokens times layers restored from the store, by method",
              self.restored_layer_tokens, "method"),
             ("hcache_bytes_read", "Bytes read by restores, by tier (store: from the stores below into the host pool)",

@@ -8,9 +8,9 @@ of the remaining tokens rewrites every layer's K/V from that position on.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class RestoreOutcome:
     tokens: int  # tokens whose KV is now in the cache, after those the sequence held
     bytes_read: int  # bytes of the stored tensors the restore copied from (whole 64-row tensors)
     fallback: str | None  # why stored state stopped short of what the lookup found, if it did
+    sources: dict[str, int] = field(default_factory=dict)  # tokens by where their chunk was read from (HostTier.source)
 
 
 def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -96,7 +97,10 @@ def restore_prefix(
         engine.end_restore(uid, tokens[held : end(restored)])
         read = [(j, layer, fmt) for layer, fmt in jobs for j in _reading(tp, fmt, n, agreed, first) if j < n]
         used = sum(images[j].layout.entries[(layer, fmt)].nbytes for j, layer, fmt in read)
-        return RestoreOutcome(end(restored) - held, used, fallback)
+        sources = Counter()
+        for j in range(restored):
+            sources[tier.source(images[j])] += min(end(restored), (j + 1) * CHUNK_TOKENS) - max(held, j * CHUNK_TOKENS)
+        return RestoreOutcome(end(restored) - held, used, fallback, dict(sources))
     finally:
         copier.drain()  # no copy may still read a slot given back below
         for f in fetches:

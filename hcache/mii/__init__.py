@@ -10,7 +10,12 @@ Both take MII's own arguments too, and return MII's own pipeline and client.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..config import HCacheConfig
@@ -28,6 +33,7 @@ from .backend import (
 __all__ = ["HCacheConfig", "build_engine", "pipeline", "serve"]
 log = logging.getLogger(__name__)
 TERMINATE_WAIT_S = 15
+MII_CACHE_ENV = "MII_CACHE_PATH"
 
 
 def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
@@ -44,25 +50,30 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
         return pipe
 
 
-def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
+def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, checked: Callable[[], None] | None = None, **kwargs: Any):
     """``mii.serve`` (same arguments: ``enable_restful_api``, ``deployment_name``, ports, ...) whose replicas
     restore and save through hcache. Returns MII's client; its ``terminate_server()`` stops the deployment
     and waits until every process it started has exited (ending those that do not exit).
 
-    The hcache config is resolved, and the model and store checked, before any process starts. If the deployment still fails to
-    start, every process it started is stopped before the error is raised."""
+    The hcache config is resolved, and the model and store checked, before any process starts (then
+    ``checked()`` is called, if given). If the deployment still fails to start, every process it started is
+    stopped before the error is raised."""
     import mii
 
     check_mii_version()
     path, tensor_parallel = _deployment(model_name_or_path, kwargs)
     config = resolve_deployment(HCacheConfig.of(hcache), path, tensor_parallel)
     check_deployment(config)
+    if checked is not None:
+        checked()
     launched: list = []
+    mii_cache = tempfile.mkdtemp(prefix="hcache-mii-")
     try:
-        with server_processes_launched_by_hcache(config, launched):
+        with server_processes_launched_by_hcache(config, launched), _mii_cache_at(mii_cache):
             client = mii.serve(model_name_or_path, **kwargs)
     except BaseException:
         stop(launched, grace_s=0)
+        shutil.rmtree(mii_cache, ignore_errors=True)
         raise
     terminate = client.terminate_server
 
@@ -72,9 +83,27 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
         asking.start()
         asking.join(TERMINATE_WAIT_S)
         stop(launched)
+        shutil.rmtree(mii_cache, ignore_errors=True)
 
     client.terminate_server = terminate_server
     return client
+
+
+@contextmanager
+def _mii_cache_at(path: str) -> Iterator[None]:
+    """MII writes a deployment's config to ``$MII_CACHE_PATH/<deployment name>/score.py``, imports it back to
+    start the deployment, and its REST gateway reads it for each request: two deployments of one name
+    starting at once on a machine (the nodes of a fleet) would each start with the other's ports. Each
+    ``serve`` and the processes it starts use a directory of their own for it, removed when it stops."""
+    saved = os.environ.get(MII_CACHE_ENV)
+    os.environ[MII_CACHE_ENV] = path
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[MII_CACHE_ENV]
+        else:
+            os.environ[MII_CACHE_ENV] = saved
 
 
 def _ask_to_terminate(terminate) -> None:

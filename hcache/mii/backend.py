@@ -10,6 +10,7 @@ backend launches them with :mod:`hcache.mii.launch` instead, which installs the 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -35,7 +36,9 @@ from . import failures
 from .requests import CACHE_SALT, check_generate_options, check_rest_body
 
 CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: not on their command lines
+STARTING_ENV = "HCACHE_OPENAI_STARTING"  # set: the OpenAI server's deployment is starting (hcache.mii.openai_server)
 
+IDLE_WAIT_S = 0.1  # an idle model server waits this long on its request queue at a time (see _wait_when_idle)
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
 
 
@@ -230,8 +233,45 @@ def install_server(hcache: ResolvedConfig, model_config, rest_gateway: bool) -> 
     """For the life of one of MII's server processes: :func:`install`, and, in the REST gateway, every
     request checked at the door and every error answered with its HTTP status and message."""
     install(hcache)
+    _store_everything_at_shutdown()
+    _wait_when_idle()
     if rest_gateway:
         _check_rest_requests(model_config)
+
+
+def _wait_when_idle() -> None:
+    """MII's serving loop polls its request queue without blocking, so an idle model server keeps a CPU core
+    busy (several nodes on one machine starve each other). With nothing to run, rank 0 now blocks on the
+    queue instead: a request wakes it at once, and a stop is still seen within ``IDLE_WAIT_S``. Everything
+    running goes back through that queue after each step, so an empty buffer and queue mean idle."""
+    from mii.batching.ragged_batching import MIIAsyncPipeline
+
+    schedule = MIIAsyncPipeline.schedule_requests
+
+    def schedule_requests(self) -> None:
+        if self.is_rank_0 and not self.buffer:
+            try:
+                self.buffer.append(self.request_queue.get(timeout=IDLE_WAIT_S))
+            except queue.Empty:
+                pass
+        schedule(self)
+
+    MIIAsyncPipeline.schedule_requests = schedule_requests
+
+
+def _store_everything_at_shutdown() -> None:
+    """A model server told to stop (MII's terminate) closes its serving engine once its batching loop has
+    ended: the saver drains and every chunk saved is written to the stores below, Redis included, before the
+    process exits. Otherwise chunks still queued for write-back are left to the interpreter's exit."""
+    from mii.batching.ragged_batching import MIIAsyncPipeline
+
+    shutdown = MIIAsyncPipeline.shutdown
+
+    def shutdown_and_store(self) -> None:
+        shutdown(self)
+        self.inference_engine.close()
+
+    MIIAsyncPipeline.shutdown = shutdown_and_store
 
 
 def _bind_internal_ports_to_loopback() -> Callable[[], None]:
@@ -352,20 +392,31 @@ def server_processes_launched_by_hcache(hcache: ResolvedConfig, launched: list[s
         launched.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         return launched[-1]
 
-    saved = MIIServer._launch_server_process
-    MIIServer._launch_server_process = launch
+    def wait_until_live(self, processes, replicas):
+        # MII's own wait sleeps 5 s a round, even once the servers are up: a node would start seconds late.
+        for process, replica in zip(processes, replicas):
+            while not all(self._is_socket_open(replica.hostname, port) for port in replica.tensor_parallel_ports):
+                if process is not None and process.poll() is not None:
+                    raise RuntimeError(f"the model server exited with status {process.returncode} while starting")
+                time.sleep(0.2)
+
+    saved = MIIServer._launch_server_process, MIIServer._wait_until_server_is_live
+    MIIServer._launch_server_process, MIIServer._wait_until_server_is_live = launch, wait_until_live
     try:
         yield
     finally:
-        MIIServer._launch_server_process = saved
+        MIIServer._launch_server_process, MIIServer._wait_until_server_is_live = saved
 
 
-def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "localhost") -> subprocess.Popen:
-    """MII's OpenAI-compatible server on ``host``, in front of a running deployment's load balancer, with
-    the request's ``cache_salt`` passed on (:mod:`hcache.mii.openai_server`)."""
+def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "localhost", *, starting: bool = False) -> subprocess.Popen:
+    """MII's OpenAI-compatible server on ``host``, in front of a deployment's load balancer, with the
+    request's ``cache_salt`` passed on (:mod:`hcache.mii.openai_server`). ``starting``: the deployment is
+    still starting; ``/health`` answers 503 until the server gets ``READY_SIGNAL``."""
     return subprocess.Popen(
         [sys.executable, "-m", "hcache.mii.openai_server", "--model", model_dir,
-         "--load-balancer", f"localhost:{balancer_port}", "--host", host, "--port", str(port)]
+         "--load-balancer", f"localhost:{balancer_port}", "--host", host, "--port", str(port)],
+        env={**os.environ, STARTING_ENV: "1"} if starting else None,
+        start_new_session=True,  # Ctrl-C reaches the serving process, which drains this one first
     )  # fmt: skip
 
 

@@ -1,11 +1,21 @@
 """``hcache serve``: a DeepSpeed-MII deployment with the hcache backend, with MII's REST gateway and,
-optionally, MII's OpenAI-compatible server in front of it, until interrupted."""
+optionally, MII's OpenAI-compatible server in front of it, until interrupted.
+
+SIGTERM or Ctrl-C drains the node: its OpenAI server's ``/health`` answers 503 at once, so a load balancer
+stops sending it requests; ``--drain-s`` later the server stops taking connections and finishes the
+requests it has; then the deployment stops, and each model server writes every chunk it saved to its
+stores before it exits."""
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import HCacheConfig
@@ -13,8 +23,11 @@ from ..errors import InvalidRequestError
 from ..model_loader import DEFAULT_MODEL, model_dir
 from . import serve
 from .backend import openai_server
+from .openai_server import DRAIN_SIGNAL, READY_SIGNAL
 
 DEFAULT_METRICS_PORT = 9464
+DRAIN_S = 3.0  # a health check every second, two failures to take a node out (hcache/fleet/haproxy.cfg), and margin
+FINISH_S = 300  # the longest the OpenAI server may take to finish its requests once it stops taking new ones
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,8 +52,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deployment-name", default="hcache", help="the REST path is /mii/<deployment-name>")
     p.add_argument("--host", default="localhost", help="the address the REST gateway and the OpenAI server listen on (default: localhost; 0.0.0.0 for every interface)")
     p.add_argument("--rest-port", type=int, default=51080, help="MII's REST gateway port")
+    p.add_argument("--no-rest", dest="rest", action="store_false", help="no REST gateway: the OpenAI API alone (with --openai-port)")
     p.add_argument("--port", type=int, default=50050, help="MII's load balancer (gRPC) port")
     p.add_argument("--openai-port", type=int, default=None, help="also start MII's OpenAI-compatible server on this port")
+    p.add_argument("--zmq-port", type=int, default=25555, help="MII's port for broadcasting a batch to its ranks (loopback)")
+    p.add_argument("--dist-port", type=int, default=29500, help="torch.distributed's port for the ranks (loopback)")
+    p.add_argument("--drain-s", type=float, default=DRAIN_S,
+                   help=f"on SIGTERM, seconds /health answers 503 before the OpenAI server stops taking requests (default {DRAIN_S})")
 
 
 def settings(args: argparse.Namespace) -> HCacheConfig:
@@ -70,20 +88,31 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
 def run(args: argparse.Namespace) -> int:
     config = settings(args)
     path = str(model_dir(args.model))
-    client = serve(
-        path,
-        hcache=config,
-        deployment_name=args.deployment_name,
-        enable_restful_api=True,
-        restful_api_host=args.host,
-        restful_api_port=args.rest_port,
-        port_number=args.port,
-    )
-    openai = None
+    openai = client = None
+
+    def start_openai() -> None:  # once the settings are checked; it starts while the deployment does
+        nonlocal openai
+        if args.openai_port is not None:  # healthy once the deployment is up
+            openai = openai_server(path, args.port, args.openai_port, args.host, starting=True)
+
+    on_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C (by default SIGTERM ends only this process)
     try:
-        print(f"REST: POST http://{args.host}:{args.rest_port}/mii/{args.deployment_name}  {{\"prompts\": [...], \"max_new_tokens\": N}}")
-        if args.openai_port is not None:
-            openai = openai_server(path, args.port, args.openai_port, args.host)
+        client = serve(
+            path,
+            hcache=config,
+            checked=start_openai,
+            deployment_name=args.deployment_name,
+            enable_restful_api=args.rest,
+            restful_api_host=args.host,
+            restful_api_port=args.rest_port,
+            port_number=args.port,
+            zmq_port_number=args.zmq_port,
+            torch_dist_port=args.dist_port,
+        )
+        if args.rest:
+            print(f"REST: POST http://{args.host}:{args.rest_port}/mii/{args.deployment_name}  {{\"prompts\": [...], \"max_new_tokens\": N}}")
+        if openai is not None:
+            _signal_when_listening(openai, args.host, args.openai_port, READY_SIGNAL)
             print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1/chat/completions  (model: {path})")
         if config.metrics_port:
             print(f"Prometheus metrics: http://{args.host}:{config.metrics_port}/metrics")
@@ -93,9 +122,50 @@ def run(args: argparse.Namespace) -> int:
         print("hcache: the OpenAI-compatible server exited", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if client is not None and openai is not None and openai.poll() is None:
+            _drain(openai, args.drain_s)
         return 0
     finally:
-        if openai is not None:
-            openai.terminate()
-            openai.wait(30)
-        client.terminate_server()
+        with signals_ignored(signal.SIGINT, signal.SIGTERM):
+            if openai is not None:
+                openai.terminate()  # uvicorn stops taking connections and finishes the requests it has
+                try:
+                    openai.wait(FINISH_S)
+                except subprocess.TimeoutExpired:
+                    openai.kill()
+                    openai.wait()
+            if client is not None:
+                client.terminate_server()
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+@contextmanager
+def signals_ignored(*signals: int) -> Iterator[None]:
+    """Ignore ``signals`` inside (a second Ctrl-C must not cut a stop short), restoring their handlers after:
+    a process that starts children later must not pass them an ignored SIGINT."""
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def _signal_when_listening(openai: subprocess.Popen, host: str, port: int, sig: int) -> None:
+    """Send ``sig`` to the OpenAI server once it listens (it handles the signal by then; before, the
+    signal would end it)."""
+    while openai.poll() is None:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            openai.send_signal(sig)
+            return
+        except OSError:
+            time.sleep(0.2)
+
+
+def _drain(openai: subprocess.Popen, seconds: float) -> None:
+    """Fail the OpenAI server's health check and keep serving ``seconds``, so the balancer takes the node
+    out of rotation before it stops taking connections."""
+    print(f"draining: /health answers 503; stopping in {seconds:g} s", flush=True)
+    openai.send_signal(DRAIN_SIGNAL)
+    time.sleep(seconds)

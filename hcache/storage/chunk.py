@@ -120,6 +120,7 @@ class ChunkImage:
             raise ValueError(f"a chunk image of {layout.nbytes} bytes does not fit in {len(data)}")
         self.data, self.layout, self.fingerprint = data, layout, fingerprint
         self.key, self.tokens, self.slot = key, tokens, slot
+        self.source = "host"  # where it came into host memory from: saved here, or a store's kind
         self._views: dict[tuple[int, str], torch.Tensor] = {}
 
     @property

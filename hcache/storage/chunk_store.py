@@ -13,6 +13,7 @@ from typing import Protocol
 
 class ChunkStore(Protocol):
     name: str  # where it is, for messages
+    kind: str  # what it is, for counters: disk, shared_disk or redis
 
     def contains(self, key: str) -> bool: ...
 

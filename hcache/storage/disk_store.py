@@ -133,6 +133,7 @@ class DiskChunkStore:
             raise StorageError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
         self.fsync, self.shared = fsync, shared
         self.name = ("shared " if shared else "") + ",".join(str(p) for p in self.dirs)
+        self.kind = "shared_disk" if shared else "disk"
         self.bytes_written = 0
         self.write_errors = 0
         self.evictions = 0

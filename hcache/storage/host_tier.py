@@ -199,6 +199,7 @@ class HostTier:
                     size = store.read_into(key, take)
                     if size is not None:
                         image = ChunkImage.parse(self.pool.view(taken[0]), key, size, slot=taken[0])
+                        image.source = store.kind
                         break
                 except HostPoolFull:
                     raise
@@ -230,6 +231,14 @@ class HostTier:
                 self.pool.ref(image.slot)
                 self._write_behind(image, self.stores[:found])
         return image
+
+    def source(self, image: ChunkImage) -> str:
+        """Where a restore that reads ``image`` got it: ``host`` if it was in the pool already (saved here,
+        or read by an earlier restore), else the kind of the store it was read from, for this restore or by
+        a prefetch ahead of it. The next restore of it finds it in the pool."""
+        with self._cond:
+            found, image.source = image.source, "host"
+        return found
 
     def _share(self, key: str, first: Future) -> ChunkImage | None:
         """A second fetch of a chunk being loaded: wait for that load, then take a reference of one's own."""

@@ -53,6 +53,8 @@ class RedisChunkStore:
     error). ``ttl_s``: values expire after this long unused (each read renews it); None keeps them until
     the server evicts them (run it with ``maxmemory-policy allkeys-lru``)."""
 
+    kind = "redis"
+
     def __init__(
         self,
         connect: Callable[[], redis.Redis | RedisCluster],
@@ -112,6 +114,18 @@ class RedisChunkStore:
 
         options = {k: query[k] for k in ("prefix", "namespace") if k in query}
         return cls(connect, name=name, ttl_s=ttl, backoff_s=backoff, **options)
+
+    def ping(self) -> None:
+        """Raise StorageError unless the server answers now: for a check at start-up, where a server that
+        cannot be reached is a mistake in the configuration, not an outage to serve through."""
+        try:
+            client = self._connect()
+            try:
+                client.ping()
+            finally:
+                client.close()
+        except (redis.RedisError, RedisClusterException, OSError) as exc:
+            raise StorageError(f"{self.name}: the Redis server cannot be reached ({exc})") from exc
 
     # ---- the ChunkStore protocol ------------------------------------------------------------------
     def contains(self, key: str) -> bool:
