@@ -23,8 +23,7 @@ from .auto_profile import auto_profile
 from .errors import InvalidRequestError
 from .model_loader import LoadedModel, model_dtype
 from .model_spec import ModelSpec
-from .ops.quant import ENCODINGS
-from .plan import Method, RestorePlan, default_plan
+from .plan import Method, RestorePlan, default_plan, stored_encodings
 from .profile import Profile, profile_command
 from .storage.chunk_key import CHUNK_TOKENS, check_namespace
 from .storage.host_tier import DEFAULT_READERS
@@ -246,30 +245,6 @@ def resolve(
         plan=plan,
         save_formats=_save_formats(save, plan, profile, spec, stored_encodings(settings.stored_dtype)),
     )
-
-
-_BEST_8BIT = {Method.H.value: "fp8", Method.KV.value: "int8"}  # measured: docs/benchmarks.md, quality
-
-
-def stored_encodings(stored_dtype: str) -> dict[str, torch.dtype]:
-    """The formats that ``stored_dtype`` stores in an 8-bit encoding, with its code dtype. Raises ValueError
-    for anything but ``auto``, ``int8``, ``fp8``, ``8bit`` or ``H=<one of those>,KV=<one of those>``."""
-    text = stored_dtype.strip().lower()
-    formats = (Method.H.value, Method.KV.value)
-    if "=" not in text:
-        names = dict(_BEST_8BIT) if text == "8bit" else dict.fromkeys(formats, text)
-    else:
-        names = {}
-        for item in text.split(","):
-            fmt, _, name = (part.strip() for part in item.partition("="))
-            fmt = next((f for f in formats if f.lower() == fmt), None)
-            if fmt is None or fmt in names:
-                raise ValueError(f"{stored_dtype!r}: expected H=...,KV=... with each format once")
-            names[fmt] = _BEST_8BIT[fmt] if name == "8bit" else name
-    bad = sorted({n for n in names.values() if n != AUTO and n not in ENCODINGS})
-    if bad:
-        raise ValueError(f"unknown stored dtype {bad[0]!r}: expected auto, int8, fp8, 8bit, or per format as H=fp8,KV=int8")
-    return {fmt: ENCODINGS[name] for fmt, name in names.items() if name != AUTO}
 
 
 def is_auto(plan: object) -> bool:

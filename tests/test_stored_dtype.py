@@ -6,9 +6,10 @@ import pytest
 import torch
 from helpers import corrupt_tensor, loaded, random_prompt
 
-from hcache.config import HCacheConfig, stored_encodings
+from hcache.config import HCacheConfig
 from hcache.errors import InvalidRequestError
 from hcache.model_spec import ModelSpec
+from hcache.plan import Method, stored_encodings
 from hcache.ops.dequant_scatter import write_dequantised, write_rows
 from hcache.ops.paged_kv import block_runs, write_kv_rows
 from hcache.ops.quant import QuantRows, dequantise, quantise
@@ -210,3 +211,34 @@ def test_encoded_chunk_without_its_scales_is_refused(llama, tmp_path, rng):
     layout = ChunkLayout.plan([(0, "KV", shapes["KV"], INT8)], "fp")
     wrong, _ = _layout_problems(layout, {(0, "KV")}, shapes, torch.float32)
     assert "without fitting scales" in wrong
+
+
+# ---- the profile and the auto plan ------------------------------------------------------------------------
+def test_auto_plan_weighs_the_encodings_bytes_and_dequantisation_cost(llama):
+    from hcache.profile import Profile
+    from hcache.plan import RestorePlan
+
+    spec = llama.spec
+    seconds = {"c_token": [0.01, 0.04], "c_h": [0.001, 0.004], "c_kv": [0.0, 0.0], "io_h": [0.004, 0.016], "io_kv": [0.008, 0.032]}
+    profile = Profile.new(llama.name, spec, [64, 256], seconds, {})
+    fp8 = {"H": FP8}
+    assert Method.H.bytes_per_token_layer(spec, FP8) == spec.hidden_size + 2  # codes and one float16 scale
+    assert Method.KV.bytes_per_token_layer(spec, INT8) == 2 * spec.num_kv_heads * (spec.head_size + 2)
+    # I/O-bound lossless: a layer recomputed; H at a quarter of the bytes is compute-bound: all H
+    assert profile.plan(spec, 256) == RestorePlan.parse("1RE+2H", 3)
+    assert profile.plan(spec, 256, fp8) == RestorePlan.uniform(3, "H")
+    ratio = (spec.hidden_size + 2) / spec.hidden_bytes_per_token_layer
+    assert profile.costs(256, {"H": ratio}).io_h == pytest.approx(0.016 * ratio)
+    # a measured dequantisation cost replaces the lossless compute cost: here, one too dear to take H
+    priced = Profile.new(llama.name, spec, [64, 256], {**seconds, "c_h8": [0.05, 0.2], "c_kv8": [0.0, 0.0]}, {})
+    assert priced.costs(256, {"H": ratio}).c_h == 0.2
+    assert priced.plan(spec, 256, fp8).count(Method.H) < 3
+
+
+def test_profile_with_and_without_8bit_costs_loads(llama, tmp_path):
+    from hcache.profile import Profile
+
+    seconds = {"c_token": [0.01], "c_h": [0.001], "c_kv": [0.0], "io_h": [0.004], "io_kv": [0.008]}
+    for extra in ({}, {"c_h8": [0.002], "c_kv8": [0.001]}):
+        Profile.new(llama.name, llama.spec, [64], {**seconds, **extra}, {}).save(tmp_path / "p.json")
+        assert Profile.load(tmp_path / "p.json", llama.spec).seconds.keys() == {**seconds, **extra}.keys()
