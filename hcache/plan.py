@@ -88,8 +88,9 @@ class RestorePlan:
     def count(self, method: Method) -> int:
         return sum(m is method for m in self.layers)
 
-    def stored_bytes_per_token(self, spec: ModelSpec) -> int:
-        return sum(m.bytes_per_token_layer(spec) for m in self.layers)
+    def stored_bytes_per_token(self, spec: ModelSpec, encodings: dict[str, torch.dtype] | None = None) -> int:
+        """Stored bytes per token over every layer, with ``encodings`` (:func:`stored_encodings`) if given."""
+        return sum(m.bytes_per_token_layer(spec, (encodings or {}).get(m.value)) for m in self.layers)
 
     def __str__(self) -> str:
         return "+".join(f"{self.count(m)}{m.value}" for m in Method if self.count(m)) or "empty"

@@ -151,6 +151,15 @@ class ReferenceEngine:
         last_rows = torch.tensor([s.row + s.length - 1 for s in segments], device=self.device)
         return self.decoder.logits(hidden[last_rows]).float()
 
+    @torch.no_grad()
+    def score(self, uid: int, tokens: list[int], last: int) -> torch.Tensor:
+        """Append ``tokens`` to one sequence, as :meth:`step` does, and return the next-token logits
+        ``[last, vocab]`` after each of its last ``last`` tokens: teacher forcing, to measure how restored
+        state changes every prediction (``hcache bench quality``)."""
+        hidden, _ = self._forward([(uid, tokens)], self.spec.num_layers, None)
+        self.sequences[uid].tokens.extend(tokens)
+        return self.decoder.logits(hidden[len(tokens) - last :]).float()
+
     def _forward(
         self, requests: list[tuple[int, list[int]]], num_layers: int, capture: LayerCapture | None
     ) -> tuple[torch.Tensor, list[Segment]]:
