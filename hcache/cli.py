@@ -130,6 +130,7 @@ def _profile(args: argparse.Namespace, command: str) -> int:
     import torch
 
     from .model_loader import load_model, model_dtype
+    from .plan import stored_encodings
     from .profile import default_profile_path
     from .profiler import default_tokens, measure_profile
 
@@ -149,5 +150,5 @@ def _profile(args: argparse.Namespace, command: str) -> int:
     for n in profile.tokens:
         costs = profile.costs(n)
         ms = ", ".join(f"{name} {getattr(costs, name) * 1e3:.2f}" for name in ("c_token", "c_h", "c_kv", "io_h", "io_kv"))
-        print(f"  {n:>6} tokens: ms/layer {ms}; plan {profile.plan(spec, n)}")
+        print(f"  {n:>6} tokens: ms/layer {ms}; plan {profile.plan(spec, n)} ({profile.plan(spec, n, stored_encodings('8bit'))} with stored_dtype 8bit)")
     return 0
