@@ -242,3 +242,11 @@ def test_profile_with_and_without_8bit_costs_loads(llama, tmp_path):
     for extra in ({}, {"c_h8": [0.002], "c_kv8": [0.001]}):
         Profile.new(llama.name, llama.spec, [64], {**seconds, **extra}, {}).save(tmp_path / "p.json")
         assert Profile.load(tmp_path / "p.json", llama.spec).seconds.keys() == {**seconds, **extra}.keys()
+
+
+def test_demo_refuses_a_bad_stored_dtype_before_loading_the_model(monkeypatch):
+    import hcache.demo
+
+    monkeypatch.setattr(hcache.demo, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(InvalidRequestError, match="stored_dtype"):
+        hcache.demo.run_demo(stored_dtype="int4")
