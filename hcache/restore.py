@@ -12,6 +12,7 @@ before its K/V GEMM.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -196,17 +197,11 @@ def _restore_layers(
 def _gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[torch.Tensor | QuantRows]:
     """H rows of consecutive chunks on the device, one gather per run of chunks stored alike (one run,
     unless the chunks were saved in different encodings): lossless rows, or codes and scales."""
-    runs: list[tuple[tuple, list]] = []
-    for part in parts:
-        kind = (type(part), part.codes.dtype if isinstance(part, QuantRows) else part.dtype)
-        if runs and runs[-1][0] == kind:
-            runs[-1][1].append(part)
-        else:
-            runs.append((kind, [part]))
+    runs = [list(run) for _, run in itertools.groupby(parts, lambda p: (type(p), (p.codes if isinstance(p, QuantRows) else p).dtype))]
     return [
         QuantRows(copier.gather([p.codes for p in run]), copier.gather([p.scale for p in run]))
-        if kind[0] is QuantRows else copier.gather(run)
-        for kind, run in runs
+        if isinstance(run[0], QuantRows) else copier.gather(run)
+        for run in runs
     ]  # fmt: skip
 
 
