@@ -250,3 +250,4 @@ def test_demo_refuses_a_bad_stored_dtype_before_loading_the_model(monkeypatch):
     monkeypatch.setattr(hcache.demo, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     with pytest.raises(InvalidRequestError, match="stored_dtype"):
         hcache.demo.run_demo(stored_dtype="int4")
+
