@@ -2,10 +2,12 @@
 
 Each conversation opens with a document of about 2K tokens and goes on for several turns; its text is
 real English prose that Python ships (the language reference in ``pydoc_data.topics``), and every reply
-is teacher-forced from the same text. The whole conversation is saved once into a store per encoding
-(``save="all"``). Then, for every turn after the first, its history is restored from each store by each
-plan, and the turn's tokens are run over it; the next-token distribution at each of those positions is
-compared with the lossless restore's (which is bit-identical to recompute, checked here too):
+is teacher-forced from the same text. The whole conversation is saved once into a lossless store and
+two 8-bit ones (``save="all"``; ``stored_dtype`` ``"8bit"``, fp8 H and int8 KV, and the other way round,
+``"H=int8,KV=fp8"``). Then, for every turn after the first, its history is restored by each plan (H, KV
+and a mixed one) from the lossless store and from the 8-bit ones, and the turn's tokens are run over it;
+the next-token distribution at each of those positions is compared with the same plan's lossless
+restore's (bit-identical to recompute, as the tests check):
 - ``top1``: the fraction of positions whose most likely next token is the same;
 - ``kl_mean`` / ``kl_max``: KL(lossless || 8-bit) of the next-token distributions, in nats;
 - ``ppl`` and ``ppl_increase``: perplexity of the text's own next tokens, and its change relative to
@@ -37,7 +39,13 @@ from ..storage.chunk import ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 
 TEXT_SOURCE = "pydoc_data.topics (the Python language reference, shipped with Python)"
-ENCODINGS = ("int8", "fp8", "8bit")
+LOSSLESS = "auto"
+ENCODINGS = ("8bit", "H=int8,KV=fp8")
+# (row, plan, stored_dtype): each format in each 8-bit encoding, and the mixed plan in the chosen one
+ROWS = (
+    ("H fp8", "H", "8bit"), ("H int8", "H", "H=int8,KV=fp8"), ("KV int8", "KV", "8bit"), ("KV fp8", "KV", "H=int8,KV=fp8"),
+    ("mixed 8bit", "mixed", "8bit"),
+)  # fmt: skip
 # (the document's topic, the topic the replies are read from, questions): one conversation each
 CONVERSATIONS = (
     ("execmodel", "exceptions", ("What is a code block?", "How are names resolved?", "What happens on an error?", "Explain the scope rules again.")),
@@ -63,20 +71,23 @@ def run(args: argparse.Namespace) -> dict:
     blocks = 2 * -(-max(len(ids) for ids, _ in convs) // CHUNK_TOKENS) + 4
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="hcache-quality-", dir=args.store) as root:
-        runtimes = {e: HCacheRuntime(loaded, Path(root) / e, save="all", stored_dtype=e, num_blocks=blocks) for e in ("auto", *ENCODINGS)}
+        runtimes = {
+            e: HCacheRuntime(loaded, Path(root) / str(i), save="all", stored_dtype=e, num_blocks=blocks) for i, e in enumerate((LOSSLESS, *ENCODINGS))
+        }  # fmt: skip
         try:
             for ids, _ in convs:
                 for rt in runtimes.values():  # saves the whole conversation in every format
                     rt.generate(ids, 1, restore=False)
-            channels, errors = _h_channels(runtimes["auto"], convs[0][0]), _errors(runtimes["auto"], convs[0][0])
+            lossless = runtimes[LOSSLESS]
+            channels, errors = _h_channels(lossless, convs[0][0]), _errors(lossless, convs[0][0])
             stats: dict[str, list] = {}
             jobs = [(ids, s, e) for ids, starts in convs for s, e in zip(starts, starts[1:])]
             for ids, start, end in tqdm(jobs, desc="turns"):
-                reference = _score(runtimes["auto"], ids, None, start, end)
-                for plan_name, plan in plans.items():
-                    for encoding, rt in runtimes.items():
-                        logits = _score(rt, ids, plan, start, end)
-                        stats.setdefault(f"{plan_name} {encoding}", []).append((reference, logits, torch.tensor(ids[start + 1 : end + 1])))
+                target = torch.tensor(ids[start + 1 : end + 1])
+                reference = {name: _score(lossless, ids, plan, start, end) for name, plan in plans.items()}
+                for row, plan_name, stored_dtype in ROWS:
+                    logits = _score(runtimes[stored_dtype], ids, plans[plan_name], start, end)
+                    stats.setdefault(row, []).append((reference[plan_name], logits, target))
             for name, parts in stats.items():
                 rows[name] = _compare(parts)
         finally:
@@ -87,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
         "dtype": spec.dtype,
         "text": TEXT_SOURCE,
         "conversations": [{"tokens": len(ids), "turn_starts": starts} for ids, starts in convs],
-        "positions": rows["H auto"]["positions"],
+        "positions": rows[ROWS[0][0]]["positions"],
         "plans": {name: str(plan) for name, plan in plans.items()},
         "encodings": {e: {fmt: str(d).removeprefix("torch.") for fmt, d in stored_encodings(e).items()} for e in ENCODINGS},
         "quality": rows,
@@ -121,19 +132,16 @@ def _conversation(tok, doc: str, replies: str, questions: tuple[str, ...], doc_t
 
 
 @torch.no_grad()
-def _score(rt: HCacheRuntime, ids: list[int], plan: RestorePlan | None, start: int, end: int) -> torch.Tensor:
+def _score(rt: HCacheRuntime, ids: list[int], plan: RestorePlan, start: int, end: int) -> torch.Tensor:
     """Next-token logits at positions ``[start, end)`` of ``ids``, with the history before ``start``
-    restored by ``plan`` from ``rt``'s store (``None``: recomputed)."""
+    restored by ``plan`` from ``rt``'s store."""
     engine = rt.engine
     engine.flush_all()
-    restored = 0
-    if plan is not None:
-        keys = chunk_keys(ids[:start], root_key(rt.fingerprint))
-        outcome = restore_prefix(engine, rt.store, 0, ids[:start], keys, rt.fingerprint, plan, rt.serving.copier)
-        if outcome.tokens != len(keys) * CHUNK_TOKENS or outcome.fallback:
-            raise RuntimeError(f"plan {plan} restored {outcome.tokens} tokens ({outcome.fallback})")
-        restored = outcome.tokens
-    logits = engine.score(0, ids[restored:end], end - start)
+    keys = chunk_keys(ids[:start], root_key(rt.fingerprint))
+    outcome = restore_prefix(engine, rt.store, 0, ids[:start], keys, rt.fingerprint, plan, rt.serving.copier)
+    if outcome.tokens != len(keys) * CHUNK_TOKENS or outcome.fallback:
+        raise RuntimeError(f"plan {plan} restored {outcome.tokens} tokens ({outcome.fallback})")
+    logits = engine.score(0, ids[outcome.tokens : end], end - start)
     engine.flush_all()
     return logits
 
