@@ -11,7 +11,7 @@ from hcache.errors import InvalidRequestError
 from hcache.model_spec import ModelSpec
 from hcache.plan import Method, stored_encodings
 from hcache.ops.dequant_scatter import write_dequantised, write_rows
-from hcache.ops.paged_kv import block_runs, write_kv_rows
+from hcache.ops.paged_kv import block_runs, block_slots, write_kv_rows
 from hcache.ops.quant import QuantRows, dequantise, quantise
 from hcache.runtime import HCacheRuntime
 from hcache.storage.chunk import Chunk, decode, encode
@@ -79,11 +79,11 @@ def test_write_rows_mixes_lossless_and_encoded_parts_across_scattered_blocks(rng
     """A layer restored from chunks saved lossless and in both encodings, into blocks that are not adjacent,
     starting mid-block: every row lands where the lossless copy would put it, dequantised."""
     n_kv, head, blocks = 2, 64, [5, 2, 3, 9, 0, 7, 1]
-    parts = [torch.randn(n, 2, n_kv, head, generator=rng) for n in (20, 30, 25, 11)]
-    encoded = [parts[0], quantise(parts[1], INT8), parts[2], quantise(parts[3], FP8)]
-    runs = block_runs(blocks, 7, 86, 16)
+    parts = [torch.randn(n, 2, n_kv, head, generator=rng) for n in (20, 30, 25, 11, 9)]
+    encoded = [parts[0], quantise(parts[1], INT8), parts[2], quantise(parts[3], INT8), quantise(parts[4], FP8)]
+    runs, slots = block_runs(blocks, 7, 95, 16), block_slots(blocks, 7, 7 + 95, 16, torch.device("cpu"))
     got, want = torch.zeros(10, 16, 2, n_kv, head), torch.zeros(10, 16, 2, n_kv, head)
-    write_rows(got, runs, encoded, 0)
+    write_rows(got, runs, slots, encoded, 0)
     write_kv_rows(want, runs, [p if isinstance(p, torch.Tensor) else dequantise(p, torch.float32) for p in encoded], 0)
     assert torch.equal(got, want)
 

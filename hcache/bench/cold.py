@@ -1,7 +1,8 @@
 """Cold restore of a long history stored lossless and in 8 bits (``stored_dtype``), from the disk store and from a Redis tier.
 
-For each tier and plan (KV, H), a history of ``--history`` tokens is saved twice, each time into a store
-of its own holding only the plan's format (``save="plan"``): once lossless, once in ``--stored-dtype``.
+For each plan (KV, H), a history of ``--history`` tokens is saved twice, each time into a store of its
+own holding only the plan's format (``save="plan"``), on the disk and in the Redis tier alike: once
+lossless, once in ``--stored-dtype``.
 Each restore starts cold: nothing in the host pool (``drop_resident``), so every chunk is read again, from
 the disk with one O_DIRECT request per chunk, or with one GET per chunk from Redis (a server of its own on
 loopback, or ``--redis``). Restores of the two encodings alternate over the repeats so that drift in the
@@ -44,37 +45,43 @@ def run(args: argparse.Namespace) -> dict:
     n = args.history // CHUNK_TOKENS * CHUNK_TOKENS
     prompt = torch.randint(0, spec.vocab_size, (n + 1,), generator=torch.Generator().manual_seed(0)).tolist()
     encodings = {"lossless": "auto", "8bit": args.stored_dtype}
-    result = {"model": loaded.name, "dtype": spec.dtype, "history": n, "stored_dtype": args.stored_dtype, "repeats": args.repeats, "tiers": {}}
-    for tier in args.tiers.split(","):
-        server = RedisServer().start() if tier == "redis" and args.redis is None else None
-        url = server.url if server else args.redis
-        try:
-            with tempfile.TemporaryDirectory(prefix="hcache-bench-cold-", dir=args.dir) as root:
-                result["tiers"][tier] = {
-                    plan: _compare(loaded, prompt, RestorePlan.uniform(spec.num_layers, Method(plan)), encodings, tier, root, url, args.repeats)
-                    for plan in args.plans.split(",")
-                }
-        finally:
-            if server:
-                server.close()
+    tiers = args.tiers.split(",")
+    result = {"model": loaded.name, "dtype": spec.dtype, "history": n, "stored_dtype": args.stored_dtype, "repeats": args.repeats,
+              "tiers": {tier: {} for tier in tiers}}  # fmt: skip
+    server = RedisServer().start() if "redis" in tiers and args.redis is None else None
+    url = server.url if server else args.redis
+    try:
+        with tempfile.TemporaryDirectory(prefix="hcache-bench-cold-", dir=args.dir) as root:
+            for plan_name in args.plans.split(","):
+                plan = RestorePlan.uniform(spec.num_layers, Method(plan_name))
+                stores = {name: _where(root, f"{plan_name}-{name}", tiers, url) for name in encodings}
+                for name, stored_dtype in encodings.items():  # saved once, to the disk and the Redis tier alike
+                    with HCacheRuntime(loaded, **stores[name], plan=plan, stored_dtype=stored_dtype, num_blocks=2 * n // CHUNK_TOKENS + 4) as rt:
+                        rt.generate(prompt, 1, restore=False)
+                for tier in tiers:
+                    readers = {name: _where(root, f"{plan_name}-{name}", [tier], url) for name in encodings}
+                    result["tiers"][tier][plan_name] = _compare(loaded, prompt, plan, encodings, readers, f"{tier} {plan_name}", args.repeats)
+    finally:
+        if server:
+            server.close()
     _print(result)
     return result
 
 
-def _compare(loaded, prompt, plan: RestorePlan, encodings: dict, tier: str, root: str, url: str | None, repeats: int) -> dict:
+def _where(root: str, name: str, tiers: list[str], url: str | None) -> dict:
+    """A runtime's store settings: the disk directory and the Redis tier of ``tiers``, in one namespace."""
+    return {"store_dir": Path(root) / name if "disk" in tiers else None, "store": {"tiers": [url] if "redis" in tiers else []}, "namespace": name}
+
+
+def _compare(loaded, prompt: list[int], plan: RestorePlan, encodings: dict, stores: dict, label: str, repeats: int) -> dict:
     n = len(prompt) - 1
+    seconds: dict[str, list[float]] = {name: [] for name in encodings}
+    read: dict[str, int] = {}
     runtimes = {}
     try:
         for name, stored_dtype in encodings.items():
-            where = {"store_dir": Path(root) / f"{plan}-{name}"} if tier == "disk" else {"store_dir": None, "store": {"tiers": [url]}}
-            runtimes[name] = rt = HCacheRuntime(
-                loaded, **where, plan=plan, stored_dtype=stored_dtype, namespace=f"cold-{plan}-{name}", num_blocks=2 * n // CHUNK_TOKENS + 4
-            )
-            rt.generate(prompt, 1, restore=False)
-            rt.store.flush()  # written back: the restores read the tier
-        seconds: dict[str, list[float]] = {name: [] for name in runtimes}
-        read: dict[str, int] = {}
-        for _ in tqdm(range(repeats + 1), desc=f"{tier} {plan}", leave=False):  # the first round warms up
+            runtimes[name] = HCacheRuntime(loaded, **stores[name], plan=plan, stored_dtype=stored_dtype, num_blocks=2 * n // CHUNK_TOKENS + 4)
+        for _ in tqdm(range(repeats + 1), desc=label, leave=False):  # the first round warms up
             for name, rt in runtimes.items():
                 elapsed, read[name] = _cold_restore(rt, prompt, n)
                 seconds[name].append(elapsed)

@@ -321,7 +321,8 @@ class FastGenEngine:
 
     @torch.no_grad()
     def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | QuantRows | Sequence[torch.Tensor | QuantRows], start: int = 0) -> None:
-        write_rows(self._state.get_cache(layer), self._restoring[uid].runs, [kv] if isinstance(kv, (torch.Tensor, QuantRows)) else kv, start)
+        r = self._restoring[uid]
+        write_rows(self._state.get_cache(layer), r.runs, r.slots, [kv] if isinstance(kv, (torch.Tensor, QuantRows)) else kv, start)
 
     @torch.no_grad()
     def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:

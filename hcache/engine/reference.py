@@ -258,7 +258,8 @@ class ReferenceEngine:
     @torch.no_grad()
     def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | QuantRows | abc.Sequence[torch.Tensor | QuantRows], start: int = 0) -> None:
         """KV: copy saved rows (K already rotated) into the cache, in one batched copy."""
-        write_rows(self.cache.layers[layer], self._restoring[uid][2], [kv] if isinstance(kv, (torch.Tensor, QuantRows)) else kv, start)
+        slots, _, runs = self._restoring[uid]
+        write_rows(self.cache.layers[layer], runs, slots, [kv] if isinstance(kv, (torch.Tensor, QuantRows)) else kv, start)
 
     # ---- blocks held for no sequence (the GPU prefix cache's) --------------------------------------
     def detach(self, uid: int) -> list[int]:

@@ -13,7 +13,7 @@ import torch
 
 from ..transfer.copier import gather
 from .dequant_scatter_kernel import launch
-from .paged_kv import row_spans, write_kv_rows
+from .paged_kv import write_kv_rows
 from .quant import QuantRows, dequantise
 from .rope_scatter import Backend, resolve_backend
 
@@ -28,27 +28,28 @@ def write_dequantised(cache: torch.Tensor, slots: torch.Tensor, rows: QuantRows,
 
 
 def write_rows(
-    cache: torch.Tensor, runs: list[tuple[int, int, int]], parts: Sequence[torch.Tensor | QuantRows], start: int
+    cache: torch.Tensor, runs: list[tuple[int, int, int]], slots: torch.Tensor, parts: Sequence[torch.Tensor | QuantRows], start: int
 ) -> None:
     """:func:`~hcache.ops.paged_kv.write_kv_rows` for parts of which some may be :class:`QuantRows` (a
-    restore over chunks saved lossless and compressed): lossless parts are copied as there; encoded parts
-    are gathered to the device, per code dtype one buffer, and dequantised into their slots in one pass."""
+    restore over chunks saved lossless and in 8 bits). ``slots``: the restore's flat cache slots, row by
+    row (``runs`` as one tensor, on the device). Lossless parts are copied as there; the encoded parts of
+    each code dtype are gathered to the device in one buffer and dequantised into their slots in one pass."""
     if not any(isinstance(p, QuantRows) for p in parts):
         write_kv_rows(cache, runs, parts, start)
         return
-    plain: dict[int, torch.Tensor] = {}
-    encoded: dict[torch.dtype, list[tuple[QuantRows, int]]] = {}  # code dtype -> (rows, first slot)
-    for p, offset, slot, n in row_spans(runs, [len(part) for part in parts], start):
-        part = parts[p]
+    encoded: dict[torch.dtype, list[tuple[QuantRows, int]]] = {}  # code dtype -> (rows, first restore row)
+    row = start
+    for part in parts:
         if isinstance(part, QuantRows):
-            encoded.setdefault(part.codes.dtype, []).append((part[offset : offset + n], slot))
+            encoded.setdefault(part.codes.dtype, []).append((part, row))
         else:
-            plain[p] = part
-    lengths = [len(part) for part in parts]
-    for p, part in plain.items():
-        write_kv_rows(cache, runs, [part], start + sum(lengths[:p]))
+            write_kv_rows(cache, runs, [part], row)
+        row += len(part)
     for pieces in encoded.values():
         rows = QuantRows(gather([r.codes for r, _ in pieces], cache.device), gather([r.scale for r, _ in pieces], cache.device))
-        slots = torch.cat([torch.arange(slot, slot + len(r)) for r, slot in pieces]).to(cache.device)
-        write_dequantised(cache, slots, rows)
-
+        spans = [(first, first + len(r)) for r, first in pieces]
+        if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):  # consecutive parts: one view of the slots
+            where = slots[spans[0][0] : spans[-1][1]]
+        else:
+            where = torch.cat([slots[a:b] for a, b in spans])
+        write_dequantised(cache, where, rows)
