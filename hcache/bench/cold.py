@@ -37,9 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None, help="a Redis server's URL (default: start one on loopback)")
     parser.add_argument("--dir", default=None, help="directory for the disk stores (default: a temporary one)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch threads (default: torch's own)")
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     loaded = load_model(args.model, dtype=model_dtype(args.dtype, "cpu"))
     spec = loaded.spec
     n = args.history // CHUNK_TOKENS * CHUNK_TOKENS
@@ -47,6 +50,7 @@ def run(args: argparse.Namespace) -> dict:
     encodings = {"lossless": "auto", "8bit": args.stored_dtype}
     tiers = args.tiers.split(",")
     result = {"model": loaded.name, "dtype": spec.dtype, "history": n, "stored_dtype": args.stored_dtype, "repeats": args.repeats,
+              "torch_threads": torch.get_num_threads(),
               "tiers": {tier: {} for tier in tiers}}  # fmt: skip
     server = RedisServer().start() if "redis" in tiers and args.redis is None else None
     url = server.url if server else args.redis

@@ -22,7 +22,7 @@ def write_dequantised(cache: torch.Tensor, slots: torch.Tensor, rows: QuantRows,
     """Dequantise ``rows`` (codes ``[T, 2, n_kv_heads, head_size]``, scales ``[T, 2, n_kv_heads]``, on the
     cache's device) into flat ``slots`` ``[T]`` of one layer's cache."""
     if resolve_backend(backend, cache.device) == "torch":
-        cache.view(-1, *cache.shape[2:])[slots] = dequantise(rows, cache.dtype)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, dequantise(rows, cache.dtype))
     else:
         launch(cache, slots, rows.codes, rows.scale)
 

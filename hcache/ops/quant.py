@@ -69,5 +69,5 @@ def quantise(x: torch.Tensor, dtype: torch.dtype) -> QuantRows:
 
 
 def dequantise(rows: QuantRows, dtype: torch.dtype) -> torch.Tensor:
-    """``codes · scale`` in float32, rounded once to ``dtype``."""
-    return (rows.codes.float() * rows.scale.float().unsqueeze(-1)).to(dtype)
+    """``codes · scale`` in float32, rounded once to ``dtype`` (one float32 buffer, scaled in place)."""
+    return rows.codes.float().mul_(rows.scale.float().unsqueeze(-1)).to(dtype)
