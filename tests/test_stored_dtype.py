@@ -9,7 +9,7 @@ from helpers import corrupt_tensor, loaded, random_prompt
 from hcache.config import HCacheConfig
 from hcache.errors import InvalidRequestError
 from hcache.model_spec import ModelSpec
-from hcache.plan import Method, stored_encodings
+from hcache.plan import Method, RestorePlan, stored_encodings
 from hcache.ops.dequant_scatter import write_dequantised, write_rows
 from hcache.ops.paged_kv import block_runs, block_slots, write_kv_rows
 from hcache.ops.quant import QuantRows, dequantise, quantise
@@ -114,6 +114,21 @@ def test_stored_dtype_values():
             HCacheConfig.of(stored_dtype=bad)
 
 
+def test_the_encodings_travel_to_model_servers_and_steer_the_auto_plan(llama):
+    """What hcache.mii.serve hands its model servers as JSON: the setting, and with it the auto plan's
+    choice for 8-bit bytes and the formats saved."""
+    from hcache.config import ResolvedConfig, resolve
+    from hcache.profile import Profile
+
+    seconds = {"c_token": [0.01, 0.04], "c_h": [0.001, 0.004], "c_kv": [0.0, 0.0], "io_h": [0.004, 0.016], "io_kv": [0.008, 0.032]}
+    settings = {"profile": Profile.new("m", llama.spec, [64, 256], seconds, {}), "stored_dtype": "H=fp8"}
+    resolved = resolve(settings, llama.spec, "m")
+    again = ResolvedConfig.model_validate_json(resolved.model_dump_json())
+    assert again.encodings == resolved.encodings == {"H": FP8}
+    assert again.plan_for(None, 256) == RestorePlan.uniform(3, "H")
+    assert resolve({**settings, "stored_dtype": "auto"}, llama.spec, "m").plan_for(None, 256) == RestorePlan.parse("1RE+2H", 3)
+
+
 def test_serve_flag_overrides_the_config_file(tmp_path):
     import argparse
 
@@ -216,7 +231,6 @@ def test_encoded_chunk_without_its_scales_is_refused(llama, tmp_path, rng):
 # ---- the profile and the auto plan ------------------------------------------------------------------------
 def test_auto_plan_weighs_the_encodings_bytes_and_dequantisation_cost(llama):
     from hcache.profile import Profile
-    from hcache.plan import RestorePlan
 
     spec = llama.spec
     seconds = {"c_token": [0.01, 0.04], "c_h": [0.001, 0.004], "c_kv": [0.0, 0.0], "io_h": [0.004, 0.016], "io_kv": [0.008, 0.032]}
