@@ -75,16 +75,21 @@ def test_kernel_rejects_what_the_reference_would(interpret):
         write_dequantised(cache, torch.arange(4), QuantRows(rows.codes.to(torch.int16), rows.scale), backend="triton")
 
 
-def test_write_rows_mixes_lossless_and_encoded_parts_across_scattered_blocks(rng):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_write_rows_mixes_lossless_and_encoded_parts_across_scattered_blocks(kernel, dtype, monkeypatch, rng):
     """A layer restored from chunks saved lossless and in both encodings, into blocks that are not adjacent,
-    starting mid-block: every row lands where the lossless copy would put it, dequantised."""
+    starting mid-block, by the CPU's in-place path and by the gathered kernel path: every row lands where
+    the lossless copy would put it, dequantised as the reference does."""
+    if kernel:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     n_kv, head, blocks = 2, 64, [5, 2, 3, 9, 0, 7, 1]
-    parts = [torch.randn(n, 2, n_kv, head, generator=rng) for n in (20, 30, 25, 11, 9)]
+    parts = [torch.randn(n, 2, n_kv, head, generator=rng).to(dtype) for n in (20, 30, 25, 11, 9)]
     encoded = [parts[0], quantise(parts[1], INT8), parts[2], quantise(parts[3], INT8), quantise(parts[4], FP8)]
     runs, slots = block_runs(blocks, 7, 95, 16), block_slots(blocks, 7, 7 + 95, 16, torch.device("cpu"))
-    got, want = torch.zeros(10, 16, 2, n_kv, head), torch.zeros(10, 16, 2, n_kv, head)
+    got, want = torch.zeros(10, 16, 2, n_kv, head, dtype=dtype), torch.zeros(10, 16, 2, n_kv, head, dtype=dtype)
     write_rows(got, runs, slots, encoded, 0)
-    write_kv_rows(want, runs, [p if isinstance(p, torch.Tensor) else dequantise(p, torch.float32) for p in encoded], 0)
+    write_kv_rows(want, runs, [p if isinstance(p, torch.Tensor) else dequantise(p, dtype) for p in encoded], 0)
     assert torch.equal(got, want)
 
 

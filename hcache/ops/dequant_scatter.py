@@ -13,7 +13,7 @@ import torch
 
 from ..transfer.copier import gather
 from .dequant_scatter_kernel import launch
-from .paged_kv import write_kv_rows
+from .paged_kv import row_spans, write_kv_rows
 from .quant import QuantRows, dequantise
 from .rope_scatter import Backend, resolve_backend
 
@@ -32,11 +32,43 @@ def write_rows(
 ) -> None:
     """:func:`~hcache.ops.paged_kv.write_kv_rows` for parts of which some may be :class:`QuantRows` (a
     restore over chunks saved lossless and in 8 bits). ``slots``: the restore's flat cache slots, row by
-    row (``runs`` as one tensor, on the device). Lossless parts are copied as there; the encoded parts of
-    each code dtype are gathered to the device in one buffer and dequantised into their slots in one pass."""
+    row (``runs`` as one tensor, on the device).
+
+    Where the kernel runs, lossless parts are copied as there, and the encoded parts of each code dtype
+    are gathered to the device in one buffer and dequantised into their slots in one launch. Elsewhere
+    (the CPU), each (part, run) overlap is dequantised straight into its run of the cache: one pass over
+    the codes, computing what the kernel computes (a float32 product, rounded once to the cache's dtype)."""
     if not any(isinstance(p, QuantRows) for p in parts):
         write_kv_rows(cache, runs, parts, start)
-        return
+    elif resolve_backend("auto", cache.device) == "torch":
+        _write_rows_in_place(cache, runs, parts, start)
+    else:
+        _write_rows_gathered(cache, runs, slots, parts, start)
+
+
+def _write_rows_in_place(cache: torch.Tensor, runs: list[tuple[int, int, int]], parts: Sequence[torch.Tensor | QuantRows], start: int) -> None:
+    flat = cache.view(-1, *cache.shape[2:])
+    dst, src = [], []
+    # float32 scales; int8 codes as they are (torch.mul promotes them in its loop), float8 ones converted
+    factors = [
+        (p.codes if p.codes.dtype == torch.int8 else p.codes.float(), p.scale.float().unsqueeze(-1)) if isinstance(p, QuantRows) else None
+        for p in parts
+    ]  # fmt: skip
+    for p, offset, slot, n in row_spans(runs, [len(part) for part in parts], start):
+        part = parts[p]
+        if isinstance(part, QuantRows):
+            codes, scale = factors[p]
+            torch.mul(codes[offset : offset + n], scale[offset : offset + n], out=flat[slot : slot + n])
+        else:
+            dst.append(flat[slot : slot + n])
+            src.append(part[offset : offset + n])
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def _write_rows_gathered(
+    cache: torch.Tensor, runs: list[tuple[int, int, int]], slots: torch.Tensor, parts: Sequence[torch.Tensor | QuantRows], start: int
+) -> None:
     encoded: dict[torch.dtype, list[tuple[QuantRows, int]]] = {}  # code dtype -> (rows, first restore row)
     row = start
     for part in parts:
