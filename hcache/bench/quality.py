@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> dict:
     mixed = RestorePlan.split(spec.num_layers, re=spec.num_layers // 5, kv=2 * spec.num_layers // 5)
     plans = {"H": RestorePlan.uniform(spec.num_layers, Method.H), "KV": RestorePlan.uniform(spec.num_layers, Method.KV), "mixed": mixed}
     blocks = 2 * -(-max(len(ids) for ids, _ in convs) // CHUNK_TOKENS) + 4
-    rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="hcache-quality-", dir=args.store) as root:
         runtimes = {
             e: HCacheRuntime(loaded, Path(root) / str(i), save="all", stored_dtype=e, num_blocks=blocks) for i, e in enumerate((LOSSLESS, *ENCODINGS))
@@ -87,9 +86,8 @@ def run(args: argparse.Namespace) -> dict:
                 reference = {name: _score(lossless, ids, plan, start, end) for name, plan in plans.items()}
                 for row, plan_name, stored_dtype in ROWS:
                     logits = _score(runtimes[stored_dtype], ids, plans[plan_name], start, end)
-                    stats.setdefault(row, []).append((reference[plan_name], logits, target))
-            for name, parts in stats.items():
-                rows[name] = _compare(parts)
+                    stats.setdefault(row, []).append(_position_stats(reference[plan_name], logits, target))
+            rows = {name: _summary(parts) for name, parts in stats.items()}
         finally:
             for rt in runtimes.values():
                 rt.close()
@@ -146,21 +144,30 @@ def _score(rt: HCacheRuntime, ids: list[int], plan: RestorePlan, start: int, end
     return logits
 
 
-def _compare(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict:
-    ref, got, target = (torch.cat(x) for x in zip(*parts))
+def _position_stats(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per position: KL(lossless || 8-bit), whether the top-1 tokens agree, and both NLLs of the text's own
+    next token (a turn's logits are dropped once these are taken: a conversation's would fill memory)."""
     ref_lp, got_lp = F.log_softmax(ref.double(), -1), F.log_softmax(got.double(), -1)
-    kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1)
-    nll_ref = -ref_lp.gather(1, target[:, None]).mean()
-    nll_got = -got_lp.gather(1, target[:, None]).mean()
     return {
-        "positions": len(target),
-        "top1": (ref.argmax(-1) == got.argmax(-1)).double().mean().item(),
+        "kl": (ref_lp.exp() * (ref_lp - got_lp)).sum(-1),
+        "agree": ref.argmax(-1) == got.argmax(-1),
+        "nll_ref": -ref_lp.gather(1, target[:, None])[:, 0],
+        "nll_got": -got_lp.gather(1, target[:, None])[:, 0],
+        "identical": torch.tensor(torch.equal(ref, got)),
+    }
+
+
+def _summary(parts: list[dict[str, torch.Tensor]]) -> dict:
+    kl, agree, nll_ref, nll_got = (torch.cat([p[k] for p in parts]) for k in ("kl", "agree", "nll_ref", "nll_got"))
+    return {
+        "positions": len(kl),
+        "top1": agree.double().mean().item(),
         "kl_mean": kl.mean().item(),
         "kl_max": kl.max().item(),
-        "ppl": nll_got.exp().item(),
-        "ppl_lossless": nll_ref.exp().item(),
-        "ppl_increase": (nll_got - nll_ref).exp().item() - 1,
-        "identical": torch.equal(ref, got),
+        "ppl": nll_got.mean().exp().item(),
+        "ppl_lossless": nll_ref.mean().exp().item(),
+        "ppl_increase": (nll_got.mean() - nll_ref.mean()).exp().item() - 1,
+        "identical": all(bool(p["identical"]) for p in parts),
     }
 
 
