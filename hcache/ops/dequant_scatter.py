@@ -7,6 +7,7 @@ bytes of the model's dtype, in one copy per part, as lossless rows do) and are d
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -34,54 +35,32 @@ def write_rows(
     restore over chunks saved lossless and in 8 bits). ``slots``: the restore's flat cache slots, row by
     row (``runs`` as one tensor, on the device).
 
-    Where the kernel runs, lossless parts are copied as there, and the encoded parts of each code dtype
-    are gathered to the device in one buffer and dequantised into their slots in one launch. Elsewhere
-    (the CPU), each (part, run) overlap is dequantised straight into its run of the cache: one pass over
-    the codes, computing what the kernel computes (a float32 product, rounded once to the cache's dtype)."""
+    Lossless parts are copied as there. Each run of consecutive parts in one 8-bit encoding is gathered to
+    the device (one copy per part, as lossless parts take) and dequantised into its slots in one pass: by
+    the kernel where it runs, else (the CPU) by torch straight into each run of consecutive slots,
+    computing what the kernel computes (a float32 product, rounded once to the cache's dtype)."""
     if not any(isinstance(p, QuantRows) for p in parts):
         write_kv_rows(cache, runs, parts, start)
-    elif resolve_backend("auto", cache.device) == "torch":
-        _write_rows_in_place(cache, runs, parts, start)
-    else:
-        _write_rows_gathered(cache, runs, slots, parts, start)
-
-
-def _write_rows_in_place(cache: torch.Tensor, runs: list[tuple[int, int, int]], parts: Sequence[torch.Tensor | QuantRows], start: int) -> None:
-    flat = cache.view(-1, *cache.shape[2:])
-    dst, src = [], []
-    # float32 scales; int8 codes as they are (torch.mul promotes them in its loop), float8 ones converted
-    factors = [
-        (p.codes if p.codes.dtype == torch.int8 else p.codes.float(), p.scale.float().unsqueeze(-1)) if isinstance(p, QuantRows) else None
-        for p in parts
-    ]  # fmt: skip
-    for p, offset, slot, n in row_spans(runs, [len(part) for part in parts], start):
-        part = parts[p]
-        if isinstance(part, QuantRows):
-            codes, scale = factors[p]
-            torch.mul(codes[offset : offset + n], scale[offset : offset + n], out=flat[slot : slot + n])
-        else:
-            dst.append(flat[slot : slot + n])
-            src.append(part[offset : offset + n])
-    if dst:
-        torch._foreach_copy_(dst, src)
-
-
-def _write_rows_gathered(
-    cache: torch.Tensor, runs: list[tuple[int, int, int]], slots: torch.Tensor, parts: Sequence[torch.Tensor | QuantRows], start: int
-) -> None:
-    encoded: dict[torch.dtype, list[tuple[QuantRows, int]]] = {}  # code dtype -> (rows, first restore row)
+        return
+    kernel = resolve_backend("auto", cache.device) == "triton"
     row = start
-    for part in parts:
-        if isinstance(part, QuantRows):
-            encoded.setdefault(part.codes.dtype, []).append((part, row))
+    for _, group in itertools.groupby(parts, lambda p: p.codes.dtype if isinstance(p, QuantRows) else None):
+        group = list(group)
+        n = sum(len(p) for p in group)
+        if not isinstance(group[0], QuantRows):
+            write_kv_rows(cache, runs, group, row)
         else:
-            write_kv_rows(cache, runs, [part], row)
-        row += len(part)
-    for pieces in encoded.values():
-        rows = QuantRows(gather([r.codes for r, _ in pieces], cache.device), gather([r.scale for r, _ in pieces], cache.device))
-        spans = [(first, first + len(r)) for r, first in pieces]
-        if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):  # consecutive parts: one view of the slots
-            where = slots[spans[0][0] : spans[-1][1]]
-        else:
-            where = torch.cat([slots[a:b] for a, b in spans])
-        write_dequantised(cache, where, rows)
+            rows = QuantRows(gather([p.codes for p in group], cache.device), gather([p.scale for p in group], cache.device))
+            if kernel:
+                write_dequantised(cache, slots[row : row + n], rows)
+            else:
+                _dequantise_into_runs(cache, runs, rows, row)
+        row += n
+
+
+def _dequantise_into_runs(cache: torch.Tensor, runs: list[tuple[int, int, int]], rows: QuantRows, start: int) -> None:
+    flat = cache.view(-1, *cache.shape[2:])
+    codes = rows.codes.float()  # exact; the product is then computed and rounded as the kernel does
+    scale = rows.scale.float().unsqueeze(-1)
+    for _, offset, slot, n in row_spans(runs, [len(rows)], start):
+        torch.mul(codes[offset : offset + n], scale[offset : offset + n], out=flat[slot : slot + n])
