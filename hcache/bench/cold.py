@@ -29,7 +29,8 @@ from ._redis_server import RedisServer
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default=None, help="float32 (default on a CPU), bfloat16 or float16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float32 (default on a CPU), bfloat16 or float16 (default on a GPU)")
     parser.add_argument("--history", type=int, default=4096, help="history tokens restored")
     parser.add_argument("--stored-dtype", default="8bit", help="the 8-bit encoding compared with lossless (default 8bit: fp8 H, int8 KV)")
     parser.add_argument("--plans", default="KV,H")
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    loaded = load_model(args.model, dtype=model_dtype(args.dtype, "cpu"))
+    loaded = load_model(args.model, dtype=model_dtype(args.dtype, args.device), device=args.device)
     spec = loaded.spec
     n = args.history // CHUNK_TOKENS * CHUNK_TOKENS
     prompt = torch.randint(0, spec.vocab_size, (n + 1,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -60,11 +61,11 @@ def run(args: argparse.Namespace) -> dict:
                 plan = RestorePlan.uniform(spec.num_layers, Method(plan_name))
                 stores = {name: _where(root, f"{plan_name}-{name}", tiers, url) for name in encodings}
                 for name, stored_dtype in encodings.items():  # saved once, to the disk and the Redis tier alike
-                    with HCacheRuntime(loaded, **stores[name], plan=plan, stored_dtype=stored_dtype, num_blocks=2 * n // CHUNK_TOKENS + 4) as rt:
+                    with HCacheRuntime(loaded, **stores[name], device=args.device, plan=plan, stored_dtype=stored_dtype, num_blocks=2 * n // CHUNK_TOKENS + 4) as rt:
                         rt.generate(prompt, 1, restore=False)
                 for tier in tiers:
                     readers = {name: _where(root, f"{plan_name}-{name}", [tier], url) for name in encodings}
-                    result["tiers"][tier][plan_name] = _compare(loaded, prompt, plan, encodings, readers, f"{tier} {plan_name}", args.repeats)
+                    result["tiers"][tier][plan_name] = _compare(loaded, prompt, plan, encodings, readers, f"{tier} {plan_name}", args.repeats, args.device)
     finally:
         if server:
             server.close()
@@ -77,14 +78,14 @@ def _where(root: str, name: str, tiers: list[str], url: str | None) -> dict:
     return {"store_dir": Path(root) / name if "disk" in tiers else None, "store": {"tiers": [url] if "redis" in tiers else []}, "namespace": name}
 
 
-def _compare(loaded, prompt: list[int], plan: RestorePlan, encodings: dict, stores: dict, label: str, repeats: int) -> dict:
+def _compare(loaded, prompt: list[int], plan: RestorePlan, encodings: dict, stores: dict, label: str, repeats: int, device: str) -> dict:
     n = len(prompt) - 1
     seconds: dict[str, list[float]] = {name: [] for name in encodings}
     read: dict[str, int] = {}
     runtimes = {}
     try:
         for name, stored_dtype in encodings.items():
-            runtimes[name] = HCacheRuntime(loaded, **stores[name], plan=plan, stored_dtype=stored_dtype, num_blocks=2 * n // CHUNK_TOKENS + 4)
+            runtimes[name] = HCacheRuntime(loaded, **stores[name], device=device, plan=plan, stored_dtype=stored_dtype, num_blocks=2 * n // CHUNK_TOKENS + 4)
         for _ in tqdm(range(repeats + 1), desc=label, leave=False):  # the first round warms up
             for name, rt in runtimes.items():
                 elapsed, read[name] = _cold_restore(rt, prompt, n)
@@ -109,6 +110,8 @@ def _cold_restore(rt: HCacheRuntime, prompt: list[int], n: int) -> tuple[float, 
     keys = chunk_keys(prompt[:-1], root_key(rt.fingerprint, rt.serving.namespace))
     start = time.perf_counter()
     outcome = restore_prefix(engine, rt.store, 0, prompt, keys, rt.fingerprint, rt.plan, rt.serving.copier)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
     elapsed = time.perf_counter() - start
     if outcome.tokens != n or outcome.fallback:
         raise RuntimeError(f"restored {outcome.tokens} of {n} tokens ({outcome.fallback})")
