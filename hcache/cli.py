@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--store", default=None, help="chunk store directory (default: a temporary one)")
     demo.add_argument("--json", dest="json_path", default=None, help="also write the figures to this file")
+    demo.add_argument("--stored-dtype", default="auto", help="auto (lossless; default), int8, fp8, 8bit or H=fp8,KV=int8: replies restored from 8-bit state may differ")
 
     prepare = sub.add_parser("prepare", help="convert the embedded default model once, so later loads are fast")
     prepare.add_argument("--fastgen", action="store_true",
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import run_demo
 
-            return 0 if run_demo(args.model, args.turns, args.max_new_tokens, args.store, args.json_path) else 1
+            return 0 if run_demo(args.model, args.turns, args.max_new_tokens, args.store, args.json_path, args.stored_dtype) else 1
         command = " ".join(["hcache", *(sys.argv[1:] if argv is None else argv)])
         if args.command == "profile":
             return _profile(args, command)
@@ -133,6 +134,7 @@ def _profile(args: argparse.Namespace, command: str) -> int:
     import torch
 
     from .model_loader import load_model, model_dtype
+    from .plan import stored_encodings
     from .profile import default_profile_path
     from .profiler import default_tokens, measure_profile
 
@@ -152,5 +154,5 @@ def _profile(args: argparse.Namespace, command: str) -> int:
     for n in profile.tokens:
         costs = profile.costs(n)
         ms = ", ".join(f"{name} {getattr(costs, name) * 1e3:.2f}" for name in ("c_token", "c_h", "c_kv", "io_h", "io_kv"))
-        print(f"  {n:>6} tokens: ms/layer {ms}; plan {profile.plan(spec, n)}")
+        print(f"  {n:>6} tokens: ms/layer {ms}; plan {profile.plan(spec, n)} ({profile.plan(spec, n, stored_encodings('8bit'))} with stored_dtype 8bit)")
     return 0

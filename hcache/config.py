@@ -16,13 +16,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .auto_profile import auto_profile
 from .errors import InvalidRequestError
 from .model_loader import LoadedModel, model_dtype
 from .model_spec import ModelSpec
-from .plan import Method, RestorePlan, default_plan
+from .plan import Method, RestorePlan, default_plan, stored_encodings
 from .profile import Profile, profile_command
 from .storage.chunk_key import CHUNK_TOKENS, check_namespace
 from .storage.host_tier import DEFAULT_READERS
@@ -55,7 +56,10 @@ class HCacheConfig(BaseModel):
     one JSON line per finished sequence. ``gpu_cache``: keep finished sequences' KV in spare KV blocks and
     adopt it (:mod:`hcache.gpu_prefix_cache`). ``metrics_port``: serve the counters
     (:mod:`hcache.metrics`) for Prometheus on ``metrics_host`` from each model server process
-    (tensor-parallel rank ``r`` on ``metrics_port + r``).
+    (tensor-parallel rank ``r`` on ``metrics_port + r``). ``stored_dtype``: how saved state is encoded
+    (:func:`stored_encodings`): ``"auto"`` (the model's dtype, lossless), ``"int8"``, ``"fp8"``, ``"8bit"``
+    (each format in the 8-bit encoding that keeps its quality best: fp8 for H, int8 for KV), or per format
+    as ``"H=fp8,KV=int8"``; orthogonal to the plan, and chunks of every encoding restore on any runtime.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -77,6 +81,7 @@ class HCacheConfig(BaseModel):
     gpu_cache: bool = False
     metrics_port: int | None = Field(None, ge=1, le=65535)
     metrics_host: str = "localhost"
+    stored_dtype: str = AUTO
 
     @classmethod
     def of(cls, settings: HCacheConfig | Mapping | None = None, /, **overrides) -> HCacheConfig:
@@ -119,6 +124,12 @@ class HCacheConfig(BaseModel):
             model_dtype(dtype, "cpu")
         return dtype
 
+    @field_validator("stored_dtype")
+    @classmethod
+    def _stored_dtype(cls, stored_dtype: str) -> str:
+        stored_encodings(stored_dtype)
+        return stored_dtype
+
     @field_validator("namespace")
     @classmethod
     def _namespace(cls, namespace: str | None) -> str | None:
@@ -155,6 +166,11 @@ class ResolvedConfig(BaseModel):
         return self.settings.enabled
 
     @property
+    def encodings(self) -> dict[str, torch.dtype]:
+        """The stored formats saved in an 8-bit encoding, and its code dtype; the others are lossless."""
+        return stored_encodings(self.settings.stored_dtype)
+
+    @property
     def store(self) -> StoreConfig:
         return self.settings.store
 
@@ -181,7 +197,7 @@ class ResolvedConfig(BaseModel):
 
     def plan_for(self, plan: RestorePlan | None, history: int) -> RestorePlan:
         """The plan a restore of ``history`` tokens follows, given a request's resolved ``plan``."""
-        return plan if plan is not None else self.profile.plan(self.spec, history)
+        return plan if plan is not None else self.profile.plan(self.spec, history, self.encodings)
 
     def check_engine(self, spec: ModelSpec) -> None:
         """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype
@@ -227,7 +243,7 @@ def resolve(
         tensor_parallel=tensor_parallel,
         profile=profile,
         plan=plan,
-        save_formats=_save_formats(save, plan, profile, spec),
+        save_formats=_save_formats(save, plan, profile, spec, stored_encodings(settings.stored_dtype)),
     )
 
 
@@ -248,7 +264,7 @@ def _fixed_plan(plan: str | RestorePlan | None, spec: ModelSpec) -> RestorePlan:
 
 
 def _save_formats(
-    save: str, plan: RestorePlan | None, profile: Profile | None, spec: ModelSpec
+    save: str, plan: RestorePlan | None, profile: Profile | None, spec: ModelSpec, encodings: dict[str, torch.dtype]
 ) -> tuple[frozenset[str], ...]:
     if save == "none":
         return (frozenset(),) * spec.num_layers
@@ -258,7 +274,7 @@ def _save_formats(
         plans = [plan]
     else:  # every plan auto picks over the context range
         lengths = sorted({*profile.tokens, *_powers_of_two(CHUNK_TOKENS, spec.max_positions)})
-        plans = [profile.plan(spec, n) for n in lengths]
+        plans = [profile.plan(spec, n, encodings) for n in lengths]
     return tuple(frozenset(p.layers[layer].stored_format for p in plans) - {None} for layer in range(spec.num_layers))
 
 

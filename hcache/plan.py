@@ -10,8 +10,11 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
+
 from .errors import InvalidRequestError
 from .model_spec import ModelSpec
+from .ops.quant import ENCODINGS, SCALE_DTYPE
 
 
 class Method(str, Enum):
@@ -23,9 +26,14 @@ class Method(str, Enum):
     def stored_format(self) -> str | None:
         return None if self is Method.RE else self.value
 
-    def bytes_per_token_layer(self, spec: ModelSpec) -> int:
-        """Stored bytes per token per layer restored by this method."""
-        return {Method.RE: 0, Method.H: spec.hidden_bytes_per_token_layer, Method.KV: spec.kv_bytes_per_token_layer}[self]
+    def bytes_per_token_layer(self, spec: ModelSpec, encoding: torch.dtype | None = None) -> int:
+        """Stored bytes per token per layer restored by this method: in the model's dtype, or with an 8-bit
+        ``encoding`` one byte per value and a float16 scale per vector (a hidden row; a K or V head)."""
+        if encoding is None:
+            return {Method.RE: 0, Method.H: spec.hidden_bytes_per_token_layer, Method.KV: spec.kv_bytes_per_token_layer}[self]
+        vectors = {Method.RE: 0, Method.H: 1, Method.KV: 2 * spec.num_kv_heads}[self]
+        values = {Method.RE: 0, Method.H: spec.hidden_size, Method.KV: 2 * spec.kv_dim}[self]
+        return values * encoding.itemsize + vectors * SCALE_DTYPE.itemsize
 
 
 _ORDER = {Method.RE: 0, Method.H: 1, Method.KV: 2}
@@ -80,8 +88,9 @@ class RestorePlan:
     def count(self, method: Method) -> int:
         return sum(m is method for m in self.layers)
 
-    def stored_bytes_per_token(self, spec: ModelSpec) -> int:
-        return sum(m.bytes_per_token_layer(spec) for m in self.layers)
+    def stored_bytes_per_token(self, spec: ModelSpec, encodings: dict[str, torch.dtype] | None = None) -> int:
+        """Stored bytes per token over every layer, with ``encodings`` (:func:`stored_encodings`) if given."""
+        return sum(m.bytes_per_token_layer(spec, (encodings or {}).get(m.value)) for m in self.layers)
 
     def __str__(self) -> str:
         return "+".join(f"{self.count(m)}{m.value}" for m in Method if self.count(m)) or "empty"
@@ -91,3 +100,27 @@ def default_plan(spec: ModelSpec) -> RestorePlan:
     """The plan without a hardware profile: H where hidden states are the smaller transfer (MHA, r > 1),
     KV otherwise (GQA: KV moves no more bytes and needs no compute)."""
     return RestorePlan.uniform(spec.num_layers, Method.H if spec.kv_to_hidden_ratio > 1 else Method.KV)
+
+
+_BEST_8BIT = {Method.H.value: "fp8", Method.KV.value: "int8"}  # measured: docs/benchmarks.md, quality
+
+
+def stored_encodings(stored_dtype: str) -> dict[str, torch.dtype]:
+    """The formats that ``stored_dtype`` stores in an 8-bit encoding, with its code dtype. Raises ValueError
+    for anything but ``auto``, ``int8``, ``fp8``, ``8bit`` or ``H=<one of those>,KV=<one of those>``."""
+    text = stored_dtype.strip().lower()
+    formats = (Method.H.value, Method.KV.value)
+    if "=" not in text:
+        names = dict(_BEST_8BIT) if text == "8bit" else dict.fromkeys(formats, text)
+    else:
+        names = {}
+        for item in text.split(","):
+            fmt, _, name = (part.strip() for part in item.partition("="))
+            fmt = next((f for f in formats if f.lower() == fmt), None)
+            if fmt is None or fmt in names:
+                raise ValueError(f"{stored_dtype!r}: expected H=...,KV=... with each format once")
+            names[fmt] = _BEST_8BIT[fmt] if name == "8bit" else name
+    bad = sorted({n for n in names.values() if n != "auto" and n not in ENCODINGS})
+    if bad:
+        raise ValueError(f"unknown stored dtype {bad[0]!r}: expected auto, int8, fp8, 8bit, or per format as H=fp8,KV=int8")
+    return {fmt: ENCODINGS[name] for fmt, name in names.items() if name != "auto"}

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .errors import HCacheError
 from .machine import machine_facts, machine_name
@@ -32,6 +33,9 @@ from .version import __version__
 PROFILE_VERSION = 2  # 2: I/O measured as whole chunks loaded into the host pool, then copied out per layer
 COST_NAMES = ("c_token", "c_h", "c_kv", "io_h", "io_kv")
 TP_COST_NAMES = ("ag_h",)  # measured only with tensor parallelism; 0 without
+# The compute costs of restoring a layer stored in 8 bits (dequantisation included; ``stored_dtype``).
+# Profiles measured before these existed plan 8-bit restores with the lossless compute costs.
+ENCODED_COST_NAMES = ("c_h8", "c_kv8")
 
 
 class ProfileMismatch(HCacheError):
@@ -69,17 +73,29 @@ class Profile:
     command: str = ""  # how it was measured, for people reading the file
     tensor_parallel: int = 1  # the TP degree: costs are one rank's, and ``model`` describes its shard
 
-    def costs(self, history: int) -> LayerCosts:
+    def costs(self, history: int, io_scale: dict[str, float] | None = None) -> LayerCosts:
+        """The costs at ``history`` tokens; for the formats in ``io_scale`` (stored in 8 bits: their stored
+        bytes over the lossless ones), I/O scaled to the bytes stored and the 8-bit compute costs."""
         names = [name for name in (*COST_NAMES, *TP_COST_NAMES) if name in self.seconds]
-        return LayerCosts(**{name: _interp(history, self.tokens, self.seconds[name]) for name in names})
+        costs = {name: _interp(history, self.tokens, self.seconds[name]) for name in names}
+        for fmt, scale in (io_scale or {}).items():
+            encoded = f"c_{fmt.lower()}8"
+            if encoded in self.seconds:
+                costs[f"c_{fmt.lower()}"] = _interp(history, self.tokens, self.seconds[encoded])
+            costs[f"io_{fmt.lower()}"] *= scale
+        return LayerCosts(**costs)
 
-    def plan(self, spec: ModelSpec, history: int) -> RestorePlan:
-        """``spec``: the model, or with TP the rank's shard (whose hidden states it stores 1/TP of)."""
+    def plan(self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None = None) -> RestorePlan:
+        """``spec``: the model, or with TP the rank's shard (whose hidden states it stores 1/TP of).
+        ``encodings``: the formats stored in 8 bits (``stored_dtype``), whose real bytes and dequantisation
+        cost the partition then weighs."""
+        stored = {m.value: m.bytes_per_token_layer(spec, (encodings or {}).get(m.value)) for m in (Method.H, Method.KV)}
+        lossless = {m.value: m.bytes_per_token_layer(spec) for m in (Method.H, Method.KV)}
         return partition(
-            self.costs(history),
+            self.costs(history, {fmt: stored[fmt] / lossless[fmt] for fmt in encodings or {}}),
             spec.num_layers,
-            spec.hidden_bytes_per_token_layer // self.tensor_parallel,
-            spec.kv_bytes_per_token_layer,
+            stored[Method.H.value] // self.tensor_parallel,
+            stored[Method.KV.value],
         )
 
     def bound_seconds(self, spec: ModelSpec, history: int) -> float:
@@ -129,7 +145,7 @@ class Profile:
             data = json.loads(Path(path).read_text())
             profile = cls(**data)
             expected = set(COST_NAMES) | (set(TP_COST_NAMES) if profile.tensor_parallel > 1 else set())
-            if set(profile.seconds) != expected or any(len(v) != len(profile.tokens) for v in profile.seconds.values()):
+            if set(profile.seconds) - set(ENCODED_COST_NAMES) != expected or any(len(v) != len(profile.tokens) for v in profile.seconds.values()):
                 raise ValueError(f"expected costs {sorted(expected)} at each of {len(profile.tokens)} lengths")
         except FileNotFoundError:
             raise ProfileMismatch(f"no profile at {path}; run `{command}` to measure one") from None

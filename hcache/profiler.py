@@ -8,6 +8,8 @@ will actually take:
   chunk;
 - ``c_h``: the engine's ``restore_from_hidden`` (K/V GEMM, RoPE, scatter);
 - ``c_kv``: the engine's ``restore_kv`` (scatter);
+- ``c_h8`` / ``c_kv8``: the same from rows stored in 8 bits (``stored_dtype="8bit"``: fp8 H, int8 KV),
+  dequantisation included; the I/O of 8-bit rows is the lossless I/O scaled to their bytes;
 - ``c_token``: the engine's forward over the whole history, per layer, attention included.
 
 With tensor parallelism every rank runs the profiler at once on its shard, and measures its own costs:
@@ -29,8 +31,9 @@ from .engine import ReferenceEngine
 from .engine.interface import Engine
 from .errors import StorageError
 from .model_loader import LoadedModel
-from .plan import Method
-from .profile import COST_NAMES, TP_COST_NAMES, Profile
+from .plan import Method, stored_encodings
+from .ops.quant import dequantise, quantise
+from .profile import COST_NAMES, ENCODED_COST_NAMES, TP_COST_NAMES, Profile
 from .storage.chunk import Chunk, encode
 from .storage.chunk_key import CHUNK_TOKENS
 from .storage.disk_store import DiskChunkStore
@@ -93,7 +96,8 @@ def measure_engine(
     history lengths already checked by :func:`profile_tokens`."""
     spec = engine.spec
     dtype = getattr(torch, spec.dtype)
-    names = COST_NAMES + (TP_COST_NAMES if tp.world_size > 1 else ())
+    names = COST_NAMES + ENCODED_COST_NAMES + (TP_COST_NAMES if tp.world_size > 1 else ())
+    encodings = stored_encodings("8bit")
     seconds: dict[str, list[float]] = {name: [] for name in names}
     gen = torch.Generator().manual_seed(0)
     copier = Copier(engine.device)
@@ -103,10 +107,13 @@ def measure_engine(
             kv = torch.randn(n, 2, spec.num_kv_heads, spec.head_size, generator=gen).to(engine.device, dtype)
             ids = torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
             own_hidden = hidden[: len(tp.hidden_chunks(n // CHUNK_TOKENS)) * CHUNK_TOKENS]  # this rank's rows
+            hidden8, kv8 = quantise(hidden, encodings[Method.H.value]), quantise(kv, encodings[Method.KV.value])
             measures: dict[str, Callable[[], object]] = {
                 "c_token": lambda: engine.recompute_layers(0, ids, 1),
                 "c_h": lambda: engine.restore_from_hidden(0, 0, hidden),
                 "c_kv": lambda: engine.restore_kv(0, 0, kv),
+                "c_h8": lambda: engine.restore_from_hidden(0, 0, dequantise(hidden8, dtype)),
+                "c_kv8": lambda: engine.restore_kv(0, 0, kv8),
             }
             if tp.world_size > 1:
                 measures["ag_h"] = lambda: tp.gather_hidden(own_hidden, n // CHUNK_TOKENS)

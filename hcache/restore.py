@@ -4,11 +4,18 @@ Stored state is never trusted: a chunk that is missing, unreadable, saved by ano
 tokens, or that fails its checksum ends the usable prefix there. Tokens past that point are prefilled
 from scratch, which is exact. A chunk found bad half-way through the layers is still safe: the prefill
 of the remaining tokens rewrites every layer's K/V from that position on.
+
+Each chunk's tensors say how they are encoded: the model's dtype, or 8-bit codes with a scale tensor
+beside them (:mod:`hcache.ops.quant`), whatever this runtime saves; a restore may span both kinds. Codes
+cross to the device as stored and are dequantised there: KV inside the copy into the paged cache, H just
+before its K/V GEMM.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter, deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -16,10 +23,12 @@ import torch
 
 from .engine.interface import Engine
 from .model_spec import ModelSpec
+from .ops.quant import SCALE_DTYPE, QuantRows, dequantise, is_encoded, scale_format, scale_shape
 from .plan import Method, RestorePlan
 from .storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from .storage.chunk_key import CHUNK_TOKENS
 from .storage.host_tier import HostTier
+from .storage.saver import TensorSpec
 from .tensor_parallel import SINGLE, TPGroup
 from .transfer.copier import Copier
 
@@ -32,11 +41,41 @@ class RestoreOutcome:
     bytes_read: int  # bytes of the stored tensors the restore copied from (whole 64-row tensors)
     fallback: str | None  # why stored state stopped short of what the lookup found, if it did
     sources: dict[str, int] = field(default_factory=dict)  # tokens by where their chunk was read from (HostTier.source)
+    lossy: bool = False  # some of it was stored in an 8-bit encoding
 
 
 def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """The per-token shape of each stored format."""
     return {Method.H.value: (spec.hidden_size,), Method.KV.value: (2, spec.num_kv_heads, spec.head_size)}
+
+
+def stored_tensors(
+    spec: ModelSpec, formats: Sequence[frozenset[str]], encodings: dict[str, torch.dtype]
+) -> list[TensorSpec]:
+    """The tensors a chunk holds: per layer, each of its ``formats`` in the model's dtype, or, for those in
+    ``encodings``, as 8-bit codes and their float16 scales (format ``"<fmt>.scale"``)."""
+    shapes, dtype = row_shapes(spec), getattr(torch, spec.dtype)
+    tensors = []
+    for layer, fs in enumerate(formats):
+        for fmt in sorted(fs):
+            encoding = encodings.get(fmt)
+            if encoding is None:
+                tensors.append((layer, fmt, shapes[fmt], dtype))
+            else:
+                tensors += [(layer, fmt, shapes[fmt], encoding), (layer, scale_format(fmt), scale_shape(shapes[fmt]), SCALE_DTYPE)]
+    return tensors
+
+
+def _rows(image: ChunkImage, layer: int, fmt: str) -> torch.Tensor | QuantRows:
+    """A chunk's rows of one layer and format, in place: a tensor, or 8-bit codes with their scales."""
+    rows = image.tensor(layer, fmt)
+    return QuantRows(rows, image.tensor(layer, scale_format(fmt))) if is_encoded(rows.dtype) else rows
+
+
+def _nbytes(image: ChunkImage, layer: int, fmt: str) -> int:
+    """Bytes a restore reads of one layer and format of a chunk, scales included."""
+    entries = image.layout.entries
+    return sum(entries[k].nbytes for k in ((layer, fmt), (layer, scale_format(fmt))) if k in entries)
 
 
 def restore_prefix(
@@ -96,11 +135,12 @@ def restore_prefix(
             fallback = fallback or _elsewhere(restored)
         engine.end_restore(uid, tokens[held : end(restored)])
         read = [(j, layer, fmt) for layer, fmt in jobs for j in _reading(tp, fmt, n, agreed, first) if j < n]
-        used = sum(images[j].layout.entries[(layer, fmt)].nbytes for j, layer, fmt in read)
+        used = sum(_nbytes(images[j], layer, fmt) for j, layer, fmt in read)
+        lossy = any(is_encoded(images[j].layout.entries[(layer, fmt)].dtype) for j, layer, fmt in read if j < restored)
         sources = Counter()
         for j in range(restored):
             sources[tier.source(images[j])] += min(end(restored), (j + 1) * CHUNK_TOKENS) - max(held, j * CHUNK_TOKENS)
-        return RestoreOutcome(end(restored) - held, used, fallback, dict(sources))
+        return RestoreOutcome(end(restored) - held, used, fallback, dict(sources), lossy)
     finally:
         copier.drain()  # no copy may still read a slot given back below
         for f in fetches:
@@ -130,30 +170,43 @@ def _restore_layers(
     def stage(layer: int, fmt: str):
         with copier.side_stream():
             if fmt == Method.H.value:  # rows past another rank's bad chunk are garbage: the agreement ends the prefix there
-                parts = [images[j].tensor(layer, fmt) if j < n else filler for j in _reading(tp, fmt, n, agreed, first)]
-                rows = copier.gather(parts) if parts else None
-                return rows, copier.done()
+                parts = [_rows(images[j], layer, fmt) if j < n else filler for j in _reading(tp, fmt, n, agreed, first)]
+                return _gather_runs(copier, parts), copier.done()
             if n:  # one call for the layer: the rows from ``held`` in the first chunk to ``stop`` in the last
-                parts = [images[j].tensor(layer, fmt) for j in range(n)]
+                parts = [_rows(images[j], layer, fmt) for j in range(n)]
                 parts[-1] = parts[-1][: stop - (n - 1) * CHUNK_TOKENS]
                 parts[0] = parts[0][held:]
                 engine.restore_kv(uid, layer, parts)
-            return None, copier.done()
+            return [], copier.done()
 
     ahead: deque = deque()
     last = None
     for i in range(len(jobs)):
         while len(ahead) < copier.depth and i + len(ahead) < len(jobs):
             ahead.append(stage(*jobs[i + len(ahead)]))
-        (layer, fmt), (rows, last) = jobs[i], ahead.popleft()
+        (layer, fmt), (runs, last) = jobs[i], ahead.popleft()
         if fmt == Method.H.value:
-            copier.wait(last, *([rows] if rows is not None else []))
-            if rows is None:
-                rows = torch.empty(0, spec.hidden_size, dtype=dtype, device=engine.device)
+            copier.wait(last, *(t for run in runs for t in ((run.codes, run.scale) if isinstance(run, QuantRows) else [run])))
+            pieces = [dequantise(run, dtype) if isinstance(run, QuantRows) else run for run in runs]
+            if len(pieces) == 1:  # a layer stored in one encoding: its gathered rows as they are
+                rows = pieces[0]
+            else:  # none (a TP rank with no chunk's H), or chunks stored in several encodings
+                rows = torch.cat(pieces) if pieces else torch.empty(0, spec.hidden_size, dtype=dtype, device=engine.device)
             rows = tp.gather_hidden(rows, agreed, first)[held:stop]  # collective: every rank gathers
             if len(rows):
                 engine.restore_from_hidden(uid, layer, rows)
     copier.wait(last)  # the KV copies land before anything reads the cache
+
+
+def _gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[torch.Tensor | QuantRows]:
+    """H rows of consecutive chunks on the device, one gather per run of chunks stored alike (one run,
+    unless the chunks were saved in different encodings): lossless rows, or codes and scales."""
+    runs = [list(run) for _, run in itertools.groupby(parts, lambda p: (type(p), (p.codes if isinstance(p, QuantRows) else p).dtype))]
+    return [
+        QuantRows(copier.gather([p.codes for p in run]), copier.gather([p.scale for p in run]))
+        if isinstance(run[0], QuantRows) else copier.gather(run)
+        for run in runs
+    ]  # fmt: skip
 
 
 def _verify(
@@ -192,13 +245,17 @@ def _verify(
 def _layout_problems(
     layout: ChunkLayout, need: set[tuple[int, str]], shapes: dict, dtype: torch.dtype
 ) -> tuple[str | None, list[str]]:
-    """Why a chunk of ``layout`` cannot serve ``need``: a tensor of another shape or dtype than the model's
-    (a copy would broadcast or convert it: the chunk is bad), and the formats it lacks (it is merely short)."""
+    """Why a chunk of ``layout`` cannot serve ``need``: a tensor of another shape or dtype than the model's,
+    or 8-bit codes without their scales (a copy would broadcast or convert it: the chunk is bad), and the
+    formats it lacks (it is merely short)."""
     for layer, fmt in sorted(need & set(layout.entries)):
         entry = layout.entries[(layer, fmt)]
-        if entry.shape != (CHUNK_TOKENS, *shapes[fmt]) or entry.dtype != dtype:
+        if entry.shape != (CHUNK_TOKENS, *shapes[fmt]) or not (entry.dtype == dtype or is_encoded(entry.dtype)):
             want = [CHUNK_TOKENS, *shapes[fmt]]
             return f"L{layer}.{fmt} is {list(entry.shape)} {entry.dtype}, the model's is {want} {dtype}", []
+        scale = layout.entries.get((layer, scale_format(fmt)))
+        if is_encoded(entry.dtype) and (scale is None or (scale.shape, scale.dtype) != ((CHUNK_TOKENS, *scale_shape(shapes[fmt])), SCALE_DTYPE)):
+            return f"L{layer}.{fmt} is stored in {entry.dtype} without fitting scales", []
     return None, sorted({fmt for _, fmt in need - set(layout.entries)})
 
 

@@ -43,6 +43,7 @@ class RequestResult:
     gpu_tokens: int = 0  # of restored_tokens, adopted from the GPU prefix cache
     prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of restored_tokens, by the tier they were read from
+    lossy: bool = False  # some restored state was stored in an 8-bit encoding (``stored_dtype``)
 
 
 class HCacheRuntime:
@@ -163,7 +164,7 @@ class HCacheRuntime:
         return [
             RequestResult(
                 out, len(prompt), r.restored_tokens, r.plan, ttft, r.bytes_read, r.fallback, r.restore_s, gaps,
-                r.restores, r.gpu_tokens, r.prefetch_hidden_s, r.tier_tokens,
+                r.restores, r.gpu_tokens, r.prefetch_hidden_s, r.tier_tokens, r.lossy,
             )
             for out, prompt, r, gaps in zip(outputs, prompts, records, tbt)
         ]

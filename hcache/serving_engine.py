@@ -43,7 +43,8 @@ from .metrics import ServingMetrics
 from .plan import Method, RestorePlan
 from .prefetch import Prefetcher
 from .ragged import Segment
-from .restore import restore_prefix, row_shapes
+from .ops.quant import base_format, quantise, scale_format
+from .restore import restore_prefix, stored_tensors
 from .storage.chunk import ChunkLayout
 from .storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
 from .storage.saver import ChunkSaver
@@ -78,6 +79,7 @@ class SequenceRecord:
     prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
     plan: str = ""  # the plan its restores follow; "" until one is tried
     fallback: str | None = None  # why stored state was used only in part, if it was
+    lossy: bool = False  # some restored state was stored in an 8-bit encoding: not bit-identical to recompute
     restores: list[RestoreStep] = field(default_factory=list)  # one per put that restored tokens
 
 
@@ -93,10 +95,11 @@ class _Sequence:
 
 
 class _SaveCapture:
-    """Feeds the engine's per-layer rows to the saver, in the formats chosen for each layer."""
+    """Feeds the engine's per-layer rows to the saver, in the formats chosen for each layer, quantised on
+    the rows' device for the formats stored in an 8-bit encoding (codes and scales as two stored tensors)."""
 
-    def __init__(self, saver: ChunkSaver, formats: list[frozenset[str]]):
-        self.saver, self.formats = saver, formats
+    def __init__(self, saver: ChunkSaver, formats: list[frozenset[str]], encodings: dict[str, torch.dtype]):
+        self.saver, self.formats, self.encodings = saver, formats, encodings
 
     def begin_batch(self, segments: list[Segment]) -> None:
         self.saver.begin_batch(segments)
@@ -107,6 +110,10 @@ class _SaveCapture:
             rows[Method.H.value] = hidden
         if Method.KV.value in self.formats[layer]:
             rows[Method.KV.value] = kv()  # [T, 2, n_kv, head]: the stored KV layout
+        for fmt, encoding in self.encodings.items():
+            if fmt in rows:
+                encoded = quantise(rows[fmt], encoding)
+                rows[fmt], rows[scale_format(fmt)] = encoded.codes, encoded.scale
         self.saver.on_layer(layer, rows)
 
     def end_batch(self) -> None:
@@ -149,8 +156,7 @@ class ServingEngine:
         self.store = self.saver = self._capture = self.copier = None
         if config.stored:
             self.copier = Copier(engine.device)
-            shapes, dtype = row_shapes(self.spec), getattr(torch, self.spec.dtype)
-            tensors = [(layer, f, shapes[f], dtype) for layer, fs in enumerate(self.save_formats) for f in sorted(fs)]
+            tensors = stored_tensors(self.spec, self.save_formats, config.encodings)
             config.store.check(ChunkLayout.plan(tensors, self.fingerprint).nbytes)
             self.store = config.store.open_store(
                 config.store_dirs(tp.rank),
@@ -158,9 +164,9 @@ class ServingEngine:
                 pin=engine.device.type == "cuda",
                 readers=settings.readers,
             )
-            self.saver = ChunkSaver(self.store, self.fingerprint, tensors, stores=tp.stores)
+            self.saver = ChunkSaver(self.store, self.fingerprint, tensors, stores=lambda c, f: tp.stores(c, base_format(f)))
             if any(self.save_formats):
-                self._capture = _SaveCapture(self.saver, self.save_formats)
+                self._capture = _SaveCapture(self.saver, self.save_formats, config.encodings)
         self.prefetcher = Prefetcher(self.store) if self.store is not None else None
         drop = self.saver.drop_partial if self.saver is not None else (lambda partial: None)
         self.gpu_cache = GpuPrefixCache(engine, drop) if settings.gpu_cache else None
@@ -328,6 +334,7 @@ class ServingEngine:
         record.prefetch_hidden_s += hidden
         record.plan = str(plan)
         record.fallback = outcome.fallback or record.fallback
+        record.lossy = record.lossy or outcome.lossy
         step.plan, step.tokens, step.hidden_s = record.plan, outcome.tokens, hidden
         metrics = self.metrics
         metrics.restored_tokens.update(outcome.sources)

@@ -1,4 +1,4 @@
-"""Restore ops: the RoPE-and-scatter kernel's bandwidth against the device's copy peak, the torch reference and FastGen.
+"""Restore ops: the RoPE-and-scatter and dequantise-and-scatter kernels' bandwidth against the device's copy peak, the torch reference and FastGen.
 
 Per model shape and token count it times, on one layer's paged cache, with the K/V of a restore laid out
 as the K/V GEMM leaves them (strided views of one ``[T, 2·kv_dim]`` output):
@@ -11,7 +11,11 @@ Bandwidth counts the bytes a kernel must move: K and V read, K and V written, pl
 (the kernel: half a cos and a sin row and a slot per token; FastGen: Q read and written, as it rotates Q
 in place). The kernel runs FastGen's RoPE rule (float32 cos/sin, :mod:`hcache.ops.rope`) where the shape's
 RoPE is unscaled, as on FastGen's engine. The kernel's output is checked against the reference, bit for bit, before it is timed.
-Kernel timings need a GPU: on a CPU only the torch reference is timed.
+
+The same slots are then filled from K/V stored in 8 bits (``stored_dtype``: int8 codes, a float16 scale
+per head) by the dequantise-and-scatter kernel (:mod:`hcache.ops.dequant_scatter_kernel`): its bytes are
+the codes and scales read and the cache written (``dequant`` in each case).
+Kernel timings need a GPU: on a CPU only the torch references are timed.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import torch
 
 from ..model_spec import ModelSpec, RopeSpec
 from ..ops import rope_cos_sin, rotate_and_write, slot_mapping
+from ..ops.dequant_scatter import write_dequantised
+from ..ops.quant import quantise
 
 # (n_kv_heads, head_size, rope parameters) of the shapes the paper and the mission name
 SHAPES: dict[str, tuple[int, int, dict]] = {
@@ -141,6 +147,7 @@ def _case(name: str, tokens: int, args: argparse.Namespace, device: torch.device
     result = {"shape": name, "n_kv_heads": n_kv, "head_size": head_size, "rope_type": rope.rope_type,
               "dtype": args.dtype, "rope_rule": rule, "tokens": tokens}
     result["torch_ms"] = _median_ms(run("torch"), args.repeats, device)
+    result["dequant"] = _dequant_case(torch.stack((k, v), 1), slots, {b: torch.zeros_like(c) for b, c in caches.items()}, args.repeats, device, peak)
     if device.type != "cuda":
         return {**result, "kernel_ms": None, "kernel_gbps": None, "fraction_of_copy_peak": None,
                 "kernel_speedup_over_torch": None, "fastgen": "needs a GPU"}
@@ -159,6 +166,25 @@ def _case(name: str, tokens: int, args: argparse.Namespace, device: torch.device
                              "kernel_speedup": fastgen_ms / result["kernel_ms"]}
     except Exception as exc:  # DeepSpeed absent, or its ops do not build here
         result["fastgen"] = f"unavailable: {type(exc).__name__}: {exc}"
+    return result
+
+
+def _dequant_case(kv: torch.Tensor, slots: torch.Tensor, caches: dict, repeats: int, device: torch.device, peak: float | None) -> dict:
+    """The dequantise-and-scatter kernel against its torch reference, on int8 codes of ``kv``."""
+    rows = quantise(kv, torch.int8)
+
+    def run(backend: str) -> Callable[[], None]:
+        return lambda: write_dequantised(caches[backend], slots, rows, backend=backend)
+
+    result = {"torch_ms": _median_ms(run("torch"), repeats, device)}
+    if device.type != "cuda":
+        return {**result, "kernel_ms": None, "kernel_gbps": None, "fraction_of_copy_peak": None}
+    run("triton")()
+    result["matches_reference"] = torch.equal(caches["triton"], caches["torch"])
+    moved = rows.codes.numel() + rows.scale.numel() * rows.scale.element_size() + kv.numel() * kv.element_size() + slots.numel() * 8
+    result["kernel_ms"] = _median_ms(run("triton"), repeats, device)
+    result["kernel_gbps"] = moved / result["kernel_ms"] / 1e6
+    result["fraction_of_copy_peak"] = result["kernel_gbps"] / peak
     return result
 
 
@@ -182,13 +208,16 @@ def run(args: argparse.Namespace) -> dict:
             fastgen = f"{fastgen['ms']:.3f} ms, {fastgen['gbps']:.0f} GB/s, kernel {fastgen['kernel_speedup']:.2f}x faster"
         print(f"{c['shape']:<10} {c['tokens']:>6} {_fmt(c['kernel_ms'], 9, '.3f')} {_fmt(c['kernel_gbps'], 6, '.0f')} "
               f"{_fmt(c['fraction_of_copy_peak'], 7, '.0%')} {c['torch_ms']:>9.3f} {_fmt(c['kernel_speedup_over_torch'], 7, '.2f')}  {fastgen}")
+        d = c["dequant"]
+        print(f"{'  int8 KV':<10} {c['tokens']:>6} {_fmt(d['kernel_ms'], 9, '.3f')} {_fmt(d['kernel_gbps'], 6, '.0f')} "
+              f"{_fmt(d['fraction_of_copy_peak'], 7, '.0%')} {d['torch_ms']:>9.3f}  (dequantise and scatter)")
     result = {"device": str(device), "copy_peak_gbps": peak, "target_fraction_of_copy_peak": 0.7, "cases": cases}
     if device.type != "cuda":
         result["note"] = ("no GPU: kernel bandwidth, the copy peak and FastGen need one; only the torch reference "
                           "was timed, on the CPU. Triton's interpreter checks the kernel's logic, not its speed.")
         print(result["note"])
     else:
-        mismatched = [f"{c['shape']}/{c['tokens']}" for c in cases if not c["matches_reference"]]
+        mismatched = [f"{c['shape']}/{c['tokens']}" for c in cases if not (c["matches_reference"] and c["dequant"]["matches_reference"])]
         if mismatched:
             print(f"kernel output differs from the torch reference: {', '.join(mismatched)}")
     return result

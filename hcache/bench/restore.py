@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--readers", type=int, default=DEFAULT_READERS)
     parser.add_argument("--profile", default=None, help="a profile to plan with (default: measure one now, over the histories)")
+    parser.add_argument("--stored-dtype", default="auto", help="how the history is stored: auto (lossless), int8, fp8, 8bit or H=fp8,KV=int8")
     parser.add_argument("--plot", default=None, help="write a plot here (default: next to --json, as .png)")
 
 
@@ -56,8 +57,9 @@ def run(args: argparse.Namespace) -> dict:
     plans: dict[str, list[str]] = {name: [] for name in names}
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="hcache-bench-") as store_dir, HCacheRuntime(
-        loaded, store_dir, save="all", readers=args.readers, num_blocks=2 * histories[-1] // 64 + 4
+        loaded, store_dir, save="all", readers=args.readers, num_blocks=2 * histories[-1] // 64 + 4, stored_dtype=args.stored_dtype
     ) as runtime:
+        encodings = runtime.config.encodings
         for n in tqdm(histories, desc="histories"):
             prompt = torch.randint(0, spec.vocab_size, (n + 1,), generator=gen).tolist()
             runtime.generate(prompt, 1, restore=False)  # stores the n-token history in every format
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> dict:
                 "H": RestorePlan.uniform(spec.num_layers, Method.H),
                 "KV": RestorePlan.uniform(spec.num_layers, Method.KV),
                 "RE+KV": partition(profile.costs(n), spec.num_layers, allow_h=False),
-                "auto": profile.plan(spec, n),
+                "auto": profile.plan(spec, n, encodings),
             }
             keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
             # Each distinct plan is timed once per round: when auto picks a fixed plan it gets that plan's time,
@@ -83,6 +85,7 @@ def run(args: argparse.Namespace) -> dict:
     bound = [n / profile.bound_seconds(spec, n) for n in histories]
     result = {
         "model": loaded.name,
+        "stored_dtype": args.stored_dtype,
         "histories": histories,
         "methods": {
             name: {"tokens_per_s": [n / s for n, s in zip(histories, seconds[name])], "plans": plans[name]}

@@ -27,7 +27,9 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.paged_kv import block_runs, copy_slots, gather_kv, write_kv_rows
+from ..ops.paged_kv import block_runs, copy_slots, gather_kv
+from ..ops.dequant_scatter import write_rows
+from ..ops.quant import QuantRows
 from ..ragged import Segment
 from ..transfer import copier
 from .capture import LayerCapture
@@ -318,8 +320,9 @@ class FastGenEngine:
         rotate_and_write(cache, r.slots[rows], k, v, (r.cos_sin[0][rows], r.cos_sin[1][rows]))
 
     @torch.no_grad()
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | Sequence[torch.Tensor], start: int = 0) -> None:
-        write_kv_rows(self._state.get_cache(layer), self._restoring[uid].runs, [kv] if isinstance(kv, torch.Tensor) else kv, start)
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | QuantRows | Sequence[torch.Tensor | QuantRows], start: int = 0) -> None:
+        r = self._restoring[uid]
+        write_rows(self._state.get_cache(layer), r.runs, r.slots, [kv] if isinstance(kv, (torch.Tensor, QuantRows)) else kv, start)
 
     @torch.no_grad()
     def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from ..model_spec import ModelSpec
+from ..ops.quant import QuantRows
 from .capture import LayerCapture
 
 
@@ -59,10 +60,12 @@ class Engine(Protocol):
         """H: rows ``[start, start + len(hidden))`` of the restore from saved normalised layer inputs."""
         ...
 
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | Sequence[torch.Tensor], start: int = 0) -> None:
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | QuantRows | Sequence[torch.Tensor | QuantRows], start: int = 0) -> None:
         """KV: rows ``[start, start + T)`` of the restore from saved ``[T, 2, n_kv_heads, head_size]`` rows (K
         rotated), one tensor or consecutive parts (a chunk's rows each, so a layer is one call however many
-        chunks it spans), which may be in pinned host memory: the copies run on the caller's current stream."""
+        chunks it spans), which may be in pinned host memory: the copies run on the caller's current stream.
+        A part may be :class:`~hcache.ops.quant.QuantRows` (a chunk stored in an 8-bit encoding): its codes
+        are copied as stored and dequantised on the device, into the cache."""
         ...
 
     def end_restore(self, uid: int, tokens: list[int]) -> None: ...

@@ -20,7 +20,9 @@ from ..errors import InvalidRequestError
 from ..model_spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write
 from ..ops.kv_projection import linear_rows
-from ..ops.paged_kv import block_runs, block_slots, copy_slots, write_kv_rows
+from ..ops.paged_kv import block_runs, block_slots, copy_slots
+from ..ops.dequant_scatter import write_rows
+from ..ops.quant import QuantRows
 from .blocked_kv_cache import BlockedKVCache
 from ..ragged import Segment
 from .capture import LayerCapture
@@ -149,6 +151,15 @@ class ReferenceEngine:
         last_rows = torch.tensor([s.row + s.length - 1 for s in segments], device=self.device)
         return self.decoder.logits(hidden[last_rows]).float()
 
+    @torch.no_grad()
+    def score(self, uid: int, tokens: list[int], last: int) -> torch.Tensor:
+        """Append ``tokens`` to one sequence, as :meth:`step` does, and return the next-token logits
+        ``[last, vocab]`` after each of its last ``last`` tokens: teacher forcing, to measure how restored
+        state changes every prediction (``hcache bench quality``)."""
+        hidden, _ = self._forward([(uid, tokens)], self.spec.num_layers, None)
+        self.sequences[uid].tokens.extend(tokens)
+        return self.decoder.logits(hidden[len(tokens) - last :]).float()
+
     def _forward(
         self, requests: list[tuple[int, list[int]]], num_layers: int, capture: LayerCapture | None
     ) -> tuple[torch.Tensor, list[Segment]]:
@@ -245,9 +256,10 @@ class ReferenceEngine:
         rotate_and_write(self.cache.layers[layer], slots[rows], k, v, rows_cos_sin)
 
     @torch.no_grad()
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | abc.Sequence[torch.Tensor], start: int = 0) -> None:
+    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | QuantRows | abc.Sequence[torch.Tensor | QuantRows], start: int = 0) -> None:
         """KV: copy saved rows (K already rotated) into the cache, in one batched copy."""
-        write_kv_rows(self.cache.layers[layer], self._restoring[uid][2], [kv] if isinstance(kv, torch.Tensor) else kv, start)
+        slots, _, runs = self._restoring[uid]
+        write_rows(self.cache.layers[layer], runs, slots, [kv] if isinstance(kv, (torch.Tensor, QuantRows)) else kv, start)
 
     # ---- blocks held for no sequence (the GPU prefix cache's) --------------------------------------
     def detach(self, uid: int) -> list[int]:

@@ -43,6 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default=None, help="a profile from `hcache profile` (implies --plan auto); refused if measured elsewhere")
     p.add_argument("--no-measure-profile", dest="measure_profile", action="store_false", default=None,
                    help="with --plan auto and no profile for this machine, serve the default plan instead of measuring one first")
+    p.add_argument("--stored-dtype", default=None, metavar="DTYPE",
+                   help="how saved state is stored: auto (the model's dtype, lossless; default), int8, fp8, 8bit (fp8 H, int8 KV) or per format like H=fp8,KV=int8")
     p.add_argument("--engine", default=None, choices=["auto", "fastgen", "reference"], help="auto (default): FastGen on a GPU, else the reference engine")
     p.add_argument("--off", dest="enabled", action="store_false", default=None, help="serve without hcache (the recompute baseline)")
     p.add_argument("--gpu-cache", action="store_true", default=None, help="keep finished sequences' KV in spare KV blocks and reuse it (a GPU prefix cache)")
@@ -75,7 +77,7 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
     flags = {
         "enabled": args.enabled, "engine": args.engine, "store_dirs": args.store_dir, "plan": args.plan,
         "profile": args.profile, "measure_profile": args.measure_profile, "request_log": args.request_log,
-        "gpu_cache": args.gpu_cache, "metrics_host": args.host,
+        "gpu_cache": args.gpu_cache, "metrics_host": args.host, "stored_dtype": args.stored_dtype,
     }  # fmt: skip
     given = {k: v for k, v in flags.items() if v is not None}
     if args.metrics_port is not None:

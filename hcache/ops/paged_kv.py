@@ -61,6 +61,21 @@ def block_runs(blocks: list[int], start: int, length: int, block_size: int) -> l
     return runs
 
 
+def row_spans(runs: list[tuple[int, int, int]], lengths: Sequence[int], start: int):
+    """``(part, first row in it, first slot, rows)`` of each overlap of consecutive parts of ``lengths`` rows,
+    placed at rows ``[start, ...)`` of a restore whose slots are ``runs`` (:func:`block_runs`)."""
+    i = bisect.bisect_right(runs, (start, float("inf"), 0)) - 1
+    for p, part_length in enumerate(lengths):
+        done = 0
+        while done < part_length:
+            row, slot, length = runs[i]
+            n = min(row + length - start, part_length - done)
+            yield p, done, slot + start - row, n
+            done, start = done + n, start + n
+            if start == row + length:
+                i += 1
+
+
 def write_kv_rows(
     cache: torch.Tensor, runs: list[tuple[int, int, int]], parts: Sequence[torch.Tensor], start: int
 ) -> None:
@@ -70,17 +85,9 @@ def write_kv_rows(
     asynchronous from pinned host memory to a GPU."""
     flat = cache.view(-1, *cache.shape[2:])
     dst, src = [], []
-    i = bisect.bisect_right(runs, (start, float("inf"), 0)) - 1
-    for part in parts:
-        done = 0
-        while done < len(part):
-            row, slot, length = runs[i]
-            n = min(row + length - start, len(part) - done)
-            dst.append(flat[slot + start - row : slot + start - row + n])
-            src.append(part[done : done + n])
-            done, start = done + n, start + n
-            if start == row + length:
-                i += 1
+    for p, offset, slot, n in row_spans(runs, [len(part) for part in parts], start):
+        dst.append(flat[slot : slot + n])
+        src.append(parts[p][offset : offset + n])
     if dst:
         torch._foreach_copy_(dst, src, non_blocking=True)
 

@@ -20,7 +20,12 @@ import xxhash
 from .chunk_key import CHUNK_TOKENS, LAYOUT_VERSION
 
 _ALIGN = 64
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# safetensors' names. The 8-bit ones hold compressed state's codes; what they encode (their scales are
+# tensors of their own, under the same checksums) is for the layer above to know.
+_DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
+}  # fmt: skip
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _MAX_HEADER = 1 << 24
 

@@ -21,6 +21,13 @@ def uses_streams(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def gather(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The parts' rows, in order, as one new tensor on ``device``: one batched call, one copy per part."""
+    out = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device=device)
+    torch._foreach_copy_(list(out.split([len(p) for p in parts])), parts, non_blocking=True)
+    return out
+
+
 class Copier:
     def __init__(self, device: torch.device | str, depth: int = DEFAULT_DEPTH):
         self.device = torch.device(device)
@@ -49,9 +56,7 @@ class Copier:
     def gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The parts' rows, in order, as one tensor on the device: one batched call, one copy per part (a
         DMA from pinned memory on a GPU). Call inside :meth:`side_stream`."""
-        out = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device=self.device)
-        torch._foreach_copy_(list(out.split([len(p) for p in parts])), parts, non_blocking=True)
-        return out
+        return gather(parts, self.device)
 
     def done(self) -> torch.cuda.Event | None:
         """An event marking every copy issued so far (None on a CPU)."""

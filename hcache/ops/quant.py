@@ -1,0 +1,73 @@
+"""8-bit stored encodings of saved state: each vector along the last dimension (a hidden-state row, one KV
+head of one token) is stored as 8-bit codes with its own float16 scale, ``x ≈ code · scale``.
+
+``int8``: codes are ``round(x / scale)`` with ``scale = absmax / 127``: uniform steps, best where a vector's
+values are of one magnitude (K and V heads). ``fp8``: codes are float8 e4m3 of ``x / scale`` with
+``scale = absmax / 448``: 3 mantissa bits at every magnitude, so a vector's small values keep their
+relative precision beside an outlier channel (hidden states; ``hcache bench quality`` has the numbers).
+
+:func:`dequantise` is the reference arithmetic (one float32 product, one rounding to the target dtype) that
+the fused Triton kernel (:mod:`hcache.ops.dequant_scatter_kernel`) matches bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ENCODINGS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+SCALE_DTYPE = torch.float16
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+_SCALE_MIN = 2.0**-24  # float16's smallest subnormal: a zero vector gets a scale that divides safely
+_SCALE_MAX = torch.finfo(SCALE_DTYPE).max
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """Rows in an 8-bit encoding: ``codes`` ``[T, ..., d]`` (int8 or float8 e4m3) and ``scale`` ``[T, ...]``;
+    sliced by rows like a tensor of rows."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __getitem__(self, rows: slice) -> "QuantRows":
+        return QuantRows(self.codes[rows], self.scale[rows])
+
+
+def is_encoded(dtype: torch.dtype) -> bool:
+    """Whether a stored tensor of ``dtype`` holds 8-bit codes (and has a scale tensor beside it)."""
+    return dtype in _QMAX
+
+
+def scale_format(fmt: str) -> str:
+    """The stored format that holds the scales of ``fmt``'s codes (``"KV"`` -> ``"KV.scale"``)."""
+    return f"{fmt}.scale"
+
+
+def base_format(fmt: str) -> str:
+    """The format a stored tensor belongs to (``"KV.scale"`` -> ``"KV"``)."""
+    return fmt.split(".", 1)[0]
+
+
+def scale_shape(row_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The per-token shape of the scales of rows of ``row_shape``: one per vector along the last dim."""
+    return tuple(row_shape[:-1])
+
+
+def quantise(x: torch.Tensor, dtype: torch.dtype) -> QuantRows:
+    """``x`` in the 8-bit ``dtype``, on ``x``'s device; scales are rounded to float16 before the codes are
+    computed from them, so dequantising uses exactly the scale the codes were made for."""
+    qmax = _QMAX[dtype]
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / qmax).clamp(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)
+    y = (xf / scale.float().unsqueeze(-1)).clamp(-qmax, qmax)
+    codes = y.round().to(dtype) if dtype == torch.int8 else y.to(dtype)
+    return QuantRows(codes, scale)
+
+
+def dequantise(rows: QuantRows, dtype: torch.dtype) -> torch.Tensor:
+    """``codes · scale`` in float32, rounded once to ``dtype`` (one float32 buffer, scaled in place)."""
+    return rows.codes.float().mul_(rows.scale.float().unsqueeze(-1)).to(dtype)
