@@ -67,3 +67,18 @@ def test_bench_quota_counts_the_tokens_a_quota_keeps_restorable_across_a_restart
     result = json.loads(out.read_text())
     assert result["shared_chunk_kept"] and result["chunks_kept"] == 4
     assert result["restored_tokens_per_prompt"] == [64, 64, 64, 128, 128, 128]
+
+
+def test_bench_cold_reads_a_quarter_of_the_bytes_from_each_tier_in_8_bits(tmp_path):
+    """Cold restores (nothing in the host pool) of each plan from the disk store, lossless against 8-bit;
+    every restore must be whole (the bench refuses a short one), and the 8-bit one reads about a quarter of a
+    float32 model's bytes, scales and headers included."""
+    out = tmp_path / "cold.json"
+    args = ["bench", "cold", "--model", "random:llama", "--history", "128", "--tiers", "disk", "--repeats", "2", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["history"] == 128 and result["stored_dtype"] == "8bit"
+    for plan in ("KV", "H"):
+        row = result["tiers"]["disk"][plan]
+        assert all(s > 0 for s in row["seconds"].values())
+        assert 0.25 <= row["bytes_ratio"] <= 0.3 and row["bytes_read"]["8bit"] < row["bytes_read"]["lossless"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -21,10 +20,10 @@ from tqdm import tqdm
 
 from ..model_loader import DEFAULT_MODEL, load_model, model_dtype
 from ..plan import Method, RestorePlan
-from ..restore import restore_prefix
 from ..runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from ._redis_server import RedisServer
+from .restore import timed_restore
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,18 +104,8 @@ def _compare(loaded, prompt: list[int], plan: RestorePlan, encodings: dict, stor
 
 def _cold_restore(rt: HCacheRuntime, prompt: list[int], n: int) -> tuple[float, int]:
     rt.store.drop_resident()  # nothing in the host pool: every chunk comes from the tier
-    engine = rt.engine
-    engine.flush_all()
     keys = chunk_keys(prompt[:-1], root_key(rt.fingerprint, rt.serving.namespace))
-    start = time.perf_counter()
-    outcome = restore_prefix(engine, rt.store, 0, prompt, keys, rt.fingerprint, rt.plan, rt.serving.copier)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    elapsed = time.perf_counter() - start
-    if outcome.tokens != n or outcome.fallback:
-        raise RuntimeError(f"restored {outcome.tokens} of {n} tokens ({outcome.fallback})")
-    engine.flush_all()
-    return elapsed, outcome.bytes_read
+    return timed_restore(rt, prompt, keys, rt.plan, n)
 
 
 def _print(result: dict) -> None:

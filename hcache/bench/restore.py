@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
             times: dict[RestorePlan, list[float]] = {plan: [] for plan in candidates.values()}
             for _ in range(args.repeats + 1):  # the first round warms up
                 for plan, record in times.items():
-                    record.append(_restore_seconds(runtime, prompt, keys, plan, n))
+                    record.append(timed_restore(runtime, prompt, keys, plan, n)[0])
             for name, plan in candidates.items():
                 seconds[name].append(statistics.median(times[plan][1:]))
                 plans[name].append(str(plan))
@@ -103,7 +103,11 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _restore_seconds(runtime: HCacheRuntime, prompt: list[int], keys: list[str], plan: RestorePlan, n: int) -> float:
+def timed_restore(
+    runtime: HCacheRuntime, prompt: list[int], keys: list[str], plan: RestorePlan, n: int
+) -> tuple[float, int]:
+    """One restore of ``n`` stored tokens into an empty engine: its seconds (device work included) and the
+    bytes it read; refuses a restore that fell short, which would time less work."""
     engine = runtime.engine
     engine.flush_all()
     if engine.device.type == "cuda":
@@ -116,7 +120,7 @@ def _restore_seconds(runtime: HCacheRuntime, prompt: list[int], keys: list[str],
     if outcome.tokens != n or outcome.fallback:
         raise RuntimeError(f"plan {plan} restored {outcome.tokens} of {n} tokens ({outcome.fallback})")
     engine.flush_all()
-    return elapsed
+    return elapsed, outcome.bytes_read
 
 
 def _print(result: dict) -> None:
