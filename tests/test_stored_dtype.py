@@ -174,12 +174,17 @@ def test_restore_from_compressed_chunks_is_close_to_lossless_and_says_so(llama, 
         for rt in (exact, lossy):  # the restored caches, side by side
             rt.serving.open(uid)
             rt.serving.put([uid], [prompt[:193]])
+        errors = []
         for layer in range(llama.spec.num_layers):
             k0, v0 = exact.engine.kv(uid, layer)
             k1, v1 = lossy.engine.kv(uid, layer)
             for a, b in ((k0, k1), (v0, v1)):
                 assert not torch.equal(a, b) or plan.startswith("1RE") and layer == 0
-                assert (a - b).abs().max() <= 0.05 * a.abs().max()
+                errors.append(((a - b).norm() / a.norm()).item())
+    print(f"{stored_dtype} {plan}: relative RMS error of K and V per layer {[round(e, 4) for e in errors]}")
+    # fp8 keeps 3 mantissa bits (a relative step of 1/8 at most, an RMS error near 2%); int8 per-row steps
+    # are finer for KV. The projection of H sums those errors over the hidden size without raising them.
+    assert max(errors) <= 0.05
 
 
 def test_chunks_saved_lossless_and_compressed_restore_on_either_runtime(llama, tmp_path, rng):
@@ -207,7 +212,7 @@ def test_chunks_saved_lossless_and_compressed_restore_on_either_runtime(llama, t
         k_exact, _ = exact.engine.kv(uid, 1)
         assert torch.equal(k_mixed[:128], k_exact[:128])  # the lossless chunks: bit-exact
         assert not torch.equal(k_mixed[128:256], k_exact[128:256])
-        assert (k_mixed - k_exact).abs().max() <= 0.05 * k_exact.abs().max()
+        assert (k_mixed - k_exact).norm() <= 0.05 * k_exact.norm()  # fp8 H: an RMS error near 2.5%
 
 
 def test_a_corrupt_scale_falls_back_to_recompute(llama, tmp_path, rng):
