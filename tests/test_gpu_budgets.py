@@ -150,11 +150,13 @@ class Restores:
         self.monkeypatch.setattr(engine, name, call)
 
 
-def _restore(model, tmp_path, monkeypatch, rng, plan: str, chunks: int) -> tuple[Counter, collections.Counter]:
+def _restore(
+    model, tmp_path, monkeypatch, rng, plan: str, chunks: int, stored_dtype: str = "auto"
+) -> tuple[Counter, collections.Counter]:
     """Save a ``chunks``-chunk history, then restore it in one put; the restore's counts."""
     spec = model[1]
     prompt = random_prompt(chunks * CHUNK_TOKENS + 1, spec.vocab_size, rng)
-    with _serving(model, tmp_path / f"{plan}-{chunks}", plan) as serving:
+    with _serving(model, tmp_path / f"{plan}-{chunks}", plan, stored_dtype=stored_dtype) as serving:
         serving.put([0], [prompt])
         serving.flush(0)
         restores = Restores(serving, monkeypatch)
@@ -319,3 +321,16 @@ def test_a_restores_copies_wait_for_its_allocation_not_for_its_re_layers(model, 
         serving.put([1], [prompt])
     print(f"\norder: {cuda.log}")
     assert cuda.log[:3] == ["begin_restore", "copies wait for compute", "recompute_layers"], cuda.log
+
+
+@pytest.mark.parametrize("plan", ["H", "KV"])
+def test_a_restore_from_8_bit_state_never_syncs_and_its_work_does_not_grow_with_chunks(model, tmp_path, monkeypatch, rng, plan):
+    """Dequantising 8-bit state happens on the device inside the restore: no host sync, one engine call per
+    stored layer, the same device ops for 2 chunks as for 8."""
+    found = {n: _restore(model, tmp_path / str(n), monkeypatch, rng, plan, n, stored_dtype="8bit") for n in (2, 8)}
+    for n, (counter, calls) in found.items():
+        print(f"\n{plan} 8bit, {n} chunks: {sum(counter.ops.values())} device ops; syncs {dict(counter.syncs)}; engine calls {dict(calls)}")
+        assert not counter.syncs, f"{plan} 8bit, {n} chunks: host syncs during a restore: {dict(counter.syncs)}"
+        assert set(calls.values()) <= {1}, f"{plan} 8bit, {n} chunks: engine calls per layer: {dict(calls)}"
+    (few, _), (many, _) = found[2], found[8]
+    assert many.ops == few.ops, f"{plan} 8bit: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
