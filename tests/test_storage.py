@@ -81,6 +81,41 @@ def test_flipped_byte_and_truncation_are_detected(rng):
             decode(garbage, chunk.key)
 
 
+def _with_header(data: bytes, header: bytes) -> bytes:
+    """``data`` with its header replaced by ``header`` (padded with spaces to the same length)."""
+    room = int.from_bytes(data[:8], "little")
+    assert len(header) <= room
+    return data[:8] + header + b" " * (room - len(header)) + data[8 + room :]
+
+
+def test_a_header_is_read_whole_though_its_tensors_part_is_parsed_once_per_layout(rng):
+    """Chunks laid out alike share their header's tensors part, which is parsed once; what differs
+    (metadata, a damaged entry, a key after the metadata) is still read and checked in every chunk."""
+    chunk = _chunk(rng)
+    data = encode(chunk)
+    assert decode(data, chunk.key).tokens == chunk.tokens  # its layout is now known
+    room = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + room])
+    meta = header.pop("__metadata__")
+
+    def dump(h: dict) -> bytes:
+        return json.dumps(h, separators=(",", ":")).encode()
+
+    other = dict(meta, tokens=json.dumps([7] * CHUNK_TOKENS))
+    assert decode(_with_header(data, dump({**header, "__metadata__": other})), chunk.key).tokens == [7] * CHUNK_TOKENS
+    moved = json.loads(json.dumps(header))
+    moved["L0001.KV"]["data_offsets"][1] += 4
+    bad = [
+        dump({**moved, "__metadata__": meta}),  # an entry's offsets damaged
+        dump({"__metadata__": meta, **header}),  # metadata first (safetensors' own writer puts it there)
+        dump({**header, "__metadata__": meta})[:-1] + b',"L0002.H":' + dump(header["L0000.H"]) + b"}",  # a tensor after it
+        dump({**header, "__metadata__": {**meta, "tokens": 5}}),  # metadata values not strings
+    ]
+    for h in bad:
+        with pytest.raises(ChunkInvalid, match="unreadable"):
+            decode(_with_header(data, h), chunk.key)
+
+
 def test_store_publishes_atomically_and_discards(tmp_path):
     store = DiskChunkStore(tmp_path)
     store.put("ab" * 16, b"payload" * 1000)

@@ -85,7 +85,7 @@ def write_kv_rows(
     asynchronous from pinned host memory to a GPU."""
     flat = cache.view(-1, *cache.shape[2:])
     dst, src = [], []
-    for p, offset, slot, n in row_spans(runs, [len(part) for part in parts], start):
+    for p, offset, slot, n in row_spans(runs, [part.shape[0] for part in parts], start):
         dst.append(flat[slot : slot + n])
         src.append(parts[p][offset : offset + n])
     if dst:

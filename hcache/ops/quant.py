@@ -31,7 +31,7 @@ class QuantRows:
     scale: torch.Tensor
 
     def __len__(self) -> int:
-        return len(self.codes)
+        return self.codes.shape[0]
 
     def __getitem__(self, rows: slice) -> "QuantRows":
         return QuantRows(self.codes[rows], self.scale[rows])

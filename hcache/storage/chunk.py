@@ -6,10 +6,13 @@ and laid out layer-major, so one layer of a chunk is one contiguous range. The h
 the key, the token ids, the fingerprint of the state's producer and an xxh3-64 checksum per tensor; it is
 padded with spaces (which safetensors allows) to a size fixed when the chunk is laid out, so a chunk's
 rows can be written before its tokens and checksums are known, and every tensor starts 64-byte aligned.
-The storage layer treats formats and fingerprints as opaque.
+The metadata is the header's last entry, so the headers of chunks laid out alike begin with the same
+bytes, and a reader parses that part once per layout (:func:`_layout`). The storage layer treats formats
+and fingerprints as opaque.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -28,6 +31,7 @@ _DTYPES = {
 }  # fmt: skip
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _MAX_HEADER = 1 << 24
+_METADATA = b',"__metadata__":'
 
 
 class ChunkInvalid(Exception):
@@ -49,22 +53,26 @@ class TensorEntry:
     offset: int  # from the start of the image
     shape: tuple[int, ...]
     dtype: torch.dtype
+    nbytes: int = field(init=False)  # a restore asks for it per layer of every chunk
+    strides: tuple[int, ...] = field(init=False)  # of the tensor's view, in elements
 
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
+    def __post_init__(self) -> None:
+        strides, n = [], 1
+        for d in reversed(self.shape):
+            strides.append(n)
             n *= d
-        return n
+        object.__setattr__(self, "nbytes", n * self.dtype.itemsize)
+        object.__setattr__(self, "strides", tuple(reversed(strides)))
 
 
 def _name(layer: int, fmt: str) -> str:
     return f"L{layer:04d}.{fmt}"
 
 
-def _checksum(name: str, data: torch.Tensor) -> str:
+def _checksum(name: str, data) -> str:
+    """xxh3-64 of a tensor's name and its bytes (any buffer: a numpy slice costs less to make than a view)."""
     h = xxhash.xxh3_64(name.encode())
-    h.update(data.numpy())
+    h.update(data)
     return h.hexdigest()
 
 
@@ -74,6 +82,8 @@ class ChunkLayout:
     def __init__(self, entries: dict[tuple[int, str], TensorEntry], data_start: int):
         self.entries, self.data_start = entries, data_start
         self.nbytes = data_start + sum(e.nbytes for e in entries.values())
+        self.names = {k: _name(*k) for k in entries}
+        self.name_set = frozenset(self.names.values())
         # What a restore checks of a chunk's tensors, so it checks each distinct layout once.
         self.signature = frozenset((k, e.shape, e.dtype) for k, e in entries.items())
 
@@ -127,6 +137,7 @@ class ChunkImage:
         self.key, self.tokens, self.slot = key, tokens, slot
         self.source = "host"  # where it came into host memory from: saved here, or a store's kind
         self._views: dict[tuple[int, str], torch.Tensor] = {}
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # ``data`` read as each dtype, the base of its views
 
     @property
     def nbytes(self) -> int:
@@ -134,18 +145,23 @@ class ChunkImage:
 
     @property
     def names(self) -> frozenset[str]:
-        return frozenset(_name(*k) for k in self.layout.entries)
+        return self.layout.name_set
 
     def has(self, layer: int, fmt: str) -> bool:
         return (layer, fmt) in self.layout.entries
 
     def tensor(self, layer: int, fmt: str) -> torch.Tensor:
         """The ``[64, *row]`` rows of one layer and format, in place (a view made once: the saver asks for
-        it every decode step)."""
+        it every decode step; made in one call: a restore asks for every layer of every chunk it reads)."""
         view = self._views.get((layer, fmt))
         if view is None:
             e = self.layout.entries[(layer, fmt)]
-            view = self._views[(layer, fmt)] = self.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+            base = self._typed.get(e.dtype)
+            if base is None:
+                size = e.dtype.itemsize
+                base = self._typed[e.dtype] = self.data[: len(self.data) // size * size].view(e.dtype)
+            start = base.storage_offset() + e.offset // e.dtype.itemsize  # offsets are 64-byte aligned
+            view = self._views[(layer, fmt)] = base.as_strided(e.shape, e.strides, start)
         return view
 
     def seal(self, key: str | None = None, tokens: list[int] | None = None) -> None:
@@ -153,7 +169,8 @@ class ChunkImage:
         given: its image is then a complete file."""
         if key is not None:
             self.key, self.tokens = key, list(tokens)
-        sums = {_name(*k): _checksum(_name(*k), self._bytes(e)) for k, e in self.layout.entries.items()}
+        data = self.data.numpy()
+        sums = {name: _checksum(name, data[e.offset : e.offset + e.nbytes]) for name, e in self._named_entries()}
         header = _header(self.layout.entries, self.layout.data_start, self.key, self.tokens, self.fingerprint, sums)
         room = self.layout.data_start - 8
         if len(header) > room:
@@ -169,8 +186,8 @@ class ChunkImage:
         if self.tokens != list(tokens):
             raise ChunkInvalid(f"chunk {self.key}: token ids differ from the request's")
 
-    def _bytes(self, e: TensorEntry) -> torch.Tensor:
-        return self.data[e.offset : e.offset + e.nbytes]
+    def _named_entries(self):
+        return ((self.layout.names[k], e) for k, e in self.layout.entries.items())
 
     @classmethod
     def parse(cls, data: torch.Tensor, key: str, length: int, verify: bool = True, slot: object = None) -> "ChunkImage":
@@ -189,39 +206,59 @@ class ChunkImage:
             raise ChunkInvalid(f"chunk {key}: unreadable metadata ({exc})") from exc
         image = cls(data, layout, meta.get("fingerprint", ""), key, tokens, slot)
         if verify:
-            for k, e in layout.entries.items():
-                if sums.get(_name(*k)) != _checksum(_name(*k), image._bytes(e)):
-                    raise ChunkInvalid(f"chunk {key}: checksum mismatch in {_name(*k)}")
+            raw = data.numpy()
+            for name, e in image._named_entries():
+                if sums.get(name) != _checksum(name, raw[e.offset : e.offset + e.nbytes]):
+                    raise ChunkInvalid(f"chunk {key}: checksum mismatch in {name}")
         return image
 
 
 def _parse_header(head: bytes, key: str) -> tuple[ChunkLayout, dict]:
     """The layout and metadata of a chunk image's first bytes, checked for consistency, so that a damaged
-    header is reported as :class:`ChunkInvalid` rather than failing later as a tensor view."""
+    header is reported as :class:`ChunkInvalid` rather than failing later as a tensor view.
+
+    The header is read as its tensors' part (``{...`` up to the metadata, parsed once per layout) and
+    the metadata (``{"__metadata__": ...}``), each of which must parse alone; a header that parses so is
+    the same JSON object as the whole, and one whose metadata is not last is refused."""
     try:
         header_len = int.from_bytes(head[:8], "little")
         if len(head) < 8 or header_len > _MAX_HEADER or 8 + header_len > len(head):
             raise ValueError("bad header length")
-        header = json.loads(head[8 : 8 + header_len])
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        body = head[8 : 8 + header_len]
+        split = body.find(_METADATA)
+        if split < 0:
+            raise ValueError("no metadata after the tensors")
+        rest = json.loads(b"{" + body[split + 1 :])
+        meta = rest.pop("__metadata__")
+        if rest or not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise ValueError("metadata is not a map of strings")
-        data_start, entries, end = 8 + header_len, {}, 0
-        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-            layer, fmt = name[1:].split(".", 1)
-            begin, stop = entry["data_offsets"]
-            e = TensorEntry(data_start + begin, tuple(entry["shape"]), _DTYPES[entry["dtype"]])
-            if begin != end or stop - begin != e.nbytes:
-                raise ValueError(f"tensor {name} has inconsistent offsets")
-            entries[(int(layer), fmt)] = e
-            end = stop
+        layout = _layout(body[:split], 8 + header_len)
     except Exception as exc:  # any parse failure is corruption
         raise ChunkInvalid(f"chunk {key}: unreadable header ({exc})") from exc
     if meta.get("layout_version") != str(LAYOUT_VERSION):
         raise ChunkInvalid(f"chunk {key}: layout version {meta.get('layout_version')!r}, expected {LAYOUT_VERSION}")
     if meta.get("key") != key:
         raise ChunkInvalid(f"chunk {key}: header names key {meta.get('key')!r}")
-    return ChunkLayout(entries, data_start), meta
+    return layout, meta
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(tensors: bytes, data_start: int) -> ChunkLayout:
+    """The layout that a header's tensors' part (its JSON object without the closing brace) describes;
+    layouts are shared and never changed, so each is parsed once."""
+    header = json.loads(tensors + b"}")
+    if "__metadata__" in header:
+        raise ValueError("metadata is not last")
+    entries, end = {}, 0
+    for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+        layer, fmt = name[1:].split(".", 1)
+        begin, stop = entry["data_offsets"]
+        e = TensorEntry(data_start + begin, tuple(entry["shape"]), _DTYPES[entry["dtype"]])
+        if begin != end or stop - begin != e.nbytes:
+            raise ValueError(f"tensor {name} has inconsistent offsets")
+        entries[(int(layer), fmt)] = e
+        end = stop
+    return ChunkLayout(entries, data_start)
 
 
 def encode(chunk: Chunk) -> bytes:
@@ -252,4 +289,4 @@ def header_names(file: BinaryIO, key: str, length: int) -> frozenset[str]:
     layout, _ = _parse_header(head + file.read(header_len), key)
     if layout.nbytes != length:
         raise ChunkInvalid(f"chunk {key}: {length} bytes stored, its header describes {layout.nbytes}")
-    return frozenset(_name(*k) for k in layout.entries)
+    return layout.name_set

@@ -23,8 +23,9 @@ def uses_streams(device: torch.device) -> bool:
 
 def gather(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The parts' rows, in order, as one new tensor on ``device``: one batched call, one copy per part."""
-    out = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device=device)
-    torch._foreach_copy_(list(out.split([len(p) for p in parts])), parts, non_blocking=True)
+    lengths = [p.shape[0] for p in parts]
+    out = torch.empty((sum(lengths), *parts[0].shape[1:]), dtype=parts[0].dtype, device=device)
+    torch._foreach_copy_(list(out.split(lengths)), parts, non_blocking=True)
     return out
 
 
