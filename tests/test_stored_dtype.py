@@ -12,7 +12,7 @@ from hcache.model_spec import ModelSpec
 from hcache.plan import Method, RestorePlan, stored_encodings
 from hcache.ops.dequant_scatter import write_dequantised, write_rows
 from hcache.ops.paged_kv import block_runs, block_slots, write_kv_rows
-from hcache.ops.quant import QuantRows, dequantise, quantise
+from hcache.ops.quant import QuantRows, codes_as_float, dequantise, quantise
 from hcache.runtime import HCacheRuntime
 from hcache.storage.chunk import Chunk, decode, encode
 
@@ -37,6 +37,14 @@ def test_quantise_error_is_within_half_a_step_of_each_rows_scale(encoding, bound
     limit = bound * amax if encoding == INT8 else torch.maximum(bound * x.abs(), amax / 448 * 2.0**-10)
     assert ((back - x).abs() <= limit * 1.01).all()
     assert (back[4] - x[4]).abs().max() < 0.05 * x[4].abs().max()  # the rows beside the outlier keep their precision
+
+
+def test_float8_codes_read_on_a_cpu_by_their_bits_are_what_torch_converts_them_to():
+    """Every float8 e4m3 code (but its NaN, never stored), subnormals and both zeros included."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8)
+    want = codes.float()
+    got = codes_as_float(codes)
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()]) and torch.equal(got.signbit(), want.signbit())
 
 
 def test_zero_rows_quantise_to_zero():
@@ -75,7 +83,7 @@ def test_kernel_rejects_what_the_reference_would(interpret):
         write_dequantised(cache, torch.arange(4), QuantRows(rows.codes.to(torch.int16), rows.scale), backend="triton")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kernel", [False, True])
 def test_write_rows_mixes_lossless_and_encoded_parts_across_scattered_blocks(kernel, dtype, monkeypatch, rng):
     """A layer restored from chunks saved lossless and in both encodings, into blocks that are not adjacent,

@@ -15,7 +15,7 @@ import torch
 from ..transfer.copier import gather
 from .dequant_scatter_kernel import launch
 from .paged_kv import row_spans, write_kv_rows
-from .quant import QuantRows, dequantise
+from .quant import QuantRows, codes_as_float, dequantise
 from .rope_scatter import Backend, resolve_backend
 
 
@@ -35,10 +35,11 @@ def write_rows(
     restore over chunks saved lossless and in 8 bits). ``slots``: the restore's flat cache slots, row by
     row (``runs`` as one tensor, on the device).
 
-    Lossless parts are copied as there. Each run of consecutive parts in one 8-bit encoding is gathered to
-    the device (one copy per part, as lossless parts take) and dequantised into its slots in one pass: by
-    the kernel where it runs, else (the CPU) by torch straight into each run of consecutive slots,
-    computing what the kernel computes (a float32 product, rounded once to the cache's dtype)."""
+    Lossless parts are copied as there. Each run of consecutive parts in one 8-bit encoding is dequantised
+    into its slots: by the kernel where it runs, in one pass over the run's codes and scales gathered to
+    the device (one copy per part, as lossless parts take); elsewhere (a CPU) in place, its codes copied
+    into the cache as lossless rows are (the cache's dtype holds every 8-bit code exactly), then scaled
+    there, computing what the kernel computes (a float32 product, rounded once to the cache's dtype)."""
     if not any(isinstance(p, QuantRows) for p in parts):
         write_kv_rows(cache, runs, parts, start)
         return
@@ -49,18 +50,20 @@ def write_rows(
         n = sum(len(p) for p in group)
         if not isinstance(group[0], QuantRows):
             write_kv_rows(cache, runs, group, row)
-        else:
+        elif kernel:
             rows = QuantRows(gather([p.codes for p in group], cache.device), gather([p.scale for p in group], cache.device))
-            if kernel:
-                write_dequantised(cache, slots[row : row + n], rows)
-            else:
-                _dequantise_into_runs(cache, runs, rows, row)
+            write_dequantised(cache, slots[row : row + n], rows)
+        else:
+            _dequantise_in_place(cache, runs, group, row)
         row += n
 
 
-def _dequantise_into_runs(cache: torch.Tensor, runs: list[tuple[int, int, int]], rows: QuantRows, start: int) -> None:
+def _dequantise_in_place(cache: torch.Tensor, runs: list[tuple[int, int, int]], parts: list[QuantRows], start: int) -> None:
+    codes = [p.codes for p in parts]
+    if codes[0].dtype == torch.float8_e4m3fn:  # torch's copy converts float8 one element at a time on a CPU
+        codes = [codes_as_float(gather(codes, cache.device))]
+    write_kv_rows(cache, runs, codes, start)
+    scale = gather([p.scale for p in parts], cache.device).float().unsqueeze(-1)
     flat = cache.view(-1, *cache.shape[2:])
-    codes = rows.codes.float()  # exact; the product is then computed and rounded as the kernel does
-    scale = rows.scale.float().unsqueeze(-1)
-    for _, offset, slot, n in row_spans(runs, [len(rows)], start):
-        torch.mul(codes[offset : offset + n], scale[offset : offset + n], out=flat[slot : slot + n])
+    for _, offset, slot, n in row_spans(runs, [len(scale)], start):
+        flat[slot : slot + n].mul_(scale[offset : offset + n])
