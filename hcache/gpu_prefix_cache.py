@@ -7,7 +7,8 @@ restored (HCache §6.4; SGLang's radix cache and vLLM's prefix caching do the sa
   and so does its trailing partial chunk, under its parent's key, matched token by token. Blocks no entry
   needs go back to the engine. Entries count the blocks they share (a block of 128 rows holds two chunks),
   and a block is freed when its last entry goes. Kept blocks are never written again: only their owner
-  could write them, and it has finished.
+  could write them, and it has finished. An entry kept from a sequence that restored 8-bit state is
+  lossy (its rows are, or were computed from, dequantised state), and so is every adoption of it.
 - **Adopt.** A new sequence whose tokens continue a cached chain adopts the leading cached chunks (from the
   row it holds, so also in the middle of a chunk), then the cached partial chunk as far as its tokens
   match. It copies them on the device (a few TB/s on a GPU) rather than sharing the blocks, because the
@@ -42,6 +43,7 @@ class _Entry:
     offset: int  # the entry's first row in its first block
     partial: object = None  # a partial chunk's saver state (ChunkSaver.close), resumed by its first adopter
     pins: int = 0
+    lossy: bool = False  # kept from a sequence that restored state stored in 8 bits
 
 
 @dataclass
@@ -54,6 +56,10 @@ class Adoption:
     @property
     def tokens(self) -> int:
         return sum(hi - lo for _, lo, hi in self.pieces)
+
+    @property
+    def lossy(self) -> bool:
+        return any(entry.lossy for entry, _, _ in self.pieces)
 
     @property
     def partial(self) -> tuple[object, int] | None:
@@ -92,11 +98,11 @@ class GpuPrefixCache:
         return key in self._entries
 
     # ---- keep -----------------------------------------------------------------------------------------
-    def keep(self, blocks: list[int], chain: KeyChain, seen: int, partial: object = None) -> None:
+    def keep(self, blocks: list[int], chain: KeyChain, seen: int, partial: object = None, lossy: bool = False) -> None:
         """Take over a finished sequence's KV ``blocks`` (:meth:`Engine.detach`), which hold the first ``seen``
         tokens of ``chain``, all of them computed or restored: its chunks not cached yet become entries, and
         the blocks they do not need go back to the engine. ``partial``: the saver state of its trailing
-        partial chunk, owned by the cache from now on."""
+        partial chunk, owned by the cache from now on; ``lossy``: the sequence restored 8-bit state."""
         full = min(len(chain.chunks), seen // CHUNK_TOKENS)
         pieces = [(key, i * CHUNK_TOKENS, tokens) for i, (key, tokens) in enumerate(chain.chunks[:full])]
         if chain.tail and full == len(chain.chunks) and seen == full * CHUNK_TOKENS + len(chain.tail):
@@ -111,7 +117,7 @@ class GpuPrefixCache:
                             break
                         self._evict(key)
                     first, end = start // size, -(-(start + len(tokens)) // size)
-                    entry = self._entries[key] = _Entry(key, list(tokens), blocks[first:end], start - first * size)
+                    entry = self._entries[key] = _Entry(key, list(tokens), blocks[first:end], start - first * size, lossy=lossy)
                     self._refs.update(entry.blocks)
                 kept.append(entry)
                 if key == partial_key(chain.key) and entry.partial is None:

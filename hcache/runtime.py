@@ -43,7 +43,7 @@ class RequestResult:
     gpu_tokens: int = 0  # of restored_tokens, adopted from the GPU prefix cache
     prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of restored_tokens, by the tier they were read from
-    lossy: bool = False  # some restored state was stored in an 8-bit encoding (``stored_dtype``)
+    lossy: bool = False  # some restored state was stored in 8 bits (``stored_dtype``), or adopted from a sequence that restored such
 
 
 class HCacheRuntime:

@@ -79,7 +79,7 @@ class SequenceRecord:
     prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
     plan: str = ""  # the plan its restores follow; "" until one is tried
     fallback: str | None = None  # why stored state was used only in part, if it was
-    lossy: bool = False  # some restored state was stored in an 8-bit encoding: not bit-identical to recompute
+    lossy: bool = False  # restored state stored in 8 bits, or adopted from a sequence that restored such: not bit-identical to recompute
     restores: list[RestoreStep] = field(default_factory=list)  # one per put that restored tokens
 
 
@@ -297,6 +297,7 @@ class ServingEngine:
         record = seq.record
         record.restored_tokens += n
         record.gpu_tokens += n
+        record.lossy = record.lossy or adoption.lossy
         record.restore_s += time.perf_counter() - start
         step.gpu_tokens = n
         self.metrics.restored_tokens["gpu_cache"] += n
@@ -403,7 +404,7 @@ class ServingEngine:
             partial = self.saver.close(uid, keep_partial=keep) if self.saver is not None else None
             if keep:
                 seen = self.engine.seen_tokens(uid)
-                self.gpu_cache.keep(self.engine.detach(uid), seq.chain, seen, partial)
+                self.gpu_cache.keep(self.engine.detach(uid), seq.chain, seen, partial, lossy=seq.record.lossy)
         finally:  # a save that failed must not keep the sequence's KV blocks
             self.engine.flush(uid)  # nothing left to free once detached
         self.metrics.sequences += seq is not None

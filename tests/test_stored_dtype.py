@@ -223,6 +223,21 @@ def test_chunks_saved_lossless_and_compressed_restore_on_either_runtime(llama, t
         assert (k_mixed - k_exact).norm() <= 0.05 * k_exact.norm()  # fp8 H: an RMS error near 2.5%
 
 
+def test_state_adopted_from_the_gpu_cache_is_lossy_when_its_sequence_restored_8_bit_state(llama, tmp_path, rng):
+    """The GPU prefix cache keeps a sequence's blocks as they are: rows dequantised from 8-bit chunks (and
+    rows computed after them) stay lossy for every later adopter."""
+    prompt = random_prompt(200, llama.spec.vocab_size, rng)
+    with _runtime(llama, tmp_path, plan="KV", stored_dtype="int8", gpu_cache=True) as rt:
+        rt.generate(prompt, 1)  # computed: its kept blocks are exact
+        r = rt.generate(prompt, 1)
+        assert r.gpu_tokens == r.restored_tokens > 0 and not r.lossy
+        rt.drop_device_cache()
+        r = rt.generate(prompt, 1)  # restored from the 8-bit chunks, then kept
+        assert r.gpu_tokens == 0 and r.restored_tokens > 0 and r.lossy
+        r = rt.generate(prompt, 1)
+        assert r.gpu_tokens == r.restored_tokens > 0 and r.lossy
+
+
 def test_a_corrupt_scale_falls_back_to_recompute(llama, tmp_path, rng):
     prompt = random_prompt(140, llama.spec.vocab_size, rng)
     with _runtime(llama, tmp_path, plan="KV", stored_dtype="int8") as rt:
