@@ -64,8 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    names = [r for r, _, _ in ROWS]
+    unknown = [r for r in args.rows.split(",") if r not in names]
+    if unknown:
+        raise ValueError(f"--rows: unknown {unknown}; choose from {names}")
     loaded = load_model(args.model, dtype=model_dtype(args.dtype, "cpu"))
     spec, tok = loaded.spec, loaded.tokenizer
+    if tok is None:
+        raise ValueError(f"bench quality scores real text and needs a model with a tokenizer; {args.model} has none")
     convs = [_conversation(tok, doc, replies, questions, args.document_tokens, args.reply_tokens) for doc, replies, questions in CONVERSATIONS]
     mixed = RestorePlan.split(spec.num_layers, re=spec.num_layers // 5, kv=2 * spec.num_layers // 5)
     plans = {"H": RestorePlan.uniform(spec.num_layers, Method.H), "KV": RestorePlan.uniform(spec.num_layers, Method.KV), "mixed": mixed}
