@@ -85,24 +85,28 @@ class Profile:
             costs[f"io_{fmt.lower()}"] *= scale
         return LayerCosts(**costs)
 
-    def plan(self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None = None) -> RestorePlan:
+    def plan(
+        self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None = None, allow_h: bool = True
+    ) -> RestorePlan:
         """``spec``: the model, or with TP the rank's shard (whose hidden states it stores 1/TP of).
         ``encodings``: the formats stored in 8 bits (``stored_dtype``), whose real bytes and dequantisation
-        cost the partition then weighs."""
-        stored = {m.value: m.bytes_per_token_layer(spec, (encodings or {}).get(m.value)) for m in (Method.H, Method.KV)}
-        lossless = {m.value: m.bytes_per_token_layer(spec) for m in (Method.H, Method.KV)}
-        return partition(
-            self.costs(history, {fmt: stored[fmt] / lossless[fmt] for fmt in encodings or {}}),
-            spec.num_layers,
-            stored[Method.H.value] // self.tensor_parallel,
-            stored[Method.KV.value],
-        )
+        cost the partition then weighs. ``allow_h=False``: the best RE+KV plan."""
+        costs, bytes_h, bytes_kv = self._stored_costs(spec, history, encodings)
+        return partition(costs, spec.num_layers, bytes_h, bytes_kv, allow_h)
 
-    def bound_seconds(self, spec: ModelSpec, history: int) -> float:
+    def bound_seconds(self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None = None) -> float:
         """The restore time the profile predicts for the best plan: the lower bound a pipelined executor
         can approach."""
-        plan = self.plan(spec, history)
-        return self.costs(history).plan_time(*(plan.count(m) for m in Method))
+        plan = self.plan(spec, history, encodings)
+        return self._stored_costs(spec, history, encodings)[0].plan_time(*(plan.count(m) for m in Method))
+
+    def _stored_costs(self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None) -> tuple[LayerCosts, int, int]:
+        """The costs at ``history`` of restoring state stored in ``encodings``, and its stored bytes per token
+        per layer: H (this rank's share of it) and KV."""
+        stored = {m.value: m.bytes_per_token_layer(spec, (encodings or {}).get(m.value)) for m in (Method.H, Method.KV)}
+        lossless = {m.value: m.bytes_per_token_layer(spec) for m in (Method.H, Method.KV)}
+        costs = self.costs(history, {fmt: stored[fmt] / lossless[fmt] for fmt in encodings or {}})
+        return costs, stored[Method.H.value] // self.tensor_parallel, stored[Method.KV.value]
 
     def check(self, spec: ModelSpec, tensor_parallel: int = 1, command: str = "hcache profile --model ...") -> None:
         """Raise :class:`ProfileMismatch` unless this profile fits ``spec`` (with TP, a rank's shard) on this

@@ -276,6 +276,12 @@ def test_auto_plan_weighs_the_encodings_bytes_and_dequantisation_cost(llama):
     assert profile.plan(spec, 256, fp8) == RestorePlan.uniform(3, "H")
     ratio = (spec.hidden_size + 2) / spec.hidden_bytes_per_token_layer
     assert profile.costs(256, {"H": ratio}).io_h == pytest.approx(0.016 * ratio)
+    # RE+KV (bench restore's hybrid) and the bound weigh the encoding too: KV at a quarter of the bytes is
+    # no longer worth recomputing a layer for
+    int8 = {"KV": INT8}
+    assert profile.plan(spec, 256, allow_h=False) == RestorePlan.parse("1RE+2KV", 3)
+    assert profile.plan(spec, 256, int8, allow_h=False) == RestorePlan.uniform(3, "KV")
+    assert profile.bound_seconds(spec, 256, int8) < profile.bound_seconds(spec, 256)
     # a measured dequantisation cost replaces the lossless compute cost: here, one too dear to take H
     priced = Profile.new(llama.name, spec, [64, 256], {**seconds, "c_h8": [0.05, 0.2], "c_kv8": [0.0, 0.0]}, {})
     assert priced.costs(256, {"H": ratio}).c_h == 0.2

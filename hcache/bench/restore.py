@@ -24,7 +24,6 @@ from ..profile import Profile
 from ..profiler import measure_profile
 from ..restore import restore_prefix
 from ..runtime import HCacheRuntime
-from ..scheduler import partition
 from ..storage.chunk_key import chunk_keys, root_key
 from ..storage.host_tier import DEFAULT_READERS
 
@@ -67,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
                 "RE": RestorePlan.uniform(spec.num_layers, Method.RE),
                 "H": RestorePlan.uniform(spec.num_layers, Method.H),
                 "KV": RestorePlan.uniform(spec.num_layers, Method.KV),
-                "RE+KV": partition(profile.costs(n), spec.num_layers, allow_h=False),
+                "RE+KV": profile.plan(spec, n, encodings, allow_h=False),
                 "auto": profile.plan(spec, n, encodings),
             }
             keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
@@ -82,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
                 plans[name].append(str(plan))
     best = [min(seconds[name][i] for name in FIXED) for i in range(len(histories))]
     regret = [seconds["auto"][i] / best[i] - 1 for i in range(len(histories))]
-    bound = [n / profile.bound_seconds(spec, n) for n in histories]
+    bound = [n / profile.bound_seconds(spec, n, encodings) for n in histories]
     result = {
         "model": loaded.name,
         "stored_dtype": args.stored_dtype,
