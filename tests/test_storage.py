@@ -108,12 +108,15 @@ def test_a_header_is_read_whole_though_its_tensors_part_is_parsed_once_per_layou
     bad = [
         dump({**moved, "__metadata__": meta}),  # an entry's offsets damaged
         dump({"__metadata__": meta, **header}),  # metadata first (safetensors' own writer puts it there)
+        dump({**header, "L0000.H": {**header["L0000.H"], "__metadata__": meta}, "__metadata__": meta}),  # nested
         dump({**header, "__metadata__": meta})[:-1] + b',"L0002.H":' + dump(header["L0000.H"]) + b"}",  # a tensor after it
         dump({**header, "__metadata__": {**meta, "tokens": 5}}),  # metadata values not strings
     ]
     for h in bad:
         with pytest.raises(ChunkInvalid, match="unreadable"):
             decode(_with_header(data, h), chunk.key)
+    empty = Chunk(chunk.key, chunk.tokens, "fp")  # no tensors at all: a chunk still
+    assert decode(encode(empty), chunk.key).tensors == {}
 
 
 def test_store_publishes_atomically_and_discards(tmp_path):

@@ -77,10 +77,10 @@ def codes_as_float(codes: torch.Tensor) -> torch.Tensor:
     """8-bit codes as float32, exactly.
 
     Torch converts float8 on a CPU one element at a time, many times slower than int8, so there e4m3's
-    bits are moved into float16's place instead, in a few vector ops:
-    the sign to bit 15, exponent and mantissa up by 7. That float16 is the code's value over 2^8 (its
-    exponent bias is 8 more than e4m3's, and e4m3's subnormals land on float16's), which 2^8 restores.
-    (e4m3's NaN would read 480; codes are clamped, and a chunk's bytes are checksummed.)"""
+    bits are moved into float16's place instead, in a few vector ops: the sign to bit 15, exponent and
+    mantissa up by 7. That float16 is the code's value over 2^8 (its exponent bias is 8 more than e4m3's,
+    and e4m3's subnormals land on float16's), which 2^8 restores. (e4m3's NaN would read 480; codes are
+    clamped, and a chunk's bytes are checksummed.)"""
     if codes.dtype != torch.float8_e4m3fn or codes.device.type != "cpu":
         return codes.float()
     bits = (codes.view(torch.int8).to(torch.int16) << 7) & ~0x4000  # sign extension cleared from bit 14

@@ -31,7 +31,7 @@ _DTYPES = {
 }  # fmt: skip
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _MAX_HEADER = 1 << 24
-_METADATA = b',"__metadata__":'
+_METADATA = b'"__metadata__":'
 
 
 class ChunkInvalid(Exception):
@@ -225,14 +225,20 @@ def _parse_header(head: bytes, key: str) -> tuple[ChunkLayout, dict]:
         if len(head) < 8 or header_len > _MAX_HEADER or 8 + header_len > len(head):
             raise ValueError("bad header length")
         body = head[8 : 8 + header_len]
-        split = body.find(_METADATA)
-        if split < 0:
-            raise ValueError("no metadata after the tensors")
-        rest = json.loads(b"{" + body[split + 1 :])
+        at = body.find(_METADATA)
+        if at == 1:  # the first key: a chunk of no tensors
+            tensors = b"{"
+        elif at > 1 and body[at - 1 : at] == b",":
+            tensors = body[: at - 1]
+        else:
+            raise ValueError("no metadata")
+        rest = json.loads(b"{" + body[at:])
         meta = rest.pop("__metadata__")
-        if rest or not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        if rest:
+            raise ValueError("tensors after the metadata")
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise ValueError("metadata is not a map of strings")
-        layout = _layout(body[:split], 8 + header_len)
+        layout = _layout(tensors, 8 + header_len)
     except Exception as exc:  # any parse failure is corruption
         raise ChunkInvalid(f"chunk {key}: unreadable header ({exc})") from exc
     if meta.get("layout_version") != str(LAYOUT_VERSION):
