@@ -18,7 +18,8 @@ def test_check_reports_the_machine_and_passes_every_restore_on_the_cpu(tmp_path,
     assert steps["floors"]["host_copy_gbps"] > 0 and steps["floors"]["disk_read_gbps"] > 0
     cases = steps["correctness"]["cases"]
     assert {(c["family"], c["plan"]) for c in cases} == {(f, p) for f in FAMILIES for p in PLANS}
-    assert all(c["ok"] and c["tokens_equal"] and c["restored_tokens"] == c["expected_tokens"] > 0 for c in cases), cases
+    assert all(c["ok"] and c["restored_tokens"] == c["expected_tokens"] > 0 for c in cases), cases
+    assert all(c["lossy"] == c["plan"].endswith(" 8bit") and (c["tokens_equal"] or c["lossy"]) for c in cases), cases
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU" in steps["speed"]["skipped"]
     table = out.with_suffix(".md").read_text()
@@ -33,6 +34,22 @@ def test_a_wrong_restore_fails_its_cases(monkeypatch):
     cases = {c["plan"]: c for c in check_restores(["reference"], ("llama",))}
     assert [plan for plan, c in cases.items() if not c["ok"]] == ["H", "1RE+1H+1KV"]
     assert cases["H"]["worst_excess"] > 0 and cases["KV"]["worst_excess"] <= 0
+
+
+def test_a_wrong_8_bit_restore_fails_its_case(monkeypatch):
+    """KV dequantised with scales 20% too large: the 8-bit KV case fails, and the lossless ones pass."""
+    import hcache.engine.reference as reference
+    from hcache.ops.quant import QuantRows
+
+    write = reference.write_rows
+
+    def skewed(cache, runs, slots, parts, start):
+        write(cache, runs, slots, [QuantRows(p.codes, p.scale * 1.2) if isinstance(p, QuantRows) else p for p in parts], start)
+
+    monkeypatch.setattr(reference, "write_rows", skewed)
+    cases = {c["plan"]: c for c in check_restores(["reference"], ("llama",))}
+    assert [plan for plan, c in cases.items() if not c["ok"]] == ["KV 8bit"]
+    assert cases["KV 8bit"]["worst_excess"] > 0.1 and cases["KV 8bit"]["lossy"]
 
 
 def test_a_failed_case_or_step_is_recorded_and_the_command_exits_1(tmp_path, monkeypatch, capsys):
@@ -71,7 +88,7 @@ def test_a_family_that_cannot_run_fails_its_cases_and_the_others_still_run(monke
 
     monkeypatch.setattr(module, "_engine", engine)
     cases = check_restores(["reference"], ("qwen2", "llama"))
-    assert [(c["family"], c["ok"]) for c in cases] == [("qwen2", False)] * 4 + [("llama", True)] * 4
+    assert [(c["family"], c["ok"]) for c in cases] == [("qwen2", False)] * len(PLANS) + [("llama", True)] * len(PLANS)
     assert cases[0]["error"] == "RuntimeError: no engine for qwen2"
     from hcache.check import markdown
 
