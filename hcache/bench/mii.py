@@ -10,9 +10,10 @@ own ``pipeline``, once per method, each with a store of its own:
 Each method first prefills ``history + turn₀`` (one token: ``prefill_s``, with hcache saving the history,
 without for ``mii`` and ``recompute``). Then, ``--repeats`` times after a warm-up, a new ``turn`` follows the
 same history, and the time of ``pipe([prompt], max_new_tokens=1)`` is its TTFT (tokenising and MII's
-scheduling included, alike for every method). Last, one more returning turn is answered with
-``--new-tokens`` greedy tokens, compared with the first method's (``tokens_match``); its time past the
-median TTFT, per further token, is ``decode_s_per_token`` (saving on or off, as for prefill).
+scheduling included, alike for every method). Last, ``--repeats`` more returning turns are answered with
+``--new-tokens`` greedy tokens each, compared with the first method's (``tokens_match``); their median
+time past the median TTFT, per further token, is ``decode_s_per_token`` (saving on or off, as for
+prefill): both medians, so one slow call does not make it negative.
 ``ttft_speedup`` is recompute's median TTFT over each method's; ``prefill_cost`` and ``decode_cost`` are
 each method's prefill and decode times over recompute's: the cost of saving, where hcache saves.
 """
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> dict:
         def words(n: int) -> str:
             return " ".join(f"w{i}." for i in torch.randint(0, vocab, (n,), generator=gen).tolist())
 
-        history, turns = words(args.history), [words(args.turn) for _ in range(args.repeats + 3)]
+        history, turns = words(args.history), [words(args.turn) for _ in range(2 * args.repeats + 2)]
+        timed, answered_turns = turns[1 : args.repeats + 2], turns[args.repeats + 2 :]  # the first timed one warms up
         results, reference = {}, None
         for name, options in tqdm(methods.items(), desc="methods", unit="method"):
             log = Path(tmp) / f"{name}.jsonl"
@@ -75,9 +77,9 @@ def run(args: argparse.Namespace) -> dict:
             pipe = pipeline_on_free_port(str(model_dir), config)
             try:
                 prefill = _timed(lambda: pipe([f"{history} {turns[0]}"], max_new_tokens=1, do_sample=False))[1]
-                ttft = [_timed(lambda: pipe([f"{history} {turn}"], max_new_tokens=1, do_sample=False))[1] for turn in turns[1:-1]]
-                out, answered = _timed(lambda: pipe([f"{history} {turns[-1]}"], max_new_tokens=args.new_tokens, do_sample=False))
-                tokens = out[0].generated_text
+                ttft = [_timed(lambda: pipe([f"{history} {turn}"], max_new_tokens=1, do_sample=False))[1] for turn in timed]
+                answers = [_timed(lambda: pipe([f"{history} {turn}"], max_new_tokens=args.new_tokens, do_sample=False)) for turn in answered_turns]
+                tokens = [out[0].generated_text for out, _ in answers]
                 reference = reference if reference is not None else tokens
             finally:
                 if config is not None:
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
             results[name] = {
                 "ttft_s_median": ttft_median,
                 "prefill_s": prefill,
-                "decode_s_per_token": (answered - ttft_median) / max(args.new_tokens - 1, 1),
+                "decode_s_per_token": (statistics.median(t for _, t in answers) - ttft_median) / max(args.new_tokens - 1, 1),
                 "tokens_match": tokens == reference,
                 "restored_tokens": turns_logged[-1]["restored_tokens"] if turns_logged else 0,
             }
