@@ -66,7 +66,9 @@ def test_bench_quota_counts_the_tokens_a_quota_keeps_restorable_across_a_restart
     assert main(["bench", "quota", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["shared_chunk_kept"] and result["chunks_kept"] == 4
-    assert result["restored_tokens_per_prompt"] == [64, 64, 64, 128, 128, 128]
+    # every prompt restores the shared chunk, and three their own; which three depends on the order in
+    # which the two write-back threads put the first round's chunks, each evicting the oldest
+    assert sorted(result["restored_tokens_per_prompt"]) == [64, 64, 64, 128, 128, 128]
 
 
 def test_bench_cold_reads_a_quarter_of_the_bytes_from_each_tier_in_8_bits(tmp_path):
