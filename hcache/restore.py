@@ -72,9 +72,24 @@ def _rows(image: ChunkImage, layer: int, fmt: str) -> torch.Tensor | QuantRows:
     return QuantRows(rows, image.tensor(layer, scale_format(fmt))) if is_encoded(rows.dtype) else rows
 
 
-def _nbytes(image: ChunkImage, layer: int, fmt: str) -> int:
+def _accounting(images: list[ChunkImage], jobs: list[tuple[int, str]], hidden: list[int], restored: int) -> tuple[int, bool]:
+    """The bytes a restore read (whole 64-row tensors, scales included) and whether the first ``restored``
+    chunks gave it any 8-bit state; ``hidden``: the chunks whose H it read (all of them, but with TP).
+    Counted per distinct layout, not per chunk and layer: chunks laid out alike share their layout."""
+    used, lossy = 0, False
+    for fmt in {fmt for _, fmt in jobs}:
+        layers = [layer for layer, f in jobs if f == fmt]
+        chunks = hidden if fmt == Method.H.value else range(len(images))
+        for layout, count in Counter(images[j].layout for j in chunks).items():
+            used += count * sum(_nbytes(layout, layer, fmt) for layer in layers)
+        for layout in {images[j].layout for j in chunks if j < restored}:
+            lossy = lossy or any(is_encoded(layout.entries[(layer, fmt)].dtype) for layer in layers)
+    return used, lossy
+
+
+def _nbytes(layout: ChunkLayout, layer: int, fmt: str) -> int:
     """Bytes a restore reads of one layer and format of a chunk, scales included."""
-    entries = image.layout.entries
+    entries = layout.entries
     return sum(entries[k].nbytes for k in ((layer, fmt), (layer, scale_format(fmt))) if k in entries)
 
 
@@ -134,9 +149,7 @@ def restore_prefix(
         if restored < n:
             fallback = fallback or _elsewhere(restored)
         engine.end_restore(uid, tokens[held : end(restored)])
-        read = [(j, layer, fmt) for layer, fmt in jobs for j in _reading(tp, fmt, n, agreed, first) if j < n]
-        used = sum(_nbytes(images[j], layer, fmt) for j, layer, fmt in read)
-        lossy = any(is_encoded(images[j].layout.entries[(layer, fmt)].dtype) for j, layer, fmt in read if j < restored)
+        used, lossy = _accounting(images, jobs, [j for j in _reading(tp, Method.H.value, n, agreed, first) if j < n], restored)
         sources = Counter()
         for j in range(restored):
             sources[tier.source(images[j])] += min(end(restored), (j + 1) * CHUNK_TOKENS) - max(held, j * CHUNK_TOKENS)
