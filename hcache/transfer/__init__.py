@@ -1,0 +1,1 @@
+"""Host-side transfers: pinned host buffers and the copies between device and host."""
