@@ -1,10 +1,8 @@
-"""hcache: restore LLM state from saved hidden states (HCache, EuroSys '25)."""
-from .config import HCacheConfig
-from .errors import HCacheError, InvalidRequestError, ModelNotFoundError, StorageError, UnsupportedModelError
-from .model_loader import load_model
-from .model_spec import ModelSpec
-from .plan import Method, RestorePlan
-from .runtime import HCacheRuntime, RequestResult
+"""hcache: restore LLM state from saved hidden states (HCache, EuroSys '25).
+
+The names below are imported on first use (PEP 562): ``import hcache``, and with it the command line's
+``--help``, does not import torch.
+"""
 from .version import __version__
 
 __all__ = [
@@ -22,3 +20,25 @@ __all__ = [
     "__version__",
     "load_model",
 ]
+
+
+def _exports() -> dict:
+    from .config import HCacheConfig
+    from .errors import HCacheError, InvalidRequestError, ModelNotFoundError, StorageError, UnsupportedModelError
+    from .model_loader import load_model
+    from .model_spec import ModelSpec
+    from .plan import Method, RestorePlan
+    from .runtime import HCacheRuntime, RequestResult
+
+    return locals()
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals().update(_exports())
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

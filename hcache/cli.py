@@ -8,16 +8,19 @@ import sys
 from pathlib import Path
 
 from . import bench, check
+from .defaults import DEFAULT_MODEL, DEFAULT_READERS
 from .errors import HCacheError
 from .fleet import command as fleet_command
 from .mii import serve_command
-from .model_loader import DEFAULT_MODEL
-from .storage.host_tier import DEFAULT_READERS
+from .version import __version__
+
+VERBOSE_HELP = "log restore decisions and fallbacks (and the libraries' own info messages)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hcache", description="Fast LLM state restoration from hidden states.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log restore decisions and fallbacks")
+    parser.add_argument("--version", action="version", version=f"hcache {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="multi-turn chat; each turn restored by every method and checked")
@@ -47,7 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve_command.add_parser(sub)
     fleet_command.add_parser(sub)
     check.add_parser(sub)
+    _verbose_after_subcommands(parser)
     return parser
+
+
+def _verbose_after_subcommands(parser: argparse.ArgumentParser) -> None:
+    """``-v`` after a subcommand too (``hcache demo -v``), not only before it. Its default is suppressed
+    there, so a ``-v`` given before the subcommand is not reset by the subcommand's parser."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                subparser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
+                _verbose_after_subcommands(subparser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,6 @@ import os
 import platform
 import socket
 
-import torch
-
 
 def _cpu_name() -> str:
     try:
@@ -25,6 +23,8 @@ def _cpu_name() -> str:
 
 
 def _gpu() -> dict | None:
+    import torch  # here, not at the top: the command line imports this module to build its parser
+
     if not torch.cuda.is_available():
         return None
     try:
@@ -47,6 +47,8 @@ def _gpu() -> dict | None:
 
 
 def machine_facts() -> dict:
+    import torch
+
     gpu = _gpu()
     return {
         "hostname": socket.gethostname(),

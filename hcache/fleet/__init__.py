@@ -27,9 +27,8 @@ from string import Template
 
 import psutil
 
+from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError, StorageError
-from ..model_loader import DEFAULT_MODEL
-from ..storage.redis_store import RedisChunkStore
 
 SESSION_HEADER = "X-Session-Id"
 NODE_HEADER = "X-Hcache-Node"  # set by the balancer on each answer: the node that gave it
@@ -270,6 +269,8 @@ class Fleet:
             raise InvalidRequestError(why)
         check_port_free(self.host, self.port, "the balancer")
         if self.redis_url is not None:
+            from ..storage.redis_store import RedisChunkStore  # imports torch: not at the top (hcache fleet --help)
+
             RedisChunkStore.from_url(self.redis_url).ping()
         self.directory.mkdir(parents=True, exist_ok=True)
         try:

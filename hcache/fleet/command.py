@@ -6,8 +6,8 @@ import argparse
 import signal
 import time
 
+from ..defaults import DEFAULT_MODEL
 from ..mii.serve_command import signals_ignored
-from ..model_loader import DEFAULT_MODEL
 from . import Fleet
 
 

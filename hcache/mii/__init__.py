@@ -18,17 +18,38 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..config import HCacheConfig
-from .backend import (
-    build_engine,
-    check_deployment,
-    check_mii_version,
-    installed,
-    keeping_the_loop_installed,
-    resolve_deployment,
-    server_processes_launched_by_hcache,
-    stop,
-)
+
+def _bind() -> None:
+    """Import hcache's settings and MII backend into this module, each name unless bound already (a test's
+    monkeypatch stays). They import torch, and ``hcache serve --help`` imports this package (for
+    :mod:`.serve_command`), so they are imported on first use: by :func:`pipeline`, :func:`serve` or an
+    attribute (``hcache.mii.build_engine``)."""
+    from ..config import HCacheConfig
+    from .backend import (
+        build_engine,
+        check_deployment,
+        check_mii_version,
+        installed,
+        keeping_the_loop_installed,
+        resolve_deployment,
+        server_processes_launched_by_hcache,
+        stop,
+    )
+
+    for name, value in locals().items():
+        globals().setdefault(name, value)
+
+
+_BOUND = ("HCacheConfig", "build_engine", "check_deployment", "check_mii_version", "installed",
+          "keeping_the_loop_installed", "resolve_deployment", "server_processes_launched_by_hcache", "stop")
+
+
+def __getattr__(name: str):
+    if name not in _BOUND:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _bind()
+    return globals()[name]
+
 
 __all__ = ["HCacheConfig", "build_engine", "pipeline", "serve"]
 log = logging.getLogger(__name__)
@@ -43,6 +64,7 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
     The pipeline's ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
     import mii
 
+    _bind()
     path, tensor_parallel = _deployment(model_name_or_path, kwargs)
     with installed(resolve_deployment(HCacheConfig.of(hcache), path, tensor_parallel)):
         pipe = mii.pipeline(model_name_or_path, **kwargs)
@@ -50,22 +72,23 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
         return pipe
 
 
-def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, checked: Callable[[], None] | None = None, **kwargs: Any):
+def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, checked: Callable[[ResolvedConfig], None] | None = None, **kwargs: Any):
     """``mii.serve`` (same arguments: ``enable_restful_api``, ``deployment_name``, ports, ...) whose replicas
     restore and save through hcache. Returns MII's client; its ``terminate_server()`` stops the deployment
     and waits until every process it started has exited (ending those that do not exit).
 
     The hcache config is resolved, and the model and store checked, before any process starts (then
-    ``checked()`` is called, if given). If the deployment still fails to start, every process it started is
+    ``checked(resolved config)`` is called, if given). If the deployment still fails to start, every process it started is
     stopped before the error is raised."""
     import mii
 
+    _bind()
     check_mii_version()
     path, tensor_parallel = _deployment(model_name_or_path, kwargs)
     config = resolve_deployment(HCacheConfig.of(hcache), path, tensor_parallel)
     check_deployment(config)
     if checked is not None:
-        checked()
+        checked(config)
     launched: list = []
     mii_cache = tempfile.mkdtemp(prefix="hcache-mii-")
     try:

@@ -18,12 +18,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..config import HCacheConfig
+from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
-from ..model_loader import DEFAULT_MODEL, model_dir
 from . import serve
-from .backend import openai_server
-from .openai_server import DRAIN_SIGNAL, READY_SIGNAL
 
 DEFAULT_METRICS_PORT = 9464
 DRAIN_S = 3.0  # a health check every second, two failures to take a node out (hcache/fleet/haproxy.cfg), and margin
@@ -65,6 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def settings(args: argparse.Namespace) -> HCacheConfig:
     """The settings of ``--config`` (if given) with the flags given on top, validated."""
+    from ..config import HCacheConfig  # imports torch: here, so that `hcache serve --help` does not
+
     base = {"metrics_port": DEFAULT_METRICS_PORT}
     if args.config is not None:
         try:
@@ -88,6 +87,10 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..model_loader import model_dir
+    from .backend import openai_server
+    from .openai_server import READY_SIGNAL
+
     config = settings(args)
     path = str(model_dir(args.model))
     openai = client = None
@@ -168,6 +171,8 @@ def _signal_when_listening(openai: subprocess.Popen, host: str, port: int, sig: 
 def _drain(openai: subprocess.Popen, seconds: float) -> None:
     """Fail the OpenAI server's health check and keep serving ``seconds``, so the balancer takes the node
     out of rotation before it stops taking connections."""
+    from .openai_server import DRAIN_SIGNAL
+
     print(f"draining: /health answers 503; stopping in {seconds:g} s", flush=True)
     openai.send_signal(DRAIN_SIGNAL)
     time.sleep(seconds)

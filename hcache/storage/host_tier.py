@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..defaults import DEFAULT_READERS
 from ..transfer.host_pool import HostPool, Slot
 from .chunk import Chunk, ChunkImage, ChunkInvalid, ChunkLayout
 from .chunk_store import ChunkStore
@@ -44,7 +44,6 @@ class HostPoolFull(OSError):
         super().__init__(errno.ENOMEM, message)
 
 
-DEFAULT_READERS = min(8, os.cpu_count() or 1)
 DEFAULT_WRITERS = 2
 
 
