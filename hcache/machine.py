@@ -1,7 +1,7 @@
-"""Facts about this machine, recorded next to every profile and benchmark result.
+"""Facts about this machine, recorded next to every profile and benchmark result, and the source they ran.
 
 GPU facts come from NVML (nvidia-ml-py) when a GPU is present; on a CPU-only machine the GPU fields are
-None rather than guessed.
+None rather than guessed. :func:`source_commit` names the hcache source that produced a result.
 """
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import datetime
 import os
 import platform
 import socket
+import subprocess
+from pathlib import Path
+
+from .version import __version__
+
+SOURCE_ROOT = Path(__file__).resolve().parent.parent  # a checkout's root, where hcache is a git checkout
 
 
 def _cpu_name() -> str:
@@ -66,3 +72,24 @@ def machine_name() -> str:
     name = gpu["name"].replace("NVIDIA ", "") if gpu else f"cpu{os.cpu_count()}-{_cpu_name()}"
     slug = "".join(c if c.isalnum() else "-" for c in name.replace("(R)", "").replace("(TM)", "")).lower()
     return "-".join(part for part in slug.split("-") if part and part not in ("cpu", "processor"))[:60]
+
+
+def source_commit(root: str | Path | None = None) -> str:
+    """The hcache source a result was measured with: the short git commit of the checkout hcache runs from,
+    with ``+dirty`` when tracked files have uncommitted changes (untracked files are not counted, as for
+    ``git describe --dirty``); where hcache is not a git checkout of its own (a wheel in site-packages, even
+    inside another project's repository, or no git), the package version, e.g. ``"0.1.0"``."""
+    root = Path(root if root is not None else SOURCE_ROOT).resolve()
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, check=True)
+        return done.stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:  # hcache lies inside another repository
+            return __version__
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):  # not a repository, no commit yet, no git, git hung
+        return __version__
+    return commit + ("+dirty" if dirty else "")

@@ -1,9 +1,51 @@
 """Benchmarks run end to end on a tiny model and report the figures their issues name."""
 import json
+import shutil
+import subprocess
 
 import pytest
 
 from hcache.cli import main
+from hcache.machine import SOURCE_ROOT, source_commit
+from hcache.version import __version__
+
+
+def _git(root, *args: str) -> str:
+    command = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_source_commit_names_the_checkouts_commit_dirty_if_tracked_files_changed(tmp_path, monkeypatch):
+    """Every kept result records source_commit(): the short commit of hcache's own checkout, "+dirty" when a
+    tracked file has uncommitted changes (an untracked file does not count), else the package version: for a
+    directory that is no repository, one inside another repository (a wheel in site-packages under some
+    project's checkout), a repository with no commit yet, and a machine without git."""
+    repo = tmp_path / "repo"
+    (repo / "hcache").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    assert source_commit(repo) == __version__  # no commit yet
+    (repo / "hcache" / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "hcache/a.py")
+    _git(repo, "commit", "-q", "-m", "first")
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+    assert source_commit(repo) == head
+    (repo / "results.json").write_text("{}")
+    assert source_commit(repo) == head  # untracked
+    (repo / "hcache" / "a.py").write_text("x = 2\n")
+    assert source_commit(repo) == head + "+dirty"
+    assert source_commit(repo / "hcache") == __version__  # inside another repository
+    assert source_commit(tmp_path) == __version__  # not a repository
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert source_commit(repo) == __version__  # no git
+
+
+def test_source_commit_of_this_source():
+    if not (SOURCE_ROOT / ".git").exists() or shutil.which("git") is None:
+        assert source_commit() == __version__
+        return
+    head = _git(SOURCE_ROOT, "rev-parse", "--short", "HEAD")
+    assert source_commit() in (head, head + "+dirty")
 
 
 def test_bench_restore_reports_every_method_the_bound_and_the_regret(tmp_path):
@@ -17,6 +59,7 @@ def test_bench_restore_reports_every_method_the_bound_and_the_regret(tmp_path):
     assert "H" not in result["methods"]["RE+KV"]["plans"][0]
     assert len(result["bound_tokens_per_s"]) == 2 and result["auto_regret"] == max(result["auto_regret_by_history"])
     assert result["machine"]["cpu_count"] and result["command"].startswith("hcache bench restore")
+    assert result["commit"] == source_commit()
     assert (tmp_path / "restore.png").stat().st_size > 0
 
 

@@ -2,7 +2,8 @@
 
 Each module here is one benchmark. It defines ``add_arguments(parser)`` and ``run(args) -> dict``; the
 first line of its docstring is its help. ``--json PATH`` writes the returned figures together with the
-command and the machine's facts, so a kept result says where it came from.
+command, the hcache commit it ran (:func:`~hcache.machine.source_commit`) and the machine's facts, so a kept
+result says where it came from.
 """
 from __future__ import annotations
 
@@ -61,9 +62,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, command: str) -> int:
+    from ..machine import source_commit
+
+    commit = source_commit()  # before the run: the source it measures, whatever is committed meanwhile
     result = importlib.import_module(available()[args.benchmark]).run(args)
     if args.json_path:
-        record = {"benchmark": args.benchmark, "command": command, "machine": machine_facts()}
+        record = {"benchmark": args.benchmark, "command": command, "commit": commit, "machine": machine_facts()}
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps({**record, **result}, indent=2) + "\n")
         print(f"wrote {args.json_path}")
