@@ -89,6 +89,22 @@ def test_bench_transfer_reports_the_data_path_against_a_copy(tmp_path):
     assert set(result["restore_s"]) == {"KV", "H", "RE"} and result["history"] == 256 and result["layers"] == 2
 
 
+def test_bench_storage_measures_the_disk_store_against_raw_o_direct_io(tmp_path):
+    """The default path: the chunk store on a directory against raw sequential I/O of the same bytes, and the
+    saver's cost on a decode loop (O_DIRECT where the file system allows it; the result says which)."""
+    out = tmp_path / "storage.json"
+    args = ["bench", "storage", "--dirs", str(tmp_path / "store"), "--chunks", "4", "--layers", "2", "--repeats", "1",
+            "--model", "random:llama", "--batch", "2", "--steps", "3", "--rounds", "1", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    for name in ("write_ratio", "read_ratio", "store_write_mb_s", "raw_write_mb_s", "store_read_mb_s", "raw_read_mb_s"):
+        assert result[name] > 0, name
+    assert result["directories"] == 1 and set(result["direct_io"]) == {"store", "raw"}
+    assert result["saver_chunks_published"] > 0 and result["step_ms_on"] > 0 and result["step_ms_off"] > 0
+    assert result["commit"] == source_commit() and result["command"].startswith("hcache bench storage")
+    assert not list((tmp_path / "store").glob("hcache-bench-*"))  # its files removed
+
+
 def test_bench_storage_measures_a_redis_tier_of_its_own_against_redis_py(tmp_path):
     from hcache.bench._redis_server import redis_missing
 
