@@ -75,7 +75,9 @@ class ReferenceEngine:
     """Ragged-batch forward over a :class:`BlockedKVCache`, plus the three restore primitives; serves
     :class:`~hcache.engine.interface.Engine`."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, num_blocks: int = 128, block_size: int = 64):
+    BLOCK_SIZE = 64
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, num_blocks: int = 128, block_size: int = BLOCK_SIZE):
         self.model = model.eval()
         self.spec = spec
         self.device = next(model.parameters()).device

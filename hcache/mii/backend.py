@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -32,11 +33,10 @@ from ..metrics import serve_metrics
 from ..model_spec import ModelSpec
 from ..serving_engine import ServingEngine
 from ..tensor_parallel import SINGLE, TPGroup, local_spec, shard_model
-from . import failures
+from . import detokenize, failures
 from .requests import CACHE_SALT, check_generate_options, check_rest_body
 
 CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: not on their command lines
-STARTING_ENV = "HCACHE_OPENAI_STARTING"  # set: the OpenAI server's deployment is starting (hcache.mii.openai_server)
 
 IDLE_WAIT_S = 0.1  # an idle model server waits this long on its request queue at a time (see _wait_when_idle)
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
@@ -61,9 +61,7 @@ def build_engine(model_config, hcache: ResolvedConfig) -> ServingEngine:
         engine = ReferenceEngine(shard, spec, num_blocks=settings.num_blocks)
         config = model_config.inference_engine_config
     if model_config.max_length is None:  # else MII reads it from FastGen's checkpoint engine
-        model_config.max_length = engine.spec.max_positions
-        if isinstance(engine, ReferenceEngine):  # a longer sequence would wait in MII's scheduler forever
-            model_config.max_length = min(model_config.max_length, engine.cache.num_blocks * engine.cache.block_size)
+        model_config.max_length = context_length(hcache)
     serving = ServingEngine(engine, fingerprint, hcache, tp=tp, engine_config=config)
     if settings.metrics_port is not None:
         port = settings.metrics_port + tp.rank
@@ -134,6 +132,15 @@ def _model_spec(path: str, settings: HCacheConfig) -> ModelSpec:
     return ModelSpec.from_config(config, dtype)
 
 
+def context_length(hcache: ResolvedConfig) -> int:
+    """The longest sequence a deployment serves: the model's positions; on the reference engine, no more
+    than its KV cache holds (a longer sequence would wait in MII's scheduler forever)."""
+    spec = hcache.spec
+    if engine_kind(hcache.settings) == "fastgen":
+        return spec.max_positions
+    return min(spec.max_positions, hcache.settings.num_blocks * ReferenceEngine.BLOCK_SIZE)
+
+
 def engine_kind(hcache: HCacheConfig) -> str:
     if hcache.engine == "auto":
         return "fastgen" if torch.cuda.is_available() else "reference"
@@ -159,6 +166,7 @@ def install(hcache: ResolvedConfig) -> Callable[[], None]:
     undos = [
         _run_mii_loop_on_cpu() if not torch.cuda.is_available() else lambda: None,
         _check_requests(),
+        detokenize.install(),
         failures.install(),  # after the checks: it wraps them
         _bind_internal_ports_to_loopback(),
     ]
@@ -390,6 +398,7 @@ def server_processes_launched_by_hcache(hcache: ResolvedConfig, launched: list[s
         # process dying where it stands, and ``stop`` can end the launcher with the server it started.
         env = dict(os.environ, **{CONFIG_ENV: hcache.model_dump_json()})
         launched.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        launched[-1].hcache_saves = msg_server_type == "MII server"  # the others hold no state
         return launched[-1]
 
     def wait_until_live(self, processes, replicas):
@@ -408,30 +417,51 @@ def server_processes_launched_by_hcache(hcache: ResolvedConfig, launched: list[s
         MIIServer._launch_server_process, MIIServer._wait_until_server_is_live = saved
 
 
-def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "localhost", *, starting: bool = False) -> subprocess.Popen:
-    """MII's OpenAI-compatible server on ``host``, in front of a deployment's load balancer, with the
-    request's ``cache_salt`` passed on (:mod:`hcache.mii.openai_server`). ``starting``: the deployment is
-    still starting; ``/health`` answers 503 until the server gets ``READY_SIGNAL``."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "hcache.mii.openai_server", "--model", model_dir,
-         "--load-balancer", f"localhost:{balancer_port}", "--host", host, "--port", str(port)],
-        env={**os.environ, STARTING_ENV: "1"} if starting else None,
-        start_new_session=True,  # Ctrl-C reaches the serving process, which drains this one first
-    )  # fmt: skip
+def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "localhost", *, max_model_len: int | None = None,
+                  names: list[str] | None = None, starting: bool = False, verbose: bool = False) -> subprocess.Popen:
+    """hcache's OpenAI-compatible server (:mod:`hcache.openai`) on ``host``, in front of a deployment's load
+    balancer. ``starting``: the deployment is still starting; ``/health`` answers 503 until the server gets
+    ``READY_SIGNAL``."""
+    command = [sys.executable, "-m", "hcache.openai", "--model", model_dir, "--load-balancer", f"localhost:{balancer_port}",
+               "--host", host, "--port", str(port)]  # fmt: skip
+    for name in names or []:
+        command += ["--served-model-name", name]
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    command += ["--starting"] * starting + ["--verbose"] * verbose
+    return subprocess.Popen(command, start_new_session=True)  # Ctrl-C reaches the serving process, which drains this one first
 
 
 def stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
-    """Wait for a deployment's processes to exit after ``terminate_server``, then end every session still
-    running (each process leads one, see ``launch``), with all it started: a busy or hung model server and
-    the DeepSpeed launcher above it, and MII 0.3's REST gateway, which with ``restful_processes > 1``
-    handles ``/terminate`` in a forked child and so never stops. SIGTERM first, SIGKILL 5 s later."""
-    for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+    """End a deployment's processes after ``terminate_server``, each with all it started (each leads a
+    session, see ``launch``). The load balancer and the REST gateway hold no state and end at once (MII
+    0.3's gateway, with ``restful_processes > 1``, handles ``/terminate`` in a forked child and so never
+    stops). A model server writes its saved chunks as it stops: it gets up to ``grace_s`` for that, then
+    its session (DeepSpeed's launcher, which notices its child's exit only once a second) ends. SIGTERM
+    first, SIGKILL 5 s later."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        if not getattr(process, "hcache_saves", True):
+            _signal_session(process, signal.SIGTERM)
+    while any(_model_server_running(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         for process in processes:
-            if sig is not None:
-                _signal_session(process, sig)
-        deadline = time.monotonic() + wait_s
+            _signal_session(process, sig)
+        deadline = time.monotonic() + 5.0
         while any(_signal_session(p, 0) for p in processes) and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.1)
+
+
+def _model_server_running(process: subprocess.Popen) -> bool:
+    """Whether ``process``'s model server (hcache's launch module, under DeepSpeed's launcher) still runs."""
+    if not getattr(process, "hcache_saves", True):
+        return False
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        return any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "hcache.mii.launch" in p.cmdline() for p in tree)
+    except psutil.Error:  # the launcher is gone: nothing waits under it
+        return False
 
 
 def _signal_session(process: subprocess.Popen, sig: int) -> bool:

@@ -22,6 +22,7 @@ there a failure stops the loop, as in MII.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from ..errors import HCacheError, InvalidRequestError
 log = logging.getLogger(__name__)
 
 
+DROP_WAIT_S = 60  # the longest a cancelled stream waits for the loop to drop its request (one step, normally)
 LOOP_METHODS = ("generate", "flush", "schedule_requests", "__call__")  # a pipeline's, besides make_request and put
 
 
@@ -42,10 +44,24 @@ class RequestFailed(HCacheError):
     """A request that the model server failed to serve, for a reason other than its content."""
 
 
+class Cancelled(HCacheError):
+    """The client of a call went away (or cancelled it) before its generation finished."""
+
+
 class _Call:
-    """One client call, whose requests fail together; ``error`` once one has failed."""
+    """One client call, whose requests fail together; ``error`` once one has failed or the client has
+    cancelled the call (``cancelled``), ``uids`` the requests it made."""
 
     error: Exception | None = None
+    cancelled = False
+
+    def __init__(self) -> None:
+        self.uids: list[int] = []
+
+    def cancel(self) -> None:
+        """From any thread: the loop drops the call's requests at its next step, answering each reader."""
+        if self.error is None:
+            self.cancelled, self.error = True, Cancelled("the client cancelled the call")
 
 
 class _Failure:
@@ -81,7 +97,7 @@ def http_status(code: grpc.StatusCode) -> int:
 def install() -> Callable[[], None]:
     """Make MII's loop, model server and load balancer fail one call at a time; returns the undo."""
     from mii.batching.ragged_batching import MIIPipeline, RaggedBatchBase
-    from mii.grpc_related.modelresponse_server import LoadBalancingInterceptor, ModelResponse
+    from mii.grpc_related.modelresponse_server import LoadBalancingInterceptor, ModelResponse, ParallelStubInvoker
 
     patches = [
         (RaggedBatchBase, "make_request", _make_request),  # the loop's, LOOP_METHODS
@@ -93,6 +109,7 @@ def install() -> Callable[[], None]:
         (ModelResponse, "GeneratorReply", _reply),
         (ModelResponse, "GeneratorReplyStream", _reply_stream),
         (LoadBalancingInterceptor, "intercept_service", _passing_status),
+        (ParallelStubInvoker, "__init__", _replica_address),
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     for owner, name, wrap in patches:
@@ -116,12 +133,12 @@ def _calls(pipeline) -> dict[int, _Call]:
 
 
 @contextmanager
-def _serving_call(pipeline, tid: int) -> Iterator[None]:
+def _serving_call(pipeline, tid: int) -> Iterator[_Call]:
     """For the length of one call on thread ``tid``: its requests are one call; after it, what is left of it
     in the thread's result queue (a failure not read) is dropped."""
-    _calls(pipeline)[tid] = _Call()
+    _calls(pipeline)[tid] = call = _Call()
     try:
-        yield
+        yield call
     finally:
         del _calls(pipeline)[tid]
         results = pipeline.result_queues.get(tid)
@@ -136,6 +153,7 @@ def _make_request(make):
             raise call.error
         request = make(self, tid, uid, input_tokens, kwargs)
         request.hcache_call = call
+        call.uids.append(uid)
         return request
 
     return make_request
@@ -223,6 +241,9 @@ def _schedule_requests(schedule):
         if dead:
             self.buffer = deque(r for r in self.buffer if all(r is not d for d in dead))
             _flush_engine(self, {r.uid for r in dead})
+            for r in dead:  # a failed call's reader was answered when it failed; a cancelled one's waits
+                if r.hcache_call.cancelled:
+                    self.result_queues[r.tid].put_nowait(_Failure(r.hcache_call.error))
         schedule(self)
 
     return schedule_live
@@ -281,22 +302,70 @@ def _reply(reply):
 
 
 def _reply_stream(reply):
+    """MII's streamed reply, ended cleanly when its client goes away: the request leaves the loop at its next
+    step (rather than generating to its end for nobody), and nothing of it is left in the thread's result
+    queue for the thread's next call (MII's own asserts on a stale result)."""
+
     def generator_reply_stream(self, request, context):
-        with _serving_call(self.inference_pipeline, threading.get_ident()):
+        pipeline = self.inference_pipeline
+        with _serving_call(pipeline, threading.get_ident()) as call:
+            context.add_callback(call.cancel)  # on the call's end: a no-op once it has finished
+            finished = False
             try:
-                yield from reply(self, request, context)
-            except Exception as exc:
+                for message in reply(self, request, context):
+                    finished = message.response[0].finish_reason != "none"
+                    yield message
+            except Exception as exc:  # the reader got the call's failure: the loop has dropped its request
+                finished = True
                 context.abort(grpc_code(exc), str(client_error(exc)))
+            finally:
+                if not finished:  # closed at a yield: the client went away mid-generation
+                    call.cancel()
+                    _await_dropped(pipeline, call)
+                for uid in call.uids:  # MII frees a stream's uid only when it finishes
+                    if uid in pipeline.uids:
+                        pipeline.flush_uid(uid)
 
     return generator_reply_stream
 
 
+def _await_dropped(pipeline, call: _Call) -> None:
+    """Read this thread's results until the cancelled ``call``'s request has finished or been dropped."""
+    from mii.constants import GenerationFinishReason
+
+    results = pipeline.result_queues[threading.get_ident()]
+    while True:
+        try:
+            result = results.get(timeout=DROP_WAIT_S)
+        except queue.Empty:
+            log.error("the generation loop did not drop cancelled request(s) %s in %d s", call.uids, DROP_WAIT_S)
+            return
+        if isinstance(result, _Failure) or result[4] != GenerationFinishReason.NONE:
+            return
+
+
 def _passing_status(intercept):
     """The load balancer answers a call with the status and message the model server gave it (MII's turns
-    every one into UNKNOWN, "Exception calling application")."""
+    every one into UNKNOWN, "Exception calling application"); a streamed call is relayed on a call of its
+    own to the replica, so that an error ends it at once (MII's relay waits 600 s for a message that never
+    comes) and its client going away cancels the replica's call."""
 
     def intercept_service(self, continuation, handler_call_details):
+        replica = self.stubs[self.counter.get() % len(self.stubs)]  # MII's choice, as its own relay makes it
         handler = intercept(self, continuation, handler_call_details)
+        if handler.unary_stream is not None:
+            method = handler_call_details.method
+
+            def relay(request: bytes, context):  # relayed as bytes: no (de)serialising in between
+                call = _replica_channel(replica).unary_stream(method)(request)
+                context.add_callback(call.cancel)
+                try:
+                    yield from call
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.CANCELLED:
+                        context.abort(exc.code(), exc.details())
+
+            return grpc.unary_stream_rpc_method_handler(relay)
         if handler.unary_unary is None:
             return handler
         forward = handler.unary_unary
@@ -312,3 +381,24 @@ def _passing_status(intercept):
         )
 
     return intercept_service
+
+
+def _replica_address(init):
+    """Remember the first replica address a load balancer's invoker was made for (it keeps only stubs)."""
+
+    def invoker_init(self, host, ports):
+        init(self, host, ports)
+        self.hcache_address = f"{host}:{ports[0]}"
+
+    return invoker_init
+
+
+def _replica_channel(invoker) -> grpc.Channel:
+    """One synchronous channel per replica, made on first use."""
+    channel = invoker.__dict__.get("hcache_channel")
+    if channel is None:
+        from mii.constants import GRPC_MAX_MSG_SIZE
+
+        options = [("grpc.max_send_message_length", GRPC_MAX_MSG_SIZE), ("grpc.max_receive_message_length", GRPC_MAX_MSG_SIZE)]
+        channel = invoker.hcache_channel = grpc.insecure_channel(invoker.hcache_address, options=options)
+    return channel

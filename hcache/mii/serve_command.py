@@ -21,6 +21,7 @@ from pathlib import Path
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
 from . import serve
+from ..openai import DRAIN_SIGNAL, READY_SIGNAL
 
 DEFAULT_METRICS_PORT = 9464
 DRAIN_S = 3.0  # a health check every second, two failures to take a node out (hcache/fleet/haproxy.cfg), and margin
@@ -88,17 +89,19 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
 
 def run(args: argparse.Namespace) -> int:
     from ..model_loader import model_dir
-    from .backend import openai_server
-    from .openai_server import READY_SIGNAL
+    from .backend import context_length, openai_server
 
     config = settings(args)
     path = str(model_dir(args.model))
+    check_ports_free(_ports(args, config))
     openai = client = None
 
-    def start_openai() -> None:  # once the settings are checked; it starts while the deployment does
+    def start_openai(resolved) -> None:  # once the settings are checked; it starts while the deployment does
         nonlocal openai
         if args.openai_port is not None:  # healthy once the deployment is up
-            openai = openai_server(path, args.port, args.openai_port, args.host, starting=True)
+            names = list(dict.fromkeys([args.model, path]))  # as given on the command line, and its directory
+            openai = openai_server(path, args.port, args.openai_port, args.host, max_model_len=context_length(resolved),
+                                   names=names, starting=True, verbose=getattr(args, "verbose", False))  # fmt: skip
 
     on_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C (by default SIGTERM ends only this process)
     try:
@@ -144,6 +147,31 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
+def _ports(args: argparse.Namespace, config: HCacheConfig) -> dict[str, tuple[str, int]]:
+    """Every port the deployment will listen on, by the flag that sets it: (address, port)."""
+    ports = {"--port": ("localhost", args.port), "--port + 1 (the model server)": ("localhost", args.port + 1),
+             "--zmq-port": ("127.0.0.1", args.zmq_port)}  # fmt: skip
+    if args.rest:
+        ports["--rest-port"] = (args.host, args.rest_port)
+    if args.openai_port is not None:
+        ports["--openai-port"] = (args.host, args.openai_port)
+    if config.metrics_port:
+        ports["--metrics-port"] = (args.host, config.metrics_port)
+    return ports
+
+
+def check_ports_free(ports: dict[str, tuple[str, int]]) -> None:
+    """Refuse to start, naming the flag, when a port is taken: MII's servers would log the failure and carry
+    on as if they served. Bound as servers bind (``SO_REUSEADDR``), so only a listener counts as taken."""
+    for flag, (host, port) in ports.items():
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise InvalidRequestError(f"port {port} on {host} ({flag}) is not free: {exc.strerror}") from None
+
+
 @contextmanager
 def signals_ignored(*signals: int) -> Iterator[None]:
     """Ignore ``signals`` inside (a second Ctrl-C must not cut a stop short), restoring their handlers after:
@@ -171,8 +199,6 @@ def _signal_when_listening(openai: subprocess.Popen, host: str, port: int, sig: 
 def _drain(openai: subprocess.Popen, seconds: float) -> None:
     """Fail the OpenAI server's health check and keep serving ``seconds``, so the balancer takes the node
     out of rotation before it stops taking connections."""
-    from .openai_server import DRAIN_SIGNAL
-
     print(f"draining: /health answers 503; stopping in {seconds:g} s", flush=True)
     openai.send_signal(DRAIN_SIGNAL)
     time.sleep(seconds)

@@ -1,0 +1,43 @@
+"""The text of generated tokens, as clients expect it: special tokens (the end-of-turn token that ends a
+chat reply) never appear, and a streamed reply joined equals the reply decoded whole.
+
+MII 0.3 decodes with special tokens, and streams by decoding a window of recent tokens and removing the
+decoded previous window from it, which a tokenizer's clean-up of spaces can break. Installed here: its
+tokenizer decodes without special tokens, and a stream is decoded by the tokenizers library's own
+incremental decoder (``DecodeStream``), which holds back bytes until they form whole characters."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class StreamDecoders:
+    """In place of MII's ``ReadableStream``: one incremental decoder per thread (MII's server serves one
+    streamed call per thread at a time, and its results come in order)."""
+
+    def __init__(self, tokenizer) -> None:  # MII's tokenizer wrapper
+        self.tokenizer = tokenizer.tokenizer
+        self.stream_state: dict[int, object] = {}
+
+    def decode(self, thread_id: int, token_ids: list[int]) -> str:
+        from tokenizers.decoders import DecodeStream
+
+        stream = self.stream_state.setdefault(thread_id, DecodeStream(skip_special_tokens=True))
+        return "".join(filter(None, (stream.step(self.tokenizer._tokenizer, int(t)) for t in token_ids)))
+
+    def flush_state(self, thread_id: int) -> None:
+        self.stream_state.pop(thread_id, None)
+
+
+def install() -> Callable[[], None]:
+    """Decode MII's generated tokens without special tokens, streams incrementally; returns the undo."""
+    from mii.batching import ragged_batching
+    from mii.modeling.tokenizers import HFTokenizer
+
+    saved_decode, saved_stream = HFTokenizer.decode, ragged_batching.ReadableStream
+    HFTokenizer.decode = lambda self, tokens: self.tokenizer.decode(tokens, skip_special_tokens=True)
+    ragged_batching.ReadableStream = StreamDecoders  # MII makes one per server pipeline, after this
+
+    def undo() -> None:
+        HFTokenizer.decode, ragged_batching.ReadableStream = saved_decode, saved_stream
+
+    return undo

@@ -1,0 +1,289 @@
+"""The OpenAI-compatible HTTP API of an hcache deployment (FastAPI), answering as ``vllm serve`` does.
+
+A request is checked whole before anything is sent: the model, the fields this server cannot honour, the
+chat template, the context length; then the first piece of its generation is awaited, so that a request
+the deployment refuses is answered with its error and status, never with a stream that then breaks. A
+failure during a stream is sent as an error event, then ``[DONE]``. Errors have OpenAI's shape
+(``{"error": {"message", "type", "param", "code"}}``): 400 for a bad request, 404 for an unknown model
+or path, 503 while the deployment cannot be reached, 500 only for a fault of the server."""
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..errors import InvalidRequestError
+from ..storage.chunk_key import check_namespace
+from .generation import Deployment, DeploymentError, Piece, until_stop
+from .protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ErrorBody,
+    ErrorResponse,
+    Model,
+    ModelList,
+    Usage,
+    response_id,
+    unsupported,
+)
+
+log = logging.getLogger(__name__)
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def response(self) -> JSONResponse:
+        body = ErrorBody(message=str(self), type=_ERROR_TYPES.get(self.status, "server_error"), param=self.param, code=self.code)
+        return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=self.status)
+
+
+@dataclass
+class Health:
+    """``/health`` answers 503 while the deployment starts and once the node drains (set by signals, see
+    :mod:`hcache.openai.__main__`)."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    draining: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the server serves: the model's names (the first is the one listed), its tokenizer (the chat
+    template; prompts counted as the model server counts them) and the longest sequence it takes."""
+
+    names: list[str]
+    tokenizer: object
+    max_model_len: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
+    """The app, reaching the deployment at ``load_balancer`` (host:port) over a channel it opens in its own
+    event loop."""
+    deployment: Deployment
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        nonlocal deployment
+        deployment = Deployment(load_balancer)
+        yield
+        await deployment.close()
+
+    app = FastAPI(title="hcache", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        return APIError(400, message, param=where or None).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def fault(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("a request failed inside the OpenAI server")
+        return APIError(500, f"internal server error: {type(exc).__name__}").response()
+
+    @app.get("/health")
+    async def get_health() -> JSONResponse:
+        if health.draining.is_set() or not health.ready.is_set():
+            return JSONResponse({"status": "draining" if health.draining.is_set() else "starting"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[Model(id=served.names[0], created=served.created, max_model_len=served.max_model_len)])
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: ChatCompletionRequest):
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+            prompt = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a part that is not text, or a template that refuses the conversation
+            raise APIError(400, f"messages: {exc}", param="messages") from None
+        return await _answer(request, prompt, "messages", _ChatFormat(request.model))
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        prompt = request.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise APIError(400, "prompt must be one string: token ids and lists of prompts are not supported", param="prompt")
+        return await _answer(request, prompt, "prompt", _CompletionFormat(request.model, prompt if request.echo else ""))
+
+    async def _answer(request: ChatCompletionRequest | CompletionRequest, prompt: str, prompt_param: str, form: _Format):
+        if request.model not in served.names:
+            raise APIError(404, f"The model `{request.model}` does not exist.", param="model", code="model_not_found")
+        problem = unsupported(request)
+        if problem is not None:
+            raise APIError(400, problem[1], param=problem[0])
+        options = _options(request, len(served.tokenizer.encode(prompt)), served.max_model_len, prompt_param)
+        pieces = until_stop(deployment.generate(prompt, options), request.stops)
+        first = await _first(pieces)
+        if request.stream:
+            include_usage = request.stream_options is not None and request.stream_options.include_usage
+            return StreamingResponse(_events(first, pieces, form, include_usage), media_type="text/event-stream")
+        text, last = first.text, first
+        async with aclosing(pieces):
+            try:
+                async for piece in pieces:
+                    text, last = text + piece.text, piece
+            except DeploymentError as exc:
+                raise APIError(exc.status, str(exc)) from None
+        return form.whole(text, last)
+
+    return app
+
+
+async def _first(pieces: AsyncIterator[Piece]) -> Piece:
+    try:
+        return await anext(pieces)
+    except DeploymentError as exc:
+        await pieces.aclose()
+        raise APIError(exc.status, str(exc)) from None
+
+
+def _options(request, prompt_tokens: int, max_model_len: int, prompt_param: str) -> dict:
+    """MII's generation options for ``request``, whose prompt has ``prompt_tokens`` tokens. Without
+    ``max_tokens`` a chat generates to the end of the context, as vLLM's does."""
+    if prompt_tokens < 1:
+        raise APIError(400, "the prompt is empty", param=prompt_param)
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"prompt has {prompt_tokens} tokens, which leaves none to generate.", param=prompt_param)  # fmt: skip
+    new_tokens = request.new_tokens if request.new_tokens is not None else room
+    if new_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, not {new_tokens}", param="max_tokens")
+    if new_tokens > room:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{prompt_tokens + new_tokens} tokens ({prompt_tokens} in the prompt, {new_tokens} for the "
+                       "completion). Please reduce the prompt or max_tokens.", param="max_tokens")  # fmt: skip
+    options: dict = {"max_new_tokens": new_tokens}
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if temperature == 0:
+        options["do_sample"] = False
+    else:
+        options.update(do_sample=True, temperature=temperature, top_p=1.0 if request.top_p is None else request.top_p)
+        if request.top_k not in (None, 0, -1):
+            if request.top_k < 1:
+                raise APIError(400, f"top_k must be -1 (off) or at least 1, not {request.top_k}", param="top_k")
+            options["top_k"] = request.top_k
+    if request.cache_salt is not None:
+        try:
+            options["cache_salt"] = check_namespace(request.cache_salt, "cache_salt")
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="cache_salt") from None
+    return options
+
+
+class _Format(abc.ABC):
+    """How one endpoint writes a generation: as one object, or as stream chunks."""
+
+    id_prefix: str
+
+    def __init__(self, model: str, prefix: str = ""):
+        self.model, self.prefix, self.id = model, prefix, response_id(self.id_prefix)
+
+    def usage(self, last: Piece) -> Usage:
+        return Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                     total_tokens=last.prompt_tokens + last.completion_tokens)  # fmt: skip
+
+    @abc.abstractmethod
+    def whole(self, text: str, last: Piece) -> ChatCompletion | Completion: ...
+
+    @abc.abstractmethod
+    def opening(self) -> ChatCompletionChunk | Completion | None:
+        """The stream's first chunk, before any text: a chat's role, a completion's echoed prompt."""
+
+    @abc.abstractmethod
+    def chunk(self, text: str, finish_reason: str | None = None, usage: Usage | None = None) -> ChatCompletionChunk | Completion:
+        """A chunk of ``text``, or with ``usage``, the chunk of usage alone."""
+
+
+class _ChatFormat(_Format):
+    id_prefix = "chatcmpl"
+
+    def whole(self, text: str, last: Piece) -> ChatCompletion:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)
+        return ChatCompletion(id=self.id, model=self.model, choices=[choice], usage=self.usage(last))
+
+    def opening(self) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, model=self.model, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+
+    def chunk(self, text: str, finish_reason: str | None = None, usage: Usage | None = None) -> ChatCompletionChunk:
+        choices = [] if usage is not None else [ChatChunkChoice(delta=Delta(content=text), finish_reason=finish_reason)]
+        return ChatCompletionChunk(id=self.id, model=self.model, choices=choices, usage=usage)
+
+
+class _CompletionFormat(_Format):
+    id_prefix = "cmpl"
+
+    def whole(self, text: str, last: Piece) -> Completion:
+        choice = CompletionChoice(text=self.prefix + text, finish_reason=last.finish_reason)
+        return Completion(id=self.id, model=self.model, choices=[choice], usage=self.usage(last))
+
+    def opening(self) -> Completion | None:
+        return self.chunk(self.prefix) if self.prefix else None
+
+    def chunk(self, text: str, finish_reason: str | None = None, usage: Usage | None = None) -> Completion:
+        choices = [] if usage is not None else [CompletionChoice(text=text, finish_reason=finish_reason)]
+        return Completion(id=self.id, model=self.model, choices=choices, usage=usage)
+
+
+async def _events(first: Piece, pieces: AsyncIterator[Piece], form: _Format, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a first chunk (a chat's role), a chunk per piece with text, the finish reason,
+    usage if asked for, then ``[DONE]``; a failure midway is sent as an error event before ``[DONE]``."""
+
+    def event(obj) -> str:
+        return f"data: {obj.model_dump_json()}\n\n"
+
+    async with aclosing(pieces):
+        opening = form.opening()
+        if opening is not None:
+            yield event(opening)
+        piece = first
+        try:
+            while True:
+                if piece.text or piece.finish_reason is not None:
+                    yield event(form.chunk(piece.text, piece.finish_reason))
+                if piece.finish_reason is not None:
+                    break
+                piece = await anext(pieces)
+            if include_usage:
+                yield event(form.chunk("", usage=form.usage(piece)))
+        except DeploymentError as exc:
+            error = APIError(exc.status, str(exc))
+            yield f"data: {error.response().body.decode()}\n\n"
+        except StopAsyncIteration:  # the deployment ended the stream without a finish reason
+            yield f"data: {APIError(500, 'the deployment ended the generation without finishing it').response().body.decode()}\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,86 @@
+"""Generation through a deployment's gRPC load balancer: every request is one streamed call, so that a stop
+string or a client that goes away ends it at once (the call is cancelled, and the model server drops the
+request: :mod:`hcache.mii.failures`), and a non-streamed answer is the streamed one joined."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+
+import grpc
+from mii.constants import GRPC_MAX_MSG_SIZE
+from mii.grpc_related.proto.modelresponse_pb2 import MultiStringRequest
+from mii.grpc_related.proto.modelresponse_pb2_grpc import ModelResponseStub
+from mii.utils import kwarg_dict_to_proto
+
+from ..mii.failures import http_status
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One message of a generation: new text, and on the last one why it ended ("stop" or "length")."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class DeploymentError(Exception):
+    """The deployment refused or failed a generation; ``status`` is the HTTP status its client gets."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Deployment:
+    """A deployment's load balancer, reached over one channel for the life of the server."""
+
+    def __init__(self, address: str):
+        options = [("grpc.max_send_message_length", GRPC_MAX_MSG_SIZE), ("grpc.max_receive_message_length", GRPC_MAX_MSG_SIZE)]
+        self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._stub = ModelResponseStub(self._channel)
+
+    async def generate(self, prompt: str, options: dict) -> AsyncIterator[Piece]:
+        """The pieces of ``prompt``'s generation with MII's generation ``options``. Leaving the iteration
+        early cancels the call."""
+        request = MultiStringRequest(request=[prompt], query_kwargs=kwarg_dict_to_proto({**options, "stream": True}))
+        call = self._stub.GeneratorReplyStream(request)
+        try:
+            async for reply in call:
+                r = reply.response[0]
+                reason = None if r.finish_reason == "none" else r.finish_reason
+                yield Piece(r.response, reason, r.prompt_tokens, r.generated_tokens)
+        except grpc.aio.AioRpcError as exc:
+            raise DeploymentError(http_status(exc.code()), exc.details() or f"the deployment answered {exc.code().name}") from None
+        finally:
+            call.cancel()  # a no-op once the call has ended
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+async def until_stop(pieces: AsyncIterator[Piece], stops: list[str]) -> AsyncIterator[Piece]:
+    """``pieces`` ended at the first of ``stops`` (not included), with finish reason "stop". Text that may be
+    the start of a stop string is held back until it cannot be (as vLLM does: the last characters, up to
+    the longest stop string's length less one)."""
+    async with aclosing(pieces):
+        if not stops:
+            async for piece in pieces:
+                yield piece
+            return
+        hold, held = max(map(len, stops)) - 1, ""
+        async for piece in pieces:
+            held += piece.text
+            found = [i for i in (held.find(s) for s in stops) if i >= 0]
+            if found:
+                yield replace(piece, text=held[: min(found)], finish_reason="stop")
+                return
+            if piece.finish_reason is not None:
+                yield replace(piece, text=held)
+                return
+            ready = len(held) - hold
+            if ready > 0:
+                yield replace(piece, text=held[:ready])
+                held = held[ready:]

@@ -1,0 +1,207 @@
+"""OpenAI's request and response schema, as far as hcache serves it. Requests allow unknown fields (OpenAI's
+clients add new ones faster than servers learn them; vLLM ignores them too); fields OpenAI documents that
+this server cannot honour are refused by :func:`unsupported`, never silently ignored."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = None  # vLLM's extension; None, 0 or -1: off
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    cache_salt: Optional[str] = None  # vLLM's name for a per-request namespace
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop or []]
+
+    @property
+    def new_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        """The message's text: a list of parts must be text parts only (this server runs text models)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported: only text")
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None  # OpenAI's newer name; it wins over max_tokens
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    @property
+    def new_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16  # OpenAI's and vLLM's default for completions
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None
+
+
+def unsupported(request: _Request) -> Optional[tuple[str, str]]:
+    """``(param, reason)`` for the first documented field set to something this server cannot do."""
+    if request.n != 1:
+        return "n", f"n must be 1 (one choice per request), not {request.n}"
+    if request.stream_options is not None and not request.stream:
+        return "stream_options", "stream_options is only allowed with stream=true"
+    if request.seed is not None and request.temperature != 0:
+        return "seed", "seed is only supported with temperature=0: the engine samples from one shared generator"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name):
+            return name, f"{name} is not supported"
+    if request.logit_bias:
+        return "logit_bias", "logit_bias is not supported"
+    if isinstance(request, ChatCompletionRequest):
+        if request.logprobs or request.top_logprobs:
+            return "logprobs", "logprobs are not supported"
+        if request.tools:
+            return "tools", "tools are not supported"
+        if request.response_format and request.response_format.get("type") != "text":
+            return "response_format", "only response_format {\"type\": \"text\"} is supported"
+    if isinstance(request, CompletionRequest):
+        if request.logprobs is not None:
+            return "logprobs", "logprobs are not supported"
+        if request.suffix:
+            return "suffix", "suffix is not supported"
+        if request.best_of not in (None, 1):
+            return "best_of", "best_of must be 1"
+    return None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: Optional[str] = None
+    usage: Optional[Usage] = None
+
+
+def response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class Delta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class Completion(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "hcache"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
