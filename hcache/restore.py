@@ -236,8 +236,9 @@ def _verify(
     for j, (key, f) in enumerate(zip(keys, fetches)):
         try:
             image = f.result()
-            if image is None:
-                return None  # gone since the lookup (evicted or deleted): the prefix ends here
+            if image is None:  # gone since the lookup (evicted or deleted): the prefix ends here
+                log.info("chunk %s is gone since the lookup; recomputing from token %d", key, j * CHUNK_TOKENS)
+                return None
             image.check(tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
             r = (first + j) % tp.world_size
             if (image.layout.signature, r) not in checked:

@@ -120,6 +120,19 @@ class _SaveCapture:
         self.saver.end_batch()
 
 
+def _log_restore(uid: int, tokens: int, restored: int, step: RestoreStep, record: SequenceRecord,
+                 tiers_before: dict[str, int], fallback_before: str | None) -> None:
+    """One line per put that restored: the plan, the tokens restored of the put's and where they were read
+    from, and why stored state stopped short, if it did (``-v``; logged only when INFO is on)."""
+    tiers = Counter(record.tier_tokens)
+    tiers.subtract(tiers_before)
+    by_tier = {"gpu_cache": step.gpu_tokens, **tiers}
+    where = ", ".join(f"{name} {n}" for name, n in by_tier.items() if n)
+    fallback = record.fallback if record.fallback is not fallback_before else None  # this put's own, if any
+    log.info("sequence %d: restored %d of %d tokens (%s; plan %s), computing %d%s", uid, restored, tokens, where,
+             step.plan or "none", tokens - restored, f"; fell back to recompute: {fallback}" if fallback else "")
+
+
 def _restores(allowed: bool, tokens: list[int]) -> bool:
     """Whether a put of ``tokens`` may restore (from the store, or from the GPU prefix cache), if ``allowed``:
     all but its last token can be restored, so a one-token put (a decode step) never does."""
@@ -232,14 +245,18 @@ class ServingEngine:
                 if _restores(self._seqs[uid].restore, tokens):
                     self.prefetcher.prefetch(keys[uid])
         adoptions = self._match(batch, keys)
+        verbose = log.isEnabledFor(logging.INFO)
         try:
             requests = []
             for (uid, tokens), adoption in zip(batch, adoptions):
-                step, held = RestoreStep("", 0), len(self._seqs[uid].chain.tail)
+                step, held, record = RestoreStep("", 0), len(self._seqs[uid].chain.tail), self._seqs[uid].record
+                before = (dict(record.tier_tokens), record.fallback) if verbose else None
                 n = self._adopt(uid, tokens, adoption, step) if adoption is not None else 0
                 n += self._restore(uid, tokens[n:], step, keys[uid][(held + n) // CHUNK_TOKENS :])
                 if n:
-                    self._seqs[uid].record.restores.append(step)
+                    record.restores.append(step)
+                    if verbose:
+                        _log_restore(uid, len(tokens), n, step, record, *before)
                 requests.append((uid, tokens[n:]))
         finally:
             for adoption in adoptions:

@@ -79,6 +79,28 @@ def test_chunks_saved_after_a_restore_continue_the_chain(tmp_path, rng, part):
         torch.testing.assert_close(logits[2], logits[1], atol=1e-5, rtol=1e-5)
 
 
+def test_each_restore_is_logged_at_info_with_its_plan_and_tiers(tmp_path, rng, caplog):
+    """``hcache -v``: one INFO line per put that restored, saying the plan, the tokens restored of the put's
+    and where they were read from; nothing for a put that restored nothing, and nothing below INFO."""
+    prompt = random_prompt(2 * CHUNK_TOKENS + 3, loaded("random:llama").spec.vocab_size, rng)
+    with _serving(tmp_path, plan="KV") as serving:
+        with caplog.at_level("WARNING", logger="hcache.serving_engine"):
+            serving.put([0], [prompt])
+            serving.flush(0)
+            serving.put([1], [prompt])
+            serving.flush(1)
+        assert not caplog.records
+        with caplog.at_level("INFO", logger="hcache.serving_engine"):
+            serving.put([2], [prompt])
+            serving.put([2], [[1]])  # a decode step restores nothing
+            tiers = serving.record(2).tier_tokens
+            serving.flush(2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hcache.serving_engine"]
+    assert sum(tiers.values()) == 2 * CHUNK_TOKENS
+    where = ", ".join(f"{name} {n}" for name, n in tiers.items())
+    assert lines == [f"sequence 2: restored {2 * CHUNK_TOKENS} of {len(prompt)} tokens ({where}; plan 3KV), computing 3"]
+
+
 def test_without_a_store_nothing_is_restored_or_saved(tmp_path, rng):
     prompt = random_prompt(2 * CHUNK_TOKENS + 3, loaded("random:llama").spec.vocab_size, rng)
     with _serving(None, enabled=False) as serving:
