@@ -4,18 +4,25 @@ Each turn is first answered by full recompute (no stored state): that reply cont
 and is the reference. Then, with the device KV dropped, the same turn is answered again by each restore
 method; its reply must be token-for-token identical. With ``stored_dtype`` other than ``"auto"`` the
 state is stored in 8 bits: replies restored from it may differ, and the demo says how many did.
+
+Each method is timed ``repeats`` times per turn, the methods interleaved (recompute, RE, H, KV, mixed,
+recompute, RE, ...), every run after dropping the device KV and every reply checked: a method's TTFT is
+the median of its runs, shown with their range, so that a moment of load on a shared machine moves one
+run of each method, not one method.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from .config import HCacheConfig
+from .machine import machine_facts, source_commit
 from .model_loader import DEFAULT_MODEL, load_model
 from .plan import RestorePlan
 from .runtime import HCacheRuntime
@@ -40,13 +47,17 @@ QUESTIONS = [
 
 @dataclass
 class MethodRow:
-    restored_tokens: int
-    ttft_s: float
+    restored_tokens: int  # the fewest of its runs (they restore the same unless one fell back)
+    ttft_s: float  # median of its runs
     stored_bytes_per_token: int
-    bytes_read: int
-    identical: bool
-    fallback: str | None
+    bytes_read: int  # the most of its runs
+    identical: bool  # every run's reply equal to the reference
+    fallback: str | None  # the first run's fallback, if any run fell back
     lossy: bool = False  # restored from state stored in 8 bits: a differing reply is no failure
+    ttft_s_min: float = 0.0
+    ttft_s_max: float = 0.0
+    ttft_s_runs: list[float] = field(default_factory=list)  # in run order
+    runs_differing: int = 0  # runs whose reply differs from the reference
 
 
 def _methods(num_layers: int) -> dict[str, RestorePlan | None]:
@@ -67,14 +78,19 @@ def run_demo(
     store_dir: str | None = None,
     json_path: str | None = None,
     stored_dtype: str = "auto",
+    repeats: int = 3,
 ) -> bool:
     """Run the chat; print a table per turn; return whether every reply restored from lossless state
-    matched recompute. The arguments are checked before the model loads or the store opens."""
+    matched recompute. Each method runs ``repeats`` times per turn, interleaved with the others; its TTFT
+    is the median. The arguments are checked before the model loads or the store opens."""
     HCacheConfig.of(stored_dtype=stored_dtype)
     if not 1 <= turns <= len(QUESTIONS):
         raise ValueError(f"turns must be between 1 and {len(QUESTIONS)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer of at least 1, not {repeats!r}")
+    commit = source_commit()
     loaded = load_model(model)
     tok = loaded.tokenizer
     if tok is None:
@@ -84,7 +100,13 @@ def run_demo(
         runtime = HCacheRuntime(loaded, store_dir or tmp, save="all", stored_dtype=stored_dtype)
         encodings = runtime.config.encodings
         methods = _methods(runtime.spec.num_layers)
-        report = {"model": model, "spec": runtime.spec.describe(), "stored_dtype": stored_dtype, "turns": []}
+        report = {
+            "demo": {"model": model, "turns": turns, "max_new_tokens": max_new_tokens, "stored_dtype": stored_dtype,
+                     "repeats": repeats, "store": store_dir},
+            "commit": commit, "machine": machine_facts(), "model": model, "spec": runtime.spec.describe(),
+            "stored_dtype": stored_dtype, "ttft": f"median of {repeats} interleaved runs per method and turn",
+            "turns": [],
+        }  # fmt: skip
         ids = tok.apply_chat_template(
             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}],
             add_generation_prompt=True,
@@ -92,29 +114,27 @@ def run_demo(
             return_dict=True,
         )["input_ids"]
         all_ok, lossy_runs, lossy_differ = True, 0, 0
-        bar = tqdm(total=turns * len(methods), desc="demo", unit="run", leave=False)
+        bar = tqdm(total=turns * repeats * len(methods), desc="demo", unit="run", leave=False)
         for turn in range(turns):
-            rows: dict[str, MethodRow] = {}
-            for name, plan in methods.items():
-                runtime.drop_device_cache()
-                r = runtime.generate(ids, max_new_tokens, plan=plan, restore=plan is not None)
-                if plan is None:
-                    reference = r.output_ids
-                rows[name] = MethodRow(
-                    restored_tokens=r.restored_tokens,
-                    ttft_s=r.ttft_s,
-                    stored_bytes_per_token=plan.stored_bytes_per_token(runtime.spec, encodings) if plan else 0,
-                    bytes_read=r.bytes_read,
-                    identical=r.output_ids == reference,
-                    fallback=r.fallback,
-                    lossy=r.lossy,
-                )
-                bar.update()
+            runs: dict[str, list] = {name: [] for name in methods}
+            reference = None
+            for _ in range(repeats):
+                for name, plan in methods.items():  # interleaved: recompute, RE, H, KV, mixed, recompute, ...
+                    runtime.drop_device_cache()
+                    r = runtime.generate(ids, max_new_tokens, plan=plan, restore=plan is not None)
+                    if reference is None:  # the first recompute's reply continues the chat
+                        reference = r.output_ids
+                    runs[name].append(r)
+                    bar.update()
+            rows = {
+                name: _row(results, reference, plan.stored_bytes_per_token(runtime.spec, encodings) if plan else 0)
+                for (name, plan), results in zip(methods.items(), runs.values())
+            }
             all_ok &= all(row.identical or row.lossy for row in rows.values())
-            lossy_runs += sum(row.lossy for row in rows.values())
-            lossy_differ += sum(row.lossy and not row.identical for row in rows.values())
+            lossy_runs += sum(r.lossy for results in runs.values() for r in results)
+            lossy_differ += sum(row.runs_differing for row in rows.values() if row.lossy)
             reply = tok.decode(reference, skip_special_tokens=True).strip()
-            tqdm.write(_table(turn + 1, len(ids), QUESTIONS[turn], reply, rows))
+            tqdm.write(_table(turn + 1, len(ids), QUESTIONS[turn], reply, rows, repeats))
             report["turns"].append(
                 {"turn": turn + 1, "prompt_tokens": len(ids), "question": QUESTIONS[turn], "reply": reply,
                  "methods": {name: asdict(row) for name, row in rows.items()}}
@@ -141,15 +161,41 @@ def run_demo(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _table(turn: int, prompt_tokens: int, question: str, reply: str, rows: dict[str, MethodRow]) -> str:
+def _row(results: list, reference: list[int], stored_bytes_per_token: int) -> MethodRow:
+    """One method's runs in one turn, as a row: the median TTFT and its range; the reply checked in every run."""
+    ttfts = [r.ttft_s for r in results]
+    differing = sum(r.output_ids != reference for r in results)
+    return MethodRow(
+        restored_tokens=min(r.restored_tokens for r in results),
+        ttft_s=statistics.median(ttfts),
+        stored_bytes_per_token=stored_bytes_per_token,
+        bytes_read=max(r.bytes_read for r in results),
+        identical=not differing,
+        fallback=next((r.fallback for r in results if r.fallback), None),
+        lossy=any(r.lossy for r in results),
+        ttft_s_min=min(ttfts),
+        ttft_s_max=max(ttfts),
+        ttft_s_runs=ttfts,
+        runs_differing=differing,
+    )
+
+
+def _table(turn: int, prompt_tokens: int, question: str, reply: str, rows: dict[str, MethodRow], repeats: int) -> str:
     lines = [
         f"\nturn {turn}: {prompt_tokens} prompt tokens. Q: {question}",
         f"A: {reply}",
-        f"{'method':<22}{'restored':>9}{'TTFT ms':>10}{'stored B/token':>16}{'read KiB':>10}  same reply",
+        f"{'method':<22}{'restored':>9}{'TTFT ms':>10}{'min-max ms':>14}{'stored B/token':>16}{'read KiB':>10}  same reply",
     ]
     for name, r in rows.items():
+        same = "yes" if r.identical else f"no (8-bit state{f', {r.runs_differing} of {repeats}' if repeats > 1 else ''})" if r.lossy else "NO"
         lines.append(
-            f"{name:<22}{r.restored_tokens:>9}{r.ttft_s * 1e3:>10.1f}{r.stored_bytes_per_token:>16}"
-            f"{r.bytes_read / 1024:>10.0f}  {'yes' if r.identical else 'no (8-bit state)' if r.lossy else 'NO'}"
+            f"{name:<22}{r.restored_tokens:>9}{r.ttft_s * 1e3:>10.1f}{_range(r):>14}{r.stored_bytes_per_token:>16}"
+            f"{r.bytes_read / 1024:>10.0f}  {same}"
         )
+    lines.append(f"TTFT: median of {repeats} run{'s' if repeats > 1 else ''} per method, interleaved")
     return "\n".join(lines)
+
+
+def _range(row: MethodRow) -> str:
+    low, high = row.ttft_s_min * 1e3, row.ttft_s_max * 1e3
+    return f"{low:.0f}-{high:.0f}" if high >= 100 else f"{low:.1f}-{high:.1f}"
