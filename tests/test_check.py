@@ -69,6 +69,19 @@ def test_a_failed_case_or_step_is_recorded_and_the_command_exits_1(tmp_path, mon
     assert "1 case(s) failed: reference llama H" in capsys.readouterr().out
 
 
+def test_without_out_or_save_the_check_writes_nothing_and_prints_its_report(tmp_path, monkeypatch, capsys):
+    case = {"engine": "reference", "family": "llama", "dtype": "float32", "plan": "KV", "restored_tokens": 191,
+            "expected_tokens": 191, "fallback": None, "tokens_equal": True, "worst_excess": -1e-6, "ok": True}  # fmt: skip
+    monkeypatch.setattr("hcache.check.correctness.check_restores", lambda engines, progress=None: [case])
+    monkeypatch.setattr("hcache.check.floors.measure_floors", lambda store, quick: {"host_copy_gbps": 1.0})
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "--quick"]) == 0
+    assert not list(tmp_path.iterdir())
+    out = capsys.readouterr().out
+    assert "| reference | llama | float32 | KV | 191/191 | True |" in out and "| host_copy_gbps | 1 |" in out
+    assert "correctness: every case passed (--out PATH or --save keeps this report)" in out
+
+
 def test_the_check_covers_families_fastgen_serves():
     from hcache.engine.fastgen import check_model_type
 

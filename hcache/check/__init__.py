@@ -3,9 +3,10 @@ restores correctly on it.
 
 Steps, in order: the environment (:mod:`.environment`), the copy and disk floors (:mod:`.floors`), every
 restore method against recompute per family and engine (:mod:`.correctness`), and on a GPU the restore
-speed against its bounds (:mod:`.speed`). The JSON and a markdown table are rewritten after every step, so
-a run cut off still leaves what it measured; a step that fails is recorded with its error and the next one
-runs. The command exits 1 when a correctness case fails (or cannot run), 0 otherwise.
+speed against its bounds (:mod:`.speed`). The report is printed at the end; with ``--out`` or ``--save``
+its JSON and a markdown table are written instead, rewritten after every step, so a run cut off still
+leaves what it measured. A step that fails is recorded with its error and the next one runs. The command
+exits 1 when a correctness case fails (or cannot run), 0 otherwise.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="report this machine, measure its floors, check every restore against recompute, time restores (GPU)")
     p.add_argument("--quick", action="store_true",
                    help="skip the slow parts: 16K histories, the disk and MII benchmarks, and the larger floors")
-    p.add_argument("--out", default="hcache-check", help="write <out>.json and <out>.md after every step (default: ./hcache-check)")
+    p.add_argument("--out", default=None, help="write <out>.json and <out>.md after every step (default: write nothing, print the report)")
     p.add_argument("--save", action="store_true",
                    help=f"write them under {RESULTS}/ instead, named check-<GPU or CPU>-<date>")
     p.add_argument("--store-dir", default=None, help="the store disk to describe and measure (default: a temporary directory)")
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     from .floors import measure_floors
     from .speed import measure_speed
 
-    out = RESULTS / f"check-{machine_name()}-{datetime.date.today().isoformat()}" if args.save else Path(args.out)
+    out = RESULTS / f"check-{machine_name()}-{datetime.date.today().isoformat()}" if args.save else (Path(args.out) if args.out else None)
     report = {"command": command, "machine": machine_facts(), "steps": {}}
     engines = ["reference", *(["fastgen"] if torch.cuda.is_available() else [])]
     with tempfile.TemporaryDirectory(prefix="hcache-check-store-") as tmp:
@@ -60,9 +61,13 @@ def run(args: argparse.Namespace, command: str) -> int:
                 result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
                 print(f"  {name} failed: {result['error']}", flush=True)
             report["steps"][name] = {**result, "seconds": round(time.perf_counter() - start, 1)}
-            _write(report, out)
+            if out:
+                _write(report, out)
     failed = _failed(report["steps"]["correctness"])
-    print(f"wrote {out}.json and {out}.md; correctness: {failed or 'every case passed'}")
+    if out:
+        print(f"wrote {out}.json and {out}.md; correctness: {failed or 'every case passed'}")
+    else:
+        print(f"\n{markdown(report)}\ncorrectness: {failed or 'every case passed'} (--out PATH or --save keeps this report)")
     return 1 if failed else 0
 
 
