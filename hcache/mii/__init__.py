@@ -55,6 +55,7 @@ __all__ = ["HCacheConfig", "build_engine", "pipeline", "serve"]
 log = logging.getLogger(__name__)
 TERMINATE_WAIT_S = 15
 MII_CACHE_ENV = "MII_CACHE_PATH"
+DS_ACCELERATOR_ENV = "DS_ACCELERATOR"
 
 
 def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
@@ -62,6 +63,7 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
     loop checks each request, prefetches for waiting ones and fails a call alone
     (:func:`~hcache.mii.backend.keeping_the_loop_installed`).
     The pipeline's ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
+    _libraries_as_quiet_as_hcache()
     import mii
 
     _bind()
@@ -80,6 +82,7 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
     The hcache config is resolved, and the model and store checked, before any process starts (then
     ``checked(resolved config)`` is called, if given). If the deployment still fails to start, every process it started is
     stopped before the error is raised."""
+    _libraries_as_quiet_as_hcache()
     import mii
 
     _bind()
@@ -110,6 +113,24 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
 
     client.terminate_server = terminate_server
     return client
+
+
+def _libraries_as_quiet_as_hcache() -> None:
+    """DeepSpeed picks its accelerator when it is first imported, and where it finds no GPU it warns so, in
+    this process and in each one MII starts. Where torch sees no CUDA device (as DeepSpeed checks), the CPU
+    is named with DeepSpeed's own switch, ``DS_ACCELERATOR``, which those processes inherit. MII logs at
+    INFO: below INFO for hcache's logger (``hcache`` without ``-v``), only its warnings show."""
+    import torch
+
+    if DS_ACCELERATOR_ENV not in os.environ and not (torch.cuda.device_count() > 0 and torch.cuda.is_available()):
+        os.environ[DS_ACCELERATOR_ENV] = "cpu"
+    mii_log = logging.getLogger("MII")  # MII sets its level when first imported: a filter stays
+    if not log.isEnabledFor(logging.INFO) and _warnings_only not in mii_log.filters:
+        mii_log.addFilter(_warnings_only)
+
+
+def _warnings_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
 
 
 @contextmanager

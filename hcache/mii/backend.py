@@ -379,13 +379,38 @@ def installed(hcache: ResolvedConfig) -> Iterator[None]:
 @contextmanager
 def server_processes_launched_by_hcache(hcache: ResolvedConfig, launched: list[subprocess.Popen]) -> Iterator[None]:
     """While ``mii.serve`` starts its processes, start them through :mod:`hcache.mii.launch` with the
-    hcache config, in MII's own command line otherwise, and collect them in ``launched``."""
+    hcache config, in MII's own command line otherwise, and collect them in ``launched``.
+
+    The processes log as hcache's logger here does (``hcache -v``: INFO): below INFO, DeepSpeed's launcher
+    is quiet (``--log_level error``: no training-launcher lines), and so are MII's and the REST gateway's
+    INFO messages (:mod:`hcache.mii.launch`). MII writes two hostfiles to the temporary directory as it
+    starts, reads them then, and leaves them behind: they are removed once it has started (or failed to)."""
+    import contextlib
+    import logging
+
     from mii.backend.server import MIIServer, config_to_b64_str
+
+    level = logging.getLogger("hcache").getEffectiveLevel()
+    hostfiles: list[str] = []
+
+    def init(self, mii_config):
+        given = mii_config.hostfile  # when it is missing, MII writes one to the temporary directory
+        try:
+            saved_init(self, mii_config)
+        finally:
+            if mii_config.hostfile != given:
+                hostfiles.append(mii_config.hostfile)
+
+    def ds_launch_str(self, replica_config, hostfile, use_multiple_hosts):
+        hostfiles.append(hostfile)  # one per replica, written for DeepSpeed's launcher, which is not given it
+        return saved_ds_launch_str(self, replica_config, hostfile, use_multiple_hosts)
 
     def launch(self, model_config, msg_server_type, ds_launch_str="", server_args=None):
         launcher = ds_launch_str.split()
         if launcher[:1] == ["deepspeed"]:  # DeepSpeed's launcher from this Python, not the first on PATH
             launcher[:1] = [sys.executable, "-m", "deepspeed.launcher.runner"]
+            if level > logging.INFO:
+                launcher[3:3] = ["--log_level", "error"]
         cmd = [
             *launcher,
             sys.executable, "-m", "hcache.mii.launch",
@@ -396,7 +421,7 @@ def server_processes_launched_by_hcache(hcache: ResolvedConfig, launched: list[s
         # not on the command line, which every local user can. A session of its own: Ctrl-C reaches only
         # the serving process, which stops the deployment in order (``terminate_server``) rather than each
         # process dying where it stands, and ``stop`` can end the launcher with the server it started.
-        env = dict(os.environ, **{CONFIG_ENV: hcache.model_dump_json()})
+        env = dict(os.environ, **{CONFIG_ENV: hcache.model_dump_json(), "HCACHE_LOG_LEVEL": logging.getLevelName(level)})
         launched.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         launched[-1].hcache_saves = msg_server_type == "MII server"  # the others hold no state
         return launched[-1]
@@ -409,12 +434,18 @@ def server_processes_launched_by_hcache(hcache: ResolvedConfig, launched: list[s
                     raise RuntimeError(f"the model server exited with status {process.returncode} while starting")
                 time.sleep(0.2)
 
+    saved_init, saved_ds_launch_str = MIIServer.__init__, MIIServer._generate_ds_launch_str
     saved = MIIServer._launch_server_process, MIIServer._wait_until_server_is_live
     MIIServer._launch_server_process, MIIServer._wait_until_server_is_live = launch, wait_until_live
+    MIIServer.__init__, MIIServer._generate_ds_launch_str = init, ds_launch_str
     try:
         yield
     finally:
         MIIServer._launch_server_process, MIIServer._wait_until_server_is_live = saved
+        MIIServer.__init__, MIIServer._generate_ds_launch_str = saved_init, saved_ds_launch_str
+        for path in hostfiles:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "localhost", *, max_model_len: int | None = None,

@@ -1,17 +1,34 @@
 """``python -m hcache.mii.launch <MII's server arguments>``: one of MII's server processes (model replica, load
 balancer or REST gateway) with hcache installed, started by :func:`hcache.mii.serve` in place of
 ``python -m mii.launch.multi_gpu_server``. The resolved hcache config comes in the environment (``HCACHE_MII_CONFIG``),
-not on the command line, where every local user could read the store paths and namespace."""
+not on the command line, where every local user could read the store paths and namespace. The process logs
+at the level of ``HCACHE_LOG_LEVEL`` (hcache's, where it was started: INFO with ``hcache -v``), so that
+``hcache serve -v`` shows the model server's restores; below INFO, MII's and the REST gateway's (werkzeug's)
+INFO messages and MII's printed progress are not shown."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 
 from .backend import CONFIG_ENV, install_server
 from ..config import ResolvedConfig
 
+LOG_LEVEL_ENV = "HCACHE_LOG_LEVEL"  # set by hcache.mii.backend.server_processes_launched_by_hcache
+
+
+def _logging() -> None:
+    level = os.environ.get(LOG_LEVEL_ENV, "WARNING")
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        # MII sets its logger's level when it is first imported: a filter stays. werkzeug logs each request.
+        logging.getLogger("MII").addFilter(lambda record: record.levelno >= logging.WARNING)
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+
 
 def main() -> None:
+    _logging()
     from mii.launch.multi_gpu_server import b64_encoded_config
     from mii.launch.multi_gpu_server import main as mii_main
 
@@ -21,6 +38,10 @@ def main() -> None:
     parser.add_argument("--restful-gateway", action="store_true")
     args, _ = parser.parse_known_args()
     install_server(config, args.model_config, args.restful_gateway)  # for the life of this process
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        # MII prints its progress ("Starting server on port ...", "About to start server", "Started"). Its
+        # and DeepSpeed's loggers, made on import above, keep the stream they were made with; errors go to stderr.
+        sys.stdout = open(os.devnull, "w")  # for the life of this process
     mii_main()
 
 
