@@ -480,7 +480,7 @@ def stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
         for process in processes:
             _signal_session(process, sig)
         deadline = time.monotonic() + 5.0
-        while any(_signal_session(p, 0) for p in processes) and time.monotonic() < deadline:
+        while any(_live_session(p) for p in processes) and time.monotonic() < deadline:
             time.sleep(0.1)
 
 
@@ -488,18 +488,33 @@ def _model_server_running(process: subprocess.Popen) -> bool:
     """Whether ``process``'s model server (hcache's launch module, under DeepSpeed's launcher) still runs."""
     if not getattr(process, "hcache_saves", True):
         return False
-    try:
-        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
-        return any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "hcache.mii.launch" in p.cmdline() for p in tree)
-    except psutil.Error:  # the launcher is gone: nothing waits under it
-        return False
+    for p in _live_session(process):
+        try:
+            if p.cmdline()[1:3] == ["-m", "hcache.mii.launch"]:  # the server, not the launchers naming it
+                return True
+        except psutil.Error:
+            pass
+    return False
 
 
-def _signal_session(process: subprocess.Popen, sig: int) -> bool:
-    """Send ``sig`` to every process of ``process``'s session (0: none); whether any was left to get it."""
-    process.poll()  # reap the leader once it exits, or its session never looks empty
+def _live_session(process: subprocess.Popen) -> list[psutil.Process]:
+    """The processes of ``process``'s session still running: zombies, which a container's init may reap
+    late, do not count."""
+    process.poll()  # reap the leader once it exits
+    live = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(p.pid) == process.pid:
+                live.append(p)
+        except OSError:
+            pass
+    return live
+
+
+def _signal_session(process: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to every process of ``process``'s session."""
+    process.poll()
     try:
         os.killpg(process.pid, sig)
-        return True
     except ProcessLookupError:
-        return False
+        pass

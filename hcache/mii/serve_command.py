@@ -21,11 +21,10 @@ from pathlib import Path
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
 from . import serve
-from ..openai import DRAIN_SIGNAL, READY_SIGNAL
+from ..openai import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
 DEFAULT_METRICS_PORT = 9464
 DRAIN_S = 3.0  # a health check every second, two failures to take a node out (hcache/fleet/haproxy.cfg), and margin
-FINISH_S = 300  # the longest the OpenAI server may take to finish its requests once it stops taking new ones
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -138,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             if openai is not None:
                 openai.terminate()  # uvicorn stops taking connections and finishes the requests it has
                 try:
-                    openai.wait(FINISH_S)
+                    openai.wait(FINISH_S + 5)
                 except subprocess.TimeoutExpired:
                     openai.kill()
                     openai.wait()

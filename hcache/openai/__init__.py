@@ -5,3 +5,4 @@ import: ``hcache serve`` reads the signals below without loading the server."""
 import signal
 
 DRAIN_SIGNAL, READY_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
+FINISH_S = 2.0  # after the drain and SIGTERM, the longest a request still running is waited for

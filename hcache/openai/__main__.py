@@ -3,14 +3,15 @@
 
 Signals from ``hcache serve``: with ``--starting`` ``/health`` answers 503 until READY_SIGNAL (the
 deployment is up); DRAIN_SIGNAL makes it answer 503 again (the node is stopping) while requests are still
-served; SIGTERM then stops it taking connections, and it exits once its requests are answered."""
+served; SIGTERM then stops it taking connections, and it exits once its requests are answered, or
+``FINISH_S`` later, cutting those still running (they had the drain to finish)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import signal
 
-from . import DRAIN_SIGNAL, READY_SIGNAL
+from . import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     max_model_len = args.max_model_len or AutoConfig.from_pretrained(args.model).max_position_embeddings
     served = Served(args.served_model_name or [args.model], AutoTokenizer.from_pretrained(args.model), max_model_len)
     app = create_app(served, args.load_balancer, health)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning", access_log=args.verbose)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning", access_log=args.verbose,
+                timeout_graceful_shutdown=FINISH_S)  # fmt: skip
 
 
 if __name__ == "__main__":

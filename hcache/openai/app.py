@@ -9,6 +9,7 @@ or path, 503 while the deployment cannot be reached, 500 only for a fault of the
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import InvalidRequestError
@@ -99,6 +100,8 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}").response()
         where = ".".join(str(p) for p in first["loc"] if p != "body")
         message = f"{where}: {first['msg']}" if where else first["msg"]
         return APIError(400, message, param=where or None).response()
@@ -123,24 +126,24 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
         return ModelList(data=[Model(id=served.names[0], created=served.created, max_model_len=served.max_model_len)])
 
     @app.post("/v1/chat/completions")
-    async def chat(request: ChatCompletionRequest):
+    async def chat(request: ChatCompletionRequest, http: Request):
         try:
             messages = [{"role": m.role, "content": m.text()} for m in request.messages]
             prompt = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # a part that is not text, or a template that refuses the conversation
             raise APIError(400, f"messages: {exc}", param="messages") from None
-        return await _answer(request, prompt, "messages", _ChatFormat(request.model))
+        return await _answer(request, prompt, "messages", _ChatFormat(request.model), http)
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
+    async def completions(request: CompletionRequest, http: Request):
         prompt = request.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise APIError(400, "prompt must be one string: token ids and lists of prompts are not supported", param="prompt")
-        return await _answer(request, prompt, "prompt", _CompletionFormat(request.model, prompt if request.echo else ""))
+        return await _answer(request, prompt, "prompt", _CompletionFormat(request.model, prompt if request.echo else ""), http)
 
-    async def _answer(request: ChatCompletionRequest | CompletionRequest, prompt: str, prompt_param: str, form: _Format):
+    async def _answer(request: ChatCompletionRequest | CompletionRequest, prompt: str, prompt_param: str, form: _Format, http: Request):
         if request.model not in served.names:
             raise APIError(404, f"The model `{request.model}` does not exist.", param="model", code="model_not_found")
         problem = unsupported(request)
@@ -152,16 +155,45 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
             return StreamingResponse(_events(first, pieces, form, include_usage), media_type="text/event-stream")
-        text, last = first.text, first
-        async with aclosing(pieces):
-            try:
-                async for piece in pieces:
-                    text, last = text + piece.text, piece
-            except DeploymentError as exc:
-                raise APIError(exc.status, str(exc)) from None
-        return form.whole(text, last)
+        try:
+            return form.whole(*await _joined(first, pieces, http))
+        except DeploymentError as exc:
+            raise APIError(exc.status, str(exc)) from None
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
 
     return app
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+async def _joined(first: Piece, pieces: AsyncIterator[Piece], http: Request) -> tuple[str, Piece]:
+    """The generation's text and last piece; if the client goes away first, the generation is cancelled (a
+    streamed response notices by itself; a whole one only by listening, as vLLM's does)."""
+
+    async def join() -> tuple[str, Piece]:
+        text, last = first.text, first
+        async for piece in pieces:
+            text, last = text + piece.text, piece
+        return text, last
+
+    async def disconnect() -> None:  # the body is read: the next message is the client going away
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    async with aclosing(pieces):
+        joining, leaving = asyncio.ensure_future(join()), asyncio.ensure_future(disconnect())
+        try:
+            await asyncio.wait({joining, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (leaving, joining):
+                task.cancel()
+            await asyncio.gather(leaving, joining, return_exceptions=True)
+        if joining.cancelled():
+            raise ClientGone()
+        return joining.result()
 
 
 async def _first(pieces: AsyncIterator[Piece]) -> Piece:
