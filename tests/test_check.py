@@ -6,6 +6,7 @@ import torch
 from hcache.check.correctness import FAMILIES, PLANS, check_restores
 from hcache.cli import main
 from hcache.engine import ReferenceEngine
+from hcache.machine import source_commit
 
 
 def test_check_reports_the_machine_and_passes_every_restore_on_the_cpu(tmp_path, capsys):
@@ -14,6 +15,7 @@ def test_check_reports_the_machine_and_passes_every_restore_on_the_cpu(tmp_path,
     report = json.loads(out.with_suffix(".json").read_text())
     steps = report["steps"]
     assert report["command"].startswith("hcache check --quick") and list(steps) == ["environment", "floors", "correctness", "speed"]
+    assert report["commit"] == source_commit()  # the source the report speaks for
     assert steps["environment"]["torch"] == torch.__version__ and steps["environment"]["store"]["free_bytes"] > 0
     assert steps["floors"]["host_copy_gbps"] > 0 and steps["floors"]["disk_read_gbps"] > 0
     cases = steps["correctness"]["cases"]

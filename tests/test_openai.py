@@ -175,7 +175,7 @@ def test_stop_strings_streamed_and_not(server):
     client = server.client()
     reply = _greedy(client, QUESTION)
     stop = reply.split()[2]  # a word inside the reply: the text ends before it
-    for stops in (stop, ["no such words", stop]):  # every entry of a list counts, not only the first
+    for stops in (stop, ["no such words", stop], ["", stop]):  # every entry of a list counts; an empty one stops nothing
         whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32, stop=stops)
         assert (whole.choices[0].message.content, whole.choices[0].finish_reason) == (reply[: reply.index(stop)], "stop")
         text, chunks = _streamed(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32, stop=stops, stream=True))

@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..machine import machine_facts, machine_name
+from ..machine import machine_facts, machine_name, source_commit
 
 RESULTS = Path("benchmarks/results")
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     from .speed import measure_speed
 
     out = RESULTS / f"check-{machine_name()}-{datetime.date.today().isoformat()}" if args.save else (Path(args.out) if args.out else None)
-    report = {"command": command, "machine": machine_facts(), "steps": {}}
+    report = {"command": command, "commit": source_commit(), "machine": machine_facts(), "steps": {}}
     engines = ["reference", *(["fastgen"] if torch.cuda.is_available() else [])]
     with tempfile.TemporaryDirectory(prefix="hcache-check-store-") as tmp:
         store = Path(args.store_dir or tmp)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tokenizers.decoders import DecodeStream
+
 
 class StreamDecoders:
     """In place of MII's ``ReadableStream``: one incremental decoder per thread (MII's server serves one
@@ -19,8 +21,6 @@ class StreamDecoders:
         self.stream_state: dict[int, object] = {}
 
     def decode(self, thread_id: int, token_ids: list[int]) -> str:
-        from tokenizers.decoders import DecodeStream
-
         stream = self.stream_state.setdefault(thread_id, DecodeStream(skip_special_tokens=True))
         return "".join(filter(None, (stream.step(self.tokenizer._tokenizer, int(t)) for t in token_ids)))
 

@@ -46,7 +46,6 @@ from .protocol import (
 )
 
 log = logging.getLogger(__name__)
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable_error"}
 
 
 class APIError(Exception):
@@ -55,7 +54,8 @@ class APIError(Exception):
         self.status, self.param, self.code = status, param, code
 
     def response(self) -> JSONResponse:
-        body = ErrorBody(message=str(self), type=_ERROR_TYPES.get(self.status, "server_error"), param=self.param, code=self.code)
+        kind = "invalid_request_error" if self.status < 500 else "server_error"  # OpenAI's types
+        body = ErrorBody(message=str(self), type=kind, param=self.param, code=self.code)
         return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=self.status)
 
 

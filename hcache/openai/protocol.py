@@ -35,7 +35,8 @@ class _Request(BaseModel):
 
     @property
     def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop or []]
+        """The stop strings; an empty one would stop before any text, and stops nothing (as in vLLM)."""
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s]
 
     @property
     def new_tokens(self) -> Optional[int]:
