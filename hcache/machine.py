@@ -62,6 +62,7 @@ def machine_facts() -> dict:
         "cpu_count": os.cpu_count(),
         "gpu": gpu,
         "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),  # when taken: OMP_NUM_THREADS, torch.set_num_threads, --torch-threads
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
