@@ -281,11 +281,15 @@ def _elsewhere(n: int) -> str:
 
 def _reject(tier: HostTier, key: str, index: int, exc: ChunkInvalid | OSError) -> str:
     """Log and say why the prefix ends here. A chunk proven bad is dropped, so the prefill that follows can
-    save a good one; one that could not be read (an I/O error, perhaps passing) is kept."""
+    save a good one; one that could not be read (an I/O error, perhaps passing), or of another layout
+    version (another hcache's), is kept."""
     if isinstance(exc, OSError):
         reason = f"chunk {key}: cannot read ({exc})"
         log.warning("%s; recomputing from token %d", reason, index * CHUNK_TOKENS)
         return reason
+    if not exc.discard:
+        log.warning("%s; leaving it and recomputing from token %d", exc, index * CHUNK_TOKENS)
+        return str(exc)
     log.warning("%s; discarding it and recomputing from token %d", exc, index * CHUNK_TOKENS)
     try:
         tier.discard(key)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 from storage_chunks import check_served, chunk, chunk_bytes, read_back
 
 from hcache.errors import StorageError
@@ -335,3 +336,36 @@ def test_files_are_private_whatever_the_umask(tmp_path):
         assert d.stat().st_mode & 0o777 == 0o700, d
     for f in (root / "hcache-store.json", store.path(chunk(0).key), root / "hcache-store.lock"):
         assert f.stat().st_mode & 0o777 == 0o600, f
+
+
+def test_chunks_of_a_newer_layout_version_in_a_shared_store_are_never_deleted(tmp_path):
+    """A rolling upgrade shares a store: a newer hcache's chunks (another layout version, under keys of its
+    own) are left alone by this one at start-up (header or full verification) and while it serves: counted,
+    never indexed, evicted or deleted."""
+    from helpers import loaded, random_prompt
+
+    from hcache.runtime import HCacheRuntime
+    from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+
+    llama, store = loaded("random:llama"), tmp_path / "store"
+    prompt = random_prompt(3 * CHUNK_TOKENS + 10, llama.spec.vocab_size, torch.Generator().manual_seed(0))
+    with HCacheRuntime(llama, store, plan="KV") as runtime:
+        reference = runtime.generate(prompt, 4, stop_token_ids=set()).output_ids
+        keys = chunk_keys(prompt, root_key(runtime.serving.fingerprint))
+    [ours] = store.glob(f"chunks/*/{keys[1]}.safetensors")
+    theirs = "f" * len(keys[1])  # the newer hcache's key for the same tokens
+    image = ours.read_bytes()
+    for old, new in ((f'"layout_version":"{LAYOUT_VERSION}"', f'"layout_version":"{LAYOUT_VERSION + 1}"'), (keys[1], theirs)):
+        assert len(old) == len(new) and image.count(old.encode()) == 1
+        image = image.replace(old.encode(), new.encode())
+    newer = store / "chunks" / theirs[:2] / f"{theirs}.safetensors"
+    newer.parent.mkdir(exist_ok=True)
+    newer.write_bytes(image)
+    for verify in ("header", "full"):
+        reopened = DiskChunkStore(store, verify=verify)
+        assert (reopened.other_version_at_start, reopened.dropped_at_start, len(reopened.keys())) == (1, 0, 3)
+        reopened.close()
+    with HCacheRuntime(llama, store, plan="KV", store={"quota_bytes": 4 * ours.stat().st_size}) as runtime:
+        r = runtime.generate(prompt, 4, stop_token_ids=set())
+    assert r.output_ids == reference and r.restored_tokens == 3 * CHUNK_TOKENS
+    assert newer.read_bytes() == image  # under a quota it does not count against either

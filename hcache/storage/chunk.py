@@ -35,7 +35,17 @@ _METADATA = b'"__metadata__":'
 
 
 class ChunkInvalid(Exception):
-    """A stored chunk that must not be served: corrupt, truncated, or not the state asked for."""
+    """A stored chunk that must not be served: corrupt, truncated, or not the state asked for. ``discard``:
+    it is proven bad, and its store may delete it."""
+
+    discard = True
+
+
+class ChunkOtherVersion(ChunkInvalid):
+    """A chunk of another layout version: another hcache's (a newer one's, in a rolling upgrade sharing a
+    store), which that hcache reads. It is not served here and never deleted here."""
+
+    discard = False
 
 
 @dataclass
@@ -238,11 +248,14 @@ def _parse_header(head: bytes, key: str) -> tuple[ChunkLayout, dict]:
             raise ValueError("tensors after the metadata")
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise ValueError("metadata is not a map of strings")
+        version = meta.get("layout_version")
+        if version != str(LAYOUT_VERSION):  # before the tensors: another version may lay them out otherwise
+            raise ChunkOtherVersion(f"chunk {key}: layout version {version!r}; this hcache reads {LAYOUT_VERSION}")
         layout = _layout(tensors, 8 + header_len)
-    except Exception as exc:  # any parse failure is corruption
+    except ChunkOtherVersion:
+        raise
+    except Exception as exc:  # any other parse failure is corruption
         raise ChunkInvalid(f"chunk {key}: unreadable header ({exc})") from exc
-    if meta.get("layout_version") != str(LAYOUT_VERSION):
-        raise ChunkInvalid(f"chunk {key}: layout version {meta.get('layout_version')!r}, expected {LAYOUT_VERSION}")
     if meta.get("key") != key:
         raise ChunkInvalid(f"chunk {key}: header names key {meta.get('key')!r}")
     return layout, meta

@@ -48,7 +48,7 @@ import torch
 from ..errors import StorageError
 from . import dir_lock
 from . import direct_io as dio
-from .chunk import ChunkImage, ChunkInvalid, header_names
+from .chunk import ChunkImage, ChunkInvalid, ChunkOtherVersion, header_names
 from .chunk_key import LAYOUT_VERSION
 from .lru_index import Entry, LruIndex
 
@@ -138,6 +138,7 @@ class DiskChunkStore:
         self.write_errors = 0
         self.evictions = 0
         self.dropped_at_start = 0  # chunk files found bad at start-up
+        self.other_version_at_start = 0  # chunk files of another layout version, left alone
         self._lock = threading.Lock()
         self._index = LruIndex(quota_bytes, ttl_s, clock)
         self._stamp_s = _STAMP_S if ttl_s is None else min(_STAMP_S, ttl_s / 8)
@@ -248,6 +249,10 @@ class DiskChunkStore:
                     elif verify == "header":
                         with open(path, "rb") as f:
                             header_names(f, key, st.st_size)
+                except ChunkOtherVersion as exc:  # another hcache's: not this store's to count, serve or delete
+                    log.warning("leaving chunk file %s alone: %s", path, exc)
+                    self.other_version_at_start += 1
+                    continue
                 except (OSError, ChunkInvalid) as exc:
                     log.warning("dropping chunk file %s at start-up: %s", path, exc)
                     self.dropped_at_start += 1
@@ -262,7 +267,11 @@ class DiskChunkStore:
                     found[key] = (path, entry)
         self._index.add_in_age_order([(key, entry) for key, (_, entry) in found.items()])
         with self._lock:
-            self._evict(self._index.make_room(0) or [])
+            victims = self._index.make_room(0) or []
+            if victims:  # a quota below what the directories hold: the oldest go now
+                log.warning("store %s holds more than its quota of %d bytes: evicting its %d least recently used chunks (%d bytes)",
+                            self.root, self.quota_bytes, len(victims), sum(e.size for _, e in victims))  # fmt: skip
+            self._evict(victims)
 
     # ---- the ChunkStore protocol ------------------------------------------------------------------
     def path(self, key: str, dir_index: int | None = None) -> Path:
@@ -403,6 +412,7 @@ class DiskChunkStore:
                 "write_errors": self.write_errors,
                 "evictions": self.evictions,
                 "dropped_at_start": self.dropped_at_start,
+                "other_version_at_start": self.other_version_at_start,
                 "direct_io": list(self.direct),
             }
 

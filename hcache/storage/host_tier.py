@@ -204,7 +204,7 @@ class HostTier:
                     raise
                 except (ChunkInvalid, OSError) as exc:
                     failure = exc
-                    if isinstance(exc, ChunkInvalid):
+                    if isinstance(exc, ChunkInvalid) and exc.discard:
                         store.discard(key)  # not the pool's copy: one published meanwhile is not this one
                 self._free_unpublished(taken)
                 taken.clear()
