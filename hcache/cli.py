@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--store", default=None, help="chunk store directory (default: a temporary one)")
     demo.add_argument("--json", dest="json_path", default=None, help="also write the figures to this file")
     demo.add_argument("--stored-dtype", default="auto", help="auto (lossless; default), int8, fp8, 8bit or H=fp8,KV=int8: replies restored from 8-bit state may differ")
+    demo.add_argument("--repeats", type=int, default=3, help="timed runs per method and turn, interleaved; the median is shown (default 3)")
 
     prepare = sub.add_parser("prepare", help="convert the embedded default model once, so later loads are fast")
     prepare.add_argument("--fastgen", action="store_true",
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import run_demo
 
-            return 0 if run_demo(args.model, args.turns, args.max_new_tokens, args.store, args.json_path, args.stored_dtype) else 1
+            return 0 if run_demo(args.model, args.turns, args.max_new_tokens, args.store, args.json_path, args.stored_dtype, args.repeats) else 1
         command = " ".join(["hcache", *(sys.argv[1:] if argv is None else argv)])
         if args.command == "profile":
             return _profile(args, command)

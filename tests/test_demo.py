@@ -41,6 +41,8 @@ def test_demo_checks_its_arguments_before_touching_the_store(tmp_path, capsys):
     store = tmp_path / "store"
     assert main(["demo", "--max-new-tokens", "-1", "--store", str(store)]) == 2
     assert "max_new_tokens must be at least 1" in capsys.readouterr().err
+    assert main(["demo", "--repeats", "0", "--store", str(store)]) == 2
+    assert "repeats must be an integer of at least 1" in capsys.readouterr().err
     assert not store.exists()
 
 
