@@ -142,11 +142,14 @@ class AssistantMessage(BaseModel):
     refusal: Optional[str] = None
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
     index: int = 0
-    message: AssistantMessage
     logprobs: None = None
-    finish_reason: str
+    finish_reason: Optional[str] = None  # None until the last piece of a stream
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
 
 
 class ChatCompletion(_Response):
@@ -159,11 +162,8 @@ class Delta(BaseModel):
     content: Optional[str] = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(_Choice):
     delta: Delta
-    logprobs: None = None
-    finish_reason: Optional[str] = None
 
 
 class ChatCompletionChunk(_Response):
@@ -171,11 +171,8 @@ class ChatCompletionChunk(_Response):
     choices: list[ChatChunkChoice]
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
+class CompletionChoice(_Choice):
     text: str
-    logprobs: None = None
-    finish_reason: Optional[str] = None
 
 
 class Completion(_Response):
