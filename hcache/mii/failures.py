@@ -307,33 +307,36 @@ def _reply_stream(reply):
     queue for the thread's next call (MII's own asserts on a stale result)."""
 
     def generator_reply_stream(self, request, context):
-        pipeline = self.inference_pipeline
-        with _serving_call(pipeline, threading.get_ident()) as call:
+        pipeline, tid = self.inference_pipeline, threading.get_ident()
+        with _serving_call(pipeline, tid) as call:
             context.add_callback(call.cancel)  # on the call's end: a no-op once it has finished
-            finished = False
+            finished = completed = False
             try:
                 for message in reply(self, request, context):
                     finished = message.response[0].finish_reason != "none"
                     yield message
+                completed = True  # MII freed the uid and the thread's decoder itself
             except Exception as exc:  # the reader got the call's failure: the loop has dropped its request
                 finished = True
                 context.abort(grpc_code(exc), str(client_error(exc)))
             finally:
                 if not finished:  # closed at a yield: the client went away mid-generation
                     call.cancel()
-                    _await_dropped(pipeline, call)
-                for uid in call.uids:  # MII frees a stream's uid only when it finishes
-                    if uid in pipeline.uids:
-                        pipeline.flush_uid(uid)
+                    _await_dropped(pipeline, call, tid)
+                if not completed:  # MII frees a stream's uid and decoder only when it reads the last message
+                    for uid in call.uids:
+                        if uid in pipeline.uids:  # still this call's: MII has not freed it
+                            pipeline.flush_uid(uid)
+                    pipeline.readable_stream.flush_state(tid)
 
     return generator_reply_stream
 
 
-def _await_dropped(pipeline, call: _Call) -> None:
-    """Read this thread's results until the cancelled ``call``'s request has finished or been dropped."""
+def _await_dropped(pipeline, call: _Call, tid: int) -> None:
+    """Read thread ``tid``'s results until the cancelled ``call``'s request has finished or been dropped."""
     from mii.constants import GenerationFinishReason
 
-    results = pipeline.result_queues[threading.get_ident()]
+    results = pipeline.result_queues[tid]
     while True:
         try:
             result = results.get(timeout=DROP_WAIT_S)
@@ -393,12 +396,16 @@ def _replica_address(init):
     return invoker_init
 
 
+_channels_made = threading.Lock()
+
+
 def _replica_channel(invoker) -> grpc.Channel:
     """One synchronous channel per replica, made on first use."""
-    channel = invoker.__dict__.get("hcache_channel")
-    if channel is None:
-        from mii.constants import GRPC_MAX_MSG_SIZE
+    with _channels_made:
+        channel = invoker.__dict__.get("hcache_channel")
+        if channel is None:
+            from mii.constants import GRPC_MAX_MSG_SIZE
 
-        options = [("grpc.max_send_message_length", GRPC_MAX_MSG_SIZE), ("grpc.max_receive_message_length", GRPC_MAX_MSG_SIZE)]
-        channel = invoker.hcache_channel = grpc.insecure_channel(invoker.hcache_address, options=options)
-    return channel
+            options = [("grpc.max_send_message_length", GRPC_MAX_MSG_SIZE), ("grpc.max_receive_message_length", GRPC_MAX_MSG_SIZE)]
+            channel = invoker.hcache_channel = grpc.insecure_channel(invoker.hcache_address, options=options)
+        return channel

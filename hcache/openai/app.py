@@ -125,8 +125,13 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
     async def models() -> ModelList:
         return ModelList(data=[Model(id=served.names[0], created=served.created, max_model_len=served.max_model_len)])
 
+    def check_model(name: str) -> None:
+        if name not in served.names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
     @app.post("/v1/chat/completions")
     async def chat(request: ChatCompletionRequest, http: Request):
+        check_model(request.model)  # first: an unknown model is a 404 whatever else is wrong
         try:
             messages = [{"role": m.role, "content": m.text()} for m in request.messages]
             prompt = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -136,6 +141,7 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, http: Request):
+        check_model(request.model)
         prompt = request.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -144,8 +150,6 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
         return await _answer(request, prompt, "prompt", _CompletionFormat(request.model, prompt if request.echo else ""), http)
 
     async def _answer(request: ChatCompletionRequest | CompletionRequest, prompt: str, prompt_param: str, form: _Format, http: Request):
-        if request.model not in served.names:
-            raise APIError(404, f"The model `{request.model}` does not exist.", param="model", code="model_not_found")
         problem = unsupported(request)
         if problem is not None:
             raise APIError(400, problem[1], param=problem[0])
@@ -214,12 +218,13 @@ def _options(request, prompt_tokens: int, max_model_len: int, prompt_param: str)
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
                        f"prompt has {prompt_tokens} tokens, which leaves none to generate.", param=prompt_param)  # fmt: skip
     new_tokens = request.new_tokens if request.new_tokens is not None else room
+    param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"
     if new_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, not {new_tokens}", param="max_tokens")
+        raise APIError(400, f"{param} must be at least 1, not {new_tokens}", param=param)
     if new_tokens > room:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                        f"{prompt_tokens + new_tokens} tokens ({prompt_tokens} in the prompt, {new_tokens} for the "
-                       "completion). Please reduce the prompt or max_tokens.", param="max_tokens")  # fmt: skip
+                       f"completion). Please reduce the prompt or {param}.", param=param)  # fmt: skip
     options: dict = {"max_new_tokens": new_tokens}
     temperature = 1.0 if request.temperature is None else request.temperature
     if temperature == 0:

@@ -248,8 +248,10 @@ def _parse_header(head: bytes, key: str) -> tuple[ChunkLayout, dict]:
             raise ValueError("tensors after the metadata")
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise ValueError("metadata is not a map of strings")
-        version = meta.get("layout_version")
+        version = meta.get("layout_version", "")
         if version != str(LAYOUT_VERSION):  # before the tensors: another version may lay them out otherwise
+            if not version.isdigit():
+                raise ValueError(f"layout version {version!r}")  # no version at all: corrupt
             raise ChunkOtherVersion(f"chunk {key}: layout version {version!r}; this hcache reads {LAYOUT_VERSION}")
         layout = _layout(tensors, 8 + header_len)
     except ChunkOtherVersion:
