@@ -37,6 +37,7 @@ from . import detokenize, failures
 from .requests import CACHE_SALT, check_generate_options, check_rest_body
 
 CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: not on their command lines
+LOG_LEVEL_ENV = "HCACHE_LOG_LEVEL"  # the level server processes log at: hcache's where they were started
 
 IDLE_WAIT_S = 0.1  # an idle model server waits this long on its request queue at a time (see _wait_when_idle)
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose loop this was checked against
@@ -421,7 +422,7 @@ def server_processes_launched_by_hcache(hcache: ResolvedConfig, launched: list[s
         # not on the command line, which every local user can. A session of its own: Ctrl-C reaches only
         # the serving process, which stops the deployment in order (``terminate_server``) rather than each
         # process dying where it stands, and ``stop`` can end the launcher with the server it started.
-        env = dict(os.environ, **{CONFIG_ENV: hcache.model_dump_json(), "HCACHE_LOG_LEVEL": logging.getLevelName(level)})
+        env = dict(os.environ, **{CONFIG_ENV: hcache.model_dump_json(), LOG_LEVEL_ENV: logging.getLevelName(level)})
         launched.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         launched[-1].hcache_saves = msg_server_type == "MII server"  # the others hold no state
         return launched[-1]

@@ -12,11 +12,8 @@ import logging
 import os
 import sys
 
-from .backend import CONFIG_ENV, install_server
+from .backend import CONFIG_ENV, LOG_LEVEL_ENV, install_server
 from ..config import ResolvedConfig
-
-LOG_LEVEL_ENV = "HCACHE_LOG_LEVEL"  # set by hcache.mii.backend.server_processes_launched_by_hcache
-
 
 def _logging() -> None:
     level = os.environ.get(LOG_LEVEL_ENV, "WARNING")
