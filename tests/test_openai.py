@@ -301,11 +301,13 @@ def test_a_returning_conversation_restores_and_replies_as_recomputed(server):
         messages.append({"role": "assistant", "content": reply})
 
 
-def test_health_quiet_output_and_sigterm_within_the_drain_plus_five_seconds(server):
+def test_health_quiet_output_and_sigterm_without_waiting_out_a_grace_period(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     seconds = server.stop()
     assert server.process.returncode == 0
-    assert seconds < 3.0 + 5.0, f"hcache serve took {seconds:.1f} s to stop"
+    # Idle, it stops in 6.5-7.5 s on a 2-core VM (drain 3 s, the model server's exit, its launcher's); one CI
+    # run under load took 9.3 s. The bound catches a stop that waits out a grace period (it took 21 s so).
+    assert seconds < 3.0 + 10.0, f"hcache serve took {seconds:.1f} s to stop"
     output = server.output.read_text()
     noise = ("Setting accelerator to CPU", "[runner.py", "[launch.py", "About to start server", "Loading weights")
     assert not any(line in output for line in noise), output  # third parties' logs stay below -v
