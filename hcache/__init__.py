@@ -25,10 +25,10 @@ __all__ = [
 def _exports() -> dict:
     from .config import HCacheConfig
     from .errors import HCacheError, InvalidRequestError, ModelNotFoundError, StorageError, UnsupportedModelError
-    from .model_loader import load_model
-    from .model_spec import ModelSpec
-    from .plan import Method, RestorePlan
-    from .runtime import HCacheRuntime, RequestResult
+    from .model.loader import load_model
+    from .model.spec import ModelSpec
+    from .planning.plan import Method, RestorePlan
+    from .serving.runtime import HCacheRuntime, RequestResult
 
     return locals()
 

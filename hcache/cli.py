@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare" and args.fastgen:
             return _prepare_fastgen()
         if args.command == "prepare":
-            from .model_loader import load_model
+            from .model.loader import load_model
 
             loaded = load_model(DEFAULT_MODEL)
             print(f"default model ready: {loaded.spec.model_type}, {loaded.spec.num_layers} layers")
@@ -125,8 +125,8 @@ def _profile_fastgen(args: argparse.Namespace) -> tuple:
 
     from .engine.fastgen import build_fastgen_engine
     from .errors import InvalidRequestError
-    from .model_loader import model_dir, model_dtype, random_model
-    from .profiler import default_tokens, measure_engine, profile_tokens
+    from .model.loader import model_dir, model_dtype, random_model
+    from .planning.profiler import default_tokens, measure_engine, profile_tokens
 
     if not torch.cuda.is_available() or (args.device or "cuda").split(":")[0] != "cuda":
         raise InvalidRequestError("--engine fastgen needs a CUDA GPU (FastGen's kernels are CUDA-only); "
@@ -151,10 +151,10 @@ def _profile_fastgen(args: argparse.Namespace) -> tuple:
 def _profile(args: argparse.Namespace, command: str) -> int:
     import torch
 
-    from .model_loader import load_model, model_dtype
-    from .plan import stored_encodings
-    from .profile import default_profile_path
-    from .profiler import default_tokens, measure_profile
+    from .model.loader import load_model, model_dtype
+    from .planning.plan import stored_encodings
+    from .planning.profile import default_profile_path
+    from .planning.profiler import default_tokens, measure_profile
 
     if args.tokens and args.short:
         raise ValueError("--tokens and --short both choose the history lengths: give one")

@@ -1,6 +1,6 @@
 """hcache's settings, and the one step that resolves them for a model.
 
-Every entry point builds one :class:`HCacheConfig`: :class:`~hcache.runtime.HCacheRuntime` from its keyword
+Every entry point builds one :class:`HCacheConfig`: :class:`~hcache.serving.runtime.HCacheRuntime` from its keyword
 arguments, :mod:`hcache.mii` from its ``hcache=`` config, ``hcache serve`` from its flags. The environment
 adds ``HCACHE_HOME``, where profiles measured here are cached. :func:`resolve` turns the settings and the
 model's shape into a :class:`ResolvedConfig` (the plan policy, the profile, the formats to save), where the
@@ -19,12 +19,12 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .auto_profile import auto_profile
 from .errors import InvalidRequestError
-from .model_loader import LoadedModel, model_dtype
-from .model_spec import ModelSpec
-from .plan import Method, RestorePlan, default_plan, stored_encodings
-from .profile import Profile, profile_command
+from .model.loader import LoadedModel, model_dtype
+from .model.spec import ModelSpec
+from .planning.auto_profile import auto_profile
+from .planning.plan import Method, RestorePlan, default_plan, stored_encodings
+from .planning.profile import Profile, profile_command
 from .storage.chunk_key import CHUNK_TOKENS, check_namespace
 from .storage.host_tier import DEFAULT_READERS
 from .storage.store_config import StoreConfig
@@ -41,8 +41,8 @@ class HCacheConfig(BaseModel):
     ``store_dirs``: local chunk store directories, one per SSD. ``plan``: ``None`` (H for MHA models, KV
     where KV is no larger; ``"auto"`` when a ``profile`` is given), ``"auto"`` (the profile's bubble-free
     plan for each history length), ``"RE"``/``"H"``/``"KV"``, counts such as ``"2RE+20H+8KV"``, or a
-    :class:`~hcache.plan.RestorePlan`.
-    ``profile``: a profile file from ``hcache profile`` (or a :class:`~hcache.profile.Profile`), refused if
+    :class:`~hcache.planning.plan.RestorePlan`.
+    ``profile``: a profile file from ``hcache profile`` (or a :class:`~hcache.planning.profile.Profile`), refused if
     measured for another model or machine.
     ``"auto"`` alone plans with this machine's profile, measured on first use unless
     ``measure_profile=False`` (then the default plan serves until ``hcache profile`` has run). ``save``:
@@ -54,8 +54,8 @@ class HCacheConfig(BaseModel):
     inline). ``num_blocks``, ``device`` and ``dtype`` size the reference engine's KV cache and place its
     model (FastGen takes these from MII's ``inference_engine_config``). ``request_log``: a file that gets
     one JSON line per finished sequence. ``gpu_cache``: keep finished sequences' KV in spare KV blocks and
-    adopt it (:mod:`hcache.gpu_prefix_cache`). ``metrics_port``: serve the counters
-    (:mod:`hcache.metrics`) for Prometheus on ``metrics_host`` from each model server process
+    adopt it (:mod:`hcache.serving.gpu_prefix_cache`). ``metrics_port``: serve the counters
+    (:mod:`hcache.serving.metrics`) for Prometheus on ``metrics_host`` from each model server process
     (tensor-parallel rank ``r`` on ``metrics_port + r``). ``stored_dtype``: how saved state is encoded
     (:func:`stored_encodings`): ``"auto"`` (the model's dtype, lossless), ``"int8"``, ``"fp8"``, ``"8bit"``
     (each format in the 8-bit encoding that keeps its quality best: fp8 for H, int8 for KV), or per format
@@ -219,7 +219,7 @@ def resolve(
     measure: Callable[[], LoadedModel] | None = None,
 ) -> ResolvedConfig:
     """The settings resolved for ``spec`` (with tensor parallelism, a rank's shard). The profile is the one
-    given (which must fit), or for ``plan="auto"`` alone this machine's (:mod:`hcache.auto_profile`),
+    given (which must fit), or for ``plan="auto"`` alone this machine's (:mod:`hcache.planning.auto_profile`),
     measured from the model ``measure`` returns if none is found and ``measure_profile`` allows, else none
     and the default plan after one warning."""
     settings = HCacheConfig.of(settings)

@@ -4,5 +4,5 @@ from __future__ import annotations
 
 import os
 
-DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (hcache.model_loader)
+DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (hcache.model.loader)
 DEFAULT_READERS = min(8, os.cpu_count() or 1)  # reader threads of a host tier (hcache.storage.host_tier)

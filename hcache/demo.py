@@ -23,9 +23,9 @@ from tqdm import tqdm
 
 from .config import HCacheConfig
 from .machine import machine_facts, source_commit
-from .model_loader import DEFAULT_MODEL, load_model
-from .plan import RestorePlan
-from .runtime import HCacheRuntime
+from .model.loader import DEFAULT_MODEL, load_model
+from .planning.plan import RestorePlan
+from .serving.runtime import HCacheRuntime
 
 SYSTEM = (
     "You are a concise travel guide. Background for this conversation: Paris is the capital and largest "

@@ -1,10 +1,10 @@
 import pytest
 import torch
-from helpers import loaded
+from support.helpers import loaded
 
 from hcache.errors import ModelNotFoundError
-from hcache.model_loader import LoadedModel
-from hcache.model_spec import SUPPORTED_MODEL_TYPES
+from hcache.model.loader import LoadedModel
+from hcache.model.spec import SUPPORTED_MODEL_TYPES
 
 
 @pytest.fixture(params=SUPPORTED_MODEL_TYPES)

@@ -3,14 +3,14 @@ import argparse
 import json
 
 import pytest
-from helpers import loaded
+from support.helpers import loaded
 
 from hcache.config import HCacheConfig, ResolvedConfig, resolve
 from hcache.errors import InvalidRequestError
 from hcache.mii import serve_command
-from hcache.plan import RestorePlan
-from hcache.profile import Profile
-from hcache.tensor_parallel import TPGroup, local_spec
+from hcache.planning.plan import RestorePlan
+from hcache.planning.profile import Profile
+from hcache.model.tensor_parallel import TPGroup, local_spec
 
 
 def _serve_settings(*argv: str) -> HCacheConfig:
@@ -131,7 +131,7 @@ def test_a_deployment_is_resolved_for_the_dtype_its_engine_runs(tmp_path):
     import torch
 
     from hcache.mii.backend import resolve_deployment
-    from hcache.model_loader import random_model
+    from hcache.model.loader import random_model
 
     random_model("llama", torch.bfloat16).save_pretrained(tmp_path)
     assert resolve_deployment(HCacheConfig(engine="fastgen"), str(tmp_path)).spec.dtype == "bfloat16"

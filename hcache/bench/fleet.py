@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from ..fleet import Fleet, chat, free_port
-from ..model_loader import DEFAULT_MODEL, model_dir
+from ..model.loader import DEFAULT_MODEL, model_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

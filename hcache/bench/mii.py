@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..model_loader import model_dtype, random_model
+from ..model.loader import model_dtype, random_model
 
 METHODS = {"recompute": {"enabled": False}, "kv": {"plan": "KV"}, "h": {"plan": "H"}}
 

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ..model_spec import ModelSpec, RopeSpec
+from ..model.spec import ModelSpec, RopeSpec
 from ..ops import rope_cos_sin, rotate_and_write, slot_mapping
 from ..ops.dequant_scatter import write_dequantised
 from ..ops.quant import quantise

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..model_loader import DEFAULT_MODEL, load_model, model_dtype
+from ..model.loader import DEFAULT_MODEL, load_model, model_dtype
 from ..ops.quant import dequantise, quantise
-from ..plan import Method, RestorePlan, stored_encodings
-from ..restore import restore_prefix, stored_tensors
-from ..runtime import HCacheRuntime
+from ..planning.plan import Method, RestorePlan, stored_encodings
+from ..serving.restore import restore_prefix, stored_tensors
+from ..serving.runtime import HCacheRuntime
 from ..storage.chunk import ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 

@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..model_loader import load_model
-    from ..runtime import HCacheRuntime
+    from ..model.loader import load_model
+    from ..serving.runtime import HCacheRuntime
 
     loaded = load_model(args.model)
     g = torch.Generator().manual_seed(0)

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..model_loader import DEFAULT_MODEL, load_model, model_dtype
-from ..plan import Method, RestorePlan
-from ..profile import Profile
-from ..profiler import measure_profile
-from ..restore import restore_prefix
-from ..runtime import HCacheRuntime
+from ..model.loader import DEFAULT_MODEL, load_model, model_dtype
+from ..planning.plan import Method, RestorePlan
+from ..planning.profile import Profile
+from ..planning.profiler import measure_profile
+from ..serving.restore import restore_prefix
+from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import chunk_keys, root_key
 from ..storage.host_tier import DEFAULT_READERS
 

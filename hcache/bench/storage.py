@@ -38,8 +38,8 @@ from tqdm import tqdm
 from ..storage import direct_io
 from ..storage.chunk import Chunk, encode
 from ..storage.chunk_key import CHUNK_TOKENS, next_key, root_key
+from ..storage.host_pool import PAGE
 from ..storage.store_config import StoreConfig
-from ..transfer.host_pool import PAGE
 from ._redis_server import RedisServer
 
 _BLOCK = 4 << 20  # raw I/O request size
@@ -264,8 +264,8 @@ def _raw_read(path: Path) -> int:
 
 # ---- the saver on a decode loop ---------------------------------------------------------------------------
 def _save_overhead(args: argparse.Namespace, tiers: tuple[str, ...] = ()) -> dict:
-    from ..model_loader import load_model
-    from ..runtime import HCacheRuntime
+    from ..model.loader import load_model
+    from ..serving.runtime import HCacheRuntime
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

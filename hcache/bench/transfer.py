@@ -22,15 +22,15 @@ import time
 import torch
 from tqdm import tqdm
 
-from ..model_loader import LoadedModel, model_dtype, random_model
-from ..model_spec import ModelSpec
-from ..plan import RestorePlan
-from ..ragged import Segment
-from ..restore import restore_prefix, row_shapes
-from ..runtime import HCacheRuntime
+from ..engine.ragged import Segment
+from ..model.loader import LoadedModel, model_dtype, random_model
+from ..model.spec import ModelSpec
+from ..planning.plan import RestorePlan
+from ..serving.restore import restore_prefix, row_shapes
+from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
-from ..storage.saver import ChunkSaver
 from ..storage.store_config import StoreConfig
+from ..transfer.saver import ChunkSaver
 
 _NAMESPACE = "hcache-bench-transfer"  # the ingested chunks' keys, apart from the history's
 

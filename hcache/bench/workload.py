@@ -15,7 +15,7 @@ trace, with the same token ids, in a store of its own, so no method reuses anoth
 - ``auto``: hcache's bubble-free plan per history length, from a profile (``--profile``, or measured at
   start over the trace's history range). On a GQA model such as SmolLM2 on this CPU the plan is all-KV,
   so auto is KV there; hidden states pay off on MHA models (Llama-2-7B).
-- ``auto_gpu_cache``: ``auto`` with the GPU prefix cache (:mod:`hcache.gpu_prefix_cache`): finished
+- ``auto_gpu_cache``: ``auto`` with the GPU prefix cache (:mod:`hcache.serving.gpu_prefix_cache`): finished
   requests' KV stays in the engine's blocks (``--kv-blocks`` in all, as for every method but ideal), and
   a returning history is copied from there, partial last chunk included; only what was evicted is restored.
 Every method but ``ideal`` and ``recompute`` prefetches (look-ahead): before a request runs, each request
@@ -52,14 +52,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..model_loader import DEFAULT_MODEL, LoadedModel, load_model, model_dir, model_dtype
-from ..profile import Profile
-from ..profiler import measure_profile
-from ..runtime import HCacheRuntime, RequestResult
-from ..serving_engine import RestoreStep
+from ..model.loader import DEFAULT_MODEL, LoadedModel, load_model, model_dir, model_dtype
+from ..planning.profile import Profile
+from ..planning.profiler import measure_profile
+from ..serving.engine import RestoreStep
+from ..serving.runtime import HCacheRuntime, RequestResult
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import DEFAULT_READERS
-from ..traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
+from .traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
 
 METHODS = ("ideal", "recompute", "kv", "auto", "auto_gpu_cache")
 _RUNTIME = {  # method -> (plan, save policy, restore, GPU prefix cache)

@@ -21,11 +21,11 @@ import torch
 from ..config import resolve
 from ..engine import ReferenceEngine
 from ..engine.interface import Engine
-from ..fingerprint import model_fingerprint
-from ..model_loader import random_model
-from ..model_spec import ModelSpec
+from ..model.fingerprint import model_fingerprint
+from ..model.loader import random_model
+from ..model.spec import ModelSpec
 from ..ops.rope_bound import rope_bound
-from ..serving_engine import ServingEngine
+from ..serving.engine import ServingEngine
 from ..storage.chunk_key import CHUNK_TOKENS
 
 FAMILIES = {  # config overrides FastGen needs (no sliding window; Phi-3's default RoPE)
@@ -111,7 +111,7 @@ def _engine(kind: str, family: str, tmp: Path) -> tuple[Engine, str]:
         spec = ModelSpec.from_config(model.config, dtype)
         return ReferenceEngine(model, spec, num_blocks=64), model_fingerprint(model, spec)
     from ..engine.fastgen import build_fastgen_engine
-    from ..fingerprint import checkpoint_fingerprint
+    from ..model.fingerprint import checkpoint_fingerprint
 
     model.save_pretrained(tmp / "model")
     del model

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheFullError, InvalidRequestError
-from ..model_spec import ModelSpec
+from ..model.spec import ModelSpec
 
 
 class BlockedKVCache:

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from ..ragged import Segment
+from .ragged import Segment
 
 
 class LayerCapture(Protocol):

@@ -25,14 +25,14 @@ from typing import Any
 import torch
 
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
-from ..model_spec import ModelSpec
+from ..model.spec import ModelSpec
 from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.paged_kv import block_runs, copy_slots, gather_kv
 from ..ops.dequant_scatter import write_rows
+from ..ops.paged_kv import block_runs, copy_slots, gather_kv
 from ..ops.quant import QuantRows
-from ..ragged import Segment
 from ..transfer import copier
 from .capture import LayerCapture
+from .ragged import Segment
 
 # model_types whose FastGen implementation this adapter has read: dense, rotate-half RoPE, fused [q; k; v].
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2")

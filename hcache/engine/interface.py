@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from ..model_spec import ModelSpec
+from ..model.spec import ModelSpec
 from ..ops.quant import QuantRows
 from .capture import LayerCapture
 
@@ -70,7 +70,7 @@ class Engine(Protocol):
 
     def end_restore(self, uid: int, tokens: list[int]) -> None: ...
 
-    # ---- blocks held for no sequence: the GPU prefix cache's (:mod:`hcache.gpu_prefix_cache`) -------
+    # ---- blocks held for no sequence: the GPU prefix cache's (:mod:`hcache.serving.gpu_prefix_cache`) -------
     def detach(self, uid: int) -> list[int]:
         """Drop a sequence like :meth:`flush`, but hand its KV blocks to the caller instead of freeing them
         (they stay used in ``free_blocks`` until :meth:`release_blocks`); [] for an unknown sequence."""

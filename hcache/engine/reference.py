@@ -17,15 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidRequestError
-from ..model_spec import ModelSpec
+from ..model.spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write
+from ..ops.dequant_scatter import write_rows
 from ..ops.kv_projection import linear_rows
 from ..ops.paged_kv import block_runs, block_slots, copy_slots
-from ..ops.dequant_scatter import write_rows
 from ..ops.quant import QuantRows
 from .blocked_kv_cache import BlockedKVCache
-from ..ragged import Segment
 from .capture import LayerCapture
+from .ragged import Segment
 
 
 @dataclass

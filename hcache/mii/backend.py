@@ -3,7 +3,7 @@ serving engine.
 
 MII builds its engine in one place, ``mii.api.load_model``; the backend points that at
 :func:`build_engine`, and MII's Dynamic SplitFuse loop then drives a
-:class:`~hcache.serving_engine.ServingEngine` exactly as it drives ``InferenceEngineV2``. ``mii.serve`` runs
+:class:`~hcache.serving.engine.ServingEngine` exactly as it drives ``InferenceEngineV2``. ``mii.serve`` runs
 the engine in server processes that MII launches with ``python -m mii.launch.multi_gpu_server``; the
 backend launches them with :mod:`hcache.mii.launch` instead, which installs the same hook there.
 """
@@ -27,12 +27,12 @@ import torch.distributed as dist
 from ..config import HCacheConfig, ResolvedConfig, resolve
 from ..engine import ReferenceEngine
 from ..errors import InvalidRequestError, ModelNotFoundError, StorageError
-from ..fingerprint import checkpoint_fingerprint, model_fingerprint
-from ..model_loader import check_device, load_model, model_dtype
-from ..metrics import serve_metrics
-from ..model_spec import ModelSpec
-from ..serving_engine import ServingEngine
-from ..tensor_parallel import SINGLE, TPGroup, local_spec, shard_model
+from ..model.fingerprint import checkpoint_fingerprint, model_fingerprint
+from ..model.loader import check_device, load_model, model_dtype
+from ..model.spec import ModelSpec
+from ..model.tensor_parallel import SINGLE, TPGroup, local_spec, shard_model
+from ..serving.engine import ServingEngine
+from ..serving.metrics import serve_metrics
 from . import detokenize, failures
 from .requests import CACHE_SALT, check_generate_options, check_rest_body
 
@@ -108,7 +108,7 @@ def check_deployment(hcache: ResolvedConfig) -> None:
     each rank's store directories are checked as its engine will open them (lock free, layout current)."""
     settings = hcache.settings
     if hcache.stored:
-        for rank in range(hcache.tensor_parallel):
+        for rank in range(hcache.model.tensor_parallel):
             settings.store.check_dirs(hcache.store_dirs(rank))
     if settings.request_log is not None and not os.access(Path(settings.request_log).parent, os.W_OK):
         raise StorageError(f"cannot write the request log {settings.request_log}: its directory is missing or read-only")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
-from . import serve
 from ..openai import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
+from . import serve
 
 DEFAULT_METRICS_PORT = 9464
 DRAIN_S = 3.0  # a health check every second, two failures to take a node out (hcache/fleet/haproxy.cfg), and margin
@@ -87,7 +87,7 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..model_loader import model_dir
+    from ..model.loader import model_dir
     from .backend import context_length, openai_server
 
     config = settings(args)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model_spec import ModelSpec, WeightRows
+from ..model.spec import ModelSpec, WeightRows
 
 
 def linear_rows(module: nn.Linear, rows: WeightRows) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from ..model_spec import RopeSpec
+from ..model.spec import RopeSpec
 
 RopeRule = Literal["hf", "fastgen"]
 

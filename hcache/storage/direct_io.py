@@ -16,8 +16,8 @@ import mmap
 import os
 from pathlib import Path
 
-from ..transfer.host_pool import PAGE as ALIGN
-from ..transfer.host_pool import round_up as _round_up
+from .host_pool import PAGE as ALIGN
+from .host_pool import round_up as _round_up
 
 FILE_MODE = 0o600
 O_DIRECT = getattr(os, "O_DIRECT", 0)

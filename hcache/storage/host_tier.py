@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..defaults import DEFAULT_READERS
-from ..transfer.host_pool import HostPool, Slot
 from .chunk import Chunk, ChunkImage, ChunkInvalid, ChunkLayout
 from .chunk_store import ChunkStore
+from .host_pool import HostPool, Slot
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ..errors import StorageError
-from ..transfer.host_pool import PAGE, HostPool, round_up
 from .chunk_store import ChunkStore
 from .disk_store import DiskChunkStore
+from .host_pool import PAGE, HostPool, round_up
 from .host_tier import DEFAULT_READERS, DEFAULT_WRITERS, HostTier
 from .redis_store import SCHEMES as REDIS_SCHEMES
 from .redis_store import RedisChunkStore

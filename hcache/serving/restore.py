@@ -1,0 +1,298 @@
+"""Restore a stored token prefix into an engine's KV cache, layer by layer, by a :class:`RestorePlan`.
+
+Stored state is never trusted: a chunk that is missing, unreadable, saved by another model, for other
+tokens, or that fails its checksum ends the usable prefix there. Tokens past that point are prefilled
+from scratch, which is exact. A chunk found bad half-way through the layers is still safe: the prefill
+of the remaining tokens rewrites every layer's K/V from that position on.
+
+Each chunk's tensors say how they are encoded: the model's dtype, or 8-bit codes with a scale tensor
+beside them (:mod:`hcache.ops.quant`), whatever this runtime saves; a restore may span both kinds. Codes
+cross to the device as stored and are dequantised there: KV inside the copy into the paged cache, H just
+before its K/V GEMM.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter, deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.interface import Engine
+from ..model.spec import ModelSpec
+from ..model.tensor_parallel import SINGLE, TPGroup
+from ..ops.quant import SCALE_DTYPE, QuantRows, dequantise, is_encoded, scale_format, scale_shape
+from ..planning.plan import Method, RestorePlan
+from ..storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
+from ..storage.chunk_key import CHUNK_TOKENS
+from ..storage.host_tier import HostTier
+from ..transfer.copier import Copier
+from ..transfer.saver import TensorSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RestoreOutcome:
+    tokens: int  # tokens whose KV is now in the cache, after those the sequence held
+    bytes_read: int  # bytes of the stored tensors the restore copied from (whole 64-row tensors)
+    fallback: str | None  # why stored state stopped short of what the lookup found, if it did
+    sources: dict[str, int] = field(default_factory=dict)  # tokens by where their chunk was read from (HostTier.source)
+    lossy: bool = False  # some of it was stored in an 8-bit encoding
+
+
+def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The per-token shape of each stored format."""
+    return {Method.H.value: (spec.hidden_size,), Method.KV.value: (2, spec.num_kv_heads, spec.head_size)}
+
+
+def stored_tensors(
+    spec: ModelSpec, formats: Sequence[frozenset[str]], encodings: dict[str, torch.dtype]
+) -> list[TensorSpec]:
+    """The tensors a chunk holds: per layer, each of its ``formats`` in the model's dtype, or, for those in
+    ``encodings``, as 8-bit codes and their float16 scales (format ``"<fmt>.scale"``)."""
+    shapes, dtype = row_shapes(spec), getattr(torch, spec.dtype)
+    tensors = []
+    for layer, fs in enumerate(formats):
+        for fmt in sorted(fs):
+            encoding = encodings.get(fmt)
+            if encoding is None:
+                tensors.append((layer, fmt, shapes[fmt], dtype))
+            else:
+                tensors += [(layer, fmt, shapes[fmt], encoding), (layer, scale_format(fmt), scale_shape(shapes[fmt]), SCALE_DTYPE)]
+    return tensors
+
+
+def _rows(image: ChunkImage, layer: int, fmt: str) -> torch.Tensor | QuantRows:
+    """A chunk's rows of one layer and format, in place: a tensor, or 8-bit codes with their scales."""
+    rows = image.tensor(layer, fmt)
+    return QuantRows(rows, image.tensor(layer, scale_format(fmt))) if is_encoded(rows.dtype) else rows
+
+
+def _accounting(images: list[ChunkImage], jobs: list[tuple[int, str]], hidden: list[int], restored: int) -> tuple[int, bool]:
+    """The bytes a restore read (whole 64-row tensors, scales included) and whether the first ``restored``
+    chunks gave it any 8-bit state; ``hidden``: the chunks whose H it read (all of them, but with TP).
+    Counted per distinct layout, not per chunk and layer: chunks laid out alike share their layout."""
+    used, lossy = 0, False
+    for fmt in {fmt for _, fmt in jobs}:
+        layers = [layer for layer, f in jobs if f == fmt]
+        chunks = hidden if fmt == Method.H.value else range(len(images))
+        for layout, count in Counter(images[j].layout for j in chunks).items():
+            used += count * sum(_nbytes(layout, layer, fmt) for layer in layers)
+        for layout in {images[j].layout for j in chunks if j < restored}:
+            lossy = lossy or any(is_encoded(layout.entries[(layer, fmt)].dtype) for layer in layers)
+    return used, lossy
+
+
+def _nbytes(layout: ChunkLayout, layer: int, fmt: str) -> int:
+    """Bytes a restore reads of one layer and format of a chunk, scales included."""
+    entries = layout.entries
+    return sum(entries[k].nbytes for k in ((layer, fmt), (layer, scale_format(fmt))) if k in entries)
+
+
+def restore_prefix(
+    engine: Engine,
+    tier: HostTier,
+    uid: int,
+    tokens: list[int],
+    keys: list[str],
+    fingerprint: str,
+    plan: RestorePlan,
+    copier: Copier,
+    tp: TPGroup = SINGLE,
+    *,
+    held: int = 0,
+    limit: int | None = None,
+) -> RestoreOutcome:
+    """Restore the longest verified prefix of ``keys`` into sequence ``uid``, after the tokens it holds.
+
+    ``tokens`` start at a chunk boundary, and ``keys`` are the chain keys of their full chunks. The
+    sequence already holds the first ``held`` of them (``held < 64``: it ends inside the first chunk), and
+    at most the first ``limit`` are wanted; so a sequence can be restored in steps, as its prompt arrives
+    in parts, and a chunk can be restored in part.
+
+    The chunks are fetched into the host pool first (from disk on the tier's reader threads, while the RE
+    layers compute); then each stored layer is copied from the pool, ``copier.depth`` layers ahead of the
+    compute that consumes it.
+
+    With tensor parallelism every rank of ``tp`` calls this at once, with its engine shard, and ``keys``
+    and ``fingerprint`` of its own chunks: the ranks agree on the prefix, and an H layer's rows are
+    gathered from the ranks that store them (:class:`~hcache.model.tensor_parallel.TPGroup`)."""
+    limit = len(keys) * CHUNK_TOKENS if limit is None else limit
+    keys = keys[: -(-limit // CHUNK_TOKENS)]
+
+    def end(chunks: int) -> int:  # where a restore of that many chunks stops in ``tokens``
+        return max(held, min(chunks * CHUNK_TOKENS, limit))
+
+    first = engine.seen_tokens(uid) // CHUNK_TOKENS  # with TP, which rank stores a chunk's H depends on it
+    present = tier.stored_prefix(keys)
+    fetches: list[Future] = []
+    images: list[ChunkImage] = []
+    try:
+        fetches += (tier.fetch(key) for key in keys[:present])
+        agreed = tp.min(present)  # a prefix that one rank lacks is no prefix at all
+        engine.begin_restore(uid, end(agreed) - held)
+        copier.follow()  # the copies wait for the blocks' allocation, not for the RE layers queued next
+        if agreed and plan.count(Method.RE):
+            engine.recompute_layers(uid, tokens[held : end(agreed)], plan.count(Method.RE))
+        fallback = _elsewhere(agreed) if agreed < present else None
+        verified = _verify(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec)
+        fallback = verified or fallback
+        n = len(images)
+        jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if agreed else []
+        if n or tp.world_size > 1:  # with TP, the other ranks still gather this rank's rows of the H layers
+            _restore_layers(engine, copier, tp, uid, images, jobs, held, end(n), agreed, first)
+        restored = tp.min(n)
+        if restored < n:
+            fallback = fallback or _elsewhere(restored)
+        engine.end_restore(uid, tokens[held : end(restored)])
+        used, lossy = _accounting(images, jobs, [j for j in _reading(tp, Method.H.value, n, agreed, first) if j < n], restored)
+        sources = Counter()
+        for j in range(restored):
+            sources[tier.source(images[j])] += min(end(restored), (j + 1) * CHUNK_TOKENS) - max(held, j * CHUNK_TOKENS)
+        return RestoreOutcome(end(restored) - held, used, fallback, dict(sources), lossy)
+    finally:
+        copier.drain()  # no copy may still read a slot given back below
+        for f in fetches:
+            try:
+                image = f.result()
+            except BaseException:  # reported above, or the restore is failing anyway: release the rest
+                continue
+            if image is not None:
+                tier.release(image)
+
+
+def _reading(tp: TPGroup, fmt: str, n: int, agreed: int, first: int) -> range:
+    """The chunks whose ``fmt`` rows this rank reads."""
+    return tp.hidden_chunks(agreed if tp.world_size > 1 else n, first) if fmt == Method.H.value else range(n)
+
+
+def _restore_layers(
+    engine: Engine, copier: Copier, tp: TPGroup, uid: int, images: list[ChunkImage], jobs: list[tuple[int, str]],
+    held: int, stop: int, agreed: int, first: int,
+) -> None:
+    """Each stored layer's rows from the pool into the engine: KV copied into the paged cache, H copied to
+    the device and projected. Copies run ``copier.depth`` layers ahead of the compute."""
+    n, spec = len(images), engine.spec
+    dtype = getattr(torch, spec.dtype)
+    filler = torch.zeros(CHUNK_TOKENS, spec.hidden_size, dtype=dtype) if tp.world_size > 1 else None  # TP only
+
+    def stage(layer: int, fmt: str):
+        with copier.side_stream():
+            if fmt == Method.H.value:  # rows past another rank's bad chunk are garbage: the agreement ends the prefix there
+                parts = [_rows(images[j], layer, fmt) if j < n else filler for j in _reading(tp, fmt, n, agreed, first)]
+                return _gather_runs(copier, parts), copier.done()
+            if n:  # one call for the layer: the rows from ``held`` in the first chunk to ``stop`` in the last
+                parts = [_rows(images[j], layer, fmt) for j in range(n)]
+                parts[-1] = parts[-1][: stop - (n - 1) * CHUNK_TOKENS]
+                parts[0] = parts[0][held:]
+                engine.restore_kv(uid, layer, parts)
+            return [], copier.done()
+
+    ahead: deque = deque()
+    last = None
+    for i in range(len(jobs)):
+        while len(ahead) < copier.depth and i + len(ahead) < len(jobs):
+            ahead.append(stage(*jobs[i + len(ahead)]))
+        (layer, fmt), (runs, last) = jobs[i], ahead.popleft()
+        if fmt == Method.H.value:
+            copier.wait(last, *(t for run in runs for t in ((run.codes, run.scale) if isinstance(run, QuantRows) else [run])))
+            pieces = [dequantise(run, dtype) if isinstance(run, QuantRows) else run for run in runs]
+            if len(pieces) == 1:  # a layer stored in one encoding: its gathered rows as they are
+                rows = pieces[0]
+            else:  # none (a TP rank with no chunk's H), or chunks stored in several encodings
+                rows = torch.cat(pieces) if pieces else torch.empty(0, spec.hidden_size, dtype=dtype, device=engine.device)
+            rows = tp.gather_hidden(rows, agreed, first)[held:stop]  # collective: every rank gathers
+            if len(rows):
+                engine.restore_from_hidden(uid, layer, rows)
+    copier.wait(last)  # the KV copies land before anything reads the cache
+
+
+def _gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[torch.Tensor | QuantRows]:
+    """H rows of consecutive chunks on the device, one gather per run of chunks stored alike (one run,
+    unless the chunks were saved in different encodings): lossless rows, or codes and scales."""
+    runs = [list(run) for _, run in itertools.groupby(parts, lambda p: (type(p), (p.codes if isinstance(p, QuantRows) else p).dtype))]
+    return [
+        QuantRows(copier.gather([p.codes for p in run]), copier.gather([p.scale for p in run]))
+        if isinstance(run[0], QuantRows) else copier.gather(run)
+        for run in runs
+    ]  # fmt: skip
+
+
+def _verify(
+    tier: HostTier, keys: list[str], fetches: list[Future], images: list[ChunkImage], tokens: list[int],
+    fingerprint: str, plan: RestorePlan, tp: TPGroup, first: int, spec: ModelSpec,
+) -> str | None:
+    """Append to ``images`` the fetched chunks, in order, up to the first that is missing, bad, or short of
+    a format the plan restores from; why the prefix ends there, if it ends early for a reason."""
+    stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
+    shapes, dtype = row_shapes(spec), getattr(torch, spec.dtype)
+    # The tensors a chunk must hold, by which TP rank owns its H; chunks share a few layouts, each checked once.
+    needs = [{(layer, fmt) for layer, fmt in stored if tp.stores(r, fmt)} for r in range(tp.world_size)]
+    checked: dict[tuple, tuple[str | None, list[str]]] = {}
+    for j, (key, f) in enumerate(zip(keys, fetches)):
+        try:
+            image = f.result()
+            if image is None:  # gone since the lookup (evicted or deleted): the prefix ends here
+                log.info("chunk %s is gone since the lookup; recomputing from token %d", key, j * CHUNK_TOKENS)
+                return None
+            image.check(tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
+            r = (first + j) % tp.world_size
+            if (image.layout.signature, r) not in checked:
+                checked[(image.layout.signature, r)] = _layout_problems(image.layout, needs[r], shapes, dtype)
+            wrong, missing = checked[(image.layout.signature, r)]
+            if wrong is not None:
+                raise ChunkInvalid(f"chunk {key}: {wrong}")
+        except (ChunkInvalid, OSError) as exc:
+            return _reject(tier, key, j, exc)
+        if missing:
+            reason = f"chunk {key} was saved without {missing} state that plan {plan} needs"
+            log.info("%s; recomputing from token %d", reason, j * CHUNK_TOKENS)
+            return reason
+        images.append(image)
+    return None
+
+
+def _layout_problems(
+    layout: ChunkLayout, need: set[tuple[int, str]], shapes: dict, dtype: torch.dtype
+) -> tuple[str | None, list[str]]:
+    """Why a chunk of ``layout`` cannot serve ``need``: a tensor of another shape or dtype than the model's,
+    or 8-bit codes without their scales (a copy would broadcast or convert it: the chunk is bad), and the
+    formats it lacks (it is merely short)."""
+    for layer, fmt in sorted(need & set(layout.entries)):
+        entry = layout.entries[(layer, fmt)]
+        if entry.shape != (CHUNK_TOKENS, *shapes[fmt]) or not (entry.dtype == dtype or is_encoded(entry.dtype)):
+            want = [CHUNK_TOKENS, *shapes[fmt]]
+            return f"L{layer}.{fmt} is {list(entry.shape)} {entry.dtype}, the model's is {want} {dtype}", []
+        scale = layout.entries.get((layer, scale_format(fmt)))
+        if is_encoded(entry.dtype) and (scale is None or (scale.shape, scale.dtype) != ((CHUNK_TOKENS, *scale_shape(shapes[fmt])), SCALE_DTYPE)):
+            return f"L{layer}.{fmt} is stored in {entry.dtype} without fitting scales", []
+    return None, sorted({fmt for _, fmt in need - set(layout.entries)})
+
+
+def _elsewhere(n: int) -> str:
+    reason = f"another tensor-parallel rank's stored state ends at token {n * CHUNK_TOKENS}"
+    log.info("%s; recomputing from there", reason)
+    return reason
+
+
+def _reject(tier: HostTier, key: str, index: int, exc: ChunkInvalid | OSError) -> str:
+    """Log and say why the prefix ends here. A chunk proven bad is dropped, so the prefill that follows can
+    save a good one; one that could not be read (an I/O error, perhaps passing), or of another layout
+    version (another hcache's), is kept."""
+    if isinstance(exc, OSError):
+        reason = f"chunk {key}: cannot read ({exc})"
+        log.warning("%s; recomputing from token %d", reason, index * CHUNK_TOKENS)
+        return reason
+    if not exc.discard:
+        log.warning("%s; leaving it and recomputing from token %d", exc, index * CHUNK_TOKENS)
+        return str(exc)
+    log.warning("%s; discarding it and recomputing from token %d", exc, index * CHUNK_TOKENS)
+    try:
+        tier.discard(key)
+    except OSError as err:  # it stays unusable either way: it fails verification on every read
+        log.warning("could not discard chunk %s: %s", key, err)
+    return str(exc)

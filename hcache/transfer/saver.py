@@ -1,0 +1,324 @@
+"""The two-stage saver (§4.2.2 of the paper): a forward pass's per-layer rows become chunks in the host tier
+without stalling the forward pass.
+
+Stage 1, on the forward's thread. When a batch begins, every chunk its rows reach gets a host-pool slot
+(:meth:`~hcache.storage.host_tier.HostTier.create`: it waits, counted, only while the pool is full of
+chunks still being written back). On a CPU each layer's rows then go straight into those slots, one batched
+copy per layer. On a GPU they go into a device copy of the chunk's image instead (one batched copy per
+layer, on the compute stream: the engine may reuse its buffer in the next layer), and a chunk crosses to
+its pinned slot once, whole, when its last row is in: one copy on a save stream that the forward never
+waits for, where copying each batch's rows would make one small PCIe copy per sequence and layer at every
+decode step.
+
+Stage 2, bookkeeping. Once a batch's copies have landed (at once on a CPU, or when no chunk crossed to the
+host; after the save stream's event on a GPU, on a stage-2 thread), every chunk whose 64 rows are all there
+is published: restorable from memory at once, written back to every store tier (disk, shared tiers) in the
+background. Only full chunks are stored; a finished sequence's
+trailing partial chunk is dropped, and a chunk some of whose rows were restored rather than computed never
+fills (it is stored already): its slot goes back as soon as that is known. A stored chunk is immutable.
+
+A chunk's key comes from the sequence's key chain, which the serving engine owns: the saver reads it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.ragged import Segment
+from ..storage.chunk import ChunkImage, ChunkLayout
+from ..storage.chunk_key import CHUNK_TOKENS, KeyChain
+from ..storage.host_tier import HostTier
+from . import copier
+
+log = logging.getLogger(__name__)
+
+TensorSpec = tuple[int, str, tuple[int, ...], torch.dtype]  # layer, format, row shape, dtype
+
+
+@dataclass
+class _Chunk:
+    index: int  # in the sequence
+    image: ChunkImage | None  # None: not saved (the pool had no room, or its first rows were restored)
+    expected: int = 0  # the row the next computed rows of this chunk must start at
+    filled: int = 0  # rows that have landed
+    staged: ChunkImage | None = None  # staging only: the image on the device, copied to ``image`` when full
+
+
+PartialChunk = _Chunk  # a finished sequence's trailing chunk, kept to be resumed (see ``close``)
+
+
+@dataclass
+class _Sequence:
+    chain: KeyChain
+    chunks: dict[int, _Chunk] = field(default_factory=dict)  # by the chunk's index in the sequence
+    in_flight: list[Future] = field(default_factory=list)  # stage 2 of batches not yet landed (GPU)
+    broken: bool = False  # a forward pass failed mid-batch: its rows are incomplete, publish nothing more
+
+
+@dataclass
+class _Piece:
+    """One segment's rows in one chunk: ``n`` rows from batch row ``row`` to chunk row ``offset``."""
+
+    seq: _Sequence
+    chunk: _Chunk
+    offset: int
+    row: int
+    n: int
+
+
+@dataclass
+class _Batch:
+    pieces: list[_Piece]
+    dead: list[_Chunk]  # chunks that can no longer fill: given back once this batch's copies have landed
+    delivered: set[tuple[int, str]] = field(default_factory=set)  # (layer, format) the forward handed over
+
+
+def _split(pos: int, row: int, length: int):
+    """``(chunk index, offset in the chunk, batch row, rows)`` of each chunk a segment reaches."""
+    while length:
+        index, offset = divmod(pos, CHUNK_TOKENS)
+        n = min(length, CHUNK_TOKENS - offset)
+        yield index, offset, row, n
+        pos, row, length = pos + n, row + n, length - n
+
+
+class ChunkSaver:
+    """``tensors``: every ``(layer, format, row shape, dtype)`` the engine hands over. ``stores(chunk_index,
+    format)``: whether this saver stores that format of a sequence's chunk (a tensor-parallel rank stores
+    the hidden states of only some chunks); a chunk is published with what it stores, even nothing, so that
+    its key and tokens are on record. ``stage``: stage chunks on the rows' device and copy each to the host
+    once, when full (None: when the rows are on a GPU)."""
+
+    def __init__(
+        self,
+        tier: HostTier,
+        fingerprint: str,
+        tensors: list[TensorSpec],
+        *,
+        stores: Callable[[int, str], bool] = lambda chunk, fmt: True,
+        stage: bool | None = None,
+    ):
+        self.tier, self.fingerprint, self.stores, self.stage = tier, fingerprint, stores, stage
+        self.chunks_published = 0
+        self._tensors = tensors
+        self._layouts: dict[frozenset[tuple[int, str]], ChunkLayout] = {}
+        self._names = {(layer, fmt) for layer, fmt, *_ in tensors}
+        self._seqs: dict[int, _Sequence] = {}
+        self._batch: _Batch | None = None
+        self._lock = threading.Lock()
+        self._stage2: ThreadPoolExecutor | None = None  # made on the first GPU batch
+        self._save_stream = None
+        self._events: list = []  # GPU: fired events, for the next batches to record
+
+    @property
+    def stalls(self) -> int:
+        """Times stage 1 waited for room in the pool (back-pressure on the forward pass)."""
+        return self.tier.stalls
+
+    @property
+    def stall_seconds(self) -> float:
+        return self.tier.stall_s
+
+    @property
+    def save_errors(self) -> int:
+        """Chunks not written to disk, and chunks not saved for want of room in the pool."""
+        return self.tier.write_errors + self.tier.unsaved
+
+    def open(self, uid: int, chain: KeyChain) -> None:
+        """Start saving sequence ``uid``, whose chunk keys ``chain`` gives."""
+        self._seqs[uid] = _Sequence(chain)
+
+    def close(self, uid: int, keep_partial: bool = False) -> PartialChunk | None:
+        """Wait until every full chunk of ``uid`` is published, then forget ``uid``; its partial chunks are
+        given back. With ``keep_partial``, its trailing partial chunk, if every row of it so far was computed
+        and has landed, is returned instead: a sequence that goes on with the same tokens may :meth:`resume`
+        it, so the chunk is still saved when its first rows were not computed again; or
+        :meth:`drop_partial` gives it back."""
+        self._abort_unfinished_batch()
+        seq = self._seqs.pop(uid, None)
+        if seq is None:
+            return None
+        for f in seq.in_flight:
+            f.result()
+        kept = None
+        if keep_partial and not seq.broken:
+            last = seq.chunks.get(len(seq.chain.chunks))
+            if last is not None and last.image is not None and 0 < last.filled == last.expected == len(seq.chain.tail):
+                kept = seq.chunks.pop(last.index)
+        self._give_back(list(seq.chunks.values()))
+        seq.chunks.clear()
+        return kept
+
+    def resume(self, uid: int, partial: PartialChunk, rows: int) -> None:
+        """Continue ``partial`` (from :meth:`close`) in sequence ``uid``, whose chunk at the same index begins
+        with the same first ``rows`` tokens, after the same chunks: the rows ``uid`` computes next fill it
+        from ``rows`` on. Whatever ``uid`` had of that chunk is given back."""
+        seq = self._seqs.get(uid)
+        if seq is None or not 0 < rows <= partial.filled:
+            self.drop_partial(partial)
+            return
+        partial.expected = partial.filled = rows
+        old = seq.chunks.pop(partial.index, None)
+        seq.chunks[partial.index] = partial
+        self._give_back([old] if old is not None else [])
+
+    def drop_partial(self, partial: PartialChunk) -> None:
+        self._give_back([partial])
+
+    def shutdown(self) -> None:
+        """Drain, drop every open sequence and stop the stage-2 thread."""
+        for uid in list(self._seqs):
+            self.close(uid)
+        if self._stage2 is not None:
+            self._stage2.shutdown(wait=True)
+
+    # ---- stage 1: called by the engine's forward ------------------------------------------------------
+    def begin_batch(self, segments: list[Segment]) -> None:
+        """Give every chunk the batch's rows reach a slot. A chunk whose next computed rows do not start
+        where its last ones ended had rows restored in between: it never fills, so its slot goes back."""
+        self._abort_unfinished_batch()
+        pieces, dead = [], []
+        for s in segments:
+            seq = self._seqs.get(s.uid)
+            if seq is None:
+                continue
+            for c in list(seq.chunks.values()):  # stopped short of this segment: the rest was restored
+                if c.expected < CHUNK_TOKENS and c.index * CHUNK_TOKENS + c.expected < s.start:
+                    dead.append(seq.chunks.pop(c.index))
+            for index, offset, row, n in _split(s.start, s.row, s.length):
+                chunk = seq.chunks.get(index)
+                if chunk is not None and chunk.expected != offset:
+                    dead.append(seq.chunks.pop(index))
+                    chunk = None
+                if chunk is None:
+                    image = self.tier.create(self._layout(index), self.fingerprint) if offset == 0 else None
+                    chunk = seq.chunks[index] = _Chunk(index, image, expected=offset)
+                chunk.expected = offset + n
+                pieces.append(_Piece(seq, chunk, offset, row, n))
+        self._batch = _Batch(pieces, dead) if pieces or dead else None
+
+    def on_layer(self, layer: int, rows: dict[str, torch.Tensor]) -> None:
+        batch = self._batch
+        if batch is None:
+            return
+        for fmt, t in rows.items():
+            batch.delivered.add((layer, fmt))
+            self._copy(batch, layer, fmt, t)  # on the current (compute) stream: the engine may reuse t next
+
+    def end_batch(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        if batch.pieces and batch.delivered != self._names:  # a capture that skipped a layer: its rows are not all there
+            log.error("saver: a forward pass handed over %d of %d layer tensors; its chunks are not saved",
+                      len(batch.delivered & self._names), len(self._names))  # fmt: skip
+            for p in batch.pieces:
+                p.seq.broken = True
+        full = list({id(p.chunk): p.chunk for p in batch.pieces
+                     if p.chunk.staged is not None and p.chunk.expected == CHUNK_TOKENS and not p.seq.broken}.values())  # fmt: skip
+        if not full:
+            self._land(batch)
+            return
+        device = full[0].staged.data.device
+        if not copier.uses_streams(device):
+            self._unstage(full)
+            self._land(batch)
+            return
+        # The whole chunks cross to their pinned slots on the save stream, which the forward never waits for.
+        if self._save_stream is None:
+            self._save_stream = torch.cuda.Stream(device)
+            self._stage2 = ThreadPoolExecutor(1, thread_name_prefix="hcache-saver")
+        self._save_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._save_stream):
+            for c in full:
+                c.staged.data.record_stream(self._save_stream)  # its memory is reused only once the copy is done
+            self._unstage(full)
+        landed = self._events.pop() if self._events else torch.cuda.Event()
+        landed.record(self._save_stream)
+        future = self._stage2.submit(self._land_when, landed, batch)
+        for seq in {id(p.seq): p.seq for p in batch.pieces}.values():
+            seq.in_flight = [f for f in seq.in_flight if not f.done()] + [future]
+
+    @staticmethod
+    def _unstage(chunks: list[_Chunk]) -> None:
+        """Copy full staged chunks to their host slots, each in one copy of its tensors' bytes."""
+        spans = [slice(c.image.layout.data_start, c.image.layout.nbytes) for c in chunks]
+        torch._foreach_copy_([c.image.data[b] for c, b in zip(chunks, spans)],
+                             [c.staged.data[b] for c, b in zip(chunks, spans)], non_blocking=True)  # fmt: skip
+        for c in chunks:
+            c.staged = None
+
+    def _abort_unfinished_batch(self) -> None:
+        """A batch that began but never ended (its forward raised) publishes nothing; nor do its sequences."""
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            for p in batch.pieces:
+                p.seq.broken = True
+            self._give_back(batch.dead)
+
+    # ---- the copies and stage 2 -----------------------------------------------------------------------
+    def _copy(self, batch: _Batch, layer: int, fmt: str, src: torch.Tensor) -> None:
+        """The layer's rows into each piece's chunk: its staged image on the rows' device, or its slot."""
+        stage = copier.uses_streams(src.device) if self.stage is None else self.stage
+        dst, rows = [], []
+        for p in batch.pieces:
+            chunk = p.chunk
+            if chunk.image is None or not chunk.image.has(layer, fmt):
+                continue
+            if stage and chunk.staged is None:  # one per chunk, from the caching allocator
+                data = torch.empty(chunk.image.layout.nbytes, dtype=torch.uint8, device=src.device)
+                chunk.staged = ChunkImage(data, chunk.image.layout, self.fingerprint)
+            dst.append((chunk.staged if stage else chunk.image).tensor(layer, fmt)[p.offset : p.offset + p.n])
+            rows.append(src[p.row : p.row + p.n])
+        if dst:
+            torch._foreach_copy_(dst, rows, non_blocking=True)  # one call for the batch's pieces
+
+    def _land_when(self, landed: torch.cuda.Event, batch: _Batch) -> None:
+        try:
+            landed.synchronize()
+            self._events.append(landed)  # reused by a later batch: it has fired
+            self._land(batch)
+        except Exception:
+            log.exception("saver: copying a batch's rows failed; its chunks are not saved")
+            for p in batch.pieces:
+                p.seq.broken = True
+
+    def _land(self, batch: _Batch) -> None:
+        """The batch's rows are in their slots: count them, publish every chunk now complete, and give back
+        the slots of chunks that can no longer fill."""
+        with self._lock:
+            for p in batch.pieces:
+                chunk = p.chunk
+                chunk.filled += p.n
+                if chunk.filled < CHUNK_TOKENS or p.seq.broken or p.seq.chunks.get(chunk.index) is not chunk:
+                    continue
+                del p.seq.chunks[chunk.index]
+                if chunk.image is not None:
+                    self.tier.publish(chunk.image, *p.seq.chain.chunk(chunk.index))  # keyed before the forward
+                    self.chunks_published += 1
+        self._give_back(batch.dead)
+
+    def _give_back(self, chunks: list[_Chunk]) -> None:
+        """Return unpublished chunks' slots, once no copy into them can still be running."""
+        chunks = [c for c in chunks if c.image is not None]
+        if not chunks:
+            return
+        if self._save_stream is not None:
+            self._save_stream.synchronize()
+        with self._lock:
+            for c in chunks:
+                if c.image is not None:
+                    self.tier.abandon(c.image)
+                    c.image = c.staged = None
+
+    def _layout(self, index: int) -> ChunkLayout:
+        stored = [t for t in self._tensors if self.stores(index, t[1])]
+        names = frozenset((layer, fmt) for layer, fmt, *_ in stored)
+        if names not in self._layouts:
+            self._layouts[names] = ChunkLayout.plan(stored, self.fingerprint)
+        return self._layouts[names]

@@ -1,0 +1,47 @@
+"""The reference engine against transformers' own forward: the ground truth everything else is checked on."""
+import pytest
+import torch
+
+from hcache.engine import ReferenceEngine
+from hcache.errors import CacheFullError, InvalidRequestError
+
+from support.helpers import random_prompt
+
+# float32 on CPU; the paged attention sums in another order than transformers' SDPA call.
+ATOL = 1e-4
+
+
+def test_prefill_and_decode_match_transformers(tiny, rng):
+    ids = random_prompt(90, tiny.spec.vocab_size, rng)
+    with torch.no_grad():
+        expected = tiny.model(torch.tensor([ids])).logits[0]
+    engine = ReferenceEngine(tiny.model, tiny.spec, num_blocks=8)
+    torch.testing.assert_close(engine.step([(0, ids)])[0], expected[-1], atol=ATOL, rtol=0)
+    engine.step([(1, ids[:50])])
+    for i in range(50, 90):
+        logits = engine.step([(1, [ids[i]])])
+        torch.testing.assert_close(logits[0], expected[i], atol=ATOL, rtol=0)
+    assert engine.sequences[1].tokens == ids
+
+
+def test_ragged_batch_equals_each_sequence_alone(tiny, rng):
+    prompts = [random_prompt(n, tiny.spec.vocab_size, rng) for n in (70, 5, 130)]
+    engine = ReferenceEngine(tiny.model, tiny.spec, num_blocks=16)
+    batched = engine.step([(i, p) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        alone = engine.step([(10 + i, p)])
+        torch.testing.assert_close(batched[i], alone[0], atol=ATOL, rtol=0)
+        for layer in range(tiny.spec.num_layers):
+            torch.testing.assert_close(engine.kv(i, layer), engine.kv(10 + i, layer), atol=ATOL, rtol=0)
+
+
+def test_blocks_are_freed_and_exhaustion_is_a_clear_error(tiny, rng):
+    engine = ReferenceEngine(tiny.model, tiny.spec, num_blocks=2, block_size=64)
+    engine.step([(0, random_prompt(100, tiny.spec.vocab_size, rng))])
+    assert engine.cache.free_blocks == 0
+    with pytest.raises(CacheFullError, match="KV cache full"):
+        engine.step([(1, [1, 2, 3])])
+    engine.flush(0)
+    assert engine.cache.free_blocks == 2
+    with pytest.raises(InvalidRequestError, match="limit"):
+        engine.step([(2, [1] * (tiny.spec.max_positions + 1))])

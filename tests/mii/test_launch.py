@@ -1,0 +1,82 @@
+"""How ``hcache serve`` starts MII's processes, without starting them: what they are told about logging, and
+that MII's temporary hostfiles do not outlive the start. (A real deployment: ``tests/mii/test_mii.py``.)"""
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+from mii.backend.server import MIIServer
+from mii.config import MIIConfig
+
+from hcache.mii.backend import server_processes_launched_by_hcache
+
+
+class _Exited:
+    """A server process that exited as it started: MII's start stops there."""
+
+    pid, returncode = 0, 1
+
+    def poll(self):
+        return 1
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_mii_starts_its_processes_as_quiet_as_hcache_and_leaves_no_hostfile(tmp_path, monkeypatch, caplog, verbose):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where MII writes its hostfiles
+    started = []
+
+    def popen(cmd, env=None, **kwargs):
+        started.append((cmd, env, sorted(p.name for p in tmp_path.iterdir())))
+        return _Exited()
+
+    monkeypatch.setattr("hcache.mii.backend.subprocess", SimpleNamespace(Popen=popen))  # hcache's launch alone
+    config = MIIConfig(model_config={"model_name_or_path": "/no-model", "tokenizer": "/no-model", "task": "text-generation"},
+                       deployment_name="test", port_number=50990)  # fmt: skip
+    caplog.set_level(logging.INFO if verbose else logging.WARNING, logger="hcache")
+    with pytest.raises(RuntimeError, match="exited with status 1 while starting"):
+        with server_processes_launched_by_hcache(SimpleNamespace(model_dump_json=lambda: "{}"), []):
+            MIIServer(config)
+    [(cmd, env, hostfiles)] = started[:1]
+    assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"] and "hcache.mii.launch" in cmd
+    assert (cmd[3:5] == ["--log_level", "error"]) is not verbose  # DeepSpeed's launcher: no training-launcher lines
+    assert env["HCACHE_LOG_LEVEL"] == ("INFO" if verbose else "WARNING")
+    assert len(hostfiles) == 2  # MII's: one for the deployment, one for the replica
+    assert not list(tmp_path.iterdir())  # removed once the start is over, failed as here or not
+
+
+@pytest.mark.parametrize("level, quiet", [("WARNING", True), ("INFO", False)])
+def test_a_server_process_logs_at_hcaches_level(level, quiet):
+    script = """
+import logging, sys
+from hcache.mii.launch import _logging
+_logging()
+mii, werkzeug = logging.getLogger("MII"), logging.getLogger("werkzeug")
+record = logging.LogRecord("MII", logging.INFO, "x.py", 0, "info", (), None)
+print(logging.getLogger("hcache").isEnabledFor(logging.INFO), bool(mii.filter(record)), werkzeug.isEnabledFor(logging.INFO))
+"""
+    env = dict(os.environ, HCACHE_LOG_LEVEL=level)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == [str(not quiet)] * 3
+
+
+def test_deepspeed_is_told_its_accelerator_and_does_not_warn_that_it_guessed():
+    """On a machine without a GPU DeepSpeed warned, in the serving process and in each one MII starts, that
+    it fell back to the CPU; hcache names the accelerator where torch sees no CUDA device."""
+    script = """
+import os, torch
+from hcache.mii import _libraries_as_quiet_as_hcache
+_libraries_as_quiet_as_hcache()
+import mii
+from deepspeed.accelerator import get_accelerator
+print(os.environ.get("DS_ACCELERATOR"), get_accelerator().device_name(), torch.cuda.is_available())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # hcache.mii.serve in this process sets it
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    named, device, cuda = result.stdout.split()[-3:]
+    assert (named, device) == (("None", "cuda") if cuda == "True" else ("cpu", "cpu"))
+    assert "Setting accelerator" not in result.stdout + result.stderr

@@ -1,0 +1,69 @@
+import pytest
+import torch
+from transformers import AutoConfig, GPT2Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from hcache.errors import UnsupportedModelError
+from hcache.model.spec import SUPPORTED_MODEL_TYPES, ModelSpec
+
+
+def test_smollm2_description(smollm2):
+    s = smollm2.spec
+    assert (s.model_type, s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_size) == ("llama", 30, 576, 9, 3, 64)
+    assert s.rope.theta == 100000.0 and s.rope.rotary_dim == 64 and s.learned_position_offset is None
+    assert s.capture_module == "input_layernorm" and not s.qkv_bias
+    assert s.hidden_bytes_per_token_layer == 576 * 4
+    assert s.kv_bytes_per_token_layer == 2 * 3 * 64 * 4
+    assert s.kv_to_hidden_ratio == pytest.approx(2 / 3)
+
+
+def test_family_specifics():
+    def spec(model_type, **kw):
+        return ModelSpec.from_config(AutoConfig.for_model(model_type, **kw))
+
+    llama = spec("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2)
+    assert llama.kv_to_hidden_ratio == 2.0 and llama.k_weight.module == "self_attn.k_proj" and llama.k_weight.stop is None
+    assert spec("qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2).qkv_bias
+    phi3 = spec(
+        "phi3", hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    )
+    assert (phi3.k_weight.module, phi3.k_weight.start, phi3.k_weight.stop) == ("self_attn.qkv_proj", 96, 144)
+    assert (phi3.v_weight.start, phi3.v_weight.stop) == (144, 192)
+    assert phi3.rope.rotary_dim == 12  # half of head size 24
+    opt = spec("opt", hidden_size=64, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64)
+    assert opt.rope is None and opt.learned_position_offset == 2 and opt.qkv_bias
+    assert opt.capture_module == "self_attn_layer_norm" and opt.layers_prefix == "model.decoder.layers"
+    mistral = spec("mistral", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=32, num_hidden_layers=2)
+    assert mistral.sliding_windows == (32, 32)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelSpec.from_config(GPT2Config())
+    for name in SUPPORTED_MODEL_TYPES:
+        assert name in str(err.value)
+
+
+def test_opt_350m_layout_is_rejected():
+    with pytest.raises(UnsupportedModelError, match="do_layer_norm_before"):
+        ModelSpec.from_config(AutoConfig.for_model("opt", do_layer_norm_before=False))
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config = AutoConfig.for_model("llama", hidden_size=256, num_attention_heads=2, rope_parameters=rope,
+                                  max_position_embeddings=131072)
+    spec = ModelSpec.from_config(config)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    assert spec.rope.rope_type == "llama3"
+    torch.testing.assert_close(torch.tensor(spec.rope.inv_freq), expected.float())
+    default = ModelSpec.from_config(AutoConfig.for_model("llama", hidden_size=256, num_attention_heads=2))
+    assert spec.rope.inv_freq != default.rope.inv_freq
+
+
+def test_length_dependent_rope_is_rejected():
+    config = AutoConfig.for_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        ModelSpec.from_config(config)

@@ -1,0 +1,139 @@
+"""Profiles: measured, saved, refused when they do not fit; and the runtime's auto plan built on them."""
+import json
+import logging
+
+import pytest
+from support.helpers import loaded, random_prompt
+
+import hcache.planning.profiler
+from hcache.cli import main
+from hcache.errors import InvalidRequestError
+from hcache.planning.plan import default_plan
+from hcache.planning.profile import PROFILE_VERSION, Profile, ProfileMismatch, default_profile_path
+from hcache.serving.runtime import HCacheRuntime
+
+# Per-layer seconds at 64 and 256 tokens. Short histories are I/O-bound (RE + H); long ones compute-bound
+# (H + KV), so the auto plan changes with the history length.
+SECONDS = {
+    "c_token": [0.001, 0.4],
+    "c_h": [0.0002, 0.003],
+    "c_kv": [0.0, 0.0],
+    "io_h": [0.0006, 0.001],
+    "io_kv": [0.0012, 0.002],
+}
+
+
+@pytest.fixture
+def llama():
+    return loaded("random:llama")
+
+
+@pytest.fixture
+def synthetic(llama) -> Profile:
+    return Profile.new(llama.name, llama.spec, [64, 256], SECONDS, {})
+
+
+@pytest.fixture
+def new_machine(tmp_path, monkeypatch) -> str:
+    """This process on a machine named 'cpu2-amd-epyc', with an empty profile cache and working directory."""
+    monkeypatch.setenv("HCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("hcache.planning.profile.machine_name", lambda: "cpu2-amd-epyc")
+    return "cpu2-amd-epyc"
+
+
+def test_auto_plan_follows_the_history_length_and_restores_exactly(llama, synthetic, tmp_path, rng):
+    short, long = synthetic.plan(llama.spec, 64), synthetic.plan(llama.spec, 256)
+    assert str(short) == "1RE+2H" and str(long) == "1H+2KV"
+    runtime = HCacheRuntime(llama, tmp_path, profile=synthetic)
+    # save="plan" keeps every format the auto plan needs at some length (2H+1KV at 128 tokens)
+    assert runtime.save_formats == [frozenset({"H"}), frozenset({"H", "KV"}), frozenset({"H", "KV"})]
+    prompt = random_prompt(300, llama.spec.vocab_size, rng)
+    expected = runtime.generate(prompt, 6, restore=False).output_ids
+    result = runtime.generate(prompt, 6)
+    assert result.restored_tokens == 256 and result.plan == str(long) and result.fallback is None
+    assert result.output_ids == expected
+    short_prompt = prompt[:70]
+    assert runtime.generate(short_prompt, 6).plan == str(short)
+    runtime.close()
+
+
+def test_profile_round_trip_and_refusals(llama, synthetic, tmp_path):
+    path = tmp_path / "p.json"
+    synthetic.save(path)
+    assert Profile.load(path, llama.spec).costs(160) == synthetic.costs(160)
+    assert synthetic.costs(160).c_token == pytest.approx(0.2005)  # interpolated
+
+    with pytest.raises(ProfileMismatch, match="measured for model_type=llama.*not for this model.*qwen2"):
+        Profile.load(path, loaded("random:qwen2").spec)
+
+    data = json.loads(path.read_text())
+    for field, value, message in [
+        ("machine_name", "h100-sxm", "measured on 'h100-sxm'"),
+        ("version", PROFILE_VERSION - 1, "stale"),
+    ]:
+        path.write_text(json.dumps({**data, field: value}))
+        with pytest.raises(ProfileMismatch, match=message):
+            Profile.load(path, llama.spec)
+
+    path.write_text(json.dumps({**data, "seconds": {"c_h": [1.0]}}))
+    with pytest.raises(ProfileMismatch, match="not a valid hcache profile"):
+        Profile.load(path)
+    with pytest.raises(ProfileMismatch, match="run `hcache profile --model ...` to measure one"):
+        Profile.load(tmp_path / "missing.json")
+
+
+def test_a_profile_from_another_machine_leaves_auto_on_the_default_plan(llama, synthetic, new_machine, tmp_path, caplog, rng):
+    """The cache holds a profile measured on another machine (a copied HCACHE_HOME, say): auto serves the default
+    plan with one warning that says why and how to profile. Given explicitly, the profile is refused."""
+    synthetic.machine_name = "cpu2-intel-xeon"
+    path = default_profile_path("random:llama")
+    synthetic.save(path)
+    command = "hcache profile --model random:llama --dtype float32"
+    with caplog.at_level(logging.WARNING, logger="hcache"):
+        runtime = HCacheRuntime(llama, tmp_path / "store", plan="auto", measure_profile=False)
+    [warning] = caplog.records
+    assert "measured on 'cpu2-intel-xeon', this machine is 'cpu2-amd-epyc'" in warning.message
+    assert "serving the default plan" in warning.message and command in warning.message
+    default = default_plan(llama.spec)
+    assert runtime.profile is None and runtime.plan == default
+    prompt = random_prompt(2 * 64 + 5, llama.spec.vocab_size, rng)
+    runtime.generate(prompt, 2)
+    assert runtime.generate(prompt, 2).restores[0].plan == str(default)
+    with pytest.raises(InvalidRequestError, match="needs a profile"):
+        runtime.generate(prompt, 1, plan="auto")
+    runtime.close()
+    with pytest.raises(ProfileMismatch, match=f"measured on 'cpu2-intel-xeon'.*run `{command}` here"):
+        HCacheRuntime(llama, tmp_path / "store", profile=path)
+
+
+def test_first_use_on_a_new_machine_measures_a_short_profile_and_the_next_start_uses_it(
+    llama, new_machine, tmp_path, monkeypatch, capsys, caplog
+):
+    with HCacheRuntime(llama, tmp_path / "store", plan="auto") as runtime:
+        assert runtime.profile.tokens == [256, 512]  # the short grid, capped at the tiny model's context
+    assert "profiling random:llama" in capsys.readouterr().err  # the progress bar
+    assert "found no profile of random:llama for this machine; measuring a short one" in caplog.text
+    path = tmp_path / "home" / "profiles" / "cpu2-amd-epyc-random-llama.json"
+    assert Profile.load(path, llama.spec).seconds == runtime.profile.seconds
+
+    def measure(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(hcache.planning.profiler, "measure_profile", measure)
+    with HCacheRuntime(llama, tmp_path / "store", plan="auto") as runtime:
+        assert runtime.profile.seconds == Profile.load(path).seconds
+
+
+def test_profile_cli_measures_a_usable_profile(llama, new_machine, tmp_path, capsys):
+    assert main(["profile", "--model", "random:llama", "--short", "--repeats", "1"]) == 0
+    path = default_profile_path("random:llama")
+    assert path == tmp_path / "home" / "profiles" / "cpu2-amd-epyc-random-llama.json"
+    profile = Profile.load(path, llama.spec)
+    assert profile.tokens == [256, 512]
+    assert all(len(v) == 2 and all(s > 0 for s in v) for k, v in profile.seconds.items() if k != "c_kv")
+    assert "plan" in capsys.readouterr().out
+    with HCacheRuntime(llama, tmp_path / "store", plan="auto", measure_profile=False) as runtime:  # finds it
+        assert runtime.profile.tokens == [256, 512]
+    assert main(["profile", "--model", "random:llama", "--short", "--tokens", "64"]) == 2
+    assert "give one" in capsys.readouterr().err

@@ -1,0 +1,85 @@
+"""The partition against a brute force over every split, and against the paper's closed forms (§4.1.2)."""
+import math
+import random
+
+import pytest
+
+from hcache.planning.plan import Method
+from hcache.planning.scheduler import LayerCosts, partition
+
+BYTES_H, BYTES_KV = 1000, 2000  # MHA: KV is twice the hidden state
+
+
+def counts(plan):
+    return tuple(plan.count(m) for m in Method)
+
+
+def brute_force(costs: LayerCosts, n: int) -> float:
+    return min(costs.plan_time(re, n - re - kv, kv) for re in range(n + 1) for kv in range(n - re + 1))
+
+
+def paper_h_plus_kv(costs: LayerCosts, n: int) -> int:
+    """L_H when C_H > IO_H (compute-bound: HCache + KV offload)."""
+    return math.ceil(n * costs.io_kv / (costs.io_kv + costs.c_h - costs.io_h))
+
+
+def paper_re_plus_h(costs: LayerCosts, n: int) -> int:
+    """L_H when C_H ≤ IO_H (I/O-bound: token recompute + HCache)."""
+    return math.ceil(n * costs.c_token / (costs.c_token + costs.io_h - costs.c_h))
+
+
+SYNTHETIC = {
+    # name: (costs, layers, expected (RE, H, KV)); the paper's crossing falls on an integer in each
+    "compute-bound MHA": (LayerCosts(c_token=50, c_h=3, c_kv=0, io_h=1, io_kv=2), 30, (0, 15, 15)),
+    "io-bound MHA": (LayerCosts(c_token=2, c_h=0, c_kv=0, io_h=1, io_kv=2), 30, (10, 20, 0)),
+    "balanced MHA": (LayerCosts(c_token=20, c_h=1, c_kv=0, io_h=1, io_kv=2), 32, (0, 32, 0)),
+    # hidden states outweigh K/V: H is dominated, RE fills the I/O time of KV
+    "GQA": (LayerCosts(c_token=6, c_h=0.5, c_kv=0, io_h=1.5, io_kv=1.2), 30, (5, 0, 25)),
+    # MHA, but the GEMM is so slow that RE + KV (the paper's naive hybrid) wins
+    "slow GEMM": (LayerCosts(c_token=6, c_h=5, c_kv=0, io_h=1, io_kv=1.2), 30, (5, 0, 25)),
+}
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_synthetic_profiles(name):
+    costs, n, expected = SYNTHETIC[name]
+    plan = partition(costs, n, BYTES_H, BYTES_KV)
+    assert counts(plan) == expected
+    assert costs.plan_time(*counts(plan)) == pytest.approx(brute_force(costs, n), rel=1e-12)
+
+
+def test_paper_closed_forms_where_they_apply():
+    costs, n, _ = SYNTHETIC["compute-bound MHA"]
+    assert partition(costs, n, BYTES_H, BYTES_KV).count(Method.H) == paper_h_plus_kv(costs, n)
+    costs, n, _ = SYNTHETIC["io-bound MHA"]
+    assert partition(costs, n, BYTES_H, BYTES_KV).count(Method.H) == paper_re_plus_h(costs, n)
+    costs, n, _ = SYNTHETIC["balanced MHA"]
+    assert partition(costs, n).count(Method.H) == paper_re_plus_h(costs, n) == n
+
+
+def test_random_profiles_equal_brute_force_and_round_the_paper_crossing():
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    for _ in range(300):
+        n = rnd.randint(1, 48)
+        io_h = rnd.uniform(0.1, 2)
+        ratio = rnd.choice([2.0, rnd.uniform(0.3, 3)])  # MHA, or any GQA ratio
+        costs = LayerCosts(
+            c_token=rnd.uniform(0.1, 20), c_h=rnd.uniform(0.05, 4), c_kv=rnd.choice([0, rnd.uniform(0, 0.2)]),
+            io_h=io_h, io_kv=io_h * ratio,
+        )
+        bytes_kv = int(BYTES_H * ratio)
+        plan = partition(costs, n, BYTES_H, bytes_kv)
+        got = counts(plan)
+        assert costs.plan_time(*got) <= brute_force(costs, n) * (1 + 1e-9), (seed, costs, n, got)
+        if costs.io_kv <= costs.io_h and costs.c_kv <= costs.c_h and bytes_kv <= BYTES_H:
+            assert plan.count(Method.H) == 0, (seed, costs, n, got)  # never H where KV dominates it
+        if costs.c_kv == 0 and ratio == 2.0 and costs.c_h > costs.io_h and plan.count(Method.RE) == 0:
+            x = n * costs.io_kv / (costs.io_kv + costs.c_h - costs.io_h)
+            assert plan.count(Method.H) in {math.floor(x), math.ceil(x), n}, (seed, costs, n, got)
+
+
+def test_ties_go_to_the_plan_storing_fewer_bytes():
+    # I/O is free, so every plan without RE takes the same time; H stores less than KV.
+    costs = LayerCosts(c_token=1, c_h=0, c_kv=0, io_h=0, io_kv=0)
+    assert counts(partition(costs, 8, BYTES_H, BYTES_KV)) == (0, 8, 0)

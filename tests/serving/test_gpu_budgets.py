@@ -1,0 +1,336 @@
+"""Budgets of launches, syncs and allocations that the CPU suite holds the GPU path to.
+
+A CPU cannot time a GPU, but it can count what would cost time there. These tests drive hcache's serving
+engine over the reference engine (a tiny random Llama) and count, at the aten dispatch level
+(:class:`Counter`), what a restore and a saving forward ask of the device:
+
+- **host syncs**: ops that make the host wait for the device when their operand is on a GPU.
+- **device ops**: non-view aten ops touching a device tensor, a proxy for kernel launches and copies.
+- **engine calls** per restored layer.
+
+On a CPU every tensor lives in host memory, so "device tensor" needs a rule. The one here: a tensor is a
+*host* tensor iff its storage is hcache's host pool (the pinned arena every chunk lives in; on a GPU, the
+only host memory a restore or a save touches); every other tensor is a device tensor, as it would be on a
+GPU (the cache, weights, activations, slots). So a hostward copy is a copy into the pool from elsewhere,
+and a sync is a sync op (``_local_scalar_dense`` — ``item()``, ``int()``, ``bool()`` —, ``nonzero``,
+``masked_select``, ``equal``, boolean-mask indexing...) on a device tensor, or ``tolist()``, ``cpu()``,
+``numpy()`` of one. Host bookkeeping must therefore stay in Python ints and lists, never round-trip
+through a tensor: strict, but then a count of zero here is zero on a GPU. Work on the host pool's own
+bytes (checksums of chunks) is host work by construction and is not counted.
+
+Streams, events and ``pin_memory`` calls are counted in the GPU branches of hcache's own copy paths,
+driven on the CPU by :class:`FakeCuda` (stream and event objects that count themselves; copies run
+inline). hcache's one pinned buffer is the host pool, registered once per store (tests/storage/test_host_pool.py).
+
+``pytest -s`` prints every count; a broken budget fails with the count it found.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+
+import pytest
+import torch
+from support.helpers import random_prompt, serving_engine
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hcache.serving.engine as serving_module
+import hcache.storage.chunk_key as chunk_key
+import hcache.transfer.copier as copier_module
+from hcache.engine import ReferenceEngine
+from hcache.model.fingerprint import model_fingerprint
+from hcache.model.loader import random_model
+from hcache.model.spec import ModelSpec
+from hcache.storage.chunk_key import CHUNK_TOKENS
+
+LAYERS = 4
+PLANS = ["RE", "H", "KV", f"1RE+{LAYERS - 2}H+1KV"]
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "equal", "is_nonzero", "allclose",
+            "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave"}  # fmt: skip
+HOST_READS = ("tolist", "cpu", "numpy")
+
+
+class Counter(TorchDispatchMode):
+    """Counts device ops by name, and host syncs with where they happened, while active (see the module doc)."""
+
+    def __init__(self, host: torch.Tensor):
+        super().__init__()
+        self.host = host.untyped_storage().data_ptr()
+        self.ops: collections.Counter = collections.Counter()
+        self.syncs: collections.Counter = collections.Counter()
+        self.hostward = 0  # copies into host memory from a device tensor (each a PCIe transfer on a GPU)
+
+    def on_host(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() == self.host
+
+    def sync(self, what: str) -> None:
+        import traceback
+
+        frame = next(f for f in reversed(traceback.extract_stack()[:-2]) if "/hcache/" in f.filename)
+        self.syncs[f"{what} at {os.path.basename(frame.filename)}:{frame.lineno}"] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        device = [t for t in tensors if not self.on_host(t)]
+        name = func.overloadpacket.__name__
+        if device and not func.is_view:
+            self.ops[name] += 1
+        bool_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))  # fmt: skip
+        if device and (name in SYNC_OPS or bool_index):
+            self.sync(name)
+        if name in ("copy_", "_foreach_copy_"):
+            pairs = list(zip(args[0], args[1]) if name == "_foreach_copy_" else [(args[0], args[1])])
+            hostward = sum(self.on_host(dst) and not self.on_host(src) for dst, src in pairs)
+            self.hostward += hostward
+            if hostward and not kwargs.get("non_blocking", len(args) > 2 and args[2]):
+                self.sync("blocking hostward copy")
+        return out
+
+
+@contextlib.contextmanager
+def counting(counter: Counter, monkeypatch):
+    """``counter`` active, and ``tolist``/``cpu``/``numpy`` of device tensors counted as syncs."""
+    with monkeypatch.context() as m:
+        for name in HOST_READS:
+            original = getattr(torch.Tensor, name)
+
+            def read(self, *args, _original=original, _name=name, **kwargs):
+                if not counter.on_host(self):
+                    counter.sync(_name)
+                return _original(self, *args, **kwargs)
+
+            m.setattr(torch.Tensor, name, read)
+        with counter:
+            yield counter
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = random_model("llama", num_hidden_layers=LAYERS, max_position_embeddings=2048)
+    return model, ModelSpec.from_config(model.config, torch.float32)
+
+
+def _serving(model, tmp_path, plan: str, **settings):
+    model, spec = model
+    engine = ReferenceEngine(model, spec, num_blocks=40)
+    return serving_engine(
+        engine, model_fingerprint(model, spec), tmp_path, model_name="budget", plan=plan, save="all", readers=0, **settings
+    )
+
+
+class Restores:
+    """Counts each restore (``restore_prefix`` from start to end) and the engine's restore calls per layer."""
+
+    def __init__(self, serving, monkeypatch):
+        self.serving, self.monkeypatch = serving, monkeypatch
+        self.counters: list[Counter] = []
+        self.calls: collections.Counter = collections.Counter()  # (primitive, layer) -> calls
+        restore = serving_module.restore_prefix
+
+        def counted(*args, **kwargs):
+            with counting(Counter(serving.store.pool.arena), monkeypatch) as counter:
+                self.counters.append(counter)
+                return restore(*args, **kwargs)
+
+        monkeypatch.setattr(serving_module, "restore_prefix", counted)
+        for name in ("restore_kv", "restore_from_hidden"):
+            self._count_calls(serving.engine, name)
+
+    def _count_calls(self, engine, name: str) -> None:
+        original = getattr(engine, name)
+
+        def call(uid, layer, *args, **kwargs):
+            self.calls[(name, layer)] += 1
+            return original(uid, layer, *args, **kwargs)
+
+        self.monkeypatch.setattr(engine, name, call)
+
+
+def _restore(
+    model, tmp_path, monkeypatch, rng, plan: str, chunks: int, stored_dtype: str = "auto"
+) -> tuple[Counter, collections.Counter]:
+    """Save a ``chunks``-chunk history, then restore it in one put; the restore's counts."""
+    spec = model[1]
+    prompt = random_prompt(chunks * CHUNK_TOKENS + 1, spec.vocab_size, rng)
+    with _serving(model, tmp_path / f"{plan}-{chunks}", plan, stored_dtype=stored_dtype) as serving:
+        serving.put([0], [prompt])
+        serving.flush(0)
+        restores = Restores(serving, monkeypatch)
+        serving.put([1], [prompt])
+        assert serving.record(1).restored_tokens == chunks * CHUNK_TOKENS
+        (counter,) = restores.counters
+        return counter, restores.calls
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_restore_never_syncs_and_its_work_does_not_grow_with_chunks(model, tmp_path, monkeypatch, rng, plan):
+    """From a restore's start to its end: no host sync; the same device ops for 2 chunks as for 8 (a KV layer
+    is one batched copy, an H layer one gather and one projection); one engine call per stored layer."""
+    found = {n: _restore(model, tmp_path, monkeypatch, rng, plan, n) for n in (2, 8)}
+    for n, (counter, calls) in found.items():
+        print(f"\n{plan}, {n} chunks: {sum(counter.ops.values())} device ops {dict(counter.ops)}; syncs {dict(counter.syncs)}; "
+              f"engine calls {dict(calls)}")  # fmt: skip
+    for n, (counter, calls) in found.items():
+        assert not counter.syncs, f"{plan}, {n} chunks: host syncs during a restore: {dict(counter.syncs)}"
+        assert set(calls.values()) <= {1}, f"{plan}, {n} chunks: engine calls per layer: {dict(calls)}"
+    (few, _), (many, _) = found[2], found[8]
+    assert many.ops == few.ops, f"{plan}: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
+
+
+def test_a_put_hashes_each_chunk_once_for_its_lookups(model, tmp_path, monkeypatch, rng):
+    """A put of several sequences, with the GPU prefix cache, prefetches, adopts and restores: its chunk keys
+    are hashed once for all three look-ups, and once more as the sequence's key chain takes the tokens
+    (the chain computes its own keys)."""
+    prompts = [random_prompt(3 * CHUNK_TOKENS + 1, model[1].vocab_size, rng) for _ in range(2)]
+    with _serving(model, tmp_path, "KV", gpu_cache=True) as serving:
+        serving.put([0, 1], prompts)
+        serving.flush(0)
+        hashes = collections.Counter()
+        next_key = chunk_key.next_key
+
+        def counted(parent, tokens):
+            hashes[tuple(tokens)] += 1
+            return next_key(parent, tokens)
+
+        monkeypatch.setattr(chunk_key, "next_key", counted)
+        serving.put([2, 3], prompts)
+        assert serving.record(2).gpu_tokens and serving.record(3).restored_tokens  # adopted, and restored
+    print(f"\nhashes per chunk in one put: {sorted(hashes.values())}")
+    assert len(hashes) == 6 and max(hashes.values()) == 2, f"hashes per chunk in one put: {dict(collections.Counter(hashes.values()))}"
+
+
+def test_a_saving_forward_never_syncs_and_copies_each_chunk_to_the_host_once(model, tmp_path, monkeypatch, rng):
+    """The forwards of a prefill and of decode steps that save every layer as H and KV, with the saver
+    staging rows as on a GPU: no host sync, and no copy to the host until a chunk is full, then one copy of
+    the whole chunk (all its tensors), not one per layer, format and sequence at every step."""
+    prompt = random_prompt(100, model[1].vocab_size, rng)
+    with _serving(model, tmp_path, "KV") as serving:
+        serving.saver.stage = True
+        counters = []
+        step = serving.engine.step
+
+        def counted(requests, capture=None):
+            with counting(Counter(serving.store.pool.arena), monkeypatch) as counter:
+                counters.append(counter)
+                return step(requests, capture)
+
+        monkeypatch.setattr(serving.engine, "step", counted)
+        serving.put([0], [prompt])  # chunk 0 is full
+        for token in range(40):  # chunk 1 is full at the 28th decode step
+            serving.put([0], [[token]])
+        serving.flush(0)
+        assert serving.saver.chunks_published == 2
+    hostward = [c.hostward for c in counters]
+    syncs = collections.Counter()
+    for c in counters:
+        syncs.update(c.syncs)
+    print(f"\nhostward copies per forward (prefill, then 40 decode steps): {hostward}; syncs {dict(syncs)}")
+    assert not syncs, f"host syncs in saving forwards: {dict(syncs)}"
+    assert hostward == [1] + [0] * 27 + [1] + [0] * 12, f"hostward copies per forward: {hostward}"
+
+
+class FakeCuda:
+    """Streams and events that count their construction and do nothing else (copies run inline), installed
+    with hcache's copy paths taking their GPU branches on the CPU (:func:`~hcache.transfer.copier.uses_streams`)."""
+
+    def __init__(self, monkeypatch):
+        self.made = collections.Counter()
+        fake = self
+
+        self.log: list[str] = []
+
+        class Stream:
+            def __init__(self, *args, **kwargs):
+                fake.made["Stream"] += 1
+
+            def wait_stream(self, other):
+                fake.log.append("copies wait for compute")
+
+            def wait_event(self, event): ...
+            def synchronize(self): ...
+
+        class Event:
+            def __init__(self, *args, **kwargs):
+                fake.made["Event"] += 1
+
+            def record(self, stream=None): ...
+            def synchronize(self): ...
+
+        compute = object.__new__(Stream)  # the current stream: not made by hcache
+        monkeypatch.setattr(copier_module, "uses_streams", lambda device: True)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+        pin = torch.Tensor.pin_memory
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: (fake.made.update(["pin_memory"]), pin(self, *a))[1])
+
+
+def test_streams_events_and_pinned_memory_are_made_once_not_per_restore_or_layer(model, tmp_path, monkeypatch, rng):
+    """hcache's GPU branches (the restore copier's side stream and events, the saver's staging and save
+    stream), driven on the CPU with fake streams: after the serving engine is built, a first save and
+    restore make the saver's stream and its landing events; more saves and restores by every plan, over more
+    chunks and layers, make nothing more. Restores stay exact on the GPU branches."""
+    cuda = FakeCuda(monkeypatch)
+    spec = model[1]
+    with _serving(model, tmp_path, "KV") as serving:
+        built = dict(cuda.made)
+        logits, restored = {}, {}
+
+        def turn(uid: int, prompt: list[int], plan: str) -> None:
+            serving.open(uid, plan=plan)
+            logits[uid] = serving.put([uid], [prompt])
+            restored[uid] = serving.record(uid).restored_tokens
+            serving.put([uid], [[1]])  # a decode step saves too
+            serving.flush(uid)
+
+        short = random_prompt(2 * CHUNK_TOKENS + 1, spec.vocab_size, rng)
+        turn(0, short, "KV")
+        turn(1, short, "KV")
+        first = dict(cuda.made)
+        long = short[:-1] + random_prompt(6 * CHUNK_TOKENS + 1, spec.vocab_size, rng)
+        for uid, plan in enumerate(PLANS, start=2):
+            turn(uid, long, plan)
+        assert restored == {0: 0, 1: 2 * CHUNK_TOKENS} | {uid: 2 * CHUNK_TOKENS for uid in range(2, 3)} | {
+            uid: 8 * CHUNK_TOKENS for uid in range(3, 2 + len(PLANS))}  # fmt: skip
+    print(f"\nmade with the engine {built}; by the first save and restore {first}; after {len(PLANS)} more {dict(cuda.made)}")
+    assert built == {"Stream": 1, "Event": copier_module.DEFAULT_DEPTH + 1}, f"made with the engine: {built}"
+    assert first["Stream"] == 2 and cuda.made == first, f"made by restores and saves: first {first}, then {dict(cuda.made)}"
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+    for uid in range(3, 2 + len(PLANS)):
+        torch.testing.assert_close(logits[uid], logits[2], atol=1e-5, rtol=1e-5)
+
+
+def test_a_restores_copies_wait_for_its_allocation_not_for_its_re_layers(model, tmp_path, monkeypatch, rng):
+    """The copy stream is ordered after the compute queued when the restore's blocks were allocated, before
+    the RE layers are queued: its copies then overlap those layers, as the scheduler's plan assumes."""
+    cuda = FakeCuda(monkeypatch)
+    prompt = random_prompt(2 * CHUNK_TOKENS + 1, model[1].vocab_size, rng)
+    with _serving(model, tmp_path, "1RE+2H+1KV") as serving:
+        serving.put([0], [prompt])
+        serving.flush(0)
+        for name in ("begin_restore", "recompute_layers"):
+            original = getattr(serving.engine, name)
+            monkeypatch.setattr(serving.engine, name, lambda *a, _f=original, _n=name: (cuda.log.append(_n), _f(*a))[1])
+        cuda.log.clear()
+        serving.put([1], [prompt])
+    print(f"\norder: {cuda.log}")
+    assert cuda.log[:3] == ["begin_restore", "copies wait for compute", "recompute_layers"], cuda.log
+
+
+@pytest.mark.parametrize("plan", ["H", "KV"])
+def test_a_restore_from_8_bit_state_never_syncs_and_its_work_does_not_grow_with_chunks(model, tmp_path, monkeypatch, rng, plan):
+    """Dequantising 8-bit state happens on the device inside the restore: no host sync, one engine call per
+    stored layer, the same device ops for 2 chunks as for 8."""
+    found = {n: _restore(model, tmp_path / str(n), monkeypatch, rng, plan, n, stored_dtype="8bit") for n in (2, 8)}
+    for n, (counter, calls) in found.items():
+        print(f"\n{plan} 8bit, {n} chunks: {sum(counter.ops.values())} device ops; syncs {dict(counter.syncs)}; engine calls {dict(calls)}")
+        assert not counter.syncs, f"{plan} 8bit, {n} chunks: host syncs during a restore: {dict(counter.syncs)}"
+        assert set(calls.values()) <= {1}, f"{plan} 8bit, {n} chunks: engine calls per layer: {dict(calls)}"
+    (few, _), (many, _) = found[2], found[8]
+    assert many.ops == few.ops, f"{plan} 8bit: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
