@@ -31,6 +31,7 @@ from .storage.store_config import StoreConfig
 
 AUTO = "auto"
 SavePolicy = Literal["plan", "all", "none"]
+EngineKind = Literal["fastgen", "reference"]
 
 
 class HCacheConfig(BaseModel):
@@ -155,6 +156,8 @@ class ResolvedConfig(BaseModel):
     settings: HCacheConfig
     spec: ModelSpec
     model_name: str
+    engine: EngineKind = "reference"
+    device: str = "cpu"
     tensor_parallel: int = 1
     profile: Profile | None = None
     plan: RestorePlan | None = None
@@ -217,12 +220,15 @@ def resolve(
     *,
     tensor_parallel: int = 1,
     measure: Callable[[], LoadedModel] | None = None,
+    engine: EngineKind | None = None,
 ) -> ResolvedConfig:
-    """The settings resolved for ``spec`` (with tensor parallelism, a rank's shard). The profile is the one
-    given (which must fit), or for ``plan="auto"`` alone this machine's (:mod:`hcache.planning.auto_profile`),
-    measured from the model ``measure`` returns if none is found and ``measure_profile`` allows, else none
-    and the default plan after one warning."""
+    """The settings resolved for ``spec`` (with tensor parallelism, a rank's shard), to run on ``engine``
+    (``None``: :func:`engine_and_device`'s). The profile is the one given (which must fit), or for
+    ``plan="auto"`` alone this machine's (:mod:`hcache.planning.auto_profile`), measured from the model
+    ``measure`` returns if none is found and ``measure_profile`` allows, else none and the default plan
+    after one warning."""
     settings = HCacheConfig.of(settings)
+    kind, device = engine_and_device(settings)
     profile = None
     if settings.enabled:
         command = profile_command(model_name, spec)
@@ -240,11 +246,22 @@ def resolve(
         settings=settings,
         spec=spec,
         model_name=model_name,
+        engine=engine or kind,
+        device=device,
         tensor_parallel=tensor_parallel,
         profile=profile,
         plan=plan,
         save_formats=_save_formats(save, plan, profile, spec, stored_encodings(settings.stored_dtype)),
     )
+
+
+def engine_and_device(settings: HCacheConfig) -> tuple[EngineKind, str]:
+    """The engine and device that ``settings`` run on, decided where they resolve (model servers read them
+    from :class:`ResolvedConfig`): ``"auto"`` is FastGen where torch sees a GPU, and the device is the
+    GPU if there is one."""
+    cuda = torch.cuda.is_available()
+    engine = settings.engine if settings.engine != AUTO else ("fastgen" if cuda else "reference")
+    return engine, settings.device or ("cuda" if cuda else "cpu")
 
 
 def is_auto(plan: object) -> bool:

@@ -48,10 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..config import HCacheConfig
-    from ..mii.backend import engine_kind
+    from ..config import HCacheConfig, engine_and_device
 
-    engine = engine_kind(HCacheConfig(engine=args.engine))
+    engine = engine_and_device(HCacheConfig(engine=args.engine))[0]
     if not args.model.startswith("random:"):
         raise ValueError(f"--model must be a random:<shape>, not {args.model!r} (prompts are random words)")
     methods = {**({"mii": None} if engine == "fastgen" else {}), **METHODS}

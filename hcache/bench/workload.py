@@ -239,10 +239,9 @@ class _Runtime:
 
 
 def _mii_engine(args: argparse.Namespace) -> str:
-    from ..config import HCacheConfig
-    from ..mii.backend import engine_kind
+    from ..config import HCacheConfig, engine_and_device
 
-    return engine_kind(HCacheConfig(engine=args.engine))
+    return engine_and_device(HCacheConfig(engine=args.engine))[0]
 
 
 def _through_mii(loaded: LoadedModel, engine: str, profile: Profile | None, args, tmp: Path):

@@ -24,7 +24,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ..config import HCacheConfig, ResolvedConfig, resolve
+from ..config import HCacheConfig, ResolvedConfig, engine_and_device, resolve
 from ..engine import ReferenceEngine
 from ..errors import InvalidRequestError, ModelNotFoundError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint, model_fingerprint
@@ -49,13 +49,13 @@ def build_engine(model_config, hcache: ResolvedConfig) -> ServingEngine:
     deployment (MII starts one per rank)."""
     path, settings = model_config.model_name_or_path, hcache.settings
     tp = _tensor_parallel_group(model_config.tensor_parallel)
-    if engine_kind(settings) == "fastgen":
+    if hcache.engine == "fastgen":
         from ..engine.fastgen import build_fastgen_engine
 
         engine = build_fastgen_engine(path, model_config.inference_engine_config)
         fingerprint, config = checkpoint_fingerprint(path, engine.spec), engine.config
     else:
-        device = settings.device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+        device = hcache.device  # "cuda" is this rank's GPU: the process group set it
         loaded = load_model(path, model_dtype(settings.dtype, device), device)
         fingerprint = model_fingerprint(loaded.model, loaded.spec)  # of the whole model, on every rank
         shard, spec = shard_model(loaded.model, loaded.spec, tp)
@@ -82,7 +82,7 @@ def resolve_deployment(settings: HCacheConfig, path: str, tensor_parallel: int =
     spec = _model_spec(path, settings)
     if tensor_parallel > 1:
         spec = local_spec(spec, TPGroup(0, tensor_parallel))
-    device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _, device = engine_and_device(settings)
     return resolve(
         settings, spec, path, tensor_parallel=tensor_parallel, measure=lambda: load_model(path, getattr(torch, spec.dtype), device)
     )
@@ -108,7 +108,7 @@ def check_deployment(hcache: ResolvedConfig) -> None:
     each rank's store directories are checked as its engine will open them (lock free, layout current)."""
     settings = hcache.settings
     if hcache.stored:
-        for rank in range(hcache.model.tensor_parallel):
+        for rank in range(hcache.tensor_parallel):
             settings.store.check_dirs(hcache.store_dirs(rank))
     if settings.request_log is not None and not os.access(Path(settings.request_log).parent, os.W_OK):
         raise StorageError(f"cannot write the request log {settings.request_log}: its directory is missing or read-only")
@@ -120,14 +120,14 @@ def _model_spec(path: str, settings: HCacheConfig) -> ModelSpec:
     float16 on a GPU and float32 on the CPU."""
     from transformers import AutoConfig
 
-    device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine, device = engine_and_device(settings)
     check_device(device)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot read the model config in {path!r}: {exc}") from exc
     dtype = model_dtype(settings.dtype, device)
-    if settings.dtype is None and engine_kind(settings) == "fastgen":  # FastGen runs the config's dtype
+    if settings.dtype is None and engine == "fastgen":  # FastGen runs the config's dtype
         checkpoint = getattr(config, "dtype", None)
         dtype = checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.float16
     return ModelSpec.from_config(config, dtype)
@@ -137,15 +137,9 @@ def context_length(hcache: ResolvedConfig) -> int:
     """The longest sequence a deployment serves: the model's positions; on the reference engine, no more
     than its KV cache holds (a longer sequence would wait in MII's scheduler forever)."""
     spec = hcache.spec
-    if engine_kind(hcache.settings) == "fastgen":
+    if hcache.engine == "fastgen":
         return spec.max_positions
     return min(spec.max_positions, hcache.settings.num_blocks * ReferenceEngine.BLOCK_SIZE)
-
-
-def engine_kind(hcache: HCacheConfig) -> str:
-    if hcache.engine == "auto":
-        return "fastgen" if torch.cuda.is_available() else "reference"
-    return hcache.engine
 
 
 def check_mii_version() -> None:

@@ -75,7 +75,8 @@ class HCacheRuntime:
         fingerprint = model_fingerprint(self.loaded.model, self.loaded.spec)  # of the whole model, on every rank
         model_shard, self.spec = shard_model(self.loaded.model, self.loaded.spec, tensor_parallel)
         self.config = resolve(
-            settings, self.spec, self.loaded.name, tensor_parallel=tensor_parallel.world_size, measure=lambda: self.loaded
+            settings, self.spec, self.loaded.name, tensor_parallel=tensor_parallel.world_size, measure=lambda: self.loaded,
+            engine="reference",
         )
         self.engine = ReferenceEngine(model_shard, self.spec, num_blocks=settings.num_blocks)
         self.serving = ServingEngine(self.engine, fingerprint, self.config, tp=tensor_parallel)
