@@ -19,20 +19,19 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model.spec import ModelSpec
-from ..ops import KVProjection, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
-from ..ops.dequant_scatter import write_rows
-from ..ops.paged_kv import block_runs, copy_slots, gather_kv
+from ..ops import KVProjection, read_kv, rope_cos_sin, slot_mapping
+from ..ops.paged_kv import block_runs, gather_kv
 from ..ops.quant import QuantRows
 from ..transfer import copier
 from .capture import LayerCapture
 from .ragged import Segment
+from .restore_state import RestoreState
 
 # model_types whose FastGen implementation this adapter has read: dense, rotate-half RoPE, fused [q; k; v].
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2")
@@ -123,15 +122,6 @@ def _host_blocks(desc: Any) -> list[int]:
     return desc.kv_cache_ids(on_device=False)[0][: desc.cur_allocated_blocks].tolist()
 
 
-@dataclass
-class _Restore:
-    base: int  # the sequence's seen tokens when the restore began: position of its first restored token
-    num_tokens: int
-    slots: torch.Tensor
-    cos_sin: tuple[torch.Tensor, torch.Tensor] | None
-    runs: list[tuple[int, int, int]]  # the slots as runs of consecutive slots, for KV copies
-
-
 class FastGenEngine:
     """hcache's engine protocol over a DeepSpeed ``InferenceEngineV2`` with tensor parallel degree 1."""
 
@@ -151,7 +141,7 @@ class FastGenEngine:
             n for n in ("_forward_transformer_layer", "_forward_transformer") if hasattr(self._model, n)
         )
         self._kv_proj = [self._layer_kv_projection(i) for i in range(self.spec.num_layers)]
-        self._restoring: dict[int, _Restore] = {}
+        self._restoring: dict[int, RestoreState] = {}
         # Marks the uploads of the ragged batch's pinned host buffers that recompute queued last: those
         # buffers are rewritten by the next batch's finalize (see recompute_layers).
         self._uploaded = torch.cuda.Event() if copier.uses_streams(self.device) else None
@@ -309,20 +299,16 @@ class FastGenEngine:
         cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype, rule="fastgen")  # as FastGen's forward rotates
         slots = self._slots(uid, base, num_tokens)
         runs = block_runs(_host_blocks(desc), base, num_tokens, self.block_size)
-        self._restoring[uid] = _Restore(base, num_tokens, slots, cos_sin, runs)
+        self._restoring[uid] = RestoreState(base, num_tokens, slots, cos_sin, runs)
 
     @torch.no_grad()
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
-        r = self._restoring[uid]
-        rows = slice(start, start + hidden.shape[0])
         k, v = self._kv_proj[layer](hidden.to(self.device, self.dtype, non_blocking=True))
-        cache = self._state.get_cache(layer)
-        rotate_and_write(cache, r.slots[rows], k, v, (r.cos_sin[0][rows], r.cos_sin[1][rows]))
+        self._restoring[uid].write_projected(self._state.get_cache(layer), k, v, start)
 
     @torch.no_grad()
     def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | QuantRows | Sequence[torch.Tensor | QuantRows], start: int = 0) -> None:
-        r = self._restoring[uid]
-        write_rows(self._state.get_cache(layer), r.runs, r.slots, [kv] if isinstance(kv, (torch.Tensor, QuantRows)) else kv, start)
+        self._restoring[uid].write_kv(self._state.get_cache(layer), kv, start)
 
     @torch.no_grad()
     def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:
@@ -399,7 +385,7 @@ class FastGenEngine:
 
     @torch.no_grad()
     def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
-        copy_slots(self._caches(), slots, self._restoring[uid].slots[: len(slots)])
+        self._restoring[uid].copy_from_slots(self._caches(), slots)
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks (for checks, not the serving path)."""

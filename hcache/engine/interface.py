@@ -23,7 +23,9 @@ class Engine(Protocol):
 
     A restore extends a sequence from its current length: ``begin_restore`` reserves blocks for
     ``num_tokens`` more tokens, the primitives fill every layer's K/V at those positions, and
-    ``end_restore`` makes them count as seen, so the next ``step`` prefills after them.
+    ``end_restore`` makes them count as seen, so the next ``step`` prefills after them. Both engines keep
+    what ``begin_restore`` computed as a :class:`~hcache.engine.restore_state.RestoreState`, whose cache
+    writes their KV, H and slot-copy primitives share.
     """
 
     spec: ModelSpec

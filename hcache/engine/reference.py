@@ -19,13 +19,13 @@ from torch import nn
 from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write
-from ..ops.dequant_scatter import write_rows
 from ..ops.kv_projection import linear_rows
-from ..ops.paged_kv import block_runs, block_slots, copy_slots
+from ..ops.paged_kv import block_runs, block_slots
 from ..ops.quant import QuantRows
 from .blocked_kv_cache import BlockedKVCache
 from .capture import LayerCapture
 from .ragged import Segment
+from .restore_state import RestoreState
 
 
 @dataclass
@@ -88,8 +88,7 @@ class ReferenceEngine:
         self.kv_proj = [KVProjection.from_layer(spec, layer) for layer in self.decoder.layers]
         self.q_rows = [linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for layer in self.decoder.layers]
         self.sequences: dict[int, Sequence] = {}
-        # uid -> (slots, RoPE cos/sin, slot runs) of a restore in progress, shared by all its layers
-        self._restoring: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, list]] = {}
+        self._restoring: dict[int, RestoreState] = {}
 
     # ---- sequences ---------------------------------------------------------------------------------
     def sequence(self, uid: int) -> Sequence:
@@ -152,15 +151,6 @@ class ReferenceEngine:
             self.sequences[uid].tokens.extend(tokens)
         last_rows = torch.tensor([s.row + s.length - 1 for s in segments], device=self.device)
         return self.decoder.logits(hidden[last_rows]).float()
-
-    @torch.no_grad()
-    def score(self, uid: int, tokens: list[int], last: int) -> torch.Tensor:
-        """Append ``tokens`` to one sequence, as :meth:`step` does, and return the next-token logits
-        ``[last, vocab]`` after each of its last ``last`` tokens: teacher forcing, to measure how restored
-        state changes every prediction (``hcache bench quality``)."""
-        hidden, _ = self._forward([(uid, tokens)], self.spec.num_layers, None)
-        self.sequences[uid].tokens.extend(tokens)
-        return self.decoder.logits(hidden[len(tokens) - last :]).float()
 
     def _forward(
         self, requests: list[tuple[int, list[int]]], num_layers: int, capture: LayerCapture | None
@@ -234,7 +224,8 @@ class ReferenceEngine:
         positions = torch.arange(start, start + num_tokens, device=self.device)
         cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype) if self.spec.rope else None
         slots = self._slots(seq, start, num_tokens)
-        self._restoring[uid] = (slots, cos_sin, block_runs(seq.blocks, start, num_tokens, self.block_size))
+        runs = block_runs(seq.blocks, start, num_tokens, self.block_size)
+        self._restoring[uid] = RestoreState(start, num_tokens, slots, cos_sin, runs)
 
     def end_restore(self, uid: int, tokens: list[int]) -> None:
         """Mark ``tokens`` as present in every layer of the cache, once all layers are restored."""
@@ -251,17 +242,12 @@ class ReferenceEngine:
     @torch.no_grad()
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
         """H: K/V GEMM over the saved normalised input, RoPE at absolute positions, scatter into the cache."""
-        rows = slice(start, start + hidden.shape[0])
-        slots, cos_sin, _ = self._restoring[uid]
         k, v = self.kv_proj[layer](hidden.to(self.device, self.dtype))
-        rows_cos_sin = None if cos_sin is None else (cos_sin[0][rows], cos_sin[1][rows])
-        rotate_and_write(self.cache.layers[layer], slots[rows], k, v, rows_cos_sin)
+        self._restoring[uid].write_projected(self.cache.layers[layer], k, v, start)
 
     @torch.no_grad()
     def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | QuantRows | abc.Sequence[torch.Tensor | QuantRows], start: int = 0) -> None:
-        """KV: copy saved rows (K already rotated) into the cache, in one batched copy."""
-        slots, _, runs = self._restoring[uid]
-        write_rows(self.cache.layers[layer], runs, slots, [kv] if isinstance(kv, (torch.Tensor, QuantRows)) else kv, start)
+        self._restoring[uid].write_kv(self.cache.layers[layer], kv, start)
 
     # ---- blocks held for no sequence (the GPU prefix cache's) --------------------------------------
     def detach(self, uid: int) -> list[int]:
@@ -274,8 +260,7 @@ class ReferenceEngine:
 
     @torch.no_grad()
     def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
-        """Copy on the device: the restore's first ``len(slots)`` rows, every layer, from flat ``slots``."""
-        copy_slots(self.cache.layers, slots, self._restoring[uid][0][: len(slots)])
+        self._restoring[uid].copy_from_slots(self.cache.layers, slots)
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks."""
