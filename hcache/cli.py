@@ -152,7 +152,7 @@ def _profile(args: argparse.Namespace, command: str) -> int:
     import torch
 
     from .model.loader import load_model, model_dtype
-    from .planning.plan import stored_encodings
+    from .storage.stored_state import stored_encodings
     from .planning.profile import default_profile_path
     from .planning.profiler import default_tokens, measure_profile
 

@@ -12,6 +12,7 @@ message, before a model loads or a store opens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -23,11 +24,12 @@ from .errors import InvalidRequestError
 from .model.loader import LoadedModel, model_dtype
 from .model.spec import ModelSpec
 from .planning.auto_profile import auto_profile
-from .planning.plan import Method, RestorePlan, default_plan, stored_encodings
+from .planning.plan import Method, RestorePlan, default_plan
 from .planning.profile import Profile, profile_command
 from .storage.chunk_key import CHUNK_TOKENS, check_namespace
 from .storage.host_tier import DEFAULT_READERS
 from .storage.store_config import StoreConfig
+from .storage.stored_state import Encoding, Format, code_dtypes, parse_stored_dtype
 
 AUTO = "auto"
 SavePolicy = Literal["plan", "all", "none"]
@@ -58,9 +60,10 @@ class HCacheConfig(BaseModel):
     adopt it (:mod:`hcache.serving.gpu_prefix_cache`). ``metrics_port``: serve the counters
     (:mod:`hcache.serving.metrics`) for Prometheus on ``metrics_host`` from each model server process
     (tensor-parallel rank ``r`` on ``metrics_port + r``). ``stored_dtype``: how saved state is encoded
-    (:func:`stored_encodings`): ``"auto"`` (the model's dtype, lossless), ``"int8"``, ``"fp8"``, ``"8bit"``
+    (:func:`~hcache.storage.stored_state.parse_stored_dtype`): ``"auto"`` (the model's dtype, lossless), ``"int8"``, ``"fp8"``, ``"8bit"``
     (each format in the 8-bit encoding that keeps its quality best: fp8 for H, int8 for KV), or per format
-    as ``"H=fp8,KV=int8"``; orthogonal to the plan, and chunks of every encoding restore on any runtime.
+    as ``"H=fp8,KV=int8"``; orthogonal to the plan, and chunks of every encoding restore on any runtime
+    (:mod:`hcache.storage.stored_state`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -128,7 +131,7 @@ class HCacheConfig(BaseModel):
     @field_validator("stored_dtype")
     @classmethod
     def _stored_dtype(cls, stored_dtype: str) -> str:
-        stored_encodings(stored_dtype)
+        parse_stored_dtype(stored_dtype)
         return stored_dtype
 
     @field_validator("namespace")
@@ -149,7 +152,8 @@ class ResolvedConfig(BaseModel):
     """Settings resolved for one model (with tensor parallelism, one rank's shard): what the serving engine
     serves by. ``plan``: a fixed plan, or ``None`` for the profile's plan per history length.
     ``save_formats``: per layer, the stored formats to save (for the auto plan, every format it restores
-    from at any length). Plain data, so that ``hcache.mii.serve`` hands it to its model servers as JSON."""
+    from at any length). ``stored_dtype``: the formats saved in an 8-bit encoding, parsed from the setting
+    once. Plain data, so that ``hcache.mii.serve`` hands it to its model servers as JSON."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -162,16 +166,17 @@ class ResolvedConfig(BaseModel):
     profile: Profile | None = None
     plan: RestorePlan | None = None
     save_formats: tuple[frozenset[str], ...]
+    stored_dtype: dict[Format, Encoding] = {}
 
     @property
     def stored(self) -> bool:
         """Whether there is a store (a local directory or a shared tier) to restore from and save to."""
         return self.settings.enabled
 
-    @property
+    @functools.cached_property
     def encodings(self) -> dict[str, torch.dtype]:
         """The stored formats saved in an 8-bit encoding, and its code dtype; the others are lossless."""
-        return stored_encodings(self.settings.stored_dtype)
+        return code_dtypes(self.stored_dtype)
 
     @property
     def store(self) -> StoreConfig:
@@ -242,6 +247,7 @@ def resolve(
     auto = profile is not None and (settings.plan is None or is_auto(settings.plan))
     plan = None if auto else _fixed_plan(settings.plan, spec)
     save = settings.save if settings.enabled else "none"
+    stored_dtype = parse_stored_dtype(settings.stored_dtype)
     return ResolvedConfig(
         settings=settings,
         spec=spec,
@@ -251,7 +257,8 @@ def resolve(
         tensor_parallel=tensor_parallel,
         profile=profile,
         plan=plan,
-        save_formats=_save_formats(save, plan, profile, spec, stored_encodings(settings.stored_dtype)),
+        save_formats=_save_formats(save, plan, profile, spec, code_dtypes(stored_dtype)),
+        stored_dtype=stored_dtype,
     )
 
 

@@ -9,7 +9,8 @@ from support.helpers import corrupt_tensor, loaded, random_prompt
 from hcache.config import HCacheConfig
 from hcache.errors import InvalidRequestError
 from hcache.model.spec import ModelSpec
-from hcache.planning.plan import Method, RestorePlan, stored_encodings
+from hcache.planning.plan import Method, RestorePlan
+from hcache.storage.stored_state import stored_encodings
 from hcache.ops.dequant_scatter import write_dequantised, write_rows
 from hcache.ops.paged_kv import block_runs, block_slots, write_kv_rows
 from hcache.ops.quant import QuantRows, codes_as_float, dequantise, quantise
@@ -251,7 +252,8 @@ def test_a_corrupt_scale_falls_back_to_recompute(llama, tmp_path, rng):
 
 
 def test_encoded_chunk_without_its_scales_is_refused(llama, tmp_path, rng):
-    from hcache.serving.restore import _layout_problems, row_shapes
+    from hcache.serving.restore import _layout_problems
+    from hcache.storage.stored_state import row_shapes
     from hcache.storage.chunk import ChunkLayout
 
     spec: ModelSpec = llama.spec

@@ -26,6 +26,7 @@ from ..model.loader import random_model
 from ..model.spec import ModelSpec
 from ..ops.rope_bound import rope_bound
 from ..serving.engine import ServingEngine
+from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS
 
 FAMILIES = {  # config overrides FastGen needs (no sliding window; Phi-3's default RoPE)
@@ -75,7 +76,7 @@ def _family(kind: str, family: str) -> Iterator[dict]:
             plan, _, stored_dtype = case.partition(" ")
             settings = {"store_dirs": [f"{tmp}/{i}"], "save": "all", "readers": 0, "plan": plan, "stored_dtype": stored_dtype or "auto"}
             config = resolve(settings, spec, f"random:{family}")
-            with ServingEngine(engine, fingerprint, config) as serving:
+            with ServingEngine(engine, StoreStack(config, engine, fingerprint)) as serving:
                 saved, reference, restored = 10 * i + 1, 10 * i + 2, 10 * i + 3
                 serving.put([saved], [history])
                 serving.flush(saved)

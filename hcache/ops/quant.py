@@ -37,26 +37,6 @@ class QuantRows:
         return QuantRows(self.codes[rows], self.scale[rows])
 
 
-def is_encoded(dtype: torch.dtype) -> bool:
-    """Whether a stored tensor of ``dtype`` holds 8-bit codes (and has a scale tensor beside it)."""
-    return dtype in _QMAX
-
-
-def scale_format(fmt: str) -> str:
-    """The stored format that holds the scales of ``fmt``'s codes (``"KV"`` -> ``"KV.scale"``)."""
-    return f"{fmt}.scale"
-
-
-def base_format(fmt: str) -> str:
-    """The format a stored tensor belongs to (``"KV.scale"`` -> ``"KV"``)."""
-    return fmt.split(".", 1)[0]
-
-
-def scale_shape(row_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The per-token shape of the scales of rows of ``row_shape``: one per vector along the last dim."""
-    return tuple(row_shape[:-1])
-
-
 def quantise(x: torch.Tensor, dtype: torch.dtype) -> QuantRows:
     """``x`` in the 8-bit ``dtype``, on ``x``'s device; scales are rounded to float16 before the codes are
     computed from them, so dequantising uses exactly the scale the codes were made for."""

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
-from ..ops.quant import ENCODINGS, SCALE_DTYPE
+from ..ops.quant import SCALE_DTYPE
 
 
 class Method(str, Enum):
@@ -100,27 +100,3 @@ def default_plan(spec: ModelSpec) -> RestorePlan:
     """The plan without a hardware profile: H where hidden states are the smaller transfer (MHA, r > 1),
     KV otherwise (GQA: KV moves no more bytes and needs no compute)."""
     return RestorePlan.uniform(spec.num_layers, Method.H if spec.kv_to_hidden_ratio > 1 else Method.KV)
-
-
-_BEST_8BIT = {Method.H.value: "fp8", Method.KV.value: "int8"}  # measured: docs/benchmarks.md, quality
-
-
-def stored_encodings(stored_dtype: str) -> dict[str, torch.dtype]:
-    """The formats that ``stored_dtype`` stores in an 8-bit encoding, with its code dtype. Raises ValueError
-    for anything but ``auto``, ``int8``, ``fp8``, ``8bit`` or ``H=<one of those>,KV=<one of those>``."""
-    text = stored_dtype.strip().lower()
-    formats = (Method.H.value, Method.KV.value)
-    if "=" not in text:
-        names = dict(_BEST_8BIT) if text == "8bit" else dict.fromkeys(formats, text)
-    else:
-        names = {}
-        for item in text.split(","):
-            fmt, _, name = (part.strip() for part in item.partition("="))
-            fmt = next((f for f in formats if f.lower() == fmt), None)
-            if fmt is None or fmt in names:
-                raise ValueError(f"{stored_dtype!r}: expected H=...,KV=... with each format once")
-            names[fmt] = _BEST_8BIT[fmt] if name == "8bit" else name
-    bad = sorted({n for n in names.values() if n != "auto" and n not in ENCODINGS})
-    if bad:
-        raise ValueError(f"unknown stored dtype {bad[0]!r}: expected auto, int8, fp8, 8bit, or per format as H=fp8,KV=int8")
-    return {fmt: ENCODINGS[name] for fmt, name in names.items() if name != "auto"}

@@ -39,7 +39,8 @@ from ..storage.disk_store import DiskChunkStore
 from ..storage.host_pool import PAGE, HostPool
 from ..storage.host_tier import DEFAULT_READERS, HostTier
 from ..transfer.copier import Copier
-from .plan import Method, stored_encodings
+from ..storage.stored_state import stored_encodings
+from .plan import Method
 from .profile import COST_NAMES, ENCODED_COST_NAMES, TP_COST_NAMES, Profile
 
 DEFAULT_TOKENS = (256, 1024, 4096, 16384)

@@ -28,59 +28,24 @@ import json
 import logging
 import os
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..config import ResolvedConfig
 from ..engine.interface import Engine
-from ..engine.ragged import Segment
 from ..errors import InvalidRequestError
-from ..model.tensor_parallel import SINGLE, TPGroup
-from ..ops.quant import base_format, quantise, scale_format
 from ..planning.plan import Method, RestorePlan
-from ..storage.chunk import ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
-from ..storage.prefetch import Prefetcher
-from ..transfer.copier import Copier
-from ..transfer.saver import ChunkSaver
-from .gpu_prefix_cache import Adoption, GpuPrefixCache
+from ..storage.stored_state import Tier
+from .gpu_prefix_cache import Adoption
 from .metrics import ServingMetrics
-from .restore import restore_prefix, stored_tensors
+from .records import PutRestore, SequenceRecord
+from .restore import restore_prefix
+from .store_stack import StoreStack
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RestoreStep:
-    """One put's restore: the plan it followed, how many tokens it restored from the store, how many it
-    adopted from the GPU prefix cache before, and the seconds of its disk reads that prefetch ran ahead."""
-
-    plan: str
-    tokens: int
-    gpu_tokens: int = 0
-    hidden_s: float = 0.0
-
-
-@dataclass
-class SequenceRecord:
-    """What one sequence cost, summed over its puts: tokens restored (from the GPU prefix cache or the store)
-    and run through the forward."""
-
-    restored_tokens: int = 0
-    gpu_tokens: int = 0  # of restored_tokens, adopted from the GPU prefix cache
-    tier_tokens: dict[str, int] = field(default_factory=dict)  # of restored_tokens, read from the host pool and stores, by tier
-    computed_tokens: int = 0
-    bytes_read: int = 0
-    restore_s: float = 0.0
-    prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
-    plan: str = ""  # the plan its restores follow; "" until one is tried
-    fallback: str | None = None  # why stored state was used only in part, if it was
-    lossy: bool = False  # restored state stored in 8 bits, or adopted from a sequence that restored such: not bit-identical to recompute
-    restores: list[RestoreStep] = field(default_factory=list)  # one per put that restored tokens
 
 
 @dataclass
@@ -94,43 +59,14 @@ class _Sequence:
     record: SequenceRecord = field(default_factory=SequenceRecord)
 
 
-class _SaveCapture:
-    """Feeds the engine's per-layer rows to the saver, in the formats chosen for each layer, quantised on
-    the rows' device for the formats stored in an 8-bit encoding (codes and scales as two stored tensors)."""
-
-    def __init__(self, saver: ChunkSaver, formats: list[frozenset[str]], encodings: dict[str, torch.dtype]):
-        self.saver, self.formats, self.encodings = saver, formats, encodings
-
-    def begin_batch(self, segments: list[Segment]) -> None:
-        self.saver.begin_batch(segments)
-
-    def on_layer(self, layer: int, hidden: torch.Tensor, kv: Callable[[], torch.Tensor]) -> None:
-        rows = {}
-        if Method.H.value in self.formats[layer]:
-            rows[Method.H.value] = hidden
-        if Method.KV.value in self.formats[layer]:
-            rows[Method.KV.value] = kv()  # [T, 2, n_kv, head]: the stored KV layout
-        for fmt, encoding in self.encodings.items():
-            if fmt in rows:
-                encoded = quantise(rows[fmt], encoding)
-                rows[fmt], rows[scale_format(fmt)] = encoded.codes, encoded.scale
-        self.saver.on_layer(layer, rows)
-
-    def end_batch(self) -> None:
-        self.saver.end_batch()
-
-
-def _log_restore(uid: int, tokens: int, restored: int, step: RestoreStep, record: SequenceRecord,
-                 tiers_before: dict[str, int], fallback_before: str | None) -> None:
+def _log_restore(uid: int, tokens: int, step: PutRestore) -> None:
     """One line per put that restored: the plan, the tokens restored of the put's and where they were read
     from, and why stored state stopped short, if it did (``-v``; logged only when INFO is on)."""
-    tiers = Counter(record.tier_tokens)
-    tiers.subtract(tiers_before)
-    by_tier = {"gpu_cache": step.gpu_tokens, **tiers}
-    where = ", ".join(f"{name} {n}" for name, n in by_tier.items() if n)
-    fallback = record.fallback if record.fallback is not fallback_before else None  # this put's own, if any
+    restored = step.gpu_tokens + step.tokens
+    where = ", ".join(f"{name} {n}" for name, n in {Tier.GPU_CACHE.value: step.gpu_tokens, **step.sources}.items() if n)
+    fallback = f"; fell back to recompute: {step.fallback}" if step.fallback else ""
     log.info("sequence %d: restored %d of %d tokens (%s; plan %s), computing %d%s", uid, restored, tokens, where,
-             step.plan or "none", tokens - restored, f"; fell back to recompute: {fallback}" if fallback else "")
+             step.plan or "none", tokens - restored, fallback)
 
 
 def _restores(allowed: bool, tokens: list[int]) -> bool:
@@ -140,59 +76,31 @@ def _restores(allowed: bool, tokens: list[int]) -> bool:
 
 
 class ServingEngine:
-    """An :class:`~hcache.engine.interface.Engine` served through FastGen's interface, with a chunk store,
-    by a :class:`~hcache.config.ResolvedConfig` (resolved for this engine's model; the settings are
-    documented on :class:`~hcache.config.HCacheConfig`). With the store disabled, nothing is restored or
-    saved: the recompute baseline. ``engine_config``: the engine config MII schedules by (it reads
-    ``_config.state_manager``).
+    """An :class:`~hcache.engine.interface.Engine` served through FastGen's interface over a
+    :class:`~hcache.serving.store_stack.StoreStack` built for it (whose config, resolved for this engine's
+    model, is documented on :class:`~hcache.config.HCacheConfig`). With the store disabled, nothing is
+    restored or saved: the recompute baseline. ``engine_config``: the engine config MII schedules by (it
+    reads ``_config.state_manager``).
 
-    With tensor parallelism, every rank of ``tp`` runs one of these over its shard of the engine, with the
-    whole model's ``fingerprint``, and makes the same calls at once: the forward and restore are collective.
-    Each rank stores and reads only what it owns (:mod:`hcache.model.tensor_parallel`).
+    With tensor parallelism, every rank runs one of these over its shard of the engine and its own stack,
+    and makes the same calls at once: the forward and restore are collective. Each rank stores and reads
+    only what it owns (:mod:`hcache.model.tensor_parallel`).
     """
 
-    def __init__(
-        self, engine: Engine, fingerprint: str, config: ResolvedConfig, *, tp: TPGroup = SINGLE, engine_config: object = None
-    ):
-        config.check_engine(engine.spec)
+    def __init__(self, engine: Engine, stack: StoreStack, *, engine_config: object = None):
+        config, tp = stack.config, stack.tp
         if tp.world_size != config.tensor_parallel:
             raise InvalidRequestError(
                 f"the hcache config was resolved for tensor parallelism {config.tensor_parallel}, not {tp.world_size}"
             )
-        settings = config.settings
-        self.config, self.engine, self.spec, self.tp = config, engine, engine.spec, tp
-        self.fingerprint = tp.fingerprint(fingerprint)
+        self.config, self.engine, self.spec, self.tp, self.stack = config, engine, engine.spec, tp, stack
+        self.fingerprint = stack.fingerprint
         self._config = engine_config  # the name MII reads
-        self.profile, self.plan, self.save_formats = config.profile, config.plan, list(config.save_formats)
-        self.namespace = settings.namespace
-        self.request_log = Path(settings.request_log) if settings.request_log is not None else None
-        self.store = self.saver = self._capture = self.copier = None
-        if config.stored:
-            self.copier = Copier(engine.device)
-            tensors = stored_tensors(self.spec, self.save_formats, config.encodings)
-            config.store.check(ChunkLayout.plan(tensors, self.fingerprint).nbytes)
-            self.store = config.store.open_store(
-                config.store_dirs(tp.rank),
-                {"fingerprint": self.fingerprint, "dtype": self.spec.dtype},
-                pin=engine.device.type == "cuda",
-                readers=settings.readers,
-            )
-            self.saver = ChunkSaver(self.store, self.fingerprint, tensors, stores=lambda c, f: tp.stores(c, base_format(f)))
-            if any(self.save_formats):
-                self._capture = _SaveCapture(self.saver, self.save_formats, config.encodings)
-        self.prefetcher = Prefetcher(self.store) if self.store is not None else None
-        drop = self.saver.drop_partial if self.saver is not None else (lambda partial: None)
-        self.gpu_cache = GpuPrefixCache(engine, drop) if settings.gpu_cache else None
-        self.metrics = ServingMetrics(self.store, self.prefetcher, self.gpu_cache)
+        self.namespace = config.settings.namespace
+        self.request_log = Path(config.settings.request_log) if config.settings.request_log is not None else None
+        self.metrics = ServingMetrics(stack.store, stack.prefetcher, stack.gpu_cache)
         self._seqs: dict[int, _Sequence] = {}
         self._announced: dict[int, int] = {}  # uid -> tokens queried before its first put
-
-    def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
-        """A request's plan: a fixed plan, or None for the profile's plan per history length."""
-        return self.config.request_plan(plan)
-
-    def plan_for(self, plan: RestorePlan | None, history: int) -> RestorePlan:
-        return self.config.plan_for(plan, history)
 
     # ---- FastGen's interface --------------------------------------------------------------------------
     def open(
@@ -203,13 +111,13 @@ class ServingEngine:
         if uid in self._seqs:
             raise InvalidRequestError(f"sequence {uid} is already open; flush it first")
         root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
-        resolved = self.plan if plan is None else self.resolve_plan(plan)
+        resolved = self.config.request_plan(plan)
         chain = KeyChain(root)
         self._seqs[uid] = _Sequence(
-            resolved, restore and self.store is not None, restore and self.gpu_cache is not None, chain, self._announced.pop(uid, 0)
+            resolved, restore and self.stack.store is not None, restore and self.stack.gpu_cache is not None, chain, self._announced.pop(uid, 0)
         )
-        if self._capture is not None:
-            self.saver.open(uid, chain)
+        if self.stack.capture is not None:
+            self.stack.saver.open(uid, chain)
 
     @torch.no_grad()
     def put(self, batch_uids: Sequence[int], batch_tokens: Sequence[Sequence[int] | torch.Tensor], do_checks: bool = True) -> torch.Tensor:
@@ -240,31 +148,30 @@ class ServingEngine:
 
     def _put(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
         keys = {uid: self._keys(uid, tokens) for uid, tokens in batch}  # hashed once per put
-        if len(batch) > 1 and self.prefetcher is not None:  # later sequences' reads run while earlier ones restore
+        if len(batch) > 1 and self.stack.prefetcher is not None:  # later sequences' reads run while earlier ones restore
             for uid, tokens in batch:
                 if _restores(self._seqs[uid].restore, tokens):
-                    self.prefetcher.prefetch(keys[uid])
+                    self.stack.prefetcher.prefetch(keys[uid])
         adoptions = self._match(batch, keys)
-        verbose = log.isEnabledFor(logging.INFO)
         try:
             requests = []
             for (uid, tokens), adoption in zip(batch, adoptions):
-                step, held, record = RestoreStep("", 0), len(self._seqs[uid].chain.tail), self._seqs[uid].record
-                before = (dict(record.tier_tokens), record.fallback) if verbose else None
+                step, held = PutRestore(), len(self._seqs[uid].chain.tail)
                 n = self._adopt(uid, tokens, adoption, step) if adoption is not None else 0
                 n += self._restore(uid, tokens[n:], step, keys[uid][(held + n) // CHUNK_TOKENS :])
-                if n:
-                    record.restores.append(step)
-                    if verbose:
-                        _log_restore(uid, len(tokens), n, step, record, *before)
+                if n or step.plan:  # adopted, or the store was tried
+                    self._seqs[uid].record.add(step)
+                    self.metrics.add(step)
+                if n and log.isEnabledFor(logging.INFO):
+                    _log_restore(uid, len(tokens), step)
                 requests.append((uid, tokens[n:]))
         finally:
             for adoption in adoptions:
                 if adoption is not None:
-                    self.gpu_cache.unpin(adoption)
+                    self.stack.gpu_cache.unpin(adoption)
         for uid, tokens in requests:  # before the forward: the saver keys the chunks it completes
             self._seqs[uid].chain.extend(tokens)
-        logits = self.engine.step(requests, self._capture)
+        logits = self.engine.step(requests, self.stack.capture)
         for uid, tokens in requests:
             self._seqs[uid].record.computed_tokens += len(tokens)
         return logits
@@ -280,7 +187,7 @@ class ServingEngine:
     def _match(self, batch: list[tuple[int, list[int]]], keys: dict[int, list[str]]) -> list[Adoption | None]:
         """What each sequence adopts from the GPU prefix cache (pinned), after evicting enough of the rest for
         the batch's new tokens; if pinned entries stand in the way, the batch adopts nothing (and restores)."""
-        if self.gpu_cache is None:
+        if self.stack.gpu_cache is None:
             return [None] * len(batch)
         adoptions = []
         for uid, tokens in batch:
@@ -288,40 +195,35 @@ class ServingEngine:
             aligned = seq.chain.tail + tokens
             found = None
             if _restores(seq.adopt, tokens):
-                found = self.gpu_cache.match(aligned, keys[uid], seq.chain.key, len(seq.chain.tail), len(aligned) - 1)
+                found = self.stack.gpu_cache.match(aligned, keys[uid], seq.chain.key, len(seq.chain.tail), len(aligned) - 1)
             adoptions.append(found)
         needed = sum(self.engine.query(uid, len(tokens), 1 << 30)[1] for uid, tokens in batch)
-        if not self.gpu_cache.make_room(needed):
+        if not self.stack.gpu_cache.make_room(needed):
             for adoption in adoptions:
                 if adoption is not None:
-                    self.gpu_cache.truncate(adoption, 0)
-            self.gpu_cache.make_room(needed)  # if it still fails, the engine says the cache is full
+                    self.stack.gpu_cache.truncate(adoption, 0)
+            self.stack.gpu_cache.make_room(needed)  # if it still fails, the engine says the cache is full
         return adoptions
 
-    def _adopt(self, uid: int, tokens: list[int], adoption: Adoption, step: RestoreStep) -> int:
+    def _adopt(self, uid: int, tokens: list[int], adoption: Adoption, step: PutRestore) -> int:
         """Copy what the GPU prefix cache holds of ``tokens`` into the sequence; how many tokens that is."""
         n = self.tp.min(adoption.tokens)  # every rank adopts alike
         if n < adoption.tokens:
-            self.gpu_cache.truncate(adoption, n)
+            self.stack.gpu_cache.truncate(adoption, n)
         if not n:
             return 0
         seq, start = self._seqs[uid], time.perf_counter()
-        self.gpu_cache.adopt(uid, adoption, tokens[:n])
-        partial = self.gpu_cache.take_partial(adoption) if self._capture is not None else None
+        self.stack.gpu_cache.adopt(uid, adoption, tokens[:n])
+        partial = self.stack.gpu_cache.take_partial(adoption) if self.stack.capture is not None else None
         if partial is not None:  # the chunk it ends in is still saved, from its rows computed before
-            self.saver.resume(uid, *partial)
+            self.stack.saver.resume(uid, *partial)
         seq.chain.extend(tokens[:n])
-        record = seq.record
-        record.restored_tokens += n
-        record.gpu_tokens += n
-        record.lossy = record.lossy or adoption.lossy
-        record.restore_s += time.perf_counter() - start
-        step.gpu_tokens = n
-        self.metrics.restored_tokens["gpu_cache"] += n
-        self.metrics.bytes_read["gpu"] += n * self.spec.num_layers * self.spec.kv_bytes_per_token_layer
+        step.gpu_tokens, step.gpu_bytes = n, n * self.spec.num_layers * self.spec.kv_bytes_per_token_layer
+        step.lossy = adoption.lossy
+        step.restore_s += time.perf_counter() - start
         return n
 
-    def _restore(self, uid: int, tokens: list[int], step: RestoreStep, keys: list[str]) -> int:
+    def _restore(self, uid: int, tokens: list[int], step: PutRestore, keys: list[str]) -> int:
         """Restore what the store holds of ``tokens``, all but the last (its logits are the answer); how many
         were restored. Chunks are keyed by whole 64-token blocks, so the lookup starts at the chunk the
         sequence ends in, whose first tokens it holds already: ``keys`` are those chunks' keys."""
@@ -337,30 +239,17 @@ class ServingEngine:
             history = self._history(uid, seq, keys)
             if not history:
                 return 0
-            seq.plan = self.plan_for(None, history)
+            seq.plan = self.config.plan_for(None, history)
         plan = seq.plan
-        hidden = self.prefetcher.hidden(keys)
+        hidden = self.stack.prefetcher.hidden(keys)
         outcome = restore_prefix(
-            self.engine, self.store, uid, aligned, keys, self.fingerprint, plan, self.copier, self.tp,
+            self.engine, self.stack.store, uid, aligned, keys, self.fingerprint, plan, self.stack.copier, self.tp,
             held=len(held), limit=len(aligned) - 1,
         )  # fmt: skip
-        record = seq.record
-        record.restored_tokens += outcome.tokens
-        record.tier_tokens = dict(Counter(record.tier_tokens) + Counter(outcome.sources))
-        record.bytes_read += outcome.bytes_read
-        record.restore_s += time.perf_counter() - start
-        record.prefetch_hidden_s += hidden
-        record.plan = str(plan)
-        record.fallback = outcome.fallback or record.fallback
-        record.lossy = record.lossy or outcome.lossy
-        step.plan, step.tokens, step.hidden_s = record.plan, outcome.tokens, hidden
-        metrics = self.metrics
-        metrics.restored_tokens.update(outcome.sources)
-        metrics.bytes_read["host"] += outcome.bytes_read
-        metrics.prefetch_hidden_s += hidden
-        metrics.fallbacks += outcome.fallback is not None
-        for m in plan.layers:
-            metrics.restored_layer_tokens[m.value] += outcome.tokens
+        step.plan, step.tokens, step.hidden_s, step.sources = str(plan), outcome.tokens, hidden, outcome.sources
+        step.bytes_read, step.fallback, step.lossy = outcome.bytes_read, outcome.fallback, step.lossy or outcome.lossy
+        step.layer_tokens = {m.value: plan.count(m) * outcome.tokens for m in Method if plan.count(m)}
+        step.restore_s += time.perf_counter() - start
         seq.chain.extend(tokens[: outcome.tokens])
         return outcome.tokens
 
@@ -368,7 +257,7 @@ class ServingEngine:
         """The restored history the auto plan is chosen for (the module doc gives the rule): the tokens
         covered by the leading chunks of ``keys`` present in the store, or, when all are and the prompt's
         announced length goes further, up to that prompt's last full chunk."""
-        n = self.tp.min(self.store.stored_prefix(keys))  # every rank must pick the same plan
+        n = self.tp.min(self.stack.store.stored_prefix(keys))  # every rank must pick the same plan
         if n < len(keys):
             return n * CHUNK_TOKENS
         first = self.engine.seen_tokens(uid) // CHUNK_TOKENS  # the chunk ``keys`` start at
@@ -384,21 +273,21 @@ class ServingEngine:
     def prefetch(self, tokens: Sequence[int], namespace: str | None = None) -> int:
         """Look-ahead: start reading into the host pool the stored chunks of a prompt that waits to run
         (those after what the GPU prefix cache holds of it); how many loads started."""
-        if self.prefetcher is None:
+        if self.stack.prefetcher is None:
             return 0
         root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
         keys = chunk_keys(list(tokens), root)
         cached = 0
-        while self.gpu_cache is not None and cached < len(keys) and keys[cached] in self.gpu_cache:
+        while self.stack.gpu_cache is not None and cached < len(keys) and keys[cached] in self.stack.gpu_cache:
             cached += 1
-        return self.prefetcher.prefetch(keys[cached:])
+        return self.stack.prefetcher.prefetch(keys[cached:])
 
     @property
     def free_blocks(self) -> torch.Tensor:
         """Free blocks, counting those the GPU prefix cache could give up (each put evicts what it needs)."""
-        if self.gpu_cache is None:
+        if self.stack.gpu_cache is None:
             return self.engine.free_blocks
-        return torch.as_tensor(self.engine.free_blocks) + self.gpu_cache.evictable_blocks
+        return torch.as_tensor(self.engine.free_blocks) + self.stack.gpu_cache.evictable_blocks
 
     def get_remaining_block_capacity(self, uid: int) -> int:
         return self.engine.get_remaining_block_capacity(uid)
@@ -416,12 +305,12 @@ class ServingEngine:
         then hand its KV blocks to the GPU prefix cache, if there is one, or free them."""
         seq = self._seqs.pop(uid, None)
         self._announced.pop(uid, None)
-        keep = self.gpu_cache is not None and seq is not None and not seq.failed
+        keep = self.stack.gpu_cache is not None and seq is not None and not seq.failed
         try:
-            partial = self.saver.close(uid, keep_partial=keep) if self.saver is not None else None
+            partial = self.stack.saver.close(uid, keep_partial=keep) if self.stack.saver is not None else None
             if keep:
                 seen = self.engine.seen_tokens(uid)
-                self.gpu_cache.keep(self.engine.detach(uid), seq.chain, seen, partial, lossy=seq.record.lossy)
+                self.stack.gpu_cache.keep(self.engine.detach(uid), seq.chain, seen, partial, lossy=seq.record.lossy)
         finally:  # a save that failed must not keep the sequence's KV blocks
             self.engine.flush(uid)  # nothing left to free once detached
         self.metrics.sequences += seq is not None
@@ -431,12 +320,8 @@ class ServingEngine:
                 f.write(json.dumps({"uid": uid, "time": time.time(), **asdict(seq.record)}) + "\n")
 
     def close(self) -> None:
-        """Drain the saver, write every saved chunk back to disk and stop the store's threads; the engine
-        serves no more requests."""
-        if self.saver is not None:
-            self.saver.shutdown()
-        if self.store is not None:
-            self.store.close()
+        """Close the store stack (:meth:`StoreStack.close`); the engine serves no more requests."""
+        self.stack.close()
 
     def __enter__(self) -> "ServingEngine":
         return self

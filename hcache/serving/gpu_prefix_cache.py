@@ -33,6 +33,7 @@ import torch
 from ..engine.interface import Engine
 from ..ops.paged_kv import block_slots
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain
+from ..transfer.saver import PartialChunk
 
 
 @dataclass
@@ -41,7 +42,7 @@ class _Entry:
     tokens: list[int]  # 64 for a full chunk, fewer for a partial one
     blocks: list[int]
     offset: int  # the entry's first row in its first block
-    partial: object = None  # a partial chunk's saver state (ChunkSaver.close), resumed by its first adopter
+    partial: PartialChunk | None = None  # a partial chunk's saver state (ChunkSaver.close), resumed by its first adopter
     pins: int = 0
     lossy: bool = False  # kept from a sequence that restored state stored in 8 bits
 
@@ -62,7 +63,7 @@ class Adoption:
         return any(entry.lossy for entry, _, _ in self.pieces)
 
     @property
-    def partial(self) -> tuple[object, int] | None:
+    def partial(self) -> tuple[PartialChunk, int] | None:
         """The saver state of the partial chunk adopted last, and its rows, if it has one still."""
         entry, _, hi = self.pieces[-1] if self.pieces else (None, 0, 0)
         return (entry.partial, hi) if entry is not None and entry.partial is not None else None
@@ -78,7 +79,7 @@ class GpuPrefixCache:
     partial chunk's saver state when its entry goes. Counters: ``hit_tokens`` and ``miss_tokens`` of the
     tokens looked up, ``evictions`` of entries."""
 
-    def __init__(self, engine: Engine, drop_partial: Callable[[object], None] = lambda partial: None):
+    def __init__(self, engine: Engine, drop_partial: Callable[[PartialChunk], None] = lambda partial: None):
         self.engine, self._drop_partial = engine, drop_partial
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._refs: Counter[int] = Counter()  # block -> entries holding it
@@ -98,7 +99,9 @@ class GpuPrefixCache:
         return key in self._entries
 
     # ---- keep -----------------------------------------------------------------------------------------
-    def keep(self, blocks: list[int], chain: KeyChain, seen: int, partial: object = None, lossy: bool = False) -> None:
+    def keep(
+        self, blocks: list[int], chain: KeyChain, seen: int, partial: PartialChunk | None = None, lossy: bool = False
+    ) -> None:
         """Take over a finished sequence's KV ``blocks`` (:meth:`Engine.detach`), which hold the first ``seen``
         tokens of ``chain``, all of them computed or restored: its chunks not cached yet become entries, and
         the blocks they do not need go back to the engine. ``partial``: the saver state of its trailing
@@ -179,7 +182,7 @@ class GpuPrefixCache:
         engine.end_restore(uid, tokens)
         self._touch([entry for entry, _, _ in adoption.pieces])
 
-    def take_partial(self, adoption: Adoption) -> tuple[object, int] | None:
+    def take_partial(self, adoption: Adoption) -> tuple[PartialChunk, int] | None:
         """The saver state of the partial chunk ``adoption`` ends in, for the adopter to resume (once)."""
         found = adoption.partial
         if found is not None:

@@ -13,6 +13,8 @@ from collections import Counter as Tally
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..storage.stored_state import Tier
+
 
 class ServingMetrics:
     """``store`` (a host tier), ``prefetcher`` and ``gpu_cache``: the serving engine's parts whose own
@@ -29,10 +31,22 @@ class ServingMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
+    def add(self, step) -> None:
+        """Count one put's restore (a :class:`~hcache.serving.records.PutRestore`)."""
+        self.restored_tokens.update(step.sources)
+        if step.gpu_tokens:
+            self.restored_tokens[Tier.GPU_CACHE.value] += step.gpu_tokens
+            self.bytes_read["gpu"] += step.gpu_bytes
+        if step.plan:  # the store was tried
+            self.bytes_read[Tier.HOST.value] += step.bytes_read
+            self.restored_layer_tokens.update(step.layer_tokens)
+            self.fallbacks += step.fallback is not None
+        self.prefetch_hidden_s += step.hidden_s
+
     def collect(self):
         cache = self.gpu_cache
         tier = self.store.stats() if self.store is not None else {}
-        sources = ["gpu_cache"] * (cache is not None) + ["host", *(s.kind for s in self.store.stores)] * (self.store is not None)
+        sources = [Tier.GPU_CACHE.value] * (cache is not None) + [Tier.HOST.value, *(s.kind for s in self.store.stores)] * (self.store is not None)
         counters = [  # name, help, value (or {label value: value}), label
             ("hcache_restored_tokens", "Tokens restored instead of prefilled, by source: the GPU prefix cache, the host pool "
              "(host), or the store a chunk was read from (disk, shared_disk, redis)",
@@ -49,9 +63,13 @@ class ServingMetrics:
              self.prefetch_hidden_s, None),
             ("hcache_prefetched_chunks", "Chunk loads started by look-ahead prefetch",
              self.prefetcher.chunks if self.prefetcher else 0, None),
-            ("hcache_saver_stalls", "Times the saver waited for room in the host pool", tier.get("stalls", 0), None),
+            ("hcache_saver_stalls", "Times the saver waited for room in the host pool", tier.get("saver_stalls", 0), None),
             ("hcache_saver_stall_seconds", "Seconds the saver waited for room in the host pool",
-             tier.get("stall_seconds", 0.0), None),
+             tier.get("saver_stall_seconds", 0.0), None),
+            ("hcache_loader_stalls", "Times a chunk load (a restore's or a prefetch's) waited for room in the host pool",
+             tier.get("loader_stalls", 0), None),
+            ("hcache_loader_stall_seconds", "Seconds chunk loads waited for room in the host pool",
+             tier.get("loader_stall_seconds", 0.0), None),
             ("hcache_gpu_cache_hit_tokens", "Tokens looked up and adopted from the GPU prefix cache",
              cache.hit_tokens if cache else 0, None),
             ("hcache_gpu_cache_miss_tokens", "Tokens looked up and not in the GPU prefix cache",

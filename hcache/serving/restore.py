@@ -6,7 +6,7 @@ from scratch, which is exact. A chunk found bad half-way through the layers is s
 of the remaining tokens rewrites every layer's K/V from that position on.
 
 Each chunk's tensors say how they are encoded: the model's dtype, or 8-bit codes with a scale tensor
-beside them (:mod:`hcache.ops.quant`), whatever this runtime saves; a restore may span both kinds. Codes
+beside them (:mod:`hcache.storage.stored_state`), whatever this runtime saves; a restore may span both kinds. Codes
 cross to the device as stored and are dequantised there: KV inside the copy into the paged cache, H just
 before its K/V GEMM.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter, deque
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -24,13 +23,13 @@ import torch
 from ..engine.interface import Engine
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import SINGLE, TPGroup
-from ..ops.quant import SCALE_DTYPE, QuantRows, dequantise, is_encoded, scale_format, scale_shape
+from ..ops.quant import SCALE_DTYPE, QuantRows
 from ..planning.plan import Method, RestorePlan
 from ..storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import HostTier
+from ..storage.stored_state import decode, is_encoded, row_shapes, scale_format, scale_shape, stored_rows
 from ..transfer.copier import Copier
-from ..transfer.saver import TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -42,34 +41,6 @@ class RestoreOutcome:
     fallback: str | None  # why stored state stopped short of what the lookup found, if it did
     sources: dict[str, int] = field(default_factory=dict)  # tokens by where their chunk was read from (HostTier.source)
     lossy: bool = False  # some of it was stored in an 8-bit encoding
-
-
-def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """The per-token shape of each stored format."""
-    return {Method.H.value: (spec.hidden_size,), Method.KV.value: (2, spec.num_kv_heads, spec.head_size)}
-
-
-def stored_tensors(
-    spec: ModelSpec, formats: Sequence[frozenset[str]], encodings: dict[str, torch.dtype]
-) -> list[TensorSpec]:
-    """The tensors a chunk holds: per layer, each of its ``formats`` in the model's dtype, or, for those in
-    ``encodings``, as 8-bit codes and their float16 scales (format ``"<fmt>.scale"``)."""
-    shapes, dtype = row_shapes(spec), getattr(torch, spec.dtype)
-    tensors = []
-    for layer, fs in enumerate(formats):
-        for fmt in sorted(fs):
-            encoding = encodings.get(fmt)
-            if encoding is None:
-                tensors.append((layer, fmt, shapes[fmt], dtype))
-            else:
-                tensors += [(layer, fmt, shapes[fmt], encoding), (layer, scale_format(fmt), scale_shape(shapes[fmt]), SCALE_DTYPE)]
-    return tensors
-
-
-def _rows(image: ChunkImage, layer: int, fmt: str) -> torch.Tensor | QuantRows:
-    """A chunk's rows of one layer and format, in place: a tensor, or 8-bit codes with their scales."""
-    rows = image.tensor(layer, fmt)
-    return QuantRows(rows, image.tensor(layer, scale_format(fmt))) if is_encoded(rows.dtype) else rows
 
 
 def _accounting(images: list[ChunkImage], jobs: list[tuple[int, str]], hidden: list[int], restored: int) -> tuple[int, bool]:
@@ -152,7 +123,7 @@ def restore_prefix(
         used, lossy = _accounting(images, jobs, [j for j in _reading(tp, Method.H.value, n, agreed, first) if j < n], restored)
         sources = Counter()
         for j in range(restored):
-            sources[tier.source(images[j])] += min(end(restored), (j + 1) * CHUNK_TOKENS) - max(held, j * CHUNK_TOKENS)
+            sources[tier.take_source(images[j])] += min(end(restored), (j + 1) * CHUNK_TOKENS) - max(held, j * CHUNK_TOKENS)
         return RestoreOutcome(end(restored) - held, used, fallback, dict(sources), lossy)
     finally:
         copier.drain()  # no copy may still read a slot given back below
@@ -183,10 +154,10 @@ def _restore_layers(
     def stage(layer: int, fmt: str):
         with copier.side_stream():
             if fmt == Method.H.value:  # rows past another rank's bad chunk are garbage: the agreement ends the prefix there
-                parts = [_rows(images[j], layer, fmt) if j < n else filler for j in _reading(tp, fmt, n, agreed, first)]
+                parts = [stored_rows(images[j], layer, fmt) if j < n else filler for j in _reading(tp, fmt, n, agreed, first)]
                 return _gather_runs(copier, parts), copier.done()
             if n:  # one call for the layer: the rows from ``held`` in the first chunk to ``stop`` in the last
-                parts = [_rows(images[j], layer, fmt) for j in range(n)]
+                parts = [stored_rows(images[j], layer, fmt) for j in range(n)]
                 parts[-1] = parts[-1][: stop - (n - 1) * CHUNK_TOKENS]
                 parts[0] = parts[0][held:]
                 engine.restore_kv(uid, layer, parts)
@@ -200,7 +171,7 @@ def _restore_layers(
         (layer, fmt), (runs, last) = jobs[i], ahead.popleft()
         if fmt == Method.H.value:
             copier.wait(last, *(t for run in runs for t in ((run.codes, run.scale) if isinstance(run, QuantRows) else [run])))
-            pieces = [dequantise(run, dtype) if isinstance(run, QuantRows) else run for run in runs]
+            pieces = [decode(run, dtype) for run in runs]
             if len(pieces) == 1:  # a layer stored in one encoding: its gathered rows as they are
                 rows = pieces[0]
             else:  # none (a TP rank with no chunk's H), or chunks stored in several encodings

@@ -25,7 +25,9 @@ from ..model.fingerprint import model_fingerprint
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load_model
 from ..model.tensor_parallel import SINGLE, TPGroup, shard_model
 from ..planning.plan import RestorePlan
-from .engine import RestoreStep, ServingEngine
+from .engine import ServingEngine
+from .records import RestoreStep
+from .store_stack import StoreStack
 
 
 @dataclass
@@ -79,22 +81,31 @@ class HCacheRuntime:
             engine="reference",
         )
         self.engine = ReferenceEngine(model_shard, self.spec, num_blocks=settings.num_blocks)
-        self.serving = ServingEngine(self.engine, fingerprint, self.config, tp=tensor_parallel)
-        s = self.serving  # fixed for its life
-        self.fingerprint, self.profile, self.plan, self.save_formats = s.fingerprint, s.profile, s.plan, s.save_formats
-        self.store, self.saver, self.gpu_cache, self.metrics = s.store, s.saver, s.gpu_cache, s.metrics
+        self.stack = StoreStack(self.config, self.engine, fingerprint, tensor_parallel)
+        self.serving = ServingEngine(self.engine, self.stack)
+        self.metrics = self.serving.metrics
         self._uids = itertools.count()
         self._busy = threading.Lock()  # held by the generate call in progress
         eos = getattr(getattr(self.loaded.model, "generation_config", None), "eos_token_id", None)
         self.default_stop_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
 
+    # The stack and the resolved config own these; the runtime only shows them.
+    store = property(lambda self: self.stack.store, doc="The host tier over the stores (None: no store).")
+    saver = property(lambda self: self.stack.saver)
+    gpu_cache = property(lambda self: self.stack.gpu_cache)
+    fingerprint = property(lambda self: self.stack.fingerprint, doc="The fingerprint this rank's chunks carry.")
+    plan = property(lambda self: self.config.plan, doc="The fixed plan, or None for the profile's per history length.")
+    profile = property(lambda self: self.config.profile)
+    save_formats = property(lambda self: list(self.config.save_formats))
+
     def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
-        return self.serving.resolve_plan(plan)
+        """A request's plan: a fixed plan, or None for the profile's plan per history length."""
+        return self.config.request_plan(plan)
 
     def close(self) -> None:
         """Wait for the saver to publish everything captured, and stop the saver and reader threads. The
         runtime serves no more requests after this."""
-        self.serving.close()
+        self.stack.close()
 
     def __enter__(self) -> "HCacheRuntime":
         return self

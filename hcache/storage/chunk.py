@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from .chunk_key import CHUNK_TOKENS, LAYOUT_VERSION
+from .stored_state import TensorSpec
 
 _ALIGN = 64
 # safetensors' names. The 8-bit ones hold compressed state's codes; what they encode (their scales are
@@ -98,7 +99,7 @@ class ChunkLayout:
         self.signature = frozenset((k, e.shape, e.dtype) for k, e in entries.items())
 
     @classmethod
-    def plan(cls, tensors: list[tuple[int, str, tuple[int, ...], torch.dtype]], fingerprint: str) -> "ChunkLayout":
+    def plan(cls, tensors: list[TensorSpec], fingerprint: str) -> "ChunkLayout":
         """The layout of a chunk of ``(layer, format, row shape, dtype)`` tensors, with room in the header
         for any token ids and checksums."""
         offset, entries = 0, {}

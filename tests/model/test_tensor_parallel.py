@@ -67,7 +67,7 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     tp = TPGroup.current()
     # Chunks are loaded from disk by 2 reader threads when they are not in the host pool.
     runtime = HCacheRuntime(_model(), out / f"store{rank}", plan="H", save="all", num_blocks=16, readers=2, tensor_parallel=tp)
-    engine, copier = runtime.engine, runtime.serving.copier
+    engine, copier = runtime.engine, runtime.stack.copier
     seen = {"cache_heads": engine.cache.layers[0].shape[3]}
     seen["logits"] = engine.step([(0, prompt)]).clone()
     engine.flush(0)
@@ -149,7 +149,7 @@ def runs(tmp_path_factory):
         for plan in PLANS:
             plan_ = RestorePlan.parse(plan, LAYERS)
             outcome = restore_prefix(
-                runtime.engine, runtime.store, 1, prompt, keys, runtime.fingerprint, plan_, runtime.serving.copier
+                runtime.engine, runtime.store, 1, prompt, keys, runtime.fingerprint, plan_, runtime.stack.copier
             )
             assert outcome.tokens == RESTORED
             ref[plan] = _kv(runtime.engine, 1)

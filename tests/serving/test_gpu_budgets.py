@@ -132,7 +132,7 @@ class Restores:
         restore = serving_module.restore_prefix
 
         def counted(*args, **kwargs):
-            with counting(Counter(serving.store.pool.arena), monkeypatch) as counter:
+            with counting(Counter(serving.stack.store.pool.arena), monkeypatch) as counter:
                 self.counters.append(counter)
                 return restore(*args, **kwargs)
 
@@ -209,12 +209,12 @@ def test_a_saving_forward_never_syncs_and_copies_each_chunk_to_the_host_once(mod
     the whole chunk (all its tensors), not one per layer, format and sequence at every step."""
     prompt = random_prompt(100, model[1].vocab_size, rng)
     with _serving(model, tmp_path, "KV") as serving:
-        serving.saver.stage = True
+        serving.stack.saver.stage = True
         counters = []
         step = serving.engine.step
 
         def counted(requests, capture=None):
-            with counting(Counter(serving.store.pool.arena), monkeypatch) as counter:
+            with counting(Counter(serving.stack.store.pool.arena), monkeypatch) as counter:
                 counters.append(counter)
                 return step(requests, capture)
 
@@ -223,7 +223,7 @@ def test_a_saving_forward_never_syncs_and_copies_each_chunk_to_the_host_once(mod
         for token in range(40):  # chunk 1 is full at the 28th decode step
             serving.put([0], [[token]])
         serving.flush(0)
-        assert serving.saver.chunks_published == 2
+        assert serving.stack.saver.chunks_published == 2
     hostward = [c.hostward for c in counters]
     syncs = collections.Counter()
     for c in counters:

@@ -93,7 +93,7 @@ def test_blocks_of_two_chunks_are_shared_by_their_entries_and_freed_with_the_las
     with _serving(tmp_path / "a", 8, 128, plan="KV", gpu_cache=True) as serving, _serving(tmp_path / "b", 8, 128, save="none") as fresh:
         serving.put([0], [first])
         serving.flush(0)
-        cache = serving.gpu_cache
+        cache = serving.stack.gpu_cache
         assert cache.blocks == 2 and serving.engine.cache.free_blocks == 6  # c0 c1 | c2 partial
         torch.testing.assert_close(serving.put([1], [second]), fresh.put([1], [second]), atol=1e-5, rtol=1e-5)
         assert serving.record(1).gpu_tokens == len(first)
@@ -141,7 +141,7 @@ def test_eviction_under_pressure_while_other_sequences_run(tmp_path, rng):
             # evicted, and it restores from the store; its flush hands its 6 blocks over. 3: adopts the 3
             # shared chunks from them (its 4 blocks evict the 3 entries it does not match).
             assert (record.gpu_tokens, record.restored_tokens) == [(0, 0), (0, 192), (192, 192)][uid - 1]
-        assert serving.gpu_cache.evictions > 0
+        assert serving.stack.gpu_cache.evictions > 0
         both(0, [9])
 
 

@@ -28,7 +28,7 @@ def plans(num_layers: int) -> list[str]:
 def assert_restored_kv_equals_recompute(runtime: HCacheRuntime, prompt: list[int], plan: RestorePlan) -> int:
     engine, spec = runtime.engine, runtime.spec
     keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
-    outcome = restore_prefix(engine, runtime.store, 1000, prompt, keys, runtime.fingerprint, plan, runtime.serving.copier)
+    outcome = restore_prefix(engine, runtime.store, 1000, prompt, keys, runtime.fingerprint, plan, runtime.stack.copier)
     assert outcome.fallback is None and outcome.tokens == 64 * len(keys)
     engine.step([(1001, prompt[: outcome.tokens])])
     for layer in range(spec.num_layers):

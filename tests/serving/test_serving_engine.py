@@ -58,7 +58,7 @@ def test_restore_in_steps_equals_recompute(tmp_path, rng, part, plan):
         expected = {PROMPT: 5 * CHUNK_TOKENS, 128: 127 + 127 + 64, 100: 64 + 92 + 56 + 20}[part]
         assert record.restored_tokens == expected
         assert record.computed_tokens == PROMPT - expected
-        assert record.plan == str(serving.resolve_plan(plan)) and record.fallback is None and record.bytes_read > 0
+        assert record.plan == str(serving.config.request_plan(plan)) and record.fallback is None and record.bytes_read > 0
 
 
 @pytest.mark.parametrize("part", [None, 100])
@@ -104,7 +104,7 @@ def test_each_restore_is_logged_at_info_with_its_plan_and_tiers(tmp_path, rng, c
 def test_without_a_store_nothing_is_restored_or_saved(tmp_path, rng):
     prompt = random_prompt(2 * CHUNK_TOKENS + 3, loaded("random:llama").spec.vocab_size, rng)
     with _serving(None, enabled=False) as serving:
-        assert serving.store is None and serving.saver is None and serving._capture is None
+        assert serving.stack.store is None and serving.stack.saver is None and serving.stack.capture is None
         for uid in range(2):
             serving.put([uid], [prompt])
             assert serving.record(uid).restored_tokens == 0

@@ -34,6 +34,7 @@ def serving_engine(engine, fingerprint: str, store_dir, model_name: str = "test"
     its model, as the runtime builds one."""
     from hcache.config import resolve
     from hcache.serving.engine import ServingEngine
+    from hcache.serving.store_stack import StoreStack
 
     config = resolve({"store_dirs": store_dir, **settings}, engine.spec, model_name)
-    return ServingEngine(engine, fingerprint, config)
+    return ServingEngine(engine, StoreStack(config, engine, fingerprint))

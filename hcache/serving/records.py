@@ -1,0 +1,68 @@
+"""What restores cost, per put and per sequence. A put's :class:`PutRestore` is filled once, then added to
+its sequence's :class:`SequenceRecord` and to the counters (:meth:`~hcache.serving.metrics.ServingMetrics.add`),
+so the two can never disagree."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RestoreStep:
+    """One put's restore as a sequence's record lists it: the plan it followed, how many tokens it restored
+    from the store, how many it adopted from the GPU prefix cache before, and the seconds of its disk reads
+    that prefetch ran ahead."""
+
+    plan: str
+    tokens: int
+    gpu_tokens: int = 0
+    hidden_s: float = 0.0
+
+
+@dataclass
+class PutRestore:
+    """Everything one put's restore did: tokens adopted from the GPU prefix cache, then tokens restored from
+    the store by ``plan`` ("" if the store was not tried), and what that read and cost."""
+
+    plan: str = ""
+    tokens: int = 0  # restored from the store
+    gpu_tokens: int = 0  # adopted from the GPU prefix cache, before
+    hidden_s: float = 0.0  # seconds of its disk reads that prefetch ran ahead of it
+    sources: dict[str, int] = field(default_factory=dict)  # of ``tokens``, by the tier their chunk was read from
+    bytes_read: int = 0  # stored bytes copied from the host pool
+    gpu_bytes: int = 0  # KV bytes copied from the GPU prefix cache
+    layer_tokens: dict[str, int] = field(default_factory=dict)  # tokens x layers, by method
+    restore_s: float = 0.0
+    fallback: str | None = None  # why stored state was used only in part, if it was
+    lossy: bool = False  # some of it was stored in 8 bits, or adopted from a sequence that restored such
+
+
+@dataclass
+class SequenceRecord:
+    """What one sequence cost, summed over its puts: tokens restored (from the GPU prefix cache or the store)
+    and run through the forward."""
+
+    restored_tokens: int = 0
+    gpu_tokens: int = 0  # of restored_tokens, adopted from the GPU prefix cache
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of restored_tokens, read from the host pool and stores, by tier
+    computed_tokens: int = 0
+    bytes_read: int = 0
+    restore_s: float = 0.0
+    prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
+    plan: str = ""  # the plan its restores follow; "" until one is tried
+    fallback: str | None = None  # why stored state was used only in part, if it was
+    lossy: bool = False  # restored state stored in 8 bits, or adopted from a sequence that restored such: not bit-identical to recompute
+    restores: list[RestoreStep] = field(default_factory=list)  # one per put that restored tokens
+
+    def add(self, step: PutRestore) -> None:
+        self.restored_tokens += step.gpu_tokens + step.tokens
+        self.gpu_tokens += step.gpu_tokens
+        self.tier_tokens = dict(Counter(self.tier_tokens) + Counter(step.sources))
+        self.bytes_read += step.bytes_read
+        self.restore_s += step.restore_s
+        self.prefetch_hidden_s += step.hidden_s
+        self.plan = step.plan or self.plan
+        self.fallback = step.fallback or self.fallback
+        self.lossy = self.lossy or step.lossy
+        if step.gpu_tokens or step.tokens:
+            self.restores.append(RestoreStep(step.plan, step.tokens, step.gpu_tokens, step.hidden_s))

@@ -1,0 +1,91 @@
+"""The store stack: everything that holds or moves one engine's stored state, built once from a
+:class:`~hcache.config.ResolvedConfig`.
+
+The host tier (the host pool over the local and shared stores), the saver and the capture that feeds it,
+the copier, the prefetcher and the GPU prefix cache are built here and nowhere else, and handed to whoever
+serves: :class:`~hcache.serving.engine.ServingEngine` only uses them, and another engine adapter can use
+the same stack without it. ``enabled=False`` builds the stack with no store (the recompute baseline); a
+GPU prefix cache needs no store.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..config import ResolvedConfig
+from ..engine.interface import Engine
+from ..engine.ragged import Segment
+from ..model.tensor_parallel import SINGLE, TPGroup
+from ..planning.plan import Method
+from ..storage.chunk import ChunkLayout
+from ..storage.host_tier import HostTier
+from ..storage.prefetch import Prefetcher
+from ..storage.stored_state import Encodings, base_format, encode_rows, stored_tensors
+from ..transfer.copier import Copier
+from ..transfer.saver import ChunkSaver
+from .gpu_prefix_cache import GpuPrefixCache
+
+
+class SaveCapture:
+    """The engine's per-layer rows to the saver, in the formats saved for each layer, encoded on the rows'
+    device (:func:`~hcache.storage.stored_state.encode_rows`)."""
+
+    def __init__(self, saver: ChunkSaver, formats: list[frozenset[str]], encodings: Encodings):
+        self.saver, self.formats, self.encodings = saver, formats, encodings
+
+    def begin_batch(self, segments: list[Segment]) -> None:
+        self.saver.begin_batch(segments)
+
+    def on_layer(self, layer: int, hidden: torch.Tensor, kv: Callable[[], torch.Tensor]) -> None:
+        rows = {}
+        if Method.H.value in self.formats[layer]:
+            rows[Method.H.value] = hidden
+        if Method.KV.value in self.formats[layer]:
+            rows[Method.KV.value] = kv()  # [T, 2, n_kv, head]: the stored KV layout
+        self.saver.on_layer(layer, encode_rows(rows, self.encodings))
+
+    def end_batch(self) -> None:
+        self.saver.end_batch()
+
+
+class StoreStack:
+    """One engine's store stack (one rank's, with tensor parallelism: ``tp``). ``fingerprint``: the whole
+    model's; the stack's, which its chunks carry and its keys are rooted in, is this rank's.
+
+    Parts that the settings leave out are None: ``store``, ``saver``, ``copier`` and ``prefetcher`` without
+    a store, ``capture`` when nothing is saved, ``gpu_cache`` unless ``gpu_cache=True``."""
+
+    def __init__(self, config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup = SINGLE):
+        config.check_engine(engine.spec)
+        self.config, self.tp = config, tp
+        self.fingerprint = tp.fingerprint(fingerprint)
+        self.store: HostTier | None = None
+        self.saver: ChunkSaver | None = None
+        self.capture: SaveCapture | None = None
+        self.copier: Copier | None = None
+        self.prefetcher: Prefetcher | None = None
+        if config.stored:
+            formats = list(config.save_formats)
+            tensors = stored_tensors(engine.spec, formats, config.encodings)
+            config.store.check(ChunkLayout.plan(tensors, self.fingerprint).nbytes)
+            self.copier = Copier(engine.device)
+            self.store = config.store.open_store(
+                config.store_dirs(tp.rank),
+                {"fingerprint": self.fingerprint, "dtype": engine.spec.dtype},
+                pin=engine.device.type == "cuda",
+                readers=config.settings.readers,
+            )
+            self.saver = ChunkSaver(self.store, self.fingerprint, tensors, stores=lambda c, f: tp.stores(c, base_format(f)))
+            if any(formats):
+                self.capture = SaveCapture(self.saver, formats, config.encodings)
+            self.prefetcher = Prefetcher(self.store)
+        drop = self.saver.drop_partial if self.saver is not None else (lambda partial: None)
+        self.gpu_cache = GpuPrefixCache(engine, drop) if config.settings.gpu_cache else None
+
+    def close(self) -> None:
+        """Drain the saver, write every saved chunk back to its stores and stop the store's threads."""
+        if self.saver is not None:
+            self.saver.shutdown()
+        if self.store is not None:
+            self.store.close()
