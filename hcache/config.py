@@ -1,33 +1,30 @@
-"""hcache's settings, and the one step that resolves them for a model.
+"""hcache's settings (:class:`HCacheConfig`), and what they become for one model (:class:`ResolvedConfig`).
 
-Every entry point builds one :class:`HCacheConfig`: :class:`~hcache.serving.runtime.HCacheRuntime` from its keyword
-arguments, :mod:`hcache.mii` from its ``hcache=`` config, ``hcache serve`` from its flags. The environment
-adds ``HCACHE_HOME``, where profiles measured here are cached. :func:`resolve` turns the settings and the
-model's shape into a :class:`ResolvedConfig` (the plan policy, the profile, the formats to save), where the
-process that starts serving runs: the runtime's constructor, or ``hcache.mii.pipeline``/``serve`` before
-any model server starts. Engines, the serving engine and MII's model servers receive the resolved object
-and resolve nothing again. Bad settings are refused here, each with one :class:`InvalidRequestError`
-message, before a model loads or a store opens.
+Every entry point builds one :class:`HCacheConfig`: :class:`~hcache.serving.runtime.HCacheRuntime` from its
+keyword arguments, :mod:`hcache.mii` from its ``hcache=`` config, ``hcache serve`` from its flags. Bad
+settings are refused here, each with one :class:`InvalidRequestError` message, before a model loads or a
+store opens. :func:`~hcache.planning.resolve.resolve` turns them and the model's shape into a
+:class:`ResolvedConfig` (engine and device, plan policy, profile, formats and encodings to save) once, where
+serving starts; engines, the store stack and MII's model servers receive it and resolve nothing again.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .defaults import DEFAULT_READERS
 from .errors import InvalidRequestError
-from .model.loader import LoadedModel, model_dtype
+from .model.loader import model_dtype
 from .model.spec import ModelSpec
-from .planning.auto_profile import auto_profile
-from .planning.plan import Method, RestorePlan, default_plan
-from .planning.profile import Profile, profile_command
-from .storage.chunk_key import CHUNK_TOKENS, check_namespace
-from .storage.host_tier import DEFAULT_READERS
+from .planning.plan import RestorePlan, default_plan
+from .planning.profile import Profile
+from .storage.chunk_key import check_namespace
 from .storage.store_config import StoreConfig
 from .storage.stored_state import Encoding, Format, code_dtypes, parse_stored_dtype
 
@@ -201,7 +198,7 @@ class ResolvedConfig(BaseModel):
             if self.profile is None:
                 raise InvalidRequestError("plan 'auto' needs a profile: pass profile=... or run `hcache profile`")
             return None
-        return _fixed_plan(plan, self.spec)
+        return fixed_plan(plan, self.spec)
 
     def plan_for(self, plan: RestorePlan | None, history: int) -> RestorePlan:
         """The plan a restore of ``history`` tokens follows, given a request's resolved ``plan``."""
@@ -218,50 +215,6 @@ class ResolvedConfig(BaseModel):
             )
 
 
-def resolve(
-    settings: HCacheConfig | Mapping | None,
-    spec: ModelSpec,
-    model_name: str,
-    *,
-    tensor_parallel: int = 1,
-    measure: Callable[[], LoadedModel] | None = None,
-    engine: EngineKind | None = None,
-) -> ResolvedConfig:
-    """The settings resolved for ``spec`` (with tensor parallelism, a rank's shard), to run on ``engine``
-    (``None``: :func:`engine_and_device`'s). The profile is the one given (which must fit), or for
-    ``plan="auto"`` alone this machine's (:mod:`hcache.planning.auto_profile`), measured from the model
-    ``measure`` returns if none is found and ``measure_profile`` allows, else none and the default plan
-    after one warning."""
-    settings = HCacheConfig.of(settings)
-    kind, device = engine_and_device(settings)
-    profile = None
-    if settings.enabled:
-        command = profile_command(model_name, spec)
-        profile = settings.profile
-        if profile is None and is_auto(settings.plan):
-            profile = auto_profile(spec, model_name, tensor_parallel, measure if settings.measure_profile else None)
-        if isinstance(profile, Profile):
-            profile.check(spec, tensor_parallel, command)
-        elif profile is not None:
-            profile = Profile.load(profile, spec, tensor_parallel, command)
-    auto = profile is not None and (settings.plan is None or is_auto(settings.plan))
-    plan = None if auto else _fixed_plan(settings.plan, spec)
-    save = settings.save if settings.enabled else "none"
-    stored_dtype = parse_stored_dtype(settings.stored_dtype)
-    return ResolvedConfig(
-        settings=settings,
-        spec=spec,
-        model_name=model_name,
-        engine=engine or kind,
-        device=device,
-        tensor_parallel=tensor_parallel,
-        profile=profile,
-        plan=plan,
-        save_formats=_save_formats(save, plan, profile, spec, code_dtypes(stored_dtype)),
-        stored_dtype=stored_dtype,
-    )
-
-
 def engine_and_device(settings: HCacheConfig) -> tuple[EngineKind, str]:
     """The engine and device that ``settings`` run on, decided where they resolve (model servers read them
     from :class:`ResolvedConfig`): ``"auto"`` is FastGen where torch sees a GPU, and the device is the
@@ -275,7 +228,7 @@ def is_auto(plan: object) -> bool:
     return isinstance(plan, str) and plan.strip().lower() == AUTO
 
 
-def _fixed_plan(plan: str | RestorePlan | None, spec: ModelSpec) -> RestorePlan:
+def fixed_plan(plan: str | RestorePlan | None, spec: ModelSpec) -> RestorePlan:
     """A fixed plan for ``spec``: the one given, or the default for ``None`` (and for ``"auto"`` with no
     profile, after :func:`auto_profile`'s warning)."""
     if plan is None or is_auto(plan):
@@ -285,25 +238,6 @@ def _fixed_plan(plan: str | RestorePlan | None, spec: ModelSpec) -> RestorePlan:
             raise InvalidRequestError(f"plan {plan} covers {len(plan.layers)} layers, the model has {spec.num_layers}")
         return plan
     return RestorePlan.parse(plan, spec.num_layers)
-
-
-def _save_formats(
-    save: str, plan: RestorePlan | None, profile: Profile | None, spec: ModelSpec, encodings: dict[str, torch.dtype]
-) -> tuple[frozenset[str], ...]:
-    if save == "none":
-        return (frozenset(),) * spec.num_layers
-    if save == "all":
-        return (frozenset((Method.H.value, Method.KV.value)),) * spec.num_layers
-    if plan is not None:
-        plans = [plan]
-    else:  # every plan auto picks over the context range
-        lengths = sorted({*profile.tokens, *_powers_of_two(CHUNK_TOKENS, spec.max_positions)})
-        plans = [profile.plan(spec, n, encodings) for n in lengths]
-    return tuple(frozenset(p.layers[layer].stored_format for p in plans) - {None} for layer in range(spec.num_layers))
-
-
-def _powers_of_two(start: int, stop: int) -> list[int]:
-    return [start << i for i in range(max(1, stop // start).bit_length())]
 
 
 def _message(exc: ValidationError) -> str:

@@ -5,7 +5,8 @@ import json
 import pytest
 from support.helpers import loaded
 
-from hcache.config import HCacheConfig, ResolvedConfig, resolve
+from hcache.config import HCacheConfig, ResolvedConfig
+from hcache.planning.resolve import resolve
 from hcache.errors import InvalidRequestError
 from hcache.mii import serve_command
 from hcache.planning.plan import RestorePlan
@@ -130,7 +131,7 @@ def test_a_deployment_is_resolved_for_the_dtype_its_engine_runs(tmp_path):
     """FastGen runs a checkpoint in the dtype its config names; the reference engine in float32 on a CPU."""
     import torch
 
-    from hcache.mii.backend import resolve_deployment
+    from hcache.mii.engine_factory import resolve_deployment
     from hcache.model.loader import random_model
 
     random_model("llama", torch.bfloat16).save_pretrained(tmp_path)

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import resolve
 from ..engine import ReferenceEngine
 from ..engine.interface import Engine
 from ..model.fingerprint import model_fingerprint
 from ..model.loader import random_model
 from ..model.spec import ModelSpec
 from ..ops.rope_bound import rope_bound
+from ..planning.resolve import resolve
 from ..serving.engine import ServingEngine
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
-from ..config import HCacheConfig, resolve
+from ..config import HCacheConfig
 from ..engine import ReferenceEngine
 from ..errors import InvalidRequestError
 from ..model.fingerprint import model_fingerprint
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load_model
 from ..model.tensor_parallel import SINGLE, TPGroup, shard_model
 from ..planning.plan import RestorePlan
+from ..planning.resolve import resolve
 from .engine import ServingEngine
 from .records import RestoreStep
 from .store_stack import StoreStack
