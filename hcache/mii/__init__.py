@@ -25,16 +25,9 @@ def _bind() -> None:
     :mod:`.serve_command`), so they are imported on first use: by :func:`pipeline`, :func:`serve` or an
     attribute (``hcache.mii.build_engine``)."""
     from ..config import HCacheConfig
-    from .backend import (
-        build_engine,
-        check_deployment,
-        check_mii_version,
-        installed,
-        keeping_the_loop_installed,
-        resolve_deployment,
-        server_processes_launched_by_hcache,
-        stop,
-    )
+    from .engine_factory import build_engine, check_deployment, resolve_deployment
+    from .patches import check_mii_version, installed, keeping_the_loop_installed, server_processes_launched_by_hcache
+    from .processes import stop
 
     for name, value in locals().items():
         globals().setdefault(name, value)
@@ -61,7 +54,7 @@ DS_ACCELERATOR_ENV = "DS_ACCELERATOR"
 def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
     """``mii.pipeline`` (same arguments) whose engine restores and saves through hcache, and whose batching
     loop checks each request, prefetches for waiting ones and fails a call alone
-    (:func:`~hcache.mii.backend.keeping_the_loop_installed`).
+    (:func:`~hcache.mii.patches.keeping_the_loop_installed`).
     The pipeline's ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
     _libraries_as_quiet_as_hcache()
     import mii

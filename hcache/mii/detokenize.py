@@ -2,12 +2,11 @@
 chat reply) never appear, and a streamed reply joined equals the reply decoded whole.
 
 MII 0.3 decodes with special tokens, and streams by decoding a window of recent tokens and removing the
-decoded previous window from it, which a tokenizer's clean-up of spaces can break. Installed here: its
-tokenizer decodes without special tokens, and a stream is decoded by the tokenizers library's own
-incremental decoder (``DecodeStream``), which holds back bytes until they form whole characters."""
+decoded previous window from it, which a tokenizer's clean-up of spaces can break. With
+:mod:`hcache.mii.patches` installed, its tokenizer decodes without special tokens, and a stream is decoded by
+the tokenizers library's own incremental decoder (``DecodeStream``), which holds back bytes until they form
+whole characters."""
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from tokenizers.decoders import DecodeStream
 
@@ -28,16 +27,11 @@ class StreamDecoders:
         self.stream_state.pop(thread_id, None)
 
 
-def install() -> Callable[[], None]:
-    """Decode MII's generated tokens without special tokens, streams incrementally; returns the undo."""
-    from mii.batching import ragged_batching
-    from mii.modeling.tokenizers import HFTokenizer
+def without_special_tokens(_decode):
+    """``HFTokenizer.decode``, as MII's tokenizer decodes a whole reply."""
+    return lambda self, tokens: self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    saved_decode, saved_stream = HFTokenizer.decode, ragged_batching.ReadableStream
-    HFTokenizer.decode = lambda self, tokens: self.tokenizer.decode(tokens, skip_special_tokens=True)
-    ragged_batching.ReadableStream = StreamDecoders  # MII makes one per server pipeline, after this
 
-    def undo() -> None:
-        HFTokenizer.decode, ragged_batching.ReadableStream = saved_decode, saved_stream
-
-    return undo
+def incremental(_readable_stream):
+    """``ragged_batching.ReadableStream``, which MII makes one of per server pipeline."""
+    return StreamDecoders

@@ -2,7 +2,8 @@
 error, and the loop goes on serving every other request.
 
 MII runs all of a replica's requests in one generation thread (``MIIAsyncPipeline``; a pipeline runs them in
-its caller's): an exception there ends it, and every later request waits forever. Installed here:
+its caller's): an exception there ends it, and every later request waits forever. These replacements of
+MII's methods (installed by :mod:`hcache.mii.patches`) change that:
 
 - A ``put`` that raises is retried one sequence at a time, since which sequence of a batch caused it is
   unknown: each is flushed and recomputed alone (restoring what the store holds); one that fails alone
@@ -25,7 +26,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 
 
 DROP_WAIT_S = 60  # the longest a cancelled stream waits for the loop to drop its request (one step, normally)
-LOOP_METHODS = ("generate", "flush", "schedule_requests", "__call__")  # a pipeline's, besides make_request and put
 
 
 class RequestFailed(HCacheError):
@@ -94,34 +94,6 @@ def http_status(code: grpc.StatusCode) -> int:
     return {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503}.get(code, 500)
 
 
-def install() -> Callable[[], None]:
-    """Make MII's loop, model server and load balancer fail one call at a time; returns the undo."""
-    from mii.batching.ragged_batching import MIIPipeline, RaggedBatchBase
-    from mii.grpc_related.modelresponse_server import LoadBalancingInterceptor, ModelResponse, ParallelStubInvoker
-
-    patches = [
-        (RaggedBatchBase, "make_request", _make_request),  # the loop's, LOOP_METHODS
-        (RaggedBatchBase, "generate", _generate),
-        (RaggedBatchBase, "put", _put),
-        (RaggedBatchBase, "flush", _flush),
-        (RaggedBatchBase, "schedule_requests", _schedule_requests),
-        (MIIPipeline, "__call__", _pipeline_call),
-        (ModelResponse, "GeneratorReply", _reply),
-        (ModelResponse, "GeneratorReplyStream", _reply_stream),
-        (LoadBalancingInterceptor, "intercept_service", _passing_status),
-        (ParallelStubInvoker, "__init__", _replica_address),
-    ]
-    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
-    for owner, name, wrap in patches:
-        setattr(owner, name, wrap(owner.__dict__[name]))
-
-    def undo() -> None:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
-
-    return undo
-
-
 # ---- the generation loop ----------------------------------------------------------------------------------
 def _isolating(pipeline) -> bool:
     return pipeline.is_rank_0 and pipeline.model_config.tensor_parallel == 1
@@ -146,7 +118,7 @@ def _serving_call(pipeline, tid: int) -> Iterator[_Call]:
             results.get_nowait()
 
 
-def _make_request(make):
+def joining_its_call(make):
     def make_request(self, tid, uid, input_tokens, kwargs):
         call = _calls(self).get(tid) or _Call()
         if call.error is not None:  # another of its prompts failed: nobody waits for this one
@@ -159,7 +131,7 @@ def _make_request(make):
     return make_request
 
 
-def _generate(generate):
+def failing_the_batch(generate):
     def generate_step(self):
         batch = self.scheduled_requests  # what this step runs
         try:
@@ -177,7 +149,7 @@ def _generate(generate):
     return generate_step
 
 
-def _put(put):
+def retrying_alone(put):
     def put_isolated(self, uids, tokenized_input):
         try:
             return put(self, uids, tokenized_input)
@@ -213,13 +185,13 @@ def _put_alone(pipeline, put, r) -> torch.Tensor:
     pipeline.inference_engine.flush(r.uid)
     generated = [t.reshape(1).to(r.prompt_tokens.dtype) for t in r.generated_tokens]
     tokens = torch.cat([torch.cat([r.prompt_tokens, *generated])[: r.seq_length], r.input_tokens])
-    size = pipeline.inference_engine._config.state_manager.max_ragged_batch_size
+    size = pipeline.model_config.inference_engine_config.state_manager.max_ragged_batch_size  # what the engine was built with
     for start in range(0, len(tokens), size):
         logits = put(pipeline, [r.uid], [tokens[start : start + size]])
     return logits
 
 
-def _flush(flush):
+def flushing_each(flush):
     def flush_each(self, uids):
         for uid in uids:
             try:
@@ -232,7 +204,7 @@ def _flush(flush):
     return flush_each
 
 
-def _schedule_requests(schedule):
+def dropping_failed_calls(schedule):
     def schedule_live(self):
         # A request its call's thread sent just as the call failed: drop it before it runs for nobody.
         while not self.request_queue.empty():
@@ -281,7 +253,7 @@ def _flush_engine(pipeline, uids: set[int]) -> None:
             log.exception("flushing failed sequence %d failed", uid)
 
 
-def _pipeline_call(call):
+def serving_one_call(call):
     def pipeline_call(self, *args, **kwargs):
         with _serving_call(self, self.tid):
             return call(self, *args, **kwargs)
@@ -290,7 +262,7 @@ def _pipeline_call(call):
 
 
 # ---- the model server and the load balancer ---------------------------------------------------------------
-def _reply(reply):
+def aborting_with_status(reply):
     def generator_reply(self, request, context):
         with _serving_call(self.inference_pipeline, threading.get_ident()):
             try:
@@ -301,7 +273,7 @@ def _reply(reply):
     return generator_reply
 
 
-def _reply_stream(reply):
+def ending_cleanly(reply):
     """MII's streamed reply, ended cleanly when its client goes away: the request leaves the loop at its next
     step (rather than generating to its end for nobody), and nothing of it is left in the thread's result
     queue for the thread's next call (MII's own asserts on a stale result)."""
@@ -347,7 +319,7 @@ def _await_dropped(pipeline, call: _Call, tid: int) -> None:
             return
 
 
-def _passing_status(intercept):
+def passing_status(intercept):
     """The load balancer answers a call with the status and message the model server gave it (MII's turns
     every one into UNKNOWN, "Exception calling application"); a streamed call is relayed on a call of its
     own to the replica, so that an error ends it at once (MII's relay waits 600 s for a message that never
@@ -386,7 +358,7 @@ def _passing_status(intercept):
     return intercept_service
 
 
-def _replica_address(init):
+def remembering_address(init):
     """Remember the first replica address a load balancer's invoker was made for (it keeps only stubs)."""
 
     def invoker_init(self, host, ports):

@@ -12,8 +12,10 @@ import logging
 import os
 import sys
 
-from .backend import CONFIG_ENV, LOG_LEVEL_ENV, install_server
 from ..config import ResolvedConfig
+from .patches import install_server
+from .processes import CONFIG_ENV, LOG_LEVEL_ENV
+
 
 def _logging() -> None:
     level = os.environ.get(LOG_LEVEL_ENV, "WARNING")
@@ -34,12 +36,12 @@ def main() -> None:
     parser.add_argument("--model-config", required=True, type=b64_encoded_config)
     parser.add_argument("--restful-gateway", action="store_true")
     args, _ = parser.parse_known_args()
-    install_server(config, args.model_config, args.restful_gateway)  # for the life of this process
-    if not logging.getLogger().isEnabledFor(logging.INFO):
-        # MII prints its progress ("Starting server on port ...", "About to start server", "Started"). Its
-        # and DeepSpeed's loggers, made on import above, keep the stream they were made with; errors go to stderr.
-        sys.stdout = open(os.devnull, "w")  # for the life of this process
-    mii_main()
+    with install_server(config, args.model_config, args.restful_gateway):  # undone once MII's server has stopped
+        if not logging.getLogger().isEnabledFor(logging.INFO):
+            # MII prints its progress ("Starting server on port ...", "About to start server", "Started"). Its
+            # and DeepSpeed's loggers, made on import above, keep the stream they were made with; errors go to stderr.
+            sys.stdout = open(os.devnull, "w")  # for the life of this process
+        mii_main()
 
 
 if __name__ == "__main__":

@@ -75,3 +75,55 @@ def check_rest_body(body: object, tokenize, max_length: int) -> None:
             raise InvalidRequestError(f"{name} must be a string, number or boolean, not {value!r:.80}")
     for prompt in prompts:
         check_generate_options(options, len(tokenize(prompt)), max_length)
+
+
+# ---- in MII's batching loop (installed by hcache.mii.patches) ---------------------------------------------
+# A request's namespace (``cache_salt``) rides on MII's request object and, to the other tensor-parallel
+# ranks, on MII's broadcast of the batch (MII ignores the extra key).
+def checking_requests(make):
+    """``RaggedBatchBase.make_request``: each request checked as MII makes it, before it enters the batching
+    loop (a bad one raises in its caller, and the loop never sees it)."""
+
+    def make_request(self, tid, uid, input_tokens, kwargs):
+        options, namespace = check_generate_options(kwargs, len(input_tokens), self.max_length)
+        request = make(self, tid, uid, input_tokens, options)
+        request.hcache_namespace = namespace
+        return request
+
+    return make_request
+
+
+def opening_in_namespaces(put):
+    """``RaggedBatchBase.put``: each new sequence opened in its request's namespace; first, requests still
+    waiting in MII's buffer start reading their stored chunks into the host pool (look-ahead prefetch),
+    once each."""
+
+    def put_in_namespaces(self, uids, tokenized_input):
+        engine = self.inference_engine
+        for r in self.buffer:
+            if not r.is_flush_request and r.seq_length == 0 and not getattr(r, "hcache_prefetched", False):
+                engine.prefetch(r.prompt_tokens.tolist(), getattr(r, "hcache_namespace", None))
+                r.hcache_prefetched = True
+        for r in self.scheduled_requests.requests_to_run:
+            # not open: its first put, or its first again after MII preempted or hcache retried it
+            if getattr(r, "hcache_namespace", None) is not None and r.uid in uids and not engine.is_open(r.uid):
+                engine.open(r.uid, namespace=r.hcache_namespace)
+        return put(self, uids, tokenized_input)
+
+    return put_in_namespaces
+
+
+def sending_namespace(to_msg):
+    """``Request.to_msg_dict``, what rank 0 broadcasts of a request."""
+    return lambda self: {**to_msg(self), CACHE_SALT: getattr(self, "hcache_namespace", None)}
+
+
+def receiving_namespace(from_msg):
+    """``RequestMsg.from_msg_dict``, what the other ranks make of it."""
+
+    def msg_from_dict(msg):
+        request = from_msg(msg)
+        request.hcache_namespace = msg.get(CACHE_SALT)
+        return request
+
+    return staticmethod(msg_from_dict)

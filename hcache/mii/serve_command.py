@@ -88,7 +88,8 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
 
 def run(args: argparse.Namespace) -> int:
     from ..model.loader import model_dir
-    from .backend import context_length, openai_server
+    from .engine_factory import context_length
+    from .processes import openai_server
 
     config = settings(args)
     path = str(model_dir(args.model))

@@ -1,5 +1,5 @@
 """``python -m hcache.openai``: the OpenAI-compatible server of one deployment, a process of its own that
-``hcache serve`` starts beside the deployment (:func:`hcache.mii.backend.openai_server`).
+``hcache serve`` starts beside the deployment (:func:`hcache.mii.processes.openai_server`).
 
 Signals from ``hcache serve``: with ``--starting`` ``/health`` answers 503 until READY_SIGNAL (the
 deployment is up); DRAIN_SIGNAL makes it answer 503 again (the node is stopping) while requests are still

@@ -11,7 +11,7 @@ import pytest
 from mii.backend.server import MIIServer
 from mii.config import MIIConfig
 
-from hcache.mii.backend import server_processes_launched_by_hcache
+from hcache.mii.patches import server_processes_launched_by_hcache
 
 
 class _Exited:
@@ -32,7 +32,7 @@ def test_mii_starts_its_processes_as_quiet_as_hcache_and_leaves_no_hostfile(tmp_
         started.append((cmd, env, sorted(p.name for p in tmp_path.iterdir())))
         return _Exited()
 
-    monkeypatch.setattr("hcache.mii.backend.subprocess", SimpleNamespace(Popen=popen))  # hcache's launch alone
+    monkeypatch.setattr("hcache.mii.processes.subprocess", SimpleNamespace(Popen=popen))  # hcache's launch alone
     config = MIIConfig(model_config={"model_name_or_path": "/no-model", "tokenizer": "/no-model", "task": "text-generation"},
                        deployment_name="test", port_number=50990)  # fmt: skip
     caplog.set_level(logging.INFO if verbose else logging.WARNING, logger="hcache")

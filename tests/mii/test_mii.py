@@ -21,11 +21,12 @@ import torch
 from transformers import AutoTokenizer
 
 import hcache.mii
+from hcache import process_tree
 from hcache.cli import main
 from hcache.errors import InvalidRequestError, UnsupportedModelError
-from hcache.mii.backend import openai_server
 from hcache.config import HCacheConfig
-from hcache.mii.backend import resolve_deployment
+from hcache.mii.engine_factory import resolve_deployment
+from hcache.mii.processes import openai_server
 from hcache.model.loader import model_dir as resolve_model_dir
 from hcache.model.loader import random_model
 from hcache.model.spec import ModelSpec
@@ -152,8 +153,8 @@ def test_a_request_waiting_in_miis_buffer_prefetches_its_stored_chunks(model_dir
         prompts = [QUESTIONS[0], 2 * NOTE + "Which city is on the Spree?"]
         alone = [pipe([p], max_new_tokens=4, do_sample=False)[0].generated_text for p in prompts]
         engine = pipe.inference_engine
-        engine.store.flush()
-        engine.store.drop_resident()
+        engine.stack.store.flush()
+        engine.stack.store.drop_resident()
         assert [r.generated_text for r in pipe(prompts, max_new_tokens=4, do_sample=False)] == alone
         assert engine.metrics.snapshot()["hcache_prefetched_chunks_total"] >= 2
     finally:
@@ -296,7 +297,7 @@ def test_serve_fails_a_request_alone_and_ctrl_c_stops_a_hung_deployment(model_di
                "--request-log", str(log), "--rest-port", str(rest), "--port", str(_free_port()), "--metrics-port", "0"]  # fmt: skip
     with open(out, "w") as output:
         serve = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
-    stopped: set[int] = set()
+    stopped = []
     try:
         deadline = time.monotonic() + 300
         while "serving; Ctrl-C stops" not in out.read_text():
@@ -314,44 +315,16 @@ def test_serve_fails_a_request_alone_and_ctrl_c_stops_a_hung_deployment(model_di
         uids = [turn["uid"] for turn in _turns(log)]
         assert len(uids) > len(set(uids)), "the batched sequence was not recomputed alone"
 
-        stopped = _descendants(serve.pid)
-        for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
+        stopped = process_tree.descendants(serve.pid)
+        for p in stopped:
+            p.suspend()  # SIGSTOP
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=90) == 0
-        assert not [pid for pid in stopped if _alive(pid)]
+        assert not process_tree.running(stopped)
     finally:
-        for pid in stopped | _descendants(serve.pid):
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        process_tree.kill(process_tree.running([*stopped, *process_tree.descendants(serve.pid)]))
         serve.kill()
         serve.wait()
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has exited)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _cmdlines():
@@ -377,7 +350,8 @@ def test_tensor_parallel_pipeline_equals_one_rank(model_dir, tmp_path):
 
     store, zmq_port = tmp_path / "store", str(_free_port())
     repo = str(REPO)
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="localhost", MASTER_PORT=str(_free_port()), PYTHONPATH=repo)
+    path = os.pathsep.join([repo, str(SUPPORT.parent), str(Path(__file__).parent)])  # hcache; support and this module, for the rank script
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="localhost", MASTER_PORT=str(_free_port()), PYTHONPATH=path)
     ranks = [
         subprocess.Popen(
             [sys.executable, "mii_tp_rank.py", tiny, str(store), str(tmp_path / f"rank{r}.json"), zmq_port],
@@ -466,7 +440,7 @@ def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, t
     options = {"engine": "reference", "plan": "auto", "measure_profile": False, "store_dirs": [str(tmp_path / "store")], "request_log": str(log)}
     pipe = hcache.mii.pipeline(tiny, hcache=options, zmq_port_number=_free_port())
     try:
-        assert pipe.inference_engine.plan == default_plan(spec)
+        assert pipe.inference_engine.config.plan == default_plan(spec)
         for _ in range(2):
             pipe([2 * NOTE], max_new_tokens=2, do_sample=False)  # over 64 tokens: a chunk to restore
     finally:

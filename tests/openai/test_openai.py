@@ -23,6 +23,7 @@ import psutil
 import pytest
 from transformers import AutoTokenizer
 
+from hcache import process_tree
 from hcache.model.loader import model_dir as resolve_model_dir
 from support import FAULT_DIR, REPO
 
@@ -93,13 +94,13 @@ class Server:
     def stop(self) -> float:
         """SIGTERM, as a service manager stops it; the seconds it took to exit. ``tree``: the processes
         it had started."""
-        start, self.tree = time.monotonic(), psutil.Process(self.process.pid).children(recursive=True)
+        start, self.tree = time.monotonic(), process_tree.descendants(self.process.pid)
         self.process.terminate()
         self.process.wait(120)
         return time.monotonic() - start
 
     def left_running(self) -> list[psutil.Process]:
-        return [p for p in getattr(self, "tree", []) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        return process_tree.running(getattr(self, "tree", []))
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +111,9 @@ def server(smollm2, tmp_path_factory):
         yield s
     finally:
         if s.process.poll() is None:
-            s.tree = psutil.Process(s.process.pid).children(recursive=True)
+            s.tree = process_tree.descendants(s.process.pid)
             s.process.kill()
-        for p in s.left_running():  # the deployment's processes lead sessions of their own
-            p.kill()
+        process_tree.kill(s.left_running())  # the deployment's processes lead sessions of their own
 
 
 def _greedy(client: openai.OpenAI, messages: list[dict], **kwargs) -> str:
