@@ -622,7 +622,7 @@ def test_real_fastgen_falls_back_past_a_corrupt_chunk(real_fastgen, tmp_path):
     serving = serving_engine(engine, f"fp-{family}", tmp_path, model_name=family, plan="1RE+1H+1KV", save="all", readers=0)
     serving.put([1], [history])
     serving.flush(1)
-    corrupt_tensor(serving.store, chunk_keys(history, root_key(serving.fingerprint))[3], 1, "H")
+    corrupt_tensor(serving.stack.store, chunk_keys(history, root_key(serving.fingerprint))[3], 1, "H")
     logits = serving.put([2], [history])
     record = serving.record(2)
     assert record.restored_tokens == 3 * 64 and "checksum mismatch" in record.fallback
@@ -655,7 +655,7 @@ def test_serving_engine_over_fastgen_restores_and_survives_a_corrupt_chunk(tmp_p
     assert record.restored_tokens == 3 * 15 and record.fallback is None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     key = chunk_keys(prompt, root_key(serving.fingerprint))[1]
-    corrupt_tensor(serving.store, key, 1, "H")
+    corrupt_tensor(serving.stack.store, key, 1, "H")
     got, record = put(2)  # chunk 1 is recomputed (and saved again); chunks 0 and 2 still restore
     assert record.restored_tokens == 2 * 15 and "checksum mismatch" in record.fallback
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -780,7 +780,7 @@ def test_serving_engine_over_fastgen_adopts_from_the_gpu_prefix_cache(tmp_path):
     for off in range(0, 195, MAX_BATCH):  # 3 chunks and 3 tokens of a 4th
         serving.put([0], [prompt[off : min(off + MAX_BATCH, 195)]])
     serving.flush(0)
-    assert serving.gpu_cache.blocks == 3 * 64 // BLOCK + 1 and serving.engine.free_blocks == [64 - 25]
+    assert serving.stack.gpu_cache.blocks == 3 * 64 // BLOCK + 1 and serving.engine.free_blocks == [64 - 25]
     assert int(min(serving.free_blocks)) == 64
     for off in range(0, len(prompt), MAX_BATCH):
         logits = serving.put([1], [prompt[off : off + MAX_BATCH]])
@@ -792,6 +792,6 @@ def test_serving_engine_over_fastgen_adopts_from_the_gpu_prefix_cache(tmp_path):
     for layer in range(LAYERS):
         torch.testing.assert_close(cached_kv(serving.engine, 1, layer), cached_kv(fresh, 1, layer), rtol=1e-5, atol=1e-5)
     serving.flush(1)
-    serving.gpu_cache.clear()
+    serving.stack.gpu_cache.clear()
     assert serving.engine.free_blocks == [64]
     serving.close()
