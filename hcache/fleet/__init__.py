@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-import psutil
-
+from .. import process_tree
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError, StorageError
 
@@ -153,7 +152,7 @@ class Node:
         and exits; whatever is left after ``seconds`` is killed. Returns its exit status."""
         if not self.alive():
             return None if self.process is None else self.process.returncode
-        tree = _tree(self.process.pid)
+        tree = process_tree.tree(self.process.pid)
         self.process.send_signal(signal.SIGTERM)
         try:
             return self.process.wait(seconds)
@@ -161,12 +160,12 @@ class Node:
             self.kill()
             return self.process.returncode
         finally:
-            _kill(p for p in tree if p.is_running())  # MII's processes run in sessions of their own
+            process_tree.kill(process_tree.running(tree))  # MII's processes run in sessions of their own
 
     def kill(self) -> None:
         """SIGKILL the node and every process it started, as a crash of its machine would."""
         if self.process is not None:
-            _kill(_tree(self.process.pid))
+            process_tree.kill(process_tree.tree(self.process.pid))
             self.process.wait()
 
 
@@ -204,22 +203,6 @@ def chat(
                 ttft = ttft if ttft is not None else time.perf_counter() - start
                 text += delta["content"]
         return Reply(text, node, ttft)
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _kill(processes) -> None:
-    for p in processes:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 class Fleet:
