@@ -26,15 +26,15 @@ def _bind() -> None:
     attribute (``hcache.mii.build_engine``)."""
     from ..config import HCacheConfig
     from .engine_factory import build_engine, check_deployment, resolve_deployment
-    from .patches import check_mii_version, installed, keeping_the_loop_installed, server_processes_launched_by_hcache
+    from .patches import check_mii_version, hold_loop_patches, installed, launching_with_hcache
     from .processes import stop
 
     for name, value in locals().items():
         globals().setdefault(name, value)
 
 
-_BOUND = ("HCacheConfig", "build_engine", "check_deployment", "check_mii_version", "installed",
-          "keeping_the_loop_installed", "resolve_deployment", "server_processes_launched_by_hcache", "stop")
+_BOUND = ("HCacheConfig", "build_engine", "check_deployment", "check_mii_version", "hold_loop_patches", "installed",
+          "launching_with_hcache", "resolve_deployment", "stop")
 
 
 def __getattr__(name: str):
@@ -54,16 +54,16 @@ DS_ACCELERATOR_ENV = "DS_ACCELERATOR"
 def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, **kwargs: Any):
     """``mii.pipeline`` (same arguments) whose engine restores and saves through hcache, and whose batching
     loop checks each request, prefetches for waiting ones and fails a call alone
-    (:func:`~hcache.mii.patches.keeping_the_loop_installed`).
+    (:func:`~hcache.mii.patches.hold_loop_patches`).
     The pipeline's ``inference_engine.close()`` drains the saver; finished sequences are already stored."""
-    _libraries_as_quiet_as_hcache()
+    _quiet_libraries()
     import mii
 
     _bind()
     path, tensor_parallel = _deployment(model_name_or_path, kwargs)
     with installed(resolve_deployment(HCacheConfig.of(hcache), path, tensor_parallel)):
         pipe = mii.pipeline(model_name_or_path, **kwargs)
-        keeping_the_loop_installed(pipe)
+        hold_loop_patches(pipe)
         return pipe
 
 
@@ -75,7 +75,7 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
     The hcache config is resolved, and the model and store checked, before any process starts (then
     ``checked(resolved config)`` is called, if given). If the deployment still fails to start, every process it started is
     stopped before the error is raised."""
-    _libraries_as_quiet_as_hcache()
+    _quiet_libraries()
     import mii
 
     _bind()
@@ -88,7 +88,7 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
     launched: list = []
     mii_cache = tempfile.mkdtemp(prefix="hcache-mii-")
     try:
-        with server_processes_launched_by_hcache(config, launched), _mii_cache_at(mii_cache):
+        with launching_with_hcache(config, launched), _mii_cache_at(mii_cache):
             client = mii.serve(model_name_or_path, **kwargs)
     except BaseException:
         stop(launched, grace_s=0)
@@ -108,7 +108,7 @@ def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = 
     return client
 
 
-def _libraries_as_quiet_as_hcache() -> None:
+def _quiet_libraries() -> None:
     """DeepSpeed picks its accelerator when it is first imported, and where it finds no GPU it warns so, in
     this process and in each one MII starts. Where torch sees no CUDA device (as DeepSpeed checks), the CPU
     is named with DeepSpeed's own switch, ``DS_ACCELERATOR``, which those processes inherit. MII logs at

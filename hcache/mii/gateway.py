@@ -42,13 +42,13 @@ def checked_rest_gateway(create_app, model_config):
         [endpoint] = [rule.endpoint for rule in app.url_map.iter_rules() if rule.rule == route]
         generate = app.view_functions[endpoint]
 
-        def generate_or_answer_the_error(*args, **kwargs):
+        def generate_checked(*args, **kwargs):
             try:
                 return generate(*args, **kwargs)
             except grpc.RpcError as exc:
                 return jsonify({"error": exc.details()}), failures.http_status(exc.code())
 
-        app.view_functions[endpoint] = generate_or_answer_the_error
+        app.view_functions[endpoint] = generate_checked
         return app
 
     return create_checked_app

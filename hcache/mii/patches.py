@@ -11,11 +11,11 @@ When each group is in effect:
 
 - while ``hcache.mii.pipeline`` builds a pipeline (:func:`install`), undone once it is built. The pipeline
   keeps the replacements of its own loop's methods in a subclass of its class
-  (:func:`keeping_the_loop_installed`), and holds ``NAMESPACES`` until it is destroyed;
+  (:func:`hold_loop_patches`), and holds ``NAMESPACES`` until it is destroyed;
 - in one of MII's server processes, while MII's server runs (:func:`install_server`; :mod:`.launch`
   undoes it when the server returns);
 - in the process calling ``hcache.mii.serve``, while MII starts its processes
-  (:func:`server_processes_launched_by_hcache`).
+  (:func:`launching_with_hcache`).
 """
 from __future__ import annotations
 
@@ -223,7 +223,7 @@ def install_server(hcache: ResolvedConfig, model_config, rest_gateway: bool) -> 
     return patches
 
 
-def keeping_the_loop_installed(pipeline) -> None:
+def hold_loop_patches(pipeline) -> None:
     """Keep hcache's replacements of ``pipeline``'s loop methods (it was built while :func:`install` was in
     effect) after the install is undone: its class becomes a subclass that holds them, and MII's classes are
     left as they were. The namespaces' broadcast is held until the pipeline is destroyed."""
@@ -241,7 +241,7 @@ def keeping_the_loop_installed(pipeline) -> None:
 
 
 @contextmanager
-def server_processes_launched_by_hcache(hcache: ResolvedConfig, launched: list) -> Iterator[None]:
+def launching_with_hcache(hcache: ResolvedConfig, launched: list) -> Iterator[None]:
     """While ``mii.serve`` starts its processes, start them through :mod:`hcache.mii.launch` with the hcache
     config (:class:`~hcache.mii.processes.Launch`), and collect them in ``launched``. MII's hostfiles are
     removed once it has started (or failed to)."""

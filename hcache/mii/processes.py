@@ -1,6 +1,6 @@
 """Starting and stopping a deployment's processes: MII's servers launched through :mod:`hcache.mii.launch`
 (the patches of ``MIIServer`` that do so are installed by
-:func:`hcache.mii.patches.server_processes_launched_by_hcache`), hcache's OpenAI-compatible server beside
+:func:`hcache.mii.patches.launching_with_hcache`), hcache's OpenAI-compatible server beside
 them, and every process of theirs ended, the model servers given time to store what they saved."""
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 from mii.backend.server import MIIServer
 from mii.config import MIIConfig
 
-from hcache.mii.patches import server_processes_launched_by_hcache
+from hcache.mii.patches import launching_with_hcache
 
 
 class _Exited:
@@ -37,7 +37,7 @@ def test_mii_starts_its_processes_as_quiet_as_hcache_and_leaves_no_hostfile(tmp_
                        deployment_name="test", port_number=50990)  # fmt: skip
     caplog.set_level(logging.INFO if verbose else logging.WARNING, logger="hcache")
     with pytest.raises(RuntimeError, match="exited with status 1 while starting"):
-        with server_processes_launched_by_hcache(SimpleNamespace(model_dump_json=lambda: "{}"), []):
+        with launching_with_hcache(SimpleNamespace(model_dump_json=lambda: "{}"), []):
             MIIServer(config)
     [(cmd, env, hostfiles)] = started[:1]
     assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"] and "hcache.mii.launch" in cmd
@@ -68,8 +68,8 @@ def test_deepspeed_is_told_its_accelerator_and_does_not_warn_that_it_guessed():
     it fell back to the CPU; hcache names the accelerator where torch sees no CUDA device."""
     script = """
 import os, torch
-from hcache.mii import _libraries_as_quiet_as_hcache
-_libraries_as_quiet_as_hcache()
+from hcache.mii import _quiet_libraries
+_quiet_libraries()
 import mii
 from deepspeed.accelerator import get_accelerator
 print(os.environ.get("DS_ACCELERATOR"), get_accelerator().device_name(), torch.cuda.is_available())

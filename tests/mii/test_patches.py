@@ -88,7 +88,7 @@ def test_a_server_process_undoes_every_patch_when_its_server_returns(tiny, untou
 
 
 def test_starting_a_deployment_undoes_the_launch_patches(untouched):
-    with patches.server_processes_launched_by_hcache(SimpleNamespace(model_dump_json=lambda: "{}"), []):
+    with patches.launching_with_hcache(SimpleNamespace(model_dump_json=lambda: "{}"), []):
         assert _changed(untouched) == _labels(patches.LAUNCHING)
     assert _changed(untouched) == set()
 
