@@ -32,7 +32,7 @@ def rng() -> torch.Generator:
 
 
 def _start(server):
-    from hcache.bench._redis_server import redis_missing
+    from hcache.storage.redis_server import redis_missing
 
     why = redis_missing()
     if why:
@@ -43,7 +43,7 @@ def _start(server):
 @pytest.fixture(scope="session")
 def redis_url():
     """A standalone redis-server shared by the tests of this session (each test uses its own namespace)."""
-    from hcache.bench._redis_server import RedisServer
+    from hcache.storage.redis_server import RedisServer
 
     server = _start(RedisServer())
     yield server.url
@@ -53,7 +53,7 @@ def redis_url():
 @pytest.fixture(scope="session")
 def redis_cluster_url():
     """A 3-master Redis Cluster on loopback, shared by the tests of this session."""
-    from hcache.bench._redis_server import RedisCluster
+    from hcache.storage.redis_server import RedisCluster
 
     cluster = _start(RedisCluster(3))
     yield cluster.url
@@ -63,7 +63,7 @@ def redis_cluster_url():
 @pytest.fixture
 def redis_server():
     """A standalone redis-server of the test's own, which it may kill or restart."""
-    from hcache.bench._redis_server import RedisServer
+    from hcache.storage.redis_server import RedisServer
 
     server = _start(RedisServer())
     yield server

@@ -110,3 +110,25 @@ sys.exit(1 if failed else 0)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert f"imported {len(modules)} failed []" in result.stdout
+
+
+def test_nothing_outside_the_benchmarks_imports_them():
+    """``hcache.bench`` is the benchmarks: production code stands without it. Only the command line's
+    ``hcache bench`` dispatch imports the package (its benchmark modules load when one is run); the check's
+    speed step runs ``hcache bench`` as a command. Import statements are read from the graph, and any string
+    naming a benchmark module (an ``importlib`` import) from the source."""
+    modules = _modules()
+    graph = {m: _imports(m, p, modules)[0] for m, p in modules.items()}
+    assert "hcache.storage.redis_server" in graph["hcache.bench.storage"]  # the graph is read
+    allowed = {"hcache.cli": {"hcache.bench"}}
+
+    def benchmarks(names) -> set[str]:
+        return {n for n in names if n == "hcache.bench" or n.startswith("hcache.bench.")}
+
+    outside = {m: p for m, p in modules.items() if m != "hcache.bench" and not m.startswith("hcache.bench.")}
+    imported = {m: sorted(benchmarks(graph[m]) - allowed.get(m, set())) for m in outside}
+    named = {m: sorted(benchmarks(n.value for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str)))
+             for m, p in outside.items()}  # fmt: skip
+    imports, names = {m: b for m, b in imported.items() if b}, {m: b for m, b in named.items() if b}
+    assert not imports, f"production modules that import hcache.bench: {imports}"
+    assert not names, f"production modules that name a module of hcache.bench: {names}"

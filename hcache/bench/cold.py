@@ -22,7 +22,7 @@ from ..model.loader import DEFAULT_MODEL, load_model, model_dtype
 from ..planning.plan import Method, RestorePlan
 from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
-from ._redis_server import RedisServer
+from ..storage.redis_server import RedisServer
 from .restore import timed_restore
 
 

@@ -36,11 +36,13 @@ import torch
 from tqdm import tqdm
 
 from ..storage import direct_io
-from ..storage.chunk import Chunk, encode
+from ..storage.chunk import Chunk, ChunkLayout, encode
 from ..storage.chunk_key import CHUNK_TOKENS, next_key, root_key
 from ..storage.host_pool import PAGE
+from ..storage.host_tier import HostTier
+from ..storage.redis_server import RedisServer
 from ..storage.store_config import StoreConfig
-from ._redis_server import RedisServer
+from ..storage.stored_state import TensorSpec
 
 _BLOCK = 4 << 20  # raw I/O request size
 
@@ -198,6 +200,20 @@ def _redis_benchmark(url: str, args: argparse.Namespace) -> dict:
     }
 
 
+def publish(tier: HostTier, chunk: Chunk) -> bool:
+    """Save a chunk given as tensors into ``tier`` as the saver would (lay it out in a pool slot, fill its
+    rows, publish it); False if the pool has no room. For benchmarks and tests: serving saves through the
+    saver."""
+    specs = [TensorSpec(layer, fmt, tuple(t.shape[1:]), t.dtype) for (layer, fmt), t in chunk.tensors.items()]
+    image = tier.create(ChunkLayout.plan(specs, chunk.fingerprint), chunk.fingerprint)
+    if image is None:
+        return False
+    for name, t in chunk.tensors.items():
+        image.tensor(*name).copy_(t)
+    tier.publish(image, chunk.key, chunk.tokens)
+    return True
+
+
 def _pool_bytes(chunks: list[tuple[Chunk, bytes]]) -> int:
     return sum(len(data) for _, data in chunks) + (len(chunks) + 1) * PAGE
 
@@ -209,7 +225,7 @@ def _alternate(tier, chunks: list[tuple[Chunk, bytes]], args: argparse.Namespace
     def store_write() -> None:
         """As the saver publishes: into the host pool, written back by the tier's writers."""
         for chunk, _ in chunks:
-            tier.put(chunk)
+            publish(tier, chunk)
         tier.flush()
 
     def store_read() -> None:

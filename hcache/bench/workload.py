@@ -41,7 +41,6 @@ replies are tokenized again from their text, so a reply's ids may differ slightl
 from __future__ import annotations
 
 import argparse
-import csv
 import heapq
 import json
 import tempfile
@@ -55,10 +54,11 @@ from tqdm import tqdm
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load_model, model_dir, model_dtype
 from ..planning.profile import Profile
 from ..planning.profiler import measure_profile
-from ..serving.engine import RestoreStep
+from ..serving.records import RestoreStep
 from ..serving.runtime import HCacheRuntime, RequestResult
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import DEFAULT_READERS
+from ._workload_report import METRICS, plot, print_table, write_csv
 from .traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
 
 METHODS = ("ideal", "recompute", "kv", "auto", "auto_gpu_cache")
@@ -77,8 +77,6 @@ _MII = {  # method -> hcache.mii config (None: plain mii.pipeline)
     "auto_gpu_cache": {"plan": "auto", "gpu_cache": True},
     "mii": None,
 }
-METRICS = ("ttft_p50_s", "ttft_p99_s", "tbt_mean_s", "tbt_p99_s", "throughput_tok_s", "restore_tokens_per_s",
-           "bytes_per_token", "restore_share", "requests", "gpu_cache_hit_rate", "prefetch_hidden_s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,14 +161,14 @@ def run(args: argparse.Namespace) -> dict:
         # the headline figures are at the lowest rate, where queueing least hides the method's own cost
         "methods": {m: {**{k: runs[0][k] for k in METRICS}, "by_rate": runs} for m, runs in by_rate.items()},
     }
-    _print(result)
+    print_table(result)
     stem = Path(args.json_path).with_suffix("") if args.json_path else None
     csv_path = args.csv_path or (f"{stem}.csv" if stem else None)
     if csv_path:
-        _write_csv(result, csv_path)
-    plot = args.plot or (f"{stem}.png" if stem else None)
-    if plot:
-        _plot(result, plot)
+        write_csv(result, csv_path)
+    plot_path = args.plot or (f"{stem}.png" if stem else None)
+    if plot_path:
+        plot(result, plot_path)
     return result
 
 
@@ -304,8 +302,8 @@ class _Mii:
         self.tokenizer, self.config = tokenizer, config
         self.pipe = pipeline_on_free_port(path, config, **mii_options)
         served = self.pipe.inference_engine if config is not None else None
-        self.store = served.store if served is not None else None
-        self.gpu_cache = served.gpu_cache if served is not None else None
+        self.store = served.stack.store if served is not None else None
+        self.gpu_cache = served.stack.gpu_cache if served is not None else None
         self.prefetch = served.prefetch if served is not None else (lambda prompt: 0)
         self.steps: list[float] = []
         step = self.pipe.generate
@@ -415,61 +413,3 @@ def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, ar
         "plans": sorted(plans),
         "replies": replies,  # by "session.turn"
     }
-
-
-def _print(result: dict) -> None:
-    t = result["trace"]
-    print(f"workload {t['name']} on {result['model']}: {t['sessions']} sessions, {t['requests']} requests, "
-          f"mean input {t['mean_input_tokens']:.0f}, output {t['mean_output_tokens']:.0f}, session {t['mean_session_tokens']:.0f} tokens")
-    print(f"{'method':>14} {'rate/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TBT mean':>9} {'TBT p99':>9} "
-          f"{'tok/s':>7} {'restore tok/s':>13} {'B/token':>8} {'restoring':>9} {'GPU hits':>8}")
-    for name, m in result["methods"].items():
-        for r in m["by_rate"]:
-            print(f"{name:>14} {r['rate']:>7.2f} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} {_f(r['tbt_mean_s'], 9, 4)} "
-                  f"{_f(r['tbt_p99_s'], 9, 4)} {r['throughput_tok_s']:>7.1f} {_f(r['restore_tokens_per_s'], 13, 0)} "
-                  f"{r['bytes_per_token']:>8.0f} {r['restore_share']:>9.1%} {_f(r['gpu_cache_hit_rate'], 8, 3)}")
-    ref = result["methods"]
-    if "recompute" in ref:
-        ratios = ", ".join(f"{n} {ref['recompute']['ttft_p50_s'] / m['ttft_p50_s']:.2f}" for n, m in ref.items() if n != "recompute")
-        print(f"TTFT p50 speedup over recompute at {result['reference_rate']}/s: {ratios}")
-    if "auto" in ref and "auto_gpu_cache" in ref:
-        print(f"auto + GPU cache TTFT p50 at {result['reference_rate']}/s: "
-              f"{ref['auto_gpu_cache']['ttft_p50_s'] / ref['auto']['ttft_p50_s']:.2f}x auto alone's")
-
-
-def _f(x: float | None, width: int, digits: int) -> str:
-    return f"{'-':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
-
-
-def _write_csv(result: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["method", "rate", *METRICS])
-        for name, m in result["methods"].items():
-            for r in m["by_rate"]:
-                writer.writerow([name, r["rate"], *(r[k] for k in METRICS)])
-    print(f"wrote {path}")
-
-
-def _plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, m in result["methods"].items():
-        rates = [r["rate"] for r in m["by_rate"]]
-        line, = ax.plot(rates, [r["ttft_p50_s"] for r in m["by_rate"]], marker="o", label=f"{name} p50")
-        ax.plot(rates, [r["ttft_p99_s"] for r in m["by_rate"]], marker="x", linestyle="--", color=line.get_color(), label=f"{name} p99")
-    t = result["trace"]
-    ax.set(xscale="log", yscale="log", xlabel="session arrival rate (per s)", ylabel="TTFT (s)",
-           title=f"{t['name']} (scaled ×{t['scale']}) on {result['model']}")
-    ax.set_xticks(result["rates"], [f"{r:g}" for r in result["rates"]])
-    ax.minorticks_off()
-    ax.legend(fontsize="small", ncol=2)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    print(f"wrote {path}")

@@ -5,13 +5,22 @@ pinned copy of the same bytes, H over its bound, over KV and over recompute, at 
 Llama-2-7B-shaped model from the host pool; the Triton RoPE-and-scatter kernel over the device copy peak;
 the chunk store's disk read over raw O_DIRECT and the saver's decode overhead; and ``bench mii``'s TTFT at
 2K and 4K. Absolute times mean something only on a GPU, so on a CPU this step is skipped.
+
+Each benchmark runs as the command a user would type, ``hcache bench <name> ... --json``, in a process of
+its own: the check depends on that command and its JSON, not on the benchmarks' code (nothing outside
+``hcache.bench`` imports it), and one benchmark's failure or device memory does not reach the next.
 """
 from __future__ import annotations
 
-import argparse
-import importlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
+
+RECORD = ("benchmark", "command", "commit", "machine")  # what ``--json`` adds to a benchmark's figures
 
 
 def measure_speed(quick: bool, progress) -> dict:
@@ -30,8 +39,12 @@ def measure_speed(quick: bool, progress) -> dict:
 
 
 def _bench(name: str, argv: list[str]) -> dict:
-    """``hcache bench <name> <argv>``, in this process, with the benchmark's own defaults for the rest."""
-    module = importlib.import_module(f"hcache.bench.{name}")
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)
-    return module.run(parser.parse_args(argv))
+    """The figures of ``hcache bench <name> <argv>`` (the benchmark's own defaults for the rest), run in a
+    child process whose output shows as it runs; the report's commit and machine are the check's own."""
+    with tempfile.TemporaryDirectory(prefix="hcache-check-speed-") as tmp:
+        out = Path(tmp) / f"{name}.json"
+        done = subprocess.run([sys.executable, "-m", "hcache", "bench", name, *argv, "--json", str(out)])
+        if done.returncode != 0:
+            raise RuntimeError(f"hcache bench {name} {' '.join(argv)} exited with status {done.returncode} (its output is above)")
+        record = json.loads(out.read_text())
+    return {key: value for key, value in record.items() if key not in RECORD}

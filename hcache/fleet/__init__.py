@@ -339,7 +339,7 @@ class Fleet:
 
 
 def _start_redis():
-    from ..bench._redis_server import RedisServer
+    from ..storage.redis_server import RedisServer
 
     try:
         return RedisServer().start()

@@ -1,8 +1,7 @@
 """Chunk files over several directories (one per SSD), with a crash-safe index, a quota, LRU and TTL.
 
 Layout: ``<dir>/chunks/<key[:2]>/<key>.safetensors`` in one of the store's directories, chosen round-robin
-when the chunk is written. Each directory holds ``hcache-store.json``: the layout version, and the labels
-(for the runtime: model fingerprint and dtype) of everyone who has saved there. Labels are opaque here.
+when the chunk is written. Each directory is opened by :mod:`.store_dir` (its manifest and its lock).
 
 Crash safety. A chunk is written to a temporary name (``.<key>.<random>.tmp``), flushed to the device
 (``fdatasync``), and renamed into place, so a chunk name never refers to a torn file, whenever the writer
@@ -32,7 +31,6 @@ process has the directory open already (its writes may be in flight).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import re
@@ -46,19 +44,16 @@ from pathlib import Path
 import torch
 
 from ..errors import StorageError
-from . import dir_lock
 from . import direct_io as dio
 from .chunk import ChunkImage, ChunkInvalid, ChunkOtherVersion, header_names
-from .chunk_key import LAYOUT_VERSION
 from .lru_index import Entry, LruIndex
+from .store_dir import DIR_MODE, directories, open_dir
 
 log = logging.getLogger(__name__)
 
 VERIFY_MODES = ("none", "header", "full")
 _KEY = re.compile(r"[0-9a-f]{32}")
-_MANIFEST = "hcache-store.json"
 _SUFFIX = ".safetensors"
-_DIR_MODE = 0o700
 _STALE_TMP_S = 86400.0  # in shared mode, a temporary file this old is an abandoned write
 _STAMP_S = 60.0  # a use is recorded in the file's time at most this often: a restart's order is that coarse
 
@@ -76,15 +71,6 @@ def _set_time(stamp: tuple[Path, float] | None) -> None:
             os.utime(stamp[0], (stamp[1], stamp[1]))
         except OSError:
             pass  # evicted or replaced meanwhile: a replacement's time is as recent
-
-
-def _dir_list(dirs: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
-    paths = [Path(dirs)] if isinstance(dirs, (str, os.PathLike)) else [Path(p) for p in dirs]
-    if not paths:
-        raise StorageError("a chunk store needs at least one directory")
-    if len({p.resolve() for p in paths}) != len(paths):
-        raise StorageError(f"a directory is listed twice in {[str(p) for p in paths]}")
-    return paths
 
 
 def _release_all(releases: list) -> None:
@@ -124,7 +110,7 @@ class DiskChunkStore:
         shared: bool = False,
         clock: Callable[[], float] = time.time,
     ):
-        self.dirs = _dir_list(dirs)
+        self.dirs = directories(dirs)
         if quota_bytes is not None and quota_bytes <= 0:
             raise StorageError(f"quota_bytes must be positive, not {quota_bytes}")
         if ttl_s is not None and ttl_s <= 0:
@@ -149,7 +135,7 @@ class DiskChunkStore:
         self._finalizer = weakref.finalize(self, _release_all, releases)
         sole = []  # per directory: no other store object here holds it, so its temporary files are abandoned
         for d in self.dirs:
-            release, first = self._prepare(d, dict(labels or {}), shared)
+            release, first = open_dir(d, dict(labels or {}), shared)
             releases.append(release)
             sole.append(first and not shared)
         try:
@@ -176,8 +162,8 @@ class DiskChunkStore:
         """Raise the StorageError that opening a store on ``dirs`` would raise for a directory (one that
         cannot be made or written, that another process holds, or of another layout), reading no chunk: for
         a check before starting the processes that will open it."""
-        for d in _dir_list(dirs):
-            release, _ = cls._prepare(d, None, shared)
+        for d in directories(dirs):
+            release, _ = open_dir(d, None, shared)
             try:
                 dio.supports_direct(d)
             except OSError as exc:
@@ -188,46 +174,6 @@ class DiskChunkStore:
     def close(self) -> None:
         """Let another process open these directories (also done when the store is collected)."""
         self._finalizer()
-
-    @staticmethod
-    def _prepare(d: Path, labels: dict[str, str] | None, shared: bool) -> tuple[Callable[[], None], bool]:
-        """Create and lock ``d`` and record ``labels`` in its manifest (None: only check it); returns the
-        lock's release and whether this is the only store object of the process on ``d``."""
-        try:
-            for sub in (d, d / "chunks"):
-                sub.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-                os.chmod(sub, _DIR_MODE)
-        except OSError as exc:
-            raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
-        release, first = dir_lock.acquire(d, shared)
-        try:
-            manifest = d / _MANIFEST
-            record = json.loads(manifest.read_text()) if manifest.exists() else {"layout_version": LAYOUT_VERSION}
-            if not isinstance(record, dict):
-                raise StorageError(f"store {d}: {_MANIFEST} is not a JSON object; use a new directory")
-            if record.get("layout_version") != LAYOUT_VERSION:
-                raise StorageError(
-                    f"store {d} has layout version {record.get('layout_version')!r}, this hcache reads "
-                    f"{LAYOUT_VERSION}; use a new directory"
-                )
-            producers = record.setdefault("producers", [])
-            if not isinstance(producers, list):
-                raise StorageError(f"store {d}: the producers in {_MANIFEST} are not a list; use a new directory")
-            if labels is not None and (not manifest.exists() or (labels and labels not in producers)):
-                if labels:
-                    producers.append(labels)
-                tmp = d / f".{_MANIFEST}.{uuid.uuid4().hex}.tmp"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dio.FILE_MODE)
-                with os.fdopen(fd, "w") as f:
-                    f.write(json.dumps(record, indent=1))
-                os.replace(tmp, manifest)
-        except (OSError, ValueError) as exc:
-            release()
-            raise StorageError(f"chunk store {d} is not a writable directory: {exc}") from exc
-        except BaseException:
-            release()
-            raise
-        return release, first
 
     def _rebuild(self, verify: str, sole: list[bool]) -> None:
         found: dict[str, tuple[Path, Entry]] = {}
@@ -369,7 +315,7 @@ class DiskChunkStore:
         path = self.path(key, where)
         tmp = path.with_name(f".{key}.{uuid.uuid4().hex}.tmp")
         try:
-            path.parent.mkdir(mode=_DIR_MODE, exist_ok=True)
+            path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
             self.direct[where] = dio.write_file(tmp, data, size, self.direct[where], self.fsync)
             os.replace(tmp, path)  # the data is on the device first, so a crash never leaves a torn chunk
         except BaseException:

@@ -15,9 +15,10 @@ shared server or filesystem), which are tried in order.
 - **Capacity.** The pool is bounded; the least recently used chunk that nobody references is evicted to
   make room (it is in the stores already, or its write failed and it is simply lost). A referenced slot (a restore
   reads it, a write-back writes it, the saver fills it) is never evicted or reused. When the pool is full of
-  chunks still being written back, the saver and loads wait for them (counted stalls); when nothing in
-  flight can free room, a chunk being saved is not saved and one being loaded is not loaded (the restore
-  ends there), both counted, and serving goes on.
+  chunks still being written back, the saver and loads wait for them (each counted apart: the saver's
+  stalls hold up the forward pass, a load's a restore or a prefetch); when nothing in flight can free room,
+  a chunk being saved is not saved and one being loaded is not loaded (the restore ends there), both
+  counted, and serving goes on. The recency order is the stores' own :class:`~.lru_index.LruIndex`.
 """
 from __future__ import annotations
 
@@ -25,14 +26,15 @@ import errno
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ..defaults import DEFAULT_READERS
-from .chunk import Chunk, ChunkImage, ChunkInvalid, ChunkLayout
+from .chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from .chunk_store import ChunkStore
 from .host_pool import HostPool, Slot
+from .lru_index import Entry, LruIndex
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,18 @@ class HostPoolFull(OSError):
 DEFAULT_WRITERS = 2
 
 
+@dataclass
+class Stalls:
+    """Waits for room in the pool by one kind of caller: how many, and how long in all."""
+
+    count: int = 0
+    seconds: float = 0.0
+
+
+def _referenced(entry: Entry) -> bool:
+    return entry.where.slot.refs > 0
+
+
 class HostTier:
     """``stores``: the tiers below the pool, nearest first; ``readers``: threads that load chunks from them
     (0: load inline, on the caller's thread); ``writers``: threads that write chunks back."""
@@ -57,10 +71,10 @@ class HostTier:
         if not stores:
             raise ValueError("a host tier needs at least one store below it")
         self.stores, self.pool = list(stores), pool
-        self.hits = self.misses = self.evictions = self.write_errors = self.unsaved = 0
-        self.stalls, self.stall_s, self.bytes_loaded = 0, 0.0, 0
+        self.hits = self.misses = self.evictions = self.write_errors = self.unsaved = self.bytes_loaded = 0
+        self.saver_stalls, self.loader_stalls = Stalls(), Stalls()  # waits for room by :meth:`create`, by loads
         self._cond = threading.Condition()
-        self._index: OrderedDict[str, ChunkImage] = OrderedDict()  # published chunks, least recently used first
+        self._index = LruIndex(pinned=_referenced)  # published chunks (entries' ``where``: the image)
         self._loading: dict[str, Future] = {}
         self._writebacks = 0
         self._uses: dict[str, None] = {}  # pool hits not passed down yet, in order
@@ -88,7 +102,7 @@ class HostTier:
 
     def keys(self) -> list[str]:
         with self._cond:
-            found = set(self._index)
+            found = set(self._index.entries)
         for store in self.stores:
             found.update(store.keys())
         return sorted(found)
@@ -137,10 +151,10 @@ class HostTier:
         The future raises :class:`ChunkInvalid` for a chunk that fails its checks (it is then discarded)
         and OSError for one that could not be read (it is kept: that proves nothing about it)."""
         with self._cond:
-            image = self._index.get(key)
+            image = self._image(key)
             if image is not None:
                 self.hits += 1
-                self._index.move_to_end(key)
+                self._index.touch(key)
                 self.pool.ref(image.slot)
                 done: Future = Future()
                 done.set_result(image)
@@ -185,7 +199,7 @@ class HostTier:
         taken: list[Slot] = []
 
         def take(size: int) -> memoryview:
-            slot = self._alloc(size, wait=True)
+            slot = self._alloc(size, self.loader_stalls)
             if slot is None:
                 raise HostPoolFull(f"the host pool ({self.pool.capacity} bytes) is held by chunks in use; raise host_bytes")
             taken.append(slot)
@@ -222,19 +236,20 @@ class HostTier:
             self.bytes_loaded += size
             if key in self._index:  # published meanwhile: serve that copy
                 self._free_unpublished(taken)
-                image = self._index[key]
+                image = self._image(key)
                 self.pool.ref(image.slot)
                 return image
-            self._index[key] = image
+            self._add(key, image)
             if found:  # promote it into the stores above the one that had it
                 self.pool.ref(image.slot)
                 self._write_behind(image, self.stores[:found])
         return image
 
-    def source(self, image: ChunkImage) -> str:
-        """Where a restore that reads ``image`` got it: ``host`` if it was in the pool already (saved here,
-        or read by an earlier restore), else the kind of the store it was read from, for this restore or by
-        a prefetch ahead of it. The next restore of it finds it in the pool."""
+    def take_source(self, image: ChunkImage) -> str:
+        """Where a restore that reads ``image`` got it, and from now on ``host`` for the next one: ``host``
+        if it was in the pool already (saved here, or read by an earlier restore), else the kind of the
+        store it was read from, for this restore or by a prefetch ahead of it. Each restore that reads the
+        chunk calls this once: the first is credited with the store's read, the later ones with the pool."""
         with self._cond:
             found, image.source = image.source, "host"
         return found
@@ -244,7 +259,7 @@ class HostTier:
         if first.result() is None:
             return None
         with self._cond:
-            image = self._index.get(key)
+            image = self._image(key)
             if image is None:
                 return None  # evicted or discarded meanwhile: the prefix ends here, which is safe
             self.pool.ref(image.slot)
@@ -254,7 +269,7 @@ class HostTier:
     def create(self, layout: ChunkLayout, fingerprint: str) -> ChunkImage | None:
         """An empty chunk image in a new slot, referenced for the caller (:meth:`publish` or :meth:`abandon`
         it), or None when the pool cannot hold it even after every write-back in flight has finished."""
-        slot = self._alloc(layout.nbytes, wait=True)
+        slot = self._alloc(layout.nbytes, self.saver_stalls)
         if slot is None:
             with self._cond:
                 self.unsaved += 1
@@ -274,30 +289,19 @@ class HostTier:
         with self._cond:
             if self._keeps(key, image):
                 return
-            old = self._index.pop(key, None)
-            if old is not None and old.slot.refs == 0:
-                self.pool.free(old.slot)
-            self._index[key] = image
+            old = self._index.remove(key)
+            if old is not None and old.where.slot.refs == 0:
+                self.pool.free(old.where.slot)
+            self._add(key, image)
             self._write_behind(image, self.stores, seal=True)
-
-    def put(self, chunk: Chunk) -> bool:
-        """Save a chunk given as tensors (tools, benchmarks), as the saver would; False if the pool has no room."""
-        specs = [(layer, fmt, tuple(t.shape[1:]), t.dtype) for (layer, fmt), t in chunk.tensors.items()]
-        image = self.create(ChunkLayout.plan(specs, chunk.fingerprint), chunk.fingerprint)
-        if image is None:
-            return False
-        for name, t in chunk.tensors.items():
-            image.tensor(*name).copy_(t)
-        self.publish(image, chunk.key, chunk.tokens)
-        return True
 
     def _keeps(self, key: str, image: ChunkImage) -> bool:
         """With the lock held: whether the pool holds ``key`` with every tensor ``image`` has (then
         ``image`` is given back)."""
-        held = self._index.get(key)
+        held = self._image(key)
         if held is None or not held.names >= image.names:
             return False
-        self._index.move_to_end(key)
+        self._index.touch(key)
         self._drop_ref(image)
         return True
 
@@ -317,7 +321,7 @@ class HostTier:
             self._pass_uses()
             for store in stores:
                 with self._cond:
-                    if self._index.get(image.key) is not image:
+                    if self._image(image.key) is not image:
                         return  # replaced (healed) or discarded since: its write would undo that
                 held = store.names(image.key)
                 if held is not None and held >= image.names:
@@ -347,31 +351,43 @@ class HostTier:
                 self._cond.wait()
 
     # ---- capacity -------------------------------------------------------------------------------------
-    def _alloc(self, nbytes: int, wait: bool) -> Slot | None:
+    def _image(self, key: str) -> ChunkImage | None:
+        """With the lock held: the published chunk ``key`` in the pool, or None."""
+        entry = self._index.entries.get(key)
+        return None if entry is None else entry.where
+
+    def _add(self, key: str, image: ChunkImage) -> None:
+        """With the lock held: publish ``image`` in the pool as the most recently used chunk."""
+        self._index.add(key, Entry(image.slot.nbytes, self._index.clock(), image))
+
+    def _alloc(self, nbytes: int, stalls: Stalls) -> Slot | None:
+        """A new slot, evicting the least recently used unreferenced chunks to make room, and waiting for
+        write-backs in flight while nothing else can (each wait counted in ``stalls``); None if even
+        they cannot free enough."""
         began = None
         with self._cond:
             while True:
                 slot = self.pool.alloc(nbytes)
                 if slot is not None:
                     break
-                victim = next((k for k, im in self._index.items() if im.slot.refs == 0), None)
+                victim = self._index.pop_least_recent()
                 if victim is not None:
-                    self.pool.free(self._index.pop(victim).slot)
+                    self.pool.free(victim[1].where.slot)
                     self.evictions += 1
                     continue
-                if not (wait and self._writebacks):
+                if not self._writebacks:
                     break
                 if began is None:
                     began = time.perf_counter()
-                    self.stalls += 1
+                    stalls.count += 1
                 self._cond.wait()
             if began is not None:
-                self.stall_s += time.perf_counter() - began
+                stalls.seconds += time.perf_counter() - began
             return slot
 
     def _drop_ref(self, image: ChunkImage) -> None:
         """Called with the lock held. The last reference to a chunk discarded or replaced meanwhile frees it."""
-        if self.pool.unref(image.slot) == 0 and self._index.get(image.key) is not image:
+        if self.pool.unref(image.slot) == 0 and self._image(image.key) is not image:
             self.pool.free(image.slot)
 
     def _free_unpublished(self, slots: list[Slot]) -> None:
@@ -385,18 +401,18 @@ class HostTier:
         """Forget a chunk in memory and in every store (a restore reading it keeps its slot until it
         releases it)."""
         with self._cond:
-            image = self._index.pop(key, None)
-            if image is not None and image.slot.refs == 0:
-                self.pool.free(image.slot)
+            entry = self._index.remove(key)
+            if entry is not None and entry.where.slot.refs == 0:
+                self.pool.free(entry.where.slot)
         for store in self.stores:
             store.discard(key)
 
     def drop_resident(self) -> int:
         """Evict every chunk nobody references (the next restore of them reads a store); how many."""
         with self._cond:
-            idle = [k for k, im in self._index.items() if im.slot.refs == 0]
-            for k in idle:
-                self.pool.free(self._index.pop(k).slot)
+            idle = self._index.remove_unpinned()
+            for _, entry in idle:
+                self.pool.free(entry.where.slot)
             self._cond.notify_all()
             return len(idle)
 
@@ -409,8 +425,10 @@ class HostTier:
                 "hits": self.hits,
                 "misses": self.misses,
                 "evictions": self.evictions,
-                "stalls": self.stalls,
-                "stall_seconds": self.stall_s,
+                "saver_stalls": self.saver_stalls.count,
+                "saver_stall_seconds": self.saver_stalls.seconds,
+                "loader_stalls": self.loader_stalls.count,
+                "loader_stall_seconds": self.loader_stalls.seconds,
                 "unsaved": self.unsaved,
                 "write_errors": self.write_errors,
                 "bytes_loaded": self.bytes_loaded,

@@ -1,11 +1,14 @@
-"""The disk store's capacity policy: sizes, recency, pins, TTL and quota.
+"""The stores' recency order and capacity policy: sizes, recency, pins, TTL and quota.
 
-Entries are kept in least-recently-used order. A chunk that is pinned (a read or a write is in flight) is
-never chosen for eviction; a chunk unused for longer than the TTL is expired. Not
+Entries are kept in least-recently-used order. A chunk that is pinned is never chosen for eviction; a chunk
+unused for longer than the TTL is expired. The disk store evicts by its quota (:meth:`LruIndex.make_room`),
+its pins counted in :attr:`Entry.pins` (a read or a write in flight); the host tier evicts when its pool has
+no room (:meth:`LruIndex.pop_least_recent`), a chunk pinned while its slot is referenced (``pinned``). Not
 thread-safe by itself: its owner holds a lock around every call.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,14 +19,22 @@ from typing import Any
 class Entry:
     size: int
     last_used: float
-    where: Any  # where the owner keeps the chunk (the disk store: a directory index)
+    where: Any  # where the owner keeps the chunk (the disk store: a directory index; the host tier: its image)
     pins: int = 0
     stamped: float = 0.0  # the last use the owner recorded where a restart finds it (the disk store: the file time)
 
 
+def _has_pins(entry: Entry) -> bool:
+    return entry.pins > 0
+
+
 class LruIndex:
-    def __init__(self, quota_bytes: int | None, ttl_s: float | None, clock: Callable[[], float]):
-        self.quota_bytes, self.ttl_s, self.clock = quota_bytes, ttl_s, clock
+    """``quota_bytes``, ``ttl_s``: None for none. ``pinned``: whether an entry may not be evicted now (by
+    default, whether it has pins)."""
+
+    def __init__(self, quota_bytes: int | None = None, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 *, pinned: Callable[[Entry], bool] = _has_pins):
+        self.quota_bytes, self.ttl_s, self.clock, self.pinned = quota_bytes, ttl_s, clock, pinned
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.used_bytes = 0
 
@@ -34,7 +45,7 @@ class LruIndex:
         return len(self.entries)
 
     def expired(self, entry: Entry) -> bool:
-        return self.ttl_s is not None and entry.pins == 0 and self.clock() - entry.last_used > self.ttl_s
+        return self.ttl_s is not None and not self.pinned(entry) and self.clock() - entry.last_used > self.ttl_s
 
     def touch(self, key: str) -> Entry:
         entry = self.entries[key]
@@ -76,9 +87,19 @@ class LruIndex:
             stale = self.ttl_s is not None and now - entry.last_used > self.ttl_s
             if not stale and not over():
                 break
-            if entry.pins == 0 and key != replacing:
+            if not self.pinned(entry) and key != replacing:
                 victims.append(key)
                 freed += entry.size
         if over():
             return None
         return [(key, self.remove(key)) for key in victims]
+
+    def pop_least_recent(self) -> tuple[str, Entry] | None:
+        """Remove and return the least recently used entry that is not pinned; None if every one is."""
+        key = next((key for key, entry in self.entries.items() if not self.pinned(entry)), None)
+        return None if key is None else (key, self.remove(key))
+
+    def remove_unpinned(self) -> list[tuple[str, Entry]]:
+        """Remove and return every entry that is not pinned, least recently used first."""
+        idle = [key for key, entry in self.entries.items() if not self.pinned(entry)]
+        return [(key, self.remove(key)) for key in idle]

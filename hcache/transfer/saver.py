@@ -118,11 +118,11 @@ class ChunkSaver:
     @property
     def stalls(self) -> int:
         """Times stage 1 waited for room in the pool (back-pressure on the forward pass)."""
-        return self.tier.stalls
+        return self.tier.saver_stalls.count
 
     @property
     def stall_seconds(self) -> float:
-        return self.tier.stall_s
+        return self.tier.saver_stalls.seconds
 
     @property
     def save_errors(self) -> int:

@@ -106,7 +106,7 @@ def test_bench_storage_measures_the_disk_store_against_raw_o_direct_io(tmp_path)
 
 
 def test_bench_storage_measures_a_redis_tier_of_its_own_against_redis_py(tmp_path):
-    from hcache.bench._redis_server import redis_missing
+    from hcache.storage.redis_server import redis_missing
 
     if why := redis_missing():
         pytest.skip(why)

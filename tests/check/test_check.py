@@ -40,15 +40,15 @@ def test_a_wrong_restore_fails_its_cases(monkeypatch):
 
 def test_a_wrong_8_bit_restore_fails_its_case(monkeypatch):
     """KV dequantised with scales 20% too large: the 8-bit KV case fails, and the lossless ones pass."""
-    import hcache.engine.reference as reference
+    import hcache.engine.restore_state as restore_state  # the KV restore's cache write, for both engines
     from hcache.ops.quant import QuantRows
 
-    write = reference.write_rows
+    write = restore_state.write_rows
 
     def skewed(cache, runs, slots, parts, start):
         write(cache, runs, slots, [QuantRows(p.codes, p.scale * 1.2) if isinstance(p, QuantRows) else p for p in parts], start)
 
-    monkeypatch.setattr(reference, "write_rows", skewed)
+    monkeypatch.setattr(restore_state, "write_rows", skewed)
     cases = {c["plan"]: c for c in check_restores(["reference"], ("llama",))}
     assert [plan for plan, c in cases.items() if not c["ok"]] == ["KV 8bit"]
     assert cases["KV 8bit"]["worst_excess"] > 0.1 and cases["KV 8bit"]["lossy"]
@@ -110,3 +110,36 @@ def test_a_family_that_cannot_run_fails_its_cases_and_the_others_still_run(monke
     table = markdown({"machine": {"gpu": None, "cpu": "x", "date": "d"}, "command": "c",
                       "steps": {"correctness": {"cases": cases, "seconds": 1}}})  # fmt: skip
     assert "| reference | qwen2 | | RE | could not run: `RuntimeError: no engine for qwen2` | | | **NO** |" in table
+
+
+def test_the_speed_step_runs_each_benchmark_as_its_command_and_keeps_its_figures():
+    """``hcache bench transfer`` run in a child process, as the speed step runs it on a GPU: its figures come
+    back without the record ``--json`` adds (the report has its own commit and machine)."""
+    from hcache.check.speed import RECORD, _bench
+
+    result = _bench("transfer", ["--shape", "llama", "--layers", "2", "--history", "128", "--repeats", "1", "--device", "cpu"])
+    assert result["history"] == 128 and result["layers"] == 2 and result["kv_restore_vs_copy"] > 0
+    assert not set(RECORD) & set(result)
+
+
+def test_a_benchmark_that_fails_fails_the_speed_step_naming_it():
+    import pytest
+
+    from hcache.check.speed import _bench
+
+    with pytest.raises(RuntimeError, match="hcache bench transfer --history 1 exited with status 2"):
+        _bench("transfer", ["--history", "1"])  # less than a chunk: the benchmark refuses it
+
+
+def test_on_a_gpu_the_speed_step_runs_the_benchmarks_the_targets_name(monkeypatch):
+    from hcache.check import speed
+
+    ran = []
+    monkeypatch.setattr(speed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(speed, "_bench", lambda name, argv: ran.append((name, argv)) or {"figure": len(ran)})
+    results = speed.measure_speed(quick=True, progress=lambda name: None)
+    assert ran == [("transfer", ["--history", "1024"]), ("transfer", ["--history", "4096"]), ("ops", ["--tokens", "4096"])]
+    assert results == {"transfer_1024": {"figure": 1}, "transfer_4096": {"figure": 2}, "ops": {"figure": 3}}
+    ran.clear()
+    assert list(speed.measure_speed(quick=False, progress=lambda name: None)) == [
+        "transfer_1024", "transfer_4096", "transfer_16384", "ops", "storage", "mii_2048", "mii_4096"]

@@ -20,7 +20,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from hcache.bench._redis_server import redis_missing
+from hcache.storage.redis_server import redis_missing
 from hcache.fleet import Fleet, chat, free_port, haproxy_missing
 from hcache.model.loader import model_dir as resolve_model_dir
 

@@ -97,11 +97,44 @@ def test_a_pool_full_of_write_backs_stalls_the_saver_then_frees(tmp_path, monkey
     publish(tier, chunk(1))  # the pool is full of chunks being written back
     threading.Timer(0.3, gate.set).start()
     publish(tier, chunk(2))  # waits for a write-back, then evicts
-    assert tier.stalls == 1 and tier.stall_s > 0.2 and tier.unsaved == 0
+    assert tier.saver_stalls.count == 1 and tier.saver_stalls.seconds > 0.2 and tier.unsaved == 0
+    assert tier.loader_stalls.count == 0  # a saver's wait is not a load's
+    assert tier.stats()["saver_stalls"] == 1 and tier.stats()["loader_stalls"] == 0
     tier.flush()
     assert sorted(tier.keys()) == sorted(chunk(i).key for i in range(3))
     for i in range(3):
         check_served(tier.stores[0], chunk(i).key, chunk(i))
+    tier.close()
+
+
+def test_a_pool_full_of_write_backs_stalls_a_load_then_frees_and_counts_it_as_the_loaders(tmp_path, monkeypatch):
+    tier = _tier(tmp_path, 1, readers=0)
+    tier.stores[0].put(chunk(1).key, encode(chunk(1)))  # on disk only
+    gate, put = threading.Event(), tier.stores[0].put
+    monkeypatch.setattr(tier.stores[0], "put", lambda *a: (gate.wait(), put(*a)))
+    publish(tier, chunk(0))  # the pool is full of a chunk being written back
+    threading.Timer(0.3, gate.set).start()
+    image = tier.fetch(chunk(1).key).result(timeout=5)  # waits for the write-back, then evicts 0
+    check_image(image, chunk(1))
+    tier.release(image)
+    assert tier.loader_stalls.count == 1 and tier.loader_stalls.seconds > 0.2
+    assert tier.saver_stalls.count == 0 and tier.evictions == 1
+    stats = tier.stats()
+    assert stats["loader_stalls"] == 1 and stats["loader_stall_seconds"] > 0.2 and stats["saver_stalls"] == 0
+    tier.close()
+
+
+def test_take_source_names_the_store_once_then_the_pool(tmp_path):
+    """The first restore that reads a chunk loaded from disk is credited with the disk read; every later
+    one with the pool, where the chunk now is. A chunk saved here was in the pool from the start."""
+    tier = _tier(tmp_path, 4, readers=0)
+    tier.stores[0].put(chunk(0).key, encode(chunk(0)))
+    publish(tier, chunk(1))
+    loaded, saved = (tier.fetch(chunk(i).key).result() for i in (0, 1))
+    assert [tier.take_source(loaded), tier.take_source(loaded)] == ["disk", "host"]
+    assert tier.take_source(saved) == "host"
+    for image in (loaded, saved):
+        tier.release(image)
     tier.close()
 
 

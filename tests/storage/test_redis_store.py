@@ -181,7 +181,7 @@ def test_a_server_restarted_empty_gives_misses_not_errors(redis_server):
 
 
 def test_a_full_server_refuses_writes_and_the_pool_keeps_the_chunk(tmp_path):
-    from hcache.bench._redis_server import RedisServer, redis_missing
+    from hcache.storage.redis_server import RedisServer, redis_missing
 
     if why := redis_missing():
         pytest.skip(why)

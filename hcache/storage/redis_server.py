@@ -1,4 +1,5 @@
-"""Throwaway ``redis-server`` processes on free loopback ports, for the tests and ``bench storage``.
+"""Throwaway ``redis-server`` processes on free loopback ports: the shared tier ``hcache fleet`` starts when
+given no server, and the one the tests and benchmarks run against.
 
 Each server keeps nothing on disk (no RDB, no AOF) and is stopped by its process id.
 """

@@ -1,0 +1,112 @@
+"""The stores' recency order: least recently used first, evictions that never take a pinned entry, the
+quota and the TTL, and the host tier's pins given by a predicate."""
+from hcache.storage.lru_index import Entry, LruIndex
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _index(quota=None, ttl=None, **kw) -> tuple[LruIndex, Clock]:
+    clock = Clock()
+    return LruIndex(quota, ttl, clock, **kw), clock
+
+
+def _add(index: LruIndex, key: str, size: int, pins: int = 0) -> Entry:
+    entry = Entry(size, index.clock(), where=key, pins=pins)
+    index.add(key, entry)
+    return entry
+
+
+def test_entries_are_kept_least_recently_used_first_and_a_touch_renews_one():
+    index, clock = _index()
+    for key in "abc":
+        _add(index, key, 10)
+    clock.now += 5
+    assert index.touch("a").last_used == clock.now
+    assert list(index.entries) == ["b", "c", "a"] and len(index) == 3 and "a" in index
+    assert index.pop_least_recent()[0] == "b"
+    assert list(index.entries) == ["c", "a"]
+
+
+def test_used_bytes_follow_adds_replacements_and_removals():
+    index, _ = _index()
+    _add(index, "a", 10)
+    _add(index, "b", 20)
+    _add(index, "a", 15)  # a replacement: counted once, at its new size, now the most recent
+    assert index.used_bytes == 35 and list(index.entries) == ["b", "a"]
+    assert index.remove("b").size == 20 and index.remove("b") is None
+    assert index.used_bytes == 15
+
+
+def test_start_up_adds_entries_in_the_order_of_their_last_use():
+    index, _ = _index()
+    index.add_in_age_order([("new", Entry(1, 30.0, 0)), ("old", Entry(1, 10.0, 0)), ("mid", Entry(1, 20.0, 0))])
+    assert list(index.entries) == ["old", "mid", "new"]
+
+
+def test_make_room_evicts_the_least_recently_used_unpinned_entries_until_the_size_fits():
+    index, _ = _index(quota=100)
+    _add(index, "pinned", 30, pins=1)
+    _add(index, "a", 30)
+    _add(index, "b", 30)
+    assert index.fits(100) and not index.fits(101)
+    victims = index.make_room(40)  # 90 + 40 > 100: one 30-byte entry must go, and the pinned one may not
+    assert [key for key, _ in victims] == ["a"] and index.used_bytes == 60
+    assert list(index.entries) == ["pinned", "b"]
+    assert index.make_room(10) == []  # fits already: nothing evicted
+
+
+def test_make_room_removes_nothing_when_pinned_entries_leave_too_little():
+    index, _ = _index(quota=100)
+    _add(index, "a", 50, pins=1)
+    _add(index, "b", 30)
+    assert index.make_room(60) is None
+    assert list(index.entries) == ["a", "b"] and index.used_bytes == 80
+
+
+def test_make_room_counts_the_entry_being_replaced_as_freed_and_never_evicts_it():
+    index, _ = _index(quota=100)
+    _add(index, "a", 40)
+    _add(index, "b", 40)
+    assert index.make_room(55, replacing="b") == []  # 80 - 40 + 55 fits
+    assert [key for key, _ in index.make_room(70, replacing="b")] == ["a"]
+    assert list(index.entries) == ["b"]
+
+
+def test_entries_unused_for_longer_than_the_ttl_expire_unless_pinned():
+    index, clock = _index(ttl=60)
+    stale, held = _add(index, "stale", 10), _add(index, "held", 10, pins=1)
+    clock.now += 30
+    fresh = _add(index, "fresh", 10)
+    clock.now += 31  # stale and held are 61 s old, fresh 31 s
+    assert index.expired(stale) and not index.expired(held) and not index.expired(fresh)
+    assert [key for key, _ in index.make_room(0)] == ["stale"]  # expired ones go even under the quota
+    assert list(index.entries) == ["held", "fresh"]
+
+
+def test_a_pinned_predicate_replaces_the_pin_count():
+    """The host tier's entries are pinned while their pool slot is referenced, a count the pool keeps."""
+    referenced = {"a"}
+    index, _ = _index(pinned=lambda entry: entry.where in referenced)
+    for key in "abc":
+        _add(index, key, 10)
+    assert index.pop_least_recent()[0] == "b"
+    referenced.add("c")
+    assert index.pop_least_recent() is None and list(index.entries) == ["a", "c"]
+    referenced.clear()
+    assert [key for key, _ in index.remove_unpinned()] == ["a", "c"] and index.used_bytes == 0
+
+
+def test_remove_unpinned_leaves_the_pinned_entries_in_their_order():
+    index, _ = _index()
+    _add(index, "a", 10, pins=1)
+    _add(index, "b", 10)
+    _add(index, "c", 10, pins=2)
+    _add(index, "d", 10)
+    assert [key for key, _ in index.remove_unpinned()] == ["b", "d"]
+    assert list(index.entries) == ["a", "c"] and index.used_bytes == 20
