@@ -33,8 +33,9 @@ from tqdm import tqdm
 from ..engine.reference import ReferenceEngine
 from ..model.loader import DEFAULT_MODEL, load_model, model_dtype
 from ..ops.quant import dequantise, quantise
-from ..planning.plan import Method, RestorePlan, stored_encodings
-from ..serving.restore import restore_prefix, stored_tensors
+from ..planning.plan import Method, RestorePlan
+from ..serving.restore import restore_prefix
+from ..storage.stored_state import stored_encodings, stored_tensors
 from ..serving.runtime import HCacheRuntime
 from ..storage.chunk import ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
@@ -144,7 +145,7 @@ def _score(rt: HCacheRuntime, ids: list[int], plan: RestorePlan, start: int, end
     engine = rt.engine
     engine.flush_all()
     keys = chunk_keys(ids[:start], root_key(rt.fingerprint))
-    outcome = restore_prefix(engine, rt.store, 0, ids[:start], keys, rt.fingerprint, plan, rt.serving.copier)
+    outcome = restore_prefix(engine, rt.store, 0, ids[:start], keys, rt.fingerprint, plan, rt.stack.copier)
     if outcome.tokens != len(keys) * CHUNK_TOKENS or outcome.fallback:
         raise RuntimeError(f"plan {plan} restored {outcome.tokens} tokens ({outcome.fallback})")
     logits = teacher_forced_logits(engine, 0, ids[outcome.tokens : end], end - start)

@@ -112,7 +112,7 @@ def timed_restore(
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     start = time.perf_counter()
-    outcome = restore_prefix(engine, runtime.store, 0, prompt, keys, runtime.fingerprint, plan, runtime.serving.copier)
+    outcome = restore_prefix(engine, runtime.store, 0, prompt, keys, runtime.fingerprint, plan, runtime.stack.copier)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     elapsed = time.perf_counter() - start

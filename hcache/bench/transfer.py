@@ -26,7 +26,8 @@ from ..engine.ragged import Segment
 from ..model.loader import LoadedModel, model_dtype, random_model
 from ..model.spec import ModelSpec
 from ..planning.plan import RestorePlan
-from ..serving.restore import restore_prefix, row_shapes
+from ..serving.restore import restore_prefix
+from ..storage.stored_state import row_shapes
 from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
 from ..storage.store_config import StoreConfig
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> dict:
     ) as runtime:  # fmt: skip
         runtime.generate(prompt, 1, restore=False)  # the history's chunks, every format, now in the host pool
         runtime.store.flush()
-        engine, tier, copier = runtime.engine, runtime.store, runtime.serving.copier
+        engine, tier, copier = runtime.engine, runtime.store, runtime.stack.copier
         keys = chunk_keys(prompt[:history], root_key(runtime.fingerprint))
         src = torch.empty(kv_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(1)
         dst = torch.empty(kv_bytes, dtype=torch.uint8, device=device)

@@ -39,7 +39,7 @@ class RestoreOutcome:
     tokens: int  # tokens whose KV is now in the cache, after those the sequence held
     bytes_read: int  # bytes of the stored tensors the restore copied from (whole 64-row tensors)
     fallback: str | None  # why stored state stopped short of what the lookup found, if it did
-    sources: dict[str, int] = field(default_factory=dict)  # tokens by where their chunk was read from (HostTier.source)
+    sources: dict[str, int] = field(default_factory=dict)  # tokens by where their chunk was read from (HostTier.take_source)
     lossy: bool = False  # some of it was stored in an 8-bit encoding
 
 

@@ -33,12 +33,10 @@ from ..engine.ragged import Segment
 from ..storage.chunk import ChunkImage, ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain
 from ..storage.host_tier import HostTier
+from ..storage.stored_state import TensorSpec
 from . import copier
 
 log = logging.getLogger(__name__)
-
-TensorSpec = tuple[int, str, tuple[int, ...], torch.dtype]  # layer, format, row shape, dtype
-
 
 @dataclass
 class _Chunk:
@@ -105,7 +103,7 @@ class ChunkSaver:
     ):
         self.tier, self.fingerprint, self.stores, self.stage = tier, fingerprint, stores, stage
         self.chunks_published = 0
-        self._tensors = tensors
+        self._tensors = [TensorSpec(*t) for t in tensors]
         self._layouts: dict[frozenset[tuple[int, str]], ChunkLayout] = {}
         self._names = {(layer, fmt) for layer, fmt, *_ in tensors}
         self._seqs: dict[int, _Sequence] = {}
@@ -317,7 +315,7 @@ class ChunkSaver:
                     c.image = c.staged = None
 
     def _layout(self, index: int) -> ChunkLayout:
-        stored = [t for t in self._tensors if self.stores(index, t[1])]
+        stored = [t for t in self._tensors if self.stores(index, t.fmt)]
         names = frozenset((layer, fmt) for layer, fmt, *_ in stored)
         if names not in self._layouts:
             self._layouts[names] = ChunkLayout.plan(stored, self.fingerprint)

@@ -1,4 +1,4 @@
-"""The host pool (hcache/transfer/host_pool.py): one arena, page-aligned slots, refcounts, reuse."""
+"""The host pool (hcache/storage/host_pool.py): one arena, page-aligned slots, refcounts, reuse."""
 import os
 import re
 
