@@ -25,10 +25,9 @@ import torch
 
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model.spec import ModelSpec
-from ..ops import KVProjection, read_kv, rope_cos_sin, slot_mapping
+from ..ops import KVProjection, device_copy, read_kv, rope_cos_sin, slot_mapping
 from ..ops.paged_kv import block_runs, gather_kv
 from ..ops.quant import QuantRows
-from ..transfer import copier
 from .capture import LayerCapture
 from .ragged import Segment
 from .restore_state import RestoreState
@@ -144,7 +143,7 @@ class FastGenEngine:
         self._restoring: dict[int, RestoreState] = {}
         # Marks the uploads of the ragged batch's pinned host buffers that recompute queued last: those
         # buffers are rewritten by the next batch's finalize (see recompute_layers).
-        self._uploaded = torch.cuda.Event() if copier.uses_streams(self.device) else None
+        self._uploaded = torch.cuda.Event() if device_copy.uses_streams(self.device) else None
         self._upload_pending = False
 
     def _check_dims(self, cache: torch.Tensor) -> None:

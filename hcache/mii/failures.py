@@ -15,7 +15,7 @@ MII's methods (installed by :mod:`hcache.mii.patches`) change that:
   queue is drained when the call ends, so nothing of a failed call reaches that thread's next one.
 - The model server answers a failed call with a gRPC status (INVALID_ARGUMENT for a bad request, INTERNAL
   otherwise) and the error's message; the load balancer passes it on; the REST gateway and the OpenAI server
-  answer HTTP 400, 503 (the deployment is unreachable) or 500 with it (:func:`http_status`).
+  answer HTTP 400, 503 (the deployment is unreachable) or 500 with it (:func:`hcache.openai.errors.http_status`).
 
 With tensor parallelism above 1 every rank must make the same puts, which a retry on one rank would break:
 there a failure stops the loop, as in MII.
@@ -87,11 +87,6 @@ def client_error(exc: BaseException) -> Exception:
 
 def grpc_code(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, InvalidRequestError) else grpc.StatusCode.INTERNAL
-
-
-def http_status(code: grpc.StatusCode) -> int:
-    """The HTTP status a REST or OpenAI client gets for a call the deployment answered with ``code``."""
-    return {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503}.get(code, 500)
 
 
 # ---- the generation loop ----------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..planning.plan import Method
 from ..storage.chunk_key import CHUNK_TOKENS
+from ..storage.stored_state import Format
 from .spec import ModelSpec
 
 # Per family: the MLP's column-parallel and row-parallel linears, inside a layer.
@@ -77,7 +77,7 @@ class TPGroup:
     def stores(self, chunk: int, fmt: str) -> bool:
         """Whether this rank stores ``fmt`` rows of chunk ``chunk``: its own KV heads of every chunk, and
         the hidden states of every ``world_size``-th chunk."""
-        return fmt != Method.H.value or chunk % self.world_size == self.rank
+        return fmt != Format.H.value or chunk % self.world_size == self.rank
 
     def hidden_chunks(self, n: int, first: int = 0) -> range:
         """Which of ``n`` chunks, from the sequence's chunk ``first`` on, this rank stores (and reads) the

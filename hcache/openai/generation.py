@@ -13,7 +13,7 @@ from mii.grpc_related.proto.modelresponse_pb2 import MultiStringRequest
 from mii.grpc_related.proto.modelresponse_pb2_grpc import ModelResponseStub
 from mii.utils import kwarg_dict_to_proto
 
-from ..mii.failures import http_status
+from .errors import http_status
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..transfer.copier import gather
+from .device_copy import gather
 from .dequant_scatter_kernel import launch
 from .paged_kv import row_spans, write_kv_rows
 from .quant import QuantRows, codes_as_float, dequantise

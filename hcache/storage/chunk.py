@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from .chunk_key import CHUNK_TOKENS, LAYOUT_VERSION
-from .stored_state import TensorSpec
+from .stored_state import TensorSpec, Tier
 
 _ALIGN = 64
 # safetensors' names. The 8-bit ones hold compressed state's codes; what they encode (their scales are
@@ -146,7 +146,7 @@ class ChunkImage:
             raise ValueError(f"a chunk image of {layout.nbytes} bytes does not fit in {len(data)}")
         self.data, self.layout, self.fingerprint = data, layout, fingerprint
         self.key, self.tokens, self.slot = key, tokens, slot
-        self.source = "host"  # where it came into host memory from: saved here, or a store's kind
+        self.source = Tier.HOST.value  # where it came into host memory from: saved here, or a store's kind
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # ``data`` read as each dtype, the base of its views
 

@@ -48,6 +48,7 @@ from . import direct_io as dio
 from .chunk import ChunkImage, ChunkInvalid, ChunkOtherVersion, header_names
 from .lru_index import Entry, LruIndex
 from .store_dir import DIR_MODE, directories, open_dir
+from .stored_state import Tier
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class DiskChunkStore:
             raise StorageError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
         self.fsync, self.shared = fsync, shared
         self.name = ("shared " if shared else "") + ",".join(str(p) for p in self.dirs)
-        self.kind = "shared_disk" if shared else "disk"
+        self.kind = (Tier.SHARED_DISK if shared else Tier.DISK).value
         self.bytes_written = 0
         self.write_errors = 0
         self.evictions = 0

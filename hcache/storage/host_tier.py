@@ -35,6 +35,7 @@ from .chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from .chunk_store import ChunkStore
 from .host_pool import HostPool, Slot
 from .lru_index import Entry, LruIndex
+from .stored_state import Tier
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class HostTier:
         store it was read from, for this restore or by a prefetch ahead of it. Each restore that reads the
         chunk calls this once: the first is credited with the store's read, the later ones with the pool."""
         with self._cond:
-            found, image.source = image.source, "host"
+            found, image.source = image.source, Tier.HOST.value
         return found
 
     def _share(self, key: str, first: Future) -> ChunkImage | None:

@@ -33,6 +33,7 @@ from redis.retry import Retry
 
 from ..errors import StorageError
 from .chunk import ChunkInvalid, header_names
+from .stored_state import Tier
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class RedisChunkStore:
     error). ``ttl_s``: values expire after this long unused (each read renews it); None keeps them until
     the server evicts them (run it with ``maxmemory-policy allkeys-lru``)."""
 
-    kind = "redis"
+    kind = Tier.REDIS.value
 
     def __init__(
         self,

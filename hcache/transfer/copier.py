@@ -12,28 +12,16 @@ from contextlib import contextmanager
 
 import torch
 
+from ..ops import device_copy
+
 DEFAULT_DEPTH = 4
-
-
-def uses_streams(device: torch.device) -> bool:
-    """Whether copies to and from ``device`` run on side streams ordered by events: a GPU's. The one test
-    of it in hcache's copy paths, so the CPU suite can drive those paths with counting fake streams."""
-    return device.type == "cuda"
-
-
-def gather(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The parts' rows, in order, as one new tensor on ``device``: one batched call, one copy per part."""
-    lengths = [p.shape[0] for p in parts]
-    out = torch.empty((sum(lengths), *parts[0].shape[1:]), dtype=parts[0].dtype, device=device)
-    torch._foreach_copy_(list(out.split(lengths)), parts, non_blocking=True)
-    return out
 
 
 class Copier:
     def __init__(self, device: torch.device | str, depth: int = DEFAULT_DEPTH):
         self.device = torch.device(device)
         self.depth = max(1, depth)
-        self.cuda = uses_streams(self.device)
+        self.cuda = device_copy.uses_streams(self.device)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._events = [torch.cuda.Event() for _ in range(self.depth + 1)] if self.cuda else []
         self._next = 0
@@ -57,7 +45,7 @@ class Copier:
     def gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The parts' rows, in order, as one tensor on the device: one batched call, one copy per part (a
         DMA from pinned memory on a GPU). Call inside :meth:`side_stream`."""
-        return gather(parts, self.device)
+        return device_copy.gather(parts, self.device)
 
     def done(self) -> torch.cuda.Event | None:
         """An event marking every copy issued so far (None on a CPU)."""

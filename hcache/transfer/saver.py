@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.ragged import Segment
+from ..ops import device_copy
 from ..storage.chunk import ChunkImage, ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain
 from ..storage.host_tier import HostTier
 from ..storage.stored_state import TensorSpec
-from . import copier
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class ChunkSaver:
             self._land(batch)
             return
         device = full[0].staged.data.device
-        if not copier.uses_streams(device):
+        if not device_copy.uses_streams(device):
             self._unstage(full)
             self._land(batch)
             return
@@ -262,7 +262,7 @@ class ChunkSaver:
     # ---- the copies and stage 2 -----------------------------------------------------------------------
     def _copy(self, batch: _Batch, layer: int, fmt: str, src: torch.Tensor) -> None:
         """The layer's rows into each piece's chunk: its staged image on the rows' device, or its slot."""
-        stage = copier.uses_streams(src.device) if self.stage is None else self.stage
+        stage = device_copy.uses_streams(src.device) if self.stage is None else self.stage
         dst, rows = [], []
         for p in batch.pieces:
             chunk = p.chunk

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hcache.serving.engine as serving_module
 import hcache.storage.chunk_key as chunk_key
 import hcache.transfer.copier as copier_module
+from hcache.ops import device_copy
 from hcache.engine import ReferenceEngine
 from hcache.model.fingerprint import model_fingerprint
 from hcache.model.loader import random_model
@@ -235,7 +236,7 @@ def test_a_saving_forward_never_syncs_and_copies_each_chunk_to_the_host_once(mod
 
 class FakeCuda:
     """Streams and events that count their construction and do nothing else (copies run inline), installed
-    with hcache's copy paths taking their GPU branches on the CPU (:func:`~hcache.transfer.copier.uses_streams`)."""
+    with hcache's copy paths taking their GPU branches on the CPU (:func:`~hcache.ops.device_copy.uses_streams`)."""
 
     def __init__(self, monkeypatch):
         self.made = collections.Counter()
@@ -261,7 +262,7 @@ class FakeCuda:
             def synchronize(self): ...
 
         compute = object.__new__(Stream)  # the current stream: not made by hcache
-        monkeypatch.setattr(copier_module, "uses_streams", lambda device: True)
+        monkeypatch.setattr(device_copy, "uses_streams", lambda device: True)
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
         monkeypatch.setattr(torch.cuda, "Event", Event)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
