@@ -34,6 +34,7 @@ from hcache.planning.plan import default_plan
 from hcache.planning.profile import Profile, ProfileMismatch, default_profile_path
 from hcache.storage.chunk_key import LAYOUT_VERSION
 from support import FAULT_DIR, REPO, SUPPORT
+from support.storage_chunks import chunk_bytes
 
 NOTE = (
     "Paris is the capital and largest city of France, on the Seine. Berlin is the capital and largest city of "
@@ -484,6 +485,33 @@ def test_serve_command_checks_its_config_before_starting_anything(model_dir, arg
     assert main(["serve", "--model", model_dir, "--engine", "reference", "--rest-port", str(_free_port()), "--port", str(_free_port()), *args]) == 2
     assert message in capsys.readouterr().err
     assert started == []
+
+
+@pytest.mark.parametrize(
+    "args", [["--plan", "3H+"], ["--stored-dtype", "int4"], ["--profile", "nowhere.json"], ["--tier", "nosuch://host"]]
+)
+def test_a_serve_refused_for_bad_arguments_leaves_the_store_untouched(model_dir, tmp_path, args, capsys, monkeypatch):
+    """Issue 34: a command refused for a bad argument opens nothing: the store's files (chunks, manifest,
+    lock) are byte for byte and time for time as they were."""
+    from hcache.cli import main
+    from hcache.storage.disk_store import DiskChunkStore
+
+    store = DiskChunkStore(tmp_path / "store")
+    for i in range(3):
+        store.put(*chunk_bytes(i))
+    store.close()
+
+    def files() -> dict:
+        return {str(p.relative_to(tmp_path)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    before = files()
+    assert sum(name.endswith(".safetensors") for name in before) == 3
+    started = []
+    monkeypatch.setattr("subprocess.Popen.__init__", lambda self, *a, **k: started.append(a))
+    ports = ["--rest-port", str(_free_port()), "--port", str(_free_port())]
+    assert main(["serve", "--model", model_dir, "--engine", "reference", *ports, "--store-dir", str(tmp_path / "store"), *args]) == 2
+    assert capsys.readouterr().err
+    assert files() == before and started == []
 
 
 def test_serve_command_refuses_a_store_it_could_not_open_before_starting_anything(model_dir, tmp_path, capsys, monkeypatch):
