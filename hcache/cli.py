@@ -13,6 +13,7 @@ from .defaults import DEFAULT_MODEL, DEFAULT_READERS
 from .errors import HCacheError
 from .fleet import command as fleet_command
 from .mii import serve_command
+from .storage import command as store_command
 from .version import __version__
 
 VERBOSE_HELP = "log restore decisions and fallbacks (and the libraries' own info messages)"
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parsers(sub)
     serve_command.add_parser(sub)
     fleet_command.add_parser(sub)
+    store_command.add_parser(sub)
     check.add_parser(sub)
     _verbose_after_subcommands(parser)
     return parser
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             return serve_command.run(args)
         if args.command == "fleet":
             return fleet_command.run(args)
+        if args.command == "store":
+            return store_command.run(args)
         if args.command == "check":
             return check.run(args, command)
         if args.command == "prepare" and args.fastgen:

@@ -19,7 +19,7 @@ def _imported(argv: list[str]) -> set[str]:
     return {m.group(1).split(".")[0] for m in re.finditer(r"^import time:.*\|\s*([\w.]+)$", result.stderr, flags=re.M)}
 
 
-@pytest.mark.parametrize("sub", ["", "demo", "bench", "serve", "fleet", "check", "profile"])
+@pytest.mark.parametrize("sub", ["", "demo", "bench", "serve", "fleet", "store", "check", "profile"])
 def test_help_imports_none_of_the_heavy_libraries(sub):
     imported = _imported([sub, "--help"] if sub else ["--help"])
     assert "hcache" in imported and "argparse" in imported  # the import log is read
