@@ -113,8 +113,9 @@ class ServingEngine:
         root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
         resolved = self.config.request_plan(plan)
         chain = KeyChain(root)
+        stack = self.stack
         self._seqs[uid] = _Sequence(
-            resolved, restore and self.stack.store is not None, restore and self.stack.gpu_cache is not None, chain, self._announced.pop(uid, 0)
+            resolved, restore and stack.store is not None, restore and stack.gpu_cache is not None, chain, self._announced.pop(uid, 0)
         )
         if self.stack.capture is not None:
             self.stack.saver.open(uid, chain)
