@@ -41,8 +41,8 @@ from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
 from ..storage.stored_state import Tier
 from .gpu_prefix_cache import Adoption
 from .metrics import ServingMetrics
-from .records import PutRestore, SequenceRecord
-from .restore import restore_prefix
+from .records import MissReason, PutRestore, SequenceRecord
+from .restore import lookup_miss, restore_prefix
 from .store_stack import StoreStack
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,9 @@ def _log_restore(uid: int, tokens: int, step: PutRestore) -> None:
     restored = step.gpu_tokens + step.tokens
     where = ", ".join(f"{name} {n}" for name, n in {Tier.GPU_CACHE.value: step.gpu_tokens, **step.sources}.items() if n)
     fallback = f"; fell back to recompute: {step.fallback}" if step.fallback else ""
-    log.info("sequence %d: restored %d of %d tokens (%s; plan %s), computing %d%s", uid, restored, tokens, where,
-             step.plan or "none", tokens - restored, fallback)
+    missed = "".join(f"; {n} stored-prefix tokens missed: {reason}" for reason, n in step.misses.items())
+    log.info("sequence %d: restored %d of %d tokens (%s; plan %s), computing %d%s%s", uid, restored, tokens, where,
+             step.plan or "none", tokens - restored, fallback, missed)
 
 
 def _restores(allowed: bool, tokens: list[int]) -> bool:
@@ -160,10 +161,10 @@ class ServingEngine:
                 step, held = PutRestore(), len(self._seqs[uid].chain.tail)
                 n = self._adopt(uid, tokens, adoption, step) if adoption is not None else 0
                 n += self._restore(uid, tokens[n:], step, keys[uid][(held + n) // CHUNK_TOKENS :])
-                if n or step.plan:  # adopted, or the store was tried
+                if n or step.plan or step.misses:  # adopted, or the store was tried
                     self._seqs[uid].record.add(step)
                     self.metrics.add(step)
-                if n and log.isEnabledFor(logging.INFO):
+                if (n or step.misses) and log.isEnabledFor(logging.INFO):
                     _log_restore(uid, len(tokens), step)
                 requests.append((uid, tokens[n:]))
         finally:
@@ -238,7 +239,8 @@ class ServingEngine:
         start = time.perf_counter()
         if seq.plan is None:  # auto, at the first restore (a fixed plan spares the lookups)
             history = self._history(uid, seq, keys)
-            if not history:
+            if not history:  # nothing stored of it: every full chunk is a miss
+                step.misses = {lookup_miss(self.stack.store, keys[0]).value: min(len(keys) * CHUNK_TOKENS, len(aligned) - 1) - len(held)}
                 return 0
             seq.plan = self.config.plan_for(None, history)
         plan = seq.plan
@@ -249,6 +251,9 @@ class ServingEngine:
         )  # fmt: skip
         step.plan, step.tokens, step.hidden_s, step.sources = str(plan), outcome.tokens, hidden, outcome.sources
         step.bytes_read, step.fallback, step.lossy = outcome.bytes_read, outcome.fallback, step.lossy or outcome.lossy
+        step.misses = dict(outcome.misses)
+        if plan.count(Method.RE) == len(plan.layers) and outcome.tokens:  # recomputed, not restored
+            step.misses[MissReason.PLAN_RECOMPUTE.value] = outcome.tokens
         step.layer_tokens = {m.value: plan.count(m) * outcome.tokens for m in Method if plan.count(m)}
         step.restore_s += time.perf_counter() - start
         seq.chain.extend(tokens[: outcome.tokens])

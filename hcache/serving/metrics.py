@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..storage.stored_state import Tier
+from .records import MissReason
 
 
 class ServingMetrics:
@@ -25,6 +26,7 @@ class ServingMetrics:
         self.restored_tokens: Tally = Tally()  # by source: gpu_cache, host (the pool), then each store's kind
         self.restored_layer_tokens: Tally = Tally()  # from the store: tokens x layers, by method (RE, H, KV)
         self.bytes_read: Tally = Tally()  # by tier: gpu (the prefix cache's copies), host (host pool to device)
+        self.miss_tokens: Tally = Tally()  # full-chunk tokens computed instead of restored, by MissReason
         self.fallbacks = 0  # restores that used stored state only in part
         self.prefetch_hidden_s = 0.0
         self.sequences = 0  # finished
@@ -42,6 +44,7 @@ class ServingMetrics:
             self.restored_layer_tokens.update(step.layer_tokens)
             self.fallbacks += step.fallback is not None
         self.prefetch_hidden_s += step.hidden_s
+        self.miss_tokens.update(step.misses)
 
     def collect(self):
         cache = self.gpu_cache
@@ -57,6 +60,8 @@ class ServingMetrics:
              {**self.bytes_read, "store": tier.get("bytes_loaded", 0)}, "tier"),
             ("hcache_store_write_errors", "Chunk writes a store below the host pool refused (the chunk stays in memory)",
              tier.get("write_errors", 0), None),
+            ("hcache_miss_tokens", "Tokens of stored-size chunks computed instead of restored, by why the stored prefix ended",
+             {**{r.value: 0 for r in MissReason}, **self.miss_tokens}, "reason"),
             ("hcache_fallbacks", "Restores that used stored state only in part", self.fallbacks, None),
             ("hcache_sequences", "Sequences finished", self.sequences, None),
             ("hcache_prefetch_hidden_seconds", "Seconds of disk reads that look-ahead prefetch ran before their restore",

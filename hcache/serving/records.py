@@ -5,6 +5,22 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class MissReason(str, Enum):
+    """Why stored tokens a put could have restored were computed instead, one reason per put: where its
+    stored prefix ended. ``other_rank``: with tensor parallelism, another rank's prefix ended first (its
+    own log says why)."""
+
+    NEVER_STORED = "never_stored"  # no tier holds it, and none of this process's evicted it: a first turn, or a prefix no one saved
+    EVICTED = "evicted"  # a store of this process evicted it (quota, TTL or LRU), or it went between look-up and read
+    FAILED_VERIFICATION = "failed_verification"  # checksum, length, key, tokens or fingerprint: discarded
+    OTHER_VERSION = "other_version"  # another layout version's chunk (another hcache's): left alone
+    OTHER_SETTINGS = "other_settings"  # saved without a format the plan restores from
+    TIER_UNAVAILABLE = "tier_unavailable"  # a tier could not be read (an I/O error, Redis down)
+    OTHER_RANK = "other_rank"
+    PLAN_RECOMPUTE = "plan_recompute"  # the plan recomputes every layer: stored state was not used
 
 
 @dataclass
@@ -35,6 +51,7 @@ class PutRestore:
     restore_s: float = 0.0
     fallback: str | None = None  # why stored state was used only in part, if it was
     lossy: bool = False  # some of it was stored in 8 bits, or adopted from a sequence that restored such
+    misses: dict[str, int] = field(default_factory=dict)  # stored-prefix tokens computed instead, by MissReason
 
 
 @dataclass
@@ -53,6 +70,7 @@ class SequenceRecord:
     fallback: str | None = None  # why stored state was used only in part, if it was
     lossy: bool = False  # restored state stored in 8 bits, or adopted from a sequence that restored such: not bit-identical to recompute
     restores: list[RestoreStep] = field(default_factory=list)  # one per put that restored tokens
+    miss_tokens: dict[str, int] = field(default_factory=dict)  # full-chunk tokens computed instead of restored, by MissReason
 
     def add(self, step: PutRestore) -> None:
         self.restored_tokens += step.gpu_tokens + step.tokens
@@ -64,5 +82,6 @@ class SequenceRecord:
         self.plan = step.plan or self.plan
         self.fallback = step.fallback or self.fallback
         self.lossy = self.lossy or step.lossy
+        self.miss_tokens = dict(Counter(self.miss_tokens) + Counter(step.misses))
         if step.gpu_tokens or step.tokens:
             self.restores.append(RestoreStep(step.plan, step.tokens, step.gpu_tokens, step.hidden_s))

@@ -30,6 +30,7 @@ from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import HostTier
 from ..storage.stored_state import decode, is_encoded, row_shapes, scale_format, scale_shape, stored_rows
 from ..transfer.copier import Copier
+from .records import MissReason
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,15 @@ class RestoreOutcome:
     fallback: str | None  # why stored state stopped short of what the lookup found, if it did
     sources: dict[str, int] = field(default_factory=dict)  # tokens by where their chunk was read from (HostTier.take_source)
     lossy: bool = False  # some of it was stored in an 8-bit encoding
+    misses: dict[str, int] = field(default_factory=dict)  # full-chunk tokens wanted but not restored, by MissReason
+
+
+def lookup_miss(tier: HostTier, key: str) -> MissReason:
+    """Why a look-up found no chunk of ``key``: a store that could hold it is failing, a store of this
+    process evicted it, or no one stored it."""
+    if not all(store.available for store in tier.stores):
+        return MissReason.TIER_UNAVAILABLE
+    return MissReason.EVICTED if any(store.evicted(key) for store in tier.stores) else MissReason.NEVER_STORED
 
 
 def _accounting(images: list[ChunkImage], jobs: list[tuple[int, str]], hidden: list[int], restored: int) -> tuple[int, bool]:
@@ -109,22 +119,25 @@ def restore_prefix(
         copier.follow()  # the copies wait for the blocks' allocation, not for the RE layers queued next
         if agreed and plan.count(Method.RE):
             engine.recompute_layers(uid, tokens[held : end(agreed)], plan.count(Method.RE))
-        fallback = _elsewhere(agreed) if agreed < present else None
-        verified = _verify(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec)
-        fallback = verified or fallback
+        fallback, miss = (_elsewhere(agreed), MissReason.OTHER_RANK) if agreed < present else (None, None)
+        verified, why = _verify(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec)
+        fallback, miss = verified or fallback, why or miss
         n = len(images)
         jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if agreed else []
         if n or tp.world_size > 1:  # with TP, the other ranks still gather this rank's rows of the H layers
             _restore_layers(engine, copier, tp, uid, images, jobs, held, end(n), agreed, first)
         restored = tp.min(n)
         if restored < n:
-            fallback = fallback or _elsewhere(restored)
+            fallback, miss = fallback or _elsewhere(restored), miss or MissReason.OTHER_RANK
+        missed = end(len(keys)) - end(restored)
+        if missed and miss is None:
+            miss = lookup_miss(tier, keys[present])
         engine.end_restore(uid, tokens[held : end(restored)])
         used, lossy = _accounting(images, jobs, [j for j in _reading(tp, Method.H.value, n, agreed, first) if j < n], restored)
         sources = Counter()
         for j in range(restored):
             sources[tier.take_source(images[j])] += min(end(restored), (j + 1) * CHUNK_TOKENS) - max(held, j * CHUNK_TOKENS)
-        return RestoreOutcome(end(restored) - held, used, fallback, dict(sources), lossy)
+        return RestoreOutcome(end(restored) - held, used, fallback, dict(sources), lossy, {miss.value: missed} if missed else {})
     finally:
         copier.drain()  # no copy may still read a slot given back below
         for f in fetches:
@@ -196,9 +209,10 @@ def _gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[
 def _verify(
     tier: HostTier, keys: list[str], fetches: list[Future], images: list[ChunkImage], tokens: list[int],
     fingerprint: str, plan: RestorePlan, tp: TPGroup, first: int, spec: ModelSpec,
-) -> str | None:
+) -> tuple[str | None, MissReason | None]:
     """Append to ``images`` the fetched chunks, in order, up to the first that is missing, bad, or short of
-    a format the plan restores from; why the prefix ends there, if it ends early for a reason."""
+    a format the plan restores from; why the prefix ends there (a message if it ends early for a reason
+    worth one, and the :class:`MissReason`)."""
     stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
     shapes, dtype = row_shapes(spec), getattr(torch, spec.dtype)
     # The tensors a chunk must hold, by which TP rank owns its H; chunks share a few layouts, each checked once.
@@ -209,7 +223,7 @@ def _verify(
             image = f.result()
             if image is None:  # gone since the lookup (evicted or deleted): the prefix ends here
                 log.info("chunk %s is gone since the lookup; recomputing from token %d", key, j * CHUNK_TOKENS)
-                return None
+                return None, MissReason.EVICTED
             image.check(tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
             r = (first + j) % tp.world_size
             if (image.layout.signature, r) not in checked:
@@ -222,9 +236,9 @@ def _verify(
         if missing:
             reason = f"chunk {key} was saved without {missing} state that plan {plan} needs"
             log.info("%s; recomputing from token %d", reason, j * CHUNK_TOKENS)
-            return reason
+            return reason, MissReason.OTHER_SETTINGS
         images.append(image)
-    return None
+    return None, None
 
 
 def _layout_problems(
@@ -250,20 +264,20 @@ def _elsewhere(n: int) -> str:
     return reason
 
 
-def _reject(tier: HostTier, key: str, index: int, exc: ChunkInvalid | OSError) -> str:
+def _reject(tier: HostTier, key: str, index: int, exc: ChunkInvalid | OSError) -> tuple[str, MissReason]:
     """Log and say why the prefix ends here. A chunk proven bad is dropped, so the prefill that follows can
     save a good one; one that could not be read (an I/O error, perhaps passing), or of another layout
     version (another hcache's), is kept."""
     if isinstance(exc, OSError):
         reason = f"chunk {key}: cannot read ({exc})"
         log.warning("%s; recomputing from token %d", reason, index * CHUNK_TOKENS)
-        return reason
+        return reason, MissReason.TIER_UNAVAILABLE
     if not exc.discard:
         log.warning("%s; leaving it and recomputing from token %d", exc, index * CHUNK_TOKENS)
-        return str(exc)
+        return str(exc), MissReason.OTHER_VERSION
     log.warning("%s; discarding it and recomputing from token %d", exc, index * CHUNK_TOKENS)
     try:
         tier.discard(key)
     except OSError as err:  # it stays unusable either way: it fails verification on every read
         log.warning("could not discard chunk %s: %s", key, err)
-    return str(exc)
+    return str(exc), MissReason.FAILED_VERIFICATION

@@ -47,6 +47,7 @@ class RequestResult:
     prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of restored_tokens, by the tier they were read from
     lossy: bool = False  # some restored state was stored in 8 bits (``stored_dtype``), or adopted from a sequence that restored such
+    miss_tokens: dict[str, int] = field(default_factory=dict)  # stored-size tokens computed instead, by why (``MissReason``)
 
 
 class HCacheRuntime:
@@ -177,7 +178,7 @@ class HCacheRuntime:
         return [
             RequestResult(
                 out, len(prompt), r.restored_tokens, r.plan, ttft, r.bytes_read, r.fallback, r.restore_s, gaps,
-                r.restores, r.gpu_tokens, r.prefetch_hidden_s, r.tier_tokens, r.lossy,
+                r.restores, r.gpu_tokens, r.prefetch_hidden_s, r.tier_tokens, r.lossy, r.miss_tokens,
             )
             for out, prompt, r, gaps in zip(outputs, prompts, records, tbt)
         ]

@@ -37,6 +37,14 @@ class ChunkStore(Protocol):
 
     def discard(self, key: str) -> None: ...
 
+    def evicted(self, key: str) -> bool:
+        """Whether this store evicted the chunk lately (quota, TTL or LRU), as far as it knows: why a
+        look-up misses it. A store that others evict from (Redis, a shared directory) may not know."""
+
+    @property
+    def available(self) -> bool:
+        """False while the store is failing (its look-ups answer "absent"): why a look-up may miss."""
+
     def keys(self) -> list[str]: ...
 
     def stats(self) -> dict: ...

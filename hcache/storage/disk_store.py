@@ -38,6 +38,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -51,6 +52,8 @@ from .store_dir import DIR_MODE, directories, open_dir
 from .stored_state import Tier
 
 log = logging.getLogger(__name__)
+
+EVICTED_KEPT = 1 << 14  # evicted keys remembered, to tell an evicted chunk's miss from a never stored one's
 
 VERIFY_MODES = ("none", "header", "full")
 _KEY = re.compile(r"[0-9a-f]{32}")
@@ -124,6 +127,7 @@ class DiskChunkStore:
         self.bytes_written = 0
         self.write_errors = 0
         self.evictions = 0
+        self._evicted: OrderedDict[str, None] = OrderedDict()  # the latest evicted keys, for miss reasons
         self.dropped_at_start = 0  # chunk files found bad at start-up
         self.other_version_at_start = 0  # chunk files of another layout version, left alone
         self._lock = threading.Lock()
@@ -405,6 +409,17 @@ class DiskChunkStore:
         for key, entry in victims:
             self.evictions += 1
             self.path(key, entry.where).unlink(missing_ok=True)
+            self._evicted[key] = None
+            if len(self._evicted) > EVICTED_KEPT:
+                self._evicted.popitem(last=False)
+
+    available = True  # a directory that fails raises on the read itself
+
+    def evicted(self, key: str) -> bool:
+        """Whether this process evicted the chunk (one of its latest ``EVICTED_KEPT`` evictions); another
+        node's eviction from a shared directory is not known here."""
+        with self._lock:
+            return key in self._evicted
 
     def _unpin(self, entry: Entry) -> None:
         with self._lock:

@@ -211,6 +211,16 @@ class RedisChunkStore:
     def discard(self, key: str) -> None:
         self._guard("delete", lambda client: client.delete(self._prefix + key), None)
 
+    def evicted(self, key: str) -> bool:
+        """Not known: Redis evicts by its own policy (``maxmemory``) and TTL, unseen by any node."""
+        return False
+
+    @property
+    def available(self) -> bool:
+        """False while backing off after a failure."""
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
     def keys(self) -> list[str]:
         def call(client):
             cut = len(self._prefix)

@@ -1,0 +1,126 @@
+"""Miss reasons (issue 34, part 1): each way a stored prefix can end early, forced on a real store, and what
+is reported for it: the request's ``miss_tokens``, its request-log line, and the Prometheus counter."""
+import json
+
+import pytest
+import torch
+from support.helpers import corrupt_tensor, loaded, random_prompt
+
+from hcache.serving.records import MissReason
+from hcache.serving.runtime import HCacheRuntime
+from hcache.storage.chunk_key import CHUNK_TOKENS, LAYOUT_VERSION, chunk_keys, root_key
+
+CHUNKS = 3
+PROMPT = CHUNKS * CHUNK_TOKENS + 10  # three full chunks and a tail that is never stored
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return loaded("random:llama")
+
+
+@pytest.fixture
+def prompt(llama):
+    return random_prompt(PROMPT, llama.spec.vocab_size, torch.Generator().manual_seed(7))
+
+
+def _turn(runtime: HCacheRuntime, prompt: list[int], **kw):
+    return runtime.generate(prompt, 2, stop_token_ids=set(), **kw)
+
+
+def _reported(runtime: HCacheRuntime, log, result, expected: dict[str, int]) -> None:
+    """The request, its log line and the counters all say ``expected``."""
+    assert result.miss_tokens == expected
+    assert json.loads(log.read_text().splitlines()[-1])["miss_tokens"] == expected
+    counters = runtime.metrics.snapshot()
+    for reason in MissReason:
+        assert counters[f'hcache_miss_tokens_total{{reason="{reason.value}"}}'] >= expected.get(reason.value, 0)
+
+
+def _cold(runtime: HCacheRuntime) -> None:
+    """Nothing of the store left in memory: the next restore reads the chunk files."""
+    runtime.store.flush()
+    runtime.store.drop_resident()
+
+
+def _chunk_file(store_dir, key: str):
+    [path] = store_dir.glob(f"chunks/*/{key}.safetensors")
+    return path
+
+
+def test_a_first_turn_misses_every_full_chunk_as_never_stored(llama, prompt, tmp_path, caplog):
+    log = tmp_path / "requests.jsonl"
+    with HCacheRuntime(llama, tmp_path / "store", plan="KV", request_log=str(log)) as runtime:
+        with caplog.at_level("INFO", logger="hcache.serving.engine"):  # what -v shows
+            first = _turn(runtime, prompt)
+        _reported(runtime, log, first, {"never_stored": CHUNKS * CHUNK_TOKENS})
+        assert any(f"{CHUNKS * CHUNK_TOKENS} stored-prefix tokens missed: never_stored" in r.getMessage() for r in caplog.records)
+        assert runtime.metrics.snapshot()['hcache_miss_tokens_total{reason="never_stored"}'] == CHUNKS * CHUNK_TOKENS
+        again = _turn(runtime, prompt)
+    assert again.restored_tokens == CHUNKS * CHUNK_TOKENS and again.miss_tokens == {}
+
+
+def test_a_chunk_the_quota_evicted_is_reported_evicted(llama, prompt, tmp_path):
+    with HCacheRuntime(llama, tmp_path / "sizing", plan="KV") as runtime:
+        _turn(runtime, prompt)
+    size = max(p.stat().st_size for p in (tmp_path / "sizing").glob("chunks/*/*.safetensors"))
+    log = tmp_path / "requests.jsonl"
+    quota = {"quota_bytes": 2 * size + size // 2}  # two of the three chunks: saving the third evicts the first
+    with HCacheRuntime(llama, tmp_path / "store", plan="KV", request_log=str(log), store=quota) as runtime:
+        _turn(runtime, prompt)
+        _cold(runtime)
+        second = _turn(runtime, prompt)
+        assert second.restored_tokens < CHUNKS * CHUNK_TOKENS  # write-backs race: which chunk went may vary
+        _reported(runtime, log, second, {"evicted": CHUNKS * CHUNK_TOKENS - second.restored_tokens})
+
+
+def test_a_corrupt_chunk_is_reported_failed_verification(llama, prompt, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    with HCacheRuntime(llama, tmp_path / "store", plan="KV", request_log=str(log)) as runtime:
+        _turn(runtime, prompt)
+        _cold(runtime)
+        corrupt_tensor(runtime.store, chunk_keys(prompt, root_key(runtime.fingerprint))[1], 0, "KV")
+        second = _turn(runtime, prompt)
+        _reported(runtime, log, second, {"failed_verification": (CHUNKS - 1) * CHUNK_TOKENS})
+    assert second.restored_tokens == CHUNK_TOKENS
+
+
+def test_a_chunk_of_another_layout_version_is_reported_other_version(llama, prompt, tmp_path):
+    log, store = tmp_path / "requests.jsonl", tmp_path / "store"
+    with HCacheRuntime(llama, store, plan="KV", request_log=str(log)) as runtime:
+        _turn(runtime, prompt)
+        _cold(runtime)
+        path = _chunk_file(store, chunk_keys(prompt, root_key(runtime.fingerprint))[1])
+        old, new = f'"layout_version":"{LAYOUT_VERSION}"'.encode(), f'"layout_version":"{LAYOUT_VERSION + 1}"'.encode()
+        image = path.read_bytes()
+        assert image.count(old) == 1
+        path.write_bytes(image.replace(old, new))  # a newer hcache's chunk, met on the read path
+        second = _turn(runtime, prompt)
+        _reported(runtime, log, second, {"other_version": (CHUNKS - 1) * CHUNK_TOKENS})
+
+
+def test_a_chunk_saved_without_the_plans_format_is_reported_other_settings(llama, prompt, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    with HCacheRuntime(llama, tmp_path / "store", plan="KV", request_log=str(log)) as runtime:  # saves KV only
+        _turn(runtime, prompt)
+        second = _turn(runtime, prompt, plan="H")
+        _reported(runtime, log, second, {"other_settings": CHUNKS * CHUNK_TOKENS})
+
+
+def test_a_shared_tier_that_is_down_is_reported_tier_unavailable(llama, prompt, tmp_path, redis_server):
+    log, tiers = tmp_path / "requests.jsonl", {"tiers": [redis_server.url]}
+    with HCacheRuntime(llama, None, plan="KV", request_log=str(log), store=tiers) as runtime:  # Redis alone
+        _turn(runtime, prompt)
+        _cold(runtime)
+        redis_server.stop()
+        second = _turn(runtime, prompt)
+        _reported(runtime, log, second, {"tier_unavailable": CHUNKS * CHUNK_TOKENS})
+    assert second.restored_tokens == 0
+
+
+def test_a_plan_that_recomputes_every_layer_is_reported(llama, prompt, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    with HCacheRuntime(llama, tmp_path / "store", plan="KV", request_log=str(log)) as runtime:
+        _turn(runtime, prompt)
+        second = _turn(runtime, prompt, plan="RE")
+        _reported(runtime, log, second, {"plan_recompute": CHUNKS * CHUNK_TOKENS})
