@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -299,6 +300,25 @@ def test_a_returning_conversation_restores_and_replies_as_recomputed(server):
         assert reply == reference, turn
         assert (restored > 0) == (turn > 0), (turn, restored)
         messages.append({"role": "assistant", "content": reply})
+
+
+def test_hcache_store_verifies_and_evicts_beside_this_live_server(server, capsys):
+    """Issue 34: ``hcache store`` on the store a running ``hcache serve`` holds: it reads every chunk good,
+    evicts them all, and the server goes on serving, replying as recompute does."""
+    from hcache.cli import main
+
+    store = str(server.log.parent / "store")
+    client, messages = server.client(), [{"role": "user", "content": TURNS[0]}]
+    _greedy(client, messages)  # a history stored, if no test before stored one
+    assert main(["store", "inspect", store, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chunks"] > 0
+    assert main(["store", "verify", store]) == 0  # the server's write-backs may add chunks meanwhile
+    assert re.search(r"verified [1-9][0-9]* chunks in .*: [1-9][0-9]* good, 0 bad", capsys.readouterr().out)
+    assert main(["store", "evict", store, "--older-than", "0"]) == 0
+    assert re.search(r"evicted [1-9][0-9]* chunks", capsys.readouterr().out)
+    reference = _greedy(client, messages, extra_body={"cache_salt": f"fresh-{uuid.uuid4().hex}"})
+    assert _greedy(client, messages) == reference
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
 def test_health_quiet_output_and_sigterm_without_waiting_out_a_grace_period(server):
