@@ -304,11 +304,16 @@ def decode(data: bytes, key: str) -> Chunk:
 
 def header_names(file: BinaryIO, key: str, length: int) -> frozenset[str]:
     """The tensor names of a stored chunk, from its header alone; checks the header and the length."""
+    return read_header(file, key, length)[0].name_set
+
+
+def read_header(file: BinaryIO, key: str, length: int) -> tuple[ChunkLayout, dict]:
+    """A stored chunk's layout and metadata, from its header alone; checks the header and the length."""
     head = file.read(8)
     header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
     if not 0 <= header_len <= _MAX_HEADER:
         raise ChunkInvalid(f"chunk {key}: unreadable header (bad header length)")
-    layout, _ = _parse_header(head + file.read(header_len), key)
+    layout, meta = _parse_header(head + file.read(header_len), key)
     if layout.nbytes != length:
         raise ChunkInvalid(f"chunk {key}: {length} bytes stored, its header describes {layout.nbytes}")
-    return layout.name_set
+    return layout, meta

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _SUFFIX = ".safetensors"
-_ENCODINGS = {"I8": "int8", "F8_E4M3": "fp8", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
 class _BadArguments(Exception):
@@ -91,34 +90,34 @@ def _chunk_files(d: Path) -> list[_File]:
 
 
 def _header(f: _File) -> tuple[str, dict, dict]:
-    """(status, tensors {name: dtype}, metadata) of a chunk from its header: status ``ok``, ``other
-    version``, ``bad: <reason>`` or ``gone`` (deleted meanwhile)."""
-    import io
-
-    from .chunk import ChunkInvalid, ChunkOtherVersion, header_names
+    """(status, tensors {(layer, format): dtype}, metadata) of a chunk from its header: status ``ok``,
+    ``other version``, ``bad: <reason>`` or ``gone`` (deleted meanwhile)."""
+    from .chunk import ChunkInvalid, ChunkOtherVersion, read_header
 
     try:
         with open(f.path, "rb") as file:
-            head = file.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            head += file.read(n) if 0 <= n <= 1 << 24 else b""
+            layout, meta = read_header(file, f.key, f.size)
     except FileNotFoundError:
         return "gone", {}, {}
-    except OSError as exc:
-        return f"bad: unreadable ({exc})", {}, {}
-    try:
-        header_names(io.BytesIO(head), f.key, f.size)
-        status = "ok"
     except ChunkOtherVersion:
-        status = "other version"
+        return "other version", {}, {}
     except ChunkInvalid as exc:
         return f"bad: {exc}", {}, {}
-    header = json.loads(head[8:])  # it parsed above
-    meta = header.pop("__metadata__", {})
-    return status, {name: entry.get("dtype", "?") for name, entry in header.items()}, meta
+    except OSError as exc:
+        return f"bad: unreadable ({exc})", {}, {}
+    return "ok", {name: entry.dtype for name, entry in layout.entries.items()}, meta
+
+
+def _dtype_name(dtype) -> str:
+    """An 8-bit encoding's name (``int8``, ``fp8``), or the dtype's (``float16``)."""
+    from .stored_state import Encoding
+
+    return next((e.value for e in Encoding if e.dtype == dtype), str(dtype).removeprefix("torch."))
 
 
 def inspect(d: Path) -> dict:
+    from .stored_state import base_format
+
     files = _chunk_files(d)
     status, formats, models = Counter(), {}, Counter()
     for f in files:
@@ -128,10 +127,9 @@ def inspect(d: Path) -> dict:
             continue
         models[meta.get("fingerprint", "")] += 1
         seen = set()
-        for name, dtype in tensors.items():
-            fmt = name.split(".", 1)[1]  # L0001.KV.scale -> KV.scale
-            if not fmt.endswith(".scale"):
-                seen.add((fmt, _ENCODINGS.get(dtype, dtype)))
+        for (_, fmt), dtype in tensors.items():
+            if fmt == base_format(fmt):  # not a scale tensor
+                seen.add((fmt, _dtype_name(dtype)))
         for fmt, encoding in seen:
             formats.setdefault(fmt, Counter())[encoding] += 1
     mtimes = [f.mtime for f in files]

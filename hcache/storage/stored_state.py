@@ -18,19 +18,11 @@ import torch
 
 from ..ops.quant import ENCODINGS, SCALE_DTYPE, QuantRows, dequantise, quantise
 
-SCALE_SUFFIX = ".scale"
-
-
 class Format(str, Enum):
     """A stored format: what a layer's rows are. A ``str``, so it names a chunk's tensors as it is."""
 
     H = "H"
     KV = "KV"
-
-    @property
-    def scale(self) -> str:
-        """The tensor that holds the scales of this format's 8-bit codes (``"KV"`` -> ``"KV.scale"``)."""
-        return scale_format(self.value)
 
 
 class Encoding(str, Enum):
@@ -100,7 +92,8 @@ def stored_encodings(stored_dtype: str) -> dict[str, torch.dtype]:
 
 
 def scale_format(fmt: str) -> str:
-    return f"{fmt}{SCALE_SUFFIX}"
+    """The tensor that holds the scales of ``fmt``'s 8-bit codes (``"KV"`` -> ``"KV.scale"``)."""
+    return f"{fmt}.scale"
 
 
 def base_format(name: str) -> str:
