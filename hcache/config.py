@@ -31,6 +31,8 @@ from .storage.stored_state import Encoding, Format, code_dtypes, parse_stored_dt
 AUTO = "auto"
 SavePolicy = Literal["plan", "all", "none"]
 EngineKind = Literal["fastgen", "reference"]
+EvictionPolicy = Literal["cost", "lru"]
+SelfCheck = Literal["on", "strict", "off"]
 
 
 class HCacheConfig(BaseModel):
@@ -60,7 +62,11 @@ class HCacheConfig(BaseModel):
     (:func:`~hcache.storage.stored_state.parse_stored_dtype`): ``"auto"`` (the model's dtype, lossless), ``"int8"``, ``"fp8"``, ``"8bit"``
     (each format in the 8-bit encoding that keeps its quality best: fp8 for H, int8 for KV), or per format
     as ``"H=fp8,KV=int8"``; orthogonal to the plan, and chunks of every encoding restore on any runtime
-    (:mod:`hcache.storage.stored_state`).
+    (:mod:`hcache.storage.stored_state`). ``eviction``: what the GPU prefix cache and the host pool give up
+    first when full: ``"cost"`` (the least recompute time saved per byte, per second idle, as Pensieve
+    does) or ``"lru"`` (the least recently used). ``self_check``: before serving, restore a short random
+    history by each method the plan may use and compare it with recompute: ``"on"`` disables a method that
+    fails, ``"strict"`` refuses to start, ``"off"`` skips the check.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -83,6 +89,8 @@ class HCacheConfig(BaseModel):
     metrics_port: int | None = Field(None, ge=1, le=65535)
     metrics_host: str = "localhost"
     stored_dtype: str = AUTO
+    eviction: EvictionPolicy = "cost"
+    self_check: SelfCheck = "on"
 
     @classmethod
     def of(cls, settings: HCacheConfig | Mapping | None = None, /, **overrides) -> HCacheConfig:
