@@ -24,6 +24,7 @@ Counters are in ``metrics`` (:mod:`hcache.serving.metrics`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ import torch
 from ..engine.interface import Engine
 from ..errors import InvalidRequestError
 from ..planning.plan import Method, RestorePlan
-from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
+from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, content_key, root_key
 from ..storage.stored_state import Tier
 from .gpu_prefix_cache import Adoption
 from .metrics import ServingMetrics
@@ -54,6 +55,7 @@ class _Sequence:
     restore: bool  # from the store
     adopt: bool  # from the GPU prefix cache (there may be one without a store)
     chain: KeyChain  # over the tokens the engine holds, and those of a put in progress; the saver reads it
+    label: str  # its chain's root, as the anchor log files it
     prompt_tokens: int = 0  # the prompt's length if announced before the first put (see the module doc)
     failed: bool = False  # a put raised part-way: the engine, the chain and the saver may disagree
     record: SequenceRecord = field(default_factory=SequenceRecord)
@@ -68,6 +70,12 @@ def _log_restore(uid: int, tokens: int, step: PutRestore) -> None:
     missed = "".join(f"; {n} stored-prefix tokens missed: {reason}" for reason, n in step.misses.items())
     log.info("sequence %d: restored %d of %d tokens (%s; plan %s), computing %d%s%s", uid, restored, tokens, where,
              step.plan or "none", tokens - restored, fallback, missed)
+
+
+def _anchor_label(fingerprint: str, namespace: str | None) -> str:
+    """A chain's root as the anchor log files it: the fingerprint, then the namespace hashed (a tenant's
+    ``cache_salt`` may be a secret)."""
+    return f"{fingerprint}/{hashlib.blake2b((namespace or '').encode(), digest_size=8).hexdigest()}"
 
 
 def _restores(allowed: bool, tokens: list[int]) -> bool:
@@ -111,13 +119,14 @@ class ServingEngine:
         the engine's): ``plan`` overrides the engine's, ``restore=False`` ignores stored state."""
         if uid in self._seqs:
             raise InvalidRequestError(f"sequence {uid} is already open; flush it first")
-        root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
+        namespace = namespace if namespace is not None else self.namespace
         resolved = self.config.request_plan(plan)
-        chain = KeyChain(root)
+        chain = KeyChain(root_key(self.fingerprint, namespace))
         stack = self.stack
         self._seqs[uid] = _Sequence(
-            resolved, restore and stack.store is not None, restore and stack.gpu_cache is not None, chain, self._announced.pop(uid, 0)
-        )
+            resolved, restore and stack.store is not None, restore and stack.gpu_cache is not None, chain,
+            _anchor_label(self.fingerprint, namespace), self._announced.pop(uid, 0),
+        )  # fmt: skip
         if self.stack.capture is not None:
             self.stack.saver.open(uid, chain)
 
@@ -240,7 +249,8 @@ class ServingEngine:
         if seq.plan is None:  # auto, at the first restore (a fixed plan spares the lookups)
             history = self._history(uid, seq, keys)
             if not history:  # nothing stored of it: every full chunk is a miss
-                step.misses = {lookup_miss(self.stack.store, keys[0]).value: min(len(keys) * CHUNK_TOKENS, len(aligned) - 1) - len(held)}
+                missed = min(len(keys) * CHUNK_TOKENS, len(aligned) - 1) - len(held)
+                step.misses = self._first_chunk_miss(seq, aligned, {lookup_miss(self.stack.store, keys[0]).value: missed})
                 return 0
             seq.plan = self.config.plan_for(None, history)
         plan = seq.plan
@@ -251,13 +261,27 @@ class ServingEngine:
         )  # fmt: skip
         step.plan, step.tokens, step.hidden_s, step.sources = str(plan), outcome.tokens, hidden, outcome.sources
         step.bytes_read, step.fallback, step.lossy = outcome.bytes_read, outcome.fallback, step.lossy or outcome.lossy
-        step.misses = dict(outcome.misses)
+        step.misses = self._first_chunk_miss(seq, aligned, dict(outcome.misses)) if not outcome.tokens else dict(outcome.misses)
         if plan.count(Method.RE) == len(plan.layers) and outcome.tokens:  # recomputed, not restored
             step.misses[MissReason.PLAN_RECOMPUTE.value] = outcome.tokens
         step.layer_tokens = {m.value: plan.count(m) * outcome.tokens for m in Method if plan.count(m)}
         step.restore_s += time.perf_counter() - start
         seq.chain.extend(tokens[: outcome.tokens])
         return outcome.tokens
+
+    def _first_chunk_miss(self, seq: _Sequence, aligned: list[int], misses: dict[str, int]) -> dict[str, int]:
+        """``misses``, where a conversation's first chunk was never stored under this sequence's root: told
+        apart if the anchor log says it was stored under another model's or namespace's."""
+        never = misses.get(MissReason.NEVER_STORED.value)
+        if never is None or seq.chain.chunks or self.stack.anchors is None:
+            return misses
+        labels = self.stack.anchors.labels(content_key(aligned))
+        if not labels or seq.label in labels:  # stored under its own root once: gone, as far as it can tell
+            return misses
+        fingerprint = seq.label.rpartition("/")[0]
+        same_model = any(label.rpartition("/")[0] == fingerprint for label in labels)
+        reason = MissReason.OTHER_CACHE_SALT if same_model else MissReason.OTHER_MODEL
+        return {**{r: n for r, n in misses.items() if r != MissReason.NEVER_STORED.value}, reason.value: never}
 
     def _history(self, uid: int, seq: _Sequence, keys: list[str]) -> int:
         """The restored history the auto plan is chosen for (the module doc gives the rule): the tokens
@@ -306,12 +330,21 @@ class ServingEngine:
         """What an open sequence has cost so far."""
         return self._seqs[uid].record
 
+    def reply(self, uid: int) -> dict | None:
+        """What a response tells its client of sequence ``uid``'s restore (:meth:`SequenceRecord.reply`), or
+        None if it is not open. Read from a server thread while the loop runs: the restore's counts are
+        written by the puts of the prompt, before its first token is out."""
+        seq = self._seqs.get(uid)
+        return seq.record.reply() if seq is not None else None
+
     def flush(self, uid: int) -> None:
         """Finish a sequence: wait until its full chunks are stored (so a returning conversation finds them),
         then hand its KV blocks to the GPU prefix cache, if there is one, or free them."""
         seq = self._seqs.pop(uid, None)
         self._announced.pop(uid, None)
         keep = self.stack.gpu_cache is not None and seq is not None and not seq.failed
+        if seq is not None and not seq.failed and seq.chain.chunks and self.stack.capture is not None:
+            self.stack.anchors.add(content_key(seq.chain.chunks[0][1]), seq.label)
         try:
             partial = self.stack.saver.close(uid, keep_partial=keep) if self.stack.saver is not None else None
             if keep:

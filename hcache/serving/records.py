@@ -7,17 +7,24 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..storage.stored_state import Tier
+
 
 class MissReason(str, Enum):
     """Why stored tokens a put could have restored were computed instead, one reason per put: where its
     stored prefix ended. ``other_rank``: with tensor parallelism, another rank's prefix ended first (its
-    own log says why)."""
+    own log says why). ``other_model`` and ``other_cache_salt``: the prefix's first chunk was saved under
+    another fingerprint (another model, or weights, dtype, engine or tensor parallelism that round
+    differently) or under this model in another namespace; the response's ``hcache`` object reports both as
+    ``never_stored`` (:meth:`SequenceRecord.reply`)."""
 
     NEVER_STORED = "never_stored"  # no tier holds it, and none of this process's evicted it: a first turn, or a prefix no one saved
     EVICTED = "evicted"  # a store of this process evicted it (quota, TTL or LRU), or it went between look-up and read
     FAILED_VERIFICATION = "failed_verification"  # checksum, length, key, tokens or fingerprint: discarded
     OTHER_VERSION = "other_version"  # another layout version's chunk (another hcache's): left alone
     OTHER_SETTINGS = "other_settings"  # saved without a format the plan restores from
+    OTHER_MODEL = "other_model"
+    OTHER_CACHE_SALT = "other_cache_salt"
     TIER_UNAVAILABLE = "tier_unavailable"  # a tier could not be read (an I/O error, Redis down)
     OTHER_RANK = "other_rank"
     PLAN_RECOMPUTE = "plan_recompute"  # the plan recomputes every layer: stored state was not used
@@ -85,3 +92,20 @@ class SequenceRecord:
         self.miss_tokens = dict(Counter(self.miss_tokens) + Counter(step.misses))
         if step.gpu_tokens or step.tokens:
             self.restores.append(RestoreStep(step.plan, step.tokens, step.gpu_tokens, step.hidden_s))
+
+    def reply(self) -> dict:
+        """What a response tells its client of its restore (the ``hcache`` object beside ``usage``): the
+        request log's counts, with tokens by tier including the GPU prefix cache's. Whether another model
+        or tenant stored the prompt is the operator's to know, not the client's (it would let a client probe
+        what others sent): both read ``never_stored`` here."""
+        misses: Counter[str] = Counter()
+        for reason, tokens in self.miss_tokens.items():
+            misses[_REPLIED.get(reason, reason)] += tokens
+        tiers = {Tier.GPU_CACHE.value: self.gpu_tokens, **self.tier_tokens} if self.gpu_tokens else dict(self.tier_tokens)
+        return {
+            "restored_tokens": self.restored_tokens, "computed_tokens": self.computed_tokens, "tier_tokens": tiers,
+            "miss_tokens": dict(misses), "plan": self.plan, "lossy": self.lossy,
+        }  # fmt: skip
+
+
+_REPLIED = {MissReason.OTHER_MODEL.value: MissReason.NEVER_STORED.value, MissReason.OTHER_CACHE_SALT.value: MissReason.NEVER_STORED.value}

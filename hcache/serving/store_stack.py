@@ -10,6 +10,7 @@ GPU prefix cache needs no store.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,7 @@ from ..engine.interface import Engine
 from ..engine.ragged import Segment
 from ..model.tensor_parallel import SINGLE, TPGroup
 from ..planning.plan import Method
+from ..storage.anchor_log import ANCHORS_FILE, AnchorLog
 from ..storage.chunk import ChunkLayout
 from ..storage.host_tier import HostTier
 from ..storage.prefetch import Prefetcher
@@ -53,8 +55,8 @@ class StoreStack:
     """One engine's store stack (one rank's, with tensor parallelism: ``tp``). ``fingerprint``: the whole
     model's; the stack's, which its chunks carry and its keys are rooted in, is this rank's.
 
-    Parts that the settings leave out are None: ``store``, ``saver``, ``copier`` and ``prefetcher`` without
-    a store, ``capture`` when nothing is saved, ``gpu_cache`` unless ``gpu_cache=True``."""
+    Parts that the settings leave out are None: ``store``, ``saver``, ``copier``, ``prefetcher`` and
+    ``anchors`` (which roots conversations were saved under, for miss reasons) without a store, ``capture`` when nothing is saved, ``gpu_cache`` unless ``gpu_cache=True``."""
 
     def __init__(self, config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup = SINGLE):
         config.check_engine(engine.spec)
@@ -65,6 +67,7 @@ class StoreStack:
         self.capture: SaveCapture | None = None
         self.copier: Copier | None = None
         self.prefetcher: Prefetcher | None = None
+        self.anchors: AnchorLog | None = None
         if config.stored:
             formats = list(config.save_formats)
             tensors = stored_tensors(engine.spec, formats, config.encodings)
@@ -80,6 +83,8 @@ class StoreStack:
             if any(formats):
                 self.capture = SaveCapture(self.saver, formats, config.encodings)
             self.prefetcher = Prefetcher(self.store)
+            dirs = config.store_dirs(tp.rank)
+            self.anchors = AnchorLog(Path(dirs[0]) / ANCHORS_FILE if dirs else None)
         drop = self.saver.drop_partial if self.saver is not None else (lambda partial: None)
         self.gpu_cache = GpuPrefixCache(engine, drop) if config.settings.gpu_cache else None
 

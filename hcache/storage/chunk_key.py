@@ -44,6 +44,14 @@ def next_key(parent: str, tokens: Sequence[int]) -> str:
     return h.hexdigest()
 
 
+_CONTENT_ROOT = hashlib.blake2b(b"hcache/content", digest_size=_DIGEST).hexdigest()
+
+
+def content_key(tokens: Sequence[int]) -> str:
+    """A first chunk's tokens, under no model or namespace: what :mod:`.anchor_log` files a prefix by."""
+    return next_key(_CONTENT_ROOT, tokens[:CHUNK_TOKENS])
+
+
 def chunk_keys(tokens: Sequence[int], root: str) -> list[str]:
     """Keys of every full chunk of ``tokens``; a trailing partial chunk has none."""
     return [key for key, _ in KeyChain(root).extend(tokens)]
