@@ -1,12 +1,14 @@
 """Miss reasons (issue 34, part 1): each way a stored prefix can end early, forced on a real store, and what
 is reported for it: the request's ``miss_tokens``, its request-log line, and the Prometheus counter."""
+import copy
+import dataclasses
 import json
 
 import pytest
 import torch
 from support.helpers import corrupt_tensor, loaded, random_prompt
 
-from hcache.serving.records import MissReason
+from hcache.serving.records import MissReason, SequenceRecord
 from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.chunk_key import CHUNK_TOKENS, LAYOUT_VERSION, chunk_keys, root_key
 
@@ -36,6 +38,11 @@ def _reported(runtime: HCacheRuntime, log, result, expected: dict[str, int]) -> 
     for reason, tokens in expected.items():
         assert counters[f'hcache_miss_tokens_total{{reason="{reason}"}}'] == tokens
     assert {f'hcache_miss_tokens_total{{reason="{r.value}"}}' for r in MissReason} <= counters.keys()
+
+
+def _replied(result) -> dict[str, int]:
+    """The miss tokens a response's ``hcache`` object gives for ``result``'s record."""
+    return SequenceRecord(miss_tokens=result.miss_tokens).reply()["miss_tokens"]
 
 
 def _cold(runtime: HCacheRuntime) -> None:
@@ -125,3 +132,29 @@ def test_a_plan_that_recomputes_every_layer_is_reported(llama, prompt, tmp_path)
         _turn(runtime, prompt)
         second = _turn(runtime, prompt, plan="RE")
         _reported(runtime, log, second, {"plan_recompute": CHUNKS * CHUNK_TOKENS})
+
+
+def test_a_prefix_stored_under_another_cache_salt_is_reported_but_not_told_to_the_client(llama, prompt, tmp_path):
+    log, store = tmp_path / "requests.jsonl", tmp_path / "store"
+    with HCacheRuntime(llama, store, plan="KV", request_log=str(log)) as runtime:
+        _turn(runtime, prompt, namespace="alice")
+        other = _turn(runtime, prompt, namespace="bob")
+        _reported(runtime, log, other, {"other_cache_salt": CHUNKS * CHUNK_TOKENS})
+        assert _replied(other) == {"never_stored": CHUNKS * CHUNK_TOKENS}  # bob learns nothing of alice
+    with HCacheRuntime(llama, store, plan="KV", request_log=str(log)) as runtime:  # the anchor log outlives the server
+        again = _turn(runtime, prompt, namespace="carol")
+        assert again.miss_tokens == {"other_cache_salt": CHUNKS * CHUNK_TOKENS}
+        assert _turn(runtime, prompt, namespace="alice").restored_tokens == CHUNKS * CHUNK_TOKENS
+
+
+def test_a_prefix_stored_under_another_model_is_reported_other_model(llama, prompt, tmp_path):
+    log, store = tmp_path / "requests.jsonl", tmp_path / "store"
+    with HCacheRuntime(llama, store, plan="KV") as runtime:
+        _turn(runtime, prompt)
+    retrained = dataclasses.replace(llama, model=copy.deepcopy(llama.model))
+    with torch.no_grad():
+        next(retrained.model.parameters()).add_(0.01)  # other weights: another fingerprint
+    with HCacheRuntime(retrained, store, plan="KV", request_log=str(log)) as runtime:
+        other = _turn(runtime, prompt)
+        _reported(runtime, log, other, {"other_model": CHUNKS * CHUNK_TOKENS})
+        assert _replied(other) == {"never_stored": CHUNKS * CHUNK_TOKENS}
