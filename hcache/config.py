@@ -22,7 +22,7 @@ from .defaults import DEFAULT_READERS
 from .errors import InvalidRequestError
 from .model.loader import model_dtype
 from .model.spec import ModelSpec
-from .planning.plan import RestorePlan, default_plan
+from .planning.plan import Method, RestorePlan, default_plan
 from .planning.profile import Profile
 from .storage.chunk_key import check_namespace
 from .storage.store_config import StoreConfig
@@ -158,7 +158,10 @@ class ResolvedConfig(BaseModel):
     serves by. ``plan``: a fixed plan, or ``None`` for the profile's plan per history length.
     ``save_formats``: per layer, the stored formats to save (for the auto plan, every format it restores
     from at any length). ``stored_dtype``: the formats saved in an 8-bit encoding, parsed from the setting
-    once. Plain data, so that ``hcache.mii.serve`` hands it to its model servers as JSON."""
+    once. ``disabled``: the methods the start-up self-check (:mod:`hcache.serving.self_check`) failed, which
+    no plan restores by for the rest of the process; ``verified``: those it passed, which a disabled
+    method's layers fall back to (else RE). Plain data, so that ``hcache.mii.serve`` hands it to its model
+    servers as JSON."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -172,6 +175,8 @@ class ResolvedConfig(BaseModel):
     plan: RestorePlan | None = None
     save_formats: tuple[frozenset[str], ...]
     stored_dtype: dict[Format, Encoding] = {}
+    disabled: frozenset[Method] = frozenset()
+    verified: frozenset[Method] = frozenset()
 
     @property
     def stored(self) -> bool:
@@ -206,11 +211,26 @@ class ResolvedConfig(BaseModel):
             if self.profile is None:
                 raise InvalidRequestError("plan 'auto' needs a profile: pass profile=... or run `hcache profile`")
             return None
-        return fixed_plan(plan, self.spec)
+        return self.allowed(fixed_plan(plan, self.spec))
 
     def plan_for(self, plan: RestorePlan | None, history: int) -> RestorePlan:
-        """The plan a restore of ``history`` tokens follows, given a request's resolved ``plan``."""
-        return plan if plan is not None else self.profile.plan(self.spec, history, self.encodings)
+        """The plan a restore of ``history`` tokens follows, given a request's resolved ``plan``: for the
+        profile's, the best one without the disabled methods."""
+        if plan is not None:
+            return plan
+        allow = {m: m not in self.disabled for m in (Method.H, Method.KV)}
+        return self.profile.plan(self.spec, history, self.encodings, allow_h=allow[Method.H], allow_kv=allow[Method.KV])
+
+    def allowed(self, plan: RestorePlan) -> RestorePlan:
+        """``plan`` without the disabled methods: their layers restore by a method that passed the
+        self-check, or else by RE, and every layer before the last RE one is RE too (RE runs the first
+        layers, so a plan is ``RE* H* KV*``)."""
+        if not self.disabled.intersection(plan.layers):
+            return plan
+        passed = [m for m in (Method.KV, Method.H) if m in self.verified - self.disabled]
+        layers = [(passed[0] if passed else Method.RE) if m in self.disabled else m for m in plan.layers]
+        recompute = max((i + 1 for i, m in enumerate(layers) if m is Method.RE), default=0)
+        return RestorePlan((Method.RE,) * recompute + tuple(layers[recompute:]))
 
     def check_engine(self, spec: ModelSpec) -> None:
         """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype

@@ -1,17 +1,12 @@
 """Every restore method against recompute, per model family and engine: a conversation is saved, then
 returns; the restored cache must be the one the engine's own forward builds, and the greedy tokens after it
-the same.
-
-The rule per engine: on the reference engine every layer's K and V within float rounding of the forward's
-(1e-5 in float32, two ulps of the value in half precision: the projection GEMM may block rows differently);
-on FastGen, RE and KV layers bit for bit, H's V bit for bit and H's K within the bound of FastGen's
-fast-math RoPE (:mod:`hcache.ops.rope_bound`). A restore from state stored in 8 bits (``stored_dtype``; on
-a GPU, KV through the dequantise-and-scatter kernel) is lossy: each layer's K and V within a relative RMS
-error of ``LOSSY_BOUND`` of the forward's, the restore reported lossy, and its tokens may differ.
+the same, by the rule the start-up self-check uses too (:mod:`hcache.serving.self_check`: K and V within
+float rounding on the reference engine, bit for bit on FastGen but for H's K within the bound of its
+fast-math RoPE; state stored in 8 bits within ``LOSSY_BOUND`` relative RMS, reported lossy, its tokens free
+to differ).
 """
 from __future__ import annotations
 
-import math
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +18,9 @@ from ..engine.interface import Engine
 from ..model.fingerprint import model_fingerprint
 from ..model.loader import random_model
 from ..model.spec import ModelSpec
-from ..ops.rope_bound import rope_bound
 from ..planning.resolve import resolve
 from ..serving.engine import ServingEngine
+from ..serving.self_check import Comparison, layer_excess
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS
 
@@ -37,7 +32,6 @@ FAMILIES = {  # config overrides FastGen needs (no sliding window; Phi-3's defau
 }
 # The random shapes have 3 layers. "<plan> <stored_dtype>": restored from state stored in that encoding.
 PLANS = ("RE", "H", "KV", "1RE+1H+1KV", "H 8bit", "KV 8bit")
-LOSSY_BOUND = 0.05  # fp8 H restores K and V within about 0.025, int8 KV within 0.01
 NEW_TOKENS = 4
 
 
@@ -85,18 +79,15 @@ def _family(kind: str, family: str) -> Iterator[dict]:
                 got = _greedy(serving, restored, serving.put([restored], [history[:returning]]))
                 record = serving.record(restored)
                 n = returning - 1
-                if stored_dtype:
-                    errors = [_lossy_error(engine, restored, reference, layer, n) for layer in range(spec.num_layers)]
-                else:
-                    errors = [_layer_error(kind, m.value, engine, restored, reference, layer, n, spec) for layer, m in enumerate(config.plan.layers)]
+                errors = tuple(layer_excess(kind, m, engine.kv(restored, layer, n), engine.kv(reference, layer, n), spec, bool(stored_dtype))
+                               for layer, m in enumerate(config.plan.layers))  # fmt: skip
                 serving.flush(restored)
                 serving.flush(reference)
-            exact = got == want or bool(stored_dtype)
+            c = Comparison(record.restored_tokens, n, record.fallback, got == want, record.lossy, bool(stored_dtype), errors)
             yield {
-                "engine": kind, "family": family, "dtype": spec.dtype, "plan": case, "restored_tokens": record.restored_tokens,
-                "expected_tokens": n, "fallback": record.fallback, "tokens_equal": got == want, "lossy": record.lossy,
-                "worst_excess": max(errors),
-                "ok": record.restored_tokens == n and exact and record.lossy == bool(stored_dtype) and max(errors) <= 0,
+                "engine": kind, "family": family, "dtype": spec.dtype, "plan": case, "restored_tokens": c.restored_tokens,
+                "expected_tokens": n, "fallback": c.fallback, "tokens_equal": c.tokens_equal, "lossy": c.lossy,
+                "worst_excess": c.worst_excess, "ok": c.ok,
             }  # fmt: skip
         del engine
         if torch.cuda.is_available():
@@ -127,22 +118,3 @@ def _greedy(serving: ServingEngine, uid: int, logits: torch.Tensor) -> list[int]
         out.append(int(serving.put([uid], [[out[-1]]])[-1].argmax()))
     return out
 
-
-def _layer_error(kind: str, method: str, engine: Engine, uid: int, reference: int, layer: int, n: int, spec: ModelSpec) -> float:
-    """How far past its bound one layer's restored K/V lies: <= 0 within it, inf where it must be bit for bit
-    and is not."""
-    (k, v), (want_k, want_v) = (tuple(t.cpu() for t in engine.kv(u, layer, n)) for u in (uid, reference))
-    if kind == "fastgen":
-        if not torch.equal(v, want_v) or (method != "H" and not torch.equal(k, want_k)):
-            return math.inf
-        if method != "H":
-            return 0.0
-        return ((k.float() - want_k.float()).abs() - rope_bound(want_k, torch.arange(n), spec.rope.rotary_dim)).max().item()
-    tolerance = (lambda want: 1e-5) if spec.dtype == "float32" else (lambda want: 2 * torch.finfo(want.dtype).eps * want.float().abs())
-    return max(((got.float() - want.float()).abs() - tolerance(want)).max().item() for got, want in ((k, want_k), (v, want_v)))
-
-
-def _lossy_error(engine: Engine, uid: int, reference: int, layer: int, n: int) -> float:
-    """How far past ``LOSSY_BOUND`` the relative RMS error of one layer's restored K or V lies."""
-    pairs = zip(engine.kv(uid, layer, n), engine.kv(reference, layer, n))
-    return max(((got.float() - want.float()).norm() / want.float().norm()).item() - LOSSY_BOUND for got, want in pairs)

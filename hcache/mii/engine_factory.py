@@ -22,7 +22,7 @@ from ..model.tensor_parallel import SINGLE, TPGroup, local_spec, shard_model
 from ..planning.resolve import resolve
 from ..serving.engine import ServingEngine
 from ..serving.metrics import serve_metrics
-from ..serving.store_stack import StoreStack
+from ..serving.self_check import serving_engine
 
 
 def building_hcache_engines(_load_model, hcache: ResolvedConfig):
@@ -50,7 +50,7 @@ def build_engine(model_config, hcache: ResolvedConfig) -> ServingEngine:
         config = model_config.inference_engine_config
     if model_config.max_length is None:  # else MII reads it from FastGen's checkpoint engine
         model_config.max_length = context_length(hcache)
-    serving = ServingEngine(engine, StoreStack(hcache, engine, fingerprint, tp), engine_config=config)
+    serving = serving_engine(hcache, engine, fingerprint, tp, engine_config=config)  # after the self-check
     if settings.metrics_port is not None:
         port = settings.metrics_port + tp.rank
         try:

@@ -48,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help=f"serve Prometheus counters on this port, on --host (default {DEFAULT_METRICS_PORT}; 0: off)")
     p.add_argument("--request-log", default=None, help="append one JSON line per finished sequence to this file")
+    p.add_argument("--self-check", default=None, choices=["on", "strict", "off"],
+                   help="before serving, restore a short random history by each method the plan may use and compare it with "
+                   "recompute: on (default) disables a method that fails, strict refuses to start, off skips the check")
     p.add_argument("--deployment-name", default="hcache", help="the REST path is /mii/<deployment-name>")
     p.add_argument("--host", default="localhost", help="the address the REST gateway and the OpenAI server listen on (default: localhost; 0.0.0.0 for every interface)")
     p.add_argument("--rest-port", type=int, default=51080, help="MII's REST gateway port")
@@ -76,7 +79,7 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
     flags = {
         "enabled": args.enabled, "engine": args.engine, "store_dirs": args.store_dir, "plan": args.plan,
         "profile": args.profile, "measure_profile": args.measure_profile, "request_log": args.request_log,
-        "gpu_cache": args.gpu_cache, "metrics_host": args.host, "stored_dtype": args.stored_dtype,
+        "gpu_cache": args.gpu_cache, "metrics_host": args.host, "stored_dtype": args.stored_dtype, "self_check": args.self_check,
     }  # fmt: skip
     given = {k: v for k, v in flags.items() if v is not None}
     if args.metrics_port is not None:

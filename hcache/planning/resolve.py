@@ -4,17 +4,15 @@ It sits above the settings (:mod:`hcache.config`) because ``plan="auto"`` may me
 (:mod:`hcache.planning.auto_profile`), which runs an engine and a store."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-
-import torch
+from collections.abc import Callable, Iterable, Mapping
 
 from ..config import EngineKind, HCacheConfig, ResolvedConfig, engine_and_device, fixed_plan, is_auto
 from ..model.loader import LoadedModel
 from ..model.spec import ModelSpec
 from ..storage.chunk_key import CHUNK_TOKENS
-from ..storage.stored_state import code_dtypes, parse_stored_dtype
+from ..storage.stored_state import parse_stored_dtype
 from .auto_profile import auto_profile
-from .plan import Method, RestorePlan
+from .plan import Method
 from .profile import Profile, profile_command
 
 
@@ -45,10 +43,7 @@ def resolve(
         elif profile is not None:
             profile = Profile.load(profile, spec, tensor_parallel, command)
     auto = profile is not None and (settings.plan is None or is_auto(settings.plan))
-    plan = None if auto else fixed_plan(settings.plan, spec)
-    save = settings.save if settings.enabled else "none"
-    stored_dtype = parse_stored_dtype(settings.stored_dtype)
-    return ResolvedConfig(
+    config = ResolvedConfig(
         settings=settings,
         spec=spec,
         model_name=model_name,
@@ -56,25 +51,49 @@ def resolve(
         device=device,
         tensor_parallel=tensor_parallel,
         profile=profile,
-        plan=plan,
-        save_formats=_save_formats(save, plan, profile, spec, code_dtypes(stored_dtype)),
-        stored_dtype=stored_dtype,
+        plan=None if auto else fixed_plan(settings.plan, spec),
+        save_formats=(),
+        stored_dtype=parse_stored_dtype(settings.stored_dtype),
     )
+    return config.model_copy(update={"save_formats": _save_formats(config)})
 
 
-def _save_formats(
-    save: str, plan: RestorePlan | None, profile: Profile | None, spec: ModelSpec, encodings: dict[str, torch.dtype]
-) -> tuple[frozenset[str], ...]:
+def self_check_methods(config: ResolvedConfig) -> frozenset[Method]:
+    """The stored methods the start-up self-check tries: a fixed plan's; for the profile's plans, every
+    method they pick at some history length, also with H or KV disabled (so whatever a disabled method
+    falls back to was tried too: KV, and H where KV does not dominate it)."""
+    if config.plan is not None:
+        plans = [config.plan]
+    else:
+        plans = [
+            config.profile.plan(config.spec, n, config.encodings, allow_h=h, allow_kv=kv)
+            for n in _lengths(config) for h, kv in ((True, True), (False, True), (True, False))
+        ]  # fmt: skip
+    return frozenset(m for plan in plans for m in plan.layers) - {Method.RE}
+
+
+def disable_methods(config: ResolvedConfig, failed: Iterable[Method], passed: Iterable[Method]) -> ResolvedConfig:
+    """``config`` after the self-check: the ``failed`` methods disabled for the process (their layers restore
+    by a ``passed`` method, else by RE; see :meth:`ResolvedConfig.allowed`) and no longer saved."""
+    checked = config.model_copy(update={"disabled": frozenset(failed), "verified": frozenset(passed)})
+    checked = checked.model_copy(update={"plan": checked.allowed(config.plan) if config.plan is not None else None})
+    return checked.model_copy(update={"save_formats": _save_formats(checked)})
+
+
+def _save_formats(config: ResolvedConfig) -> tuple[frozenset[str], ...]:
+    save, spec = config.settings.save if config.stored else "none", config.spec
     if save == "none":
         return (frozenset(),) * spec.num_layers
     if save == "all":
-        return (frozenset((Method.H.value, Method.KV.value)),) * spec.num_layers
-    if plan is not None:
-        plans = [plan]
-    else:  # every plan auto picks over the context range
-        lengths = sorted({*profile.tokens, *_powers_of_two(CHUNK_TOKENS, spec.max_positions)})
-        plans = [profile.plan(spec, n, encodings) for n in lengths]
+        return (frozenset(m.value for m in (Method.H, Method.KV) if m not in config.disabled),) * spec.num_layers
+    # every plan the config restores by: the fixed one, or those auto picks over the context range
+    plans = [config.plan] if config.plan is not None else [config.plan_for(None, n) for n in _lengths(config)]
     return tuple(frozenset(p.layers[layer].stored_format for p in plans) - {None} for layer in range(spec.num_layers))
+
+
+def _lengths(config: ResolvedConfig) -> list[int]:
+    """The history lengths the profile's plans are taken at: those it measured, and powers of two."""
+    return sorted({*config.profile.tokens, *_powers_of_two(CHUNK_TOKENS, config.spec.max_positions)})
 
 
 def _powers_of_two(start: int, stop: int) -> list[int]:

@@ -47,10 +47,11 @@ class LayerCosts:
 
 
 def partition(
-    costs: LayerCosts, num_layers: int, bytes_h: int = 0, bytes_kv: int = 0, allow_h: bool = True
+    costs: LayerCosts, num_layers: int, bytes_h: int = 0, bytes_kv: int = 0, allow_h: bool = True, allow_kv: bool = True
 ) -> RestorePlan:
     """The plan with the least ``max(compute, io)``; among equal times, the one storing fewest bytes
-    (``bytes_h``, ``bytes_kv``: stored bytes per token per layer of each format).
+    (``bytes_h``, ``bytes_kv``: stored bytes per token per layer of each format). ``allow_h``/``allow_kv``
+    False: plans without that method (one the start-up self-check disabled); with neither, RE alone.
 
     H is never chosen when KV dominates it (no more I/O, compute or stored bytes per layer), as with GQA
     models whose hidden states outweigh their K/V: swapping such an H layer for KV never costs anything."""
@@ -59,9 +60,11 @@ def partition(
     best: tuple[float, int, int, int] | None = None  # (time, stored bytes, re, kv)
     for re in range(num_layers + 1):
         rest = num_layers - re
-        candidates = {rest} if not allow_h else {0, rest, *_crossings(costs, re, rest)}
+        candidates = {0, rest, *(_crossings(costs, re, rest) if allow_h else ())}
         for kv in candidates:
             h = rest - kv
+            if (h and not allow_h) or (kv and not allow_kv):
+                continue
             key = (costs.plan_time(re, h, kv), h * bytes_h + kv * bytes_kv, re, kv)
             if best is None or _better(key, best):
                 best = key

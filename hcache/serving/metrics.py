@@ -13,6 +13,7 @@ from collections import Counter as Tally
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..planning.plan import Method
 from ..storage.stored_state import Tier
 from .records import MissReason
 
@@ -30,6 +31,7 @@ class ServingMetrics:
         self.fallbacks = 0  # restores that used stored state only in part
         self.prefetch_hidden_s = 0.0
         self.sequences = 0  # finished
+        self.self_check_disabled: frozenset[str] = frozenset()  # methods the start-up self-check disabled
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -86,6 +88,11 @@ class ServingMetrics:
             for key, v in value.items() if label else [(None, value)]:
                 family.add_metric([key] if label else [], v)
             yield family
+        disabled = GaugeMetricFamily("hcache_self_check_disabled", "1 for a restore method the start-up self-check "
+                                     "disabled for this process (it did not match recompute), else 0", labels=["method"])
+        for method in (Method.H.value, Method.KV.value):
+            disabled.add_metric([method], int(method in self.self_check_disabled))
+        yield disabled
         blocks = GaugeMetricFamily("hcache_gpu_cache_blocks", "KV blocks the GPU prefix cache holds")
         blocks.add_metric([], cache.blocks if cache else 0)
         yield blocks

@@ -28,7 +28,7 @@ from ..planning.plan import RestorePlan
 from ..planning.resolve import resolve
 from .engine import ServingEngine
 from .records import RestoreStep
-from .store_stack import StoreStack
+from .self_check import serving_engine
 
 
 @dataclass
@@ -78,13 +78,13 @@ class HCacheRuntime:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
         fingerprint = model_fingerprint(self.loaded.model, self.loaded.spec)  # of the whole model, on every rank
         model_shard, self.spec = shard_model(self.loaded.model, self.loaded.spec, tensor_parallel)
-        self.config = resolve(
+        config = resolve(
             settings, self.spec, self.loaded.name, tensor_parallel=tensor_parallel.world_size, measure=lambda: self.loaded,
             engine="reference",
         )
         self.engine = ReferenceEngine(model_shard, self.spec, num_blocks=settings.num_blocks)
-        self.stack = StoreStack(self.config, self.engine, fingerprint, tensor_parallel)
-        self.serving = ServingEngine(self.engine, self.stack)
+        self.serving: ServingEngine = serving_engine(config, self.engine, fingerprint, tensor_parallel)  # after the self-check
+        self.config, self.stack = self.serving.config, self.serving.stack
         self.metrics = self.serving.metrics
         self._uids = itertools.count()
         self._busy = threading.Lock()  # held by the generate call in progress
