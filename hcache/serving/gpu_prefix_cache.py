@@ -16,14 +16,19 @@ restored (HCache §6.4; SGLang's radix cache and vLLM's prefix caching do the sa
   (``begin_restore``, one gather and scatter per layer, ``end_restore``): what is missing after it is
   restored from the store or prefilled. A key names every token before it, under the model's fingerprint
   and the namespace, so adopted state is exactly the state that prefix computes.
-- **Evict.** Least recently used first. Adopting or keeping a chain touches its deepest entry first, so a
-  prefix outlives its continuations. Eviction runs when the engine needs blocks for running work (the
+- **Evict.** By the :mod:`~hcache.storage.eviction` policy. ``"lru"``: least recently used first; adopting
+  or keeping a chain touches its deepest entry first, so a prefix outlives its continuations. ``"cost"``:
+  the chain end (an entry no cached entry continues) of least value per row and idle second, the value
+  being what recomputing its rows would cost at their depth (its owner's ``value``). Only chain ends,
+  unlike Pensieve, which evicts a conversation's leading tokens first: an adoption stops at the first
+  missing chunk, so a prefix evicted before its continuations would strand them. Eviction runs when the engine needs blocks for running work (the
   serving engine reports cached blocks as free, and makes room before each put). An entry being adopted
   is pinned and never evicted; running sequences own their own blocks, so eviction never touches them.
   Evicting costs no state: the chunk is in the store too.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +38,7 @@ import torch
 from ..engine.interface import Engine
 from ..ops.paged_kv import block_slots
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain
+from ..storage.eviction import check_policy, victim
 from ..transfer.saver import PartialChunk
 
 
@@ -42,9 +48,12 @@ class _Entry:
     tokens: list[int]  # 64 for a full chunk, fewer for a partial one
     blocks: list[int]
     offset: int  # the entry's first row in its first block
+    parent: str | None  # the key of the entry it continues (None: the chain's first)
+    value: float  # what keeping it saves (cost-aware eviction)
     partial: PartialChunk | None = None  # a partial chunk's saver state (ChunkSaver.close), resumed by its first adopter
     pins: int = 0
     lossy: bool = False  # kept from a sequence that restored state stored in 8 bits
+    last_used: float = 0.0
 
 
 @dataclass
@@ -76,13 +85,19 @@ def partial_key(parent: str) -> str:
 
 class GpuPrefixCache:
     """Chunks of finished sequences held in ``engine``'s spare KV blocks. ``drop_partial`` gives back a
-    partial chunk's saver state when its entry goes. Counters: ``hit_tokens`` and ``miss_tokens`` of the
-    tokens looked up, ``evictions`` of entries."""
+    partial chunk's saver state when its entry goes. ``eviction``: the policy; ``value(start, tokens)``:
+    what keeping the rows of ``tokens`` tokens from position ``start`` saves, for ``"cost"``. Counters:
+    ``hit_tokens`` and ``miss_tokens`` of the tokens looked up, ``evictions`` of entries."""
 
-    def __init__(self, engine: Engine, drop_partial: Callable[[PartialChunk], None] = lambda partial: None):
+    def __init__(
+        self, engine: Engine, drop_partial: Callable[[PartialChunk], None] = lambda partial: None, *, eviction: str = "lru",
+        value: Callable[[int, int], float] = lambda start, tokens: float(tokens), clock: Callable[[], float] = time.monotonic,
+    ):
         self.engine, self._drop_partial = engine, drop_partial
+        self.eviction, self._value, self._clock = check_policy(eviction), value, clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._refs: Counter[int] = Counter()  # block -> entries holding it
+        self._children: Counter[str] = Counter()  # key -> cached entries that continue it
         self.hit_tokens = self.miss_tokens = self.evictions = 0
 
     @property
@@ -110,7 +125,7 @@ class GpuPrefixCache:
         pieces = [(key, i * CHUNK_TOKENS, tokens) for i, (key, tokens) in enumerate(chain.chunks[:full])]
         if chain.tail and full == len(chain.chunks) and seen == full * CHUNK_TOKENS + len(chain.tail):
             pieces.append((partial_key(chain.key), seen - len(chain.tail), chain.tail))  # it holds exactly the chain
-        size, kept = self.engine.block_size, []
+        size, kept, parent = self.engine.block_size, [], None
         try:
             for key, start, tokens in pieces:
                 entry = self._entries.get(key)
@@ -120,9 +135,14 @@ class GpuPrefixCache:
                             break
                         self._evict(key)
                     first, end = start // size, -(-(start + len(tokens)) // size)
-                    entry = self._entries[key] = _Entry(key, list(tokens), blocks[first:end], start - first * size, lossy=lossy)
+                    entry = self._entries[key] = _Entry(
+                        key, list(tokens), blocks[first:end], start - first * size, parent, self._value(start, len(tokens)), lossy=lossy
+                    )
                     self._refs.update(entry.blocks)
+                    if parent is not None:
+                        self._children[parent] += 1
                 kept.append(entry)
+                parent = key
                 if key == partial_key(chain.key) and entry.partial is None:
                     entry.partial, partial = partial, None
         finally:
@@ -196,15 +216,21 @@ class GpuPrefixCache:
 
     # ---- evict ----------------------------------------------------------------------------------------
     def make_room(self, blocks: int) -> bool:
-        """Evict unpinned entries, least recently used first, until the engine has ``blocks`` free; whether
-        it has."""
-        victims = (key for key, e in list(self._entries.items()) if not e.pins)
+        """Evict unpinned entries, by the policy, until the engine has ``blocks`` free; whether it has."""
         while _free(self.engine) < blocks:
-            key = next(victims, None)
+            key = self._victim()
             if key is None:
                 return False
             self._evict(key)
         return True
+
+    def _victim(self) -> str | None:
+        """The unpinned entry the policy gives up first: under ``"cost"`` a chain end if one is unpinned (the
+        rest only when adoptions pin every end), its size in rows (every row holds as many bytes)."""
+        idle = [e for e in self._entries.values() if not e.pins]
+        if self.eviction == "cost":
+            idle = [e for e in idle if not self._children[e.key]] or idle
+        return victim(self.eviction, ((e.key, e.value, len(e.tokens), e.last_used) for e in idle), self._clock())
 
     def clear(self) -> None:
         """Evict every unpinned entry."""
@@ -213,6 +239,10 @@ class GpuPrefixCache:
 
     def _evict(self, key: str) -> None:
         entry = self._entries.pop(key)
+        if entry.parent is not None:
+            self._children[entry.parent] -= 1
+            if not self._children[entry.parent]:
+                del self._children[entry.parent]
         self._refs.subtract(entry.blocks)
         freed = [b for b in entry.blocks if self._refs[b] <= 0]
         for block in freed:
@@ -224,9 +254,11 @@ class GpuPrefixCache:
 
     def _touch(self, entries: list[_Entry]) -> None:
         """Mark a chain's entries (shallow first) used now, its deepest least recently."""
+        now = self._clock()
         for entry in reversed(entries):
             if self._entries.get(entry.key) is entry:
                 self._entries.move_to_end(entry.key)
+                entry.last_used = now
 
 
 def _free(engine: Engine) -> int:

@@ -5,7 +5,8 @@ The host tier (the host pool over the local and shared stores), the saver and th
 the copier, the prefetcher and the GPU prefix cache are built here and nowhere else, and handed to whoever
 serves: :class:`~hcache.serving.engine.ServingEngine` only uses them, and another engine adapter can use
 the same stack without it. ``enabled=False`` builds the stack with no store (the recompute baseline); a
-GPU prefix cache needs no store.
+GPU prefix cache needs no store. The host pool and the GPU prefix cache evict by the ``eviction`` setting,
+valuing each chunk at what recomputing it would cost (:func:`recompute_cost`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ResolvedConfig
+from ..storage.chunk_key import CHUNK_TOKENS
 from ..engine.interface import Engine
 from ..engine.ragged import Segment
 from ..model.tensor_parallel import SINGLE, TPGroup
@@ -27,6 +29,29 @@ from ..storage.stored_state import Encodings, base_format, encode_rows, stored_t
 from ..transfer.copier import Copier
 from ..transfer.saver import ChunkSaver
 from .gpu_prefix_cache import GpuPrefixCache
+
+
+def recompute_cost(config: ResolvedConfig) -> Callable[[int, int], float]:
+    """``cost(start, tokens)``: what recomputing ``tokens`` tokens from position ``start`` takes, the value of
+    keeping their state (cost-aware eviction). A later chunk costs more: it attends to a longer context.
+    With a profile, seconds: the layers times the growth of ``c_token`` (a layer's forward over a history,
+    interpolated by :meth:`Profile.costs`) over the tokens. Without one, forward FLOPs (only their ratios
+    matter): per token and layer ``24·D²`` for the weights (12·D² parameters a layer, Kaplan et al. 2020)
+    and ``4·D`` per token it attends to."""
+    profile, spec = config.profile, config.spec
+    if profile is not None:
+        def seconds(start: int, tokens: int) -> float:
+            grown = profile.costs(start + tokens).c_token - profile.costs(start).c_token
+            return spec.num_layers * max(grown, 0.0)
+
+        return seconds
+    d = spec.hidden_size
+
+    def flops(start: int, tokens: int) -> float:
+        attended = tokens * start + tokens * (tokens + 1) / 2  # causal: token ``start + i`` attends to ``start + i + 1``
+        return spec.num_layers * (24.0 * d * d * tokens + 4.0 * d * attended)
+
+    return flops
 
 
 class SaveCapture:
@@ -68,6 +93,7 @@ class StoreStack:
         self.copier: Copier | None = None
         self.prefetcher: Prefetcher | None = None
         self.anchors: AnchorLog | None = None
+        eviction, cost = config.settings.eviction, recompute_cost(config)
         if config.stored:
             formats = list(config.save_formats)
             tensors = stored_tensors(engine.spec, formats, config.encodings)
@@ -78,15 +104,19 @@ class StoreStack:
                 {"fingerprint": self.fingerprint, "dtype": engine.spec.dtype},
                 pin=engine.device.type == "cuda",
                 readers=config.settings.readers,
+                eviction=eviction,
             )
-            self.saver = ChunkSaver(self.store, self.fingerprint, tensors, stores=lambda c, f: tp.stores(c, base_format(f)))
+            self.saver = ChunkSaver(
+                self.store, self.fingerprint, tensors, stores=lambda c, f: tp.stores(c, base_format(f)),
+                value=lambda chunk: cost(chunk * CHUNK_TOKENS, CHUNK_TOKENS),
+            )
             if any(formats):
                 self.capture = SaveCapture(self.saver, formats, config.encodings)
             self.prefetcher = Prefetcher(self.store)
             dirs = config.store_dirs(tp.rank)
             self.anchors = AnchorLog(Path(dirs[0]) / ANCHORS_FILE if dirs else None)
         drop = self.saver.drop_partial if self.saver is not None else (lambda partial: None)
-        self.gpu_cache = GpuPrefixCache(engine, drop) if config.settings.gpu_cache else None
+        self.gpu_cache = GpuPrefixCache(engine, drop, eviction=eviction, value=cost) if config.settings.gpu_cache else None
 
     def close(self) -> None:
         """Drain the saver, write every saved chunk back to its stores and stop the store's threads."""

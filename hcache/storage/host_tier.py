@@ -8,13 +8,13 @@ shared server or filesystem), which are tried in order.
   store that has it by a reader thread with one request into a new slot, and its checksums are verified
   then, once: a chunk in the pool is trusted from then on. A chunk found in a lower store is promoted: it
   stays in the pool and is written back to the stores above the one it came from.
-- **Recency.** A pool hit is a use the stores below would never see, and their LRU order and TTL would
-  then evict or expire the most used chunks first (a system prompt every conversation shares). So the hits
-  a restore's look-up finds are passed down (:meth:`ChunkStore.touch`), batched, on a writer thread: off
-  the restore's path, yet before the puts of any write-back queued after them.
-- **Capacity.** The pool is bounded; the least recently used chunk that nobody references is evicted to
-  make room (it is in the stores already, or its write failed and it is simply lost). A referenced slot (a restore
-  reads it, a write-back writes it, the saver fills it) is never evicted or reused. When the pool is full of
+- **Recency.** The pool hits a restore's look-up finds are passed down to the stores as uses
+  (:mod:`.uses`), so that their LRU order and TTL do not evict the most used chunks first.
+- **Capacity.** The pool is bounded; a chunk that nobody references is evicted to make room (it is in the
+  stores already, or its write failed and it is simply lost): the least recently used, or with
+  ``eviction="cost"`` the least valuable per byte and idle second, by the value its publisher gave it
+  (:mod:`.eviction`). A referenced slot (a restore reads it, a write-back writes it, the saver fills it) is
+  never evicted or reused. When the pool is full of
   chunks still being written back, the saver and loads wait for them (each counted apart: the saver's
   stalls hold up the forward pass, a load's a restore or a prefetch); when nothing in flight can free room,
   a chunk being saved is not saved and one being loaded is not loaded (the restore ends there), both
@@ -33,9 +33,11 @@ from dataclasses import dataclass
 from ..defaults import DEFAULT_READERS
 from .chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from .chunk_store import ChunkStore
+from .eviction import Values
 from .host_pool import HostPool, Slot
 from .lru_index import Entry, LruIndex
 from .stored_state import Tier
+from .uses import Uses
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,13 @@ def _referenced(entry: Entry) -> bool:
 
 class HostTier:
     """``stores``: the tiers below the pool, nearest first; ``readers``: threads that load chunks from them
-    (0: load inline, on the caller's thread); ``writers``: threads that write chunks back."""
+    (0: load inline, on the caller's thread); ``writers``: threads that write chunks back; ``eviction``:
+    the :mod:`.eviction` policy that makes room in the pool."""
 
-    def __init__(self, stores: Sequence[ChunkStore], pool: HostPool, *, readers: int = DEFAULT_READERS, writers: int = DEFAULT_WRITERS):
+    def __init__(
+        self, stores: Sequence[ChunkStore], pool: HostPool, *, readers: int = DEFAULT_READERS, writers: int = DEFAULT_WRITERS,
+        eviction: str = "lru",
+    ):
         if readers < 0 or writers < 1:
             raise ValueError(f"a host tier needs readers >= 0 and writers >= 1, not {readers} and {writers}")
         if not stores:
@@ -75,14 +81,17 @@ class HostTier:
         self.hits = self.misses = self.evictions = self.write_errors = self.unsaved = self.bytes_loaded = 0
         self.saver_stalls, self.loader_stalls = Stalls(), Stalls()  # waits for room by :meth:`create`, by loads
         self._cond = threading.Condition()
-        self._index = LruIndex(pinned=_referenced)  # published chunks (entries' ``where``: the image)
+        self._index = LruIndex(pinned=_referenced, policy=eviction)  # published chunks (entries' ``where``: the image)
+        self._values = Values()  # what publishers said keeping each chunk saves
         self._loading: dict[str, Future] = {}
         self._writebacks = 0
-        self._uses: dict[str, None] = {}  # pool hits not passed down yet, in order
-        self._passes = 0  # tasks queued to pass them down
-        self._passing = threading.Lock()  # held while uses are passed down
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="hcache-load") if readers else None
         self._writers = ThreadPoolExecutor(writers, thread_name_prefix="hcache-writeback")
+        self._uses = Uses(self.stores, self._writers, self._cond)
+
+    @property
+    def eviction(self) -> str:
+        return self._index.policy
 
     # ---- lookups --------------------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
@@ -92,7 +101,7 @@ class HostTier:
         """How many of ``keys``, from the first, are stored in some tier: one batched look-up per store."""
         with self._cond:
             n = next((i for i, key in enumerate(keys) if key not in self._index), len(keys))
-            self._note_uses(keys[:n])
+            self._uses.note(keys[:n])
         missing = list(keys[n:])
         for store in self.stores:
             if not missing:
@@ -112,39 +121,6 @@ class HostTier:
         """Whether the chunk is in host memory now."""
         with self._cond:
             return key in self._index
-
-    def _note_uses(self, keys: Sequence[str]) -> None:
-        """With the lock held: queue pool hits to be passed down to the stores."""
-        if not keys:
-            return
-        queued = bool(self._uses)
-        self._uses.update(dict.fromkeys(keys))
-        if queued:
-            return  # a task queued already takes these too
-        self._passes += 1
-        try:
-            self._writers.submit(self._pass_task)
-        except RuntimeError:  # shut down
-            self._passes -= 1
-            self._uses.clear()
-
-    def _pass_task(self) -> None:
-        try:
-            self._pass_uses()
-        finally:
-            with self._cond:
-                self._passes -= 1
-                self._cond.notify_all()
-
-    def _pass_uses(self) -> None:
-        """Touch every use noted so far in every store. Uses being passed by another thread are passed
-        when this returns, so a write-back that calls it first evicts by an order that includes them."""
-        with self._passing:
-            with self._cond:
-                keys, self._uses = list(self._uses), {}
-            if keys:
-                for store in self.stores:
-                    store.touch(keys)
 
     # ---- restore side ---------------------------------------------------------------------------------
     def fetch(self, key: str) -> Future:
@@ -281,13 +257,16 @@ class HostTier:
         """Give back an image that will not be published."""
         self._free_unpublished([image.slot])
 
-    def publish(self, image: ChunkImage, key: str, tokens: list[int]) -> None:
+    def publish(self, image: ChunkImage, key: str, tokens: list[int], value: float | None = None) -> None:
         """Name a complete chunk and make it restorable now; write it back to the stores in the background.
+        ``value``: what keeping it in the pool saves (``eviction="cost"``), remembered for when it is loaded again.
         The caller's reference passes to the write-back, which writes its header. A chunk already held
         with every tensor this one has is kept, and this one given back; one held with fewer (saved by
         another plan) is replaced, in the pool now and in each store by the write-back."""
         image.key, image.tokens = key, list(tokens)
         with self._cond:
+            if value is not None:
+                self._values.set(key, value)
             if self._keeps(key, image):
                 return
             old = self._index.remove(key)
@@ -319,7 +298,7 @@ class HostTier:
 
     def _write_back(self, image: ChunkImage, stores: list[ChunkStore], seal: bool) -> None:
         try:
-            self._pass_uses()
+            self._uses.pass_down()
             for store in stores:
                 with self._cond:
                     if self._image(image.key) is not image:
@@ -348,7 +327,7 @@ class HostTier:
         """Wait until every published chunk has been written back to every store (or has failed to be),
         and every use noted has been passed down."""
         with self._cond:
-            while self._writebacks or self._passes:
+            while self._writebacks or self._uses.queued:
                 self._cond.wait()
 
     # ---- capacity -------------------------------------------------------------------------------------
@@ -359,10 +338,10 @@ class HostTier:
 
     def _add(self, key: str, image: ChunkImage) -> None:
         """With the lock held: publish ``image`` in the pool as the most recently used chunk."""
-        self._index.add(key, Entry(image.slot.nbytes, self._index.clock(), image))
+        self._index.add(key, Entry(image.slot.nbytes, self._index.clock(), image, value=self._values.get(key)))
 
     def _alloc(self, nbytes: int, stalls: Stalls) -> Slot | None:
-        """A new slot, evicting the least recently used unreferenced chunks to make room, and waiting for
+        """A new slot, evicting unreferenced chunks by the policy to make room, and waiting for
         write-backs in flight while nothing else can (each wait counted in ``stalls``); None if even
         they cannot free enough."""
         began = None
@@ -371,7 +350,7 @@ class HostTier:
                 slot = self.pool.alloc(nbytes)
                 if slot is not None:
                     break
-                victim = self._index.pop_least_recent()
+                victim = self._index.pop_victim()
                 if victim is not None:
                     self.pool.free(victim[1].where.slot)
                     self.evictions += 1

@@ -3,8 +3,8 @@
 Entries are kept in least-recently-used order. A chunk that is pinned is never chosen for eviction; a chunk
 unused for longer than the TTL is expired. The disk store evicts by its quota (:meth:`LruIndex.make_room`),
 its pins counted in :attr:`Entry.pins` (a read or a write in flight); the host tier evicts when its pool has
-no room (:meth:`LruIndex.pop_least_recent`), a chunk pinned while its slot is referenced (``pinned``). Not
-thread-safe by itself: its owner holds a lock around every call.
+no room (:meth:`LruIndex.pop_victim`, by the index's :mod:`~.eviction` policy), a chunk pinned while its slot
+is referenced (``pinned``). Not thread-safe by itself: its owner holds a lock around every call.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .eviction import check_policy, victim
+
 
 @dataclass
 class Entry:
@@ -22,6 +24,7 @@ class Entry:
     where: Any  # where the owner keeps the chunk (the disk store: a directory index; the host tier: its image)
     pins: int = 0
     stamped: float = 0.0  # the last use the owner recorded where a restart finds it (the disk store: the file time)
+    value: float = 0.0  # what keeping it saves, the owner's opaque number (cost-aware eviction: :mod:`.eviction`)
 
 
 def _has_pins(entry: Entry) -> bool:
@@ -30,11 +33,12 @@ def _has_pins(entry: Entry) -> bool:
 
 class LruIndex:
     """``quota_bytes``, ``ttl_s``: None for none. ``pinned``: whether an entry may not be evicted now (by
-    default, whether it has pins)."""
+    default, whether it has pins). ``policy``: what :meth:`pop_victim` gives up first (:mod:`.eviction`)."""
 
     def __init__(self, quota_bytes: int | None = None, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 *, pinned: Callable[[Entry], bool] = _has_pins):
+                 *, pinned: Callable[[Entry], bool] = _has_pins, policy: str = "lru"):
         self.quota_bytes, self.ttl_s, self.clock, self.pinned = quota_bytes, ttl_s, clock, pinned
+        self.policy = check_policy(policy)
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.used_bytes = 0
 
@@ -94,9 +98,10 @@ class LruIndex:
             return None
         return [(key, self.remove(key)) for key in victims]
 
-    def pop_least_recent(self) -> tuple[str, Entry] | None:
-        """Remove and return the least recently used entry that is not pinned; None if every one is."""
-        key = next((key for key, entry in self.entries.items() if not self.pinned(entry)), None)
+    def pop_victim(self) -> tuple[str, Entry] | None:
+        """Remove and return the unpinned entry the policy gives up first; None if every one is pinned."""
+        idle = ((key, e.value, e.size, e.last_used) for key, e in self.entries.items() if not self.pinned(e))
+        key = victim(self.policy, idle, self.clock())
         return None if key is None else (key, self.remove(key))
 
     def remove_unpinned(self) -> list[tuple[str, Entry]]:

@@ -71,9 +71,10 @@ class StoreConfig:
         *,
         pin: bool = False,
         readers: int = DEFAULT_READERS,
+        eviction: str = "lru",
     ) -> HostTier:
         """The host tier over the disk store in ``dirs`` (None: no local disk) and the shared ``tiers``;
-        ``pin``: page-lock the pool for DMA to a GPU."""
+        ``pin``: page-lock the pool for DMA to a GPU; ``eviction``: the pool's policy (:mod:`.eviction`)."""
         if self.host_bytes <= 0:
             raise StorageError(f"host_bytes must be positive, not {self.host_bytes}")
         if dirs is None and not self.tiers:
@@ -88,7 +89,7 @@ class StoreConfig:
             for store in stores:
                 store.close()
             raise
-        return HostTier(stores, HostPool(self.host_bytes, pin=pin), readers=readers, writers=self.writers)
+        return HostTier(stores, HostPool(self.host_bytes, pin=pin), readers=readers, writers=self.writers, eviction=eviction)
 
     def _disk(self, dirs, labels: Mapping[str, str] | None, shared: bool) -> DiskChunkStore:
         return DiskChunkStore(

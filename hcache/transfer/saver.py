@@ -90,7 +90,8 @@ class ChunkSaver:
     format)``: whether this saver stores that format of a sequence's chunk (a tensor-parallel rank stores
     the hidden states of only some chunks); a chunk is published with what it stores, even nothing, so that
     its key and tokens are on record. ``stage``: stage chunks on the rows' device and copy each to the host
-    once, when full (None: when the rows are on a GPU)."""
+    once, when full (None: when the rows are on a GPU). ``value(chunk_index)``: what keeping a sequence's
+    chunk in the host pool saves, given to the tier with it (:meth:`HostTier.publish`; opaque here)."""
 
     def __init__(
         self,
@@ -100,8 +101,9 @@ class ChunkSaver:
         *,
         stores: Callable[[int, str], bool] = lambda chunk, fmt: True,
         stage: bool | None = None,
+        value: Callable[[int], float | None] = lambda chunk: None,
     ):
-        self.tier, self.fingerprint, self.stores, self.stage = tier, fingerprint, stores, stage
+        self.tier, self.fingerprint, self.stores, self.stage, self.value = tier, fingerprint, stores, stage, value
         self.chunks_published = 0
         self._tensors = [TensorSpec(*t) for t in tensors]
         self._layouts: dict[frozenset[tuple[int, str]], ChunkLayout] = {}
@@ -297,7 +299,8 @@ class ChunkSaver:
                     continue
                 del p.seq.chunks[chunk.index]
                 if chunk.image is not None:
-                    self.tier.publish(chunk.image, *p.seq.chain.chunk(chunk.index))  # keyed before the forward
+                    key, tokens = p.seq.chain.chunk(chunk.index)  # keyed before the forward
+                    self.tier.publish(chunk.image, key, tokens, self.value(chunk.index))
                     self.chunks_published += 1
         self._give_back(batch.dead)
 

@@ -12,7 +12,8 @@ from hcache.model.fingerprint import model_fingerprint
 from hcache.serving.metrics import serve_metrics
 from hcache.serving.runtime import HCacheRuntime
 from hcache.serving.engine import ServingEngine
-from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+from hcache.serving.gpu_prefix_cache import GpuPrefixCache
+from hcache.storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
 
 NO_STOP = set()
 
@@ -207,3 +208,76 @@ def test_metrics_count_and_are_served_for_prometheus(llama, tmp_path, rng):
         finally:
             server.shutdown()
         assert f"hcache_gpu_cache_hit_tokens_total {float(r.gpu_tokens)}" in text
+
+
+class _Blocks:
+    """The part of an engine the cache's keep and evict use: blocks of 64 rows, and which are free."""
+
+    block_size = CHUNK_TOKENS
+
+    def __init__(self, n: int):
+        self.free = list(range(n))
+
+    @property
+    def free_blocks(self) -> torch.Tensor:
+        return torch.tensor([len(self.free)])
+
+    def take(self, n: int) -> list[int]:
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        self.free += blocks
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _kept(eviction: str) -> tuple[GpuPrefixCache, _Blocks, _Clock, list[str], list[str]]:
+    """A cache valuing rows by their depth, holding a conversation of 4 chunks kept at t=0 and one of 1
+    chunk kept at t=1; now t=2."""
+    engine, clock = _Blocks(8), _Clock()
+    cache = GpuPrefixCache(engine, eviction=eviction, value=lambda start, tokens: float(start + tokens), clock=clock)
+    chains = []
+    for n, seed in ((4, 1), (1, 2)):
+        chain = KeyChain(root_key("fake"))
+        chain.extend([seed] * (n * CHUNK_TOKENS))
+        cache.keep(engine.take(n), chain, n * CHUNK_TOKENS)
+        chains.append([key for key, _ in chain.chunks])
+        clock.now += 1
+    return cache, engine, clock, *chains
+
+
+def test_cost_eviction_keeps_the_deep_conversation_that_lru_drops():
+    """Each policy evicts one block. LRU takes the least recently used entry, the long conversation's last
+    chunk; cost takes the short one's chunk, which saves 64 per row against 256 (idle 1 s against 2 s)."""
+    lru, _, _, long, short = _kept("lru")
+    assert lru.make_room(4) and lru.evictions == 1
+    assert [key in lru for key in long + short] == [True, True, True, False, True]
+    cost, _, _, long, short = _kept("cost")
+    assert cost.make_room(4) and cost.evictions == 1
+    assert [key in cost for key in long + short] == [True, True, True, True, False]
+
+
+def test_cost_eviction_takes_chain_ends_only_and_never_a_pinned_entry():
+    """A prefix outlives its continuations however cheap it is, and an entry being adopted stays."""
+    cache, engine, clock, long, short = _kept("cost")
+    adoption = cache.match([2] * CHUNK_TOKENS + [0], short, root_key("fake"), 0, CHUNK_TOKENS)
+    assert adoption.tokens == CHUNK_TOKENS
+    clock.now = 100.0
+    for free, kept in [(4, 3), (5, 2), (6, 1), (7, 0)]:
+        assert cache.make_room(free)
+        assert [key in cache for key in long] == [i < kept for i in range(4)] and short[0] in cache
+    assert not cache.make_room(8)  # only the pinned entry's block is left
+    cache.unpin(adoption)
+    assert cache.make_room(8) and len(engine.free) == 8
+
+
+def test_the_eviction_setting_reaches_the_gpu_cache_and_the_host_pool(llama, tmp_path):
+    for eviction in ("lru", "cost"):
+        with HCacheRuntime(llama, tmp_path / eviction, plan="KV", gpu_cache=True, eviction=eviction) as runtime:
+            assert runtime.gpu_cache.eviction == runtime.store.eviction == eviction

@@ -89,6 +89,41 @@ def test_lru_eviction_never_takes_a_referenced_slot(tmp_path):
     tier.close()
 
 
+def _valued(tier: HostTier, monkeypatch, values: dict[str, float]) -> None:
+    """Publish as the saver does, with the value it gives each chunk (1 unless ``values`` says)."""
+    publish = tier.publish
+    monkeypatch.setattr(tier, "publish", lambda image, key, tokens: publish(image, key, tokens, values.get(key, 1.0)))
+
+
+@pytest.mark.parametrize("eviction, kept", [("cost", [True, False, True, True]), ("lru", [False, True, True, True])])
+def test_cost_eviction_keeps_the_expensive_chunk_that_lru_drops(tmp_path, monkeypatch, eviction, kept):
+    """Chunk 0 saves a billion times more than the others: cost eviction gives up the cheap chunk idle
+    longest (1) instead of the least recently used (0); LRU takes 0, as it always has."""
+    tier = _tier(tmp_path, 3, eviction=eviction)
+    _valued(tier, monkeypatch, {chunk(0).key: 1e9})
+    for i in range(4):
+        publish(tier, chunk(i))
+        tier.flush()
+        time.sleep(0.01)
+    assert [tier.resident(chunk(i).key) for i in range(4)] == kept and tier.evictions == 1
+    tier.close()
+
+
+def test_a_chunk_loaded_back_from_disk_keeps_the_value_it_was_published_with(tmp_path, monkeypatch):
+    tier = _tier(tmp_path, 3, eviction="cost", readers=0)
+    _valued(tier, monkeypatch, {chunk(0).key: 1e9})
+    for i in range(3):
+        publish(tier, chunk(i))
+    tier.flush()
+    assert tier.drop_resident() == 3
+    for i in range(3):  # loaded from disk, least recent first: 0, 1, 2
+        tier.release(tier.fetch(chunk(i).key).result())
+    publish(tier, chunk(3))
+    tier.flush()
+    assert [tier.resident(chunk(i).key) for i in range(4)] == [True, False, True, True]
+    tier.close()
+
+
 def test_a_pool_full_of_write_backs_stalls_the_saver_then_frees(tmp_path, monkeypatch):
     tier = _tier(tmp_path, 2)
     gate, put = threading.Event(), tier.stores[0].put

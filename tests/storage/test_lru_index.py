@@ -29,7 +29,7 @@ def test_entries_are_kept_least_recently_used_first_and_a_touch_renews_one():
     clock.now += 5
     assert index.touch("a").last_used == clock.now
     assert list(index.entries) == ["b", "c", "a"] and len(index) == 3 and "a" in index
-    assert index.pop_least_recent()[0] == "b"
+    assert index.pop_victim()[0] == "b"
     assert list(index.entries) == ["c", "a"]
 
 
@@ -95,9 +95,9 @@ def test_a_pinned_predicate_replaces_the_pin_count():
     index, _ = _index(pinned=lambda entry: entry.where in referenced)
     for key in "abc":
         _add(index, key, 10)
-    assert index.pop_least_recent()[0] == "b"
+    assert index.pop_victim()[0] == "b"
     referenced.add("c")
-    assert index.pop_least_recent() is None and list(index.entries) == ["a", "c"]
+    assert index.pop_victim() is None and list(index.entries) == ["a", "c"]
     referenced.clear()
     assert [key for key, _ in index.remove_unpinned()] == ["a", "c"] and index.used_bytes == 0
 
@@ -110,3 +110,15 @@ def test_remove_unpinned_leaves_the_pinned_entries_in_their_order():
     _add(index, "d", 10)
     assert [key for key, _ in index.remove_unpinned()] == ["b", "d"]
     assert list(index.entries) == ["a", "c"] and index.used_bytes == 20
+
+
+def test_the_cost_policy_pops_the_least_valuable_entry_per_byte_and_idle_second():
+    index, clock = _index(policy="cost")
+    _add(index, "deep", 10).value = 50.0  # least recent, but costly to recompute
+    clock.now += 5
+    _add(index, "shallow", 10).value = 1.0
+    _add(index, "pinned", 10, pins=1).value = 0.0
+    clock.now += 5
+    # deep: 50 / 10 / 10 s = 0.5; shallow: 1 / 10 / 5 s = 0.02; pinned is never chosen
+    assert index.pop_victim()[0] == "shallow"
+    assert index.pop_victim()[0] == "deep" and index.pop_victim() is None
