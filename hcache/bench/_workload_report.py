@@ -30,6 +30,23 @@ def print_table(result: dict) -> None:
               f"{ref['auto_gpu_cache']['ttft_p50_s'] / ref['auto']['ttft_p50_s']:.2f}x auto alone's")
 
 
+def print_eviction(result: dict) -> None:
+    """Each method's replays under each eviction policy side by side, at every rate: TTFT, the tokens
+    restored from each tier, and cost's TTFT over LRU's."""
+    policies, runs = result["eviction"], result["methods"]
+    tiers = sorted({tier for m in runs.values() for r in m["by_rate"] for tier in r["tier_tokens"]})
+    print(f"eviction: {' vs '.join(policies)} (tokens restored by tier: {', '.join(tiers)})")
+    for method in dict.fromkeys(name.rsplit(":", 1)[0] for name in runs):
+        for i, rate in enumerate(result["rates"]):
+            by = {p: runs[f"{method}:{p}"]["by_rate"][i] for p in policies}
+            for p, r in by.items():
+                tokens = " ".join(f"{r['tier_tokens'].get(t, 0):>7}" for t in tiers)
+                print(f"{method:>14} {rate:>6.2f}/s {p:>4}: TTFT p50 {r['ttft_p50_s']:.3f} s, p99 {r['ttft_p99_s']:.3f} s; tokens {tokens}")
+            if {"cost", "lru"} <= by.keys():
+                cost, lru = by["cost"], by["lru"]
+                print(f"{'':>14} cost/lru: TTFT p50 {cost['ttft_p50_s'] / lru['ttft_p50_s']:.2f}x, p99 {cost['ttft_p99_s'] / lru['ttft_p99_s']:.2f}x")
+
+
 def _f(x: float | None, width: int, digits: int) -> str:
     return f"{'-':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
 

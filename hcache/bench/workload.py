@@ -37,6 +37,11 @@ that tokenize back to the same ids: a ``random:`` model is saved with ``hcache b
 tokenizer (exact, replies included); an HF model's prompts are drawn from its whole-word tokens and its
 replies are tokenized again from their text, so a reply's ids may differ slightly from the model's.
 ``ideal`` is runtime-only.
+
+``--eviction cost,lru`` replays each method under each eviction policy of the GPU prefix cache and the host
+pool (:mod:`hcache.storage.eviction`), side by side in one run (``method:policy``), and prints TTFT and the
+tokens restored from each tier by policy, with cost's ratios to LRU. Eviction needs memory pressure:
+``--kv-blocks`` small for the GPU cache, ``--host-mib`` for the host pool.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ import heapq
 import json
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +64,9 @@ from ..serving.records import RestoreStep
 from ..serving.runtime import HCacheRuntime, RequestResult
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import DEFAULT_READERS
-from ._workload_report import METRICS, plot, print_table, write_csv
+from ..storage.stored_state import Tier
+from ._workload_options import kv_blocks, memory_settings, parse_policies, parse_rates, profile_tokens
+from ._workload_report import METRICS, plot, print_eviction, print_table, write_csv
 from .traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
 
 METHODS = ("ideal", "recompute", "kv", "auto", "auto_gpu_cache")
@@ -100,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="--through mii: auto is FastGen on a GPU")
     parser.add_argument("--methods", default=None,
                         help=f"runtime: a subset of {','.join(METHODS)}; mii: of {','.join(MII_METHODS)} (mii on FastGen only)")
+    parser.add_argument("--eviction", default=None,
+                        help="comma-separated eviction policies (cost, lru): every method replayed under each, side by side (default: the runtime's)")
+    parser.add_argument("--host-mib", type=int, default=None, help="the host pool in MiB, for memory pressure (default: the runtime's)")
     parser.add_argument("--profile", default=None, help="profile for the auto plan (default: measure one at start)")
     parser.add_argument("--readers", type=int, default=DEFAULT_READERS)
     parser.add_argument("--csv", dest="csv_path", default=None, help="write one row per method and rate here (default: next to --json)")
@@ -107,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    rates = _rates(args.rates)
+    rates = parse_rates(args.rates)
     engine = _mii_engine(args) if args.through == "mii" else None
     offered = METHODS if engine is None else [m for m in MII_METHODS if m != "mii" or engine == "fastgen"]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else list(offered)
@@ -119,6 +130,10 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--kv-blocks must hold a whole history of --max-tokens {args.max_tokens}: at least {least}")
     if args.zipf is not None and (args.sharegpt or args.trace not in LEVAL):
         raise ValueError("--zipf applies to the L-Eval presets only")
+    policies = parse_policies(args.eviction)
+    if args.host_mib is not None and args.host_mib < 1:
+        raise ValueError(f"--host-mib must be at least 1, not {args.host_mib}")
+    runs = [(m, p, m if p is None else f"{m}:{p}") for m in methods for p in policies]
     loaded = load_model(args.model, dtype=model_dtype(args.dtype, args.device), device=args.device)
     spec = loaded.spec
     if not CHUNK_TOKENS <= args.max_tokens <= spec.max_positions:
@@ -128,20 +143,20 @@ def run(args: argparse.Namespace) -> dict:
     if {"auto", "auto_gpu_cache"} & set(methods):
         profile = (
             Profile.load(args.profile, spec) if args.profile
-            else measure_profile(loaded, sorted({CHUNK_TOKENS, args.max_tokens}), repeats=2, readers=args.readers)
+            else measure_profile(loaded, profile_tokens(args.max_tokens), repeats=2, readers=args.readers)
         )
     requests = sum(len(s.turns) for s in traces[0].sessions)
-    by_rate: dict[str, list[dict]] = {m: [] for m in methods}
+    by_rate: dict[str, list[dict]] = {name: [] for *_, name in runs}
     with tempfile.TemporaryDirectory(prefix="hcache-workload-") as tmp, \
-            tqdm(total=requests * len(rates) * len(methods), desc="replay", unit="req") as bar:
+            tqdm(total=requests * len(rates) * len(runs), desc="replay", unit="req") as bar:
         if engine is None:
             serve, words = _runtime(loaded, profile, args, traces[0]), np.arange(spec.vocab_size)
         else:
             serve, words = _through_mii(loaded, engine, profile, args, Path(tmp))
         for rate, trace in zip(rates, traces):
-            for method in methods:
-                bar.set_postfix(rate=rate, method=method)
-                by_rate[method].append(_replay(serve, words, trace, rate, method, args, bar))
+            for method, policy, name in runs:
+                bar.set_postfix(rate=rate, method=name)
+                by_rate[name].append(_replay(lambda d, m=method, p=policy: serve(m, d, p), words, trace, rate, method, args, bar))
     sessions = traces[0].sessions
     turns = [t for s in sessions for t in s.turns]
     result = {
@@ -151,17 +166,20 @@ def run(args: argparse.Namespace) -> dict:
             "name": traces[0].name, "sessions": len(sessions), "requests": requests, "seed": args.seed,
             "scale": args.scale, "max_output": args.max_output, "max_tokens": args.max_tokens,
             "max_turns": args.max_turns, "think_scale": args.think_scale, "zipf": args.zipf,
-            "kv_blocks": _kv_blocks(args),
+            "kv_blocks": kv_blocks(args), "host_mib": args.host_mib,
             "mean_input_tokens": float(np.mean([t.input_tokens for t in turns])),
             "mean_output_tokens": float(np.mean([t.output_tokens for t in turns])),
             "mean_session_tokens": float(np.mean([s.total_tokens for s in sessions])),
         },
         "rates": rates,
         "reference_rate": rates[0],
+        "eviction": [p for p in policies if p is not None],
         # the headline figures are at the lowest rate, where queueing least hides the method's own cost
         "methods": {m: {**{k: runs[0][k] for k in METRICS}, "by_rate": runs} for m, runs in by_rate.items()},
     }
     print_table(result)
+    if len(policies) > 1:
+        print_eviction(result)
     stem = Path(args.json_path).with_suffix("") if args.json_path else None
     csv_path = args.csv_path or (f"{stem}.csv" if stem else None)
     if csv_path:
@@ -170,20 +188,6 @@ def run(args: argparse.Namespace) -> dict:
     if plot_path:
         plot(result, plot_path)
     return result
-
-
-def _kv_blocks(args: argparse.Namespace) -> int:
-    return args.kv_blocks or 4 * -(-args.max_tokens // CHUNK_TOKENS)
-
-
-def _rates(text: str) -> list[float]:
-    try:
-        rates = sorted({float(r) for r in text.split(",") if r.strip()})
-    except ValueError:
-        raise ValueError(f"--rates must be comma-separated numbers, not {text!r}") from None
-    if not rates or not all(r > 0 and np.isfinite(r) for r in rates):
-        raise ValueError(f"--rates must be positive sessions per second, not {text!r}")
-    return rates
 
 
 def _trace(args: argparse.Namespace, loaded: LoadedModel, rate: float) -> Trace:
@@ -208,12 +212,12 @@ def _runtime(loaded: LoadedModel, profile: Profile | None, args, trace: Trace):
     for every session's history too, so its GPU prefix cache never evicts."""
     every_history = sum(-(-s.total_tokens // CHUNK_TOKENS) for s in trace.sessions)
 
-    def serve(method: str, store_dir: str) -> _Runtime:
+    def serve(method: str, store_dir: str, eviction: str | None) -> _Runtime:
         plan, save, restore, gpu_cache = _RUNTIME[method]
         return _Runtime(HCacheRuntime(
             loaded, store_dir, plan=plan, save=save, profile=profile if plan == "auto" else None,
-            readers=args.readers, num_blocks=_kv_blocks(args) + (every_history if method == "ideal" else 0),
-            gpu_cache=gpu_cache,
+            readers=args.readers, num_blocks=kv_blocks(args) + (every_history if method == "ideal" else 0),
+            gpu_cache=gpu_cache, **memory_settings(args, eviction),
         ), restore)
 
     return serve
@@ -261,11 +265,12 @@ def _through_mii(loaded: LoadedModel, engine: str, profile: Profile | None, args
     mii_options = {"inference_engine_config": _fastgen_memory(args, loaded.spec.head_size)} if engine == "fastgen" else {}
     placed = {"device": args.device} if engine == "reference" else {}
 
-    def serve(method: str, store_dir: str) -> _Mii:
+    def serve(method: str, store_dir: str, eviction: str | None) -> _Mii:
         options = _MII[method]
         config = None if options is None else {
             "engine": engine, "store_dirs": [store_dir], "request_log": f"{store_dir}/requests.jsonl",
-            "num_blocks": _kv_blocks(args), "readers": args.readers, "dtype": args.dtype, **placed, **options,
+            "num_blocks": kv_blocks(args), "readers": args.readers, "dtype": args.dtype, **placed, **options,
+            **memory_settings(args, eviction),
             **({"profile": str(tmp / "profile.json")} if options.get("plan") == "auto" else {}),
         }
         return _Mii(str(path), tokenizer, config, mii_options)
@@ -278,7 +283,7 @@ def _fastgen_memory(args: argparse.Namespace, head_size: int) -> dict:
     blocks of FastGen's own size for this head size (DeepSpeed's rule; it reads the GPU's capability)."""
     from deepspeed.inference.v2.kernels.ragged_ops.blocked_flash.blocked_flash import get_kv_block_size
 
-    blocks = -(-_kv_blocks(args) * CHUNK_TOKENS // get_kv_block_size(head_size))
+    blocks = -(-kv_blocks(args) * CHUNK_TOKENS // get_kv_block_size(head_size))
     return {"state_manager": {"memory_config": {"mode": "allocate", "size": blocks}}}
 
 
@@ -335,6 +340,7 @@ class _Mii:
             restores=[RestoreStep(**step) for step in record.get("restores", [])],
             gpu_tokens=record.get("gpu_tokens", 0),
             prefetch_hidden_s=record.get("prefetch_hidden_s", 0.0),
+            tier_tokens=record.get("tier_tokens", {}),
         )
 
     def __enter__(self) -> "_Mii":
@@ -347,12 +353,12 @@ class _Mii:
 
 
 def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, args, bar: tqdm) -> dict:
-    """One method's replay at one rate, through ``serve(method, store_dir)`` (the runtime's or MII's)."""
+    """One method's replay at one rate, through ``serve(store_dir)`` (the runtime's or MII's)."""
     sessions = trace.sessions
     ttft, tbt, restore_s, busy, restored, outputs, plans = [], [], 0.0, 0.0, 0, 0, set()
-    gpu_tokens, hidden_s, replies = 0, 0.0, {}
+    gpu_tokens, hidden_s, replies, tiers = 0, 0.0, {}, Counter()
     with tempfile.TemporaryDirectory(prefix=f"hcache-workload-{method}-") as store_dir:
-        with serve(method, store_dir) as runtime:
+        with serve(store_dir) as runtime:
             history = {
                 i: _ids(args.seed, (1, s.document), s.context_tokens, words) if s.context_tokens else []
                 for i, s in enumerate(sessions)
@@ -384,6 +390,7 @@ def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, ar
                 restore_s += r.restore_s - free
                 restored += r.restored_tokens
                 gpu_tokens += r.gpu_tokens
+                tiers.update(r.tier_tokens)
                 hidden_s += r.prefetch_hidden_s
                 outputs += len(r.output_ids)
                 plans.update(step.plan for step in r.restores)
@@ -408,6 +415,7 @@ def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, ar
         "requests": len(ttft),
         "restored_tokens": restored,
         "gpu_tokens": gpu_tokens,
+        "tier_tokens": {Tier.GPU_CACHE.value: gpu_tokens, **tiers} if gpu_tokens else dict(tiers),  # restored, by where from
         "gpu_cache_hit_rate": cache.hit_tokens / max(cache.hit_tokens + cache.miss_tokens, 1) if cache else None,
         "prefetch_hidden_s": hidden_s,
         "plans": sorted(plans),

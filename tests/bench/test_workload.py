@@ -147,7 +147,25 @@ def test_bench_workload_reports_every_method(tmp_path):
     assert (tmp_path / "workload.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("bad", [["--rates", "0,1"], ["--rates", "fast"], ["--max-tokens", "4096"], ["--methods", "kv,magic"], ["--kv-blocks", "3"]])
+def test_bench_workload_replays_each_eviction_policy_side_by_side(tmp_path, capsys):
+    out = tmp_path / "eviction.json"
+    args = ["bench", "workload", "--model", "random:llama", "--sessions", "3", "--rates", "2", "--scale", "1", "--max-output", "8",
+            "--max-tokens", "384", "--max-turns", "4", "--methods", "auto_gpu_cache", "--eviction", "cost,lru", "--kv-blocks", "6",
+            "--host-mib", "1", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["eviction"] == ["cost", "lru"] and result["trace"]["host_mib"] == 1
+    runs = {name: m["by_rate"][0] for name, m in result["methods"].items()}
+    assert set(runs) == {"auto_gpu_cache:cost", "auto_gpu_cache:lru"}
+    assert runs["auto_gpu_cache:cost"]["replies"] == runs["auto_gpu_cache:lru"]["replies"]  # eviction changes no reply
+    for r in runs.values():
+        assert r["tier_tokens"]["gpu_cache"] == r["gpu_tokens"] > 0
+        assert sum(r["tier_tokens"].values()) == r["restored_tokens"]
+    assert "cost/lru: TTFT p50" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [["--rates", "0,1"], ["--rates", "fast"], ["--max-tokens", "4096"], ["--methods", "kv,magic"], ["--kv-blocks", "3"],
+                                 ["--eviction", "lfu"], ["--host-mib", "0"]])
 def test_bench_workload_refuses_bad_options(bad, capsys):
     assert main(["bench", "workload", "--model", "random:llama", "--sessions", "2", *bad]) == 2
     assert "hcache: error:" in capsys.readouterr().err
