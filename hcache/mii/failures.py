@@ -33,6 +33,7 @@ import grpc
 import torch
 
 from ..errors import HCacheError, InvalidRequestError
+from .reply_record import with_record
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +272,8 @@ def aborting_with_status(reply):
 def ending_cleanly(reply):
     """MII's streamed reply, ended cleanly when its client goes away: the request leaves the loop at its next
     step (rather than generating to its end for nobody), and nothing of it is left in the thread's result
-    queue for the thread's next call (MII's own asserts on a stale result)."""
+    queue for the thread's next call (MII's own asserts on a stale result). Its first message carries the
+    request's restore record (:mod:`hcache.mii.reply_record`), complete once the prompt has run."""
 
     def generator_reply_stream(self, request, context):
         pipeline, tid = self.inference_pipeline, threading.get_ident()
@@ -279,9 +281,9 @@ def ending_cleanly(reply):
             context.add_callback(call.cancel)  # on the call's end: a no-op once it has finished
             finished = completed = False
             try:
-                for message in reply(self, request, context):
+                for i, message in enumerate(reply(self, request, context)):
                     finished = message.response[0].finish_reason != "none"
-                    yield message
+                    yield with_record(message, pipeline.inference_engine.reply(call.uids[0])) if i == 0 else message
                 completed = True  # MII freed the uid and the thread's decoder itself
             except Exception as exc:  # the reader got the call's failure: the loop has dropped its request
                 finished = True

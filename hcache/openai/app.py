@@ -37,6 +37,7 @@ from .protocol import (
     CompletionRequest,
     Delta,
     ErrorBody,
+    HCacheReport,
     ErrorResponse,
     Model,
     ModelList,
@@ -255,6 +256,10 @@ class _Format(abc.ABC):
         return Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
                      total_tokens=last.prompt_tokens + last.completion_tokens)  # fmt: skip
 
+    @staticmethod
+    def report(last: Piece) -> HCacheReport | None:
+        return HCacheReport(**last.hcache) if last.hcache is not None else None
+
     @abc.abstractmethod
     def whole(self, text: str, last: Piece) -> ChatCompletion | Completion: ...
 
@@ -263,8 +268,9 @@ class _Format(abc.ABC):
         """The stream's first chunk, before any text: a chat's role, a completion's echoed prompt."""
 
     @abc.abstractmethod
-    def chunk(self, text: str, finish_reason: str | None = None, usage: Usage | None = None) -> ChatCompletionChunk | Completion:
-        """A chunk of ``text``, or with ``usage``, the chunk of usage alone."""
+    def chunk(self, text: str, last: Piece | None = None, usage: Usage | None = None) -> ChatCompletionChunk | Completion:
+        """A chunk of ``text`` (the last, with ``last``'s finish reason and restore report), or with
+        ``usage``, the chunk of usage alone."""
 
 
 class _ChatFormat(_Format):
@@ -272,14 +278,15 @@ class _ChatFormat(_Format):
 
     def whole(self, text: str, last: Piece) -> ChatCompletion:
         choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)
-        return ChatCompletion(id=self.id, model=self.model, choices=[choice], usage=self.usage(last))
+        return ChatCompletion(id=self.id, model=self.model, choices=[choice], usage=self.usage(last), hcache=self.report(last))
 
     def opening(self) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, model=self.model, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))])
 
-    def chunk(self, text: str, finish_reason: str | None = None, usage: Usage | None = None) -> ChatCompletionChunk:
-        choices = [] if usage is not None else [ChatChunkChoice(delta=Delta(content=text), finish_reason=finish_reason)]
-        return ChatCompletionChunk(id=self.id, model=self.model, choices=choices, usage=usage)
+    def chunk(self, text: str, last: Piece | None = None, usage: Usage | None = None) -> ChatCompletionChunk:
+        reason, report = (last.finish_reason, self.report(last)) if last is not None else (None, None)
+        choices = [] if usage is not None else [ChatChunkChoice(delta=Delta(content=text), finish_reason=reason)]
+        return ChatCompletionChunk(id=self.id, model=self.model, choices=choices, usage=usage, hcache=report)
 
 
 class _CompletionFormat(_Format):
@@ -287,14 +294,15 @@ class _CompletionFormat(_Format):
 
     def whole(self, text: str, last: Piece) -> Completion:
         choice = CompletionChoice(text=self.prefix + text, finish_reason=last.finish_reason)
-        return Completion(id=self.id, model=self.model, choices=[choice], usage=self.usage(last))
+        return Completion(id=self.id, model=self.model, choices=[choice], usage=self.usage(last), hcache=self.report(last))
 
     def opening(self) -> Completion | None:
         return self.chunk(self.prefix) if self.prefix else None
 
-    def chunk(self, text: str, finish_reason: str | None = None, usage: Usage | None = None) -> Completion:
-        choices = [] if usage is not None else [CompletionChoice(text=text, finish_reason=finish_reason)]
-        return Completion(id=self.id, model=self.model, choices=choices, usage=usage)
+    def chunk(self, text: str, last: Piece | None = None, usage: Usage | None = None) -> Completion:
+        reason, report = (last.finish_reason, self.report(last)) if last is not None else (None, None)
+        choices = [] if usage is not None else [CompletionChoice(text=text, finish_reason=reason)]
+        return Completion(id=self.id, model=self.model, choices=choices, usage=usage, hcache=report)
 
 
 async def _events(first: Piece, pieces: AsyncIterator[Piece], form: _Format, include_usage: bool) -> AsyncIterator[str]:
@@ -312,7 +320,7 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], form: _Format, inc
         try:
             while True:
                 if piece.text or piece.finish_reason is not None:
-                    yield event(form.chunk(piece.text, piece.finish_reason))
+                    yield event(form.chunk(piece.text, piece if piece.finish_reason is not None else None))
                 if piece.finish_reason is not None:
                     break
                 piece = await anext(pieces)

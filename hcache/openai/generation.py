@@ -13,17 +13,21 @@ from mii.grpc_related.proto.modelresponse_pb2 import MultiStringRequest
 from mii.grpc_related.proto.modelresponse_pb2_grpc import ModelResponseStub
 from mii.utils import kwarg_dict_to_proto
 
+from ..mii.reply_record import record_of
 from .errors import http_status
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One message of a generation: new text, and on the last one why it ended ("stop" or "length")."""
+    """One message of a generation: new text, and on the last one why it ended ("stop" or "length");
+    ``hcache``: the request's restore record (:meth:`~hcache.serving.records.SequenceRecord.reply`), on every
+    piece once the first message brought it."""
 
     text: str
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    hcache: dict | None = None
 
 
 class DeploymentError(Exception):
@@ -46,12 +50,14 @@ class Deployment:
         """The pieces of ``prompt``'s generation with MII's generation ``options``. Leaving the iteration
         early cancels the call."""
         request = MultiStringRequest(request=[prompt], query_kwargs=kwarg_dict_to_proto({**options, "stream": True}))
-        call = self._stub.GeneratorReplyStream(request)
+        call, first, record = self._stub.GeneratorReplyStream(request), True, None
         try:
             async for reply in call:
+                if first:
+                    first, record = False, record_of(reply)
                 r = reply.response[0]
                 reason = None if r.finish_reason == "none" else r.finish_reason
-                yield Piece(r.response, reason, r.prompt_tokens, r.generated_tokens)
+                yield Piece(r.response, reason, r.prompt_tokens, r.generated_tokens, record)
         except grpc.aio.AioRpcError as exc:
             raise DeploymentError(http_status(exc.code()), exc.details() or f"the deployment answered {exc.code().name}") from None
         finally:

@@ -124,12 +124,24 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class HCacheReport(BaseModel):
+    """The ``hcache`` object beside ``usage`` (OpenAI clients ignore it): the prompt's tokens restored, by
+    tier, and why stored tokens were computed instead (docs/misses.md)."""
+
+    restored_tokens: int
+    tier_tokens: dict[str, int]
+    miss_tokens: dict[str, int]
+    plan: str
+    lossy: bool
+
+
 class _Response(BaseModel):
     id: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     system_fingerprint: Optional[str] = None
     usage: Optional[Usage] = None
+    hcache: Optional[HCacheReport] = None  # on a whole response, and on a stream's chunk with the finish reason
 
 
 def response_id(prefix: str) -> str:

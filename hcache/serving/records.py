@@ -95,7 +95,8 @@ class SequenceRecord:
 
     def reply(self) -> dict:
         """What a response tells its client of its restore (the ``hcache`` object beside ``usage``): the
-        request log's counts, with tokens by tier including the GPU prefix cache's. Whether another model
+        request log's counts of the prompt's restore, with tokens by tier including the GPU prefix cache's
+        (not the tokens computed: a streamed reply sends this while decoding goes on). Whether another model
         or tenant stored the prompt is the operator's to know, not the client's (it would let a client probe
         what others sent): both read ``never_stored`` here."""
         misses: Counter[str] = Counter()
@@ -103,8 +104,8 @@ class SequenceRecord:
             misses[_REPLIED.get(reason, reason)] += tokens
         tiers = {Tier.GPU_CACHE.value: self.gpu_tokens, **self.tier_tokens} if self.gpu_tokens else dict(self.tier_tokens)
         return {
-            "restored_tokens": self.restored_tokens, "computed_tokens": self.computed_tokens, "tier_tokens": tiers,
-            "miss_tokens": dict(misses), "plan": self.plan, "lossy": self.lossy,
+            "restored_tokens": self.restored_tokens, "tier_tokens": tiers, "miss_tokens": dict(misses), "plan": self.plan,
+            "lossy": self.lossy,
         }  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 
 from hcache import process_tree
 from hcache.model.loader import model_dir as resolve_model_dir
+from hcache.serving.records import SequenceRecord
 from support import FAULT_DIR, REPO
 
 MODEL = "smollm2"
@@ -82,6 +83,12 @@ class Server:
 
     def logged(self) -> list[dict]:
         return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+
+    def settled(self) -> None:
+        """Wait until earlier tests' requests are logged: a stream a client left is flushed a little later."""
+        lines = -1
+        while lines != (lines := len(self.logged())):
+            time.sleep(1)
 
     def next_logged(self, before: int, timeout_s: float = 30) -> dict:
         """The request log's line for the request made after it held ``before`` lines (a sequence is
@@ -286,19 +293,41 @@ def test_eight_concurrent_clients_each_get_their_own_reply(server):
         assert list(pool.map(ask, range(8))) == alone
 
 
+def _told(logged: dict) -> dict:
+    """What a response's ``hcache`` object says of the request the log line ``logged`` records."""
+    fields = ("restored_tokens", "gpu_tokens", "tier_tokens", "miss_tokens", "plan", "lossy")
+    return SequenceRecord(**{name: logged[name] for name in fields}).reply()
+
+
 def test_a_returning_conversation_restores_and_replies_as_recomputed(server):
     """Four turns, each resending the history: every reply equals the same turn sent under a fresh
-    ``cache_salt`` (a namespace with nothing stored: recomputed), and turns 2-4 restore the history."""
+    ``cache_salt`` (a namespace with nothing stored: recomputed), and turns 2-4 restore the history. Each
+    response's ``hcache`` object (issue 34) says what the request log says, except that a history stored
+    under another ``cache_salt`` reads never stored to the client; the stream's last chunk carries it too."""
     client, messages = server.client(), []
+    server.settled()
     for turn, question in enumerate(TURNS):
         messages.append({"role": "user", "content": question})
         before = len(server.logged())
-        reference = _greedy(client, messages, extra_body={"cache_salt": f"fresh-{uuid.uuid4().hex}"})
-        assert server.next_logged(before)["restored_tokens"] == 0
-        reply = _greedy(client, messages)
-        restored = server.next_logged(before + 1)["restored_tokens"]
-        assert reply == reference, turn
-        assert (restored > 0) == (turn > 0), (turn, restored)
+        fresh = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32,
+                                               extra_body={"cache_salt": f"fresh-{uuid.uuid4().hex}"})  # fmt: skip
+        logged = server.next_logged(before)
+        assert logged["restored_tokens"] == 0
+        assert set(logged["miss_tokens"]) <= {"never_stored", "other_cache_salt"}  # the latter: earlier turns stored it
+        assert turn == 0 or "other_cache_salt" in logged["miss_tokens"]
+        assert fresh.model_extra["hcache"] == _told(logged)
+        assert fresh.model_extra["hcache"]["miss_tokens"] == {"never_stored": sum(logged["miss_tokens"].values())}
+        whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
+        logged = server.next_logged(before + 1)
+        told = whole.model_extra["hcache"]
+        reply = whole.choices[0].message.content
+        assert reply == fresh.choices[0].message.content, turn
+        assert (logged["restored_tokens"] > 0) == (turn > 0), (turn, logged)
+        assert told == _told(logged) and told["restored_tokens"] == sum(told["tier_tokens"].values())
+        _, chunks = _streamed(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32, stream=True))
+        [last] = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+        assert last.model_extra["hcache"]["restored_tokens"] > 0 and all(c.model_extra["hcache"] is None for c in chunks if c is not last)
+        server.next_logged(before + 2)  # the stream's line is written before the next turn counts lines
         messages.append({"role": "assistant", "content": reply})
 
 
