@@ -103,13 +103,14 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
         corrupt_tensor(runtime.store, keys[2], 1, "H")
     dist.barrier()
     result = runtime.generate(prompt, NEW_TOKENS, plan="H")
-    seen["corrupt"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids)
+    seen["corrupt"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids, misses=result.miss_tokens)
     # Rank 1's chunk 1 goes missing: found when opening, before any layer is read.
     if rank == 1:
         runtime.store.discard(keys[1])
     dist.barrier()
     result = runtime.generate(prompt, NEW_TOKENS, plan="KV")
-    seen["missing"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids)
+    seen["missing"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids, misses=result.miss_tokens)
+    seen["miss_counters"] = {k: v for k, v in runtime.metrics.snapshot().items() if k.startswith("hcache_miss_tokens_total") and v}
     runtime.close()
     # Saving only what an H plan needs: a rank's chunks without hidden states hold no tensor at all.
     runtime = HCacheRuntime(_model(), out / f"plan{rank}", plan="H", num_blocks=16, readers=2, tensor_parallel=tp)
@@ -223,6 +224,12 @@ def test_bad_chunk_on_one_rank_ends_the_prefix_on_all(runs):
     assert "checksum" in corrupt[0]["fallback"] and "another tensor-parallel rank" in corrupt[1]["fallback"]
     assert [m["tokens"] for m in missing] == [64, 64]
     assert "another tensor-parallel rank" in missing[0]["fallback"] and missing[1]["fallback"] is None
+    # miss reasons: the rank whose chunk failed says why; the other, that another rank's prefix ended first
+    assert [c["misses"] for c in corrupt] == [{"failed_verification": 64}, {"other_rank": 64}]
+    assert [m["misses"] for m in missing] == [{"other_rank": 128}, {"never_stored": 128}]
+    counted = [{reason: r["miss_counters"].get(f'hcache_miss_tokens_total{{reason="{reason}"}}', 0) for reason in
+                ("failed_verification", "never_stored", "other_rank")} for r in ranks]  # fmt: skip
+    assert counted == [{"failed_verification": 64, "never_stored": 0, "other_rank": 128}, {"failed_verification": 0, "never_stored": 128, "other_rank": 64}]
     for case in (*corrupt, *missing):
         assert case["output"] == ref["reference"]
 
