@@ -99,7 +99,7 @@ def test_start_up_drops_temporary_torn_and_foreign_files(tmp_path):
     check_served(full, good.key, good)
 
 
-def test_lru_eviction_order_respects_quota_and_pins(tmp_path):
+def test_lru_eviction_order_respects_quota_and_pins(tmp_path, caplog):
     size = len(chunk_bytes(0)[1])
     clock = Clock()
     store = DiskChunkStore(_dirs(tmp_path), quota_bytes=3 * size, clock=clock)
@@ -125,8 +125,11 @@ def test_lru_eviction_order_respects_quota_and_pins(tmp_path):
     assert store.used_bytes <= 3 * size
     # The order survives a restart (rebuilt from file times): the oldest file goes first.
     os.utime(store.path(keys[3]), (1, 1))
-    reopened = DiskChunkStore(_dirs(tmp_path), quota_bytes=2 * size)
+    with caplog.at_level("WARNING", logger="hcache.storage.disk_store"):
+        reopened = DiskChunkStore(_dirs(tmp_path), quota_bytes=2 * size)
     assert set(reopened.keys()) == {keys[2], keys[4]}
+    # A quota below what the directories hold evicts at once, and says what it evicted (issue 34, part 5).
+    assert f"holds more than its quota of {2 * size} bytes: evicting its 1 least recently used chunks ({size} bytes)" in caplog.text
 
 
 def test_a_quota_held_by_pinned_chunks_refuses_with_enospc(tmp_path):
