@@ -43,7 +43,7 @@ from .store_stack import StoreStack
 log = logging.getLogger(__name__)
 
 LOSSY_BOUND = 0.05  # fp8 H restores K and V within about 0.025, int8 KV within 0.01
-HISTORY_TOKENS = CHUNK_TOKENS + 4  # a chunk restored, the last 4 tokens prefilled after it
+HISTORY_TOKENS = CHUNK_TOKENS + 1  # a chunk restored; the last token prefilled after it gives the next token
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
