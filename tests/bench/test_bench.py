@@ -130,6 +130,15 @@ def test_bench_quota_counts_the_tokens_a_quota_keeps_restorable_across_a_restart
     assert sorted(result["restored_tokens_per_prompt"]) == [64, 64, 64, 128, 128, 128]
 
 
+def test_bench_startup_times_start_ups_with_the_self_check_off_and_on_and_the_check_alone(tmp_path):
+    out = tmp_path / "startup.json"
+    assert main(["bench", "startup", "--model", "random:llama", "--repeats", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["methods_checked"] == ["H"]  # the MHA default plan stores H
+    assert len(result["startup_off_s"]) == len(result["startup_on_s"]) == len(result["check_s"]) == 2
+    assert 0 < result["median_check_s"] and result["cost"] == result["median_check_s"] / result["median_startup_off_s"]
+
+
 def test_bench_cold_reads_a_quarter_of_the_bytes_from_each_tier_in_8_bits(tmp_path):
     """Cold restores (nothing in the host pool) of each plan from the disk store, lossless against 8-bit;
     every restore must be whole (the bench refuses a short one), and the 8-bit one reads about a quarter of a
