@@ -30,7 +30,7 @@ from .storage.stored_state import Encoding, Format, code_dtypes, parse_stored_dt
 
 AUTO = "auto"
 SavePolicy = Literal["plan", "all", "none"]
-EngineKind = Literal["fastgen", "reference"]
+EngineKind = Literal["fastgen", "reference", "vllm"]
 EvictionPolicy = Literal["cost", "lru"]
 SelfCheck = Literal["on", "strict", "off"]
 

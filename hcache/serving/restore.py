@@ -120,7 +120,7 @@ def restore_prefix(
         if agreed and plan.count(Method.RE):
             engine.recompute_layers(uid, tokens[held : end(agreed)], plan.count(Method.RE))
         fallback, miss = (_elsewhere(agreed), MissReason.OTHER_RANK) if agreed < present else (None, None)
-        verified, why = _verify(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec)
+        verified, why = verify_fetched(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec)
         fallback, miss = verified or fallback, why or miss
         n = len(images)
         jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if agreed else []
@@ -206,7 +206,7 @@ def _gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[
     ]  # fmt: skip
 
 
-def _verify(
+def verify_fetched(
     tier: HostTier, keys: list[str], fetches: list[Future], images: list[ChunkImage], tokens: list[int],
     fingerprint: str, plan: RestorePlan, tp: TPGroup, first: int, spec: ModelSpec,
 ) -> tuple[str | None, MissReason | None]:

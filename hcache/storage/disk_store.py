@@ -62,6 +62,11 @@ _STALE_TMP_S = 86400.0  # in shared mode, a temporary file this old is an abando
 _STAMP_S = 60.0  # a use is recorded in the file's time at most this often: a restart's order is that coarse
 
 
+def chunk_path(directory: Path, key: str) -> Path:
+    """Where a store directory keeps the chunk ``key``."""
+    return directory / "chunks" / key[:2] / f"{key}{_SUFFIX}"
+
+
 def _age(path: Path) -> float:
     try:
         return time.time() - path.stat().st_mtime
@@ -230,7 +235,7 @@ class DiskChunkStore:
             with self._lock:
                 entry = self._index.entries.get(key)
             dir_index = entry.where if entry is not None else 0
-        return self.dirs[dir_index] / "chunks" / key[:2] / f"{key}{_SUFFIX}"
+        return chunk_path(self.dirs[dir_index], key)
 
     def contains(self, key: str) -> bool:
         """Whether the chunk is stored; a hit counts as a use (LRU and TTL): a restore's lookup is one."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import StorageError
 from .chunk_store import ChunkStore
 from .disk_store import DiskChunkStore
 from .host_pool import PAGE, HostPool, round_up
+from .lookup import StoreLookup
+from .store_dir import directories
 from .host_tier import DEFAULT_READERS, DEFAULT_WRITERS, HostTier
 from .redis_store import SCHEMES as REDIS_SCHEMES
 from .redis_store import RedisChunkStore
@@ -90,6 +93,13 @@ class StoreConfig:
                 store.close()
             raise
         return HostTier(stores, HostPool(self.host_bytes, pin=pin), readers=readers, writers=self.writers, eviction=eviction)
+
+    def lookup(self, dirs: str | os.PathLike | Sequence[str | os.PathLike] | None) -> StoreLookup:
+        """A look-up of what the store over ``dirs`` and the shared tiers holds, for a process that does not
+        open it (:class:`~hcache.storage.lookup.StoreLookup`)."""
+        shared = [Path(_path(url)) for url in self.tiers if not _is_redis(url)]
+        local = directories(dirs) if dirs is not None else []
+        return StoreLookup(local + shared, [RedisChunkStore.from_url(url) for url in self.tiers if _is_redis(url)])
 
     def _disk(self, dirs, labels: Mapping[str, str] | None, shared: bool) -> DiskChunkStore:
         return DiskChunkStore(

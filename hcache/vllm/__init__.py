@@ -1,0 +1,7 @@
+"""hcache in vLLM: a KV connector (``HCacheConnector``) that restores returning conversations from hcache's
+store. Load it with ``--kv-transfer-config '{"kv_connector": "HCacheConnector", "kv_connector_module_path":
+"hcache.vllm", "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config":
+{...hcache settings...}}'`` (``docs/vllm.md``). Importing this package imports vLLM."""
+from .connector import HCacheConnector
+
+__all__ = ["HCacheConnector"]

@@ -1,0 +1,79 @@
+"""hcache's KV connector for vLLM (``KVConnectorBase_V1``): returning conversations restored from hcache's
+store instead of recomputed.
+
+vLLM builds the connector twice, as its scheduler's and as each worker's, in processes of their own; both
+resolve the same settings from vLLM's config (:func:`~hcache.vllm.settings.resolve_setup`), and each role
+hands its calls to its side: :class:`~hcache.vllm.scheduler.SchedulerSide` (what is stored, what to load
+and save) and :class:`~hcache.vllm.worker.WorkerSide` (the store stack, the loads and saves).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+from .metadata import HCacheStepMetadata
+from .scheduler import SchedulerSide
+from .settings import resolve_setup
+from .worker import WorkerSide
+
+
+class HCacheConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        setup = resolve_setup(vllm_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(setup)
+        else:
+            device = torch.device(vllm_config.device_config.device)
+            self._worker = WorkerSide(setup, device, vllm_config.compilation_config.static_forward_context)
+
+    # ---- scheduler side ---------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request)
+        return False, None  # saves are copied out during the forward: the blocks may go at once
+
+    # ---- worker side --------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, HCacheStepMetadata)
+        self._worker.begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        pass  # the loads were fetched when the metadata was bound, before the forward; each layer waits for its own
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.load_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        self._worker.save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self._worker.end_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._worker.finished(finished_req_ids)
+        return None, None
+
+    def shutdown(self) -> None:
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                side.close()

@@ -1,0 +1,102 @@
+"""Where a token's K and V live inside one block of a vLLM attention backend's paged cache.
+
+vLLM's per-layer cache is logically ``[blocks, kv_heads, block_size, 2 * head_size]`` (RFC #42082): K's
+head dim then V's on the last axis. How a block's interior is laid out in memory is the backend's:
+FlashAttention keeps it plain, reached through the tensor's strides (:meth:`PagedLayout.split_kv`), while
+the CPU backend's kernels pack K (and under AMX, V) in an order of their own that depends on the ISA
+and dtype. So hcache does not assume the CPU's packing: :meth:`PagedLayout.probe` finds it by writing
+known values through the backend's own cache-write op and seeing where each lands.
+
+Either way the layout is one index map: for each token offset in a block, K or V, head and channel, the
+element's offset from the block's first element. Reading and writing rows is then one gather or scatter
+on the cache's storage, for any backend.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# A backend's own cache write: (key [T, H, C], value [T, H, C], cache, slot_mapping [T]) -> None
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class LayoutError(RuntimeError):
+    """The cache is not laid out as this layout says (a backend that packs across blocks, say)."""
+
+
+class PagedLayout:
+    """``offsets[n, kv, h, c]``: where token ``n`` of a block keeps element ``c`` of head ``h`` of K
+    (``kv=0``) or V (``kv=1``), counted in elements from the block's first one; ``block_stride``: the
+    elements from one block to the next."""
+
+    def __init__(self, offsets: torch.Tensor, block_stride: int):
+        self.offsets, self.block_stride = offsets.to(torch.int64), block_stride
+        self.block_size, _, self.num_heads, self.head_size = offsets.shape
+
+    @classmethod
+    def split_kv(cls, cache: torch.Tensor) -> "PagedLayout":
+        """The standardized layout read through the cache's strides (FlashAttention's, in whatever
+        physical order its stride permutation gives): K is ``cache[b, h, n, :C]``, V ``cache[b, h, n, C:]``."""
+        _, heads, block_size, content = cache.shape
+        sb, sh, sn, sc = cache.stride()
+        head_size = content // 2
+        n, kv, h, c = torch.meshgrid(
+            torch.arange(block_size), torch.arange(2), torch.arange(heads), torch.arange(head_size), indexing="ij"
+        )
+        return cls(n * sn + h * sh + (kv * head_size + c) * sc, sb)
+
+    @classmethod
+    def probe(cls, write: CacheWrite, cache: torch.Tensor) -> "PagedLayout":
+        """The layout that ``write`` (the backend's cache write) gives a cache shaped and typed as ``cache``.
+        Values are written as base-64 digits of each element's index, exact in any float dtype the cache
+        may have (bfloat16 holds integers to 256), one digit a pass, into two blocks, so a layout that is not
+        the same in every block is refused (:class:`LayoutError`)."""
+        _, heads, block_size, content = cache.shape
+        head_size = content // 2
+        if not cache.is_contiguous():
+            raise LayoutError("a probed cache must be contiguous: its blocks are found by their stride")
+        scratch = torch.zeros((2, heads, block_size, content), dtype=cache.dtype, device=cache.device)
+        per_block = 2 * heads * block_size * head_size
+        index = torch.arange(per_block, device=cache.device).reshape(block_size, 2, heads, head_size)
+        slots = torch.arange(2 * block_size, device=cache.device)
+        found = torch.zeros(scratch.numel(), dtype=torch.int64, device=cache.device)
+        digits = 1
+        while 64**digits < per_block:
+            digits += 1
+        for d in range(digits):
+            digit = (index // 64**d) % 64 + 1  # 1..64: 0 is an element no write reached
+            rows = torch.cat([digit, digit + 64]).to(cache.dtype)  # the second block's values differ from the first's
+            scratch.zero_()
+            write(rows[:, 0], rows[:, 1], scratch, slots)
+            values = scratch.reshape(-1).to(torch.int64)
+            if d == 0:
+                written = values > 0
+            found += torch.where(values > 64, values - 65, values - 1).clamp(min=0) * 64**d
+        where = torch.full((per_block,), -1, dtype=torch.int64, device=cache.device)
+        half = scratch.numel() // 2
+        first = written[:half].nonzero().squeeze(1)
+        where[found[first]] = first
+        second = (written[half:].nonzero().squeeze(1) + half)
+        if (where < 0).any() or len(first) != per_block or len(second) != per_block or not torch.equal(where[found[second]], second - half):
+            raise LayoutError(f"the backend's cache write does not lay out every block of a {tuple(cache.shape)} cache alike")
+        return cls(where.reshape(block_size, 2, heads, head_size).cpu(), half)
+
+    def _elements(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``[T, 2, H, C]`` element indices into the cache's storage view for each token's (block, offset)."""
+        base = cache.storage_offset() + blocks.to(torch.int64) * self.block_stride
+        table = self.offsets.to(cache.device)
+        return base.view(-1, 1, 1, 1) + table[offsets.to(torch.int64)]
+
+    @staticmethod
+    def _storage(cache: torch.Tensor) -> torch.Tensor:
+        return torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size(),), (1,), 0)
+
+    def read(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Tokens' K/V as ``[T, 2, H, C]`` (hcache's stored KV rows), from ``cache`` at their blocks and
+        offsets in them."""
+        return self._storage(cache)[self._elements(cache, blocks, offsets)]
+
+    def write(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> None:
+        """Put ``rows`` (``[T, 2, H, C]``) into ``cache`` at the tokens' blocks and offsets."""
+        self._storage(cache)[self._elements(cache, blocks, offsets)] = rows.to(cache.dtype)

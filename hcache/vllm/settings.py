@@ -1,0 +1,55 @@
+"""hcache's settings for a vLLM engine, resolved from vLLM's own config in each of its processes alike.
+
+The connector's settings are ``kv_connector_extra_config``: the same keys as every other entry point's
+(:class:`~hcache.config.HCacheConfig`). The model's facts come from vLLM's model config, and the
+fingerprint from the checkpoint vLLM loads, marked as vLLM's: another engine rounds differently, so it
+does not share stored state with vLLM.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import HCacheConfig, ResolvedConfig
+from ..errors import InvalidRequestError
+from ..model.fingerprint import checkpoint_fingerprint
+from ..model.spec import ModelSpec
+from ..planning.plan import Method, RestorePlan
+from ..planning.resolve import resolve
+
+# vLLM computes every layer of the tokens it does not load, so a plan's layers cannot be split
+# between recompute and restore; and its connector API sees a layer's K/V, not its input.
+SUPPORTED_PLANS = ("KV",)
+
+
+@dataclass(frozen=True)
+class VllmSetup:
+    config: ResolvedConfig
+    fingerprint: str
+    block_size: int  # vLLM's KV block, in tokens
+
+
+def resolve_setup(vllm_config) -> VllmSetup:
+    """The resolved settings, fingerprint and block size of the engine ``vllm_config`` describes. Raises
+    :class:`InvalidRequestError` for settings the connector cannot serve, naming what to change."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer.kv_load_failure_policy != "recompute":
+        raise InvalidRequestError(
+            "hcache's vLLM connector needs kv_load_failure_policy='recompute' in --kv-transfer-config: a stored "
+            "chunk found bad when it loads is recomputed, where vLLM's default ('fail') would fail the request"
+        )
+    settings = HCacheConfig.of(transfer.kv_connector_extra_config)
+    plan = settings.plan if settings.plan is not None else "KV"
+    if not isinstance(plan, str) or plan not in SUPPORTED_PLANS:
+        raise InvalidRequestError(
+            f"plan {plan!r} is not served by hcache's vLLM connector, which restores by {' or '.join(SUPPORTED_PLANS)} "
+            "(docs/vllm.md says why)"
+        )
+    model = vllm_config.model_config
+    spec = ModelSpec.from_config(model.hf_config, dtype=model.dtype)
+    if not Path(model.model).is_dir():
+        raise InvalidRequestError(f"hcache's vLLM connector needs the model as a local directory, not {model.model!r}")
+    fingerprint = hashlib.blake2b(f"vllm|{checkpoint_fingerprint(model.model, spec)}".encode(), digest_size=16).hexdigest()
+    config = resolve(HCacheConfig.of(settings, plan=RestorePlan.uniform(spec.num_layers, Method(plan))), spec, model.model, engine="vllm")
+    return VllmSetup(config, fingerprint, vllm_config.cache_config.block_size)
