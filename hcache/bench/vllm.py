@@ -1,0 +1,139 @@
+"""TTFT of returning conversations through ``vllm.LLM``: vLLM recomputing, vLLM's prefix cache, and hcache's
+connector restoring from the host pool, the disk and Redis, side by side in one run.
+
+``--conversations`` histories of ``--history`` random tokens are each first prefilled with a first question
+(``prefill_s``: where hcache saves, the saving is in it). Then each history returns with a new question
+and one token is generated: the time of that ``generate`` call is its TTFT. Every configuration is a vLLM
+engine of its own, started in turn, over the same histories and questions:
+
+- ``recompute``: vLLM with its prefix cache off, which prefills every returning history;
+- ``prefix_cache``: vLLM's own prefix cache (its KV blocks in the engine's memory);
+- ``hcache_host``: hcache's connector (prefix cache off), the histories saved by the first questions and
+  restored from the host pool;
+- ``hcache_disk``: a new engine over the same store directory, without Redis: restored from the disk;
+- ``hcache_redis``: a new engine with Redis as its only tier: restored from Redis.
+
+Each returning question differs per configuration, so the disk and Redis engines meet each history for
+the first time. ``speedup`` is recompute's median TTFT over each configuration's; ``restored`` and
+``stored_bytes_per_token`` come from the connector's request log. ``first_token_match`` counts returning
+questions whose first token equals recompute's (in bfloat16 a K/V computed in a decode step or in a smaller
+prefill may round apart from a full prefill's, so a near tie may break the other way, as with vLLM's own
+prefix cache).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..defaults import DEFAULT_MODEL
+
+CONFIGS = ("recompute", "prefix_cache", "hcache_host", "hcache_disk", "hcache_redis")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default) or a HF model directory")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--history", type=int, default=1024, help="tokens in each returning history")
+    parser.add_argument("--conversations", type=int, default=5, help="histories, each returning once per configuration")
+    parser.add_argument("--question", type=int, default=16, help="tokens in each question")
+    parser.add_argument("--redis", default=None, help="a Redis server's URL (default: start one on loopback)")
+    parser.add_argument("--memory", type=float, default=0.25, help="vLLM's gpu_memory_utilization (on a CPU: the share of memory for its KV cache)")
+
+
+def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
+    from vllm import LLM
+
+    kv = None
+    if connector is not None:
+        kv = {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
+              "kv_load_failure_policy": "recompute", "kv_connector_extra_config": connector}  # fmt: skip
+    return LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.history + 4 * args.question,
+               gpu_memory_utilization=args.memory, enable_prefix_caching=prefix_cache, kv_transfer_config=kv)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict:
+    from vllm import SamplingParams
+
+    from ..model.loader import model_dir
+    from ..storage.redis_server import RedisServer
+
+    if args.conversations < 1 or args.history < 64:
+        raise SystemExit("hcache bench vllm: --conversations must be at least 1 and --history at least 64")
+    model = str(model_dir(args.model))
+    one = SamplingParams(max_tokens=1, temperature=0)
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+    histories = [tokens(args.history) for _ in range(args.conversations)]
+    questions = {c: [tokens(args.question) for _ in histories] for c in ("first", *CONFIGS)}
+    redis = RedisServer().start() if args.redis is None else None
+    url = args.redis or redis.url
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="hcache-bench-vllm-") as tmp:
+        store = str(Path(tmp) / "store")
+        plans = {
+            "recompute": (False, None, True),
+            "prefix_cache": (True, None, True),
+            "hcache_host": (False, {"store_dirs": [store], "store": {"tiers": [url]}}, True),
+            "hcache_disk": (False, {"store_dirs": [store]}, False),
+            "hcache_redis": (False, {"store_dirs": None, "store": {"tiers": [url]}}, False),
+        }
+        try:
+            for name in tqdm(CONFIGS, desc="vLLM engines", unit="engine"):
+                prefix_cache, connector, prefill = plans[name]
+                log = Path(tmp) / f"{name}.jsonl"
+                if connector is not None:
+                    connector = {**connector, "request_log": str(log)}
+                llm = _engine(args, model, prefix_cache, connector)
+                prefill_s = []
+                if prefill:
+                    for history, question in zip(histories, questions["first"]):
+                        begin = time.perf_counter()
+                        llm.generate([{"prompt_token_ids": history + question}], one, use_tqdm=False)
+                        prefill_s.append(time.perf_counter() - begin)
+                    if log.exists():
+                        log.unlink()  # the records of the returning questions only
+                ttft, first = [], []
+                for history, question in zip(histories, questions[name]):
+                    begin = time.perf_counter()
+                    out = llm.generate([{"prompt_token_ids": history + question}], one, use_tqdm=False)
+                    ttft.append(time.perf_counter() - begin)
+                    first.append(out[0].outputs[0].token_ids[0])
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+                records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+                tiers: dict[str, int] = {}
+                for r in records:
+                    for tier, n in r["tier_tokens"].items():
+                        tiers[tier] = tiers.get(tier, 0) + n
+                restored = sum(r["restored_tokens"] for r in records)
+                results[name] = {
+                    "ttft_s": ttft, "median_ttft_s": statistics.median(ttft), "prefill_s": prefill_s,
+                    "restored_tokens": restored, "restored_by_tier": tiers, "first_tokens": first,
+                    "stored_bytes_per_token": sum(r["bytes_read"] for r in records) / restored if restored else 0,
+                }  # fmt: skip
+        finally:
+            if redis is not None:
+                redis.close()
+    reference = results["recompute"]
+    for name, r in results.items():
+        r["speedup"] = reference["median_ttft_s"] / r["median_ttft_s"]
+        r["first_token_match"] = sum(a == b for a, b in zip(r["first_tokens"], reference["first_tokens"]))
+    print(f"{args.model}, {args.conversations} returning histories of {args.history} tokens (+{args.question}-token questions), {args.dtype}:")
+    print(f"{'configuration':14} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} {'1st token same':>15}")
+    for name, r in results.items():
+        tiers = ",".join(f"{t}:{n}" for t, n in r["restored_by_tier"].items()) or "-"
+        print(f"{name:14} {1000 * r['median_ttft_s']:9.1f} {1000 * min(r['ttft_s']):6.0f}-{1000 * max(r['ttft_s']):<6.0f} "
+              f"{r['speedup']:7.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
+              f"{r['first_token_match']:>8d}/{args.conversations}")  # fmt: skip
+    return {"model": args.model, "dtype": args.dtype, "history": args.history, "question": args.question,
+            "conversations": args.conversations, "configurations": results}  # fmt: skip
