@@ -21,6 +21,8 @@ from ..planning.resolve import resolve
 # vLLM computes every layer of the tokens it does not load, so a plan's layers cannot be split
 # between recompute and restore; and its connector API sees a layer's K/V, not its input.
 SUPPORTED_PLANS = ("KV",)
+# Settings of the engine hcache runs elsewhere, which vLLM decides here: refused rather than ignored.
+VLLMS_OWN = ("engine", "device", "dtype", "num_blocks", "gpu_cache", "profile", "measure_profile", "self_check", "metrics_port", "metrics_host")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ def resolve_setup(vllm_config) -> VllmSetup:
             "chunk found bad when it loads is recomputed, where vLLM's default ('fail') would fail the request"
         )
     settings = HCacheConfig.of(transfer.kv_connector_extra_config)
+    own = sorted(set(VLLMS_OWN) & settings.model_fields_set)
+    if own:
+        raise InvalidRequestError(f"hcache's vLLM connector does not take {', '.join(own)}: vLLM decides these (docs/vllm.md)")
     plan = settings.plan if settings.plan is not None else "KV"
     if not isinstance(plan, str) or plan not in SUPPORTED_PLANS:
         raise InvalidRequestError(

@@ -3,11 +3,12 @@ process of its own (tests/support/vllm_session.py), with and without the connect
 
 One session, five vLLM engines in turn over one store directory and one redis-server: vLLM alone (the
 reference, in float32: in bfloat16 a token's K/V computed in a decode step rounds apart from the same
-token's in a prefill, so a reply may part from vLLM's alone where greedy decoding meets a near tie, as with
-vLLM's own prefix cache); the connector saving the first turn to the disk store and Redis, then restoring the second turn
-from the host pool, and under another ``cache_salt`` restoring nothing; restarted on the disk alone,
-restoring from the disk; with only the Redis tier, restoring from Redis; and with every chunk file corrupted
-and Redis stopped, restoring nothing and recomputing. Every reply must equal vLLM's alone.
+token's in a prefill, so a reply may part from vLLM's alone at a near tie, as it does with vLLM's own prefix
+cache); the connector saving the first turn to the disk and Redis, then restoring the second from the host
+pool, and under another ``cache_salt`` restoring nothing; restarted on the disk alone, restoring from the
+disk, then, storing in int8 beside vLLM's own prefix cache, a conversation under a new salt; with Redis as
+its only tier, restoring from Redis; with every chunk file corrupted and Redis stopped, restoring nothing
+and recomputing. Every lossless restore's reply equals vLLM's alone.
 """
 import json
 import shutil
@@ -40,8 +41,8 @@ def session(tmp_path_factory):
     store = tmp / "store"
     logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "disk", "redis", "faults")}
 
-    def connector(log: str, dirs, tiers) -> dict:
-        return {"store_dirs": dirs, "store": {"tiers": tiers}, "request_log": str(logs[log])}
+    def connector(log: str, dirs, tiers, **settings) -> dict:
+        return {"store_dirs": dirs, "store": {"tiers": tiers}, "request_log": str(logs[log]), **settings}
 
     spec = {
         "model": str(model_dir(DEFAULT_MODEL)),
@@ -51,7 +52,8 @@ def session(tmp_path_factory):
         "phases": [
             {"connector": None, "requests": [["first", "a"], ["second", "a"]]},
             {"connector": connector("saved", [str(store)], ["$REDIS"]), "requests": [["first", "a"], ["second", "b"], ["second", "a"]]},
-            {"connector": connector("disk", [str(store)], []), "requests": [["second", "a"]]},
+            {"connector": connector("disk", [str(store)], [], stored_dtype="int8"), "prefix_cache": True,
+             "requests": [["second", "a"], ["first", "c"], ["second", "c"]]},
             {"connector": connector("redis", None, ["$REDIS"]), "requests": [["second", "a"]]},
             {"connector": connector("faults", [str(store)], ["$REDIS"]), "before": [f"corrupt {store}", "stop_redis"], "requests": [["second", "a"]]},
         ],
@@ -83,10 +85,22 @@ def test_two_cache_salts_never_share_state(session):
 def test_a_restarted_vllm_restores_from_the_disk_and_another_from_redis_alone(session):
     phases, logs = session
     second = phases[0][1]
-    assert phases[2] == [second] and phases[3] == [second]
-    (disk,), (redis,) = logs["disk"], logs["redis"]
+    assert phases[2][0] == second and phases[3] == [second]
+    (disk, _, _), (redis,) = logs["disk"], logs["redis"]
     assert disk["restored_tokens"] == FULL_CHUNKS and disk["tier_tokens"] == {"disk": disk["restored_tokens"]}
     assert redis["restored_tokens"] == FULL_CHUNKS and redis["tier_tokens"] == {"redis": redis["restored_tokens"]}
+
+
+def test_8_bit_state_loads_past_vllms_own_prefix_cache(session):
+    """The restarted engine stores in int8, with vLLM's prefix cache on. Under a new ``cache_salt`` the first
+    turn's 343 tokens fill two of vLLM's 128-token blocks, which its prefix cache keeps for the second turn;
+    the connector loads the rest of the stored prefix, one chunk, in int8: lossy, so the reply may differ.
+    The lossless chunks it loaded before, from the disk, restored exactly (the test above)."""
+    phases, logs = session
+    assert phases[2][1] == phases[0][0]  # the first turn under salt "c": nothing to load
+    _, first, second = logs["disk"]
+    assert first["restored_tokens"] == 0 and not first["lossy"]
+    assert second["restored_tokens"] == FULL_CHUNKS - 2 * 128 and second["tier_tokens"] == {"host": 64} and second["lossy"]
 
 
 def test_corrupt_chunks_and_a_stopped_redis_fall_back_to_recompute_with_the_same_reply(session):

