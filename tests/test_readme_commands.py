@@ -25,7 +25,10 @@ def _commands() -> list[tuple[str, list[str]]]:
     for page in PAGES:
         for block in re.findall(r"^```[a-z]*\n(.*?)^```", page.read_text(), flags=re.S | re.M):
             for line in block.splitlines():
-                words = shlex.split(line.split("  #")[0]) if line.strip() else []
+                command = line.split("  #")[0].strip()
+                if not command.startswith(("hcache", "python -m hcache")):  # another program's (vllm serve), or its JSON
+                    continue
+                words = shlex.split(command)
                 if words[:3] == ["python", "-m", "hcache"]:
                     words = words[2:]
                 if words[:1] != ["hcache"] or any(w.startswith("[") for w in words):  # a synopsis, not a command

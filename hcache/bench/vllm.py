@@ -13,12 +13,11 @@ engine of its own, started in turn, over the same histories and questions:
 - ``hcache_disk``: a new engine over the same store directory, without Redis: restored from the disk;
 - ``hcache_redis``: a new engine with Redis as its only tier: restored from Redis.
 
-Each returning question differs per configuration, so the disk and Redis engines meet each history for
-the first time. ``speedup`` is recompute's median TTFT over each configuration's; ``restored`` and
-``stored_bytes_per_token`` come from the connector's request log. ``first_token_match`` counts returning
-questions whose first token equals recompute's (in bfloat16 a K/V computed in a decode step or in a smaller
-prefill may round apart from a full prefill's, so a near tie may break the other way, as with vLLM's own
-prefix cache).
+The disk and Redis engines are new: each meets every history for the first time, in its store. ``speedup``
+is recompute's median TTFT over each configuration's; ``restored`` and ``stored_bytes_per_token`` come from
+the connector's request log. ``first_token_match`` counts returning questions whose first token equals
+recompute's (a K/V computed in a smaller prefill may round apart from a full prefill's, so a near tie may
+break the other way, as with vLLM's own prefix cache).
 """
 from __future__ import annotations
 
@@ -50,10 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
     from vllm import LLM
 
-    kv = None
-    if connector is not None:
-        kv = {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
-              "kv_load_failure_policy": "recompute", "kv_connector_extra_config": connector}  # fmt: skip
+    from ..vllm.settings import kv_transfer_config
+
+    kv = kv_transfer_config(connector) if connector is not None else None
     return LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.history + 4 * args.question,
                gpu_memory_utilization=args.memory, enable_prefix_caching=prefix_cache, kv_transfer_config=kv)  # fmt: skip
 
@@ -74,7 +72,7 @@ def run(args: argparse.Namespace) -> dict:
         return torch.randint(100, 40000, (n,), generator=g).tolist()
 
     histories = [tokens(args.history) for _ in range(args.conversations)]
-    questions = {c: [tokens(args.question) for _ in histories] for c in ("first", *CONFIGS)}
+    first, returning = ([tokens(args.question) for _ in histories] for _ in range(2))
     redis = RedisServer().start() if args.redis is None else None
     url = args.redis or redis.url
     results: dict[str, dict] = {}
@@ -96,18 +94,18 @@ def run(args: argparse.Namespace) -> dict:
                 llm = _engine(args, model, prefix_cache, connector)
                 prefill_s = []
                 if prefill:
-                    for history, question in zip(histories, questions["first"]):
+                    for history, question in zip(histories, first):
                         begin = time.perf_counter()
                         llm.generate([{"prompt_token_ids": history + question}], one, use_tqdm=False)
                         prefill_s.append(time.perf_counter() - begin)
                     if log.exists():
                         log.unlink()  # the records of the returning questions only
-                ttft, first = [], []
-                for history, question in zip(histories, questions[name]):
+                ttft, first_tokens = [], []
+                for history, question in zip(histories, returning):
                     begin = time.perf_counter()
                     out = llm.generate([{"prompt_token_ids": history + question}], one, use_tqdm=False)
                     ttft.append(time.perf_counter() - begin)
-                    first.append(out[0].outputs[0].token_ids[0])
+                    first_tokens.append(out[0].outputs[0].token_ids[0])
                 llm.llm_engine.engine_core.shutdown()
                 del llm
                 records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -118,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
                 restored = sum(r["restored_tokens"] for r in records)
                 results[name] = {
                     "ttft_s": ttft, "median_ttft_s": statistics.median(ttft), "prefill_s": prefill_s,
-                    "restored_tokens": restored, "restored_by_tier": tiers, "first_tokens": first,
+                    "restored_tokens": restored, "restored_by_tier": tiers, "first_tokens": first_tokens,
                     "stored_bytes_per_token": sum(r["bytes_read"] for r in records) / restored if restored else 0,
                 }  # fmt: skip
         finally:

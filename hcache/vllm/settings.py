@@ -25,6 +25,12 @@ SUPPORTED_PLANS = ("KV",)
 VLLMS_OWN = ("engine", "device", "dtype", "num_blocks", "gpu_cache", "profile", "measure_profile", "self_check", "metrics_port", "metrics_host")
 
 
+def kv_transfer_config(settings: dict) -> dict:
+    """vLLM's ``kv_transfer_config`` that loads hcache's connector with ``settings`` (hcache's, as a dict)."""
+    return {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": settings}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class VllmSetup:
     config: ResolvedConfig

@@ -18,10 +18,9 @@ from pathlib import Path
 def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool):
     from vllm import LLM
 
-    kv = None
-    if connector is not None:
-        kv = {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
-              "kv_load_failure_policy": "recompute", "kv_connector_extra_config": connector}  # fmt: skip
+    from hcache.vllm import kv_transfer_config
+
+    kv = kv_transfer_config(connector) if connector is not None else None
     return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.25,
                enable_prefix_caching=prefix_cache, kv_transfer_config=kv)  # fmt: skip
 
