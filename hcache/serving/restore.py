@@ -53,7 +53,7 @@ def lookup_miss(tier: HostTier, key: str) -> MissReason:
     return MissReason.EVICTED if any(store.evicted(key) for store in tier.stores) else MissReason.NEVER_STORED
 
 
-def _accounting(images: list[ChunkImage], jobs: list[tuple[int, str]], hidden: list[int], restored: int) -> tuple[int, bool]:
+def restore_accounting(images: list[ChunkImage], jobs: list[tuple[int, str]], hidden: list[int], restored: int) -> tuple[int, bool]:
     """The bytes a restore read (whole 64-row tensors, scales included) and whether the first ``restored``
     chunks gave it any 8-bit state; ``hidden``: the chunks whose H it read (all of them, but with TP).
     Counted per distinct layout, not per chunk and layer: chunks laid out alike share their layout."""
@@ -133,7 +133,7 @@ def restore_prefix(
         if missed and miss is None:
             miss = lookup_miss(tier, keys[present])
         engine.end_restore(uid, tokens[held : end(restored)])
-        used, lossy = _accounting(images, jobs, [j for j in _reading(tp, Method.H.value, n, agreed, first) if j < n], restored)
+        used, lossy = restore_accounting(images, jobs, [j for j in _reading(tp, Method.H.value, n, agreed, first) if j < n], restored)
         sources = Counter()
         for j in range(restored):
             sources[tier.take_source(images[j])] += min(end(restored), (j + 1) * CHUNK_TOKENS) - max(held, j * CHUNK_TOKENS)

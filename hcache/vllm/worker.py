@@ -32,7 +32,7 @@ from ..model.spec import ModelSpec
 from ..model.tensor_parallel import SINGLE
 from ..planning.plan import Method, RestorePlan
 from ..serving.records import MissReason, PutRestore, SequenceRecord
-from ..serving.restore import lookup_miss, verify_fetched
+from ..serving.restore import lookup_miss, restore_accounting, verify_fetched
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from ..storage.stored_state import decode, stored_rows
@@ -78,6 +78,7 @@ class WorkerSide:
         self.setup, self.config = setup, setup.config
         self.stack = StoreStack(setup.config, VllmModel(setup.config.spec, device), setup.fingerprint, SINGLE)
         self.plan = RestorePlan.uniform(setup.config.spec.num_layers, Method.KV)
+        self._jobs = [(layer, KV) for layer in range(setup.config.spec.num_layers)]  # every layer's KV is loaded
         self._attention = attention_layers  # layer name -> vLLM's Attention module (its backend's cache write)
         self._layers: dict[str, tuple[int, torch.Tensor, PagedLayout]] = {}
         self._seqs: dict[str, _Sequence] = {}
@@ -171,14 +172,11 @@ class WorkerSide:
                 sources[self.stack.store.take_source(image)] += max(0, hi - lo)
             restored = load.end - step.load_start if load.end > step.load_start else 0
             missed = {miss.value: step.load_end - max(load.end, step.load_start)} if miss is not None and step.load_end > load.end else {}
+            used, lossy = restore_accounting(load.images, self._jobs, [], len(load.images))
             load.seq.record.add(PutRestore(
                 plan=str(self.plan), tokens=restored, sources=dict(sources), restore_s=time.perf_counter() - began,
-                bytes_read=len(load.images) * self._kv_bytes_per_chunk(), fallback=why, misses=missed,
-                layer_tokens={KV: restored * self.config.spec.num_layers},
+                bytes_read=used, fallback=why, misses=missed, lossy=lossy, layer_tokens={KV: restored * self.config.spec.num_layers},
             ))  # fmt: skip
-
-    def _kv_bytes_per_chunk(self) -> int:
-        return CHUNK_TOKENS * self.config.spec.num_layers * Method.KV.bytes_per_token_layer(self.config.spec)
 
     def load_layer(self, name: str) -> None:
         """Before layer ``name``'s attention: its K/V rows of this step's verified loads, into the cache."""
