@@ -1,12 +1,13 @@
 """A conversation through ``vllm.LLM``, in phases, each a vLLM engine of its own (with hcache's connector
 or without), as a user runs it: ``python vllm_session.py SPEC.json OUT.json``.
 
-SPEC: ``model``, ``dtype``, ``turns`` ({name: [text, ...]}: a turn's prompt is the previous turn's prompt, the first
-phase's reply to it, and its own text), ``max_tokens``, and ``phases``: each with ``connector`` (the hcache
-settings, ``kv_connector_extra_config``, or null for vLLM alone), ``before`` (a list of ``"corrupt DIR"``:
-flip a byte in the tensors of every chunk file under DIR, and ``"stop_redis"``), ``prefix_cache`` (vLLM's own,
-off by default), and ``requests``: [[turn, cache_salt]]
-served in order. ``"$REDIS"`` in a connector's settings is the URL of a redis-server this script starts.
+SPEC: ``model``, ``dtype``, ``turns`` ({name: [previous turn, text]}: a turn's prompt is the previous
+turn's prompt, the first phase's reply to it, and its own text), ``max_tokens``, and ``phases``: each with
+``connector`` (hcache's settings, ``kv_connector_extra_config``, or null for vLLM alone), ``before`` (a list
+of ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR, and ``"stop_redis"``),
+``prefix_cache`` (vLLM's own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a
+CPU), and ``requests``: [[turn, cache_salt]] served in order. ``"$REDIS"`` in a connector's settings is the
+URL of a redis-server this script starts.
 OUT: per phase, each request's generated token ids.
 """
 import json
@@ -15,14 +16,14 @@ import sys
 from pathlib import Path
 
 
-def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool):
+def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, block_size: int | None):
     from vllm import LLM
 
     from hcache.vllm import kv_transfer_config
 
     kv = kv_transfer_config(connector) if connector is not None else None
     return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.25,
-               enable_prefix_caching=prefix_cache, kv_transfer_config=kv)  # fmt: skip
+               enable_prefix_caching=prefix_cache, kv_transfer_config=kv, **({"block_size": block_size} if block_size else {}))  # fmt: skip
 
 
 def _corrupt(directory: str) -> None:
@@ -51,7 +52,7 @@ def main() -> None:
                 elif action == "stop_redis":
                     redis.stop()
             connector = json.loads(json.dumps(phase["connector"]).replace("$REDIS", redis.url if redis else ""))
-            llm = _llm(spec["model"], spec["dtype"], connector, phase.get("prefix_cache", False))
+            llm = _llm(spec["model"], spec["dtype"], connector, phase.get("prefix_cache", False), phase.get("block_size"))
             out = []
             for turn, salt in phase["requests"]:
                 if turn not in prompts:

@@ -7,8 +7,9 @@ token's in a prefill, so a reply may part from vLLM's alone at a near tie, as it
 cache); the connector saving the first turn to the disk and Redis, then restoring the second from the host
 pool, and under another ``cache_salt`` restoring nothing; restarted on the disk alone, restoring from the
 disk, then, storing in int8 beside vLLM's own prefix cache, a conversation under a new salt; with Redis as
-its only tier, restoring from Redis; with every chunk file corrupted and Redis stopped, restoring nothing
-and recomputing. Every lossless restore's reply equals vLLM's alone.
+its only tier and 32-token blocks (the others' hold 128, hcache's chunks 64), restoring from Redis; with
+every chunk file corrupted and Redis stopped, restoring nothing and recomputing. Every lossless restore's
+reply equals vLLM's alone.
 """
 import json
 import shutil
@@ -54,7 +55,7 @@ def session(tmp_path_factory):
             {"connector": connector("saved", [str(store)], ["$REDIS"]), "requests": [["first", "a"], ["second", "b"], ["second", "a"]]},
             {"connector": connector("disk", [str(store)], [], stored_dtype="int8"), "prefix_cache": True,
              "requests": [["second", "a"], ["first", "c"], ["second", "c"]]},
-            {"connector": connector("redis", None, ["$REDIS"]), "requests": [["second", "a"]]},
+            {"connector": connector("redis", None, ["$REDIS"]), "block_size": 32, "requests": [["second", "a"]]},
             {"connector": connector("faults", [str(store)], ["$REDIS"]), "before": [f"corrupt {store}", "stop_redis"], "requests": [["second", "a"]]},
         ],
     }
@@ -82,7 +83,7 @@ def test_two_cache_salts_never_share_state(session):
     assert salted["restored_tokens"] == 0 and salted["tier_tokens"] == {}
 
 
-def test_a_restarted_vllm_restores_from_the_disk_and_another_from_redis_alone(session):
+def test_a_restarted_vllm_restores_from_the_disk_and_another_from_redis_alone_into_smaller_blocks(session):
     phases, logs = session
     second = phases[0][1]
     assert phases[2][0] == second and phases[3] == [second]
