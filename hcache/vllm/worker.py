@@ -85,7 +85,7 @@ class WorkerSide:
         self._uids = itertools.count()
         self._loads: list[_Load] = []
         self._fetched = False
-        self._saving: list[tuple[RequestStep, _Sequence]] = []
+        self._computing: list[tuple[RequestStep, _Sequence]] = []  # this step's requests with tokens to compute
         self._errors: set[int] = set()
         log_path = setup.config.settings.request_log
         self.request_log = Path(log_path) if log_path is not None else None
@@ -115,18 +115,15 @@ class WorkerSide:
     # ---- each step --------------------------------------------------------------------------------------
     def begin_step(self, metadata: HCacheStepMetadata) -> None:
         """Before the forward: sequences opened or continued, loads fetched, the saver's batch begun."""
-        self._loads, self._fetched, self._saving, self._errors = [], False, [], set()
-        segments, row = [], 0
-        for step in metadata.requests:
-            seq = self._sequence(step)
+        self._loads, self._fetched, self._errors = [], False, set()
+        requests = [(step, self._sequence(step)) for step in metadata.requests]
+        for step, seq in requests:
             if step.load_end > step.load_start and self.stack.store is not None:
                 self._fetch(step, seq)
-            if step.length and self.stack.saver is not None:
-                segments.append(Segment(seq.uid, step.start, step.length, row))
-                self._saving.append((step, seq))
-                row += step.length
-        if segments:
-            self.stack.saver.begin_batch(segments)
+        self._computing = [(step, seq) for step, seq in requests if step.length]
+        if self._computing and self.stack.saver is not None:
+            starts = itertools.accumulate((step.length for step, _ in self._computing), initial=0)
+            self.stack.saver.begin_batch([Segment(seq.uid, step.start, step.length, row) for (step, seq), row in zip(self._computing, starts)])
 
     def _sequence(self, step: RequestStep) -> _Sequence:
         seq = self._seqs.get(step.req_id)
@@ -157,10 +154,7 @@ class WorkerSide:
                 self.stack.store, load.keys, load.fetches, load.images, load.seq.tokens[start:], self.stack.fingerprint,
                 self.plan, SINGLE, 0, self.config.spec,
             )  # fmt: skip
-            for fetch in load.fetches[len(load.images):]:  # those after the prefix's end, fetched all the same
-                image = fetch.result() if fetch.exception() is None else None
-                if image is not None:
-                    self.stack.store.release(image)
+            self._release(load.fetches[len(load.images) :])  # those past the prefix's end, fetched all the same
             load.end = min(step.load_end, start + len(load.images) * CHUNK_TOKENS)
             if load.end < step.load_end:
                 first_bad = load.end // self.setup.block_size
@@ -177,6 +171,12 @@ class WorkerSide:
                 plan=str(self.plan), tokens=restored, sources=dict(sources), restore_s=time.perf_counter() - began,
                 bytes_read=used, fallback=why, misses=missed, lossy=lossy, layer_tokens={KV: restored * self.config.spec.num_layers},
             ))  # fmt: skip
+
+    def _release(self, fetches: list) -> None:
+        for fetch in fetches:
+            image = fetch.result() if fetch.exception() is None else None
+            if image is not None:
+                self.stack.store.release(image)
 
     def load_layer(self, name: str) -> None:
         """Before layer ``name``'s attention: its K/V rows of this step's verified loads, into the cache."""
@@ -197,10 +197,10 @@ class WorkerSide:
 
     def save_layer(self, name: str, cache: torch.Tensor) -> None:
         """After layer ``name``'s attention wrote this step's K/V: its rows to the saver."""
-        if not self._saving or self.stack.capture is None or name not in self._layers:
+        if not self._computing or self.stack.capture is None or name not in self._layers:
             return
         layer, _, layout = self._layers[name]
-        slots = [self._slots(step, step.start, step.start + step.length) for step, _ in self._saving]
+        slots = [self._slots(step, step.start, step.start + step.length) for step, _ in self._computing]
         blocks, offsets = torch.cat([b for b, _ in slots]), torch.cat([o for _, o in slots])
         self.stack.capture.on_layer(layer, None, lambda: layout.read(cache, blocks, offsets))
 
@@ -214,17 +214,21 @@ class WorkerSide:
         return block_ids * (self.setup.block_size // kernel) + within // kernel, within % kernel
 
     def end_step(self) -> None:
-        """After the forward: the saver's batch lands, and the loads' chunks go back to the pool."""
-        if self._saving:
+        """After the forward: the saver's batch lands, and the loads' chunks go back to the pool. A load no
+        attention layer took (a step that ran no layer) loaded nothing: its blocks are load errors."""
+        if self._computing and self.stack.saver is not None:
             self.stack.saver.end_batch()
         for load in self._loads:
-            if not self._fetched:  # a step with no attention layer to load (vLLM found nothing to run)
-                self._verify()
-            for image in load.images:
-                self.stack.store.release(image)
-        for step, seq in self._saving:
+            if self._fetched:
+                for image in load.images:
+                    self.stack.store.release(image)
+            else:
+                self._release(load.fetches)
+                bs = self.setup.block_size
+                self._errors.update(load.step.block_ids[load.step.load_start // bs : -(-load.step.load_end // bs)])
+        for step, seq in self._computing:
             seq.record.computed_tokens += step.length
-        self._loads, self._saving = [], []
+        self._loads, self._computing = [], []
 
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
