@@ -11,6 +11,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..config import HCacheConfig, ResolvedConfig
 from ..errors import InvalidRequestError
 from ..model.fingerprint import checkpoint_fingerprint
@@ -58,6 +60,12 @@ def resolve_setup(vllm_config) -> VllmSetup:
             "(docs/vllm.md says why)"
         )
     model = vllm_config.model_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto" and getattr(torch, str(cache_dtype), None) != model.dtype:
+        raise InvalidRequestError(
+            f"hcache's vLLM connector needs vLLM's KV cache in the model's dtype, not kv_cache_dtype={cache_dtype!r}: "
+            "it stores and loads K/V rows as the model computes them (stored_dtype sets how hcache stores them)"
+        )
     spec = ModelSpec.from_config(model.hf_config, dtype=model.dtype)
     if not Path(model.model).is_dir():
         raise InvalidRequestError(f"hcache's vLLM connector needs the model as a local directory, not {model.model!r}")

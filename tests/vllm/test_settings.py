@@ -15,14 +15,14 @@ vllm_config = pytest.importorskip("vllm.config", reason="vLLM is not installed (
 from hcache.vllm.settings import resolve_setup  # noqa: E402  (imports vLLM)
 
 
-def _config(extra: dict, policy: str = "recompute"):
+def _config(extra: dict, policy: str = "recompute", cache_dtype: str = "auto"):
     from transformers import AutoConfig
 
     path = str(model_dir(DEFAULT_MODEL))
     transfer = vllm_config.KVTransferConfig(kv_connector="HCacheConnector", kv_connector_module_path="hcache.vllm", kv_role="kv_both",
                                             kv_load_failure_policy=policy, kv_connector_extra_config=extra)  # fmt: skip
     model = SimpleNamespace(model=path, hf_config=AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
-    return SimpleNamespace(kv_transfer_config=transfer, model_config=model, cache_config=SimpleNamespace(block_size=128))
+    return SimpleNamespace(kv_transfer_config=transfer, model_config=model, cache_config=SimpleNamespace(block_size=128, cache_dtype=cache_dtype))
 
 
 def test_the_connector_serves_kv_on_every_layer_under_a_fingerprint_of_its_own(tmp_path):
@@ -47,3 +47,10 @@ def test_the_connector_serves_kv_on_every_layer_under_a_fingerprint_of_its_own(t
 def test_settings_it_cannot_serve_are_refused_saying_what_to_change(extra, policy, refused):
     with pytest.raises(InvalidRequestError, match=refused.replace("(", r"\(").replace(")", r"\)")):
         resolve_setup(_config(extra, policy))
+
+
+def test_a_vllm_cache_in_another_dtype_than_the_models_is_refused(tmp_path):
+    assert resolve_setup(_config({"store_dirs": [str(tmp_path)]}, cache_dtype="bfloat16")).block_size == 128  # the model's
+    for other in ("fp8", "float16"):
+        with pytest.raises(InvalidRequestError, match=f"kv_cache_dtype='{other}'"):
+            resolve_setup(_config({}, cache_dtype=other))
