@@ -9,7 +9,9 @@ known values through the backend's own cache-write op and seeing where each land
 
 Either way the layout is one index map: for each token offset in a block, K or V, head and channel, the
 element's offset from the block's first element. Reading and writing rows is then one gather or scatter
-on the cache's storage, for any backend.
+on the cache's storage, for any backend. A step's tokens take the same places in every layer's cache, so
+their element indices (:meth:`PagedLayout.elements`) are made once a step, on the cache's device, and
+every layer reads or writes through them.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ class PagedLayout:
         sb, sh, sn, sc = cache.stride()
         head_size = content // 2
         n, kv, h, c = torch.meshgrid(
-            torch.arange(block_size), torch.arange(2), torch.arange(heads), torch.arange(head_size), indexing="ij"
+            *(torch.arange(k, device=cache.device) for k in (block_size, 2, heads, head_size)), indexing="ij"
         )
         return cls(n * sn + h * sh + (kv * head_size + c) * sc, sb)
 
@@ -80,23 +82,26 @@ class PagedLayout:
         second = (written[half:].nonzero().squeeze(1) + half)
         if (where < 0).any() or len(first) != per_block or len(second) != per_block or not torch.equal(where[found[second]], second - half):
             raise LayoutError(f"the backend's cache write does not lay out every block of a {tuple(cache.shape)} cache alike")
-        return cls(where.reshape(block_size, 2, heads, head_size).cpu(), half)
+        return cls(where.reshape(block_size, 2, heads, head_size), half)
 
-    def _elements(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """``[T, 2, H, C]`` element indices into the cache's storage view for each token's (block, offset)."""
-        base = cache.storage_offset() + blocks.to(torch.int64) * self.block_stride
-        table = self.offsets.to(cache.device)
-        return base.view(-1, 1, 1, 1) + table[offsets.to(torch.int64)]
+    def elements(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``[T, 2, H, C]`` element indices, from a cache's first element, of tokens at ``blocks`` and
+        ``offsets`` in them, on the device of the layout's map."""
+        device = self.offsets.device
+        base = blocks.to(device, torch.int64) * self.block_stride
+        return base.view(-1, 1, 1, 1) + self.offsets[offsets.to(device, torch.int64)]
 
     @staticmethod
     def _storage(cache: torch.Tensor) -> torch.Tensor:
-        return torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size(),), (1,), 0)
+        """The cache's storage from its first element on, flat."""
+        start = cache.storage_offset()
+        return torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size() - start,), (1,), start)
 
-    def read(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Tokens' K/V as ``[T, 2, H, C]`` (hcache's stored KV rows), from ``cache`` at their blocks and
-        offsets in them."""
-        return self._storage(cache)[self._elements(cache, blocks, offsets)]
+    def read(self, cache: torch.Tensor, elements: torch.Tensor) -> torch.Tensor:
+        """Tokens' K/V as ``[T, 2, H, C]`` (hcache's stored KV rows), from ``cache`` at their
+        :meth:`elements`."""
+        return self._storage(cache)[elements]
 
-    def write(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> None:
-        """Put ``rows`` (``[T, 2, H, C]``) into ``cache`` at the tokens' blocks and offsets."""
-        self._storage(cache)[self._elements(cache, blocks, offsets)] = rows.to(cache.dtype)
+    def write(self, cache: torch.Tensor, elements: torch.Tensor, rows: torch.Tensor) -> None:
+        """Put ``rows`` (``[T, 2, H, C]``) into ``cache`` at the tokens' :meth:`elements`."""
+        self._storage(cache)[elements] = rows.to(cache.device, cache.dtype)

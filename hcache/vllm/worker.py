@@ -69,6 +69,7 @@ class _Load:
     first: int
     keys: list[str]
     fetches: list
+    slots: tuple  # (blocks, offsets) of positions [step.load_start, step.load_end) in the cache
     images: list = field(default_factory=list)
     end: int = 0  # the verified end, once the fetches are in
 
@@ -86,6 +87,9 @@ class WorkerSide:
         self._loads: list[_Load] = []
         self._fetched = False
         self._computing: list[tuple[RequestStep, _Sequence]] = []  # this step's requests with tokens to compute
+        self._computed_slots: tuple | None = None  # (blocks, offsets) of the tokens this step computes
+        self._elements: dict[tuple[int, int], torch.Tensor] = {}  # this step's element indices, by (layout, load or -1)
+        self._kernel_block = 0  # tokens in a block of the cache tensors (vLLM may split its blocks into smaller ones)
         self._errors: set[int] = set()
         log_path = setup.config.settings.request_log
         self.request_log = Path(log_path) if log_path is not None else None
@@ -106,6 +110,7 @@ class WorkerSide:
                     PagedLayout.probe(lambda k, v, c, s: write(module, k, v, c, s), cache) if write is not None else PagedLayout.split_kv(cache)
                 )
             self._layers[name] = (extract_layer_index(name), cache, layouts[signature])
+            self._kernel_block = cache.shape[2]
         spec = self.config.spec
         layout = next(iter(layouts.values()))
         if (layout.num_heads, layout.head_size) != (spec.num_kv_heads, spec.head_size):
@@ -115,12 +120,15 @@ class WorkerSide:
     # ---- each step --------------------------------------------------------------------------------------
     def begin_step(self, metadata: HCacheStepMetadata) -> None:
         """Before the forward: sequences opened or continued, loads fetched, the saver's batch begun."""
-        self._loads, self._fetched, self._errors = [], False, set()
+        self._loads, self._fetched, self._errors, self._elements = [], False, set(), {}
         requests = [(step, self._sequence(step)) for step in metadata.requests]
         for step, seq in requests:
             if step.load_end > step.load_start and self.stack.store is not None:
                 self._fetch(step, seq)
         self._computing = [(step, seq) for step, seq in requests if step.length]
+        if self._computing:
+            slots = [self._slots(step, step.start, step.start + step.length) for step, _ in self._computing]
+            self._computed_slots = torch.cat([b for b, _ in slots]), torch.cat([o for _, o in slots])
         if self._computing and self.stack.saver is not None:
             starts = itertools.accumulate((step.length for step, _ in self._computing), initial=0)
             self.stack.saver.begin_batch([Segment(seq.uid, step.start, step.length, row) for (step, seq), row in zip(self._computing, starts)])
@@ -141,7 +149,8 @@ class WorkerSide:
     def _fetch(self, step: RequestStep, seq: _Sequence) -> None:
         first, last = step.load_start // CHUNK_TOKENS, -(-step.load_end // CHUNK_TOKENS)
         keys = [key for key, _ in seq.chain.chunks[first:last]]
-        self._loads.append(_Load(step, seq, first, keys, [self.stack.store.fetch(key) for key in keys]))
+        fetches = [self.stack.store.fetch(key) for key in keys]
+        self._loads.append(_Load(step, seq, first, keys, fetches, self._slots(step, step.load_start, step.load_end)))
 
     def _verify(self) -> None:
         """Wait for this step's fetches and keep each load's verified prefix; the blocks of what fell short
@@ -185,29 +194,35 @@ class WorkerSide:
         if not self._fetched:
             self._verify()
         layer, cache, layout = self._layers[name]
-        dtype = cache.dtype
-        for load in self._loads:
+        for i, load in enumerate(self._loads):
             step = load.step
-            if load.end <= step.load_start:
+            n = load.end - step.load_start
+            if n <= 0:
                 continue
-            rows = torch.cat([decode(stored_rows(image, layer, KV), dtype) for image in load.images])
+            rows = torch.cat([decode(stored_rows(image, layer, KV), cache.dtype) for image in load.images])
             offset = step.load_start - load.first * CHUNK_TOKENS
-            blocks, offsets = self._slots(step, step.load_start, load.end)
-            layout.write(cache, blocks, offsets, rows[offset : offset + len(blocks)].to(cache.device))
+            layout.write(cache, self._indices(layout, i, lambda: (load.slots[0][:n], load.slots[1][:n])), rows[offset : offset + n])
 
     def save_layer(self, name: str, cache: torch.Tensor) -> None:
         """After layer ``name``'s attention wrote this step's K/V: its rows to the saver."""
         if not self._computing or self.stack.capture is None or name not in self._layers:
             return
         layer, _, layout = self._layers[name]
-        slots = [self._slots(step, step.start, step.start + step.length) for step, _ in self._computing]
-        blocks, offsets = torch.cat([b for b, _ in slots]), torch.cat([o for _, o in slots])
-        self.stack.capture.on_layer(layer, None, lambda: layout.read(cache, blocks, offsets))
+        elements = self._indices(layout, -1, lambda: self._computed_slots)
+        self.stack.capture.on_layer(layer, None, lambda: layout.read(cache, elements))
+
+    def _indices(self, layout: PagedLayout, load: int, slots) -> torch.Tensor:
+        """The element indices of a load's tokens (``load`` -1: the computed tokens) in caches laid out by
+        ``layout``: made by the step's first layer, on the cache's device, and used by every layer."""
+        key = (id(layout), load)
+        if key not in self._elements:
+            self._elements[key] = layout.elements(*slots())
+        return self._elements[key]
 
     def _slots(self, step: RequestStep, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache blocks and offsets in them of positions ``[start, end)``: vLLM's blocks may be split
-        into smaller kernel blocks, which the cache's second dimension counts."""
-        kernel = next(iter(self._layers.values()))[1].shape[2]
+        into smaller kernel blocks, which the cache tensors hold."""
+        kernel = self._kernel_block
         positions = torch.arange(start, end)
         block_ids = torch.tensor(step.block_ids, dtype=torch.int64)[positions // self.setup.block_size]
         within = positions % self.setup.block_size
@@ -228,7 +243,7 @@ class WorkerSide:
                 self._errors.update(load.step.block_ids[load.step.load_start // bs : -(-load.step.load_end // bs)])
         for step, seq in self._computing:
             seq.record.computed_tokens += step.length
-        self._loads, self._computing = [], []
+        self._loads, self._computing, self._computed_slots, self._elements = [], [], None, {}
 
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

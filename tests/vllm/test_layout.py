@@ -37,9 +37,9 @@ def test_the_probed_layout_reads_and_writes_what_vllms_cpu_kernel_writes(isa, dt
     blocks, offsets = slots // BLOCK, slots % BLOCK
     rows = _rows(len(slots), dtype)
     write(rows[:, 0], rows[:, 1], cache, slots)
-    assert torch.equal(layout.read(cache, blocks, offsets), rows)  # what the forward wrote, read back
+    assert torch.equal(layout.read(cache, layout.elements(blocks, offsets)), rows)  # what the forward wrote, read back
     ours = torch.zeros_like(cache)
-    layout.write(ours, blocks, offsets, rows)
+    layout.write(ours, layout.elements(blocks, offsets), rows)
     assert torch.equal(ours, cache)  # a restore writes the same bytes the forward would
     if isa != "vec16":  # the kernels pack K: a plain reading of the cache is not the rows
         plain = cache.view(BLOCKS, HEADS, 2 * BLOCK, HEAD)[blocks, :, offsets]
@@ -72,7 +72,8 @@ def test_the_standardized_layout_is_what_flashattention_reads_and_writes(physica
     rows = _rows(len(slots), torch.bfloat16)
     key_cache[blocks, offsets], value_cache[blocks, offsets] = rows[:, 0], rows[:, 1]  # reshape_and_cache_flash's rule
     layout = PagedLayout.split_kv(cache)
-    assert torch.equal(layout.read(cache, blocks, offsets), rows)
+    elements = layout.elements(blocks, offsets)
+    assert torch.equal(layout.read(cache, elements), rows)
     ours = torch.zeros_like(storage)
-    layout.write(ours.transpose(1, 2) if physical == "LBNHC" else ours, blocks, offsets, rows)
+    layout.write(ours.transpose(1, 2) if physical == "LBNHC" else ours, elements, rows)
     assert torch.equal(ours, storage)
