@@ -219,7 +219,15 @@ class ResolvedConfig(BaseModel):
         if plan is not None:
             return plan
         allow = {m: m not in self.disabled for m in (Method.H, Method.KV)}
-        return self.profile.plan(self.spec, history, self.encodings, allow_h=allow[Method.H], allow_kv=allow[Method.KV])
+        return self.profile.plan(
+            self.spec, history, self.encodings, allow_h=allow[Method.H], allow_kv=allow[Method.KV], allow_re=self.recomputes_layers
+        )
+
+    @property
+    def recomputes_layers(self) -> bool:
+        """Whether the engine can recompute a token's first layers and restore the rest (a plan's RE layers):
+        not vLLM, which computes every layer of a token it does not load."""
+        return self.engine != "vllm"
 
     def allowed(self, plan: RestorePlan) -> RestorePlan:
         """``plan`` without the disabled methods: their layers restore by a method that passed the

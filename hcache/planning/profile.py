@@ -87,14 +87,14 @@ class Profile:
 
     def plan(
         self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None = None, allow_h: bool = True,
-        allow_kv: bool = True,
+        allow_kv: bool = True, allow_re: bool = True,
     ) -> RestorePlan:
         """``spec``: the model, or with TP the rank's shard (whose hidden states it stores 1/TP of).
         ``encodings``: the formats stored in 8 bits (``stored_dtype``), whose real bytes and dequantisation
         cost the partition then weighs. ``allow_h=False``: the best RE+KV plan; ``allow_kv=False``: the
-        best RE+H plan."""
+        best RE+H plan; ``allow_re=False``: the best H+KV plan."""
         costs, bytes_h, bytes_kv = self._stored_costs(spec, history, encodings)
-        return partition(costs, spec.num_layers, bytes_h, bytes_kv, allow_h, allow_kv)
+        return partition(costs, spec.num_layers, bytes_h, bytes_kv, allow_h, allow_kv, allow_re)
 
     def bound_seconds(self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None = None) -> float:
         """The restore time the profile predicts for the best plan: the lower bound a pipelined executor

@@ -47,18 +47,23 @@ class LayerCosts:
 
 
 def partition(
-    costs: LayerCosts, num_layers: int, bytes_h: int = 0, bytes_kv: int = 0, allow_h: bool = True, allow_kv: bool = True
+    costs: LayerCosts, num_layers: int, bytes_h: int = 0, bytes_kv: int = 0, allow_h: bool = True, allow_kv: bool = True,
+    allow_re: bool = True,
 ) -> RestorePlan:
     """The plan with the least ``max(compute, io)``; among equal times, the one storing fewest bytes
     (``bytes_h``, ``bytes_kv``: stored bytes per token per layer of each format). ``allow_h``/``allow_kv``
     False: plans without that method (one the start-up self-check disabled); with neither, RE alone.
+    ``allow_re`` False: plans without RE, for an engine that computes every layer of a token it does not
+    load (vLLM); then KV where neither H nor KV is allowed.
 
     H is never chosen when KV dominates it (no more I/O, compute or stored bytes per layer), as with GQA
     models whose hidden states outweigh their K/V: swapping such an H layer for KV never costs anything."""
     dominated = costs.io_kv <= costs.io_h and costs.c_kv <= costs.h_compute and bytes_kv <= bytes_h
     allow_h = allow_h and not dominated
     best: tuple[float, int, int, int] | None = None  # (time, stored bytes, re, kv)
-    for re in range(num_layers + 1):
+    if not allow_re and not allow_h:
+        allow_kv = True
+    for re in range(num_layers + 1 if allow_re else 1):
         rest = num_layers - re
         candidates = {0, rest, *(_crossings(costs, re, rest) if allow_h else ())}
         for kv in candidates:

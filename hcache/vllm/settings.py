@@ -8,21 +8,21 @@ does not share stored state with vLLM.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..config import HCacheConfig, ResolvedConfig
+from ..config import HCacheConfig, ResolvedConfig, is_auto
 from ..errors import InvalidRequestError
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.spec import ModelSpec
-from ..planning.plan import Method, RestorePlan
+from ..planning.plan import Method
 from ..planning.resolve import resolve
 
-# vLLM computes every layer of the tokens it does not load, so a plan's layers cannot be split
-# between recompute and restore; and its connector API sees a layer's K/V, not its input.
-SUPPORTED_PLANS = ("KV",)
+log = logging.getLogger(__name__)
+
 # Settings of the engine hcache runs elsewhere, which vLLM decides here: refused rather than ignored.
 VLLMS_OWN = ("engine", "device", "dtype", "num_blocks", "gpu_cache", "profile", "measure_profile", "self_check", "metrics_port", "metrics_host")
 
@@ -53,12 +53,6 @@ def resolve_setup(vllm_config) -> VllmSetup:
     own = sorted(set(VLLMS_OWN) & settings.model_fields_set)
     if own:
         raise InvalidRequestError(f"hcache's vLLM connector does not take {', '.join(own)}: vLLM decides these (docs/vllm.md)")
-    plan = settings.plan if settings.plan is not None else "KV"
-    if not isinstance(plan, str) or plan not in SUPPORTED_PLANS:
-        raise InvalidRequestError(
-            f"plan {plan!r} is not served by hcache's vLLM connector, which restores by {' or '.join(SUPPORTED_PLANS)} "
-            "(docs/vllm.md says why)"
-        )
     model = vllm_config.model_config
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype != "auto" and getattr(torch, str(cache_dtype), None) != model.dtype:
@@ -70,5 +64,33 @@ def resolve_setup(vllm_config) -> VllmSetup:
     if not Path(model.model).is_dir():
         raise InvalidRequestError(f"hcache's vLLM connector needs the model as a local directory, not {model.model!r}")
     fingerprint = hashlib.blake2b(f"vllm|{checkpoint_fingerprint(model.model, spec)}".encode(), digest_size=16).hexdigest()
-    config = resolve(HCacheConfig.of(settings, plan=RestorePlan.uniform(spec.num_layers, Method(plan))), spec, model.model, engine="vllm")
+    eager = _eager(vllm_config.compilation_config)
+    if not eager and (settings.plan is None or is_auto(settings.plan)):
+        settings = HCacheConfig.of(settings, plan=Method.KV.value)  # H needs the layer inputs a compiled model hides
+        log.info("hcache's vLLM connector restores by KV: vLLM compiles the model, and H needs enforce_eager=True")
+    config = resolve(settings, spec, model.model, engine="vllm")
+    if config.plan is not None and Method.RE in config.plan.layers:
+        raise InvalidRequestError(
+            f"plan {str(settings.plan)!r} recomputes layers (RE), which hcache's vLLM connector cannot: vLLM computes every "
+            "layer of a token it does not load. Give a plan of H and KV layers, such as 'H', 'KV' or '20H+10KV'"
+        )
+    if uses_hidden_states(config) and not eager:
+        raise InvalidRequestError(
+            f"plan {str(config.plan or 'auto')!r} with save={settings.save!r} restores or saves hidden states (H), which "
+            "hcache's vLLM connector does only with enforce_eager=True: it reads each layer's input through a hook, which vLLM's compiled model and CUDA graphs "
+            "do not run. Serve with --enforce-eager, or give plan 'KV'"
+        )
     return VllmSetup(config, fingerprint, vllm_config.cache_config.block_size)
+
+
+def uses_hidden_states(config: ResolvedConfig) -> bool:
+    """Whether ``config`` saves or restores hidden states on some layer."""
+    planned = config.plan is not None and Method.H in config.plan.layers  # a fixed plan may restore H it does not save
+    return planned or any(Method.H.value in formats for formats in config.save_formats)
+
+
+def _eager(compilation) -> bool:
+    """Whether vLLM runs the model as written (enforce_eager): no torch.compile graph, no CUDA graph."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    return compilation.mode == CompilationMode.NONE and compilation.cudagraph_mode == CUDAGraphMode.NONE

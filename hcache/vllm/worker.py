@@ -36,12 +36,12 @@ from ..serving.restore import lookup_miss, restore_accounting, verify_fetched
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from ..storage.stored_state import decode, stored_rows
+from .hidden import HiddenLayers, registering_model
 from .layout import PagedLayout
 from .metadata import HCacheStepMetadata, RequestStep
-from .settings import VllmSetup
+from .settings import VllmSetup, uses_hidden_states
 
 log = logging.getLogger(__name__)
-KV = Method.KV.value
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ class _Load:
     keys: list[str]
     fetches: list
     slots: tuple  # (blocks, offsets) of positions [step.load_start, step.load_end) in the cache
+    plan: RestorePlan  # each layer's method: H or KV
     images: list = field(default_factory=list)
     end: int = 0  # the verified end, once the fetches are in
 
@@ -78,8 +79,6 @@ class WorkerSide:
     def __init__(self, setup: VllmSetup, device: torch.device, attention_layers: dict):
         self.setup, self.config = setup, setup.config
         self.stack = StoreStack(setup.config, VllmModel(setup.config.spec, device), setup.fingerprint, SINGLE)
-        self.plan = RestorePlan.uniform(setup.config.spec.num_layers, Method.KV)
-        self._jobs = [(layer, KV) for layer in range(setup.config.spec.num_layers)]  # every layer's KV is loaded
         self._attention = attention_layers  # layer name -> vLLM's Attention module (its backend's cache write)
         self._layers: dict[str, tuple[int, torch.Tensor, PagedLayout]] = {}
         self._seqs: dict[str, _Sequence] = {}
@@ -90,6 +89,7 @@ class WorkerSide:
         self._computed_slots: tuple | None = None  # (blocks, offsets) of the tokens this step computes
         self._elements: dict[tuple[int, int], torch.Tensor] = {}  # this step's element indices, by (layout, load or -1)
         self._kernel_block = 0  # tokens in a block of the cache tensors (vLLM may split its blocks into smaller ones)
+        self._hidden: HiddenLayers | None = None  # the model's layers, where hidden states are saved or restored
         self._errors: set[int] = set()
         log_path = setup.config.settings.request_log
         self.request_log = Path(log_path) if log_path is not None else None
@@ -116,6 +116,10 @@ class WorkerSide:
         if (layout.num_heads, layout.head_size) != (spec.num_kv_heads, spec.head_size):
             raise RuntimeError(f"vLLM's cache holds {layout.num_heads} heads of {layout.head_size}; the model has "
                                f"{spec.num_kv_heads} KV heads of {spec.head_size}")  # fmt: skip
+        if uses_hidden_states(self.config):
+            saved = frozenset(layer for layer, formats in enumerate(self.config.save_formats) if Method.H.value in formats)
+            layers = {layer: name for name, (layer, _, _) in self._layers.items()}
+            self._hidden = HiddenLayers(spec, registering_model(self._attention), layers, saved if self.stack.saver else frozenset())
 
     # ---- each step --------------------------------------------------------------------------------------
     def begin_step(self, metadata: HCacheStepMetadata) -> None:
@@ -150,7 +154,8 @@ class WorkerSide:
         first, last = step.load_start // CHUNK_TOKENS, -(-step.load_end // CHUNK_TOKENS)
         keys = [key for key, _ in seq.chain.chunks[first:last]]
         fetches = [self.stack.store.fetch(key) for key in keys]
-        self._loads.append(_Load(step, seq, first, keys, fetches, self._slots(step, step.load_start, step.load_end)))
+        plan = self.config.plan_for(self.config.plan, step.load_end - step.load_start)
+        self._loads.append(_Load(step, seq, first, keys, fetches, self._slots(step, step.load_start, step.load_end), plan))
 
     def _verify(self) -> None:
         """Wait for this step's fetches and keep each load's verified prefix; the blocks of what fell short
@@ -161,7 +166,7 @@ class WorkerSide:
             began = time.perf_counter()
             why, miss = verify_fetched(
                 self.stack.store, load.keys, load.fetches, load.images, load.seq.tokens[start:], self.stack.fingerprint,
-                self.plan, SINGLE, 0, self.config.spec,
+                load.plan, SINGLE, 0, self.config.spec,
             )  # fmt: skip
             self._release(load.fetches[len(load.images) :])  # those past the prefix's end, fetched all the same
             load.end = min(step.load_end, start + len(load.images) * CHUNK_TOKENS)
@@ -175,10 +180,12 @@ class WorkerSide:
                 sources[self.stack.store.take_source(image)] += max(0, hi - lo)
             restored = load.end - step.load_start if load.end > step.load_start else 0
             missed = {miss.value: step.load_end - max(load.end, step.load_start)} if miss is not None and step.load_end > load.end else {}
-            used, lossy = restore_accounting(load.images, self._jobs, [], len(load.images))
+            jobs = [(layer, method.value) for layer, method in enumerate(load.plan.layers)]
+            used, lossy = restore_accounting(load.images, jobs, [], len(load.images))
             load.seq.record.add(PutRestore(
-                plan=str(self.plan), tokens=restored, sources=dict(sources), restore_s=time.perf_counter() - began,
-                bytes_read=used, fallback=why, misses=missed, lossy=lossy, layer_tokens={KV: restored * self.config.spec.num_layers},
+                plan=str(load.plan), tokens=restored, sources=dict(sources), restore_s=time.perf_counter() - began,
+                bytes_read=used, fallback=why, misses=missed, lossy=lossy,
+                layer_tokens={m.value: restored * load.plan.count(m) for m in (Method.H, Method.KV) if load.plan.count(m)},
             ))  # fmt: skip
 
     def _release(self, fetches: list) -> None:
@@ -187,8 +194,29 @@ class WorkerSide:
             if image is not None:
                 self.stack.store.release(image)
 
+    def start_forward(self, forward_context) -> None:
+        """As the forward starts: which rows of its batch are this step's computed tokens, found by their
+        cache slots in the forward's slot mapping, so that each layer's hidden states of them are captured."""
+        if self._hidden is None or not self._computing or self.stack.saver is None:
+            return
+        name = next(iter(self._layers))
+        mapping = forward_context.slot_mapping
+        slots = mapping.get(name) if isinstance(mapping, dict) else None
+        blocks, offsets = self._computed_slots
+        if slots is None:  # micro-batched forwards: the saver finds the H layers missing and saves none of it
+            log.warning("hcache: no slot mapping for %s in this forward; its hidden states are not saved", name)
+            return
+        ours = (blocks * self._kernel_block + offsets).to(slots.device)
+        order = torch.argsort(slots)
+        rows = order[torch.searchsorted(slots[order], ours).clamp(max=len(slots) - 1)]
+        if torch.equal(slots[rows], ours):
+            self._hidden.select(rows)
+        else:
+            log.error("hcache: this step's tokens are not all in the forward's slot mapping; their hidden states are not saved")
+
     def load_layer(self, name: str) -> None:
-        """Before layer ``name``'s attention: its K/V rows of this step's verified loads, into the cache."""
+        """Before layer ``name``'s attention: its K/V of this step's verified loads, into the cache: the
+        stored rows (KV) or rebuilt from the stored hidden states (H)."""
         if not self._loads or name not in self._layers:
             return
         if not self._fetched:
@@ -199,17 +227,27 @@ class WorkerSide:
             n = load.end - step.load_start
             if n <= 0:
                 continue
-            rows = torch.cat([decode(stored_rows(image, layer, KV), cache.dtype) for image in load.images])
+            method = load.plan.layers[layer]
+            rows = torch.cat([decode(stored_rows(image, layer, method.value), cache.dtype) for image in load.images])
             offset = step.load_start - load.first * CHUNK_TOKENS
-            layout.write(cache, self._indices(layout, i, lambda: (load.slots[0][:n], load.slots[1][:n])), rows[offset : offset + n])
+            rows = rows[offset : offset + n]
+            if method is Method.H:
+                positions = torch.arange(step.load_start, step.load_start + n, device=cache.device)
+                rows = self._hidden.rebuild(layer, rows.to(cache.device), positions)
+            layout.write(cache, self._indices(layout, i, lambda: (load.slots[0][:n], load.slots[1][:n])), rows)
 
     def save_layer(self, name: str, cache: torch.Tensor) -> None:
-        """After layer ``name``'s attention wrote this step's K/V: its rows to the saver."""
+        """After layer ``name``'s attention wrote this step's K/V: its hidden states and K/V rows to the
+        saver. A layer whose hidden states were not captured hands over nothing, and the saver saves none of
+        this step's chunks (it logs a forward that skipped a layer)."""
         if not self._computing or self.stack.capture is None or name not in self._layers:
             return
         layer, _, layout = self._layers[name]
+        hidden = self._hidden.captured(layer) if self._hidden is not None else None
+        if hidden is None and Method.H.value in self.config.save_formats[layer]:
+            return
         elements = self._indices(layout, -1, lambda: self._computed_slots)
-        self.stack.capture.on_layer(layer, None, lambda: layout.read(cache, elements))
+        self.stack.capture.on_layer(layer, hidden, lambda: layout.read(cache, elements))
 
     def _indices(self, layout: PagedLayout, load: int, slots) -> torch.Tensor:
         """The element indices of a load's tokens (``load`` -1: the computed tokens) in caches laid out by
@@ -244,6 +282,8 @@ class WorkerSide:
         for step, seq in self._computing:
             seq.record.computed_tokens += step.length
         self._loads, self._computing, self._computed_slots, self._elements = [], [], None, {}
+        if self._hidden is not None:
+            self._hidden.select(None)
 
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -266,4 +306,6 @@ class WorkerSide:
                     f.write(json.dumps({"request_id": req_id, "time": time.time(), **asdict(seq.record)}) + "\n")
 
     def close(self) -> None:
+        if self._hidden is not None:
+            self._hidden.close()
         self.stack.close()

@@ -83,3 +83,20 @@ def test_ties_go_to_the_plan_storing_fewer_bytes():
     # I/O is free, so every plan without RE takes the same time; H stores less than KV.
     costs = LayerCosts(c_token=1, c_h=0, c_kv=0, io_h=0, io_kv=0)
     assert counts(partition(costs, 8, BYTES_H, BYTES_KV)) == (0, 8, 0)
+
+
+def test_without_re_the_best_h_and_kv_split_for_an_engine_that_computes_every_layer():
+    """vLLM computes every layer of a token it does not load: its plans are H* KV*, the best of them."""
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    for name, (costs, n, _) in SYNTHETIC.items():
+        plan = partition(costs, n, BYTES_H, BYTES_KV, allow_re=False)
+        best = min(costs.plan_time(0, n - kv, kv) for kv in range(n + 1))
+        assert plan.count(Method.RE) == 0 and costs.plan_time(*counts(plan)) == pytest.approx(best, rel=1e-12), name
+    io_bound = SYNTHETIC["io-bound MHA"][0]
+    assert counts(partition(io_bound, 30, BYTES_H, BYTES_KV, allow_re=False)) == (0, 30, 0)  # with RE: 10RE+20H
+    assert counts(partition(io_bound, 30, allow_h=False, allow_kv=False, allow_re=False)) == (0, 0, 30)  # KV still loads
+    for _ in range(100):
+        n, costs = rnd.randint(1, 48), LayerCosts(*(rnd.uniform(0.01, 5) for _ in range(5)))
+        got = counts(partition(costs, n, BYTES_H, BYTES_KV, allow_re=False))
+        assert got[0] == 0 and costs.plan_time(*got) <= min(costs.plan_time(0, n - kv, kv) for kv in range(n + 1)) * (1 + 1e-9), (seed, costs, n)
