@@ -13,6 +13,11 @@ engine of its own, started in turn, over the same histories and questions:
 - ``hcache_disk``: a new engine over the same store directory, without Redis: restored from the disk;
 - ``hcache_redis``: a new engine with Redis as its only tier: restored from Redis.
 
+With ``--plans`` of more than one plan (``KV,H``), the three hcache configurations run once per plan, each
+named with its plan (``hcache_host_H``), and every plan saves both formats (``save="all"``). ``--mha``
+benchmarks the model made MHA (as many K/V heads as query heads, random weights, its tokenizer), where
+hidden states are half the bytes of K/V: H's case.
+
 The disk and Redis engines are new: each meets every history for the first time, in its store. ``speedup``
 is recompute's median TTFT over each configuration's; ``restored`` and ``stored_bytes_per_token`` come from
 the connector's request log. ``first_token_match`` counts returning questions whose first token equals
@@ -33,8 +38,6 @@ from tqdm import tqdm
 
 from ..defaults import DEFAULT_MODEL
 
-CONFIGS = ("recompute", "prefix_cache", "hcache_host", "hcache_disk", "hcache_redis")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default) or a HF model directory")
@@ -43,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=5, help="histories, each returning once per configuration")
     parser.add_argument("--question", type=int, default=16, help="tokens in each question")
     parser.add_argument("--redis", default=None, help="a Redis server's URL (default: start one on loopback)")
+    parser.add_argument("--plans", default="KV", help="hcache's plans, comma-separated (e.g. KV,H): each restores from every tier")
+    parser.add_argument("--mha", action="store_true", help="the model made MHA with random weights (as many K/V heads as query heads)")
     parser.add_argument("--memory", type=float, default=0.25, help="vLLM's gpu_memory_utilization (on a CPU: the share of memory for its KV cache)")
 
 
@@ -59,12 +64,14 @@ def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
 def run(args: argparse.Namespace) -> dict:
     from vllm import SamplingParams
 
-    from ..model.loader import model_dir
+    from ..model.loader import model_dir, random_checkpoint
     from ..storage.redis_server import RedisServer
 
     if args.conversations < 1 or args.history < 64:
         raise SystemExit("hcache bench vllm: --conversations must be at least 1 and --history at least 64")
-    model = str(model_dir(args.model))
+    plans = [p.strip() for p in args.plans.split(",") if p.strip()]
+    if not plans:
+        raise SystemExit("hcache bench vllm: --plans names no plan")
     one = SamplingParams(max_tokens=1, temperature=0)
     g = torch.Generator().manual_seed(0)
 
@@ -78,20 +85,23 @@ def run(args: argparse.Namespace) -> dict:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="hcache-bench-vllm-") as tmp:
         store = str(Path(tmp) / "store")
-        plans = {
-            "recompute": (False, None, True),
-            "prefix_cache": (True, None, True),
-            "hcache_host": (False, {"store_dirs": [store], "store": {"tiers": [url]}}, True),
-            "hcache_disk": (False, {"store_dirs": [store]}, False),
-            "hcache_redis": (False, {"store_dirs": None, "store": {"tiers": [url]}}, False),
-        }
+        model = model_dir(args.model)
+        if args.mha:
+            heads = json.loads((model / "config.json").read_text())["num_attention_heads"]
+            model = random_checkpoint(Path(tmp) / "mha", args.model, num_key_value_heads=heads)
+        configs = {"recompute": (False, None, True), "prefix_cache": (True, None, True)}
+        for plan in plans:
+            stores = {"host": ([store], [url]), "disk": ([store], []), "redis": (None, [url])}
+            for tier, (dirs, tiers) in stores.items():
+                settings = {"store_dirs": dirs, "store": {"tiers": tiers}, "plan": plan, "save": "all" if len(plans) > 1 else "plan"}
+                configs["hcache_" + tier + (f"_{plan}" if len(plans) > 1 else "")] = (False, settings, tier == "host")
         try:
-            for name in tqdm(CONFIGS, desc="vLLM engines", unit="engine"):
-                prefix_cache, connector, prefill = plans[name]
+            for name in tqdm(configs, desc="vLLM engines", unit="engine"):
+                prefix_cache, connector, prefill = configs[name]
                 log = Path(tmp) / f"{name}.jsonl"
                 if connector is not None:
                     connector = {**connector, "request_log": str(log)}
-                llm = _engine(args, model, prefix_cache, connector)
+                llm = _engine(args, str(model), prefix_cache, connector)
                 prefill_s = []
                 if prefill:
                     for history, question in zip(histories, first):
@@ -126,12 +136,12 @@ def run(args: argparse.Namespace) -> dict:
     for name, r in results.items():
         r["speedup"] = reference["median_ttft_s"] / r["median_ttft_s"]
         r["first_token_match"] = sum(a == b for a, b in zip(r["first_tokens"], reference["first_tokens"]))
-    print(f"{args.model}, {args.conversations} returning histories of {args.history} tokens (+{args.question}-token questions), {args.dtype}:")
-    print(f"{'configuration':14} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} {'1st token same':>15}")
+    print(f"{args.model}{' made MHA' if args.mha else ''}, {args.conversations} returning histories of {args.history} tokens (+{args.question}-token questions), {args.dtype}:")
+    print(f"{'configuration':18} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} {'1st token same':>15}")
     for name, r in results.items():
         tiers = ",".join(f"{t}:{n}" for t, n in r["restored_by_tier"].items()) or "-"
-        print(f"{name:14} {1000 * r['median_ttft_s']:9.1f} {1000 * min(r['ttft_s']):6.0f}-{1000 * max(r['ttft_s']):<6.0f} "
+        print(f"{name:18} {1000 * r['median_ttft_s']:9.1f} {1000 * min(r['ttft_s']):6.0f}-{1000 * max(r['ttft_s']):<6.0f} "
               f"{r['speedup']:7.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
               f"{r['first_token_match']:>8d}/{args.conversations}")  # fmt: skip
-    return {"model": args.model, "dtype": args.dtype, "history": args.history, "question": args.question,
+    return {"model": args.model, "mha": args.mha, "plans": plans, "dtype": args.dtype, "history": args.history, "question": args.question,
             "conversations": args.conversations, "configurations": results}  # fmt: skip

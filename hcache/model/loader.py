@@ -168,7 +168,7 @@ def random_model(
 ) -> torch.nn.Module:
     """A random-weight model: a tiny one of model type ``shape``, or a full-size named shape such as
     ``llama-2-7b``; ``overrides`` change any config field."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if shape in _FULL:
         model_type, fields = _FULL[shape][0], dict(_FULL[shape][1], tie_word_embeddings=False)
@@ -181,7 +181,12 @@ def random_model(
             f"no random shape {shape!r}; choose a model type ({', '.join(SUPPORTED_MODEL_TYPES)}) or a full "
             f"shape ({', '.join(_FULL)})"
         )
-    config = AutoConfig.for_model(model_type, **{**fields, **overrides})
+    return _randomised(AutoConfig.for_model(model_type, **{**fields, **overrides}), dtype, seed, device)
+
+
+def _randomised(config, dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     with torch.device(device):  # a 7B model is built where it will run, not copied there
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -191,3 +196,20 @@ def random_model(
             if p.dim() > 1:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
     return model.eval()
+
+
+def random_checkpoint(directory: str | Path, like: str = DEFAULT_MODEL, seed: int = 0, **overrides: Any) -> Path:
+    """A checkpoint directory of random float32 weights, shaped as model ``like``'s config changed by
+    ``overrides`` (``num_key_value_heads`` = its query heads: an MHA model of its size), with its tokenizer:
+    for the engines that load checkpoints themselves (vLLM) to run a shape no local checkpoint has."""
+    from transformers import AutoConfig
+
+    source, directory = model_dir(like), Path(directory)
+    config = AutoConfig.from_pretrained(source)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    _randomised(config, torch.float32, seed).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, directory / name)
+    return directory

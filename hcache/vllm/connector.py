@@ -55,8 +55,7 @@ class HCacheConnector(KVConnectorBase_V1):
         self._worker.begin_step(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        # the loads were fetched when the metadata was bound, before the forward; each layer waits for its own
-        self._worker.start_forward(forward_context)
+        pass  # the loads were fetched when the metadata was bound, before the forward; each layer waits for its own
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.load_layer(layer_name)

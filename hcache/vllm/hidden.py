@@ -12,12 +12,13 @@ oneDNN and drops the plain weight; quantized layers keep them quantized), so its
 that has them, and it rounds as the forward does.
 
 The capture is a forward pre-hook on each ``qkv_proj``: it keeps the rows of this step's computed tokens,
-which the worker finds from the forward's slot mapping (:meth:`HiddenLayers.select`), so the forward's
+found by their cache slots in the forward's slot mapping (:meth:`HiddenLayers.select`), so the forward's
 batch order does not matter. Hooks run only in eager mode: with torch.compile or CUDA graphs they would
 not, so the settings refuse H there (:mod:`hcache.vllm.settings`).
 """
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from torch import nn
 from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
 
+log = logging.getLogger(__name__)
+
 
 def registering_model(attention_layers: dict, depth: int = 6) -> nn.Module:
     """The model whose caches are being registered: the ``get_model()`` of the model runner up the call stack
@@ -34,15 +37,14 @@ def registering_model(attention_layers: dict, depth: int = 6) -> nn.Module:
     Attention); else :class:`InvalidRequestError`."""
     frame = sys._getframe(1)
     for _ in range(depth):
-        frame = frame.f_back
         if frame is None:
             break
-        runner = frame.f_locals.get("self")
-        get_model = getattr(runner, "get_model", None)
+        get_model = getattr(frame.f_locals.get("self"), "get_model", None)
         if callable(get_model):
             model = get_model()
             if isinstance(model, nn.Module) and all(_holds(model, name, module) for name, module in attention_layers.items()):
                 return model
+        frame = frame.f_back
     raise InvalidRequestError(
         "hcache's vLLM connector restores hidden states (H) through vLLM's model, which it finds from the model runner "
         "that registers the KV caches; this vLLM registers them from elsewhere. Give plan 'KV'"
@@ -69,7 +71,9 @@ class HiddenLayers:
 
     def __init__(self, spec: ModelSpec, model: nn.Module, layers: dict[int, str], capture: frozenset[int]):
         self._layers: dict[int, _Layer] = {}
-        self._rows: torch.Tensor | None = None  # this step's computed tokens' rows in the forward's batch
+        self._slots: torch.Tensor | None = None  # this step's computed tokens' cache slots
+        self._rows: torch.Tensor | None = None  # their rows in the forward's batch, found by its first layer
+        self._slot_layer = next(iter(layers.values()))  # every layer's tokens take the same slots
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
         self._head_size = spec.head_size
@@ -87,14 +91,37 @@ class HiddenLayers:
 
     def _hook(self, index: int):
         def keep(_module, args):
+            if self._slots is None:
+                return
+            if self._rows is None:
+                self._rows = self._find_rows(args[0].device)
             if self._rows is not None:
                 self._captured[index] = args[0].index_select(0, self._rows)  # a copy: vLLM may reuse its buffer
 
         return keep
 
-    def select(self, rows: torch.Tensor | None) -> None:
-        """Capture the rows ``rows`` of the coming forward's batch (None: none)."""
-        self._rows, self._captured = rows, {}
+    def select(self, slots: torch.Tensor | None) -> None:
+        """Capture, in the coming forward, the rows of the tokens written to cache ``slots`` (kernel block ×
+        its tokens + offset, as vLLM's slot mapping counts them; None: none), in that order."""
+        self._slots, self._rows, self._captured = slots, None, {}
+
+    def _find_rows(self, device: torch.device) -> torch.Tensor | None:
+        """The selected tokens' rows in the forward's batch, from its slot mapping, which vLLM sets for the
+        forward (before it: the batch's order is the model runner's, not the scheduler's)."""
+        from vllm.forward_context import get_forward_context
+
+        mapping = get_forward_context().slot_mapping
+        slots = mapping.get(self._slot_layer) if isinstance(mapping, dict) else None
+        if slots is None:  # a micro-batched forward: the saver finds its H layers missing and saves none of it
+            log.warning("hcache: this forward has no slot mapping for %s; its hidden states are not saved", self._slot_layer)
+            return None
+        ours = self._slots.to(slots.device)
+        order = torch.argsort(slots)
+        rows = order[torch.searchsorted(slots[order], ours).clamp(max=len(slots) - 1)]
+        if not torch.equal(slots[rows], ours):
+            log.error("hcache: this step's tokens are not all in the forward's slot mapping; their hidden states are not saved")
+            return None
+        return rows.to(device)
 
     def captured(self, layer: int) -> torch.Tensor | None:
         """Layer ``layer``'s input rows of the selected tokens ``[T, D]``, once its projection ran."""
@@ -105,7 +132,7 @@ class HiddenLayers:
         """K/V rows ``[T, 2, H, C]`` of tokens at ``positions`` from their hidden states ``[T, D]``: the K/V
         rows of the layer's projection, then K rotated by the layer's own RoPE (as vLLM's forward rotates it)."""
         part = self._layers[layer]
-        out, _ = part.qkv(hidden)
+        out, _ = part.qkv.forward(hidden)  # not through __call__: the capture hook is for the forward's own rows
         _, k, v = out.split(part.split, dim=-1)
         k, _ = part.rotary(positions, k.contiguous(), None)  # K rotated as vLLM rotates a query: the same rule per head
         return torch.stack((k, v), dim=1).unflatten(-1, (-1, self._head_size))

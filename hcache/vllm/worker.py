@@ -133,6 +133,9 @@ class WorkerSide:
         if self._computing:
             slots = [self._slots(step, step.start, step.start + step.length) for step, _ in self._computing]
             self._computed_slots = torch.cat([b for b, _ in slots]), torch.cat([o for _, o in slots])
+            if self._hidden is not None and self.stack.saver is not None:
+                blocks, offsets = self._computed_slots
+                self._hidden.select(blocks * self._kernel_block + offsets)
         if self._computing and self.stack.saver is not None:
             starts = itertools.accumulate((step.length for step, _ in self._computing), initial=0)
             self.stack.saver.begin_batch([Segment(seq.uid, step.start, step.length, row) for (step, seq), row in zip(self._computing, starts)])
@@ -181,7 +184,7 @@ class WorkerSide:
             restored = load.end - step.load_start if load.end > step.load_start else 0
             missed = {miss.value: step.load_end - max(load.end, step.load_start)} if miss is not None and step.load_end > load.end else {}
             jobs = [(layer, method.value) for layer, method in enumerate(load.plan.layers)]
-            used, lossy = restore_accounting(load.images, jobs, [], len(load.images))
+            used, lossy = restore_accounting(load.images, jobs, list(range(len(load.images))), len(load.images))
             load.seq.record.add(PutRestore(
                 plan=str(load.plan), tokens=restored, sources=dict(sources), restore_s=time.perf_counter() - began,
                 bytes_read=used, fallback=why, misses=missed, lossy=lossy,
@@ -193,26 +196,6 @@ class WorkerSide:
             image = fetch.result() if fetch.exception() is None else None
             if image is not None:
                 self.stack.store.release(image)
-
-    def start_forward(self, forward_context) -> None:
-        """As the forward starts: which rows of its batch are this step's computed tokens, found by their
-        cache slots in the forward's slot mapping, so that each layer's hidden states of them are captured."""
-        if self._hidden is None or not self._computing or self.stack.saver is None:
-            return
-        name = next(iter(self._layers))
-        mapping = forward_context.slot_mapping
-        slots = mapping.get(name) if isinstance(mapping, dict) else None
-        blocks, offsets = self._computed_slots
-        if slots is None:  # micro-batched forwards: the saver finds the H layers missing and saves none of it
-            log.warning("hcache: no slot mapping for %s in this forward; its hidden states are not saved", name)
-            return
-        ours = (blocks * self._kernel_block + offsets).to(slots.device)
-        order = torch.argsort(slots)
-        rows = order[torch.searchsorted(slots[order], ours).clamp(max=len(slots) - 1)]
-        if torch.equal(slots[rows], ours):
-            self._hidden.select(rows)
-        else:
-            log.error("hcache: this step's tokens are not all in the forward's slot mapping; their hidden states are not saved")
 
     def load_layer(self, name: str) -> None:
         """Before layer ``name``'s attention: its K/V of this step's verified loads, into the cache: the

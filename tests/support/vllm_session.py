@@ -8,7 +8,7 @@ of ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR, 
 ``prefix_cache`` (vLLM's own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a
 CPU), and ``requests``: [[turn, cache_salt]] served in order. ``"$REDIS"`` in a connector's settings is the
 URL of a redis-server this script starts.
-OUT: per phase, each request's generated token ids.
+OUT: ``tokens``: per phase, each request's generated token ids; ``logprobs``: the log-probability of each.
 """
 import json
 import os
@@ -39,11 +39,11 @@ def main() -> None:
     from hcache.storage.redis_server import RedisServer
 
     spec = json.loads(Path(sys.argv[1]).read_text())
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True, logprobs=0)
     redis = RedisServer().start() if "$REDIS" in json.dumps(spec) else None
     prompts: dict[str, list[int]] = {}
     replies: dict[str, list[int]] = {}  # the first phase's, which later turns' prompts continue
-    results = []
+    results, logprobs = [], []
     try:
         for phase in spec["phases"]:
             for action in phase.get("before", []):
@@ -53,23 +53,26 @@ def main() -> None:
                     redis.stop()
             connector = json.loads(json.dumps(phase["connector"]).replace("$REDIS", redis.url if redis else ""))
             llm = _llm(spec["model"], spec["dtype"], connector, phase.get("prefix_cache", False), phase.get("block_size"))
-            out = []
+            out, probs = [], []
             for turn, salt in phase["requests"]:
                 if turn not in prompts:
                     previous, text = spec["turns"][turn]
                     head = prompts[previous] + replies[previous] if previous else []
                     prompts[turn] = head + llm.get_tokenizer().encode(text, add_special_tokens=False)
                 request = {"prompt_token_ids": prompts[turn], **({"cache_salt": salt} if salt else {})}
-                tokens = list(llm.generate([request], params, use_tqdm=False)[0].outputs[0].token_ids)
+                output = llm.generate([request], params, use_tqdm=False)[0].outputs[0]
+                tokens = list(output.token_ids)
                 replies.setdefault(turn, tokens)
                 out.append(tokens)
+                probs.append([step[token].logprob for step, token in zip(output.logprobs, tokens)])
             llm.llm_engine.engine_core.shutdown()
             del llm
             results.append(out)
+            logprobs.append(probs)
     finally:
         if redis is not None:
             redis.close()
-    Path(sys.argv[2]).write_text(json.dumps(results))
+    Path(sys.argv[2]).write_text(json.dumps({"tokens": results, "logprobs": logprobs}))
 
 
 if __name__ == "__main__":

