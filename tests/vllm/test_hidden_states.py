@@ -1,11 +1,12 @@
 """Hidden states (H) through hcache's connector in vLLM's CPU build, on an MHA model (where H is the smaller
 transfer and the default plan): SmolLM2 made small and MHA, with random weights, in float32.
 
-One session (tests/support/vllm_session.py), three engines in turn over one store directory: vLLM alone
-(the reference); the connector saving hidden states and K/V (``save="all"``) and restoring the second turn
-by H from the host pool; a restarted vLLM restoring it from the disk by half H, half KV. Each restore's
-reply equals vLLM's alone, and each generated token's log-probability is vLLM's alone within float32
-rounding: the K/V rebuilt from hidden states are what vLLM's forward computed.
+One session (tests/support/vllm_session.py), two engines in turn over one store directory: the connector
+saving hidden states and K/V (``save="all"``), serving the second turn first under another ``cache_salt``
+(nothing stored: the reference, computed whole) and then restoring it by H from the host pool; a restarted
+vLLM restoring it from the disk by half H, half KV. Each restore's reply equals the reference, and each
+generated token's log-probability equals it within float32 rounding: the K/V rebuilt from hidden states
+are what vLLM's forward computed.
 """
 import json
 import subprocess
@@ -45,11 +46,10 @@ def session(tmp_path_factory):
         "max_tokens": 16,
         "turns": {"first": [None, HISTORY + "Where does the dog sleep?"], "second": ["first", " And the fox?"]},
         "phases": [
-            {"connector": None, "requests": [["first", None], ["second", None]]},
             {"connector": {"store_dirs": [str(store)], "save": "all", "request_log": str(logs["host"])},
-             "requests": [["first", None], ["second", None]]},
+             "requests": [["first", "a"], ["second", "reference"], ["second", "a"]]},
             {"connector": {"store_dirs": [str(store)], "plan": f"{LAYERS // 2}H+{LAYERS // 2}KV", "request_log": str(logs["disk"])},
-             "requests": [["second", None]]},
+             "requests": [["second", "a"]]},
         ],
     }  # fmt: skip
     (tmp / "spec.json").write_text(json.dumps(spec))
@@ -65,11 +65,12 @@ def _close(logprobs: list[float], reference: list[float]) -> bool:
     return len(logprobs) == len(reference) and max(abs(a - b) for a, b in zip(logprobs, reference)) < 1e-4
 
 
-def test_the_second_turn_restores_by_hidden_states_from_the_host_pool_and_replies_as_vllm_alone(session):
+def test_the_second_turn_restores_by_hidden_states_from_the_host_pool_and_replies_as_computed_whole(session):
     tokens, logprobs, records = session
-    assert tokens[1] == tokens[0] and _close(logprobs[1][1], logprobs[0][1])
-    first, second = records["host"]
-    assert first["restored_tokens"] == 0
+    _, reference, restored_reply = tokens[0]
+    assert restored_reply == reference and _close(logprobs[0][2], logprobs[0][1])
+    first, whole, second = records["host"]
+    assert first["restored_tokens"] == 0 and whole["restored_tokens"] == 0
     restored = second["restored_tokens"]
     assert restored >= 128 and restored % 64 == 0 and second["tier_tokens"] == {"host": restored}
     assert second["plan"] == f"{LAYERS}H" and not second["lossy"]
@@ -78,11 +79,11 @@ def test_the_second_turn_restores_by_hidden_states_from_the_host_pool_and_replie
 
 def test_a_restarted_vllm_restores_half_by_hidden_states_half_by_kv_from_the_disk(session):
     tokens, logprobs, records = session
-    assert tokens[2] == [tokens[0][1]] and _close(logprobs[2][0], logprobs[0][1])
+    assert tokens[1] == [tokens[0][1]] and _close(logprobs[1][0], logprobs[0][1])
     (disk,) = records["disk"]
     restored = disk["restored_tokens"]
     # past the first turn's chunks, the disk holds the second turn's: saved by the forward that restored by H
-    assert restored > records["host"][1]["restored_tokens"] and disk["tier_tokens"] == {"disk": restored}
+    assert restored > records["host"][2]["restored_tokens"] and disk["tier_tokens"] == {"disk": restored}
     assert disk["plan"] == f"{LAYERS // 2}H+{LAYERS // 2}KV"
     assert disk["bytes_read"] == restored * LAYERS // 2 * (H_BYTES + KV_BYTES)
 
