@@ -64,7 +64,7 @@ def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
 def run(args: argparse.Namespace) -> dict:
     from vllm import SamplingParams
 
-    from ..model.loader import model_dir, random_checkpoint
+    from ..model.loader import model_dir, random_like, save_checkpoint
     from ..storage.redis_server import RedisServer
 
     if args.conversations < 1 or args.history < 64:
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
         model = model_dir(args.model)
         if args.mha:
             heads = json.loads((model / "config.json").read_text())["num_attention_heads"]
-            model = random_checkpoint(Path(tmp) / "mha", args.model, num_key_value_heads=heads)
+            model = save_checkpoint(random_like(args.model, num_key_value_heads=heads), Path(tmp) / "mha", args.model)
         configs = {"recompute": (False, None, True), "prefix_cache": (True, None, True)}
         for plan in plans:
             stores = {"host": ([store], [url]), "disk": ([store], []), "redis": (None, [url])}

@@ -198,17 +198,22 @@ def _randomised(config, dtype: torch.dtype, seed: int, device: str = "cpu") -> t
     return model.eval()
 
 
-def random_checkpoint(directory: str | Path, like: str = DEFAULT_MODEL, seed: int = 0, **overrides: Any) -> Path:
-    """A checkpoint directory of random float32 weights, shaped as model ``like``'s config changed by
-    ``overrides`` (``num_key_value_heads`` = its query heads: an MHA model of its size), with its tokenizer:
-    for the engines that load checkpoints themselves (vLLM) to run a shape no local checkpoint has."""
+def random_like(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A float32 model of random weights shaped as model ``name``'s config changed by ``overrides``
+    (``num_key_value_heads`` = its query heads: an MHA model of its size)."""
     from transformers import AutoConfig
 
-    source, directory = model_dir(like), Path(directory)
-    config = AutoConfig.from_pretrained(source)
-    for name, value in overrides.items():
-        setattr(config, name, value)
-    _randomised(config, torch.float32, seed).save_pretrained(directory)
+    config = AutoConfig.from_pretrained(model_dir(name))
+    for field, value in overrides.items():
+        setattr(config, field, value)
+    return _randomised(config, torch.float32, seed)
+
+
+def save_checkpoint(model: torch.nn.Module, directory: str | Path, tokenizer_of: str = DEFAULT_MODEL) -> Path:
+    """``model`` saved as a checkpoint directory with model ``tokenizer_of``'s tokenizer: for the engines
+    that load checkpoints themselves (MII, vLLM) to run a random model."""
+    source, directory = model_dir(tokenizer_of), Path(directory)
+    model.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
         if (source / name).is_file():
             shutil.copy(source / name, directory / name)

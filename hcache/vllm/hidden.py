@@ -115,7 +115,7 @@ class HiddenLayers:
         if slots is None:  # a micro-batched forward: the saver finds its H layers missing and saves none of it
             log.warning("hcache: this forward has no slot mapping for %s; its hidden states are not saved", self._slot_layer)
             return None
-        ours = self._slots.to(slots.device)
+        ours = self._slots.to(slots.device, slots.dtype)
         order = torch.argsort(slots)
         rows = order[torch.searchsorted(slots[order], ours).clamp(max=len(slots) - 1)]
         if not torch.equal(slots[rows], ours):
@@ -129,8 +129,8 @@ class HiddenLayers:
 
     @torch.no_grad()
     def rebuild(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """K/V rows ``[T, 2, H, C]`` of tokens at ``positions`` from their hidden states ``[T, D]``: the K/V
-        rows of the layer's projection, then K rotated by the layer's own RoPE (as vLLM's forward rotates it)."""
+        """K/V rows ``[T, 2, H, C]`` of tokens at ``positions`` from their hidden states ``[T, D]``: the layer's
+        own projection (its Q columns dropped), then K rotated by the layer's own RoPE, as vLLM's forward does."""
         part = self._layers[layer]
         out, _ = part.qkv.forward(hidden)  # not through __call__: the capture hook is for the forward's own rows
         _, k, v = out.split(part.split, dim=-1)
@@ -141,4 +141,3 @@ class HiddenLayers:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-

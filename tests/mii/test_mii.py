@@ -4,7 +4,6 @@ conversation is restored instead of recomputed, and the replies equal those of M
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -336,10 +335,7 @@ def _cmdlines():
 
 def _tiny_model(model_dir: str, path) -> str:
     """A tiny random llama with SmolLM2's tokenizer, saved where MII can load it."""
-    random_model("llama", vocab_size=49152).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(model_dir, name), path)
-    return str(path)
+    return str(save_checkpoint(random_model("llama", vocab_size=49152), path, model_dir))
 
 
 def test_tensor_parallel_pipeline_equals_one_rank(model_dir, tmp_path):

