@@ -77,8 +77,8 @@ def resolve_setup(vllm_config) -> VllmSetup:
     if uses_hidden_states(config) and not eager:
         raise InvalidRequestError(
             f"plan {str(config.plan or 'auto')!r} with save={settings.save!r} restores or saves hidden states (H), which "
-            "hcache's vLLM connector does only with enforce_eager=True: it reads each layer's input through a hook, which vLLM's compiled model and CUDA graphs "
-            "do not run. Serve with --enforce-eager, or give plan 'KV'"
+            "hcache's vLLM connector does only with enforce_eager=True: it reads each layer's input through a hook, "
+            "which vLLM's compiled model and CUDA graphs do not run. Serve with --enforce-eager, or give plan 'KV'"
         )
     return VllmSetup(config, fingerprint, vllm_config.cache_config.block_size)
 

@@ -5,9 +5,11 @@ Each step, when vLLM binds the scheduler's metadata (before the forward), the ch
 into the host pool on the stack's reader threads and the saver opens the step's batch. Each attention
 layer then waits for its load (:meth:`WorkerSide.load_layer`): the first waits for the fetches and
 verifies every chunk (the same rule as every restore, :func:`~hcache.serving.restore.verify_fetched`), and
-each writes its own layer's K/V rows into the cache, so a layer's rows are copied just before it runs and
-the disk reads overlap the steps before them. After the layer's attention has written the new tokens' K/V,
-:meth:`save_layer` reads them back and hands them to the saver, which fills host-pool chunks off the
+each writes its own layer's K/V into the cache, by the request's plan: the stored K/V rows (KV) or K/V
+rebuilt from the stored hidden states with the layer's own weights (H, :mod:`hcache.vllm.hidden`). So a
+layer's rows land just before it runs, and the disk reads overlap the steps before them. After the layer's
+attention has written the new tokens' K/V, :meth:`save_layer` reads them back and hands them, with the
+layer's captured input where hidden states are saved, to the saver, which fills host-pool chunks off the
 forward's path and writes them back to the stores.
 
 A chunk that is gone, unreadable or bad ends what is loaded there: its blocks and those after it are
