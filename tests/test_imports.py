@@ -103,8 +103,11 @@ failed, without, running = [], [], {{}}
 
 def reap():
     pid, status = os.wait()
-    code = os.waitstatus_to_exitcode(status)
-    (without if code == 2 else failed if code else []).append(running.pop(pid))
+    module, code = running.pop(pid), os.waitstatus_to_exitcode(status)
+    if code == 2:
+        without.append(module)
+    elif code:
+        failed.append(module)
 
 for module in {sorted(modules)!r}:
     if len(running) >= (os.cpu_count() or 1):  # a child per core at once
@@ -134,6 +137,7 @@ sys.exit(1 if failed else 0)
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["failed"] == [] and report["imported"] + len(report["without"]) == len(modules), report
     assert not report["without"] or report["missing"], report  # excused only for a package absent here
+
 
 def test_nothing_outside_the_benchmarks_imports_them():
     """``hcache.bench`` is the benchmarks: production code stands without it. Only the command line's
