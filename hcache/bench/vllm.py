@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> dict:
             heads = json.loads((model / "config.json").read_text())["num_attention_heads"]
             model = save_checkpoint(random_like(args.model, num_key_value_heads=heads), Path(tmp) / "mha", args.model)
         configs = {"recompute": (False, None, True), "prefix_cache": (True, None, True)}
+        stores = {"host": ([store], [url]), "disk": ([store], []), "redis": (None, [url])}  # (store_dirs, tiers)
         for plan in plans:
-            stores = {"host": ([store], [url]), "disk": ([store], []), "redis": (None, [url])}
             for tier, (dirs, tiers) in stores.items():
                 settings = {"store_dirs": dirs, "store": {"tiers": tiers}, "plan": plan, "save": "all" if len(plans) > 1 else "plan"}
                 configs["hcache_" + tier + (f"_{plan}" if len(plans) > 1 else "")] = (False, settings, tier == "host")

@@ -75,6 +75,7 @@ class _Load:
     plan: RestorePlan  # each layer's method: H or KV
     images: list = field(default_factory=list)
     end: int = 0  # the verified end, once the fetches are in
+    positions: torch.Tensor | None = None  # of the verified tokens, on the cache's device: made once for every H layer
 
 
 class WorkerSide:
@@ -217,8 +218,9 @@ class WorkerSide:
             offset = step.load_start - load.first * CHUNK_TOKENS
             rows = rows[offset : offset + n]
             if method is Method.H:
-                positions = torch.arange(step.load_start, step.load_start + n, device=cache.device)
-                rows = self._hidden.rebuild(layer, rows.to(cache.device), positions)
+                if load.positions is None:
+                    load.positions = torch.arange(step.load_start, step.load_start + n, device=cache.device)
+                rows = self._hidden.rebuild(layer, rows.to(cache.device), load.positions)
             layout.write(cache, self._indices(layout, i, lambda: (load.slots[0][:n], load.slots[1][:n])), rows)
 
     def save_layer(self, name: str, cache: torch.Tensor) -> None:
