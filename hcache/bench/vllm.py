@@ -11,7 +11,9 @@ engine of its own, started in turn, over the same histories and questions:
 - ``hcache_host``: hcache's connector (prefix cache off), the histories saved by the first questions and
   restored from the host pool;
 - ``hcache_disk``: a new engine over the same store directory, without Redis: restored from the disk;
-- ``hcache_redis``: a new engine with Redis as its only tier: restored from Redis.
+- ``hcache_redis``: a new engine with Redis as its only tier: restored from Redis;
+- ``hcache_miss``: the connector loaded over an empty store, which it misses: vLLM recomputing with
+  hcache's connector in the engine (looking up, saving), the like-for-like baseline (``speedup_vs_miss``).
 
 With ``--plans`` of more than one plan (``KV,H``), the three hcache configurations run once per plan, each
 named with its plan (``hcache_host_H``), and every plan saves both formats (``save="all"``). ``--mha``
@@ -19,10 +21,13 @@ benchmarks the model made MHA (as many K/V heads as query heads, random weights,
 hidden states are half the bytes of K/V: H's case.
 
 The disk and Redis engines are new: each meets every history for the first time, in its store. ``speedup``
-is recompute's median TTFT over each configuration's; ``restored`` and ``stored_bytes_per_token`` come from
+is recompute's median TTFT over each configuration's (``speedup_vs_miss``: ``hcache_miss``'s over it); ``restored`` and ``stored_bytes_per_token`` come from
 the connector's request log. ``first_token_match`` counts returning questions whose first token equals
 recompute's (a K/V computed in a smaller prefill may round apart from a full prefill's, so a near tie may
 break the other way, as with vLLM's own prefix cache).
+
+``--decode`` measures decode steps instead: with and without the connector, saving or not, and while
+other requests load (:mod:`hcache.bench._vllm_decode`).
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 from ..defaults import DEFAULT_MODEL
+from . import _vllm_decode as decode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plans", default="KV", help="hcache's plans, comma-separated (e.g. KV,H): each restores from every tier")
     parser.add_argument("--mha", action="store_true", help="the model made MHA with random weights (as many K/V heads as query heads)")
     parser.add_argument("--memory", type=float, default=0.25, help="vLLM's gpu_memory_utilization (on a CPU: the share of memory for its KV cache)")
+    parser.add_argument("--decode", action="store_true", help="time decode steps with and without the connector instead (the options below)")
+    decode.add_arguments(parser.add_argument_group("--decode"))
 
 
 def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
@@ -62,6 +70,8 @@ def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.decode:
+        return decode.run(args)
     from vllm import SamplingParams
 
     from ..model.loader import model_dir, random_like, save_checkpoint
@@ -95,6 +105,7 @@ def run(args: argparse.Namespace) -> dict:
             for tier, (dirs, tiers) in stores.items():
                 settings = {"store_dirs": dirs, "store": {"tiers": tiers}, "plan": plan, "save": "all" if len(plans) > 1 else "plan"}
                 configs["hcache_" + tier + (f"_{plan}" if len(plans) > 1 else "")] = (False, settings, tier == "host")
+        configs["hcache_miss"] = (False, {"store_dirs": [str(Path(tmp) / "empty")]}, False)
         try:
             for name in tqdm(configs, desc="vLLM engines", unit="engine"):
                 prefix_cache, connector, prefill = configs[name]
@@ -132,16 +143,17 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             if redis is not None:
                 redis.close()
-    reference = results["recompute"]
+    reference, miss = results["recompute"], results["hcache_miss"]
     for name, r in results.items():
         r["speedup"] = reference["median_ttft_s"] / r["median_ttft_s"]
+        r["speedup_vs_miss"] = miss["median_ttft_s"] / r["median_ttft_s"]
         r["first_token_match"] = sum(a == b for a, b in zip(r["first_tokens"], reference["first_tokens"]))
     print(f"{args.model}{' made MHA' if args.mha else ''}, {args.conversations} returning histories of {args.history} tokens (+{args.question}-token questions), {args.dtype}:")
-    print(f"{'configuration':18} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} {'1st token same':>15}")
+    print(f"{'configuration':18} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'vs miss':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} {'1st token same':>15}")
     for name, r in results.items():
         tiers = ",".join(f"{t}:{n}" for t, n in r["restored_by_tier"].items()) or "-"
         print(f"{name:18} {1000 * r['median_ttft_s']:9.1f} {1000 * min(r['ttft_s']):6.0f}-{1000 * max(r['ttft_s']):<6.0f} "
-              f"{r['speedup']:7.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
+              f"{r['speedup']:7.2f}x {r['speedup_vs_miss']:7.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
               f"{r['first_token_match']:>8d}/{args.conversations}")  # fmt: skip
     return {"model": args.model, "mha": args.mha, "plans": plans, "dtype": args.dtype, "history": args.history, "question": args.question,
             "conversations": args.conversations, "configurations": results}  # fmt: skip

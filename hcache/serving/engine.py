@@ -24,7 +24,6 @@ Counters are in ``metrics`` (:mod:`hcache.serving.metrics`).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -43,7 +42,7 @@ from ..storage.stored_state import Tier
 from .gpu_prefix_cache import Adoption
 from .metrics import ServingMetrics
 from .records import MissReason, PutRestore, SequenceRecord
-from .restore import lookup_miss, restore_prefix
+from .restore import anchor_label, first_chunk_miss, lookup_miss, restore_prefix
 from .store_stack import StoreStack
 
 log = logging.getLogger(__name__)
@@ -70,12 +69,6 @@ def _log_restore(uid: int, tokens: int, step: PutRestore) -> None:
     missed = "".join(f"; {n} stored-prefix tokens missed: {reason}" for reason, n in step.misses.items())
     log.info("sequence %d: restored %d of %d tokens (%s; plan %s), computing %d%s%s", uid, restored, tokens, where,
              step.plan or "none", tokens - restored, fallback, missed)
-
-
-def _anchor_label(fingerprint: str, namespace: str | None) -> str:
-    """A chain's root as the anchor log files it: the fingerprint, then the namespace hashed (a tenant's
-    ``cache_salt`` may be a secret)."""
-    return f"{fingerprint}/{hashlib.blake2b((namespace or '').encode(), digest_size=8).hexdigest()}"
 
 
 def _restores(allowed: bool, tokens: list[int]) -> bool:
@@ -125,7 +118,7 @@ class ServingEngine:
         stack = self.stack
         self._seqs[uid] = _Sequence(
             resolved, restore and stack.store is not None, restore and stack.gpu_cache is not None, chain,
-            _anchor_label(self.fingerprint, namespace), self._announced.pop(uid, 0),
+            anchor_label(self.fingerprint, namespace), self._announced.pop(uid, 0),
         )  # fmt: skip
         if self.stack.capture is not None:
             self.stack.saver.open(uid, chain)
@@ -250,7 +243,7 @@ class ServingEngine:
             history = self._history(uid, seq, keys)
             if not history:  # nothing stored of it: every full chunk is a miss
                 missed = min(len(keys) * CHUNK_TOKENS, len(aligned) - 1) - len(held)
-                step.misses = self._first_chunk_miss(seq, aligned, {lookup_miss(self.stack.store, keys[0]).value: missed})
+                step.misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, aligned, {lookup_miss(self.stack.store, keys[0]).value: missed})
                 return 0
             seq.plan = self.config.plan_for(None, history)
         plan = seq.plan
@@ -261,27 +254,13 @@ class ServingEngine:
         )  # fmt: skip
         step.plan, step.tokens, step.hidden_s, step.sources = str(plan), outcome.tokens, hidden, outcome.sources
         step.bytes_read, step.fallback, step.lossy = outcome.bytes_read, outcome.fallback, step.lossy or outcome.lossy
-        step.misses = self._first_chunk_miss(seq, aligned, dict(outcome.misses)) if not outcome.tokens else dict(outcome.misses)
+        step.misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, aligned, dict(outcome.misses)) if not outcome.tokens else dict(outcome.misses)
         if plan.count(Method.RE) == len(plan.layers) and outcome.tokens:  # recomputed, not restored
             step.misses[MissReason.PLAN_RECOMPUTE.value] = outcome.tokens
         step.layer_tokens = {m.value: plan.count(m) * outcome.tokens for m in Method if plan.count(m)}
         step.restore_s += time.perf_counter() - start
         seq.chain.extend(tokens[: outcome.tokens])
         return outcome.tokens
-
-    def _first_chunk_miss(self, seq: _Sequence, aligned: list[int], misses: dict[str, int]) -> dict[str, int]:
-        """``misses``, where a conversation's first chunk was never stored under this sequence's root: told
-        apart if the anchor log says it was stored under another model's or namespace's."""
-        never = misses.get(MissReason.NEVER_STORED.value)
-        if never is None or seq.chain.chunks or self.stack.anchors is None:
-            return misses
-        labels = self.stack.anchors.labels(content_key(aligned))
-        if not labels or seq.label in labels:  # stored under its own root once: gone, as far as it can tell
-            return misses
-        fingerprint = seq.label.rpartition("/")[0]
-        same_model = any(label.rpartition("/")[0] == fingerprint for label in labels)
-        reason = MissReason.OTHER_CACHE_SALT if same_model else MissReason.OTHER_MODEL
-        return {**{r: n for r, n in misses.items() if r != MissReason.NEVER_STORED.value}, reason.value: never}
 
     def _history(self, uid: int, seq: _Sequence, keys: list[str]) -> int:
         """The restored history the auto plan is chosen for (the module doc gives the rule): the tokens

@@ -12,6 +12,7 @@ before its K/V GEMM.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from collections import Counter, deque
@@ -26,7 +27,8 @@ from ..model.tensor_parallel import SINGLE, TPGroup
 from ..ops.quant import SCALE_DTYPE, QuantRows
 from ..planning.plan import Method, RestorePlan
 from ..storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
-from ..storage.chunk_key import CHUNK_TOKENS
+from ..storage.anchor_log import AnchorLog
+from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, content_key
 from ..storage.host_tier import HostTier
 from ..storage.stored_state import decode, is_encoded, row_shapes, scale_format, scale_shape, stored_rows
 from ..transfer.copier import Copier
@@ -51,6 +53,28 @@ def lookup_miss(tier: HostTier, key: str) -> MissReason:
     if not all(store.available for store in tier.stores):
         return MissReason.TIER_UNAVAILABLE
     return MissReason.EVICTED if any(store.evicted(key) for store in tier.stores) else MissReason.NEVER_STORED
+
+
+def anchor_label(fingerprint: str, namespace: str | None) -> str:
+    """A chain's root as the anchor log files it: the fingerprint, then the namespace hashed (a tenant's
+    ``cache_salt`` may be a secret)."""
+    return f"{fingerprint}/{hashlib.blake2b((namespace or '').encode(), digest_size=8).hexdigest()}"
+
+
+def first_chunk_miss(anchors: AnchorLog | None, label: str, chain: KeyChain, tokens: list[int], misses: dict[str, int]) -> dict[str, int]:
+    """``misses``, where a conversation's first chunk (``tokens`` from the first, ``chain`` holding no full
+    chunk yet) was never stored under the root ``label`` names: told apart if the anchor log says it was
+    stored under another model's or namespace's."""
+    never = misses.get(MissReason.NEVER_STORED.value)
+    if never is None or chain.chunks or anchors is None:
+        return misses
+    labels = anchors.labels(content_key(tokens))
+    if not labels or label in labels:  # stored under its own root once: gone, as far as it can tell
+        return misses
+    fingerprint = label.rpartition("/")[0]
+    same_model = any(other.rpartition("/")[0] == fingerprint for other in labels)
+    reason = MissReason.OTHER_CACHE_SALT if same_model else MissReason.OTHER_MODEL
+    return {**{r: n for r, n in misses.items() if r != MissReason.NEVER_STORED.value}, reason.value: never}
 
 
 def restore_accounting(images: list[ChunkImage], jobs: list[tuple[int, str]], hidden: list[int], restored: int) -> tuple[int, bool]:
@@ -168,7 +192,7 @@ def _restore_layers(
         with copier.side_stream():
             if fmt == Method.H.value:  # rows past another rank's bad chunk are garbage: the agreement ends the prefix there
                 parts = [stored_rows(images[j], layer, fmt) if j < n else filler for j in _reading(tp, fmt, n, agreed, first)]
-                return _gather_runs(copier, parts), copier.done()
+                return gather_runs(copier, parts), copier.done()
             if n:  # one call for the layer: the rows from ``held`` in the first chunk to ``stop`` in the last
                 parts = [stored_rows(images[j], layer, fmt) for j in range(n)]
                 parts[-1] = parts[-1][: stop - (n - 1) * CHUNK_TOKENS]
@@ -195,7 +219,7 @@ def _restore_layers(
     copier.wait(last)  # the KV copies land before anything reads the cache
 
 
-def _gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[torch.Tensor | QuantRows]:
+def gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[torch.Tensor | QuantRows]:
     """H rows of consecutive chunks on the device, one gather per run of chunks stored alike (one run,
     unless the chunks were saved in different encodings): lossless rows, or codes and scales."""
     runs = [list(run) for _, run in itertools.groupby(parts, lambda p: (type(p), (p.codes if isinstance(p, QuantRows) else p).dtype))]
@@ -221,9 +245,10 @@ def verify_fetched(
     for j, (key, f) in enumerate(zip(keys, fetches)):
         try:
             image = f.result()
-            if image is None:  # gone since the lookup (evicted or deleted): the prefix ends here
+            if image is None:  # gone since the lookup (evicted or deleted), or its tier failed: the prefix ends here
                 log.info("chunk %s is gone since the lookup; recomputing from token %d", key, j * CHUNK_TOKENS)
-                return None, MissReason.EVICTED
+                down = not all(store.available for store in tier.stores)
+                return None, MissReason.TIER_UNAVAILABLE if down else MissReason.EVICTED
             image.check(tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
             r = (first + j) % tp.world_size
             if (image.layout.signature, r) not in checked:

@@ -26,7 +26,7 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -88,6 +88,14 @@ class HostTier:
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="hcache-load") if readers else None
         self._writers = ThreadPoolExecutor(writers, thread_name_prefix="hcache-writeback")
         self._uses = Uses(self.stores, self._writers, self._cond)
+        self._watchers: list[Callable[[str, bool], None]] = []
+
+    def watch(self, changed: Callable[[str, bool], None]) -> None:
+        """Call ``changed(key, True)`` whenever a chunk enters the pool (saved here or loaded from a store)
+        and ``changed(key, False)`` when one is discarded from every tier, so that a process that does not
+        own the tier can keep an index of what it serves. A chunk evicted from the pool alone is not
+        reported: its stores still hold it. Called with the tier's lock held: it must only note the change."""
+        self._watchers.append(changed)
 
     @property
     def eviction(self) -> str:
@@ -339,6 +347,8 @@ class HostTier:
     def _add(self, key: str, image: ChunkImage) -> None:
         """With the lock held: publish ``image`` in the pool as the most recently used chunk."""
         self._index.add(key, Entry(image.slot.nbytes, self._index.clock(), image, value=self._values.get(key)))
+        for changed in self._watchers:
+            changed(key, True)
 
     def _alloc(self, nbytes: int, stalls: Stalls) -> Slot | None:
         """A new slot, evicting unreferenced chunks by the policy to make room, and waiting for
@@ -384,6 +394,8 @@ class HostTier:
             entry = self._index.remove(key)
             if entry is not None and entry.where.slot.refs == 0:
                 self.pool.free(entry.where.slot)
+            for changed in self._watchers:
+                changed(key, False)
         for store in self.stores:
             store.discard(key)
 

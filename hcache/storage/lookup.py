@@ -3,10 +3,10 @@
 A store's directories belong to the one process that opened them (:mod:`.dir_lock`), and its host pool is
 that process's memory. Another process on the node may still need to know what is stored: vLLM's
 scheduler, for one, decides how many of a prompt's tokens to load before its worker, which owns the store,
-loads them. It looks at the chunk files and asks the Redis tiers, taking no lock and changing nothing. A
-chunk still only in the owner's host pool is not seen (it is written back within moments), and a chunk
-seen here may be gone or bad when the owner reads it: the owner verifies every chunk it loads, and the
-asker must accept that a load can fall short.
+loads them (it asks here only past what the worker has reported holding). It looks at the chunk files and
+asks the Redis tiers, taking no lock and changing nothing, and stops at the first chunk no tier holds. A
+chunk seen here may be gone or bad when the owner reads it: the owner verifies every chunk it loads, and
+the asker must accept that a load can fall short.
 """
 from __future__ import annotations
 
@@ -24,14 +24,27 @@ class StoreLookup:
         self.dirs, self.redis = list(dirs), list(redis)
 
     def stored_prefix(self, keys: Sequence[str]) -> int:
-        """How many of ``keys``, from the first, some tier holds."""
-        missing = [i for i, key in enumerate(keys) if not any(chunk_path(d, key).is_file() for d in self.dirs)]
-        for store in self.redis:
-            if not missing:
-                break
-            hits = store.contains_many([keys[i] for i in missing])
-            missing = [i for i, hit in zip(missing, hits) if not hit]
-        return missing[0] if missing else len(keys)
+        """How many of ``keys``, from the first, some tier holds: a file look-up per chunk until one is not
+        in a directory, then one batched question to each Redis tier for the rest."""
+        n = 0
+        while n < len(keys):
+            if any(chunk_path(d, keys[n]).is_file() for d in self.dirs):
+                n += 1
+                continue
+            rest = list(keys[n:])
+            held = [False] * len(rest)
+            for store in self.redis:
+                held = [h or hit for h, hit in zip(held, store.contains_many(rest))]
+            run = next((i for i, hit in enumerate(held) if not hit), len(rest))
+            if not run:
+                return n
+            n += run
+        return n
+
+    @property
+    def available(self) -> bool:
+        """Whether every Redis tier answered its last question."""
+        return all(store.available for store in self.redis)
 
     def close(self) -> None:
         for store in self.redis:

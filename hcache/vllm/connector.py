@@ -4,7 +4,9 @@ store instead of recomputed.
 vLLM builds the connector twice, as its scheduler's and as each worker's, in processes of their own; both
 resolve the same settings from vLLM's config (:func:`~hcache.vllm.settings.resolve_setup`), and each role
 hands its calls to its side: :class:`~hcache.vllm.scheduler.SchedulerSide` (what is stored, what to load
-and save) and :class:`~hcache.vllm.worker.WorkerSide` (the store stack, the loads and saves).
+and save) and :class:`~hcache.vllm.worker.WorkerSide` (the store stack, the loads and saves). Stored
+prefixes load asynchronously: vLLM holds a request back (``WAITING_FOR_REMOTE_KVS``) until the worker
+reports its load done, and steps the others meanwhile.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from .metadata import HCacheStepMetadata
 from .scheduler import SchedulerSide
-from .settings import resolve_setup
+from .settings import check_settings, resolve_setup
 from .worker import WorkerSide
 
 
@@ -31,19 +33,31 @@ class HCacheConnector(KVConnectorBase_V1):
             device = torch.device(vllm_config.device_config.device)
             self._worker = WorkerSide(setup, device, vllm_config.compilation_config.static_forward_context)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Yes: each layer's K/V is read back after its attention (``save_kv_layer``), which a full CUDA graph
+        would skip. vLLM asks this while it builds its config, in the process that starts it, where CUDA
+        graphs are on (a GPU's default): hcache's settings are checked there, before any weights load."""
+        check_settings(extra_config)
+        return True
+
     # ---- scheduler side ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+        tokens = self._scheduler.matched_tokens(request, num_computed_tokens)
+        return tokens, tokens > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.after_alloc(request, num_external_tokens)
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return self._scheduler.build(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.worker_output(connector_output.kv_connector_worker_meta)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.finished(request)
-        return False, None  # saves are copied out during the forward: the blocks may go at once
+        return False, None  # saves are copied out during the forward; vLLM keeps a loading request's blocks itself
 
     # ---- worker side --------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -55,10 +69,10 @@ class HCacheConnector(KVConnectorBase_V1):
         self._worker.begin_step(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        pass  # the loads were fetched when the metadata was bound, before the forward; each layer waits for its own
+        pass  # the loads were handed to the loader when the metadata was bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.load_layer(layer_name)
+        pass  # no layer waits: a request's load is done before vLLM schedules it
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         self._worker.save_layer(layer_name, kv_layer)
@@ -70,8 +84,10 @@ class HCacheConnector(KVConnectorBase_V1):
         return self._worker.load_errors()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self._worker.finished(finished_req_ids)
-        return None, None
+        return None, self._worker.finished(finished_req_ids) or None
+
+    def build_connector_worker_meta(self):
+        return self._worker.tier_changes()
 
     def shutdown(self) -> None:
         for side in (self._scheduler, self._worker):

@@ -1,18 +1,19 @@
-"""What vLLM's scheduler tells its worker each step about hcache's part of it: plain values, so they cross
-from the scheduler's process to the worker's as vLLM sends them."""
+"""What hcache's two sides of a vLLM engine tell each other each step: plain values, so they cross between
+the scheduler's process and the workers' as vLLM sends them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
 class RequestStep:
     """One request in one step. ``tokens`` continue the request's token ids from where the worker's copy
     ends (all of them when ``new``: a new request, or one resumed after preemption, whose KV starts again).
-    Positions ``[load_start, load_end)`` are loaded from the store before the forward; ``[start, start +
-    length)`` are computed by it, and saved. ``block_ids``: every KV block the request holds, in order."""
+    Positions ``[start, start + length)`` are computed by the forward, and saved. ``block_ids``: every KV
+    block the request holds, in order. ``misses``: on a request's first step, the stored-prefix tokens the
+    scheduler did not offer, by :class:`~hcache.serving.records.MissReason`."""
 
     req_id: str
     namespace: str | None
@@ -21,10 +22,37 @@ class RequestStep:
     block_ids: list[int]
     start: int
     length: int
-    load_start: int = 0
-    load_end: int = 0
+    misses: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class LoadJob:
+    """A request's stored positions ``[start, end)`` to load into its blocks off the step, while vLLM holds
+    the request back (``load_kv_async``). ``tokens``: its prompt up to ``end``, which keys the chunks."""
+
+    req_id: str
+    namespace: str | None
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
 
 
 @dataclass
 class HCacheStepMetadata(KVConnectorMetadata):
     requests: list[RequestStep] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+
+
+@dataclass
+class HCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the worker's tiers gained and lost since its last step, in order: (chunk key, None) for a chunk
+    held, (chunk key, the :class:`~hcache.serving.records.MissReason`) for one discarded as bad or found
+    gone by a load. The scheduler's index of what can be loaded follows it
+    (:class:`~hcache.vllm.index.StoredIndex`)."""
+
+    changes: list[tuple[str, str | None]] = field(default_factory=list)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        assert isinstance(other, HCacheWorkerMetadata)
+        return HCacheWorkerMetadata(self.changes + other.changes)

@@ -3,57 +3,81 @@ loads and saves each step.
 
 vLLM asks once per new request how many tokens past its own prefix cache's the connector can load. hcache
 keys the prompt's full 64-token chunks as every entry point does (rooted in the model's fingerprint and the
-request's ``cache_salt``), finds how many the store holds from the first (:class:`StoreLookup`: the
-scheduler does not own the store, its worker does), and offers those past what vLLM holds. The last prompt
-token is never offered: its logits give the first output token, so vLLM must compute it.
+request's ``cache_salt``), finds how many can be loaded from the first (:class:`~hcache.vllm.index.StoredIndex`,
+which the worker keeps told of what its tiers hold), and offers those past what vLLM holds, to be loaded
+asynchronously: vLLM holds the request back while the worker loads them (:class:`LoadJob`) and keeps
+stepping the others. The last prompt token is never offered: its logits give the first output token, so
+vLLM must compute it. Stored-prefix tokens not offered are told to the worker with their reason, for the
+request's record.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
-from .metadata import HCacheStepMetadata, RequestStep
+from .index import StoredIndex
+from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, LoadJob, RequestStep
 from .settings import VllmSetup
 
 
 @dataclass
 class _Tracked:
     request: object  # vllm.v1.request.Request
+    computed: int  # vLLM's own prefix-cache hit when the store was asked
     block_ids: list[int] = field(default_factory=list)
     sent: int = 0  # token ids the worker has
-    external: int = 0  # tokens to load, once the blocks for them are allocated
+    load: LoadJob | None = None  # to send with the step's metadata
+    misses: dict[str, int] = field(default_factory=dict)  # to send with the request's first step
+    loaded: bool = False  # a load was sent: a later look-up is a retry after a load error
 
 
 class SchedulerSide:
     def __init__(self, setup: VllmSetup):
         self.setup = setup
         settings = setup.config.settings
-        self.lookup = settings.store.lookup(setup.config.store_dirs(0)) if setup.config.stored else None
+        self.index = StoredIndex(settings.store.lookup(setup.config.store_dirs(0))) if setup.config.stored else None
         self._requests: dict[str, _Tracked] = {}
 
     def matched_tokens(self, request, num_computed: int) -> int:
-        """Tokens past ``num_computed`` (vLLM's own prefix-cache hit) that the store holds."""
-        self._requests[request.request_id] = _Tracked(request)
-        if self.lookup is None:
+        """Tokens past ``num_computed`` (vLLM's own prefix-cache hit) that can be loaded."""
+        previous = self._requests.get(request.request_id)
+        retry = previous is not None and previous.loaded
+        tracked = self._requests[request.request_id] = _Tracked(request, num_computed, loaded=retry)
+        if self.index is None or retry:  # a load of it failed: vLLM recomputes what it lacks, and nothing is offered twice
             return 0
         prompt = list(request.prompt_token_ids or [])
         usable = (len(prompt) - 1) // CHUNK_TOKENS * CHUNK_TOKENS
         if usable <= num_computed:
             return 0
         keys = chunk_keys(prompt[:usable], root_key(self.setup.fingerprint, self.namespace(request)))
-        return max(0, self.lookup.stored_prefix(keys) * CHUNK_TOKENS - num_computed)
+        stored, why = self.index.stored_prefix(keys)
+        end = stored * CHUNK_TOKENS
+        if why is not None:
+            tracked.misses = {why.value: usable - max(end, num_computed)}
+        return max(0, end - num_computed)
 
     def namespace(self, request) -> str | None:
         """A request's namespace: its ``cache_salt``, else the deployment's."""
         return getattr(request, "cache_salt", None) or self.setup.config.settings.namespace
 
-    def after_alloc(self, request, num_external: int) -> None:
+    def after_alloc(self, request, blocks, num_external: int) -> None:
+        """The blocks for an offered load are allocated: the load goes to the worker with this step."""
         tracked = self._requests.get(request.request_id)
-        if tracked is not None:
-            tracked.external = num_external
+        if tracked is None or not num_external:
+            return
+        end = tracked.computed + num_external
+        tracked.loaded = True
+        tracked.load = LoadJob(
+            request.request_id, self.namespace(request), list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]),
+            tracked.computed, end,
+        )  # fmt: skip
 
     def build(self, scheduler_output) -> HCacheStepMetadata:
         metadata = HCacheStepMetadata()
+        for tracked in self._requests.values():
+            if tracked.load is not None:
+                metadata.loads.append(tracked.load)
+                tracked.load = None
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
@@ -79,14 +103,19 @@ class SchedulerSide:
             tracked.sent = 0
         tracked.block_ids = block_ids
         tokens = list(tracked.request.all_token_ids[tracked.sent : computed + length])
-        loaded, tracked.external = tracked.external, 0
-        step = RequestStep(req_id, self.namespace(tracked.request), new, tokens, block_ids, computed, length, computed - loaded, computed)
+        step = RequestStep(req_id, self.namespace(tracked.request), new, tokens, block_ids, computed, length, tracked.misses)
         tracked.sent += len(tokens)
+        tracked.misses = {}
         return step
+
+    def worker_output(self, meta: HCacheWorkerMetadata | None) -> None:
+        """What the worker's tiers gained and lost last step, into the index."""
+        if meta is not None and self.index is not None:
+            self.index.apply(meta.changes)
 
     def finished(self, request) -> None:
         self._requests.pop(request.request_id, None)
 
     def close(self) -> None:
-        if self.lookup is not None:
-            self.lookup.close()
+        if self.index is not None:
+            self.index.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import HCacheConfig, ResolvedConfig, is_auto
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.spec import ModelSpec
 from ..planning.plan import Method
@@ -28,7 +28,9 @@ VLLMS_OWN = ("engine", "device", "dtype", "num_blocks", "gpu_cache", "profile", 
 
 
 def kv_transfer_config(settings: dict) -> dict:
-    """vLLM's ``kv_transfer_config`` that loads hcache's connector with ``settings`` (hcache's, as a dict)."""
+    """vLLM's ``kv_transfer_config`` that loads hcache's connector with ``settings`` (hcache's, as a dict),
+    checked now (:func:`check_settings`), before vLLM starts."""
+    check_settings(settings)
     return {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": settings}  # fmt: skip
 
@@ -40,6 +42,29 @@ class VllmSetup:
     block_size: int  # vLLM's KV block, in tokens
 
 
+def connector_settings(extra: dict | None) -> HCacheConfig:
+    """hcache's settings from ``kv_connector_extra_config``; raises :class:`InvalidRequestError` for a
+    misspelt or invalid key, or one that vLLM decides."""
+    settings = HCacheConfig.of(extra)
+    own = sorted(set(VLLMS_OWN) & settings.model_fields_set)
+    if own:
+        raise InvalidRequestError(f"hcache's vLLM connector does not take {', '.join(own)}: vLLM decides these (docs/vllm.md)")
+    return settings
+
+
+def check_settings(extra: dict | None) -> HCacheConfig:
+    """:func:`connector_settings`, and the store's directories checked as opening them would (writable,
+    not held by another process, of this layout), opening nothing: for the process that starts vLLM,
+    before any weights load. ``InvalidRequestError`` names what is wrong."""
+    settings = connector_settings(extra)
+    if settings.enabled:
+        try:
+            settings.store.check_dirs(settings.store_dirs or None)
+        except StorageError as exc:
+            raise InvalidRequestError(f"hcache's vLLM connector cannot use its store: {exc}") from None
+    return settings
+
+
 def resolve_setup(vllm_config) -> VllmSetup:
     """The resolved settings, fingerprint and block size of the engine ``vllm_config`` describes. Raises
     :class:`InvalidRequestError` for settings the connector cannot serve, naming what to change."""
@@ -49,10 +74,7 @@ def resolve_setup(vllm_config) -> VllmSetup:
             "hcache's vLLM connector needs kv_load_failure_policy='recompute' in --kv-transfer-config: a stored "
             "chunk found bad when it loads is recomputed, where vLLM's default ('fail') would fail the request"
         )
-    settings = HCacheConfig.of(transfer.kv_connector_extra_config)
-    own = sorted(set(VLLMS_OWN) & settings.model_fields_set)
-    if own:
-        raise InvalidRequestError(f"hcache's vLLM connector does not take {', '.join(own)}: vLLM decides these (docs/vllm.md)")
+    settings = connector_settings(transfer.kv_connector_extra_config)
     model = vllm_config.model_config
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype != "auto" and getattr(torch, str(cache_dtype), None) != model.dtype:

@@ -242,3 +242,20 @@ def test_a_chunk_file_whose_length_changed_is_rewritten_by_the_next_write_back(t
     assert path.read_bytes() == data
     decode(path.read_bytes(), chunk(0).key)  # every checksum
     tier.close()
+
+
+def test_a_watcher_sees_chunks_enter_the_pool_and_discards_but_not_pool_evictions(tmp_path):
+    """What the vLLM scheduler's index is told: a saved chunk and one loaded from the disk are held; a
+    chunk discarded is not; one evicted from the pool alone is not reported (its store still holds it)."""
+    tier = _tier(tmp_path, 2, readers=0)
+    changes = []
+    tier.watch(lambda key, held: changes.append((key, held)))
+    tier.stores[0].put(chunk(0).key, encode(chunk(0)))
+    tier.release(tier.fetch(chunk(0).key).result())
+    for i in (1, 2):  # the pool holds two: the third publish evicts chunk 0
+        publish(tier, chunk(i))
+    tier.flush()
+    assert not tier.resident(chunk(0).key)
+    tier.discard(chunk(1).key)
+    assert changes == [(chunk(0).key, True), (chunk(1).key, True), (chunk(2).key, True), (chunk(1).key, False)]
+    tier.close()

@@ -36,3 +36,34 @@ def test_the_stored_prefix_is_found_across_directories_and_tiers_without_the_own
         owner.close()
         shared_store.close()
         redis.close()
+
+
+def test_a_lookup_stops_at_the_first_chunk_no_tier_holds(tmp_path, monkeypatch):
+    """A prompt nobody stored costs one file look-up per directory and one question to Redis, not one per
+    chunk: the scheduler asks for every new request."""
+    from pathlib import Path
+
+    chunks = [chunk_bytes(i) for i in range(6)]
+    keys = [key for key, _ in chunks]
+    owner = DiskChunkStore(tmp_path)
+    try:
+        owner.put(*chunks[0])
+        lookup = StoreConfig().lookup([tmp_path])
+        seen = []
+        is_file = Path.is_file
+        monkeypatch.setattr(Path, "is_file", lambda path: seen.append(path.name) or is_file(path))
+        assert lookup.stored_prefix(keys) == 1 and len(seen) == 2  # the first, held; the second, not: the end
+        seen.clear()
+        assert lookup.stored_prefix(keys[1:]) == 0 and len(seen) == 1
+    finally:
+        owner.close()
+
+
+def test_a_lookup_says_when_redis_did_not_answer(redis_server):
+    lookup = StoreConfig(tiers=(redis_server.url,)).lookup(None)
+    try:
+        assert lookup.stored_prefix(["ab" * 16]) == 0 and lookup.available
+        redis_server.stop()
+        assert lookup.stored_prefix(["ab" * 16]) == 0 and not lookup.available
+    finally:
+        lookup.close()

@@ -4,15 +4,17 @@ or without), as a user runs it: ``python vllm_session.py SPEC.json OUT.json``.
 SPEC: ``model``, ``dtype``, ``turns`` ({name: [previous turn, text]}: a turn's prompt is the previous
 turn's prompt, the first phase's reply to it, and its own text), ``max_tokens``, and ``phases``: each with
 ``connector`` (hcache's settings, ``kv_connector_extra_config``, or null for vLLM alone), ``before`` (a list
-of ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR, and ``"stop_redis"``),
-``prefix_cache`` (vLLM's own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a
-CPU), and ``requests``: [[turn, cache_salt]] served in order. ``"$REDIS"`` in a connector's settings is the
+of actions: ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR; ``"delete DIR N"``: wait
+until N chunk files are written under DIR, then delete them all; ``"stop_redis"``), ``prefix_cache`` (vLLM's
+own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a CPU), and ``requests``:
+[[turn, cache_salt, actions...]] served in order, each request after its actions. ``"$REDIS"`` in a connector's settings is the
 URL of a redis-server this script starts.
 OUT: ``tokens``: per phase, each request's generated token ids; ``logprobs``: the log-probability of each.
 """
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -33,6 +35,29 @@ def _corrupt(directory: str) -> None:
         path.write_bytes(bytes(data))
 
 
+def _delete(directory: str, count: int) -> None:
+    """Once ``count`` chunk files are written (the write-back runs behind the requests), delete them all."""
+    deadline = time.monotonic() + 60
+    while len(files := list(Path(directory).glob("chunks/*/*.safetensors"))) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(files)} of {count} chunk files written under {directory}")
+        time.sleep(0.05)
+    for path in files:
+        path.unlink()
+
+
+def _act(action: str, redis) -> None:
+    verb, *args = action.split(" ")
+    if verb == "corrupt":
+        _corrupt(args[0])
+    elif verb == "delete":
+        _delete(args[0], int(args[1]))
+    elif verb == "stop_redis":
+        redis.stop()
+    else:
+        raise ValueError(f"unknown action {action!r}")
+
+
 def main() -> None:
     from vllm import SamplingParams
 
@@ -47,14 +72,13 @@ def main() -> None:
     try:
         for phase in spec["phases"]:
             for action in phase.get("before", []):
-                if action.startswith("corrupt "):
-                    _corrupt(action.split(" ", 1)[1])
-                elif action == "stop_redis":
-                    redis.stop()
+                _act(action, redis)
             connector = json.loads(json.dumps(phase["connector"]).replace("$REDIS", redis.url if redis else ""))
             llm = _llm(spec["model"], spec["dtype"], connector, phase.get("prefix_cache", False), phase.get("block_size"))
             out, probs = [], []
-            for turn, salt in phase["requests"]:
+            for turn, salt, *actions in phase["requests"]:
+                for action in actions:
+                    _act(action, redis)
                 if turn not in prompts:
                     previous, text = spec["turns"][turn]
                     head = prompts[previous] + replies[previous] if previous else []

@@ -1,15 +1,17 @@
 """hcache's connector in vLLM's CPU build, as a user runs it: a conversation through ``vllm.LLM`` in a
 process of its own (tests/support/vllm_session.py), with and without the connector.
 
-One session, five vLLM engines in turn over one store directory and one redis-server: vLLM alone (the
-reference, in float32: in bfloat16 a token's K/V computed in a decode step rounds apart from the same
-token's in a prefill, so a reply may part from vLLM's alone at a near tie, as it does with vLLM's own prefix
-cache); the connector saving the first turn to the disk and Redis, then restoring the second from the host
-pool, and under another ``cache_salt`` restoring nothing; restarted on the disk alone, restoring from the
-disk, then, storing in int8 beside vLLM's own prefix cache, a conversation under a new salt; with Redis as
-its only tier and 32-token blocks (the others' hold 128, hcache's chunks 64), restoring from Redis; with
-every chunk file corrupted and Redis stopped, restoring nothing and recomputing. Every lossless restore's
-reply equals vLLM's alone.
+One session, six vLLM engines in turn over one redis-server: vLLM alone (the reference, in float32: in
+bfloat16 a token's K/V computed in a decode step rounds apart from the same token's in a prefill, so a reply
+may part from vLLM's alone at a near tie, as it does with vLLM's own prefix cache); the connector saving the
+first turn to the disk and Redis, then restoring the second from the host pool, and under another
+``cache_salt`` restoring nothing; restarted on the disk alone, restoring from the disk, then, storing in
+int8 beside vLLM's own prefix cache, a conversation under a new salt; with Redis as its only tier and
+32-token blocks (the others' hold 128, hcache's chunks 64), restoring from Redis, then from the host pool
+with Redis stopped; on a store of its own with a six-chunk host pool, restoring from the pool with the
+chunk files deleted, and recomputing a conversation whose chunks were offered but gone; with every chunk
+file corrupted and Redis stopped, restoring nothing and recomputing. Every load is asynchronous, and every
+lossless restore's reply equals vLLM's alone.
 """
 import json
 import shutil
@@ -27,6 +29,8 @@ if shutil.which("redis-server") is None:
     pytest.skip("redis-server is not installed (scripts/install.sh installs it)", allow_module_level=True)
 
 FULL_CHUNKS = 5 * 64  # the second turn's 349 tokens hold five full chunks before its last token, which vLLM computes
+FIRST_CHUNKS = 4 * 64  # the first turn's 319 tokens, four
+POOL_BYTES = 18 << 20  # a host pool of six chunks (2.95 MB each: 30 layers of float32 K/V): two conversations' do not fit
 SESSION = Path(__file__).parents[1] / "support" / "vllm_session.py"
 HISTORY = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
            "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. ") * 6
@@ -40,10 +44,11 @@ def _records(log: Path) -> list[dict]:
 def session(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
     store = tmp / "store"
-    logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "disk", "redis", "faults")}
+    lost = tmp / "lost-store"
+    logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "disk", "redis", "lost", "faults")}
 
-    def connector(log: str, dirs, tiers, **settings) -> dict:
-        return {"store_dirs": dirs, "store": {"tiers": tiers}, "request_log": str(logs[log]), **settings}
+    def connector(log: str, dirs, tiers, store=None, **settings) -> dict:
+        return {"store_dirs": dirs, "store": {"tiers": tiers, **(store or {})}, "request_log": str(logs[log]), **settings}
 
     spec = {
         "model": str(model_dir(DEFAULT_MODEL)),
@@ -55,7 +60,10 @@ def session(tmp_path_factory):
             {"connector": connector("saved", [str(store)], ["$REDIS"]), "requests": [["first", "a"], ["second", "b"], ["second", "a"]]},
             {"connector": connector("disk", [str(store)], [], stored_dtype="int8"), "prefix_cache": True,
              "requests": [["second", "a"], ["first", "c"], ["second", "c"]]},
-            {"connector": connector("redis", None, ["$REDIS"]), "block_size": 32, "requests": [["second", "a"]]},
+            {"connector": connector("redis", None, ["$REDIS"]), "block_size": 32,
+             "requests": [["second", "a"], ["first", "r"], ["second", "r", "stop_redis"]]},
+            {"connector": connector("lost", [str(lost)], [], store={"host_bytes": POOL_BYTES}),
+             "requests": [["first", "x"], ["first", "y"], ["second", "y", f"delete {lost} 10"], ["second", "x"]]},
             {"connector": connector("faults", [str(store)], ["$REDIS"]), "before": [f"corrupt {store}", "stop_redis"], "requests": [["second", "a"]]},
         ],
     }
@@ -72,7 +80,7 @@ def test_a_returning_conversation_restores_from_the_host_pool_and_replies_as_vll
     (first, second), (saved_first, salted, restored) = phases[0], phases[1]
     assert saved_first == first and salted == second and restored == second
     records = logs["saved"]
-    assert records[0]["restored_tokens"] == 0 and records[0]["miss_tokens"] == {}  # the first turn: nothing stored
+    assert records[0]["restored_tokens"] == 0 and records[0]["miss_tokens"] == {"never_stored": FIRST_CHUNKS}  # the first turn
     assert records[2]["restored_tokens"] == FULL_CHUNKS and records[2]["tier_tokens"] == {"host": records[2]["restored_tokens"]}
     assert records[2]["fallback"] is None and records[2]["plan"] == "30KV"
 
@@ -81,15 +89,38 @@ def test_two_cache_salts_never_share_state(session):
     _, logs = session
     salted = logs["saved"][1]  # the second turn under salt "b": the first was saved under "a"
     assert salted["restored_tokens"] == 0 and salted["tier_tokens"] == {}
+    assert salted["miss_tokens"] == {"other_cache_salt": FULL_CHUNKS}  # the anchor log: stored, under another salt
 
 
 def test_a_restarted_vllm_restores_from_the_disk_and_another_from_redis_alone_into_smaller_blocks(session):
     phases, logs = session
     second = phases[0][1]
-    assert phases[2][0] == second and phases[3] == [second]
-    (disk, _, _), (redis,) = logs["disk"], logs["redis"]
+    assert phases[2][0] == second and phases[3][0] == second
+    (disk, _, _), redis = logs["disk"], logs["redis"][0]
     assert disk["restored_tokens"] == FULL_CHUNKS and disk["tier_tokens"] == {"disk": disk["restored_tokens"]}
     assert redis["restored_tokens"] == FULL_CHUNKS and redis["tier_tokens"] == {"redis": redis["restored_tokens"]}
+
+
+def test_the_host_pool_is_offered_with_the_files_gone_or_redis_down(session):
+    """The scheduler's index holds what the worker's tiers hold: a conversation whose chunks are in the host
+    pool restores from it with its chunk files deleted (the disk phase) or its Redis stopped (the Redis
+    phase), where a look-up of the files or of Redis alone would offer nothing."""
+    phases, logs = session
+    second = phases[0][1]
+    assert phases[3][2] == second and phases[4][2] == second
+    for record in (logs["redis"][2], logs["lost"][2]):
+        assert record["restored_tokens"] == FULL_CHUNKS and record["tier_tokens"] == {"host": FULL_CHUNKS}
+
+
+def test_a_chunk_lost_after_it_was_offered_is_recomputed_with_its_reason(session):
+    """The other conversation's chunks left the six-chunk pool when the second's were saved, and their files
+    were deleted: the index still offered them (it is told of pool gains and discards, not of evictions
+    from the pool, which the stores below still hold), the load found the first gone, and vLLM recomputed
+    the blocks it reported: the same reply, and the miss in the request log."""
+    phases, logs = session
+    assert phases[4][3] == phases[0][1]
+    lost = logs["lost"][3]
+    assert lost["restored_tokens"] == 0 and lost["miss_tokens"] == {"evicted": FULL_CHUNKS} and lost["computed_tokens"] > FULL_CHUNKS
 
 
 def test_8_bit_state_loads_past_vllms_own_prefix_cache(session):
@@ -106,7 +137,7 @@ def test_8_bit_state_loads_past_vllms_own_prefix_cache(session):
 
 def test_corrupt_chunks_and_a_stopped_redis_fall_back_to_recompute_with_the_same_reply(session):
     phases, logs = session
-    assert phases[4] == [phases[0][1]]
+    assert phases[5] == [phases[0][1]]
     (faults,) = logs["faults"]
     assert faults["restored_tokens"] == 0 and faults["tier_tokens"] == {}
     assert "checksum mismatch" in faults["fallback"] and faults["miss_tokens"] == {"failed_verification": FULL_CHUNKS}

@@ -79,3 +79,25 @@ def test_plans_of_h_and_kv_layers_are_served_h_where_the_model_runs_eagerly(tmp_
             resolve_setup(_config({**store, **refused}, eager=False))
     auto = resolve_setup(_config({**store, "plan": "auto"})).config
     assert Method.RE not in auto.plan_for(auto.plan, 1024).layers
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [({"store_dir": ["x"]}, "store_dir"), ({"engine": "fastgen"}, "vLLM decides"), ({"store_dirs": ["/proc/hcache"]}, "cannot use its store")],
+)
+def test_bad_settings_are_refused_in_the_process_that_starts_vllm_before_any_weights_load(extra, message):
+    """From Python, :func:`kv_transfer_config` refuses them before vLLM starts; from ``vllm serve`` on a
+    GPU, vLLM's config asks the connector class whether it needs piecewise CUDA graphs while it is built,
+    and the class refuses them there."""
+    from hcache.vllm import HCacheConnector, kv_transfer_config
+
+    for check in (kv_transfer_config, HCacheConnector.requires_piecewise_for_cudagraph):
+        with pytest.raises(InvalidRequestError, match=message):
+            check(extra)
+
+
+def test_good_settings_pass_the_early_check_and_keep_layerwise_saves_out_of_full_cuda_graphs(tmp_path):
+    from hcache.vllm import HCacheConnector, kv_transfer_config
+
+    assert kv_transfer_config({"store_dirs": [str(tmp_path)]})["kv_connector_extra_config"] == {"store_dirs": [str(tmp_path)]}
+    assert HCacheConnector.requires_piecewise_for_cudagraph({"store_dirs": [str(tmp_path)]}) is True

@@ -1,0 +1,62 @@
+"""The scheduler's index of what hcache's worker can load, as vLLM's ``OffloadingManager`` keeps one: the
+scheduler decides how much of a prompt to load before its worker, which owns the store, reads a byte.
+
+The worker reports every chunk its tiers gain (saved, or loaded into its host pool), every chunk it
+discards as bad (:meth:`~hcache.storage.host_tier.HostTier.watch`), and every chunk a load found gone,
+through vLLM's worker-to-scheduler metadata, once a step. A look-up reads that index first, so what the worker holds in memory is offered
+with no file-system or network call, even when its files are gone or Redis is down. Past the indexed
+prefix, the chunks this worker has not seen (those of a store another process wrote, or this one before a
+restart) are asked of the stores (:class:`~hcache.storage.lookup.StoreLookup`), which stops at the first
+chunk no tier holds. The index is advice: the worker verifies every chunk it loads, and one gone since is
+a load error that vLLM recomputes.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ..serving.records import MissReason
+from ..storage.lookup import StoreLookup
+
+GONE_KEPT = 1 << 16  # chunks reported gone, remembered to say why a look-up ends at one
+
+
+class StoredIndex:
+    """``lookup``: the stores' look-up for chunks the worker has not reported (None: there are none)."""
+
+    def __init__(self, lookup: StoreLookup | None):
+        self.lookup = lookup
+        self._held: set[str] = set()
+        self._gone: OrderedDict[str, MissReason] = OrderedDict()
+
+    def apply(self, changes: Sequence[tuple[str, str | None]]) -> None:
+        """The worker's changes, in the order they happened: (key, None) held, (key, reason) gone."""
+        for key, reason in changes:
+            if reason is None:
+                self._held.add(key)
+                self._gone.pop(key, None)
+            else:
+                self._held.discard(key)
+                self._gone[key] = MissReason(reason)
+                self._gone.move_to_end(key)
+                if len(self._gone) > GONE_KEPT:
+                    self._gone.popitem(last=False)
+
+    def stored_prefix(self, keys: Sequence[str]) -> tuple[int, MissReason | None]:
+        """How many of ``keys``, from the first, can be loaded, and why the prefix ends where it does (None
+        when it covers them all). A chunk reported gone is not asked of the stores again until the worker
+        holds it once more."""
+        n = next((i for i, key in enumerate(keys) if key not in self._held), len(keys))
+        if n < len(keys) and self.lookup is not None and keys[n] not in self._gone:
+            n += self.lookup.stored_prefix(keys[n:])
+        if n == len(keys):
+            return n, None
+        if keys[n] in self._gone:
+            return n, self._gone[keys[n]]
+        if self.lookup is not None and not self.lookup.available:
+            return n, MissReason.TIER_UNAVAILABLE
+        return n, MissReason.NEVER_STORED
+
+    def close(self) -> None:
+        if self.lookup is not None:
+            self.lookup.close()

@@ -1,0 +1,152 @@
+"""The worker's loads, off vLLM's step: a request's whole stored prefix read, verified and written into its
+blocks on a thread of its own, while vLLM holds the request back (``load_kv_async``) and keeps stepping the
+others.
+
+A load fetches its chunks into the host pool (on the store's reader threads), verifies them as every
+restore does (:func:`~hcache.serving.restore.verify_fetched`), and writes each layer's K/V into the paged
+cache by the request's plan: the stored K/V rows (KV) or K/V rebuilt from the stored hidden states with
+the layer's own weights (H, :mod:`hcache.vllm.hidden`). Rows cross to the cache's device as stored (8-bit
+codes with their scales), one gather per layer, and are decoded there. On a GPU the loader's copies and
+kernels run on the copier's side stream, and the load is reported done only once that stream has finished
+them, so the request's first forward reads complete blocks; the step's stream is never synchronised. The blocks of what fell short (a
+chunk gone, unreadable or bad) are load errors, which vLLM recomputes: nothing unverified is written.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..model.tensor_parallel import SINGLE
+from ..planning.plan import Method
+from ..serving.records import MissReason, PutRestore, SequenceRecord
+from ..serving.restore import gather_runs, lookup_miss, restore_accounting, verify_fetched
+from ..serving.store_stack import StoreStack
+from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
+from ..storage.stored_state import decode, stored_rows
+from .layout import PagedLayout
+from .metadata import LoadJob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """One attention layer of vLLM's paged cache: its index in the model, its cache and how that is laid out."""
+
+    index: int
+    cache: torch.Tensor
+    layout: PagedLayout
+
+
+class Loader:
+    """``layers``: the paged cache's layers; ``slots(block_ids, start, end)``: the cache blocks and offsets
+    of positions ``[start, end)`` of a request holding ``block_ids``; ``rebuild(layer, hidden, positions)``:
+    K/V rows from hidden states (None where no layer restores by H); ``lost(key, reason)``: told of a chunk
+    a load found gone (evicted or deleted since it was offered, or its tier down), so it is not offered again."""
+
+    def __init__(self, stack: StoreStack, block_size: int, layers: list[PagedLayer], slots: Callable, rebuild: Callable | None, lost: Callable):
+        self.stack, self.config, self.block_size = stack, stack.config, block_size
+        self.layers, self.slots, self.rebuild, self.lost = layers, slots, rebuild, lost
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="hcache-vllm-load")
+        self._inflight: dict[str, tuple[LoadJob, Future]] = {}
+
+    def submit(self, job: LoadJob, record: SequenceRecord) -> None:
+        self._inflight[job.req_id] = job, self._thread.submit(self._load, job, record)
+
+    def loading(self, req_id: str) -> bool:
+        return req_id in self._inflight
+
+    def finished(self) -> tuple[set[str], set[int]]:
+        """The loads done since the last call, and the blocks they could not load."""
+        done, errors = set(), set()
+        for req_id, (job, future) in list(self._inflight.items()):
+            if not future.done():
+                continue
+            del self._inflight[req_id]
+            done.add(req_id)
+            try:
+                errors |= future.result()
+            except Exception:  # a bug, not a bad chunk: nothing it wrote is trusted
+                log.exception("hcache: loading request %s failed; vLLM recomputes it", req_id)
+                errors |= self._blocks(job, job.start)
+        return done, errors
+
+    def _blocks(self, job: LoadJob, end: int) -> set[int]:
+        """The blocks of ``job``'s positions from ``end`` on: not loaded."""
+        return set(job.block_ids[end // self.block_size : -(-job.end // self.block_size)])
+
+    def _load(self, job: LoadJob, record: SequenceRecord) -> set[int]:
+        began = time.perf_counter()
+        store, fingerprint = self.stack.store, self.stack.fingerprint
+        chain = KeyChain(root_key(fingerprint, job.namespace))
+        chain.extend(job.tokens)
+        first = job.start // CHUNK_TOKENS
+        keys = [key for key, _ in chain.chunks[first : -(-job.end // CHUNK_TOKENS)]]
+        fetches = [store.fetch(key) for key in keys]
+        plan = self.config.plan_for(self.config.plan, job.end - job.start)
+        images = []
+        try:
+            why, miss = verify_fetched(store, keys, fetches, images, job.tokens[first * CHUNK_TOKENS :], fingerprint, plan, SINGLE, 0, self.config.spec)
+            end = max(job.start, min(job.end, (first + len(images)) * CHUNK_TOKENS))
+            if end < job.end:
+                miss = miss or lookup_miss(store, keys[len(images)])
+                if miss in (MissReason.EVICTED, MissReason.TIER_UNAVAILABLE):
+                    self.lost(keys[len(images)], miss.value)
+            if end > job.start:
+                self._write(job, images, first, end, plan)
+            sources = Counter()
+            for j, image in enumerate(images):
+                lo, hi = max(job.start, (first + j) * CHUNK_TOKENS), min(end, (first + j + 1) * CHUNK_TOKENS)
+                sources[store.take_source(image)] += max(0, hi - lo)
+            restored = end - job.start
+            jobs = [(layer, method.value) for layer, method in enumerate(plan.layers)]
+            used, lossy = restore_accounting(images, jobs, list(range(len(images))), len(images))
+            record.add(PutRestore(
+                plan=str(plan), tokens=restored, sources=dict(sources), restore_s=time.perf_counter() - began, bytes_read=used,
+                fallback=why, misses={miss.value: job.end - end} if miss is not None and end < job.end else {}, lossy=lossy,
+                layer_tokens={m.value: restored * plan.count(m) for m in (Method.H, Method.KV) if plan.count(m)},
+            ))  # fmt: skip
+            return self._blocks(job, end) if end < job.end else set()
+        finally:
+            for image in images:
+                store.release(image)
+            for fetch in fetches[len(images) :]:  # past the prefix's end, fetched all the same
+                image = fetch.result() if fetch.exception() is None else None
+                if image is not None:
+                    store.release(image)
+
+    @torch.inference_mode()  # vLLM's caches are inference tensors; grad mode is per thread
+    def _write(self, job: LoadJob, images: list, first: int, end: int, plan) -> None:
+        """Each layer's K/V of positions ``[job.start, end)`` into the cache, on the copier's side stream:
+        a layer's rows gathered from the pool in one call (one DMA per chunk from pinned slots, on a GPU),
+        decoded, rebuilt where H, and scattered. This thread then waits for the side stream (the step's
+        stream never does): the pool's slots are released after this, and the load reported done."""
+        n, offset = end - job.start, job.start - first * CHUNK_TOKENS
+        copier = self.stack.copier
+        blocks, offsets = self.slots(job.block_ids, job.start, end)
+        elements: dict[int, torch.Tensor] = {}
+        copier.follow()  # after the kernels queued so far: the blocks may have been another request's
+        with copier.side_stream():
+            positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
+            for layer in self.layers:
+                method = plan.layers[layer.index]
+                runs = gather_runs(copier, [stored_rows(image, layer.index, method.value) for image in images])
+                decoded = [decode(run, layer.cache.dtype) for run in runs]  # one run, unless chunks were stored in several encodings
+                rows = (decoded[0] if len(decoded) == 1 else torch.cat(decoded))[offset : offset + n]
+                if method is Method.H:
+                    rows = self.rebuild(layer.index, rows, positions)
+                key = id(layer.layout)
+                if key not in elements:
+                    elements[key] = layer.layout.elements(blocks, offsets)
+                layer.layout.write(layer.cache, elements[key], rows)
+        copier.drain()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
