@@ -2,7 +2,8 @@
 
 Each figure is a ratio measured side by side in one run (see each benchmark's docstring): KV restore over a
 pinned copy of the same bytes, H over its bound, over KV and over recompute, at 1K, 4K and 16K tokens of a
-Llama-2-7B-shaped model from the host pool; the Triton RoPE-and-scatter kernel over the device copy peak;
+Llama-2-7B-shaped model from the host pool; the vLLM connector's paged loader (KV over the same copy, H
+over its bound, into a FlashAttention-layout cache) at the same sizes; the Triton RoPE-and-scatter kernel over the device copy peak;
 the chunk store's disk read over raw O_DIRECT and the saver's decode overhead; and ``bench mii``'s TTFT at
 2K and 4K. Absolute times mean something only on a GPU, so on a CPU this step is skipped.
 
@@ -26,7 +27,9 @@ RECORD = ("benchmark", "command", "commit", "machine")  # what ``--json`` adds t
 def measure_speed(quick: bool, progress) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "needs a CUDA GPU: absolute restore times mean something only there"}
-    runs = [("transfer", ["--history", str(n)], f"transfer_{n}") for n in (1024, 4096, *(() if quick else (16384,)))]
+    histories = (1024, 4096, *(() if quick else (16384,)))
+    runs = [("transfer", ["--history", str(n)], f"transfer_{n}") for n in histories]
+    runs += [("paged", ["--history", str(n)], f"vllm_paged_{n}") for n in histories]  # vLLM's connector's core
     runs.append(("ops", ["--tokens", "4096", *(() if quick else ["16384"])], "ops"))
     if not quick:
         runs.append(("storage", ["--model", "random:llama-2-7b", "--chunks", "64"], "storage"))

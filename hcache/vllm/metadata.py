@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from ..paged.loader import LoadJob
+
 
 @dataclass
 class RequestStep:
@@ -26,20 +28,9 @@ class RequestStep:
 
 
 @dataclass
-class LoadJob:
-    """A request's stored positions ``[start, end)`` to load into its blocks off the step, while vLLM holds
-    the request back (``load_kv_async``). ``tokens``: its prompt up to ``end``, which keys the chunks."""
-
-    req_id: str
-    namespace: str | None
-    tokens: list[int]
-    block_ids: list[int]
-    start: int
-    end: int
-
-
-@dataclass
 class HCacheStepMetadata(KVConnectorMetadata):
+    """``loads``: requests whose stored prefix the worker loads off the step, while vLLM holds them back."""
+
     requests: list[RequestStep] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from .index import StoredIndex
-from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, LoadJob, RequestStep
+from ..paged.loader import LoadJob
+from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
 from .settings import VllmSetup
 
 

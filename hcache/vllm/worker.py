@@ -1,5 +1,5 @@
 """The worker's side of hcache's vLLM connector: it owns the store stack, loads stored prefixes into vLLM's
-paged cache off the step (:mod:`hcache.vllm.loader`), saves what the forward computes, and tells the
+paged cache off the step (:mod:`hcache.paged.loader`), saves what the forward computes, and tells the
 scheduler what its tiers hold.
 
 Each step, when vLLM binds the scheduler's metadata (before the forward), the step's new loads go to the
@@ -32,8 +32,8 @@ from ..serving.restore import anchor_label, first_chunk_miss
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import KeyChain, content_key, root_key
 from .hidden import HiddenLayers, registering_model
-from .layout import PagedLayout
-from .loader import Loader, PagedLayer
+from ..paged.layout import PagedLayout, block_slots
+from ..paged.loader import Loader, PagedLayer
 from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
 from .settings import VllmSetup, uses_hidden_states
 
@@ -109,7 +109,7 @@ class WorkerSide:
         if self.stack.store is not None:
             rebuild = self._hidden.rebuild if self._hidden is not None else None
             lost = lambda key, reason: self._changes.append((key, reason))  # noqa: E731
-            self._loader = Loader(self.stack, self.setup.block_size, list(self._layers.values()), self._slots, rebuild, lost)
+            self._loader = Loader(self.stack, self.setup.block_size, self._kernel_block, list(self._layers.values()), rebuild, lost)
 
     # ---- each step --------------------------------------------------------------------------------------
     def begin_step(self, metadata: HCacheStepMetadata) -> None:
@@ -122,7 +122,9 @@ class WorkerSide:
         self._computing = [(step, seq) for step, seq in requests if step.length]
         if not self._computing:
             return
-        blocks, offsets = (torch.cat(parts) for parts in zip(*(self._slots(step.block_ids, step.start, step.start + step.length) for step, _ in self._computing)))
+        size, kernel = self.setup.block_size, self._kernel_block
+        slots = [block_slots(step.block_ids, step.start, step.start + step.length, size, kernel) for step, _ in self._computing]
+        blocks, offsets = (torch.cat(parts) for parts in zip(*slots))
         self._computed = blocks, offsets
         if self.stack.saver is not None:
             if self._hidden is not None:
@@ -162,15 +164,6 @@ class WorkerSide:
             self._elements[key] = layer.layout.elements(*self._computed)
         elements = self._elements[key]
         self.stack.capture.on_layer(layer.index, hidden, lambda: layer.layout.read(cache, elements))
-
-    def _slots(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache blocks and offsets in them of positions ``[start, end)`` of a request holding
-        ``block_ids``: vLLM's blocks may be split into smaller kernel blocks, which the cache tensors hold."""
-        kernel = self._kernel_block
-        positions = torch.arange(start, end)
-        ids = torch.tensor(block_ids, dtype=torch.int64)[positions // self.setup.block_size]
-        within = positions % self.setup.block_size
-        return ids * (self.setup.block_size // kernel) + within // kernel, within % kernel
 
     def end_step(self) -> None:
         """After the forward: the saver's batch lands."""

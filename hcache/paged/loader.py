@@ -1,11 +1,12 @@
-"""The worker's loads, off vLLM's step: a request's whole stored prefix read, verified and written into its
-blocks on a thread of its own, while vLLM holds the request back (``load_kv_async``) and keeps stepping the
-others.
+"""Loads into a paged KV cache off the engine's step: a request's whole stored prefix read, verified and
+written into its blocks on a thread of its own, while the engine holds the request back (vLLM's
+``load_kv_async``) and keeps stepping the others. It needs torch and hcache's store stack, not vLLM: vLLM's
+worker (:mod:`hcache.vllm.worker`) drives it, and ``hcache bench transfer`` times it on its own.
 
 A load fetches its chunks into the host pool (on the store's reader threads), verifies them as every
 restore does (:func:`~hcache.serving.restore.verify_fetched`), and writes each layer's K/V into the paged
 cache by the request's plan: the stored K/V rows (KV) or K/V rebuilt from the stored hidden states with
-the layer's own weights (H, :mod:`hcache.vllm.hidden`). Rows cross to the cache's device as stored (8-bit
+the layer's own weights (H: the engine's ``rebuild``; vLLM's is :mod:`hcache.vllm.hidden`). Rows cross to the cache's device as stored (8-bit
 codes with their scales), one gather per layer, and are decoded there. On a GPU the loader's copies and
 kernels run on the copier's side stream, and the load is reported done only once that stream has finished
 them, so the request's first forward reads complete blocks; the step's stream is never synchronised. The blocks of what fell short (a
@@ -23,16 +24,28 @@ from dataclasses import dataclass
 import torch
 
 from ..model.tensor_parallel import SINGLE
-from ..planning.plan import Method
+from ..planning.plan import Method, RestorePlan
 from ..serving.records import MissReason, PutRestore, SequenceRecord
 from ..serving.restore import gather_runs, lookup_miss, restore_accounting, verify_fetched
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from ..storage.stored_state import decode, stored_rows
-from .layout import PagedLayout
-from .metadata import LoadJob
+from .layout import PagedLayout, block_slots
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadJob:
+    """A request's stored positions ``[start, end)`` to load into its blocks (``block_ids``, every block it
+    holds, in order). ``tokens``: its prompt up to ``end``, which keys the chunks; ``namespace``: its root's."""
+
+    req_id: str
+    namespace: str | None
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -45,14 +58,16 @@ class PagedLayer:
 
 
 class Loader:
-    """``layers``: the paged cache's layers; ``slots(block_ids, start, end)``: the cache blocks and offsets
-    of positions ``[start, end)`` of a request holding ``block_ids``; ``rebuild(layer, hidden, positions)``:
+    """``layers``: the paged cache's layers, whose tensors hold blocks of ``kernel_block`` tokens (the
+    engine's blocks, of ``block_size``, may be split into several); ``rebuild(layer, hidden, positions)``:
     K/V rows from hidden states (None where no layer restores by H); ``lost(key, reason)``: told of a chunk
-    a load found gone (evicted or deleted since it was offered, or its tier down), so it is not offered again."""
+    a load found gone (evicted or deleted since it was offered, or its tier down), so it is not offered again;
+    ``plan``: a fixed plan for every load (by default, the stack's for each load's length)."""
 
-    def __init__(self, stack: StoreStack, block_size: int, layers: list[PagedLayer], slots: Callable, rebuild: Callable | None, lost: Callable):
-        self.stack, self.config, self.block_size = stack, stack.config, block_size
-        self.layers, self.slots, self.rebuild, self.lost = layers, slots, rebuild, lost
+    def __init__(self, stack: StoreStack, block_size: int, kernel_block: int, layers: list[PagedLayer], rebuild: Callable | None = None,
+                 lost: Callable = lambda key, reason: None, plan: RestorePlan | None = None):  # fmt: skip
+        self.stack, self.config, self.block_size, self.kernel_block = stack, stack.config, block_size, kernel_block
+        self.layers, self.rebuild, self.lost, self.plan = layers, rebuild, lost, plan
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="hcache-vllm-load")
         self._inflight: dict[str, tuple[LoadJob, Future]] = {}
 
@@ -89,7 +104,7 @@ class Loader:
         first = job.start // CHUNK_TOKENS
         keys = [key for key, _ in chain.chunks[first : -(-job.end // CHUNK_TOKENS)]]
         fetches = [store.fetch(key) for key in keys]
-        plan = self.config.plan_for(self.config.plan, job.end - job.start)
+        plan = self.plan or self.config.plan_for(self.config.plan, job.end - job.start)
         images = []
         try:
             why, miss = verify_fetched(store, keys, fetches, images, job.tokens[first * CHUNK_TOKENS :], fingerprint, plan, SINGLE, 0, self.config.spec)
@@ -129,7 +144,7 @@ class Loader:
         stream never does): the pool's slots are released after this, and the load reported done."""
         n, offset = end - job.start, job.start - first * CHUNK_TOKENS
         copier = self.stack.copier
-        blocks, offsets = self.slots(job.block_ids, job.start, end)
+        blocks, offsets = block_slots(job.block_ids, job.start, end, self.block_size, self.kernel_block)
         elements: dict[int, torch.Tensor] = {}
         copier.follow()  # after the kernels queued so far: the blocks may have been another request's
         with copier.side_stream():

@@ -1,0 +1,141 @@
+"""The paged loader (hcache/paged/loader.py) without vLLM: a stored prefix, saved by the serving engine
+over the reference engine, loaded into a paged cache laid out as FlashAttention's, in blocks split into
+smaller kernel blocks, from inside a chunk; a chunk gone since the look-up ends the load there, with its
+blocks reported and its key told lost; and the budgets a GPU would hold it to, counted on the CPU."""
+import pytest
+import torch
+from support.budgets import Counter, FakeCuda, counting
+from support.helpers import random_prompt, serving_engine
+
+from hcache.engine import ReferenceEngine
+from hcache.model.fingerprint import model_fingerprint
+from hcache.model.loader import random_model
+from hcache.model.spec import ModelSpec
+from hcache.paged.layout import PagedLayout, block_slots
+from hcache.paged.loader import Loader, LoadJob, PagedLayer
+from hcache.serving.records import SequenceRecord
+from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+from hcache.storage.stored_state import decode, stored_rows
+
+LAYERS, BLOCK, KERNEL_BLOCK = 3, 32, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = random_model("llama", num_hidden_layers=LAYERS, max_position_embeddings=2048)
+    return model, ModelSpec.from_config(model.config, torch.float32)
+
+
+def _saved(model, tmp_path, rng, chunks: int, **settings):
+    """A serving engine whose store holds a ``chunks``-chunk prompt, every format, and the prompt."""
+    model, spec = model
+    serving = serving_engine(ReferenceEngine(model, spec, num_blocks=40), model_fingerprint(model, spec), tmp_path, save="all", **settings)
+    prompt = random_prompt(chunks * CHUNK_TOKENS + 1, spec.vocab_size, rng)
+    serving.put([0], [prompt])
+    serving.flush(0)
+    return serving, prompt
+
+
+def _cache(spec: ModelSpec, blocks: int) -> list[PagedLayer]:
+    """One FlashAttention-layout cache per layer (physically [blocks, tokens, heads, 2 x head], viewed as
+    vLLM hands it over)."""
+    caches = [torch.zeros(blocks, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size).transpose(1, 2) for _ in range(LAYERS)]
+    layout = PagedLayout.split_kv(caches[0])
+    return [PagedLayer(layer, cache, layout) for layer, cache in enumerate(caches)]
+
+
+def _stored(serving, keys: list[str], fmt: str) -> list[torch.Tensor]:
+    """Each layer's stored rows of ``keys``' chunks, in order."""
+    images = [serving.stack.store.fetch(key).result() for key in keys]
+    try:
+        return [torch.cat([decode(stored_rows(image, layer, fmt), torch.float32) for image in images]) for layer in range(LAYERS)]
+    finally:
+        for image in images:
+            serving.stack.store.release(image)
+
+
+def _load(loader: Loader, job: LoadJob) -> tuple[set[int], SequenceRecord]:
+    record = SequenceRecord()
+    loader.submit(job, record)
+    done: set[str] = set()
+    while not done:
+        done, errors = loader.finished()
+    assert done == {job.req_id}
+    return errors, record
+
+
+@pytest.mark.parametrize("plan", ["KV", "H"])
+def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path, rng, plan):
+    spec = model[1]
+    serving, prompt = _saved(model, tmp_path, rng, 4, plan=plan)
+    weight = torch.randn(spec.hidden_size, 2 * spec.kv_dim, generator=rng)
+
+    def rebuild(layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # any K/V rule will do
+        return (hidden @ weight + positions[:, None] + layer).view(len(hidden), 2, spec.num_kv_heads, spec.head_size)
+
+    layers = _cache(spec, 40)
+    loader = Loader(serving.stack, BLOCK, KERNEL_BLOCK, layers, rebuild)
+    block_ids = [9, 2, 14, 5, 11, 7, 3, 1]  # 32-token blocks, each two 16-token kernel blocks
+    start, end = 40, 4 * CHUNK_TOKENS  # from inside the first chunk (after a prefix-cache hit, say)
+    try:
+        errors, record = _load(loader, LoadJob("r", None, prompt[:end], block_ids, start, end))
+        assert not errors and record.restored_tokens == end - start and record.tier_tokens == {"host": end - start}
+        assert record.plan == f"{LAYERS}{plan}" and not record.miss_tokens
+        blocks, offsets = block_slots(block_ids, start, end, BLOCK, KERNEL_BLOCK)
+        stored = _stored(serving, chunk_keys(prompt[:end], root_key(serving.fingerprint)), plan)
+        positions = torch.arange(start, end)
+        for layer in layers:
+            rows = layer.layout.read(layer.cache, layer.layout.elements(blocks, offsets))
+            want = stored[layer.index][start:end]
+            torch.testing.assert_close(rows, rebuild(layer.index, want, positions) if plan == "H" else want, rtol=0, atol=0)
+        untouched = torch.ones(40 * KERNEL_BLOCK, dtype=torch.bool)
+        untouched[blocks * KERNEL_BLOCK + offsets] = False
+        assert not layers[0].cache.transpose(1, 2).reshape(-1, spec.num_kv_heads * 2 * spec.head_size)[untouched].any()
+    finally:
+        loader.close()
+        serving.close()
+
+
+def test_a_chunk_gone_since_the_look_up_ends_the_load_and_is_told_lost(model, tmp_path, rng):
+    spec = model[1]
+    serving, prompt = _saved(model, tmp_path, rng, 4, plan="KV")
+    keys = chunk_keys(prompt[: 4 * CHUNK_TOKENS], root_key(serving.fingerprint))
+    serving.stack.store.flush()
+    serving.stack.store.drop_resident()
+    serving.stack.store.stores[0].discard(keys[2])  # deleted from the disk after it was offered
+    lost = []
+    loader = Loader(serving.stack, BLOCK, KERNEL_BLOCK, _cache(spec, 40), lost=lambda key, reason: lost.append((key, reason)))
+    block_ids = list(range(8))
+    try:
+        errors, record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], block_ids, 0, 4 * CHUNK_TOKENS))
+        assert errors == {4, 5, 6, 7}  # from position 128: the blocks vLLM computes again
+        assert record.restored_tokens == 2 * CHUNK_TOKENS and record.miss_tokens == {"evicted": 2 * CHUNK_TOKENS}
+        assert lost == [(keys[2], "evicted")]
+    finally:
+        loader.close()
+        serving.close()
+
+
+def test_a_load_never_syncs_its_work_does_not_grow_with_chunks_and_makes_no_stream(model, tmp_path, rng, monkeypatch):
+    """Counted as tests/serving/test_gpu_budgets.py counts a restore: no host sync from a load's start to its
+    end; the same device ops for 2 chunks as for 6 (per layer one gather, one scatter); and, on the GPU
+    branches, no stream, event or pinned buffer made by a load: it runs on the copier's side stream."""
+    spec = model[1]
+    cuda = FakeCuda(monkeypatch)
+    counts = {}
+    for chunks in (2, 6):
+        serving, prompt = _saved(model, tmp_path / str(chunks), rng, chunks, plan="KV")
+        loader = Loader(serving.stack, BLOCK, KERNEL_BLOCK, _cache(spec, 40))
+        made = dict(cuda.made)
+        job = LoadJob("r", None, prompt[: chunks * CHUNK_TOKENS], list(range(2 * chunks)), 0, chunks * CHUNK_TOKENS)
+        try:
+            with counting(Counter(serving.stack.store.pool.arena), monkeypatch) as counter:
+                assert loader._load(job, SequenceRecord()) == set()  # on this thread: the counter is the thread's
+        finally:
+            loader.close()
+            serving.close()
+        counts[chunks] = counter
+        print(f"\n{chunks} chunks: {dict(counter.ops)}; syncs {dict(counter.syncs)}")
+        assert not counter.syncs, f"host syncs in a load of {chunks} chunks: {dict(counter.syncs)}"
+        assert cuda.made == made, f"made by a load: {dict(cuda.made)} after {made}"
+    assert counts[2].ops == counts[6].ops, f"device ops grow with chunks: {dict(counts[2].ops)} against {dict(counts[6].ops)}"
