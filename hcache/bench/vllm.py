@@ -26,6 +26,11 @@ the connector's request log. ``first_token_match`` counts returning questions wh
 recompute's (a K/V computed in a smaller prefill may round apart from a full prefill's, so a near tie may
 break the other way, as with vLLM's own prefix cache).
 
+vLLM's CPU worker binds its compute threads to all cores but those it reserves for its other processes:
+one, and one more when a KV connector is loaded (on a 2-core machine, then none). So that every engine
+computes on the same cores, the benchmark sets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` unless it is set, and
+records it.
+
 ``--decode`` measures decode steps instead: with and without the connector, saving or not, and while
 other requests load (:mod:`hcache.bench._vllm_decode`).
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -70,8 +76,13 @@ def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
 
 
 def run(args: argparse.Namespace) -> dict:
+    # vLLM's CPU worker keeps one core for its other processes, and one more when any KV connector is loaded
+    # (none at all on a 2-core machine, where both would leave nothing): engines with and without the
+    # connector would compute on different cores. The same number for every engine compares like with like.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    reserved = {"vllm_cpu_reserved_cpus": int(os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"])}
     if args.decode:
-        return decode.run(args)
+        return {**decode.run(args), **reserved}
     from vllm import SamplingParams
 
     from ..model.loader import model_dir, random_like, save_checkpoint
@@ -156,4 +167,4 @@ def run(args: argparse.Namespace) -> dict:
               f"{r['speedup']:7.2f}x {r['speedup_vs_miss']:7.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
               f"{r['first_token_match']:>8d}/{args.conversations}")  # fmt: skip
     return {"model": args.model, "mha": args.mha, "plans": plans, "dtype": args.dtype, "history": args.history, "question": args.question,
-            "conversations": args.conversations, "configurations": results}  # fmt: skip
+            "conversations": args.conversations, "configurations": results, **reserved}  # fmt: skip

@@ -18,15 +18,22 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
+from .. import helper_threads
 from ..model.tensor_parallel import SINGLE
 from ..planning.plan import Method, RestorePlan
 from ..serving.records import MissReason, PutRestore, SequenceRecord
-from ..serving.restore import gather_runs, lookup_miss, restore_accounting, verify_fetched
+from ..serving.restore import (
+    gather_runs,
+    lookup_miss,
+    restore_accounting,
+    verify_fetched,
+)
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from ..storage.stored_state import decode, stored_rows
@@ -68,7 +75,7 @@ class Loader:
                  lost: Callable = lambda key, reason: None, plan: RestorePlan | None = None):  # fmt: skip
         self.stack, self.config, self.block_size, self.kernel_block = stack, stack.config, block_size, kernel_block
         self.layers, self.rebuild, self.lost, self.plan = layers, rebuild, lost, plan
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="hcache-vllm-load")
+        self._thread = helper_threads.executor(1, "hcache-paged-load")
         self._inflight: dict[str, tuple[LoadJob, Future]] = {}
 
     def submit(self, job: LoadJob, record: SequenceRecord) -> None:
@@ -77,20 +84,22 @@ class Loader:
     def loading(self, req_id: str) -> bool:
         return req_id in self._inflight
 
-    def finished(self) -> tuple[set[str], set[int]]:
-        """The loads done since the last call, and the blocks they could not load."""
-        done, errors = set(), set()
+    def finished(self, wait: float = 0.0) -> dict[str, set[int]]:
+        """The loads done since the last call, each with the blocks it could not load (empty: all loaded).
+        ``wait``: seconds to wait for one to finish, if none has (0: do not wait)."""
+        if wait > 0 and self._inflight:
+            futures.wait([future for _, future in self._inflight.values()], timeout=wait, return_when=futures.FIRST_COMPLETED)
+        done: dict[str, set[int]] = {}
         for req_id, (job, future) in list(self._inflight.items()):
             if not future.done():
                 continue
             del self._inflight[req_id]
-            done.add(req_id)
             try:
-                errors |= future.result()
+                done[req_id] = future.result()
             except Exception:  # a bug, not a bad chunk: nothing it wrote is trusted
-                log.exception("hcache: loading request %s failed; vLLM recomputes it", req_id)
-                errors |= self._blocks(job, job.start)
-        return done, errors
+                log.exception("hcache: loading request %s failed; it is recomputed", req_id)
+                done[req_id] = self._blocks(job, job.start)
+        return done
 
     def _blocks(self, job: LoadJob, end: int) -> set[int]:
         """The blocks of ``job``'s positions from ``end`` on: not loaded."""

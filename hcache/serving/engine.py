@@ -24,12 +24,10 @@ Counters are in ``metrics`` (:mod:`hcache.serving.metrics`).
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,7 +39,7 @@ from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, content_key,
 from ..storage.stored_state import Tier
 from .gpu_prefix_cache import Adoption
 from .metrics import ServingMetrics
-from .records import MissReason, PutRestore, SequenceRecord
+from .records import MissReason, PutRestore, SequenceRecord, log_requests
 from .restore import anchor_label, first_chunk_miss, lookup_miss, restore_prefix
 from .store_stack import StoreStack
 
@@ -333,9 +331,7 @@ class ServingEngine:
             self.engine.flush(uid)  # nothing left to free once detached
         self.metrics.sequences += seq is not None
         if seq is not None and self.request_log is not None and self.tp.rank == 0:  # ranks restore alike
-            # 0600 whatever the umask, as the store's files: it holds token counts per conversation
-            with os.fdopen(os.open(self.request_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:
-                f.write(json.dumps({"uid": uid, "time": time.time(), **asdict(seq.record)}) + "\n")
+            log_requests(self.request_log, [({"uid": uid}, seq.record)])
 
     def close(self) -> None:
         """Close the store stack (:meth:`StoreStack.close`); the engine serves no more requests."""

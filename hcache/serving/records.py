@@ -3,9 +3,14 @@ its sequence's :class:`SequenceRecord` and to the counters (:meth:`~hcache.servi
 so the two can never disagree."""
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from ..storage.stored_state import Tier
 
@@ -110,3 +115,13 @@ class SequenceRecord:
 
 
 _REPLIED = {MissReason.OTHER_MODEL.value: MissReason.NEVER_STORED.value, MissReason.OTHER_CACHE_SALT.value: MissReason.NEVER_STORED.value}
+
+
+def log_requests(path: Path, records: Iterable[tuple[dict, SequenceRecord]]) -> None:
+    """Append one JSON line per finished request to the request log at ``path``: its identity (``{"uid":
+    ...}`` or ``{"request_id": ...}``), the time, and its record. The file is made 0600 whatever the umask,
+    as the store's files: it holds token counts per conversation."""
+    lines = [json.dumps({**who, "time": time.time(), **asdict(record)}) + "\n" for who, record in records]
+    if lines:
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:
+            f.write("".join(lines))

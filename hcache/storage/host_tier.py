@@ -27,9 +27,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+from .. import helper_threads
 from ..defaults import DEFAULT_READERS
 from .chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from .chunk_store import ChunkStore
@@ -85,8 +86,8 @@ class HostTier:
         self._values = Values()  # what publishers said keeping each chunk saves
         self._loading: dict[str, Future] = {}
         self._writebacks = 0
-        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="hcache-load") if readers else None
-        self._writers = ThreadPoolExecutor(writers, thread_name_prefix="hcache-writeback")
+        self._readers = helper_threads.executor(readers, "hcache-load") if readers else None
+        self._writers = helper_threads.executor(writers, "hcache-writeback")
         self._uses = Uses(self.stores, self._writers, self._cond)
         self._watchers: list[Callable[[str, bool], None]] = []
 

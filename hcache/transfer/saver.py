@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import helper_threads
 from ..engine.ragged import Segment
 from ..ops import device_copy
 from ..storage.chunk import ChunkImage, ChunkLayout
@@ -232,7 +233,7 @@ class ChunkSaver:
         # The whole chunks cross to their pinned slots on the save stream, which the forward never waits for.
         if self._save_stream is None:
             self._save_stream = torch.cuda.Stream(device)
-            self._stage2 = ThreadPoolExecutor(1, thread_name_prefix="hcache-saver")
+            self._stage2 = helper_threads.executor(1, "hcache-saver")
         self._save_stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._save_stream):
             for c in full:

@@ -87,7 +87,7 @@ class HCacheConnector(KVConnectorBase_V1):
         return None, self._worker.finished(finished_req_ids) or None
 
     def build_connector_worker_meta(self):
-        return self._worker.tier_changes()
+        return self._worker.scheduler_news()
 
     def shutdown(self) -> None:
         for side in (self._scheduler, self._worker):

@@ -37,13 +37,15 @@ class HCacheStepMetadata(KVConnectorMetadata):
 
 @dataclass
 class HCacheWorkerMetadata(KVConnectorWorkerMetadata):
-    """What the worker's tiers gained and lost since its last step, in order: (chunk key, None) for a chunk
+    """What the worker tells the scheduler after a step. ``changes``: what its tiers gained and lost since
+    its last step, in order: (chunk key, None) for a chunk
     held, (chunk key, the :class:`~hcache.serving.records.MissReason`) for one discarded as bad or found
     gone by a load. The scheduler's index of what can be loaded follows it
     (:class:`~hcache.vllm.index.StoredIndex`)."""
 
     changes: list[tuple[str, str | None]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # requests whose load fell short: vLLM recomputes the rest
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, HCacheWorkerMetadata)
-        return HCacheWorkerMetadata(self.changes + other.changes)
+        return HCacheWorkerMetadata(self.changes + other.changes, self.failed + other.failed)

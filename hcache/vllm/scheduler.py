@@ -27,9 +27,8 @@ class _Tracked:
     computed: int  # vLLM's own prefix-cache hit when the store was asked
     block_ids: list[int] = field(default_factory=list)
     sent: int = 0  # token ids the worker has
-    load: LoadJob | None = None  # to send with the step's metadata
     misses: dict[str, int] = field(default_factory=dict)  # to send with the request's first step
-    loaded: bool = False  # a load was sent: a later look-up is a retry after a load error
+    failed: bool = False  # its load fell short: a later look-up is vLLM's retry, which recomputes
 
 
 class SchedulerSide:
@@ -38,13 +37,14 @@ class SchedulerSide:
         settings = setup.config.settings
         self.index = StoredIndex(settings.store.lookup(setup.config.store_dirs(0))) if setup.config.stored else None
         self._requests: dict[str, _Tracked] = {}
+        self._loads: list[LoadJob] = []  # to send with this step's metadata
 
     def matched_tokens(self, request, num_computed: int) -> int:
         """Tokens past ``num_computed`` (vLLM's own prefix-cache hit) that can be loaded."""
         previous = self._requests.get(request.request_id)
-        retry = previous is not None and previous.loaded
-        tracked = self._requests[request.request_id] = _Tracked(request, num_computed, loaded=retry)
-        if self.index is None or retry:  # a load of it failed: vLLM recomputes what it lacks, and nothing is offered twice
+        retry = previous is not None and previous.failed
+        tracked = self._requests[request.request_id] = _Tracked(request, num_computed, failed=retry)
+        if self.index is None or retry:  # a load of it fell short: vLLM recomputes what it lacks, nothing is offered twice
             return 0
         prompt = list(request.prompt_token_ids or [])
         usable = (len(prompt) - 1) // CHUNK_TOKENS * CHUNK_TOKENS
@@ -67,18 +67,14 @@ class SchedulerSide:
         if tracked is None or not num_external:
             return
         end = tracked.computed + num_external
-        tracked.loaded = True
-        tracked.load = LoadJob(
+        self._loads.append(LoadJob(
             request.request_id, self.namespace(request), list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]),
             tracked.computed, end,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def build(self, scheduler_output) -> HCacheStepMetadata:
-        metadata = HCacheStepMetadata()
-        for tracked in self._requests.values():
-            if tracked.load is not None:
-                metadata.loads.append(tracked.load)
-                tracked.load = None
+        metadata = HCacheStepMetadata(loads=self._loads)
+        self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
@@ -110,9 +106,14 @@ class SchedulerSide:
         return step
 
     def worker_output(self, meta: HCacheWorkerMetadata | None) -> None:
-        """What the worker's tiers gained and lost last step, into the index."""
-        if meta is not None and self.index is not None:
+        """What the worker's tiers gained and lost last step, into the index; loads that fell short, noted."""
+        if meta is None:
+            return
+        if self.index is not None:
             self.index.apply(meta.changes)
+        for req_id in meta.failed:
+            if req_id in self._requests:
+                self._requests[req_id].failed = True
 
     def finished(self, request) -> None:
         self._requests.pop(request.request_id, None)

@@ -13,31 +13,36 @@ the last step to the scheduler's index.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
-import time
+import re
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .. import helper_threads
 from ..engine.ragged import Segment
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import SINGLE
+from ..paged.layout import PagedLayout, block_slots
+from ..paged.loader import Loader, PagedLayer
 from ..planning.plan import Method
-from ..serving.records import MissReason, PutRestore, SequenceRecord
+from ..serving.records import MissReason, PutRestore, SequenceRecord, log_requests
 from ..serving.restore import anchor_label, first_chunk_miss
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import KeyChain, content_key, root_key
 from .hidden import HiddenLayers, registering_model
-from ..paged.layout import PagedLayout, block_slots
-from ..paged.loader import Loader, PagedLayer
 from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
 from .settings import VllmSetup, uses_hidden_states
 
 log = logging.getLogger(__name__)
+
+# How long a step that computed nothing waits for a load to finish. vLLM steps on, empty, while requests
+# wait for their loads, and each empty step asks for finished loads: without a wait, that loop would spin
+# on the cores the loads need. A load that finishes ends the wait at once.
+IDLE_WAIT_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,24 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
 
 
+def spare_cpus() -> set[int]:
+    """The CPUs vLLM's CPU worker left to its other processes: those it may run on that its OpenMP threads
+    are not bound to (vLLM passes the binding to the worker as ``OMP_PLACES``, ``GOMP_CPU_AFFINITY`` or
+    ``KMP_AFFINITY``). Empty where nothing is bound (a GPU worker) or every CPU is."""
+    bound = os.environ.get("OMP_PLACES") or os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("KMP_AFFINITY", "").partition("proclist=")[2]
+    if not bound:
+        return set()
+    allowed = os.sched_getaffinity(os.getppid())  # the engine process's, which vLLM does not bind
+    return allowed - {int(cpu) for cpu in re.findall(r"\d+", bound)}
+
+
 class WorkerSide:
     def __init__(self, setup: VllmSetup, device: torch.device, attention_layers: dict):
         self.setup, self.config = setup, setup.config
+        spare = spare_cpus() if device.type == "cpu" else set()
+        helper_threads.run_on(spare)  # before the store stack starts its threads
+        if spare:
+            log.info("hcache's threads run on CPUs %s, apart from vLLM's OpenMP threads", sorted(spare))
         self.stack = StoreStack(setup.config, VllmModel(setup.config.spec, device), setup.fingerprint, SINGLE)
         self._attention = attention_layers  # layer name -> vLLM's Attention module (its backend's cache write)
         self._layers: dict[str, PagedLayer] = {}
@@ -72,7 +92,9 @@ class WorkerSide:
         self._hidden: HiddenLayers | None = None  # the model's layers, where hidden states are saved or restored
         self._loader: Loader | None = None
         self._ending: set[str] = set()  # requests vLLM finished (aborted) while their load was in flight
+        self._idle = False  # this step computes nothing: only loads are in flight, if anything
         self._errors: set[int] = set()
+        self._failed: list[str] = []  # requests whose load fell short, for the scheduler
         self._changes: deque[tuple[str, str | None]] = deque()  # the tiers' gains and losses, for the scheduler's index
         if self.stack.store is not None:
             bad = MissReason.FAILED_VERIFICATION.value  # the tier reports no other loss
@@ -115,7 +137,7 @@ class WorkerSide:
     def begin_step(self, metadata: HCacheStepMetadata) -> None:
         """Before the forward: the step's loads handed to the loader, sequences opened or continued, their
         misses recorded, and the saver's batch begun."""
-        self._elements = {}
+        self._elements, self._idle = {}, not metadata.requests
         for job in metadata.loads:
             self._loader.submit(job, self._records.setdefault(job.req_id, SequenceRecord()))
         requests = [(step, self._sequence(step)) for step in metadata.requests]
@@ -180,10 +202,12 @@ class WorkerSide:
         requests are returned; their unloaded blocks are kept for :meth:`load_errors`. A finished request's
         chunks are published (the write-back goes on in the background) and its record logged, once its
         load, if one is in flight, is over."""
-        loaded: set[str] = set()
-        if self._loader is not None:
-            loaded, errors = self._loader.finished()
-            self._errors |= errors
+        loads = self._loader.finished(IDLE_WAIT_S if self._idle else 0.0) if self._loader is not None else {}
+        for req_id, unloaded in loads.items():
+            self._errors |= unloaded
+            if unloaded:
+                self._failed.append(req_id)
+        loaded = set(loads)
         ending = {r for r in req_ids if self._loader is not None and self._loader.loading(r)}
         self._ending |= ending
         done = (set(req_ids) - ending) | (self._ending & loaded)
@@ -192,7 +216,7 @@ class WorkerSide:
         return loaded
 
     def _close(self, req_ids: set[str]) -> None:
-        lines = []
+        finished = []
         for req_id in req_ids:
             seq = self._seqs.pop(req_id, None)
             record = self._records.pop(req_id, None)
@@ -201,19 +225,20 @@ class WorkerSide:
                 if seq.chain.chunks and self.stack.capture is not None:
                     self.stack.anchors.add(content_key(seq.chain.chunks[0][1]), seq.label)
             if record is not None:
-                lines.append(json.dumps({"request_id": req_id, "time": time.time(), **asdict(record)}))
-        if lines and self.request_log is not None:
-            with os.fdopen(os.open(self.request_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:
-                f.write("".join(line + "\n" for line in lines))
+                finished.append(({"request_id": req_id}, record))
+        if self.request_log is not None:
+            log_requests(self.request_log, finished)
 
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
 
-    def tier_changes(self) -> HCacheWorkerMetadata | None:
-        """The chunks the tiers gained and lost since the last step, for the scheduler's index."""
+    def scheduler_news(self) -> HCacheWorkerMetadata | None:
+        """The chunks the tiers gained and lost since the last step, for the scheduler's index, and the loads
+        that fell short."""
         changes = [self._changes.popleft() for _ in range(len(self._changes))]
-        return HCacheWorkerMetadata(changes) if changes else None
+        failed, self._failed = self._failed, []
+        return HCacheWorkerMetadata(changes, failed) if changes or failed else None
 
     def close(self) -> None:
         if self._loader is not None:

@@ -7,7 +7,8 @@ turn's prompt, the first phase's reply to it, and its own text), ``max_tokens``,
 of actions: ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR; ``"delete DIR N"``: wait
 until N chunk files are written under DIR, then delete them all; ``"stop_redis"``), ``prefix_cache`` (vLLM's
 own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a CPU), and ``requests``:
-[[turn, cache_salt, actions...]] served in order, each request after its actions. ``"$REDIS"`` in a connector's settings is the
+[[turn, cache_salt, actions...]] served in order, each request after its actions; ``["batch", [[turn,
+cache_salt], ...]]`` sends those requests in one ``generate`` call, to run concurrently. ``"$REDIS"`` in a connector's settings is the
 URL of a redis-server this script starts.
 OUT: ``tokens``: per phase, each request's generated token ids; ``logprobs``: the log-probability of each.
 """
@@ -79,16 +80,18 @@ def main() -> None:
             for turn, salt, *actions in phase["requests"]:
                 for action in actions:
                     _act(action, redis)
-                if turn not in prompts:
-                    previous, text = spec["turns"][turn]
-                    head = prompts[previous] + replies[previous] if previous else []
-                    prompts[turn] = head + llm.get_tokenizer().encode(text, add_special_tokens=False)
-                request = {"prompt_token_ids": prompts[turn], **({"cache_salt": salt} if salt else {})}
-                output = llm.generate([request], params, use_tqdm=False)[0].outputs[0]
-                tokens = list(output.token_ids)
-                replies.setdefault(turn, tokens)
-                out.append(tokens)
-                probs.append([step[token].logprob for step, token in zip(output.logprobs, tokens)])
+                batch = salt if turn == "batch" else [[turn, salt]]  # a batch: [[turn, salt], ...] sent at once
+                for name, _ in batch:
+                    if name not in prompts:
+                        previous, text = spec["turns"][name]
+                        head = prompts[previous] + replies[previous] if previous else []
+                        prompts[name] = head + llm.get_tokenizer().encode(text, add_special_tokens=False)
+                requests = [{"prompt_token_ids": prompts[name], **({"cache_salt": s} if s else {})} for name, s in batch]
+                for (name, _), output in zip(batch, llm.generate(requests, params, use_tqdm=False)):
+                    tokens = list(output.outputs[0].token_ids)
+                    replies.setdefault(name, tokens)
+                    out.append(tokens)
+                    probs.append([step[token].logprob for step, token in zip(output.outputs[0].logprobs, tokens)])
             llm.llm_engine.engine_core.shutdown()
             del llm
             results.append(out)

@@ -5,7 +5,7 @@ One session, six vLLM engines in turn over one redis-server: vLLM alone (the ref
 bfloat16 a token's K/V computed in a decode step rounds apart from the same token's in a prefill, so a reply
 may part from vLLM's alone at a near tie, as it does with vLLM's own prefix cache); the connector saving the
 first turn to the disk and Redis, then restoring the second from the host pool, and under another
-``cache_salt`` restoring nothing; restarted on the disk alone, restoring from the disk, then, storing in
+``cache_salt`` restoring nothing, then serving 16 requests at once, half of them loading; restarted on the disk alone, restoring from the disk, then, storing in
 int8 beside vLLM's own prefix cache, a conversation under a new salt; with Redis as its only tier and
 32-token blocks (the others' hold 128, hcache's chunks 64), restoring from Redis, then from the host pool
 with Redis stopped; on a store of its own with a six-chunk host pool, restoring from the pool with the
@@ -30,6 +30,7 @@ if shutil.which("redis-server") is None:
 
 FULL_CHUNKS = 5 * 64  # the second turn's 349 tokens hold five full chunks before its last token, which vLLM computes
 FIRST_CHUNKS = 4 * 64  # the first turn's 319 tokens, four
+CONCURRENT = [["second", "a"], ["first", "a"]] * 4 + [["first", f"new{i}"] for i in range(8)]  # 8 loading, 8 computing
 POOL_BYTES = 18 << 20  # a host pool of six chunks (2.95 MB each: 30 layers of float32 K/V): two conversations' do not fit
 SESSION = Path(__file__).parents[1] / "support" / "vllm_session.py"
 HISTORY = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
@@ -57,7 +58,8 @@ def session(tmp_path_factory):
         "turns": {"first": [None, HISTORY + "Question: when was it built?"], "second": ["first", " Question: who designed it?"]},
         "phases": [
             {"connector": None, "requests": [["first", "a"], ["second", "a"]]},
-            {"connector": connector("saved", [str(store)], ["$REDIS"]), "requests": [["first", "a"], ["second", "b"], ["second", "a"]]},
+            {"connector": connector("saved", [str(store)], ["$REDIS"]),
+             "requests": [["first", "a"], ["second", "b"], ["second", "a"], ["batch", CONCURRENT]]},
             {"connector": connector("disk", [str(store)], [], stored_dtype="int8"), "prefix_cache": True,
              "requests": [["second", "a"], ["first", "c"], ["second", "c"]]},
             {"connector": connector("redis", None, ["$REDIS"]), "block_size": 32,
@@ -77,12 +79,24 @@ def session(tmp_path_factory):
 
 def test_a_returning_conversation_restores_from_the_host_pool_and_replies_as_vllm_alone(session):
     phases, logs = session
-    (first, second), (saved_first, salted, restored) = phases[0], phases[1]
+    (first, second), (saved_first, salted, restored) = phases[0], phases[1][:3]
     assert saved_first == first and salted == second and restored == second
     records = logs["saved"]
     assert records[0]["restored_tokens"] == 0 and records[0]["miss_tokens"] == {"never_stored": FIRST_CHUNKS}  # the first turn
     assert records[2]["restored_tokens"] == FULL_CHUNKS and records[2]["tier_tokens"] == {"host": records[2]["restored_tokens"]}
     assert records[2]["fallback"] is None and records[2]["plan"] == "30KV"
+
+
+def test_sixteen_concurrent_requests_half_loading_half_computing_reply_as_vllm_alone(session):
+    """One ``generate`` of 16 requests: eight load their stored prefix off the step while the eight new ones
+    are prefilled and decoded in the same steps, and every reply is vLLM's alone, token for token."""
+    phases, logs = session
+    (first, second), concurrent = phases[0], phases[1][3:]
+    assert concurrent == [second, first] * 4 + [first] * 8
+    records = logs["saved"][3:]
+    loaded = sorted(r["restored_tokens"] for r in records)
+    assert loaded == [0] * 8 + [FIRST_CHUNKS] * 4 + [FULL_CHUNKS] * 4, loaded
+    assert all(r["tier_tokens"] in ({}, {"host": r["restored_tokens"]}) for r in records)
 
 
 def test_two_cache_salts_never_share_state(session):
