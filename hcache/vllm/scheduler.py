@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..paged.loader import LoadJob
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from .index import StoredIndex
-from ..paged.loader import LoadJob
 from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
 from .settings import VllmSetup
 
