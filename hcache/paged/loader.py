@@ -1,16 +1,17 @@
 """Loads into a paged KV cache off the engine's step: a request's whole stored prefix read, verified and
 written into its blocks on a thread of its own, while the engine holds the request back (vLLM's
 ``load_kv_async``) and keeps stepping the others. It needs torch and hcache's store stack, not vLLM: vLLM's
-worker (:mod:`hcache.vllm.worker`) drives it, and ``hcache bench transfer`` times it on its own.
+worker (:mod:`hcache.vllm.worker`) drives it, and ``hcache bench paged`` times it on its own.
 
 A load fetches its chunks into the host pool (on the store's reader threads), verifies them as every
 restore does (:func:`~hcache.serving.restore.verify_fetched`), and writes each layer's K/V into the paged
 cache by the request's plan: the stored K/V rows (KV) or K/V rebuilt from the stored hidden states with
-the layer's own weights (H: the engine's ``rebuild``; vLLM's is :mod:`hcache.vllm.hidden`). Rows cross to the cache's device as stored (8-bit
-codes with their scales), one gather per layer, and are decoded there. On a GPU the loader's copies and
-kernels run on the copier's side stream, and the load is reported done only once that stream has finished
-them, so the request's first forward reads complete blocks; the step's stream is never synchronised. The blocks of what fell short (a
-chunk gone, unreadable or bad) are load errors, which vLLM recomputes: nothing unverified is written.
+the layer's own weights (H: the engine's ``rebuild``; vLLM's is :mod:`hcache.vllm.hidden`). Rows cross to
+the cache's device as stored (8-bit codes with their scales), one gather per layer, and are decoded there.
+On a GPU the loader's copies and kernels run on the copier's side stream, and the load is reported done
+only once that stream has finished them, so the request's first forward reads complete blocks; the step's
+stream is never synchronised. The blocks of what fell short (a chunk gone, unreadable or bad) are load
+errors, which the engine recomputes: nothing unverified is written.
 """
 from __future__ import annotations
 
@@ -28,12 +29,7 @@ from .. import helper_threads
 from ..model.tensor_parallel import SINGLE
 from ..planning.plan import Method, RestorePlan
 from ..serving.records import MissReason, PutRestore, SequenceRecord
-from ..serving.restore import (
-    gather_runs,
-    lookup_miss,
-    restore_accounting,
-    verify_fetched,
-)
+from ..serving.restore import gather_runs, lookup_miss, restore_accounting, verify_fetched
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from ..storage.stored_state import decode, stored_rows

@@ -138,8 +138,11 @@ def test_on_a_gpu_the_speed_step_runs_the_benchmarks_the_targets_name(monkeypatc
     monkeypatch.setattr(speed.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(speed, "_bench", lambda name, argv: ran.append((name, argv)) or {"figure": len(ran)})
     results = speed.measure_speed(quick=True, progress=lambda name: None)
-    assert ran == [("transfer", ["--history", "1024"]), ("transfer", ["--history", "4096"]), ("ops", ["--tokens", "4096"])]
-    assert results == {"transfer_1024": {"figure": 1}, "transfer_4096": {"figure": 2}, "ops": {"figure": 3}}
+    assert ran == [("transfer", ["--history", "1024"]), ("transfer", ["--history", "4096"]),
+                   ("paged", ["--history", "1024"]), ("paged", ["--history", "4096"]), ("ops", ["--tokens", "4096"])]  # fmt: skip
+    assert results == {"transfer_1024": {"figure": 1}, "transfer_4096": {"figure": 2}, "vllm_paged_1024": {"figure": 3},
+                       "vllm_paged_4096": {"figure": 4}, "ops": {"figure": 5}}  # fmt: skip
     ran.clear()
     assert list(speed.measure_speed(quick=False, progress=lambda name: None)) == [
-        "transfer_1024", "transfer_4096", "transfer_16384", "ops", "storage", "mii_2048", "mii_4096"]
+        "transfer_1024", "transfer_4096", "transfer_16384", "vllm_paged_1024", "vllm_paged_4096", "vllm_paged_16384",
+        "ops", "storage", "mii_2048", "mii_4096"]
