@@ -12,22 +12,17 @@ as the connector's worker loads a returning request off the step:
   the rebuild being its K/V GEMM, RoPE and scatter on rows already on the device: 1.0 is bubble-free.
 - ``h_vs_kv``: the H load's speed over the KV load's.
 
-Each figure is the median over ``--repeats`` rounds, every round timing all of them in turn. The model is
-the named shape with a few layers: only attention's shapes matter here, so the MLP and vocabulary are
-shrunk. Absolute times mean something only on a GPU; compare the ratios.
+Each figure is the median over ``--repeats`` rounds, every round timing all of them in turn. The model:
+:mod:`hcache.bench._shaped`. Absolute times mean something only on a GPU; compare the ratios.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
 import torch
-from tqdm import tqdm
 
-from ..model.loader import LoadedModel, model_dtype, random_model
-from ..model.spec import ModelSpec
+from ..model.loader import LoadedModel
 from ..ops.kv_projection import KVProjection
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..paged.layout import PagedLayout
@@ -37,29 +32,17 @@ from ..serving.records import SequenceRecord
 from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.store_config import StoreConfig
+from . import _shaped
 
 BLOCK = 16  # FlashAttention's block in vLLM
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="llama-2-7b", help="a random shape: llama-2-7b, llama-3-8b, or a model type")
-    parser.add_argument("--layers", type=int, default=4, help="layers of that shape to build")
-    parser.add_argument("--history", type=int, default=4096, help="history tokens loaded")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: float16 on a GPU)")
-    parser.add_argument("--repeats", type=int, default=5)
+add_arguments = _shaped.add_arguments
 
 
 def run(args: argparse.Namespace) -> dict:
-    dtype = model_dtype(args.dtype, args.device)
-    history = args.history // CHUNK_TOKENS * CHUNK_TOKENS
-    if history < CHUNK_TOKENS or args.layers < 1 or args.repeats < 1:
-        raise SystemExit("hcache bench paged: --history must be at least 64 tokens, --layers and --repeats at least 1")
-    model = random_model(args.shape, dtype, device=args.device, num_hidden_layers=args.layers, intermediate_size=256, vocab_size=1024)
-    spec = ModelSpec.from_config(model.config, dtype)
-    if history >= spec.max_positions:
-        raise SystemExit(f"hcache bench paged: --history must be below the model's {spec.max_positions} positions")
-    device = torch.device(args.device)
+    shape = _shaped.shaped(args)
+    model, spec, history, device, dtype = shape.model, shape.spec, shape.history, shape.device, shape.dtype
     kv_bytes = history * spec.num_layers * spec.kv_bytes_per_token_layer
     h_bytes = history * spec.num_layers * spec.hidden_bytes_per_token_layer
     prompt = torch.randint(0, spec.vocab_size, (history + 1,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -77,7 +60,6 @@ def run(args: argparse.Namespace) -> dict:
 
     job = LoadJob("bench", None, prompt[:history], list(range(blocks)), 0, history)
     host_bytes = kv_bytes + h_bytes + (64 << 20)
-    times: dict[str, list[float]] = {name: [] for name in ("copy", "KV", "H", "rebuild")}
     with tempfile.TemporaryDirectory(prefix="hcache-bench-paged-") as tmp, HCacheRuntime(
         LoadedModel(f"random:{args.shape}", model, spec, None), tmp, save="all", num_blocks=2 * history // CHUNK_TOKENS + 4,
         device=args.device, store=StoreConfig(host_bytes=host_bytes, fsync=False),
@@ -102,17 +84,10 @@ def run(args: argparse.Namespace) -> dict:
 
         measures = {"copy": lambda: dst.copy_(src, non_blocking=True), "KV": lambda: load("KV"), "H": lambda: load("H"), "rebuild": rebuild_alone}
         try:
-            for _ in tqdm(range(args.repeats + 1), desc="paged rounds", leave=False):  # the first warms up
-                for name, fn in measures.items():
-                    _sync(device)
-                    began = time.perf_counter()
-                    fn()
-                    _sync(device)
-                    times[name].append(time.perf_counter() - began)
+            t = _shaped.timed_rounds(measures, args.repeats, device, "paged rounds")
         finally:
             for loader in loaders.values():
                 loader.close()
-    t = {name: statistics.median(v[1:]) for name, v in times.items()}
     copy_bw = kv_bytes / t["copy"]
     result = {
         "shape": args.shape, "layers": spec.num_layers, "history": history, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
@@ -129,7 +104,3 @@ def run(args: argparse.Namespace) -> dict:
     )
     return result
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -9,58 +9,41 @@
   time over ``max(H bytes / copy bandwidth, the K/V rebuild's time on rows already on the device)``.
 
 Each figure is the median over ``--repeats`` rounds, and every round times all of them in turn, so drift
-in the machine's speed touches them alike. The model is a named shape with a few layers: only attention's
-shapes matter to these figures, so the MLP and vocabulary are shrunk to keep host memory small.
+in the machine's speed touches them alike. The model: :mod:`hcache.bench._shaped`.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
 import torch
-from tqdm import tqdm
 
 from ..engine.ragged import Segment
-from ..model.loader import LoadedModel, model_dtype, random_model
+from ..model.loader import LoadedModel
 from ..model.spec import ModelSpec
 from ..planning.plan import RestorePlan
 from ..serving.restore import restore_prefix
-from ..storage.stored_state import row_shapes
 from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
 from ..storage.store_config import StoreConfig
+from ..storage.stored_state import row_shapes
 from ..transfer.saver import ChunkSaver
+from . import _shaped
 
 _NAMESPACE = "hcache-bench-transfer"  # the ingested chunks' keys, apart from the history's
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="llama-2-7b", help="a random shape: llama-2-7b, llama-3-8b, or a model type")
-    parser.add_argument("--layers", type=int, default=4, help="layers of that shape to build")
-    parser.add_argument("--history", type=int, default=4096, help="history tokens in the host pool")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: float16 on a GPU)")
-    parser.add_argument("--repeats", type=int, default=5)
+add_arguments = _shaped.add_arguments
 
 
 def run(args: argparse.Namespace) -> dict:
-    dtype = model_dtype(args.dtype, args.device)
-    history = args.history // CHUNK_TOKENS * CHUNK_TOKENS
-    if history < CHUNK_TOKENS or args.layers < 1 or args.repeats < 1:
-        raise ValueError("--history must be at least 64 tokens, --layers and --repeats at least 1")
-    model = random_model(args.shape, dtype, device=args.device, num_hidden_layers=args.layers, intermediate_size=256, vocab_size=1024)
-    spec = ModelSpec.from_config(model.config, dtype)
-    if history >= spec.max_positions:
-        raise ValueError(f"--history must be below the model's {spec.max_positions} positions")
+    shape = _shaped.shaped(args)
+    model, spec, history, device, dtype = shape.model, shape.spec, shape.history, shape.device, shape.dtype
     loaded = LoadedModel(f"random:{args.shape}", model, spec, None)
-    device = torch.device(args.device)
     kv_bytes = history * spec.num_layers * spec.kv_bytes_per_token_layer
     h_bytes = history * spec.num_layers * spec.hidden_bytes_per_token_layer
     prompt = torch.randint(0, spec.vocab_size, (history + 1,), generator=torch.Generator().manual_seed(0)).tolist()
     plans = {name: RestorePlan.parse(name, spec.num_layers) for name in ("KV", "H", "RE")}
-    times: dict[str, list[float]] = {name: [] for name in ("copy", "KV", "H", "RE", "rebuild", "ingest")}
     host_bytes = 2 * (kv_bytes + h_bytes) + (64 << 20)
     with tempfile.TemporaryDirectory(prefix="hcache-bench-transfer-") as tmp, HCacheRuntime(
         loaded, tmp, save="all", num_blocks=2 * history // CHUNK_TOKENS + 4, device=args.device,
@@ -91,17 +74,12 @@ def run(args: argparse.Namespace) -> dict:
             "rebuild": rebuild,
             "ingest": lambda: _ingest(tier, runtime.fingerprint, spec, hidden, kv_rows),
         }
-        for _ in tqdm(range(args.repeats + 1), desc="transfer rounds", leave=False):  # the first warms up
-            for name, fn in measures.items():
-                _sync(device)
-                began = time.perf_counter()
-                fn()
-                _sync(device)
-                times[name].append(time.perf_counter() - began)
-                engine.flush(1)
-                if name == "ingest":
-                    _forget_ingested(tier, runtime.fingerprint, history)
-    t = {name: statistics.median(v[1:]) for name, v in times.items()}
+        def after(name: str) -> None:
+            engine.flush(1)
+            if name == "ingest":
+                _forget_ingested(tier, runtime.fingerprint, history)
+
+        t = _shaped.timed_rounds(measures, args.repeats, device, "transfer rounds", after)
     ingest_bytes = kv_bytes + h_bytes
     copy_bw = kv_bytes / t["copy"]
     result = {
@@ -156,7 +134,3 @@ def _forget_ingested(tier, fingerprint: str, history: int) -> None:
     for key in chunk_keys(list(range(history)), root_key(fingerprint, _NAMESPACE)):
         tier.discard(key)
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
