@@ -17,7 +17,7 @@ import logging
 import os
 import re
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,7 +58,6 @@ class _Sequence:
     uid: int
     chain: KeyChain
     label: str  # its chain's root, as the anchor log files it
-    tokens: list[int] = field(default_factory=list)
 
 
 def spare_cpus() -> set[int]:
@@ -167,7 +166,6 @@ class WorkerSide:
             first = step.start == 0  # nothing of it held: the miss is at the conversation's first chunk
             misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, step.tokens, step.misses) if first else step.misses
             self._records.setdefault(step.req_id, SequenceRecord()).add(PutRestore(misses=misses))
-        seq.tokens += step.tokens
         seq.chain.extend(step.tokens)
         return seq
 

@@ -16,7 +16,7 @@ from support.storage_chunks import check_image, check_served, chunk, chunk_bytes
 
 from hcache.storage.chunk import ChunkInvalid
 from hcache.storage.disk_store import DiskChunkStore
-from hcache.storage.host_tier import HostTier
+from hcache.storage.host_tier import HostPoolFull, HostTier
 from hcache.storage.host_pool import HostPool
 
 KILLS = 25
@@ -105,10 +105,12 @@ def test_many_sessions_saving_and_restoring_at_once(tmp_path):
             i = rng.randrange(40)
             try:
                 image = tier.fetch(chunk(i).key).result()
+            except HostPoolFull:  # every slot held by the others: this load ends here, as a restore's prefix would
+                continue
             except (ChunkInvalid, OSError) as exc:
                 errors.append(exc)
                 continue
-            if image is None:  # absent, evicted, or no room to load it: fine; wrong bytes are not
+            if image is None:  # absent or evicted: fine; wrong bytes are not
                 continue
             try:
                 check_image(image, chunk(i))
