@@ -3,8 +3,9 @@ scheduler decides how much of a prompt to load before its worker, which owns the
 
 The worker reports every chunk its tiers gain (saved, or loaded into its host pool), every chunk it
 discards as bad (:meth:`~hcache.storage.host_tier.HostTier.watch`), and every chunk a load found gone,
-through vLLM's worker-to-scheduler metadata, once a step. A look-up reads that index first, so what the worker holds in memory is offered
-with no file-system or network call, even when its files are gone or Redis is down. Past the indexed
+through vLLM's worker-to-scheduler metadata, once a step. A look-up reads that index first, so what the
+worker holds in memory is offered with no file-system or network call, even when its files are gone or
+Redis is down. Past the indexed
 prefix, the chunks this worker has not seen (those of a store another process wrote, or this one before a
 restart) are asked of the stores (:class:`~hcache.storage.lookup.StoreLookup`), which stops at the first
 chunk no tier holds. The index is advice: the worker verifies every chunk it loads, and one gone since is
