@@ -9,7 +9,8 @@ known values through the backend's own cache-write op and seeing where each land
 
 Either way the layout is one index map: for each token offset in a block, K or V, head and channel, the
 element's offset from the block's first element. Reading and writing rows is then one gather or scatter
-on the cache's storage, for any backend. A step's tokens take the same places in every layer's cache, so
+on the cache's storage, for any backend; a strided layout reads and writes through the tensor's own view
+instead, a head's K and V one run each. A step's tokens take the same places in every layer's cache, so
 their element indices (:meth:`PagedLayout.elements`) are made once a step, on the cache's device, and
 every layer reads or writes through them.
 """

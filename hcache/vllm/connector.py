@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from .metadata import HCacheStepMetadata
 from .scheduler import SchedulerSide
-from .settings import check_settings, resolve_setup
+from .settings import connector_settings, resolve_setup
 from .worker import WorkerSide
 
 
@@ -36,9 +36,11 @@ class HCacheConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Yes: each layer's K/V is read back after its attention (``save_kv_layer``), which a full CUDA graph
-        would skip. vLLM asks this while it builds its config, in the process that starts it, where CUDA
-        graphs are on (a GPU's default): hcache's settings are checked there, before any weights load."""
-        check_settings(extra_config)
+        would skip. vLLM asks this whenever it builds a config with CUDA graphs on (a GPU's default): first in
+        the process that starts it, before any weights load, where hcache's settings are checked. The store's
+        directories are not: a config rebuilt later (speculative decoding's, in the worker) would find them
+        held by this very engine."""
+        connector_settings(extra_config)
         return True
 
     # ---- scheduler side ---------------------------------------------------------------------------------
