@@ -35,7 +35,7 @@ import torch
 from ..engine.interface import Engine
 from ..errors import InvalidRequestError
 from ..planning.plan import Method, RestorePlan
-from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, content_key, root_key
+from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, check_namespace, chunk_keys, content_key, root_key
 from ..storage.stored_state import Tier
 from .gpu_prefix_cache import Adoption
 from .metrics import ServingMetrics
@@ -110,7 +110,7 @@ class ServingEngine:
         the engine's): ``plan`` overrides the engine's, ``restore=False`` ignores stored state."""
         if uid in self._seqs:
             raise InvalidRequestError(f"sequence {uid} is already open; flush it first")
-        namespace = namespace if namespace is not None else self.namespace
+        namespace = self._namespace(namespace)
         resolved = self.config.request_plan(plan)
         chain = KeyChain(root_key(self.fingerprint, namespace))
         stack = self.stack
@@ -120,6 +120,11 @@ class ServingEngine:
         )  # fmt: skip
         if self.stack.capture is not None:
             self.stack.saver.open(uid, chain)
+
+    def _namespace(self, namespace: object) -> str | None:
+        """A request's namespace, checked (a non-empty string: "" is refused, not read as none); None: the
+        deployment's (``settings.namespace``; None there too: the chunks every request without one shares)."""
+        return self.namespace if namespace is None else check_namespace(namespace, "namespace")
 
     @torch.no_grad()
     def put(self, batch_uids: Sequence[int], batch_tokens: Sequence[Sequence[int] | torch.Tensor], do_checks: bool = True) -> torch.Tensor:
@@ -282,7 +287,7 @@ class ServingEngine:
         (those after what the GPU prefix cache holds of it); how many loads started."""
         if self.stack.prefetcher is None:
             return 0
-        root = root_key(self.fingerprint, namespace if namespace is not None else self.namespace)
+        root = root_key(self.fingerprint, self._namespace(namespace))
         keys = chunk_keys(list(tokens), root)
         cached = 0
         while self.stack.gpu_cache is not None and cached < len(keys) and keys[cached] in self.stack.gpu_cache:

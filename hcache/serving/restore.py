@@ -47,12 +47,18 @@ class RestoreOutcome:
     misses: dict[str, int] = field(default_factory=dict)  # full-chunk tokens wanted but not restored, by MissReason
 
 
-def lookup_miss(tier: HostTier, key: str) -> MissReason:
-    """Why a look-up found no chunk of ``key``: a store that could hold it is failing, a store of this
-    process evicted it, or no one stored it."""
+def lookup_miss(tier: HostTier, key: str, *, seen: bool = False) -> MissReason:
+    """Why no tier served the chunk ``key``, the one rule every engine's restore asks: a store that could
+    hold it is failing; a store lost it, and knows why (evicted it, or found it bad: at start-up, on a read,
+    or its file's length changed); a look-up had ``seen`` it, so it went since (another process deleted
+    it); or no one stored it."""
     if not all(store.available for store in tier.stores):
         return MissReason.TIER_UNAVAILABLE
-    return MissReason.EVICTED if any(store.evicted(key) for store in tier.stores) else MissReason.NEVER_STORED
+    for store in tier.stores:
+        why = store.gone(key)
+        if why is not None:
+            return MissReason(why.value)
+    return MissReason.EVICTED if seen else MissReason.NEVER_STORED
 
 
 def anchor_label(fingerprint: str, namespace: str | None) -> str:
@@ -245,10 +251,9 @@ def verify_fetched(
     for j, (key, f) in enumerate(zip(keys, fetches)):
         try:
             image = f.result()
-            if image is None:  # gone since the lookup (evicted or deleted), or its tier failed: the prefix ends here
+            if image is None:  # gone since the lookup, or its tier failed: the prefix ends here
                 log.info("chunk %s is gone since the lookup; recomputing from token %d", key, j * CHUNK_TOKENS)
-                down = not all(store.available for store in tier.stores)
-                return None, MissReason.TIER_UNAVAILABLE if down else MissReason.EVICTED
+                return None, lookup_miss(tier, key, seen=True)
             image.check(tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
             r = (first + j) % tp.world_size
             if (image.layout.signature, r) not in checked:

@@ -124,7 +124,7 @@ class HCacheRuntime:
     def prefetch(self, prompt: list[int], namespace: str | None = None) -> int:
         """Look-ahead for a request that waits to run: start reading its stored chunks into the host pool
         while other requests run; how many loads started."""
-        return self.serving.prefetch(prompt, namespace)
+        return self.serving.prefetch(self._validate(prompt, 0), namespace)
 
     def generate(self, prompt: list[int], max_new_tokens: int = 32, **kwargs) -> RequestResult:
         return self.generate_batch([prompt], max_new_tokens, **kwargs)[0]
@@ -164,7 +164,9 @@ class HCacheRuntime:
             raise InvalidRequestError(f"max_new_tokens must be an integer of at least 1, not {given!r}")
         prompts = [self._validate(prompt, max_new_tokens) for prompt in prompts]
         plan = self.resolve_plan(plan) if plan is not None else None
-        stops = self.default_stop_ids if stop_token_ids is None else frozenset(stop_token_ids)
+        if not isinstance(restore, bool):
+            raise InvalidRequestError(f"restore is True or False, not {restore!r:.80}")
+        stops = self.default_stop_ids if stop_token_ids is None else _token_set(stop_token_ids)
         uids = [next(self._uids) for _ in prompts]
         start = time.perf_counter()
         try:
@@ -234,6 +236,16 @@ class HCacheRuntime:
                 f"limit of {self.spec.max_positions}"
             )
         return ids
+
+
+def _token_set(ids: object) -> frozenset[int]:
+    """``stop_token_ids`` as a set of ints, or a clear error."""
+    if not isinstance(ids, (set, frozenset, list, tuple)):
+        raise InvalidRequestError(f"stop_token_ids is a set of token ids, not {type(ids).__name__}")
+    ints = [_integer(t) for t in ids]
+    if any(i is None or i < 0 for i in ints):
+        raise InvalidRequestError(f"stop_token_ids holds token ids (integers of at least 0), not {sorted(ids, key=repr)!r:.80}")
+    return frozenset(ints)
 
 
 def _integer(value: object) -> int | None:

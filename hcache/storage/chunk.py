@@ -3,7 +3,8 @@
 A chunk is one safetensors image, the same bytes in a host-pool slot and in its file, so the disk moves
 it with one request and the pool serves its tensors in place. Tensors are named ``L{layer:04d}.{format}``
 and laid out layer-major, so one layer of a chunk is one contiguous range. The header's metadata carries
-the key, the token ids, the fingerprint of the state's producer and an xxh3-64 checksum per tensor; it is
+the key, its parent's key (the chunk before it in its chain, which a store keeps while it keeps this one),
+the token ids, the fingerprint of the state's producer and an xxh3-64 checksum per tensor; it is
 padded with spaces (which safetensors allows) to a size fixed when the chunk is laid out, so a chunk's
 rows can be written before its tokens and checksums are known, and every tensor starts 64-byte aligned.
 The metadata is the header's last entry, so the headers of chunks laid out alike begin with the same
@@ -57,6 +58,7 @@ class Chunk:
     tokens: list[int]
     fingerprint: str
     tensors: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (layer, format) -> rows
+    parent: str = ""  # the key of the chunk before it in its chain ("": none known)
 
 
 @dataclass(frozen=True)
@@ -109,12 +111,12 @@ class ChunkLayout:
             entries[(layer, fmt)] = entry = TensorEntry(offset, (CHUNK_TOKENS, *row_shape), dtype)
             offset += entry.nbytes
         sums = {_name(*k): "f" * 16 for k in entries}
-        longest = _header(entries, 0, "f" * 32, [-(1 << 63)] * CHUNK_TOKENS, fingerprint, sums)
+        longest = _header(entries, 0, "f" * 32, "f" * 32, [-(1 << 63)] * CHUNK_TOKENS, fingerprint, sums)
         data_start = -(-(8 + len(longest)) // _ALIGN) * _ALIGN
         return cls({k: TensorEntry(data_start + e.offset, e.shape, e.dtype) for k, e in entries.items()}, data_start)
 
 
-def _header(entries: dict, data_start: int, key: str, tokens: list[int], fingerprint: str, sums: dict[str, str]) -> bytes:
+def _header(entries: dict, data_start: int, key: str, parent: str, tokens: list[int], fingerprint: str, sums: dict[str, str]) -> bytes:
     header = {
         _name(*k): {
             "dtype": _NAMES[e.dtype],
@@ -126,6 +128,7 @@ def _header(entries: dict, data_start: int, key: str, tokens: list[int], fingerp
     header["__metadata__"] = {
         "layout_version": str(LAYOUT_VERSION),
         "key": key,
+        "parent": parent,
         "tokens": json.dumps(tokens),
         "fingerprint": fingerprint,
         "xxh3": json.dumps(sums),
@@ -135,8 +138,9 @@ def _header(entries: dict, data_start: int, key: str, tokens: list[int], fingerp
 
 class ChunkImage:
     """A chunk's image in host memory (``data``: a uint8 tensor, a host-pool slot's view): its tensors are
-    views of it. ``key``/``tokens`` are set when the chunk is published (saved) or parsed (loaded); ``slot``
-    is the host-pool slot that holds it, if one does."""
+    views of it. ``key``/``tokens``/``parent`` are set when the chunk is published (saved) or parsed
+    (loaded), ``sums`` (its tensors' checksums) when it is sealed or parsed; ``slot`` is the host-pool slot
+    that holds it, if one does."""
 
     def __init__(
         self, data: torch.Tensor, layout: ChunkLayout, fingerprint: str, key: str = "", tokens: list[int] | None = None,
@@ -146,6 +150,8 @@ class ChunkImage:
             raise ValueError(f"a chunk image of {layout.nbytes} bytes does not fit in {len(data)}")
         self.data, self.layout, self.fingerprint = data, layout, fingerprint
         self.key, self.tokens, self.slot = key, tokens, slot
+        self.parent = ""
+        self.sums: dict[str, str] | None = None
         self.source = Tier.HOST.value  # where it came into host memory from: saved here, or a store's kind
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # ``data`` read as each dtype, the base of its views
@@ -175,14 +181,14 @@ class ChunkImage:
             view = self._views[(layer, fmt)] = base.as_strided(e.shape, e.strides, start)
         return view
 
-    def seal(self, key: str | None = None, tokens: list[int] | None = None) -> None:
+    def seal(self, key: str | None = None, tokens: list[int] | None = None, parent: str = "") -> None:
         """Write the header (checksums of the rows as they are now), naming the chunk first if ``key`` is
         given: its image is then a complete file."""
         if key is not None:
-            self.key, self.tokens = key, list(tokens)
+            self.key, self.tokens, self.parent = key, list(tokens), parent
         data = self.data.numpy()
-        sums = {name: _checksum(name, data[e.offset : e.offset + e.nbytes]) for name, e in self._named_entries()}
-        header = _header(self.layout.entries, self.layout.data_start, self.key, self.tokens, self.fingerprint, sums)
+        self.sums = sums = {name: _checksum(name, data[e.offset : e.offset + e.nbytes]) for name, e in self._named_entries()}
+        header = _header(self.layout.entries, self.layout.data_start, self.key, self.parent, self.tokens, self.fingerprint, sums)
         room = self.layout.data_start - 8
         if len(header) > room:
             raise ValueError(f"chunk header of {len(header)} bytes exceeds its {room} reserved")
@@ -196,6 +202,22 @@ class ChunkImage:
             raise ChunkInvalid(f"chunk {self.key}: saved by another model (fingerprint {self.fingerprint!r})")
         if self.tokens != list(tokens):
             raise ChunkInvalid(f"chunk {self.key}: token ids differ from the request's")
+
+    def stored_in(self, layout: ChunkLayout, meta: dict) -> bool:
+        """Whether a stored chunk with this header (:func:`read_header`) holds every tensor of this sealed
+        or parsed image, at the same shape, dtype and checksum; laid out alike, at the same offsets too.
+        A copy whose header disagrees (damaged, or of other rows) is not this chunk."""
+        try:
+            sums = dict(json.loads(meta.get("xxh3", "{}")))
+        except (TypeError, ValueError):
+            return False
+        if layout.name_set == self.names and layout.entries != self.layout.entries:
+            return False
+        return all(
+            (other := layout.entries.get(k)) is not None and (other.shape, other.dtype) == (e.shape, e.dtype)
+            and sums.get(self.layout.names[k]) == self.sums.get(self.layout.names[k])
+            for k, e in self.layout.entries.items()
+        )  # fmt: skip
 
     def _named_entries(self):
         return ((self.layout.names[k], e) for k, e in self.layout.entries.items())
@@ -216,6 +238,7 @@ class ChunkImage:
         except (TypeError, ValueError) as exc:
             raise ChunkInvalid(f"chunk {key}: unreadable metadata ({exc})") from exc
         image = cls(data, layout, meta.get("fingerprint", ""), key, tokens, slot)
+        image.parent, image.sums = meta.get("parent", ""), sums
         if verify:
             raw = data.numpy()
             for name, e in image._named_entries():
@@ -290,7 +313,7 @@ def encode(chunk: Chunk) -> bytes:
     image = ChunkImage(torch.zeros(layout.nbytes, dtype=torch.uint8), layout, chunk.fingerprint)
     for (layer, fmt), t in chunk.tensors.items():
         image.tensor(layer, fmt).copy_(t)
-    image.seal(chunk.key, chunk.tokens)
+    image.seal(chunk.key, chunk.tokens, chunk.parent)
     return bytes(image.data.numpy())
 
 
@@ -299,12 +322,7 @@ def decode(data: bytes, key: str) -> Chunk:
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     image = ChunkImage.parse(buffer, key, len(data))
     tensors = {k: image.tensor(*k).clone() for k in image.layout.entries}
-    return Chunk(key, image.tokens, image.fingerprint, tensors)
-
-
-def header_names(file: BinaryIO, key: str, length: int) -> frozenset[str]:
-    """The tensor names of a stored chunk, from its header alone; checks the header and the length."""
-    return read_header(file, key, length)[0].name_set
+    return Chunk(key, image.tokens, image.fingerprint, tensors, image.parent)
 
 
 def read_header(file: BinaryIO, key: str, length: int) -> tuple[ChunkLayout, dict]:

@@ -81,3 +81,7 @@ class KeyChain:
     def chunk(self, index: int) -> tuple[str, list[int]] | None:
         """Key and tokens of the sequence's chunk ``index``, once all its tokens are known."""
         return self.chunks[index] if index < len(self.chunks) else None
+
+    def parent(self, index: int) -> str:
+        """The key of the chunk before chunk ``index`` ("" for the first: its root is no chunk)."""
+        return self.chunks[index - 1][0] if index > 0 else ""

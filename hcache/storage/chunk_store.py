@@ -7,8 +7,49 @@ process or shared by nodes over one filesystem) and :class:`~hcache.storage.redi
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from enum import Enum
+from typing import Generic, Protocol, TypeVar
+
+from .chunk import ChunkLayout
+
+
+class Loss(str, Enum):
+    """Why a store no longer holds a chunk it held, as far as it knows (a look-up's miss reason)."""
+
+    EVICTED = "evicted"  # by its quota, TTL or LRU, or deleted by someone else
+    FAILED_VERIFICATION = "failed_verification"  # its file failed a check: at start-up, on a read, or its length changed
+
+
+Why = TypeVar("Why")
+
+
+class LossLog(Generic[Why]):
+    """The latest ``kept`` keys lost and why, oldest first: what tells a lost chunk's miss from a never
+    stored one's, in bounded memory. Not thread-safe by itself."""
+
+    def __init__(self, kept: int = 1 << 14):
+        self.kept = kept
+        self._why: OrderedDict[str, Why] = OrderedDict()
+
+    def add(self, key: str, why: Why) -> None:
+        self._why[key] = why
+        self._why.move_to_end(key)
+        if len(self._why) > self.kept:
+            self._why.popitem(last=False)
+
+    def pop(self, key: str) -> None:
+        self._why.pop(key, None)
+
+    def get(self, key: str) -> Why | None:
+        return self._why.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._why
+
+    def __iter__(self) -> Iterator[tuple[str, Why]]:
+        return iter(list(self._why.items()))
 
 
 class ChunkStore(Protocol):
@@ -28,18 +69,24 @@ class ChunkStore(Protocol):
         """Read the chunk's whole image into ``take(size)`` and return ``size``; None if absent (or if
         ``take`` gives no buffer). Raises OSError when it cannot be read."""
 
-    def names(self, key: str) -> frozenset[str] | None:
-        """The tensor names the stored chunk holds, or None if it is absent or unreadable."""
+    def header(self, key: str) -> tuple[ChunkLayout, dict] | None:
+        """The stored chunk's layout and metadata, from its header checked against its length; None if it is
+        absent, unreadable or damaged."""
 
-    def put(self, key: str, data: memoryview, length: int | None = None) -> None:
-        """Publish ``data[:length]`` atomically, replacing any chunk of that key. Raises OSError when it
-        cannot be stored; nothing is then published."""
+    def put(self, key: str, data: memoryview, length: int | None = None, parent: str = "") -> None:
+        """Publish ``data[:length]`` atomically, replacing any chunk of that key; ``parent``: the chunk before
+        it in its chain, which a store that evicts keeps at least as long. Raises OSError when it cannot be
+        stored; nothing is then published."""
 
-    def discard(self, key: str) -> None: ...
+    def discard(self, key: str) -> None:
+        """Delete a chunk found bad (remembered as such: :meth:`gone`)."""
 
-    def evicted(self, key: str) -> bool:
-        """Whether this store evicted the chunk lately (quota, TTL or LRU), as far as it knows: why a
-        look-up misses it. A store that others evict from (Redis, a shared directory) may not know."""
+    def gone(self, key: str) -> Loss | None:
+        """Why this store no longer holds the chunk, if it lost it lately and knows: why a look-up misses
+        it. A store that others evict from (Redis, a shared directory) may not know."""
+
+    def losses(self) -> list[tuple[str, Loss]]:
+        """The chunks it lost lately and why, oldest first (for an index kept by another process)."""
 
     @property
     def available(self) -> bool:

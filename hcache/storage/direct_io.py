@@ -100,15 +100,24 @@ def _write_all(fd: int, view: memoryview) -> None:
         done += n
 
 
+class LengthChanged(OSError):
+    """A file is not the length its reader was told: replaced, or damaged, since it was looked up."""
+
+    def __init__(self, path: Path, length: int, actual: int):
+        super().__init__(errno.EIO, f"{path} is {actual} bytes, not the {length} looked up")
+        self.actual = actual
+
+
 def read_file(path: Path, out: memoryview, length: int, direct: bool) -> None:
     """Read the whole ``length``-byte file into ``out`` with one request where it can (``out`` holds at least
-    ``length`` rounded up to a block); raises FileNotFoundError if the file is no longer that long (replaced
-    meanwhile), OSError if it cannot be read."""
+    ``length`` rounded up to a block); raises FileNotFoundError if it is gone, :class:`LengthChanged` if it
+    is no longer that long, OSError if it cannot be read."""
     out = memoryview(out).cast("B")
     fd, direct = open_fd(path, os.O_RDONLY, direct and len(out) >= _round_up(length) and _aligned(out[: _round_up(length)]))
     try:
-        if os.fstat(fd).st_size != length:  # replaced since its length was looked up: not the file asked for
-            raise FileNotFoundError(errno.ENOENT, f"{path} was replaced while being opened")
+        actual = os.fstat(fd).st_size
+        if actual != length:  # not the file asked for
+            raise LengthChanged(path, length, actual)
         want = _round_up(length) if direct else length
         done = 0
         while done < length:

@@ -11,11 +11,19 @@ every chunk file is checked (its header and length by default, every checksum wi
 a bad one is deleted. So the index never lists a chunk that is not on disk whole.
 
 Capacity. ``quota_bytes`` bounds the bytes of chunk files; a put that does not fit evicts the least
-recently used chunks first. ``ttl_s`` expires chunks unused for that long. A use is a look-up, a read, or a
-hit in a tier above passed down by :meth:`touch` (the host pool serves the most used chunks, so without it
-they would look the least used here). A use also sets the file's time, at most once per ``_STAMP_S`` (or
-an eighth of the TTL), since the order and the TTL are rebuilt from file times at start-up. A chunk is
-pinned while :meth:`read_into` reads it, and a pinned chunk is never evicted.
+recently used chunks first, but never a chunk before the chunks after it in its chain (its parent is in
+its header): they are unreachable without it, so a conversation's first chunk, which every later turn
+and every conversation sharing that start looks up, goes last. ``ttl_s`` expires chunks unused for that long.
+A use is a look-up, a read, or a hit in a tier above passed down by :meth:`touch` (the host pool serves
+the most used chunks, so without it they would look the least used here); a look-up of a chain's chunks
+uses the last first, so a parent is always the more recent. The order and the TTL are rebuilt from file
+times at start-up, so a use also sets the file's time: at most once a second per chunk (``_STAMP_S``), on
+a thread of the store's own, never on the caller's. A crash loses at most the uses of the last moments.
+A chunk is pinned while :meth:`read_into` reads it, and a pinned chunk is never evicted.
+
+Losses. What the store evicted, what it found bad (at start-up, on a read, or a file whose length
+changed) and discarded, and what vanished behind its back, are remembered (the latest 16,384):
+:meth:`gone` says why a look-up misses a chunk it held.
 
 Privacy. Chunk files hold token ids in clear, so directories are 0700 and files 0600 whatever the umask.
 
@@ -38,28 +46,28 @@ import threading
 import time
 import uuid
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
+from .. import helper_threads
 from ..errors import StorageError
 from . import direct_io as dio
-from .chunk import ChunkImage, ChunkInvalid, ChunkOtherVersion, header_names
+from .chunk import ChunkImage, ChunkInvalid, ChunkLayout, ChunkOtherVersion, read_header
+from .chunk_store import Loss, LossLog
 from .lru_index import Entry, LruIndex
 from .store_dir import DIR_MODE, directories, open_dir
 from .stored_state import Tier
 
 log = logging.getLogger(__name__)
 
-EVICTED_KEPT = 1 << 14  # evicted keys remembered, to tell an evicted chunk's miss from a never stored one's
 
 VERIFY_MODES = ("none", "header", "full")
 _KEY = re.compile(r"[0-9a-f]{32}")
 _SUFFIX = ".safetensors"
 _STALE_TMP_S = 86400.0  # in shared mode, a temporary file this old is an abandoned write
-_STAMP_S = 60.0  # a use is recorded in the file's time at most this often: a restart's order is that coarse
+_STAMP_S = 1.0  # a use is recorded in the file's time at most this often: a restart's order is that coarse
 
 
 def chunk_path(directory: Path, key: str) -> Path:
@@ -74,12 +82,11 @@ def _age(path: Path) -> float:
         return 0.0
 
 
-def _set_time(stamp: tuple[Path, float] | None) -> None:
-    if stamp is not None:
-        try:
-            os.utime(stamp[0], (stamp[1], stamp[1]))
-        except OSError:
-            pass  # evicted or replaced meanwhile: a replacement's time is as recent
+def _set_time(path: Path, when: float) -> None:
+    try:
+        os.utime(path, (when, when))
+    except OSError:
+        pass  # evicted or replaced meanwhile: a replacement's time is as recent
 
 
 def _release_all(releases: list) -> None:
@@ -88,8 +95,8 @@ def _release_all(releases: list) -> None:
 
 
 class StoreFull(OSError):
-    """The quota cannot take a chunk because pinned chunks hold the space (the chunk is not written to disk;
-    the host tier keeps it in memory)."""
+    """The quota cannot take a chunk because pinned chunks hold the space, or the chain the chunk continues,
+    which is not evicted for it (the chunk is not written to disk; the host tier keeps it in memory)."""
 
     def __init__(self, message: str):
         super().__init__(errno.ENOSPC, message)
@@ -132,16 +139,19 @@ class DiskChunkStore:
         self.bytes_written = 0
         self.write_errors = 0
         self.evictions = 0
-        self._evicted: OrderedDict[str, None] = OrderedDict()  # the latest evicted keys, for miss reasons
+        self._gone: LossLog[Loss] = LossLog()  # the latest keys lost, and why: for miss reasons
         self.dropped_at_start = 0  # chunk files found bad at start-up
         self.other_version_at_start = 0  # chunk files of another layout version, left alone
         self._lock = threading.Lock()
         self._index = LruIndex(quota_bytes, ttl_s, clock)
         self._stamp_s = _STAMP_S if ttl_s is None else min(_STAMP_S, ttl_s / 8)
+        self._stamps: dict[str, tuple[Path, float]] = {}  # file times to set, the latest per chunk
+        self._stamping = False  # a stamper task is queued or running
+        self._stamper = stamper = helper_threads.executor(1, "hcache-stamp")
         self._next_dir = 0
         self._writing: set[str] = set()  # keys with a put in flight
         self._written = threading.Condition(self._lock)  # notified when a put ends
-        releases: list = []
+        releases: list = [lambda: stamper.shutdown(wait=False)]
         self._finalizer = weakref.finalize(self, _release_all, releases)
         sole = []  # per directory: no other store object here holds it, so its temporary files are abandoned
         for d in self.dirs:
@@ -182,7 +192,10 @@ class DiskChunkStore:
                 release()
 
     def close(self) -> None:
-        """Let another process open these directories (also done when the store is collected)."""
+        """Record the last uses in the file times and let another process open these directories (also done
+        when the store is collected, without the last uses)."""
+        if self._finalizer.alive:
+            self._stamper.submit(self._set_stamps).result()
         self._finalizer()
 
     def _rebuild(self, verify: str, sole: list[bool]) -> None:
@@ -197,14 +210,15 @@ class DiskChunkStore:
                 key = name[: -len(_SUFFIX)]
                 if not name.endswith(_SUFFIX) or not _KEY.fullmatch(key) or path.parent.name != key[:2]:
                     continue
+                parent = ""  # not known without reading the header (verify="none")
                 try:
                     st = path.stat()
                     if verify == "full":
                         data = torch.frombuffer(bytearray(path.read_bytes()) or bytearray(1), dtype=torch.uint8)
-                        ChunkImage.parse(data, key, st.st_size)
+                        parent = ChunkImage.parse(data, key, st.st_size).parent
                     elif verify == "header":
                         with open(path, "rb") as f:
-                            header_names(f, key, st.st_size)
+                            parent = read_header(f, key, st.st_size)[1].get("parent", "")
                 except ChunkOtherVersion as exc:  # another hcache's: not this store's to count, serve or delete
                     log.warning("leaving chunk file %s alone: %s", path, exc)
                     self.other_version_at_start += 1
@@ -212,9 +226,10 @@ class DiskChunkStore:
                 except (OSError, ChunkInvalid) as exc:
                     log.warning("dropping chunk file %s at start-up: %s", path, exc)
                     self.dropped_at_start += 1
+                    self._gone.add(key, Loss.FAILED_VERIFICATION)
                     path.unlink(missing_ok=True)
                     continue
-                entry = Entry(st.st_size, st.st_mtime, i, stamped=st.st_mtime)
+                entry = Entry(st.st_size, st.st_mtime, i, stamped=st.st_mtime, parent=parent)
                 if key in found:  # the same chunk in two directories: keep the newer copy
                     older, newer = sorted([found[key], (path, entry)], key=lambda pe: pe[1].last_used)
                     older[0].unlink(missing_ok=True)
@@ -239,53 +254,63 @@ class DiskChunkStore:
 
     def contains(self, key: str) -> bool:
         """Whether the chunk is stored; a hit counts as a use (LRU and TTL): a restore's lookup is one."""
-        with self._lock:
-            if self._lookup(key) is None:
-                return False
-            stamp = self._use(key)
-        _set_time(stamp)
-        return True
+        return self.contains_many([key])[0]
 
     def contains_many(self, keys: list[str]) -> list[bool]:
-        return [self.contains(key) for key in keys]
+        """Whether each chunk is stored; the hits count as uses, the last first: ``keys`` are a chain's, in
+        order, and a parent must be the more recently used."""
+        with self._lock:
+            hits = [self._lookup(key) is not None for key in keys]
+            for key, hit in zip(reversed(keys), reversed(hits)):
+                if hit:
+                    self._use(key)
+        return hits
 
     def touch(self, keys: list[str]) -> None:
-        """Uses of these chunks served by a tier above (host-pool hits)."""
+        """Uses of these chunks served by a tier above (host-pool hits), the last first, as a look-up's."""
         with self._lock:
-            stamps = [self._use(key) for key in keys if key in self._index and key not in self._writing]
-        for stamp in stamps:
-            _set_time(stamp)
+            for key in reversed(keys):
+                if key in self._index and key not in self._writing:
+                    self._use(key)
 
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
         """Read a whole chunk file with one request into ``take(size)`` (a buffer of at least ``size``
         bytes, page-aligned for O_DIRECT), and return its size; None if the chunk is absent or ``take``
-        gives nothing. The chunk is pinned while it is read. Raises OSError when the file cannot be read."""
+        gives nothing. The chunk is pinned while it is read. Raises OSError when the file cannot be read, and
+        :class:`ChunkInvalid` when its length changed and its header does not describe the new length
+        (truncated or grown: damaged)."""
         with self._lock:
             entry = self._lookup(key)
             if entry is None:
                 return None
-            stamp = self._use(key)
+            self._use(key)
             entry.pins += 1
             where, size = entry.where, entry.size
-        _set_time(stamp)
+        path = self.path(key, where)
         try:
             out = take(size)
             if out is None:
                 return None
-            dio.read_file(self.path(key, where), out, size, self.direct[where])
+            dio.read_file(path, out, size, self.direct[where])
             return size
         except FileNotFoundError:
-            with self._lock:
-                if self._index.entries.get(key) is entry:
-                    self._index.remove(key)  # deleted behind our back: forget it
+            self._forget(key, entry)  # deleted behind the store's back
+            return None
+        except dio.LengthChanged as exc:
+            try:
+                with open(path, "rb") as f:
+                    read_header(f, key, exc.actual)  # raises ChunkInvalid unless another whole chunk replaced it
+            except FileNotFoundError:
+                pass
+            self._forget(key, entry)  # another store object published one: the next look-up adopts it
             return None
         finally:
             self._unpin(entry)
 
-    def names(self, key: str) -> frozenset[str] | None:
-        """The tensor names a stored chunk holds (from its header), or None if it is absent or unreadable.
-        The header is checked against the file's length, not the index's: a write-back asks this to skip a
-        chunk stored already, and must not skip one whose file changed length behind the store's back."""
+    def header(self, key: str) -> tuple[ChunkLayout, dict] | None:
+        """The stored chunk's layout and metadata, or None if it is absent, unreadable or damaged. The
+        header is checked against the file's length, not the index's: a write-back asks this to skip a chunk
+        stored already, and must not skip one whose file changed behind the store's back."""
         with self._lock:
             entry = self._lookup(key)
             if entry is None:
@@ -293,14 +318,15 @@ class DiskChunkStore:
             where = entry.where
         try:
             with open(self.path(key, where), "rb") as f:
-                return header_names(f, key, os.fstat(f.fileno()).st_size)
+                return read_header(f, key, os.fstat(f.fileno()).st_size)
         except (OSError, ChunkInvalid):
             return None
 
-    def put(self, key: str, data: bytes | memoryview, length: int | None = None) -> None:
+    def put(self, key: str, data: bytes | memoryview, length: int | None = None, parent: str = "") -> None:
         """Publish ``data[:length]`` as a chunk atomically, replacing any chunk of that key (a page-aligned
-        ``data``, such as a host-pool slot, is written in place with O_DIRECT). Raises OSError (StoreFull,
-        ENOSPC, EIO, ...) with nothing published."""
+        ``data``, such as a host-pool slot, is written in place with O_DIRECT); ``parent``: the chunk before
+        it in its chain, as its header says. Raises OSError (StoreFull, ENOSPC, EIO, ...) with nothing
+        published."""
         data = memoryview(data).cast("B")
         size = len(data) if length is None else length
         with self._lock:
@@ -308,9 +334,10 @@ class DiskChunkStore:
                 self._written.wait()
             if not self._index.fits(size):
                 raise StorageError(f"a chunk of {size} bytes exceeds the store's whole quota of {self.quota_bytes}")
-            victims = self._index.make_room(size, replacing=key)
+            victims = self._index.make_room(size, replacing=key, parent=parent)
             if victims is None:
-                raise StoreFull(f"quota of {self.quota_bytes} bytes is held by chunks being read")
+                self._gone.add(key, Loss.EVICTED)  # the quota refused it: a look-up's miss is the quota's
+                raise StoreFull(f"quota of {self.quota_bytes} bytes is held by chunks being read or written, and by the chain this chunk continues")
             self._evict(victims)
             old = self._index.entries.get(key)
             where = old.where if old is not None else self._next_dir
@@ -319,7 +346,7 @@ class DiskChunkStore:
             # Reserve the space now, so concurrent puts cannot overshoot the quota together; the pin
             # keeps the reservation from being evicted before the file exists.
             now = self._index.clock()
-            entry = Entry(size, now, where, pins=1, stamped=now)
+            entry = Entry(size, now, where, pins=1, stamped=now, parent=parent)
             self._index.add(key, entry)
             self._writing.add(key)
         path = self.path(key, where)
@@ -328,6 +355,7 @@ class DiskChunkStore:
             path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
             self.direct[where] = dio.write_file(tmp, data, size, self.direct[where], self.fsync)
             os.replace(tmp, path)  # the data is on the device first, so a crash never leaves a torn chunk
+            _set_time(path, now)  # the index's clock, which a restart reads back
         except BaseException:
             tmp.unlink(missing_ok=True)
             with self._lock:
@@ -345,9 +373,11 @@ class DiskChunkStore:
             entry.pins -= 1
 
     def discard(self, key: str) -> None:
-        """Delete a chunk now (a reader that has it open keeps reading the old file, as POSIX allows)."""
+        """Delete a chunk found bad now (a reader that has it open keeps reading the old file, as POSIX
+        allows); a look-up's miss of it is ``failed_verification``."""
         with self._lock:
             entry = self._index.remove(key)
+            self._gone.add(key, Loss.FAILED_VERIFICATION)
         if entry is not None:
             self.path(key, entry.where).unlink(missing_ok=True)
         else:
@@ -384,13 +414,37 @@ class DiskChunkStore:
             return None
         return entry
 
-    def _use(self, key: str) -> tuple[Path, float] | None:
-        """Count a use of an indexed chunk; the file time to set with it, when the last one set is stale."""
+    def _use(self, key: str) -> None:
+        """Count a use of an indexed chunk; have the stamper set its file time, when the last one set is stale."""
         entry = self._index.touch(key)
         if entry.last_used - entry.stamped < self._stamp_s:
-            return None
+            return
         entry.stamped = entry.last_used
-        return self.path(key, entry.where), entry.last_used
+        self._stamps[key] = (self.path(key, entry.where), entry.last_used)
+        if not self._stamping:
+            self._stamping = True
+            try:
+                self._stamper.submit(self._set_stamps)
+            except RuntimeError:  # closed: the use is not recorded on disk
+                self._stamping = False
+
+    def _set_stamps(self) -> None:
+        """The stamper's task: set the file times noted, until none is left."""
+        while True:
+            with self._lock:
+                stamps, self._stamps = self._stamps, {}
+                if not stamps:
+                    self._stamping = False
+                    return
+            for path, when in stamps.values():
+                _set_time(path, when)
+
+    def _forget(self, key: str, entry: Entry) -> None:
+        """Drop ``entry`` from the index if it is still ``key``'s: its file vanished or changed behind the store's back."""
+        with self._lock:
+            if self._index.entries.get(key) is entry:
+                self._index.remove(key)
+                self._gone.add(key, Loss.EVICTED)
 
     def _adopt(self, key: str) -> Entry | None:
         """A chunk published by another process (or another store object) over the same directories."""
@@ -414,17 +468,19 @@ class DiskChunkStore:
         for key, entry in victims:
             self.evictions += 1
             self.path(key, entry.where).unlink(missing_ok=True)
-            self._evicted[key] = None
-            if len(self._evicted) > EVICTED_KEPT:
-                self._evicted.popitem(last=False)
+            self._gone.add(key, Loss.EVICTED)
 
     available = True  # a directory that fails raises on the read itself
 
-    def evicted(self, key: str) -> bool:
-        """Whether this process evicted the chunk (one of its latest ``EVICTED_KEPT`` evictions); another
-        node's eviction from a shared directory is not known here."""
+    def gone(self, key: str) -> Loss | None:
+        """Why this store lost the chunk, if it is one of its latest losses; another node's eviction from a
+        shared directory is not known here. A chunk stored again is not lost."""
         with self._lock:
-            return key in self._evicted
+            return None if key in self._index else self._gone.get(key)
+
+    def losses(self) -> list[tuple[str, Loss]]:
+        with self._lock:
+            return [(key, why) for key, why in self._gone if key not in self._index]
 
     def _unpin(self, entry: Entry) -> None:
         with self._lock:

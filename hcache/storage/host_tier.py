@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from .. import helper_threads
 from ..defaults import DEFAULT_READERS
 from .chunk import ChunkImage, ChunkInvalid, ChunkLayout
-from .chunk_store import ChunkStore
+from .chunk_store import ChunkStore, Loss
 from .eviction import Values
 from .host_pool import HostPool, Slot
 from .lru_index import Entry, LruIndex
@@ -89,14 +89,19 @@ class HostTier:
         self._readers = helper_threads.executor(readers, "hcache-load") if readers else None
         self._writers = helper_threads.executor(writers, "hcache-writeback")
         self._uses = Uses(self.stores, self._writers, self._cond)
-        self._watchers: list[Callable[[str, bool], None]] = []
+        self._watchers: list[Callable[[str, Loss | None], None]] = []
 
-    def watch(self, changed: Callable[[str, bool], None]) -> None:
-        """Call ``changed(key, True)`` whenever a chunk enters the pool (saved here or loaded from a store)
-        and ``changed(key, False)`` when one is discarded from every tier, so that a process that does not
-        own the tier can keep an index of what it serves. A chunk evicted from the pool alone is not
-        reported: its stores still hold it. Called with the tier's lock held: it must only note the change."""
-        self._watchers.append(changed)
+    def watch(self, changed: Callable[[str, Loss | None], None]) -> None:
+        """Call ``changed(key, None)`` whenever a chunk enters the pool (saved here or loaded from a store)
+        and ``changed(key, Loss.FAILED_VERIFICATION)`` when one is discarded from every tier as bad, so that
+        a process that does not own the tier can keep an index of what it serves; first, the chunks the
+        stores lost lately (at start-up too), with why. A chunk evicted from the pool alone is not reported:
+        its stores still hold it. Called with the tier's lock held: it must only note the change."""
+        with self._cond:
+            for store in self.stores:
+                for key, why in store.losses():
+                    changed(key, why)
+            self._watchers.append(changed)
 
     @property
     def eviction(self) -> str:
@@ -266,13 +271,14 @@ class HostTier:
         """Give back an image that will not be published."""
         self._free_unpublished([image.slot])
 
-    def publish(self, image: ChunkImage, key: str, tokens: list[int], value: float | None = None) -> None:
+    def publish(self, image: ChunkImage, key: str, tokens: list[int], value: float | None = None, parent: str = "") -> None:
         """Name a complete chunk and make it restorable now; write it back to the stores in the background.
-        ``value``: what keeping it in the pool saves (``eviction="cost"``), remembered for when it is loaded again.
+        ``value``: what keeping it in the pool saves (``eviction="cost"``), remembered for when it is loaded again;
+        ``parent``: the key of the chunk before it in its chain (its stores keep that one at least as long).
         The caller's reference passes to the write-back, which writes its header. A chunk already held
         with every tensor this one has is kept, and this one given back; one held with fewer (saved by
         another plan) is replaced, in the pool now and in each store by the write-back."""
-        image.key, image.tokens = key, list(tokens)
+        image.key, image.tokens, image.parent = key, list(tokens), parent
         with self._cond:
             if value is not None:
                 self._values.set(key, value)
@@ -308,18 +314,17 @@ class HostTier:
     def _write_back(self, image: ChunkImage, stores: list[ChunkStore], seal: bool) -> None:
         try:
             self._uses.pass_down()
+            if seal:
+                image.seal()  # checksums here, off the saver's path: the rows no longer change
             for store in stores:
                 with self._cond:
                     if self._image(image.key) is not image:
                         return  # replaced (healed) or discarded since: its write would undo that
-                held = store.names(image.key)
-                if held is not None and held >= image.names:
-                    continue  # that store has it, with as many formats: nothing to write
-                if seal:
-                    image.seal()  # checksums here, off the saver's path: the rows no longer change
-                    seal = False
+                held = store.header(image.key)
+                if held is not None and image.stored_in(*held):
+                    continue  # that store has it, with as many formats, and its header agrees: nothing to write
                 try:
-                    store.put(image.key, self.pool.buffer(image.slot), image.nbytes)
+                    store.put(image.key, self.pool.buffer(image.slot), image.nbytes, image.parent)
                 except Exception as exc:  # ENOSPC, EIO, a full quota, a server down: serving goes on
                     with self._cond:
                         self.write_errors += 1
@@ -349,7 +354,7 @@ class HostTier:
         """With the lock held: publish ``image`` in the pool as the most recently used chunk."""
         self._index.add(key, Entry(image.slot.nbytes, self._index.clock(), image, value=self._values.get(key)))
         for changed in self._watchers:
-            changed(key, True)
+            changed(key, None)
 
     def _alloc(self, nbytes: int, stalls: Stalls) -> Slot | None:
         """A new slot, evicting unreferenced chunks by the policy to make room, and waiting for
@@ -389,14 +394,14 @@ class HostTier:
             self._cond.notify_all()
 
     def discard(self, key: str) -> None:
-        """Forget a chunk in memory and in every store (a restore reading it keeps its slot until it
-        releases it)."""
+        """Forget a chunk found bad, in memory and in every store (a restore reading it keeps its slot until
+        it releases it)."""
         with self._cond:
             entry = self._index.remove(key)
             if entry is not None and entry.where.slot.refs == 0:
                 self.pool.free(entry.where.slot)
             for changed in self._watchers:
-                changed(key, False)
+                changed(key, Loss.FAILED_VERIFICATION)
         for store in self.stores:
             store.discard(key)
 

@@ -1,7 +1,9 @@
 """The stores' recency order and capacity policy: sizes, recency, pins, TTL and quota.
 
 Entries are kept in least-recently-used order. A chunk that is pinned is never chosen for eviction; a chunk
-unused for longer than the TTL is expired. The disk store evicts by its quota (:meth:`LruIndex.make_room`),
+unused for longer than the TTL is expired. An entry that names a parent (the chunk before it in its
+chain) holds it: quota eviction never takes a parent before every entry that names it, since those are
+unreachable without it. The disk store evicts by its quota (:meth:`LruIndex.make_room`),
 its pins counted in :attr:`Entry.pins` (a read or a write in flight); the host tier evicts when its pool has
 no room (:meth:`LruIndex.pop_victim`, by the index's :mod:`~.eviction` policy), a chunk pinned while its slot
 is referenced (``pinned``). Not thread-safe by itself: its owner holds a lock around every call.
@@ -9,7 +11,7 @@ is referenced (``pinned``). Not thread-safe by itself: its owner holds a lock ar
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,7 @@ class Entry:
     pins: int = 0
     stamped: float = 0.0  # the last use the owner recorded where a restart finds it (the disk store: the file time)
     value: float = 0.0  # what keeping it saves, the owner's opaque number (cost-aware eviction: :mod:`.eviction`)
+    parent: str = ""  # the key of the chunk before it in its chain, kept while this one is
 
 
 def _has_pins(entry: Entry) -> bool:
@@ -41,6 +44,7 @@ class LruIndex:
         self.policy = check_policy(policy)
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.used_bytes = 0
+        self._children: Counter[str] = Counter()  # how many entries name each key as their parent
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -62,6 +66,8 @@ class LruIndex:
         self.remove(key)
         self.entries[key] = entry
         self.used_bytes += entry.size
+        if entry.parent:
+            self._children[entry.parent] += 1
 
     def add_in_age_order(self, items: list[tuple[str, Entry]]) -> None:
         for key, entry in sorted(items, key=lambda item: item[1].last_used):
@@ -71,29 +77,62 @@ class LruIndex:
         entry = self.entries.pop(key, None)
         if entry is not None:
             self.used_bytes -= entry.size
+            if entry.parent:
+                self._children[entry.parent] -= 1
+                if not self._children[entry.parent]:
+                    del self._children[entry.parent]
         return entry
 
     def fits(self, size: int) -> bool:
         return self.quota_bytes is None or size <= self.quota_bytes
 
-    def make_room(self, size: int, replacing: str | None = None) -> list[tuple[str, Entry]] | None:
+    def make_room(self, size: int, replacing: str | None = None, parent: str = "") -> list[tuple[str, Entry]] | None:
         """Remove and return the entries to evict so ``size`` more bytes fit: the expired ones, then the
-        least recently used unpinned ones. None (and nothing removed) if pinned chunks leave too little.
-        Both kinds sit at the front of the LRU order, so the scan stops at the first entry it may keep."""
+        least recently used unpinned ones, each parent after the entries that name it; the entry to come
+        names ``parent``, so that chain is kept whole (evicting it would leave the new one unreachable).
+        None (and nothing removed) if pinned chunks and that chain leave too little. Both kinds sit at the
+        front of the LRU order, so the scan stops at the first entry it may keep. A parent passed over for
+        its children is older than the scan's point, so it goes as soon as the last of them has gone."""
         freed = self.entries[replacing].size if replacing in self.entries else 0
         victims: list[str] = []
+        held: dict[str, bool] = {}  # parents passed over for their children: whether they had expired
+        taken: Counter[str] = Counter()  # of each parent's children, how many are victims
+        ready: deque[str] = deque()  # parents passed over whose children are all victims now
 
         def over() -> bool:
             return self.quota_bytes is not None and self.used_bytes - freed + size > self.quota_bytes
 
+        def children(key: str) -> int:  # entries that name ``key``, and the one to come
+            return self._children[key] + (key == parent)
+
+        def take(key: str, entry: Entry) -> None:
+            nonlocal freed
+            victims.append(key)
+            freed += entry.size
+            if entry.parent:
+                taken[entry.parent] += 1
+                if entry.parent in held and taken[entry.parent] == children(entry.parent):
+                    ready.append(entry.parent)
+
+        def take_ready() -> None:
+            while ready:
+                key = ready.popleft()
+                if held[key] or over():
+                    take(key, self.entries[key])
+
         now = self.clock()
         for key, entry in self.entries.items():
+            take_ready()
             stale = self.ttl_s is not None and now - entry.last_used > self.ttl_s
             if not stale and not over():
                 break
-            if not self.pinned(entry) and key != replacing:
-                victims.append(key)
-                freed += entry.size
+            if self.pinned(entry) or key == replacing:
+                continue
+            if children(key) > taken[key]:
+                held[key] = stale
+                continue
+            take(key, entry)
+        take_ready()
         if over():
             return None
         return [(key, self.remove(key)) for key in victims]

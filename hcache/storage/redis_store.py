@@ -32,7 +32,8 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from ..errors import StorageError
-from .chunk import ChunkInvalid, header_names
+from .chunk import ChunkInvalid, ChunkLayout, read_header
+from .chunk_store import Loss, LossLog
 from .stored_state import Tier
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class RedisChunkStore:
         self._connect = connect
         self._client: redis.Redis | RedisCluster | None = None
         self._lock = threading.Lock()
+        self._gone: LossLog[Loss] = LossLog()  # chunks this node found bad and deleted
         self._down_until = 0.0
         self.errors = self.skipped = self.bytes_read = self.bytes_written = 0
 
@@ -175,7 +177,7 @@ class RedisChunkStore:
             self.bytes_read += len(value)
         return len(value)
 
-    def names(self, key: str) -> frozenset[str] | None:
+    def header(self, key: str) -> tuple[ChunkLayout, dict] | None:
         name = self._prefix + key
 
         def call(client):
@@ -190,12 +192,13 @@ class RedisChunkStore:
 
         try:
             size, head = self._guard("look up", call, (0, b""))
-            return header_names(io.BytesIO(head), key, size) if size else None
+            return read_header(io.BytesIO(head), key, size) if size else None
         except ChunkInvalid:
             return None
 
-    def put(self, key: str, data: memoryview, length: int | None = None) -> None:
-        """SET the chunk (atomic on the server); raises OSError when the server cannot take it."""
+    def put(self, key: str, data: memoryview, length: int | None = None, parent: str = "") -> None:
+        """SET the chunk (atomic on the server); raises OSError when the server cannot take it. Redis evicts
+        by its own policy, which knows no ``parent``."""
         value = memoryview(data).cast("B")[: length]
 
         def call(client):
@@ -207,13 +210,22 @@ class RedisChunkStore:
             raise OSError(f"{self.name}: chunk {key} not written (server unavailable or full)")
         with self._lock:
             self.bytes_written += len(value)
+            self._gone.pop(key)
 
     def discard(self, key: str) -> None:
         self._guard("delete", lambda client: client.delete(self._prefix + key), None)
+        with self._lock:
+            self._gone.add(key, Loss.FAILED_VERIFICATION)
 
-    def evicted(self, key: str) -> bool:
-        """Not known: Redis evicts by its own policy (``maxmemory``) and TTL, unseen by any node."""
-        return False
+    def gone(self, key: str) -> Loss | None:
+        """A chunk this node found bad and deleted; Redis's own evictions (``maxmemory``, TTL) and other
+        nodes' deletions are not seen here."""
+        with self._lock:
+            return self._gone.get(key)
+
+    def losses(self) -> list[tuple[str, Loss]]:
+        with self._lock:
+            return list(self._gone)
 
     @property
     def available(self) -> bool:

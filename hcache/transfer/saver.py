@@ -301,7 +301,7 @@ class ChunkSaver:
                 del p.seq.chunks[chunk.index]
                 if chunk.image is not None:
                     key, tokens = p.seq.chain.chunk(chunk.index)  # keyed before the forward
-                    self.tier.publish(chunk.image, key, tokens, self.value(chunk.index))
+                    self.tier.publish(chunk.image, key, tokens, self.value(chunk.index), p.seq.chain.parent(chunk.index))
                     self.chunks_published += 1
         self._give_back(batch.dead)
 

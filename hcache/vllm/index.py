@@ -13,13 +13,11 @@ a load error that vLLM recomputes.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from ..serving.records import MissReason
+from ..storage.chunk_store import LossLog
 from ..storage.lookup import StoreLookup
-
-GONE_KEPT = 1 << 16  # chunks reported gone, remembered to say why a look-up ends at one
 
 
 class StoredIndex:
@@ -28,20 +26,17 @@ class StoredIndex:
     def __init__(self, lookup: StoreLookup | None):
         self.lookup = lookup
         self._held: set[str] = set()
-        self._gone: OrderedDict[str, MissReason] = OrderedDict()
+        self._gone: LossLog[MissReason] = LossLog(1 << 16)  # chunks reported gone: why a look-up ends at one
 
     def apply(self, changes: Sequence[tuple[str, str | None]]) -> None:
         """The worker's changes, in the order they happened: (key, None) held, (key, reason) gone."""
         for key, reason in changes:
             if reason is None:
                 self._held.add(key)
-                self._gone.pop(key, None)
+                self._gone.pop(key)
             else:
                 self._held.discard(key)
-                self._gone[key] = MissReason(reason)
-                self._gone.move_to_end(key)
-                if len(self._gone) > GONE_KEPT:
-                    self._gone.popitem(last=False)
+                self._gone.add(key, MissReason(reason))
 
     def stored_prefix(self, keys: Sequence[str]) -> tuple[int, MissReason | None]:
         """How many of ``keys``, from the first, can be loaded, and why the prefix ends where it does (None
@@ -53,7 +48,7 @@ class StoredIndex:
         if n == len(keys):
             return n, None
         if keys[n] in self._gone:
-            return n, self._gone[keys[n]]
+            return n, self._gone.get(keys[n])
         if self.lookup is not None and not self.lookup.available:
             return n, MissReason.TIER_UNAVAILABLE
         return n, MissReason.NEVER_STORED

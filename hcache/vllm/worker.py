@@ -29,7 +29,7 @@ from ..model.tensor_parallel import SINGLE
 from ..paged.layout import PagedLayout, block_slots
 from ..paged.loader import Loader, PagedLayer
 from ..planning.plan import Method
-from ..serving.records import MissReason, PutRestore, SequenceRecord, log_requests
+from ..serving.records import PutRestore, SequenceRecord, log_requests
 from ..serving.restore import anchor_label, first_chunk_miss
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import KeyChain, content_key, root_key
@@ -96,8 +96,7 @@ class WorkerSide:
         self._failed: list[str] = []  # requests whose load fell short, for the scheduler
         self._changes: deque[tuple[str, str | None]] = deque()  # the tiers' gains and losses, for the scheduler's index
         if self.stack.store is not None:
-            bad = MissReason.FAILED_VERIFICATION.value  # the tier reports no other loss
-            self.stack.store.watch(lambda key, held: self._changes.append((key, None if held else bad)))
+            self.stack.store.watch(lambda key, loss: self._changes.append((key, None if loss is None else loss.value)))
         log_path = setup.config.settings.request_log
         self.request_log = Path(log_path) if log_path is not None else None
 

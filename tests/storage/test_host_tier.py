@@ -9,6 +9,7 @@ import torch
 from support.storage_chunks import FINGERPRINT, Chunk, check_image, check_served, chunk, publish
 
 from hcache.storage.chunk import ChunkInvalid, ChunkLayout, decode, encode
+from hcache.storage.chunk_store import Loss
 from hcache.storage.disk_store import DiskChunkStore
 from hcache.storage.host_tier import HostTier
 from hcache.storage.host_pool import PAGE, HostPool
@@ -196,14 +197,14 @@ def test_a_chunk_saved_with_more_formats_replaces_one_with_fewer(tmp_path):
     image = tier.fetch(short.key).result()
     check_image(image, full)
     tier.release(image)
-    assert tier.stores[0].names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
+    assert tier.stores[0].header(short.key)[0].name_set == {"L0000.H", "L0001.H", "L0000.KV"}
     publish(tier, short)  # fewer than what is stored: kept as it is
     tier.flush()
-    assert tier.stores[0].names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
+    assert tier.stores[0].header(short.key)[0].name_set == {"L0000.H", "L0001.H", "L0000.KV"}
     tier.drop_resident()
     publish(tier, short)  # the same, when the full one is only on disk
     tier.flush()
-    assert tier.stores[0].names(short.key) == {"L0000.H", "L0001.H", "L0000.KV"}
+    assert tier.stores[0].header(short.key)[0].name_set == {"L0000.H", "L0001.H", "L0000.KV"}
     tier.close()
 
 
@@ -245,11 +246,15 @@ def test_a_chunk_file_whose_length_changed_is_rewritten_by_the_next_write_back(t
 
 
 def test_a_watcher_sees_chunks_enter_the_pool_and_discards_but_not_pool_evictions(tmp_path):
-    """What the vLLM scheduler's index is told: a saved chunk and one loaded from the disk are held; a
-    chunk discarded is not; one evicted from the pool alone is not reported (its store still holds it)."""
+    """What the vLLM scheduler's index is told: what the stores lost before it watched, with why; a saved
+    chunk and one loaded from the disk are held; a chunk discarded is bad; one evicted from the pool alone
+    is not reported (its store still holds it)."""
     tier = _tier(tmp_path, 2, readers=0)
+    lost = chunk(3)
+    tier.stores[0].put(lost.key, encode(lost))
+    tier.stores[0].discard(lost.key)
     changes = []
-    tier.watch(lambda key, held: changes.append((key, held)))
+    tier.watch(lambda key, loss: changes.append((key, loss)))
     tier.stores[0].put(chunk(0).key, encode(chunk(0)))
     tier.release(tier.fetch(chunk(0).key).result())
     for i in (1, 2):  # the pool holds two: the third publish evicts chunk 0
@@ -257,5 +262,6 @@ def test_a_watcher_sees_chunks_enter_the_pool_and_discards_but_not_pool_eviction
     tier.flush()
     assert not tier.resident(chunk(0).key)
     tier.discard(chunk(1).key)
-    assert changes == [(chunk(0).key, True), (chunk(1).key, True), (chunk(2).key, True), (chunk(1).key, False)]
+    bad = Loss.FAILED_VERIFICATION
+    assert changes == [(lost.key, bad), (chunk(0).key, None), (chunk(1).key, None), (chunk(2).key, None), (chunk(1).key, bad)]
     tier.close()

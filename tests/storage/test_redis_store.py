@@ -11,6 +11,7 @@ from support.storage_chunks import check_bytes, check_image, chunk, publish, rea
 
 from hcache.errors import StorageError
 from hcache.storage.chunk import ChunkInvalid, encode
+from hcache.storage.chunk_store import Loss
 from hcache.storage.disk_store import DiskChunkStore
 from hcache.storage.host_tier import HostTier
 from hcache.storage.redis_store import RedisChunkStore
@@ -38,10 +39,13 @@ def test_chunks_round_trip_whole_and_are_listed_and_deleted(url):
     assert store.keys() == sorted(keys)
     for i in range(3):
         check_bytes(read_back(store, keys[i]), keys[i], chunk(i))
-    assert store.names(keys[0]) == {"L0000.H", "L0001.H"}
-    assert store.names("ee" * 16) is None and read_back(store, "ee" * 16) is None
+    assert store.header(keys[0])[0].name_set == {"L0000.H", "L0001.H"}
+    assert store.header("ee" * 16) is None and read_back(store, "ee" * 16) is None
     store.discard(keys[0])
     assert not store.contains(keys[0]) and store.keys() == sorted(keys[1:])
+    assert store.gone(keys[0]) == Loss.FAILED_VERIFICATION and store.losses() == [(keys[0], Loss.FAILED_VERIFICATION)]
+    store.put(keys[0], memoryview(encode(chunk(0))))  # stored again: no longer lost
+    assert store.gone(keys[0]) is None
     assert store.stats()["errors"] == 0
     store.close()
 
