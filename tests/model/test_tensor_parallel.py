@@ -104,7 +104,7 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     dist.barrier()
     result = runtime.generate(prompt, NEW_TOKENS, plan="H")
     seen["corrupt"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids, misses=result.miss_tokens)
-    # Rank 1's chunk 1 goes missing: found when opening, before any layer is read.
+    # Rank 1's chunk 1 was found bad and discarded (by another request): its look-up ends before any layer is read.
     if rank == 1:
         runtime.store.discard(keys[1])
     dist.barrier()
@@ -226,10 +226,10 @@ def test_bad_chunk_on_one_rank_ends_the_prefix_on_all(runs):
     assert "another tensor-parallel rank" in missing[0]["fallback"] and missing[1]["fallback"] is None
     # miss reasons: the rank whose chunk failed says why; the other, that another rank's prefix ended first
     assert [c["misses"] for c in corrupt] == [{"failed_verification": 64}, {"other_rank": 64}]
-    assert [m["misses"] for m in missing] == [{"other_rank": 128}, {"never_stored": 128}]
+    assert [m["misses"] for m in missing] == [{"other_rank": 128}, {"failed_verification": 128}]
     counted = [{reason: r["miss_counters"].get(f'hcache_miss_tokens_total{{reason="{reason}"}}', 0) for reason in
                 ("failed_verification", "never_stored", "other_rank")} for r in ranks]  # fmt: skip
-    assert counted == [{"failed_verification": 64, "never_stored": 0, "other_rank": 128}, {"failed_verification": 0, "never_stored": 128, "other_rank": 64}]
+    assert counted == [{"failed_verification": 64, "never_stored": 0, "other_rank": 128}, {"failed_verification": 128, "never_stored": 0, "other_rank": 64}]
     for case in (*corrupt, *missing):
         assert case["output"] == ref["reference"]
 

@@ -102,7 +102,7 @@ def test_a_chunk_gone_since_the_look_up_ends_the_load_and_is_told_lost(model, tm
     keys = chunk_keys(prompt[: 4 * CHUNK_TOKENS], root_key(serving.fingerprint))
     serving.stack.store.flush()
     serving.stack.store.drop_resident()
-    serving.stack.store.stores[0].discard(keys[2])  # deleted from the disk after it was offered
+    serving.stack.store.stores[0].path(keys[2]).unlink()  # deleted from the disk after it was offered
     lost = []
     loader = Loader(serving.stack, BLOCK, KERNEL_BLOCK, _cache(spec, 40), lost=lambda key, reason: lost.append((key, reason)))
     block_ids = list(range(8))

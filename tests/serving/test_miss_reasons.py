@@ -7,11 +7,13 @@ import json
 
 import pytest
 import torch
+from support.damage import KINDS, damage
 from support.helpers import corrupt_tensor, loaded, random_prompt
 
 from hcache.serving.records import MissReason, SequenceRecord
 from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.chunk_key import CHUNK_TOKENS, LAYOUT_VERSION, chunk_keys, root_key
+from hcache.storage.command import verify
 
 CHUNKS = 3
 PROMPT = CHUNKS * CHUNK_TOKENS + 10  # three full chunks and a tail that is never stored
@@ -92,6 +94,34 @@ def test_a_corrupt_chunk_is_reported_failed_verification(llama, prompt, tmp_path
         second = _turn(runtime, prompt)
         _reported(runtime, log, second, {"failed_verification": (CHUNKS - 1) * CHUNK_TOKENS})
     assert second.restored_tokens == CHUNK_TOKENS
+
+
+@pytest.mark.parametrize("when", ["cold", "warm"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_damaged_chunk_file_is_failed_verification_and_replaced(llama, prompt, tmp_path, kind, when):
+    """Issue 42: however a chunk file is damaged, found at start-up (``cold``: the store opens on it) or on
+    a read (``warm``: indexed before the damage), its miss is ``failed_verification``, the reply is
+    recompute's, and the next write-back leaves a file that verifies."""
+    log, store = tmp_path / "requests.jsonl", tmp_path / "store"
+    runtime = HCacheRuntime(llama, store, plan="KV", request_log=str(log))
+    try:
+        first = _turn(runtime, prompt)
+        keys = chunk_keys(prompt, root_key(runtime.fingerprint))
+        runtime.store.flush()
+        if when == "cold":
+            runtime.close()
+            damage(_chunk_file(store, keys[1]), kind, _chunk_file(store, keys[2]))
+            runtime = HCacheRuntime(llama, store, plan="KV", request_log=str(log))
+        else:
+            _cold(runtime)
+            damage(_chunk_file(store, keys[1]), kind, _chunk_file(store, keys[2]))
+        second = _turn(runtime, prompt)
+        assert second.output_ids == first.output_ids
+        _reported(runtime, log, second, {"failed_verification": (CHUNKS - 1) * CHUNK_TOKENS})
+        runtime.store.flush()
+    finally:
+        runtime.close()
+    assert verify(store, repair=False) == 0 and all(_chunk_file(store, key) for key in keys)
 
 
 def test_a_chunk_of_another_layout_version_is_reported_other_version(llama, prompt, tmp_path):

@@ -13,7 +13,7 @@ from hcache.errors import InvalidRequestError, ModelNotFoundError, StorageError
 from hcache.model.loader import load_model, random_model
 from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.chunk import Chunk, decode, encode
-from hcache.storage.chunk_key import chunk_keys, root_key
+from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.storage.store_config import StoreConfig
 
 NO_STOP = set()
@@ -79,6 +79,23 @@ def test_a_disk_quota_keeps_the_chunk_every_conversation_starts_with(llama, tmp_
         assert set(runtime.store.keys()) == {keys[0][0]} | {k[1] for k in keys[3:]}
         restored = [runtime.generate(prompt, 2).restored_tokens for prompt in reversed(prompts)]
     assert restored == [128, 128, 128, 64, 64, 64]
+
+
+def test_a_reopen_under_a_smaller_quota_keeps_the_shared_first_chunk(llama, tmp_path, rng):
+    """Issue 42: six conversations share a system-prompt chunk, saved without a quota and replayed; reopened
+    at once under a 4-chunk quota, the store keeps that chunk (every kept chunk hangs from it) and the
+    latest conversations whole, which restore all they restored before, and the others their shared start."""
+    system = random_prompt(64, 256, rng)
+    prompts = [system + random_prompt(70, 256, rng) for _ in range(6)]  # 2 chunks each, the first shared
+    with HCacheRuntime(llama, tmp_path / "store") as runtime:
+        for prompt in prompts:
+            runtime.generate(prompt, 2)
+        before = [runtime.generate(prompt, 2).restored_tokens for prompt in prompts]
+        runtime.store.flush()
+        chunk_file = runtime.store.stores[0].used_bytes // 7
+    with HCacheRuntime(llama, tmp_path / "store", store=StoreConfig(quota_bytes=4 * chunk_file)) as runtime:
+        after = [runtime.generate(prompt, 2).restored_tokens for prompt in reversed(prompts)]  # the kept first
+    assert before == [128] * 6 and after == [128, 128, 128, 64, 64, 64]
 
 
 def test_namespaces_never_share_state(llama, tmp_path, rng):
@@ -197,6 +214,17 @@ def test_batch_equals_requests_one_by_one(llama, tmp_path, rng):
         ([1, 2, 3], {"plan": "+3H"}, "cannot parse plan"),
         ([1, 2, 3], {"plan": "\uff13H"}, "cannot parse plan"),  # a full-width 3
         ([1, 2, 3], {"plan": 3}, "plan is a string"),
+        ([1, 2, 3], {"plan": ["KV"]}, "plan is a string"),
+        ([1, 2, 3], {"namespace": 123}, "namespace must be a non-empty string.* not 123"),
+        ([1, 2, 3], {"namespace": b"x"}, "namespace must be a non-empty string.* not b'x'"),
+        ([1, 2, 3], {"namespace": ["a"]}, "namespace must be a non-empty string"),
+        ([1, 2, 3], {"namespace": ""}, "namespace must be a non-empty string"),
+        ([1, 2, 3], {"namespace": "a\nb"}, "printable"),
+        ([1, 2, 3], {"restore": "no"}, "restore is True or False"),
+        ([1, 2, 3], {"stop_token_ids": 5}, "stop_token_ids is a set of token ids, not int"),
+        ([1, 2, 3], {"stop_token_ids": {"a"}}, "stop_token_ids holds token ids"),
+        ([1, 2, 3], {"stop_token_ids": [1.5]}, "stop_token_ids holds token ids"),
+        ([1, 2, 3], {"stop_token_ids": [-1]}, "stop_token_ids holds token ids"),
     ],
 )
 def test_bad_requests_are_clear_errors_and_damage_nothing(stored, prompt, kwargs, message):
@@ -206,6 +234,24 @@ def test_bad_requests_are_clear_errors_and_damage_nothing(stored, prompt, kwargs
         runtime.generate(prompt, **kwargs)
     assert _store_digest(runtime) == before
     assert runtime.engine.cache.free_blocks == runtime.engine.cache.num_blocks
+
+
+def test_a_bad_namespace_to_prefetch_is_refused_and_none_is_the_deployments(llama, tmp_path, rng):
+    """``namespace=None`` is the deployment's namespace (``settings.namespace``), not a namespace of its
+    own; with none set, requests without one share chunks. ``""`` is refused, as ``cache_salt`` is."""
+    prompt = torch.randint(0, llama.spec.vocab_size, (2 * CHUNK_TOKENS + 3,), generator=rng).tolist()
+    with HCacheRuntime(llama, tmp_path / "store", plan="KV", namespace="acme") as runtime:
+        with pytest.raises(InvalidRequestError, match="namespace must be a non-empty string"):
+            runtime.prefetch(prompt, namespace=7)
+        with pytest.raises(InvalidRequestError, match="a prompt is a list of token ids"):
+            runtime.prefetch("hello")
+        runtime.generate(prompt, 1, namespace="acme")
+        assert runtime.generate(prompt, 1).restored_tokens == 2 * CHUNK_TOKENS  # None: the deployment's, acme's
+        assert runtime.generate(prompt, 1, namespace="other").restored_tokens == 0
+    with HCacheRuntime(llama, tmp_path / "store", plan="KV") as runtime:
+        runtime.generate(prompt, 1)
+        assert runtime.generate(prompt, 1).restored_tokens == 2 * CHUNK_TOKENS  # no namespace: shared
+        assert runtime.generate(prompt, 1, namespace="acme").restored_tokens == 2 * CHUNK_TOKENS  # acme's own
 
 
 def test_bad_model_or_store_is_a_clear_error(llama, tmp_path):

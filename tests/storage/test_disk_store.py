@@ -10,11 +10,13 @@ import time
 
 import pytest
 import torch
-from support.storage_chunks import check_served, chunk, chunk_bytes, read_back
+from support.storage_chunks import ROOT, Chunk, check_served, chunk, chunk_bytes, read_back
 
 from hcache.errors import StorageError
 from hcache.storage import direct_io
-from hcache.storage.chunk_key import LAYOUT_VERSION
+from hcache.storage.chunk import encode
+from hcache.storage.chunk_key import LAYOUT_VERSION, next_key
+from hcache.storage.chunk_store import Loss
 from hcache.storage.disk_store import DiskChunkStore, StoreFull
 
 
@@ -130,6 +132,52 @@ def test_lru_eviction_order_respects_quota_and_pins(tmp_path, caplog):
     assert set(reopened.keys()) == {keys[2], keys[4]}
     # A quota below what the directories hold evicts at once, and says what it evicted (issue 34, part 5).
     assert f"holds more than its quota of {2 * size} bytes: evicting its 1 least recently used chunks ({size} bytes)" in caplog.text
+
+
+def _linked(c: Chunk, parent: Chunk | None) -> Chunk:
+    """``c`` as the chunk after ``parent`` in a chain (the first of one without)."""
+    key = next_key(parent.key if parent else ROOT, c.tokens)
+    return Chunk(key, c.tokens, c.fingerprint, c.tensors, parent.key if parent else "")
+
+
+def _conversations(store, clock: Clock, order: list[int]) -> list[list[Chunk]]:
+    """Six conversations of three chunks, the first shared (a system prompt), saved at once; then replayed
+    (looked up whole, as a restore does) five seconds apart in ``order``: the last the most recent."""
+    system = _linked(chunk(0), None)
+    convs = []
+    for i in range(6):
+        first = _linked(chunk(10 + i), system)
+        convs.append([system, first, _linked(chunk(20 + i), first)])
+    for c in [system] + [c for conv in convs for c in conv[1:]]:
+        store.put(c.key, encode(c), parent=c.parent)
+    for i in order:
+        clock.now += 5
+        assert store.contains_many([c.key for c in convs[i]]) == [True] * 3
+    return convs
+
+
+@pytest.mark.parametrize("restart", ["closed", "crashed"])
+@pytest.mark.parametrize("later", [0.0, 86400.0], ids=["within-its-first-minute", "a-day-later"])
+def test_a_reopen_under_a_quota_keeps_the_shared_first_chunk_and_the_hottest_chains(tmp_path, later, restart):
+    """Issue 42: the order is rebuilt from file times, which every use sets (at most once a second, on the
+    store's own thread), and a chunk goes only after the chunks after it in its chain."""
+    clock = Clock()
+    store = DiskChunkStore(tmp_path, clock=clock)
+    convs = _conversations(store, clock, order=[0, 2, 3, 5, 4, 1])  # half a minute: 1 then 4 the most recent
+    newest = store.path(convs[1][2].key)
+    if restart == "closed":
+        store.close()
+    else:  # left without closing: the file times the stamper set by now are all a restart finds
+        deadline = time.monotonic() + 10
+        while newest.stat().st_mtime != clock.now and time.monotonic() < deadline:
+            time.sleep(0.01)
+    clock.now += later
+    size = len(encode(convs[0][0]))
+    reopened = DiskChunkStore(tmp_path, quota_bytes=5 * size, clock=clock)
+    assert set(reopened.keys()) == {convs[0][0].key} | {c.key for i in (1, 4) for c in convs[i][1:]}
+    replays = [sum(reopened.contains_many([c.key for c in conv])) for conv in convs]
+    assert replays == [1, 3, 1, 1, 3, 1]  # the two hottest whole, every other one its shared start
+    assert reopened.gone(convs[0][2].key) == Loss.EVICTED and reopened.gone("ab" * 16) is None
 
 
 def test_a_quota_held_by_pinned_chunks_refuses_with_enospc(tmp_path):

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from support.damage import HEADER_PARSES, damage
 from support.storage_chunks import FINGERPRINT, Chunk, check_image, check_served, chunk, publish
 
 from hcache.storage.chunk import ChunkInvalid, ChunkLayout, decode, encode
@@ -264,4 +265,19 @@ def test_a_watcher_sees_chunks_enter_the_pool_and_discards_but_not_pool_eviction
     tier.discard(chunk(1).key)
     bad = Loss.FAILED_VERIFICATION
     assert changes == [(lost.key, bad), (chunk(0).key, None), (chunk(1).key, None), (chunk(2).key, None), (chunk(1).key, bad)]
+    tier.close()
+
+
+@pytest.mark.parametrize("kind", [k for k in HEADER_PARSES if k != "flip_data"])
+def test_a_write_back_replaces_a_stored_copy_whose_header_disagrees(tmp_path, kind):
+    """Issue 42: a damaged file whose header still parses, with the tensor names of the chunk published,
+    is no copy of it: the write-back rewrites it (a copy damaged in its rows alone is caught when read)."""
+    tier = _tier(tmp_path, 8)
+    store, c = tier.stores[0], chunk(0)
+    store.put(c.key, encode(c))
+    damage(store.path(c.key), kind, store.path(c.key))
+    assert store.header(c.key)[0].name_set == {"L0000.H", "L0001.H"}  # what a write-back once compared
+    publish(tier, c)
+    tier.flush()
+    check_served(store, c.key, c)
     tier.close()

@@ -122,3 +122,45 @@ def test_the_cost_policy_pops_the_least_valuable_entry_per_byte_and_idle_second(
     # deep: 50 / 10 / 10 s = 0.5; shallow: 1 / 10 / 5 s = 0.02; pinned is never chosen
     assert index.pop_victim()[0] == "shallow"
     assert index.pop_victim()[0] == "deep" and index.pop_victim() is None
+
+
+def _chain(index: LruIndex, clock: Clock, links: list[tuple[str, str]], size: int = 10) -> None:
+    """Add ``(key, parent)`` entries in order, a second apart."""
+    for key, parent in links:
+        clock.now += 1
+        index.add(key, Entry(size, clock.now, where=key, parent=parent))
+
+
+LINKS = [("a", ""), ("b", "a"), ("c", "b"), ("x", "")]  # a chain saved in order (its root the oldest), then x
+
+
+def _victims(index: LruIndex, size: int, **kw) -> list[str] | None:
+    victims = index.make_room(size, **kw)
+    return None if victims is None else [key for key, _ in victims]
+
+
+def test_a_parent_goes_only_after_every_entry_that_names_it():
+    for need, gone in [(10, ["c"]), (20, ["c", "b"]), (30, ["c", "b", "a"]), (40, ["c", "b", "a", "x"])]:
+        index, clock = _index(quota=40)
+        _chain(index, clock, LINKS)
+        # a and b are the oldest but hold c; each goes as soon as its last child has, before the newer x
+        assert _victims(index, need) == gone
+        assert index.used_bytes == 40 - 10 * len(gone)
+
+
+def test_the_chain_an_entry_to_come_continues_is_kept_whole():
+    index, clock = _index(quota=40)
+    _chain(index, clock, LINKS)
+    assert _victims(index, 10, parent="c") == ["x"]  # c continues: a, b and c stay
+    assert _victims(index, 20, parent="c") is None and len(index) == 3  # only the chain could go: refused, nothing removed
+    assert _victims(index, 20, parent="b") == ["c"]  # c is no ancestor of the entry to come
+
+
+def test_a_pinned_child_holds_its_parents_and_expiry_follows_the_chain():
+    index, clock = _index(quota=40, ttl=100)
+    _chain(index, clock, LINKS)
+    index.entries["c"].pins = 1
+    assert _victims(index, 10) == ["x"]  # c is pinned, so a and b are held
+    index.entries["c"].pins = 0
+    clock.now += 200  # everything expired: the chain goes child first
+    assert _victims(index, 0) == ["c", "b", "a"]
