@@ -54,11 +54,16 @@ def lookup_miss(tier: HostTier, key: str, *, seen: bool = False) -> MissReason:
     it); or no one stored it."""
     if not all(store.available for store in tier.stores):
         return MissReason.TIER_UNAVAILABLE
+    return _lost(tier, key) or (MissReason.EVICTED if seen else MissReason.NEVER_STORED)
+
+
+def _lost(tier: HostTier, key: str) -> MissReason | None:
+    """Why a store lost the chunk ``key``, if one knows."""
     for store in tier.stores:
         why = store.gone(key)
         if why is not None:
             return MissReason(why.value)
-    return MissReason.EVICTED if seen else MissReason.NEVER_STORED
+    return None
 
 
 def anchor_label(fingerprint: str, namespace: str | None) -> str:
@@ -79,7 +84,20 @@ def first_chunk_miss(anchors: AnchorLog | None, label: str, chain: KeyChain, tok
         return misses
     fingerprint = label.rpartition("/")[0]
     same_model = any(other.rpartition("/")[0] == fingerprint for other in labels)
-    reason = MissReason.OTHER_CACHE_SALT if same_model else MissReason.OTHER_MODEL
+    return _relabel(misses, MissReason.OTHER_CACHE_SALT if same_model else MissReason.OTHER_MODEL)
+
+
+def store_miss(tier: HostTier | None, key: str, misses: dict[str, int]) -> dict[str, int]:
+    """``misses``, where a look-up made away from the stores (vLLM's scheduler reads the files, not the
+    store's memory) said ``never_stored`` of the chunk ``key`` and the store knows it lost it (evicted it,
+    or found it bad: at start-up, say)."""
+    lost = _lost(tier, key) if tier is not None and MissReason.NEVER_STORED.value in misses else None
+    return misses if lost is None else _relabel(misses, lost)
+
+
+def _relabel(misses: dict[str, int], reason: MissReason) -> dict[str, int]:
+    """``misses`` with its ``never_stored`` tokens counted under ``reason`` instead."""
+    never = misses[MissReason.NEVER_STORED.value]
     return {**{r: n for r, n in misses.items() if r != MissReason.NEVER_STORED.value}, reason.value: never}
 
 

@@ -30,9 +30,9 @@ from ..paged.layout import PagedLayout, block_slots
 from ..paged.loader import Loader, PagedLayer
 from ..planning.plan import Method
 from ..serving.records import PutRestore, SequenceRecord, log_requests
-from ..serving.restore import anchor_label, first_chunk_miss
+from ..serving.restore import anchor_label, first_chunk_miss, store_miss
 from ..serving.store_stack import StoreStack
-from ..storage.chunk_key import KeyChain, content_key, root_key
+from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, content_key, root_key
 from .hidden import HiddenLayers, registering_model
 from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
 from .settings import VllmSetup, uses_hidden_states
@@ -161,11 +161,14 @@ class WorkerSide:
             seq = self._seqs[step.req_id] = _Sequence(next(self._uids), KeyChain(root), anchor_label(self.stack.fingerprint, step.namespace))
             if self.stack.saver is not None:
                 self.stack.saver.open(seq.uid, seq.chain)
-        if step.misses:  # the stored prefix the scheduler could not offer, on the request's first step
-            first = step.start == 0  # nothing of it held: the miss is at the conversation's first chunk
-            misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, step.tokens, step.misses) if first else step.misses
-            self._records.setdefault(step.req_id, SequenceRecord()).add(PutRestore(misses=misses))
+        misses = step.misses  # the stored prefix the scheduler could not offer, on the request's first step
+        if misses and step.start == 0:  # nothing of it held: the miss is at the conversation's first chunk
+            misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, step.tokens, misses)
         seq.chain.extend(step.tokens)
+        if misses:  # the store knows better than the files the scheduler read what it lost
+            missed = seq.chain.chunk(step.start // CHUNK_TOKENS)
+            misses = store_miss(self.stack.store, missed[0], misses) if missed is not None else misses
+            self._records.setdefault(step.req_id, SequenceRecord()).add(PutRestore(misses=misses))
         return seq
 
     def save_layer(self, name: str, cache: torch.Tensor) -> None:

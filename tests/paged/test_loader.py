@@ -1,11 +1,12 @@
 """The paged loader (hcache/paged/loader.py) without vLLM: a stored prefix, saved by the serving engine
 over the reference engine, loaded into a paged cache laid out as FlashAttention's, in blocks split into
 smaller kernel blocks, from inside a chunk; a chunk gone since the look-up ends the load there, with its
-blocks reported and its key told lost; and the budgets a GPU would hold it to, counted on the CPU."""
+blocks reported and its key told lost, and a corrupt one with its check; and the budgets a GPU would hold
+it to, counted on the CPU."""
 import pytest
 import torch
 from support.budgets import Counter, FakeCuda, counting
-from support.helpers import random_prompt, serving_engine
+from support.helpers import corrupt_tensor, random_prompt, serving_engine
 
 from hcache.engine import ReferenceEngine
 from hcache.model.fingerprint import model_fingerprint
@@ -111,6 +112,21 @@ def test_a_chunk_gone_since_the_look_up_ends_the_load_and_is_told_lost(model, tm
         assert errors == {4, 5, 6, 7}  # from position 128: the blocks vLLM computes again
         assert record.restored_tokens == 2 * CHUNK_TOKENS and record.miss_tokens == {"evicted": 2 * CHUNK_TOKENS}
         assert lost == [(keys[2], "evicted")]
+    finally:
+        loader.close()
+        serving.close()
+
+
+def test_a_corrupt_chunk_ends_the_load_with_its_check_and_is_discarded(model, tmp_path, rng):
+    serving, prompt = _saved(model, tmp_path, rng, 4, plan="KV")
+    keys = chunk_keys(prompt[: 4 * CHUNK_TOKENS], root_key(serving.fingerprint))
+    corrupt_tensor(serving.stack.store, keys[1], 2, "KV")
+    loader = Loader(serving.stack, BLOCK, KERNEL_BLOCK, _cache(model[1], 40), lost=lambda key, reason: None)
+    try:
+        errors, record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], list(range(8)), 0, 4 * CHUNK_TOKENS))
+        assert errors == {2, 3, 4, 5, 6, 7} and record.restored_tokens == CHUNK_TOKENS
+        assert record.miss_tokens == {"failed_verification": 3 * CHUNK_TOKENS} and "checksum mismatch in L0002.KV" in record.fallback
+        assert not serving.stack.store.contains(keys[1])  # discarded: the recompute saves a good one
     finally:
         loader.close()
         serving.close()

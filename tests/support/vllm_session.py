@@ -4,7 +4,8 @@ or without), as a user runs it: ``python vllm_session.py SPEC.json OUT.json``.
 SPEC: ``model``, ``dtype``, ``turns`` ({name: [previous turn, text]}: a turn's prompt is the previous
 turn's prompt, the first phase's reply to it, and its own text), ``max_tokens``, and ``phases``: each with
 ``connector`` (hcache's settings, ``kv_connector_extra_config``, or null for vLLM alone), ``before`` (a list
-of actions: ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR; ``"delete DIR N"``: wait
+of actions: ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR; ``"truncate DIR"``:
+cut 100 bytes off every chunk file under DIR; ``"delete DIR N"``: wait
 until N chunk files are written under DIR, then delete them all; ``"stop_redis"``), ``prefix_cache`` (vLLM's
 own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a CPU), and ``requests``:
 [[turn, cache_salt, actions...]] served in order, each request after its actions; ``["batch", [[turn,
@@ -36,6 +37,11 @@ def _corrupt(directory: str) -> None:
         path.write_bytes(bytes(data))
 
 
+def _truncate(directory: str) -> None:
+    for path in Path(directory).glob("chunks/*/*.safetensors"):
+        path.write_bytes(path.read_bytes()[:-100])  # shorter than its header says: dropped when the store opens
+
+
 def _delete(directory: str, count: int) -> None:
     """Once ``count`` chunk files are written (the write-back runs behind the requests), delete them all."""
     deadline = time.monotonic() + 60
@@ -51,6 +57,8 @@ def _act(action: str, redis) -> None:
     verb, *args = action.split(" ")
     if verb == "corrupt":
         _corrupt(args[0])
+    elif verb == "truncate":
+        _truncate(args[0])
     elif verb == "delete":
         _delete(args[0], int(args[1]))
     elif verb == "stop_redis":

@@ -1,7 +1,7 @@
 """hcache's connector in vLLM's CPU build, as a user runs it: a conversation through ``vllm.LLM`` in a
 process of its own (tests/support/vllm_session.py), with and without the connector.
 
-One session, six vLLM engines in turn over one redis-server: vLLM alone (the reference, in float32: in
+One session, seven vLLM engines in turn over one redis-server: vLLM alone (the reference, in float32: in
 bfloat16 a token's K/V computed in a decode step rounds apart from the same token's in a prefill, so a reply
 may part from vLLM's alone at a near tie, as it does with vLLM's own prefix cache); the connector saving the
 first turn to the disk and Redis, then restoring the second from the host pool, and under another
@@ -10,8 +10,9 @@ int8 beside vLLM's own prefix cache, a conversation under a new salt; with Redis
 32-token blocks (the others' hold 128, hcache's chunks 64), restoring from Redis, then from the host pool
 with Redis stopped; on a store of its own with a six-chunk host pool, restoring from the pool with the
 chunk files deleted, and recomputing a conversation whose chunks were offered but gone; with every chunk
-file corrupted and Redis stopped, restoring nothing and recomputing. Every load is asynchronous, and every
-lossless restore's reply equals vLLM's alone.
+file corrupted and Redis stopped, restoring nothing and recomputing; with every chunk file truncated
+before it starts, the same. Every load is asynchronous, and every lossless restore's reply equals vLLM's
+alone.
 """
 import json
 import shutil
@@ -46,7 +47,7 @@ def session(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
     store = tmp / "store"
     lost = tmp / "lost-store"
-    logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "disk", "redis", "lost", "faults")}
+    logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "disk", "redis", "lost", "faults", "truncated")}
 
     def connector(log: str, dirs, tiers, store=None, **settings) -> dict:
         return {"store_dirs": dirs, "store": {"tiers": tiers, **(store or {})}, "request_log": str(logs[log]), **settings}
@@ -67,6 +68,7 @@ def session(tmp_path_factory):
             {"connector": connector("lost", [str(lost)], [], store={"host_bytes": POOL_BYTES}),
              "requests": [["first", "x"], ["first", "y"], ["second", "y", f"delete {lost} 10"], ["second", "x"]]},
             {"connector": connector("faults", [str(store)], ["$REDIS"]), "before": [f"corrupt {store}", "stop_redis"], "requests": [["second", "a"]]},
+            {"connector": connector("truncated", [str(store)], []), "before": [f"truncate {store}"], "requests": [["second", "a"]]},
         ],
     }
     (tmp / "spec.json").write_text(json.dumps(spec))
@@ -155,3 +157,12 @@ def test_corrupt_chunks_and_a_stopped_redis_fall_back_to_recompute_with_the_same
     (faults,) = logs["faults"]
     assert faults["restored_tokens"] == 0 and faults["tier_tokens"] == {}
     assert "checksum mismatch" in faults["fallback"] and faults["miss_tokens"] == {"failed_verification": FULL_CHUNKS}
+
+
+def test_chunk_files_dropped_when_the_store_opened_are_recomputed_as_failed_verification(session):
+    """Issue 42: the worker's store drops the damaged files when it opens, so the scheduler, which reads the
+    directories, finds none and says ``never_stored``; the worker, whose store knows why, says why."""
+    phases, logs = session
+    assert phases[6] == [phases[0][1]]
+    (truncated,) = logs["truncated"]
+    assert truncated["restored_tokens"] == 0 and truncated["miss_tokens"] == {"failed_verification": FULL_CHUNKS}
