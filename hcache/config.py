@@ -3,7 +3,7 @@
 Every entry point builds one :class:`HCacheConfig`: :class:`~hcache.serving.runtime.HCacheRuntime` from its
 keyword arguments, :mod:`hcache.mii` from its ``hcache=`` config, ``hcache serve`` from its flags. Bad
 settings are refused here, each with one :class:`InvalidRequestError` message, before a model loads or a
-store opens. :func:`~hcache.planning.resolve.resolve` turns them and the model's shape into a
+store opens. :func:`~hcache.resolve.resolve` turns them and the model's shape into a
 :class:`ResolvedConfig` (engine and device, plan policy, profile, formats and encodings to save) once, where
 serving starts; engines, the store stack and MII's model servers receive it and resolve nothing again.
 """

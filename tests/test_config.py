@@ -6,7 +6,7 @@ import pytest
 from support.helpers import loaded
 
 from hcache.config import HCacheConfig, ResolvedConfig
-from hcache.planning.resolve import resolve
+from hcache.resolve import resolve
 from hcache.errors import InvalidRequestError
 from hcache.mii import serve_command
 from hcache.planning.plan import RestorePlan

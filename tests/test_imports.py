@@ -1,8 +1,11 @@
-"""The package's import graph: every module imports on its own, and no modules import each other.
+"""The package's import graph: every module imports on its own, and no modules, nor packages, import each
+other.
 
 A cycle lets a lower module reach back into a higher one (the configuration once went from the MII backend
 to the serving engine, to the profile, to auto-profiling and back), and makes what works depend on which
-module happens to be imported first. The graph counts every import, those inside functions too.
+module happens to be imported first. Between packages, a loop is an arrow that runs back up the floors the
+architecture stands on (the settings and planning, the model and storage, the OpenAI server and MII, once),
+even when no two modules import each other. The graph counts every import, those inside functions too.
 """
 import ast
 import json
@@ -78,6 +81,30 @@ def test_no_modules_import_each_other():
     mutual = sorted((a, b) for a in graph for b in graph[a] if a < b and a in graph[b])
     assert not mutual, f"modules that import each other: {mutual}"
     assert not _cycles(graph), f"import cycles: {_cycles(graph)}"
+
+
+def _package(module: str) -> str:
+    """The top-level part of hcache a module belongs to: ``hcache.storage.chunk`` is ``storage``, and a module
+    at the top, ``hcache.config``, is its own."""
+    return module.split(".")[1]
+
+
+def test_no_packages_import_each_other_round_a_loop():
+    """``hcache`` itself (its ``__init__``, which hands the public names on) stands on top of everything and
+    is left out: a module that imports ``hcache`` for a name would loop through it."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        if module == "hcache":
+            continue
+        graph.setdefault(_package(module), set()).update(
+            _package(m) for m in _imports(module, path, modules)[0] if m != "hcache" and _package(m) != _package(module)
+        )
+    for package in {p for targets in graph.values() for p in targets}:
+        graph.setdefault(package, set())
+    assert {"storage", "model", "serving", "config", "planning"} <= graph.keys() and "storage" in graph["serving"]  # the graph is read
+    loops = {tuple(loop): sorted(f"{a} -> {b}" for a in loop for b in graph[a] if b in loop) for loop in _cycles(graph)}
+    assert not loops, f"packages that import each other round a loop: {loops}"
 
 
 def test_every_module_imports_in_a_fresh_interpreter():

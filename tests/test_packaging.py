@@ -30,3 +30,19 @@ def test_the_wheel_holds_every_module_and_the_package_data(tmp_path):
     assert "hcache/fleet/haproxy.cfg" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "hcache = hcache.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_setup_py_reads_the_same_metadata_as_pyproject():
+    """``setup.py`` (the design card's layout, and legacy tooling) adds nothing of its own: it names the
+    package and version that pyproject.toml gives, and the wheel above is built with it present."""
+    import tomllib
+
+    from hcache.version import __version__
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["dynamic"] == ["version"]  # read from hcache/version.py, as below
+    result = subprocess.run([sys.executable, "setup.py", "--name", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    name, version = result.stdout.split()[-2:]
+    assert name == project["name"]
+    assert version == __version__

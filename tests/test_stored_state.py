@@ -132,7 +132,7 @@ def test_the_encodings_travel_to_model_servers_and_steer_the_auto_plan(llama):
     """What hcache.mii.serve hands its model servers as JSON: the setting, and with it the auto plan's
     choice for 8-bit bytes and the formats saved."""
     from hcache.config import ResolvedConfig
-    from hcache.planning.resolve import resolve
+    from hcache.resolve import resolve
     from hcache.planning.profile import Profile
 
     seconds = {"c_token": [0.01, 0.04], "c_h": [0.001, 0.004], "c_kv": [0.0, 0.0], "io_h": [0.004, 0.016], "io_kv": [0.008, 0.032]}

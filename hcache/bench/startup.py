@@ -48,7 +48,7 @@ def _start_runtime(args: argparse.Namespace, store: Path, mode: str) -> float:
 
 def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> float:
     """``hcache serve`` until it says it serves, on free ports, then Ctrl-C and its drain."""
-    from ..fleet import free_port
+    from ..ports import free_port
 
     ports = {f"--{name}": str(free_port()) for name in ("rest-port", "port", "zmq-port", "dist-port")}
     command = [sys.executable, "-m", "hcache", "serve", "--model", args.model, "--store-dir", str(store), "--self-check", mode,
@@ -72,7 +72,7 @@ def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     from ..model.loader import load_model
-    from ..planning.resolve import self_check_methods
+    from ..resolve import self_check_methods
     from ..serving.runtime import HCacheRuntime
     from ..serving.self_check import self_check
 

@@ -18,7 +18,7 @@ from ..engine.interface import Engine
 from ..model.fingerprint import model_fingerprint
 from ..model.loader import random_model
 from ..model.spec import ModelSpec
-from ..planning.resolve import resolve
+from ..resolve import resolve
 from ..serving.engine import ServingEngine
 from ..serving.self_check import Comparison, layer_excess
 from ..serving.store_stack import StoreStack

@@ -19,7 +19,7 @@ class BlockedKVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, 2, spec.num_kv_heads, spec.head_size)
-        self.layers = [torch.zeros(shape, dtype=getattr(torch, spec.dtype), device=device) for _ in range(spec.num_layers)]
+        self.layers = [torch.zeros(shape, dtype=spec.torch_dtype, device=device) for _ in range(spec.num_layers)]
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @property

@@ -81,7 +81,7 @@ class ReferenceEngine:
         self.model = model.eval()
         self.spec = spec
         self.device = next(model.parameters()).device
-        self.dtype = getattr(torch, spec.dtype)
+        self.dtype = spec.torch_dtype
         self.cache = BlockedKVCache(spec, num_blocks, block_size, self.device)
         self.block_size = block_size
         self.decoder = _Decoder(model, spec)

@@ -28,6 +28,7 @@ from string import Template
 from .. import process_tree
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError, StorageError
+from ..ports import check_free, free_port
 
 SESSION_HEADER = "X-Session-Id"
 NODE_HEADER = "X-Hcache-Node"  # set by the balancer on each answer: the node that gave it
@@ -43,38 +44,9 @@ def haproxy_missing() -> str | None:
     return None
 
 
-def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
-    """A free port, and the ``span - 1`` after it free too."""
-    while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if all(_bindable(host, p) for p in range(port + 1, port + span)):
-            return port
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
-
-
-def check_port_free(host: str, port: int, what: str) -> None:
-    """Raise a clear error if ``port`` cannot be listened on, before anything is started."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as HAProxy binds: a closing socket is no conflict
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise InvalidRequestError(f"{what}: cannot listen on {host}:{port} ({exc.strerror}); is another server there?") from None
-
-
 def _node_ports() -> dict[str, int]:
     """A node's free ports; MII's model server listens on the one after its load balancer's."""
-    return {"balancer": free_port(span=2), **{k: free_port() for k in ("openai", "zmq", "dist", "metrics")}}
+    return {"balancer": free_port(also=[1]), **{k: free_port() for k in ("openai", "zmq", "dist", "metrics")}}
 
 
 @dataclass
@@ -250,7 +222,7 @@ class Fleet:
         why = haproxy_missing()
         if why:
             raise InvalidRequestError(why)
-        check_port_free(self.host, self.port, "the balancer")
+        check_free(self.host, self.port, "the balancer")
         if self.redis_url is not None:
             from ..storage.redis_store import RedisChunkStore  # imports torch: not at the top (hcache fleet --help)
 

@@ -19,7 +19,7 @@ from ..model.fingerprint import checkpoint_fingerprint, model_fingerprint
 from ..model.loader import check_device, load_model, model_dtype
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import SINGLE, TPGroup, local_spec, shard_model
-from ..planning.resolve import resolve
+from ..resolve import resolve
 from ..serving.engine import ServingEngine
 from ..serving.metrics import serve_metrics
 from ..serving.self_check import serving_engine
@@ -71,7 +71,7 @@ def resolve_deployment(settings: HCacheConfig, path: str, tensor_parallel: int =
         spec = local_spec(spec, TPGroup(0, tensor_parallel))
     _, device = engine_and_device(settings)
     return resolve(
-        settings, spec, path, tensor_parallel=tensor_parallel, measure=lambda: load_model(path, getattr(torch, spec.dtype), device)
+        settings, spec, path, tensor_parallel=tensor_parallel, measure=lambda: load_model(path, spec.torch_dtype, device)
     )
 
 

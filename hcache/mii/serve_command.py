@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
-from ..openai import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
+from ..ports import check_free
+from .server_signals import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 from . import serve
 
 DEFAULT_METRICS_PORT = 9464
@@ -96,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = settings(args)
     path = str(model_dir(args.model))
-    check_ports_free(_ports(args, config))
+    for flag, (host, port) in _ports(args, config).items():
+        check_free(host, port, flag)
     openai = client = None
 
     def start_openai(resolved) -> None:  # once the settings are checked; it starts while the deployment does
@@ -161,18 +163,6 @@ def _ports(args: argparse.Namespace, config: HCacheConfig) -> dict[str, tuple[st
     if config.metrics_port:
         ports["--metrics-port"] = (args.host, config.metrics_port)
     return ports
-
-
-def check_ports_free(ports: dict[str, tuple[str, int]]) -> None:
-    """Refuse to start, naming the flag, when a port is taken: MII's servers would log the failure and carry
-    on as if they served. Bound as servers bind (``SO_REUSEADDR``), so only a listener counts as taken."""
-    for flag, (host, port) in ports.items():
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError as exc:
-                raise InvalidRequestError(f"port {port} on {host} ({flag}) is not free: {exc.strerror}") from None
 
 
 @contextmanager

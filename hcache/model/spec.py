@@ -109,8 +109,13 @@ class ModelSpec:
 
     # ---- sizes: everything else in hcache sizes from these two -------------------------------------
     @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` (a name, so that a spec travels as JSON) as torch's."""
+        return getattr(torch, self.dtype)
+
+    @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def kv_dim(self) -> int:
@@ -128,9 +133,6 @@ class ModelSpec:
     def kv_to_hidden_ratio(self) -> float:
         """``r = 2·n_kv·head_size / D``: 2 for MHA; below 1, KV offload moves fewer bytes than hidden states."""
         return self.kv_bytes_per_token_layer / self.hidden_bytes_per_token_layer
-
-    def layer_module(self, layer: int, name: str) -> str:
-        return f"{self.layers_prefix}.{layer}.{name}"
 
     def describe(self) -> dict[str, Any]:
         d = asdict(self)

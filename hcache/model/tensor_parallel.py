@@ -1,14 +1,11 @@
-"""Tensor parallelism: a rank's group, its shard of the model, and which stored bytes it owns.
+"""Tensor parallelism: a rank's group and its shard of the model.
 
 The model is split Megatron-style over HF's own modules: q/k/v and gate/up (OPT: fc1) are split by output
 rows (column-parallel), so rank ``r`` holds q heads ``[r·h/tp, (r+1)·h/tp)`` and KV heads likewise; o and
 down (OPT: fc2) are split by input columns (row-parallel) and their partial outputs are summed with
 ``all_reduce``. Embeddings, norms and the LM head are replicated. A ReferenceEngine over the shard thus
-caches only the rank's KV heads, and its forward gives TP=1's logits.
-
-Storage: each rank stores K/V of its own heads; hidden states are the same on every rank, so chunk ``j``'s
-are stored only by rank ``j % tp``. Nothing is stored twice, and a restore reads every stored byte once:
-an H layer reads the rank's chunks and ``all_gather`` assembles the rest, a KV layer reads the rank's heads.
+caches only the rank's KV heads, and its forward gives TP=1's logits. Which rank stores which rows is the
+storage layer's rule (:mod:`hcache.storage.tp_ownership`); :meth:`TPGroup.gather_in_turn` is its collective.
 """
 from __future__ import annotations
 
@@ -20,8 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..storage.chunk_key import CHUNK_TOKENS
-from ..storage.stored_state import Format
 from .spec import ModelSpec
 
 # Per family: the MLP's column-parallel and row-parallel linears, inside a layer.
@@ -73,27 +68,16 @@ class TPGroup:
         backend = dist.get_backend(self.group)
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    # ---- what this rank stores and reads -------------------------------------------------------------
-    def stores(self, chunk: int, fmt: str) -> bool:
-        """Whether this rank stores ``fmt`` rows of chunk ``chunk``: its own KV heads of every chunk, and
-        the hidden states of every ``world_size``-th chunk."""
-        return fmt != Format.H.value or chunk % self.world_size == self.rank
-
-    def hidden_chunks(self, n: int, first: int = 0) -> range:
-        """Which of ``n`` chunks, from the sequence's chunk ``first`` on, this rank stores (and reads) the
-        hidden states of, counted from ``first``."""
-        return range((self.rank - first) % self.world_size, n, self.world_size)
-
-    def gather_hidden(self, rows: torch.Tensor, n: int, first: int = 0) -> torch.Tensor:
-        """All ``n`` chunks' rows ``[n·64, D]`` in token order, from each rank's rows of its
-        :meth:`hidden_chunks` (chunk ``first + i·tp + k`` is row block ``i`` of rank ``(first + k) % tp``)."""
+    def gather_in_turn(self, rows: torch.Tensor, n: int, block: int, first: int = 0) -> torch.Tensor:
+        """All ``n`` blocks of ``block`` rows ``[n·block, D]`` in order, from each rank's rows of the blocks
+        it holds in turn (block ``first + i·tp + k`` is row block ``i`` of rank ``(first + k) % tp``)."""
         if self.world_size == 1:
             return rows
-        per_rank = -(-n // self.world_size) * CHUNK_TOKENS  # ranks own one chunk more or less: pad to equal
+        per_rank = -(-n // self.world_size) * block  # ranks hold one block more or less: pad to equal
         padded = torch.nn.functional.pad(rows, (0, 0, 0, per_rank - rows.shape[0]))
-        gathered = self.all_gather(padded).view(self.world_size, -1, CHUNK_TOKENS, rows.shape[-1])
+        gathered = self.all_gather(padded).view(self.world_size, -1, block, rows.shape[-1])
         in_turn = [(first + k) % self.world_size for k in range(self.world_size)]
-        return gathered[in_turn].transpose(0, 1).reshape(-1, rows.shape[-1])[: n * CHUNK_TOKENS]
+        return gathered[in_turn].transpose(0, 1).reshape(-1, rows.shape[-1])[: n * block]
 
     def fingerprint(self, model_fingerprint: str) -> str:
         """The fingerprint this rank's chunks carry and its key chain is rooted in: a rank serves only

@@ -11,7 +11,7 @@ import argparse
 import logging
 import signal
 
-from . import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
+from ..mii.server_signals import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
 
 def main(argv: list[str] | None = None) -> None:

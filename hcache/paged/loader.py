@@ -32,7 +32,7 @@ from ..serving.records import MissReason, PutRestore, SequenceRecord
 from ..serving.restore import gather_runs, lookup_miss, restore_accounting, verify_fetched
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
-from ..storage.stored_state import decode, stored_rows
+from ..storage.stored_state import decode_rows, stored_rows
 from .layout import PagedLayout, block_slots
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class Loader:
             for layer in self.layers:
                 method = plan.layers[layer.index]
                 runs = gather_runs(copier, [stored_rows(image, layer.index, method.value) for image in images])
-                decoded = [decode(run, layer.cache.dtype) for run in runs]  # one run, unless chunks were stored in several encodings
+                decoded = [decode_rows(run, layer.cache.dtype) for run in runs]  # one run, unless chunks were stored in several encodings
                 rows = (decoded[0] if len(decoded) == 1 else torch.cat(decoded))[offset : offset + n]
                 if method is Method.H:
                     rows = self.rebuild(layer.index, rows, positions)

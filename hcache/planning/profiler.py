@@ -40,6 +40,7 @@ from ..storage.host_pool import PAGE, HostPool
 from ..storage.host_tier import DEFAULT_READERS, HostTier
 from ..transfer.copier import Copier
 from ..storage.stored_state import stored_encodings
+from ..storage.tp_ownership import shared_chunks
 from .plan import Method
 from .profile import COST_NAMES, ENCODED_COST_NAMES, TP_COST_NAMES, Profile
 
@@ -96,7 +97,7 @@ def measure_engine(
     """:func:`measure_profile` through any engine (FastGen's, for ``hcache profile --engine fastgen``), at
     history lengths already checked by :func:`profile_tokens`."""
     spec = engine.spec
-    dtype = getattr(torch, spec.dtype)
+    dtype = spec.torch_dtype
     names = COST_NAMES + ENCODED_COST_NAMES + (TP_COST_NAMES if tp.world_size > 1 else ())
     encodings = stored_encodings("8bit")
     seconds: dict[str, list[float]] = {name: [] for name in names}
@@ -107,7 +108,7 @@ def measure_engine(
             hidden = torch.randn(n, spec.hidden_size, generator=gen).to(engine.device, dtype)
             kv = torch.randn(n, 2, spec.num_kv_heads, spec.head_size, generator=gen).to(engine.device, dtype)
             ids = torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
-            own_hidden = hidden[: len(tp.hidden_chunks(n // CHUNK_TOKENS)) * CHUNK_TOKENS]  # this rank's rows
+            own_hidden = hidden[: len(shared_chunks(tp.rank, tp.world_size, n // CHUNK_TOKENS)) * CHUNK_TOKENS]  # this rank's rows
             hidden8, kv8 = quantise(hidden, encodings[Method.H.value]), quantise(kv, encodings[Method.KV.value])
             measures: dict[str, Callable[[], object]] = {
                 "c_token": lambda: engine.recompute_layers(0, ids, 1),
@@ -117,7 +118,7 @@ def measure_engine(
                 "c_kv8": lambda: engine.restore_kv(0, 0, kv8),
             }
             if tp.world_size > 1:
-                measures["ag_h"] = lambda: tp.gather_hidden(own_hidden, n // CHUNK_TOKENS)
+                measures["ag_h"] = lambda: tp.gather_in_turn(own_hidden, n // CHUNK_TOKENS, CHUNK_TOKENS)
             engine.begin_restore(0, n)
             for name, fn in measures.items():
                 bar.set_postfix(tokens=n, cost=name)

@@ -30,7 +30,8 @@ from ..storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from ..storage.anchor_log import AnchorLog
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, content_key
 from ..storage.host_tier import HostTier
-from ..storage.stored_state import decode, is_encoded, row_shapes, scale_format, scale_shape, stored_rows
+from ..storage.stored_state import decode_rows, is_encoded, row_shapes, scale_format, scale_shape, stored_rows
+from ..storage.tp_ownership import shared_chunks, stores
 from ..transfer.copier import Copier
 from .records import MissReason
 
@@ -199,7 +200,7 @@ def restore_prefix(
 
 def _reading(tp: TPGroup, fmt: str, n: int, agreed: int, first: int) -> range:
     """The chunks whose ``fmt`` rows this rank reads."""
-    return tp.hidden_chunks(agreed if tp.world_size > 1 else n, first) if fmt == Method.H.value else range(n)
+    return shared_chunks(tp.rank, tp.world_size, agreed if tp.world_size > 1 else n, first) if fmt == Method.H.value else range(n)
 
 
 def _restore_layers(
@@ -209,7 +210,7 @@ def _restore_layers(
     """Each stored layer's rows from the pool into the engine: KV copied into the paged cache, H copied to
     the device and projected. Copies run ``copier.depth`` layers ahead of the compute."""
     n, spec = len(images), engine.spec
-    dtype = getattr(torch, spec.dtype)
+    dtype = spec.torch_dtype
     filler = torch.zeros(CHUNK_TOKENS, spec.hidden_size, dtype=dtype) if tp.world_size > 1 else None  # TP only
 
     def stage(layer: int, fmt: str):
@@ -232,12 +233,12 @@ def _restore_layers(
         (layer, fmt), (runs, last) = jobs[i], ahead.popleft()
         if fmt == Method.H.value:
             copier.wait(last, *(t for run in runs for t in ((run.codes, run.scale) if isinstance(run, QuantRows) else [run])))
-            pieces = [decode(run, dtype) for run in runs]
+            pieces = [decode_rows(run, dtype) for run in runs]
             if len(pieces) == 1:  # a layer stored in one encoding: its gathered rows as they are
                 rows = pieces[0]
             else:  # none (a TP rank with no chunk's H), or chunks stored in several encodings
                 rows = torch.cat(pieces) if pieces else torch.empty(0, spec.hidden_size, dtype=dtype, device=engine.device)
-            rows = tp.gather_hidden(rows, agreed, first)[held:stop]  # collective: every rank gathers
+            rows = tp.gather_in_turn(rows, agreed, CHUNK_TOKENS, first)[held:stop]  # collective: every rank gathers
             if len(rows):
                 engine.restore_from_hidden(uid, layer, rows)
     copier.wait(last)  # the KV copies land before anything reads the cache
@@ -262,9 +263,9 @@ def verify_fetched(
     a format the plan restores from; why the prefix ends there (a message if it ends early for a reason
     worth one, and the :class:`MissReason`)."""
     stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
-    shapes, dtype = row_shapes(spec), getattr(torch, spec.dtype)
+    shapes, dtype = row_shapes(spec), spec.torch_dtype
     # The tensors a chunk must hold, by which TP rank owns its H; chunks share a few layouts, each checked once.
-    needs = [{(layer, fmt) for layer, fmt in stored if tp.stores(r, fmt)} for r in range(tp.world_size)]
+    needs = [{(layer, fmt) for layer, fmt in stored if stores(tp.rank, tp.world_size, r, fmt)} for r in range(tp.world_size)]
     checked: dict[tuple, tuple[str | None, list[str]]] = {}
     for j, (key, f) in enumerate(zip(keys, fetches)):
         try:

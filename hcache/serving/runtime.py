@@ -25,7 +25,7 @@ from ..model.fingerprint import model_fingerprint
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load_model
 from ..model.tensor_parallel import SINGLE, TPGroup, shard_model
 from ..planning.plan import RestorePlan
-from ..planning.resolve import resolve
+from ..resolve import resolve
 from .engine import ServingEngine
 from .records import RestoreStep
 from .self_check import serving_engine

@@ -2,10 +2,10 @@
 
 Before an engine serves, :func:`serving_engine` saves a short random history on it into a throwaway store
 (a temporary directory, removed after), restores it by each stored method the plan may use
-(:func:`~hcache.planning.resolve.self_check_methods`), and compares each restored cache and next token with
+(:func:`~hcache.resolve.self_check_methods`), and compares each restored cache and next token with
 the engine's own recompute of the same tokens, by the rule ``hcache check`` uses (:func:`layer_excess`,
 :class:`Comparison`). A method that fails is disabled for the process
-(:func:`~hcache.planning.resolve.disable_methods`): one warning says why, and the metric
+(:func:`~hcache.resolve.disable_methods`): one warning says why, and the metric
 ``hcache_self_check_disabled{method}`` is 1. ``self_check="strict"`` refuses to start instead
 (:class:`SelfCheckFailed`), and ``"off"`` skips the check. RE is not checked: it is the engine's own
 forward, the recompute the others are compared with.
@@ -34,7 +34,7 @@ from ..model.spec import ModelSpec
 from ..model.tensor_parallel import SINGLE, TPGroup
 from ..ops.rope_bound import rope_bound
 from ..planning.plan import Method, RestorePlan
-from ..planning.resolve import disable_methods, resolve, self_check_methods
+from ..resolve import disable_methods, resolve, self_check_methods
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.store_config import StoreConfig
 from .engine import ServingEngine

@@ -26,6 +26,7 @@ from ..storage.chunk import ChunkLayout
 from ..storage.host_tier import HostTier
 from ..storage.prefetch import Prefetcher
 from ..storage.stored_state import Encodings, base_format, encode_rows, stored_tensors
+from ..storage.tp_ownership import stores
 from ..transfer.copier import Copier
 from ..transfer.saver import ChunkSaver
 from .gpu_prefix_cache import GpuPrefixCache
@@ -107,7 +108,7 @@ class StoreStack:
                 eviction=eviction,
             )
             self.saver = ChunkSaver(
-                self.store, self.fingerprint, tensors, stores=lambda c, f: tp.stores(c, base_format(f)),
+                self.store, self.fingerprint, tensors, stores=lambda c, f: stores(tp.rank, tp.world_size, c, base_format(f)),
                 value=lambda chunk: cost(chunk * CHUNK_TOKENS, CHUNK_TOKENS),
             )
             if any(formats):

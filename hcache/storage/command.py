@@ -21,8 +21,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-_SUFFIX = ".safetensors"
-
 
 class _BadArguments(Exception):
     pass
@@ -74,12 +72,12 @@ def _store_dir(arg: str) -> Path:
 
 def _chunk_files(d: Path) -> list[_File]:
     """The published chunk files (``chunks/<key[:2]>/<key>.safetensors``); temporary files are skipped."""
-    from .disk_store import _KEY
+    from .store_dir import SUFFIX, key_of  # imports torch: here, so that `hcache --help` does not
 
     files = []
-    for path in sorted((d / "chunks").glob("*/*" + _SUFFIX)):
-        key = path.name[: -len(_SUFFIX)]
-        if path.name.startswith(".") or not _KEY.fullmatch(key) or path.parent.name != key[:2]:
+    for path in sorted((d / "chunks").glob("*/*" + SUFFIX)):
+        key = key_of(path)
+        if key is None:
             continue
         try:
             st = path.stat()

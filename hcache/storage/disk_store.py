@@ -6,7 +6,7 @@ when the chunk is written. Each directory is opened by :mod:`.store_dir` (its ma
 Crash safety. A chunk is written to a temporary name (``.<key>.<random>.tmp``), flushed to the device
 (``fdatasync``), and renamed into place, so a chunk name never refers to a torn file, whenever the writer
 dies. The directory is not fsynced after each rename: a power loss may forget the newest renames, which
-costs a recompute of those chunks, never a wrong answer. The index is in memory and rebuilt from the directories at start-up: temporary files are deleted,
+costs a recompute of those chunks, never a wrong answer. The index is in memory and rebuilt from the directories at start-up (:mod:`.dir_scan`): temporary files are deleted,
 every chunk file is checked (its header and length by default, every checksum with ``verify="full"``) and
 a bad one is deleted. So the index never lists a chunk that is not on disk whole.
 
@@ -18,7 +18,8 @@ A use is a look-up, a read, or a hit in a tier above passed down by :meth:`touch
 the most used chunks, so without it they would look the least used here); a look-up of a chain's chunks
 uses the last first, so a parent is always the more recent. The order and the TTL are rebuilt from file
 times at start-up, so a use also sets the file's time: at most once a second per chunk (``_STAMP_S``), on
-a thread of the store's own, never on the caller's. A crash loses at most the uses of the last moments.
+a thread of the store's own, never on the caller's (:mod:`.use_stamps`). A crash loses at most the uses of
+the last moments.
 A chunk is pinned while :meth:`read_into` reads it, and a pinned chunk is never evicted.
 
 Losses. What the store evicted, what it found bad (at start-up, on a read, or a file whose length
@@ -41,7 +42,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -49,44 +49,21 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-import torch
-
-from .. import helper_threads
 from ..errors import StorageError
 from . import direct_io as dio
-from .chunk import ChunkImage, ChunkInvalid, ChunkLayout, ChunkOtherVersion, read_header
+from .chunk import ChunkInvalid, ChunkLayout, read_header
 from .chunk_store import Loss, LossLog
+from .dir_scan import scan
 from .lru_index import Entry, LruIndex
-from .store_dir import DIR_MODE, directories, open_dir
+from .store_dir import CHUNK_KEY, DIR_MODE, chunk_path, directories, open_dir
 from .stored_state import Tier
+from .use_stamps import UseStamps, set_time
 
 log = logging.getLogger(__name__)
 
 
 VERIFY_MODES = ("none", "header", "full")
-_KEY = re.compile(r"[0-9a-f]{32}")
-_SUFFIX = ".safetensors"
-_STALE_TMP_S = 86400.0  # in shared mode, a temporary file this old is an abandoned write
 _STAMP_S = 1.0  # a use is recorded in the file's time at most this often: a restart's order is that coarse
-
-
-def chunk_path(directory: Path, key: str) -> Path:
-    """Where a store directory keeps the chunk ``key``."""
-    return directory / "chunks" / key[:2] / f"{key}{_SUFFIX}"
-
-
-def _age(path: Path) -> float:
-    try:
-        return time.time() - path.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def _set_time(path: Path, when: float) -> None:
-    try:
-        os.utime(path, (when, when))
-    except OSError:
-        pass  # evicted or replaced meanwhile: a replacement's time is as recent
 
 
 def _release_all(releases: list) -> None:
@@ -145,13 +122,11 @@ class DiskChunkStore:
         self._lock = threading.Lock()
         self._index = LruIndex(quota_bytes, ttl_s, clock)
         self._stamp_s = _STAMP_S if ttl_s is None else min(_STAMP_S, ttl_s / 8)
-        self._stamps: dict[str, tuple[Path, float]] = {}  # file times to set, the latest per chunk
-        self._stamping = False  # a stamper task is queued or running
-        self._stamper = stamper = helper_threads.executor(1, "hcache-stamp")
+        self._stamps = stamps = UseStamps()
         self._next_dir = 0
         self._writing: set[str] = set()  # keys with a put in flight
         self._written = threading.Condition(self._lock)  # notified when a put ends
-        releases: list = [lambda: stamper.shutdown(wait=False)]
+        releases: list = [stamps.shutdown]
         self._finalizer = weakref.finalize(self, _release_all, releases)
         sole = []  # per directory: no other store object here holds it, so its temporary files are abandoned
         for d in self.dirs:
@@ -195,48 +170,15 @@ class DiskChunkStore:
         """Record the last uses in the file times and let another process open these directories (also done
         when the store is collected, without the last uses)."""
         if self._finalizer.alive:
-            self._stamper.submit(self._set_stamps).result()
+            self._stamps.flush()
         self._finalizer()
 
     def _rebuild(self, verify: str, sole: list[bool]) -> None:
-        found: dict[str, tuple[Path, Entry]] = {}
-        for i, d in enumerate(self.dirs):
-            for path in (d / "chunks").glob("*/*"):
-                name = path.name
-                if name.startswith(".") and name.endswith(".tmp"):
-                    if sole[i] or _age(path) > _STALE_TMP_S:
-                        path.unlink(missing_ok=True)  # a write that never got published
-                    continue
-                key = name[: -len(_SUFFIX)]
-                if not name.endswith(_SUFFIX) or not _KEY.fullmatch(key) or path.parent.name != key[:2]:
-                    continue
-                parent = ""  # not known without reading the header (verify="none")
-                try:
-                    st = path.stat()
-                    if verify == "full":
-                        data = torch.frombuffer(bytearray(path.read_bytes()) or bytearray(1), dtype=torch.uint8)
-                        parent = ChunkImage.parse(data, key, st.st_size).parent
-                    elif verify == "header":
-                        with open(path, "rb") as f:
-                            parent = read_header(f, key, st.st_size)[1].get("parent", "")
-                except ChunkOtherVersion as exc:  # another hcache's: not this store's to count, serve or delete
-                    log.warning("leaving chunk file %s alone: %s", path, exc)
-                    self.other_version_at_start += 1
-                    continue
-                except (OSError, ChunkInvalid) as exc:
-                    log.warning("dropping chunk file %s at start-up: %s", path, exc)
-                    self.dropped_at_start += 1
-                    self._gone.add(key, Loss.FAILED_VERIFICATION)
-                    path.unlink(missing_ok=True)
-                    continue
-                entry = Entry(st.st_size, st.st_mtime, i, stamped=st.st_mtime, parent=parent)
-                if key in found:  # the same chunk in two directories: keep the newer copy
-                    older, newer = sorted([found[key], (path, entry)], key=lambda pe: pe[1].last_used)
-                    older[0].unlink(missing_ok=True)
-                    found[key] = newer
-                else:
-                    found[key] = (path, entry)
-        self._index.add_in_age_order([(key, entry) for key, (_, entry) in found.items()])
+        found = scan(self.dirs, verify, sole)
+        self.dropped_at_start, self.other_version_at_start = len(found.dropped), found.other_version
+        for key in found.dropped:
+            self._gone.add(key, Loss.FAILED_VERIFICATION)
+        self._index.add_in_age_order([(key, entry) for key, (_, entry) in found.chunks.items()])
         with self._lock:
             victims = self._index.make_room(0) or []
             if victims:  # a quota below what the directories hold: the oldest go now
@@ -355,7 +297,7 @@ class DiskChunkStore:
             path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
             self.direct[where] = dio.write_file(tmp, data, size, self.direct[where], self.fsync)
             os.replace(tmp, path)  # the data is on the device first, so a crash never leaves a torn chunk
-            _set_time(path, now)  # the index's clock, which a restart reads back
+            set_time(path, now)  # the index's clock, which a restart reads back
         except BaseException:
             tmp.unlink(missing_ok=True)
             with self._lock:
@@ -420,24 +362,7 @@ class DiskChunkStore:
         if entry.last_used - entry.stamped < self._stamp_s:
             return
         entry.stamped = entry.last_used
-        self._stamps[key] = (self.path(key, entry.where), entry.last_used)
-        if not self._stamping:
-            self._stamping = True
-            try:
-                self._stamper.submit(self._set_stamps)
-            except RuntimeError:  # closed: the use is not recorded on disk
-                self._stamping = False
-
-    def _set_stamps(self) -> None:
-        """The stamper's task: set the file times noted, until none is left."""
-        while True:
-            with self._lock:
-                stamps, self._stamps = self._stamps, {}
-                if not stamps:
-                    self._stamping = False
-                    return
-            for path, when in stamps.values():
-                _set_time(path, when)
+        self._stamps.note(self.path(key, entry.where), entry.last_used)
 
     def _forget(self, key: str, entry: Entry) -> None:
         """Drop ``entry`` from the index if it is still ``key``'s: its file vanished or changed behind the store's back."""
@@ -448,7 +373,7 @@ class DiskChunkStore:
 
     def _adopt(self, key: str) -> Entry | None:
         """A chunk published by another process (or another store object) over the same directories."""
-        if not _KEY.fullmatch(key):
+        if not CHUNK_KEY.fullmatch(key):
             return None
         for i in range(len(self.dirs)):
             try:

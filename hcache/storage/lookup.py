@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .disk_store import chunk_path
+from .store_dir import chunk_path
 from .redis_store import RedisChunkStore
 
 

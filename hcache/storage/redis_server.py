@@ -6,7 +6,6 @@ Each server keeps nothing on disk (no RDB, no AOF) and is stopped by its process
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import redis
 
 from ..errors import StorageError
+from ..ports import free_port
 
 _START_S = 10.0
 
@@ -27,28 +27,11 @@ def redis_missing() -> str | None:
     return f"{' and '.join(missing)} not installed (Debian package redis-server; scripts/install.sh installs it as root)"
 
 
-def _free_port(cluster: bool) -> int:
-    """A free port; for a cluster node, one whose bus port (10000 higher) is free too."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not cluster:
-            return port
-        if port + 10000 <= 65535:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                    return port
-                except OSError:
-                    continue
-
-
 class RedisServer:
     """One ``redis-server`` on 127.0.0.1; ``cluster``: started as a cluster node (see :class:`RedisCluster`)."""
 
     def __init__(self, *, cluster: bool = False, maxmemory: str | None = None, port: int | None = None):
-        self.port = port or _free_port(cluster)
+        self.port = port or free_port(also=[10000] if cluster else [])  # a cluster node's bus port too
         self.cluster, self.maxmemory = cluster, maxmemory
         self._dir = tempfile.mkdtemp(prefix="hcache-redis-")
         self.process: subprocess.Popen | None = None

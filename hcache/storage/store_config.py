@@ -1,4 +1,5 @@
-"""How a runtime's store is built: the host tier, the local disk store under it, and shared tiers below."""
+"""How a runtime's store is built: the host tier, the local disk store under it, and shared tiers below, each
+built by the kind its URL's scheme names (:data:`SHARED_KINDS`)."""
 from __future__ import annotations
 
 import os
@@ -44,8 +45,7 @@ class StoreConfig:
         if isinstance(self.tiers, str):
             raise StorageError(f"tiers is a list of tier URLs, not the string {self.tiers!r}")
         object.__setattr__(self, "tiers", tuple(self.tiers))
-        for url in self.tiers:  # parsed now; a Redis tier connects on first use
-            RedisChunkStore.from_url(url) if _is_redis(url) else _path(url)
+        self._shared()  # parsed now; a Redis tier connects on first use
 
     def check(self, chunk_bytes: int) -> None:
         """Refuse options that cannot hold a chunk file of ``chunk_bytes``, before anything is opened."""
@@ -63,9 +63,8 @@ class StoreConfig:
         processes that open them start."""
         if dirs is not None:
             DiskChunkStore.check(dirs)
-        for url in self.tiers:
-            if not _is_redis(url):
-                DiskChunkStore.check(_path(url), shared=True)
+        for tier in self._shared():
+            tier.check()
 
     def open_store(
         self,
@@ -85,9 +84,9 @@ class StoreConfig:
         stores: list[ChunkStore] = []
         try:
             if dirs is not None:
-                stores.append(self._disk(dirs, labels, shared=False))
-            for url in self.tiers:
-                stores.append(RedisChunkStore.from_url(url) if _is_redis(url) else self._disk(_path(url), labels, shared=True))
+                stores.append(self.disk(dirs, labels, shared=False))
+            for tier in self._shared():
+                stores.append(tier.open(self, labels))
         except BaseException:
             for store in stores:
                 store.close()
@@ -97,11 +96,16 @@ class StoreConfig:
     def lookup(self, dirs: str | os.PathLike | Sequence[str | os.PathLike] | None) -> StoreLookup:
         """A look-up of what the store over ``dirs`` and the shared tiers holds, for a process that does not
         open it (:class:`~hcache.storage.lookup.StoreLookup`)."""
-        shared = [Path(_path(url)) for url in self.tiers if not _is_redis(url)]
+        shared = self._shared()
         local = directories(dirs) if dirs is not None else []
-        return StoreLookup(local + shared, [RedisChunkStore.from_url(url) for url in self.tiers if _is_redis(url)])
+        return StoreLookup(local + [t.path for t in shared if isinstance(t, SharedDirectory)],
+                           [t.open(self, None) for t in shared if isinstance(t, RedisTier)])  # fmt: skip
 
-    def _disk(self, dirs, labels: Mapping[str, str] | None, shared: bool) -> DiskChunkStore:
+    def _shared(self) -> list[SharedTier]:
+        return [shared_tier(url) for url in self.tiers]
+
+    def disk(self, dirs, labels: Mapping[str, str] | None, shared: bool) -> DiskChunkStore:
+        """A disk store over ``dirs`` with these options."""
         return DiskChunkStore(
             dirs,
             quota_bytes=self.quota_bytes,
@@ -114,14 +118,41 @@ class StoreConfig:
         )
 
 
-def _is_redis(url: str) -> bool:
-    return urlsplit(url).scheme in REDIS_SCHEMES
+class RedisTier:
+    """A Redis server or cluster shared by nodes (:class:`~hcache.storage.redis_store.RedisChunkStore`)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        RedisChunkStore.from_url(url)  # refuses a bad URL now
+
+    def check(self) -> None:
+        """Nothing to check before start: the server is asked on first use, and a failing one is a miss."""
+
+    def open(self, config: StoreConfig, labels: Mapping[str, str] | None) -> ChunkStore:
+        return RedisChunkStore.from_url(self.url)
 
 
-def _path(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme == "file":
-        return parts.path
-    if parts.scheme:
+class SharedDirectory:
+    """A directory on a filesystem shared by nodes (``file:///path`` or a plain path)."""
+
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        self.path = Path(parts.path if parts.scheme == "file" else url)
+
+    def check(self) -> None:
+        DiskChunkStore.check(self.path, shared=True)
+
+    def open(self, config: StoreConfig, labels: Mapping[str, str] | None) -> ChunkStore:
+        return config.disk(self.path, labels, shared=True)
+
+
+SharedTier = RedisTier | SharedDirectory
+SHARED_KINDS: dict[str, type[SharedTier]] = {**dict.fromkeys(REDIS_SCHEMES, RedisTier), "file": SharedDirectory, "": SharedDirectory}
+
+
+def shared_tier(url: str) -> SharedTier:
+    """The shared tier ``url`` names, by its scheme."""
+    kind = SHARED_KINDS.get(urlsplit(url).scheme)
+    if kind is None:
         raise StorageError(f"unknown tier {url!r}: expected redis://, redis+cluster://, file:// or a directory")
-    return url
+    return kind(url)

@@ -1,6 +1,7 @@
-"""A disk store's directory: made private, locked to one process, and labelled with its layout and savers.
+"""A disk store's directory: made private, locked to one process, labelled with its layout and savers, and
+where each chunk's file is.
 
-Each directory of a store holds ``chunks/`` and ``hcache-store.json``, its manifest: the layout version,
+Each directory of a store holds ``chunks/<key[:2]>/<key>.safetensors`` and ``hcache-store.json``, its manifest: the layout version,
 which a store of another version refuses, and the labels (for the runtime: model fingerprint and dtype) of
 everyone who has saved there. Labels are opaque here. Directories are 0700 whatever the umask: the chunk
 files hold token ids in clear. Opening one takes its lock (:mod:`.dir_lock`) before reading the manifest.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,6 +22,19 @@ from .chunk_key import LAYOUT_VERSION
 
 MANIFEST = "hcache-store.json"
 DIR_MODE = 0o700
+CHUNK_KEY = re.compile(r"[0-9a-f]{32}")
+SUFFIX = ".safetensors"
+
+
+def chunk_path(directory: Path, key: str) -> Path:
+    """Where a store directory keeps the chunk ``key``."""
+    return directory / "chunks" / key[:2] / f"{key}{SUFFIX}"
+
+
+def key_of(path: Path) -> str | None:
+    """The key of the chunk file at ``path``, or None for any other file (a temporary one, say)."""
+    key = path.name[: -len(SUFFIX)]
+    return key if path.name.endswith(SUFFIX) and CHUNK_KEY.fullmatch(key) and path.parent.name == key[:2] else None
 
 
 def directories(dirs: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:

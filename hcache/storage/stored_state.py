@@ -4,7 +4,7 @@ codec between a layer's rows and those tensors.
 A chunk holds, per layer, the rows of each format saved: ``H`` (hidden states, one ``[hidden]`` vector a
 token) and ``KV`` (``[2, kv_heads, head]`` a token), each in the model's dtype or in an 8-bit encoding
 (codes, plus a float16 scale tensor ``"<format>.scale"``, :mod:`hcache.ops.quant`). The saving side encodes
-with :func:`encode_rows`, the restoring side reads with :func:`stored_rows` and :func:`decode`: one module
+with :func:`encode_rows`, the restoring side reads with :func:`stored_rows` and :func:`decode_rows`: one module
 holds both directions, so they cannot drift apart. A chunk's own tensors say how it was encoded, so chunks
 of every encoding restore on any runtime.
 """
@@ -119,7 +119,7 @@ def row_shapes(spec) -> dict[str, tuple[int, ...]]:
 def stored_tensors(spec, formats: Sequence[frozenset[str]], encodings: Encodings) -> list[TensorSpec]:
     """The tensors a chunk holds: per layer, each of its ``formats`` in the model's dtype, or, for those in
     ``encodings``, as 8-bit codes and their float16 scales."""
-    shapes, dtype = row_shapes(spec), getattr(torch, spec.dtype)
+    shapes, dtype = row_shapes(spec), spec.torch_dtype
     tensors = []
     for layer, fs in enumerate(formats):
         for fmt in sorted(fs):
@@ -152,6 +152,6 @@ def stored_rows(image, layer: int, fmt: str) -> torch.Tensor | QuantRows:
     return QuantRows(rows, image.tensor(layer, scale_format(fmt))) if is_encoded(rows.dtype) else rows
 
 
-def decode(rows: torch.Tensor | QuantRows, dtype: torch.dtype) -> torch.Tensor:
+def decode_rows(rows: torch.Tensor | QuantRows, dtype: torch.dtype) -> torch.Tensor:
     """Stored rows in the model's ``dtype``: 8-bit codes dequantised, lossless rows as they are."""
     return dequantise(rows, dtype) if isinstance(rows, QuantRows) else rows

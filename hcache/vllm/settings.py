@@ -19,7 +19,7 @@ from ..errors import InvalidRequestError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.spec import ModelSpec
 from ..planning.plan import Method
-from ..planning.resolve import resolve
+from ..resolve import resolve
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from hcache.paged.layout import PagedLayout, block_slots
 from hcache.paged.loader import Loader, LoadJob, PagedLayer
 from hcache.serving.records import SequenceRecord
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
-from hcache.storage.stored_state import decode, stored_rows
+from hcache.storage.stored_state import decode_rows, stored_rows
 
 LAYERS, BLOCK, KERNEL_BLOCK = 3, 32, 16
 
@@ -49,7 +49,7 @@ def _stored(serving, keys: list[str], fmt: str) -> list[torch.Tensor]:
     """Each layer's stored rows of ``keys``' chunks, in order."""
     images = [serving.stack.store.fetch(key).result() for key in keys]
     try:
-        return [torch.cat([decode(stored_rows(image, layer, fmt), torch.float32) for image in images]) for layer in range(LAYERS)]
+        return [torch.cat([decode_rows(stored_rows(image, layer, fmt), torch.float32) for image in images]) for layer in range(LAYERS)]
     finally:
         for image in images:
             serving.stack.store.release(image)

@@ -15,7 +15,7 @@ from hcache.model.loader import model_dir
 from hcache.ops.quant import QuantRows
 from hcache.planning.plan import Method, RestorePlan
 from hcache.planning.profile import Profile
-from hcache.planning.resolve import disable_methods, resolve, self_check_methods
+from hcache.resolve import disable_methods, resolve, self_check_methods
 from hcache.serving.runtime import HCacheRuntime
 from hcache.serving.self_check import SelfCheckFailed, layer_excess
 

@@ -4,7 +4,7 @@ import pytest
 from support.helpers import loaded
 
 from hcache.planning.profile import COST_NAMES, Profile
-from hcache.planning.resolve import resolve
+from hcache.resolve import resolve
 from hcache.serving.store_stack import recompute_cost
 from hcache.storage.chunk_key import CHUNK_TOKENS
 

@@ -32,7 +32,7 @@ def corrupt_tensor(store, key: str, layer: int, fmt: str) -> None:
 def serving_engine(engine, fingerprint: str, store_dir, model_name: str = "test", **settings):
     """A serving engine over ``engine``, by ``settings`` (:class:`~hcache.config.HCacheConfig`) resolved for
     its model, as the runtime builds one."""
-    from hcache.planning.resolve import resolve
+    from hcache.resolve import resolve
     from hcache.serving.engine import ServingEngine
     from hcache.serving.store_stack import StoreStack
 

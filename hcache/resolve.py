@@ -1,19 +1,20 @@
 """The one step that resolves hcache's settings for a model (:func:`resolve`), where the process that starts
 serving runs: the runtime's constructor, or ``hcache.mii.pipeline``/``serve`` before any model server starts.
-It sits above the settings (:mod:`hcache.config`) because ``plan="auto"`` may measure this machine's profile
-(:mod:`hcache.planning.auto_profile`), which runs an engine and a store."""
+It sits above the settings (:mod:`hcache.config`) and planning (:mod:`hcache.planning`), which knows no
+settings: ``plan="auto"`` may measure this machine's profile (:mod:`hcache.planning.auto_profile`), which
+runs an engine and a store."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from ..config import EngineKind, HCacheConfig, ResolvedConfig, engine_and_device, fixed_plan, is_auto
-from ..model.loader import LoadedModel
-from ..model.spec import ModelSpec
-from ..storage.chunk_key import CHUNK_TOKENS
-from ..storage.stored_state import parse_stored_dtype
-from .auto_profile import auto_profile
-from .plan import Method
-from .profile import Profile, profile_command
+from .config import EngineKind, HCacheConfig, ResolvedConfig, engine_and_device, fixed_plan, is_auto
+from .model.loader import LoadedModel
+from .model.spec import ModelSpec
+from .planning.auto_profile import auto_profile
+from .planning.plan import Method
+from .planning.profile import Profile, profile_command
+from .storage.chunk_key import CHUNK_TOKENS
+from .storage.stored_state import parse_stored_dtype
 
 
 def resolve(

@@ -1,4 +1,5 @@
-"""How a deployment's gRPC answer reaches an HTTP client: one rule for the REST gateway and the OpenAI API."""
+"""How a deployment's gRPC answer reaches an HTTP client: one rule for MII's REST gateway and hcache's OpenAI
+server (which stands on the deployment, so the rule lives with it)."""
 import grpc
 
 
