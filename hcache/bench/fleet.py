@@ -21,7 +21,8 @@ import numpy as np
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from ..fleet import Fleet, chat, free_port
+from ..fleet.nodes import Fleet, chat
+from ..ports import free_port
 from ..model.loader import DEFAULT_MODEL, model_dir
 
 

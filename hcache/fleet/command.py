@@ -8,7 +8,7 @@ import time
 
 from ..defaults import DEFAULT_MODEL
 from ..mii.serve_command import signals_ignored
-from . import Fleet
+from .nodes import Fleet
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -105,7 +105,7 @@ def test_a_family_that_cannot_run_fails_its_cases_and_the_others_still_run(monke
     cases = check_restores(["reference"], ("qwen2", "llama"))
     assert [(c["family"], c["ok"]) for c in cases] == [("qwen2", False)] * len(PLANS) + [("llama", True)] * len(PLANS)
     assert cases[0]["error"] == "RuntimeError: no engine for qwen2"
-    from hcache.check import markdown
+    from hcache.check.command import markdown
 
     table = markdown({"machine": {"gpu": None, "cpu": "x", "date": "d"}, "command": "c",
                       "steps": {"correctness": {"cases": cases, "seconds": 1}}})  # fmt: skip
