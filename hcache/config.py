@@ -22,13 +22,14 @@ from .defaults import DEFAULT_READERS
 from .errors import InvalidRequestError
 from .model.loader import model_dtype
 from .model.spec import ModelSpec
-from .planning.plan import Method, RestorePlan, default_plan
+from .planning.plan import Method, RestorePlan
+from .planning.policy import PlanPolicy, is_auto
 from .planning.profile import Profile
 from .storage.chunk_key import check_namespace
 from .storage.store_config import StoreConfig
 from .storage.stored_state import Encoding, Format, code_dtypes, parse_stored_dtype
 
-AUTO = "auto"
+AUTO = "auto"  # a setting hcache decides
 SavePolicy = Literal["plan", "all", "none"]
 EngineKind = Literal["fastgen", "reference", "vllm"]
 EvictionPolicy = Literal["cost", "lru"]
@@ -202,43 +203,11 @@ class ResolvedConfig(BaseModel):
             return dirs
         return [str(Path(d) / f"tp{self.tensor_parallel}-rank{rank}") for d in dirs]
 
-    def request_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
-        """A request's own plan (``None``: the configured one), checked against the model; ``None`` back
-        means the profile's plan per history length."""
-        if plan is None:
-            return self.plan
-        if is_auto(plan):
-            if self.profile is None:
-                raise InvalidRequestError("plan 'auto' needs a profile: pass profile=... or run `hcache profile`")
-            return None
-        return self.allowed(fixed_plan(plan, self.spec))
-
-    def plan_for(self, plan: RestorePlan | None, history: int) -> RestorePlan:
-        """The plan a restore of ``history`` tokens follows, given a request's resolved ``plan``: for the
-        profile's, the best one without the disabled methods."""
-        if plan is not None:
-            return plan
-        allow = {m: m not in self.disabled for m in (Method.H, Method.KV)}
-        return self.profile.plan(
-            self.spec, history, self.encodings, allow_h=allow[Method.H], allow_kv=allow[Method.KV], allow_re=self.recomputes_layers
-        )
-
     @property
-    def recomputes_layers(self) -> bool:
-        """Whether the engine can recompute a token's first layers and restore the rest (a plan's RE layers):
-        not vLLM, which computes every layer of a token it does not load."""
-        return self.engine != "vllm"
-
-    def allowed(self, plan: RestorePlan) -> RestorePlan:
-        """``plan`` without the disabled methods: their layers restore by a method that passed the
-        self-check, or else by RE, and every layer before the last RE one is RE too (RE runs the first
-        layers, so a plan is ``RE* H* KV*``)."""
-        if not self.disabled.intersection(plan.layers):
-            return plan
-        passed = [m for m in (Method.KV, Method.H) if m in self.verified - self.disabled]
-        layers = [(passed[0] if passed else Method.RE) if m in self.disabled else m for m in plan.layers]
-        recompute = max((i + 1 for i, m in enumerate(layers) if m is Method.RE), default=0)
-        return RestorePlan((Method.RE,) * recompute + tuple(layers[recompute:]))
+    def policy(self) -> PlanPolicy:
+        """The plan policy these settings serve by: which plan each restore follows (made on each call: a
+        copy with other ``disabled`` methods must not share it)."""
+        return PlanPolicy(self.spec, self.plan, self.profile, self.encodings, self.engine != "vllm", self.disabled, self.verified)
 
     def check_engine(self, spec: ModelSpec) -> None:
         """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype
@@ -258,22 +227,6 @@ def engine_and_device(settings: HCacheConfig) -> tuple[EngineKind, str]:
     cuda = torch.cuda.is_available()
     engine = settings.engine if settings.engine != AUTO else ("fastgen" if cuda else "reference")
     return engine, settings.device or ("cuda" if cuda else "cpu")
-
-
-def is_auto(plan: object) -> bool:
-    return isinstance(plan, str) and plan.strip().lower() == AUTO
-
-
-def fixed_plan(plan: str | RestorePlan | None, spec: ModelSpec) -> RestorePlan:
-    """A fixed plan for ``spec``: the one given, or the default for ``None`` (and for ``"auto"`` with no
-    profile, after :func:`auto_profile`'s warning)."""
-    if plan is None or is_auto(plan):
-        return default_plan(spec)
-    if isinstance(plan, RestorePlan):
-        if len(plan.layers) != spec.num_layers:
-            raise InvalidRequestError(f"plan {plan} covers {len(plan.layers)} layers, the model has {spec.num_layers}")
-        return plan
-    return RestorePlan.parse(plan, spec.num_layers)
 
 
 def _message(exc: ValidationError) -> str:

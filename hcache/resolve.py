@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from .config import EngineKind, HCacheConfig, ResolvedConfig, engine_and_device, fixed_plan, is_auto
+from .config import EngineKind, HCacheConfig, ResolvedConfig, engine_and_device
 from .model.loader import LoadedModel
 from .model.spec import ModelSpec
 from .planning.auto_profile import auto_profile
 from .planning.plan import Method
+from .planning.policy import fixed_plan, is_auto
 from .planning.profile import Profile, profile_command
 from .storage.chunk_key import CHUNK_TOKENS
 from .storage.stored_state import parse_stored_dtype
@@ -56,6 +57,7 @@ def resolve(
         save_formats=(),
         stored_dtype=parse_stored_dtype(settings.stored_dtype),
     )
+    _ = config.policy  # made now, so that a plan the engine cannot run is refused before a model loads
     return config.model_copy(update={"save_formats": _save_formats(config)})
 
 
@@ -77,7 +79,7 @@ def disable_methods(config: ResolvedConfig, failed: Iterable[Method], passed: It
     """``config`` after the self-check: the ``failed`` methods disabled for the process (their layers restore
     by a ``passed`` method, else by RE; see :meth:`ResolvedConfig.allowed`) and no longer saved."""
     checked = config.model_copy(update={"disabled": frozenset(failed), "verified": frozenset(passed)})
-    checked = checked.model_copy(update={"plan": checked.allowed(config.plan) if config.plan is not None else None})
+    checked = checked.model_copy(update={"plan": checked.policy.allowed(config.plan) if config.plan is not None else None})
     return checked.model_copy(update={"save_formats": _save_formats(checked)})
 
 
@@ -88,7 +90,7 @@ def _save_formats(config: ResolvedConfig) -> tuple[frozenset[str], ...]:
     if save == "all":
         return (frozenset(m.value for m in (Method.H, Method.KV) if m not in config.disabled),) * spec.num_layers
     # every plan the config restores by: the fixed one, or those auto picks over the context range
-    plans = [config.plan] if config.plan is not None else [config.plan_for(None, n) for n in _lengths(config)]
+    plans = [config.plan] if config.plan is not None else [config.policy.plan_for(None, n) for n in _lengths(config)]
     return tuple(frozenset(p.layers[layer].stored_format for p in plans) - {None} for layer in range(spec.num_layers))
 
 

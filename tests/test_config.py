@@ -64,11 +64,11 @@ def test_a_profile_given_makes_auto_the_plan_and_saves_every_format_it_may_use()
     profile = Profile.new("random:llama", spec, [64, 256], seconds, {})
     resolved = resolve({"profile": profile}, spec, "random:llama")
     assert resolved.plan is None and resolved.profile is profile
-    short, long = resolved.plan_for(None, 64), resolved.plan_for(None, spec.max_positions)
+    short, long = resolved.policy.plan_for(None, 64), resolved.policy.plan_for(None, spec.max_positions)
     assert short != long
     for layer, formats in enumerate(resolved.save_formats):
         assert formats >= {m.stored_format for m in (short.layers[layer], long.layers[layer])} - {None}
-    assert resolved.request_plan("H") == RestorePlan.uniform(3, "H") and resolved.request_plan("auto") is None
+    assert resolved.policy.request_plan("H") == RestorePlan.uniform(3, "H") and resolved.policy.request_plan("auto") is None
 
 
 def test_the_resolved_config_travels_as_json_whole():
@@ -83,7 +83,7 @@ def test_the_resolved_config_travels_as_json_whole():
     again = ResolvedConfig.model_validate_json(resolved.model_dump_json())
     assert again.model_dump_json() == resolved.model_dump_json()
     assert again.spec == spec and again.plan is None and again.save_formats == resolved.save_formats
-    assert again.profile.seconds == resolved.profile.seconds and again.plan_for(None, 256) == resolved.plan_for(None, 256)
+    assert again.profile.seconds == resolved.profile.seconds and again.policy.plan_for(None, 256) == resolved.policy.plan_for(None, 256)
     assert again.store.tiers == ("redis://localhost:1/0",)
 
 

@@ -140,8 +140,8 @@ def test_the_encodings_travel_to_model_servers_and_steer_the_auto_plan(llama):
     resolved = resolve(settings, llama.spec, "m")
     again = ResolvedConfig.model_validate_json(resolved.model_dump_json())
     assert again.encodings == resolved.encodings == {"H": FP8}
-    assert again.plan_for(None, 256) == RestorePlan.uniform(3, "H")
-    assert resolve({**settings, "stored_dtype": "auto"}, llama.spec, "m").plan_for(None, 256) == RestorePlan.parse("1RE+2H", 3)
+    assert again.policy.plan_for(None, 256) == RestorePlan.uniform(3, "H")
+    assert resolve({**settings, "stored_dtype": "auto"}, llama.spec, "m").policy.plan_for(None, 256) == RestorePlan.parse("1RE+2H", 3)
 
 
 def test_serve_flag_overrides_the_config_file(tmp_path):

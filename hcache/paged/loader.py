@@ -109,7 +109,7 @@ class Loader:
         first = job.start // CHUNK_TOKENS
         keys = [key for key, _ in chain.chunks[first : -(-job.end // CHUNK_TOKENS)]]
         fetches = [store.fetch(key) for key in keys]
-        plan = self.plan or self.config.plan_for(self.config.plan, job.end - job.start)
+        plan = self.plan or self.config.policy.plan_for(self.config.plan, job.end - job.start)
         images = []
         try:
             why, miss = verify_fetched(store, keys, fetches, images, job.tokens[first * CHUNK_TOKENS :], fingerprint, plan, SINGLE, 0, self.config.spec)

@@ -111,7 +111,7 @@ class ServingEngine:
         if uid in self._seqs:
             raise InvalidRequestError(f"sequence {uid} is already open; flush it first")
         namespace = self._namespace(namespace)
-        resolved = self.config.request_plan(plan)
+        resolved = self.config.policy.request_plan(plan)
         chain = KeyChain(root_key(self.fingerprint, namespace))
         stack = self.stack
         self._seqs[uid] = _Sequence(
@@ -248,7 +248,7 @@ class ServingEngine:
                 missed = min(len(keys) * CHUNK_TOKENS, len(aligned) - 1) - len(held)
                 step.misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, aligned, {lookup_miss(self.stack.store, keys[0]).value: missed})
                 return 0
-            seq.plan = self.config.plan_for(None, history)
+            seq.plan = self.config.policy.plan_for(None, history)
         plan = seq.plan
         hidden = self.stack.prefetcher.hidden(keys)
         outcome = restore_prefix(

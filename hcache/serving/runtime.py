@@ -102,7 +102,7 @@ class HCacheRuntime:
 
     def resolve_plan(self, plan: str | RestorePlan | None) -> RestorePlan | None:
         """A request's plan: a fixed plan, or None for the profile's plan per history length."""
-        return self.config.request_plan(plan)
+        return self.config.policy.request_plan(plan)
 
     def close(self) -> None:
         """Wait for the saver to publish everything captured, and stop the saver and reader threads. The

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import HCacheConfig, ResolvedConfig, is_auto
+from ..config import HCacheConfig, ResolvedConfig
+from ..planning.policy import is_auto
 from ..errors import InvalidRequestError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.spec import ModelSpec
@@ -90,12 +91,7 @@ def resolve_setup(vllm_config) -> VllmSetup:
     if not eager and (settings.plan is None or is_auto(settings.plan)):
         settings = HCacheConfig.of(settings, plan=Method.KV.value)  # H needs the layer inputs a compiled model hides
         log.info("hcache's vLLM connector restores by KV: vLLM compiles the model, and H needs enforce_eager=True")
-    config = resolve(settings, spec, model.model, engine="vllm")
-    if config.plan is not None and Method.RE in config.plan.layers:
-        raise InvalidRequestError(
-            f"plan {str(settings.plan)!r} recomputes layers (RE), which hcache's vLLM connector cannot: vLLM computes every "
-            "layer of a token it does not load. Give a plan of H and KV layers, such as 'H', 'KV' or '20H+10KV'"
-        )
+    config = resolve(settings, spec, model.model, engine="vllm")  # refuses a plan of RE layers: vLLM computes them all
     if uses_hidden_states(config) and not eager:
         raise InvalidRequestError(
             f"plan {str(config.plan or 'auto')!r} with save={settings.save!r} restores or saves hidden states (H), which "

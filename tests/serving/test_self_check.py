@@ -134,8 +134,8 @@ def test_without_a_method_that_passed_the_layers_recompute(llama):
     assert str(checked.plan) == "3RE" and checked.save_formats == (frozenset(),) * 3
     # a request's plan keeps RE first: KV disabled with H not checked leaves 2RE, not RE+H+RE
     checked = disable_methods(resolve({"store_dirs": ["unused"], "plan": "KV"}, llama.spec, "random:llama"), [Method.KV], [])
-    assert checked.request_plan("1RE+1H+1KV") == RestorePlan.parse("3RE", 3)
-    assert checked.request_plan("2RE+1H") == RestorePlan.parse("2RE+1H", 3)
+    assert checked.policy.request_plan("1RE+1H+1KV") == RestorePlan.parse("3RE", 3)
+    assert checked.policy.request_plan("2RE+1H") == RestorePlan.parse("2RE+1H", 3)
     everything = disable_methods(resolve({"store_dirs": ["unused"], "plan": PLAN, "save": "all"}, llama.spec, "x"), [Method.KV], [Method.H])
     assert everything.save_formats == (frozenset({"H"}),) * 3 and str(everything.plan) == "1RE+2H"
 
@@ -145,13 +145,13 @@ def test_the_auto_plan_checks_what_it_may_use_and_plans_without_a_disabled_metho
     profile = Profile.new(llama.name, llama.spec, [64, 256], seconds, {})
     config = resolve({"store_dirs": ["unused"], "profile": profile}, llama.spec, llama.name)
     assert config.plan is None and self_check_methods(config) == {Method.H, Method.KV}
-    assert str(config.plan_for(None, 256)) == "1H+2KV"
+    assert str(config.policy.plan_for(None, 256)) == "1H+2KV"
     without_h = disable_methods(config, [Method.H], [Method.KV])
-    assert Method.H not in without_h.plan_for(None, 256).layers and Method.H not in without_h.plan_for(None, 64).layers
+    assert Method.H not in without_h.policy.plan_for(None, 256).layers and Method.H not in without_h.policy.plan_for(None, 64).layers
     assert all("H" not in formats for formats in without_h.save_formats) and any(without_h.save_formats)
     without_kv = disable_methods(config, [Method.KV], [Method.H])
-    assert Method.KV not in without_kv.plan_for(None, 256).layers and all("KV" not in f for f in without_kv.save_formats)
-    assert without_kv.request_plan("auto") is None  # still the profile's, without KV
+    assert Method.KV not in without_kv.policy.plan_for(None, 256).layers and all("KV" not in f for f in without_kv.save_formats)
+    assert without_kv.policy.request_plan("auto") is None  # still the profile's, without KV
 
 
 def test_an_mii_model_server_checks_its_engine(tmp_path, swapped_kv):

@@ -58,7 +58,7 @@ def test_restore_in_steps_equals_recompute(tmp_path, rng, part, plan):
         expected = {PROMPT: 5 * CHUNK_TOKENS, 128: 127 + 127 + 64, 100: 64 + 92 + 56 + 20}[part]
         assert record.restored_tokens == expected
         assert record.computed_tokens == PROMPT - expected
-        assert record.plan == str(serving.config.request_plan(plan)) and record.fallback is None and record.bytes_read > 0
+        assert record.plan == str(serving.config.policy.request_plan(plan)) and record.fallback is None and record.bytes_read > 0
 
 
 @pytest.mark.parametrize("part", [None, 100])

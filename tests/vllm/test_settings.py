@@ -46,7 +46,7 @@ def test_the_connector_serves_kv_on_every_layer_under_a_fingerprint_of_its_own(t
     [
         ({}, "fail", "kv_load_failure_policy='recompute'"),
         ({"store_dir": "x"}, "recompute", "store_dir"),  # misspelt
-        ({"plan": "2RE+28KV"}, "recompute", "plan '2RE+28KV' recomputes layers (RE)"),
+        ({"plan": "2RE+28KV"}, "recompute", "plan '2RE+28KV' recomputes layers (RE), which this engine cannot"),
         ({"gpu_cache": True}, "recompute", "does not take gpu_cache"),
         ({"self_check": "strict", "metrics_port": 9464}, "recompute", "does not take metrics_port, self_check"),
     ],
@@ -78,7 +78,7 @@ def test_plans_of_h_and_kv_layers_are_served_h_where_the_model_runs_eagerly(tmp_
         with pytest.raises(InvalidRequestError, match="enforce_eager=True"):
             resolve_setup(_config({**store, **refused}, eager=False))
     auto = resolve_setup(_config({**store, "plan": "auto"})).config
-    assert Method.RE not in auto.plan_for(auto.plan, 1024).layers
+    assert Method.RE not in auto.policy.plan_for(auto.plan, 1024).layers
 
 
 @pytest.mark.parametrize(
