@@ -33,7 +33,7 @@ from tqdm import tqdm
 from ..engine.reference import ReferenceEngine
 from ..model.loader import DEFAULT_MODEL, load_model, model_dtype
 from ..ops.quant import dequantise, quantise
-from ..planning.plan import Method, RestorePlan
+from ..planning.plan import Method, RestorePlan, row_shapes
 from ..serving.restore import restore_prefix
 from ..storage.stored_state import stored_encodings, stored_tensors
 from ..serving.runtime import HCacheRuntime
@@ -235,7 +235,7 @@ def _bytes_ratios(spec) -> dict:
             formats = [frozenset({fmt})] * s.num_layers
 
             def size(encodings: dict) -> int:
-                return ChunkLayout.plan(stored_tensors(s, formats, encodings), "f" * 32).nbytes
+                return ChunkLayout.plan(stored_tensors(row_shapes(s), s.torch_dtype, formats, encodings), "f" * 32).nbytes
 
             for name, d in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
                 out[f"{fmt} {name} vs {dtype}"] = size({fmt: d}) / size({})

@@ -26,7 +26,7 @@ from ..serving.restore import restore_prefix
 from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
 from ..storage.store_config import StoreConfig
-from ..storage.stored_state import row_shapes
+from ..planning.plan import row_shapes
 from ..transfer.saver import ChunkSaver
 from . import _shaped
 

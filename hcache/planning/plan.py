@@ -6,6 +6,7 @@ chooses among them.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -15,6 +16,13 @@ import torch
 from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
 from ..ops.quant import SCALE_DTYPE
+from ..storage.stored_state import Format, scale_shape
+
+
+def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """A token's rows of each stored format, for a model: a hidden-state vector (H), and K and V of each KV
+    head (KV). What a chunk holds is described to the storage layer by this."""
+    return {Format.H.value: (spec.hidden_size,), Format.KV.value: (2, spec.num_kv_heads, spec.head_size)}
 
 
 class Method(str, Enum):
@@ -29,11 +37,12 @@ class Method(str, Enum):
     def bytes_per_token_layer(self, spec: ModelSpec, encoding: torch.dtype | None = None) -> int:
         """Stored bytes per token per layer restored by this method: in the model's dtype, or with an 8-bit
         ``encoding`` one byte per value and a float16 scale per vector (a hidden row; a K or V head)."""
+        if self is Method.RE:
+            return 0
+        shape = row_shapes(spec)[self.value]
         if encoding is None:
-            return {Method.RE: 0, Method.H: spec.hidden_bytes_per_token_layer, Method.KV: spec.kv_bytes_per_token_layer}[self]
-        vectors = {Method.RE: 0, Method.H: 1, Method.KV: 2 * spec.num_kv_heads}[self]
-        values = {Method.RE: 0, Method.H: spec.hidden_size, Method.KV: 2 * spec.kv_dim}[self]
-        return values * encoding.itemsize + vectors * SCALE_DTYPE.itemsize
+            return math.prod(shape) * spec.itemsize
+        return math.prod(shape) * encoding.itemsize + math.prod(scale_shape(shape)) * SCALE_DTYPE.itemsize
 
 
 _ORDER = {Method.RE: 0, Method.H: 1, Method.KV: 2}

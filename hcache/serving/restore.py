@@ -25,12 +25,12 @@ from ..engine.interface import Engine
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import SINGLE, TPGroup
 from ..ops.quant import SCALE_DTYPE, QuantRows
-from ..planning.plan import Method, RestorePlan
+from ..planning.plan import Method, RestorePlan, row_shapes
 from ..storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from ..storage.anchor_log import AnchorLog
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, content_key
 from ..storage.host_tier import HostTier
-from ..storage.stored_state import decode_rows, is_encoded, row_shapes, scale_format, scale_shape, stored_rows
+from ..storage.stored_state import decode_rows, is_encoded, scale_format, scale_shape, stored_rows
 from ..storage.tp_ownership import shared_chunks, stores
 from ..transfer.copier import Copier
 from .records import MissReason

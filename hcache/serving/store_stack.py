@@ -20,7 +20,7 @@ from ..storage.chunk_key import CHUNK_TOKENS
 from ..engine.interface import Engine
 from ..engine.ragged import Segment
 from ..model.tensor_parallel import SINGLE, TPGroup
-from ..planning.plan import Method
+from ..planning.plan import Method, row_shapes
 from ..storage.anchor_log import ANCHORS_FILE, AnchorLog
 from ..storage.chunk import ChunkLayout
 from ..storage.host_tier import HostTier
@@ -97,7 +97,7 @@ class StoreStack:
         eviction, cost = config.settings.eviction, recompute_cost(config)
         if config.stored:
             formats = list(config.save_formats)
-            tensors = stored_tensors(engine.spec, formats, config.encodings)
+            tensors = stored_tensors(row_shapes(engine.spec), engine.spec.torch_dtype, formats, config.encodings)
             config.store.check(ChunkLayout.plan(tensors, self.fingerprint).nbytes)
             self.copier = Copier(engine.device)
             self.store = config.store.open_store(

@@ -111,15 +111,12 @@ def scale_shape(row_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(row_shape[:-1])
 
 
-def row_shapes(spec) -> dict[str, tuple[int, ...]]:
-    """The per-token shape of each format, for a model's ``spec`` (:class:`~hcache.model.spec.ModelSpec`)."""
-    return {Format.H.value: (spec.hidden_size,), Format.KV.value: (2, spec.num_kv_heads, spec.head_size)}
-
-
-def stored_tensors(spec, formats: Sequence[frozenset[str]], encodings: Encodings) -> list[TensorSpec]:
-    """The tensors a chunk holds: per layer, each of its ``formats`` in the model's dtype, or, for those in
-    ``encodings``, as 8-bit codes and their float16 scales."""
-    shapes, dtype = row_shapes(spec), spec.torch_dtype
+def stored_tensors(
+    shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, formats: Sequence[frozenset[str]], encodings: Encodings
+) -> list[TensorSpec]:
+    """The tensors a chunk holds: per layer, each of its ``formats``, a token's rows of ``shapes[format]``
+    (the layer above knows the model: :func:`hcache.planning.plan.row_shapes`), in ``dtype``, or, for those
+    in ``encodings``, as 8-bit codes and their float16 scales."""
     tensors = []
     for layer, fs in enumerate(formats):
         for fmt in sorted(fs):
