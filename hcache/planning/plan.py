@@ -26,9 +26,12 @@ def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 class Method(str, Enum):
+    """How a layer's K/V is rebuilt. H and KV restore from the stored format of their name (one name, the
+    storage layer's :class:`~hcache.storage.stored_state.Format`); RE stores nothing."""
+
     RE = "RE"  # prefill from the tokens: nothing stored
-    H = "H"  # hidden states: K/V GEMM + RoPE
-    KV = "KV"  # offloaded K/V: copy only
+    H = Format.H.value  # hidden states: K/V GEMM + RoPE
+    KV = Format.KV.value  # offloaded K/V: copy only
 
     @property
     def stored_format(self) -> str | None:
