@@ -17,12 +17,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
 from ..ports import check_free
-from .server_signals import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 from . import serve
+from .server_signals import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
+
+if TYPE_CHECKING:
+    from ..config import HCacheConfig  # imported where it is used: it imports torch
 
 DEFAULT_METRICS_PORT = 9464
 DRAIN_S = 3.0  # a health check every second, two failures to take a node out (hcache/fleet/haproxy.cfg), and margin
