@@ -60,11 +60,10 @@ from tqdm import tqdm
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load_model, model_dir, model_dtype
 from ..planning.profile import Profile
 from ..planning.profiler import measure_profile
-from ..serving.records import RestoreStep
+from ..serving.records import GPU_CACHE, RestoreStep
 from ..serving.runtime import HCacheRuntime, RequestResult
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import DEFAULT_READERS
-from ..storage.stored_state import Tier
 from ._workload_options import kv_blocks, memory_settings, parse_policies, parse_rates, profile_tokens
 from ._workload_report import METRICS, plot, print_eviction, print_table, write_csv
 from .traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
@@ -415,7 +414,7 @@ def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, ar
         "requests": len(ttft),
         "restored_tokens": restored,
         "gpu_tokens": gpu_tokens,
-        "tier_tokens": {Tier.GPU_CACHE.value: gpu_tokens, **tiers} if gpu_tokens else dict(tiers),  # restored, by where from
+        "tier_tokens": {GPU_CACHE: gpu_tokens, **tiers} if gpu_tokens else dict(tiers),  # restored, by where from
         "gpu_cache_hit_rate": cache.hit_tokens / max(cache.hit_tokens + cache.miss_tokens, 1) if cache else None,
         "prefetch_hidden_s": hidden_s,
         "plans": sorted(plans),

@@ -36,10 +36,9 @@ from ..engine.interface import Engine
 from ..errors import InvalidRequestError
 from ..planning.plan import Method, RestorePlan
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, check_namespace, chunk_keys, content_key, root_key
-from ..storage.stored_state import Tier
 from .gpu_prefix_cache import Adoption
 from .metrics import ServingMetrics
-from .records import MissReason, PutRestore, SequenceRecord, log_requests
+from .records import GPU_CACHE, MissReason, PutRestore, SequenceRecord, log_requests
 from .restore import anchor_label, first_chunk_miss, lookup_miss, restore_prefix
 from .store_stack import StoreStack
 
@@ -62,7 +61,7 @@ def _log_restore(uid: int, tokens: int, step: PutRestore) -> None:
     """One line per put that restored: the plan, the tokens restored of the put's and where they were read
     from, and why stored state stopped short, if it did (``-v``; logged only when INFO is on)."""
     restored = step.gpu_tokens + step.tokens
-    where = ", ".join(f"{name} {n}" for name, n in {Tier.GPU_CACHE.value: step.gpu_tokens, **step.sources}.items() if n)
+    where = ", ".join(f"{name} {n}" for name, n in {GPU_CACHE: step.gpu_tokens, **step.sources}.items() if n)
     fallback = f"; fell back to recompute: {step.fallback}" if step.fallback else ""
     missed = "".join(f"; {n} stored-prefix tokens missed: {reason}" for reason, n in step.misses.items())
     log.info("sequence %d: restored %d of %d tokens (%s; plan %s), computing %d%s%s", uid, restored, tokens, where,

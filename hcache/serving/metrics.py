@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..planning.plan import Method
-from ..storage.stored_state import Tier
-from .records import MissReason
+from ..storage.stored_state import Source
+from .records import GPU_CACHE, MissReason
 
 
 class ServingMetrics:
@@ -39,10 +39,10 @@ class ServingMetrics:
         """Count one put's restore (a :class:`~hcache.serving.records.PutRestore`)."""
         self.restored_tokens.update(step.sources)
         if step.gpu_tokens:
-            self.restored_tokens[Tier.GPU_CACHE.value] += step.gpu_tokens
+            self.restored_tokens[GPU_CACHE] += step.gpu_tokens
             self.bytes_read["gpu"] += step.gpu_bytes
         if step.plan:  # the store was tried
-            self.bytes_read[Tier.HOST.value] += step.bytes_read
+            self.bytes_read[Source.HOST.value] += step.bytes_read
             self.restored_layer_tokens.update(step.layer_tokens)
             self.fallbacks += step.fallback is not None
         self.prefetch_hidden_s += step.hidden_s
@@ -51,7 +51,7 @@ class ServingMetrics:
     def collect(self):
         cache = self.gpu_cache
         tier = self.store.stats() if self.store is not None else {}
-        sources = [Tier.GPU_CACHE.value] * (cache is not None) + [Tier.HOST.value, *(s.kind for s in self.store.stores)] * (self.store is not None)
+        sources = [GPU_CACHE] * (cache is not None) + [Source.HOST.value, *(s.kind for s in self.store.stores)] * (self.store is not None)
         counters = [  # name, help, value (or {label value: value}), label
             ("hcache_restored_tokens", "Tokens restored instead of prefilled, by source: the GPU prefix cache, the host pool "
              "(host), or the store a chunk was read from (disk, shared_disk, redis)",

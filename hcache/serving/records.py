@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from ..storage.stored_state import Tier
+GPU_CACHE = "gpu_cache"  # restored from the GPU prefix cache: the source above the host pool's (storage's ``Source``)
 
 
 class MissReason(str, Enum):
@@ -107,7 +107,7 @@ class SequenceRecord:
         misses: Counter[str] = Counter()
         for reason, tokens in self.miss_tokens.items():
             misses[_REPLIED.get(reason, reason)] += tokens
-        tiers = {Tier.GPU_CACHE.value: self.gpu_tokens, **self.tier_tokens} if self.gpu_tokens else dict(self.tier_tokens)
+        tiers = {GPU_CACHE: self.gpu_tokens, **self.tier_tokens} if self.gpu_tokens else dict(self.tier_tokens)
         return {
             "restored_tokens": self.restored_tokens, "tier_tokens": tiers, "miss_tokens": dict(misses), "plan": self.plan,
             "lossy": self.lossy,

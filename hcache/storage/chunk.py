@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from .chunk_key import CHUNK_TOKENS, LAYOUT_VERSION
-from .stored_state import TensorSpec, Tier
+from .stored_state import Source, TensorSpec
 
 _ALIGN = 64
 # safetensors' names. The 8-bit ones hold compressed state's codes; what they encode (their scales are
@@ -152,7 +152,7 @@ class ChunkImage:
         self.key, self.tokens, self.slot = key, tokens, slot
         self.parent = ""
         self.sums: dict[str, str] | None = None
-        self.source = Tier.HOST.value  # where it came into host memory from: saved here, or a store's kind
+        self.source = Source.HOST.value  # where it came into host memory from: saved here, or a store's kind
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # ``data`` read as each dtype, the base of its views
 

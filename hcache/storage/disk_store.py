@@ -56,7 +56,7 @@ from .chunk_store import Loss, LossLog
 from .dir_scan import scan
 from .lru_index import Entry, LruIndex
 from .store_dir import CHUNK_KEY, DIR_MODE, chunk_path, directories, open_dir
-from .stored_state import Tier
+from .stored_state import Source
 from .use_stamps import UseStamps, set_time
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class DiskChunkStore:
             raise StorageError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
         self.fsync, self.shared = fsync, shared
         self.name = ("shared " if shared else "") + ",".join(str(p) for p in self.dirs)
-        self.kind = (Tier.SHARED_DISK if shared else Tier.DISK).value
+        self.kind = (Source.SHARED_DISK if shared else Source.DISK).value
         self.bytes_written = 0
         self.write_errors = 0
         self.evictions = 0

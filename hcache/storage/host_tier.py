@@ -37,7 +37,7 @@ from .chunk_store import ChunkStore, Loss
 from .eviction import Values
 from .host_pool import HostPool, Slot
 from .lru_index import Entry, LruIndex
-from .stored_state import Tier
+from .stored_state import Source
 from .uses import Uses
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class HostTier:
         store it was read from, for this restore or by a prefetch ahead of it. Each restore that reads the
         chunk calls this once: the first is credited with the store's read, the later ones with the pool."""
         with self._cond:
-            found, image.source = image.source, Tier.HOST.value
+            found, image.source = image.source, Source.HOST.value
         return found
 
     def _share(self, key: str, first: Future) -> ChunkImage | None:

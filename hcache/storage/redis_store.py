@@ -34,7 +34,7 @@ from redis.retry import Retry
 from ..errors import StorageError
 from .chunk import ChunkInvalid, ChunkLayout, read_header
 from .chunk_store import Loss, LossLog
-from .stored_state import Tier
+from .stored_state import Source
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class RedisChunkStore:
     error). ``ttl_s``: values expire after this long unused (each read renews it); None keeps them until
     the server evicts them (run it with ``maxmemory-policy allkeys-lru``)."""
 
-    kind = Tier.REDIS.value
+    kind = Source.REDIS.value
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""What stored state is: its formats, encodings and tiers as value types, the tensors a chunk holds, and the
+"""What stored state is: its formats, encodings and sources as value types, the tensors a chunk holds, and the
 codec between a layer's rows and those tensors.
 
 A chunk holds, per layer, the rows of each format saved: ``H`` (hidden states, one ``[hidden]`` vector a
@@ -36,10 +36,10 @@ class Encoding(str, Enum):
         return ENCODINGS[self.value]
 
 
-class Tier(str, Enum):
-    """Where restored state was read from: the GPU prefix cache, the host pool, or a store below it."""
+class Source(str, Enum):
+    """Where a chunk came into host memory from: the host pool itself (saved there, or read by an earlier
+    restore), or a store below it (its ``kind``)."""
 
-    GPU_CACHE = "gpu_cache"
     HOST = "host"
     DISK = "disk"
     SHARED_DISK = "shared_disk"
