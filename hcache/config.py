@@ -51,7 +51,7 @@ class HCacheConfig(BaseModel):
     ``measure_profile=False`` (then the default plan serves until ``hcache profile`` has run). ``save``:
     ``"plan"`` saves the formats the plan restores from, ``"all"`` hidden states and KV for every layer,
     ``"none"`` nothing. ``namespace``: keeps this deployment's chunks apart from others' in a shared store.
-    ``store``: quota, TTL, host pool and write-back options, and ``tiers``: stores shared with other nodes
+    ``store``: quota, TTL, host pool and write-back options, and ``shared``: stores shared with other nodes
     (a Redis server or cluster, a shared filesystem) below the local ``store_dirs``, which may then be
     empty. ``readers``: threads that load stored chunks into the host pool while the RE layers compute (0:
     inline). ``num_blocks``, ``device`` and ``dtype`` size the reference engine's KV cache and place its
@@ -147,9 +147,9 @@ class HCacheConfig(BaseModel):
 
     @model_validator(mode="after")
     def _somewhere_to_store(self) -> HCacheConfig:
-        if self.enabled and not self.store_dirs and not self.store.tiers:
+        if self.enabled and not self.store_dirs and not self.store.shared:
             raise ValueError(
-                "store_dirs may be empty only when store.tiers names a shared tier (enabled=False serves with no store)"
+                "store_dirs may be empty only when store.shared names a shared store (enabled=False serves with no store)"
             )
         return self
 
@@ -174,14 +174,14 @@ class ResolvedConfig(BaseModel):
     tensor_parallel: int = 1
     profile: Profile | None = None
     plan: RestorePlan | None = None
-    save_formats: tuple[frozenset[str], ...]
+    save_formats: tuple[frozenset[Format], ...]
     stored_dtype: dict[Format, Encoding] = {}
     disabled: frozenset[Method] = frozenset()
     verified: frozenset[Method] = frozenset()
 
     @property
     def stored(self) -> bool:
-        """Whether there is a store (a local directory or a shared tier) to restore from and save to."""
+        """Whether there is a store (a local directory or a shared store) to restore from and save to."""
         return self.settings.enabled
 
     @functools.cached_property

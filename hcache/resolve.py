@@ -15,7 +15,7 @@ from .planning.plan import Method
 from .planning.policy import fixed_plan, is_auto
 from .planning.profile import Profile, profile_command
 from .storage.chunk_key import CHUNK_TOKENS
-from .storage.stored_state import parse_stored_dtype
+from .storage.stored_state import Format, parse_stored_dtype
 
 
 def resolve(
@@ -83,7 +83,7 @@ def disable_methods(config: ResolvedConfig, failed: Iterable[Method], passed: It
     return checked.model_copy(update={"save_formats": _save_formats(checked)})
 
 
-def _save_formats(config: ResolvedConfig) -> tuple[frozenset[str], ...]:
+def _save_formats(config: ResolvedConfig) -> tuple[frozenset[Format], ...]:
     save, spec = config.settings.save if config.stored else "none", config.spec
     if save == "none":
         return (frozenset(),) * spec.num_layers

@@ -7,7 +7,7 @@ from support.helpers import loaded
 
 from hcache.config import HCacheConfig, ResolvedConfig
 from hcache.resolve import resolve
-from hcache.errors import InvalidRequestError
+from hcache.errors import InvalidRequestError, StorageError
 from hcache.mii import serve_command
 from hcache.planning.plan import RestorePlan
 from hcache.planning.profile import Profile
@@ -20,6 +20,15 @@ def _serve_settings(*argv: str) -> HCacheConfig:
     return serve_command.settings(parser.parse_args(["serve", *argv]))
 
 
+def test_the_former_name_of_the_shared_stores_is_taken_with_a_warning(tmp_path, capsys):
+    with pytest.warns(FutureWarning, match="now called shared"):
+        assert HCacheConfig(store={"tiers": [str(tmp_path)]}).store.shared == (str(tmp_path),)
+    with pytest.raises(StorageError, match="not also as tiers"):
+        HCacheConfig.of({"store": {"tiers": [str(tmp_path)], "shared": [str(tmp_path)]}})
+    assert _serve_settings("--tier", "redis://a:1/0", "--shared", "redis://b:1/0").store.shared == ("redis://b:1/0", "redis://a:1/0")
+    assert "--tier is now called --shared" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -30,7 +39,7 @@ def _serve_settings(*argv: str) -> HCacheConfig:
         ({"dtype": "int8"}, "hcache setting 'dtype': unknown dtype 'int8'"),
         ({"metrics_port": 70000}, "hcache setting 'metrics_port'"),
         ({"namespace": "a\nb"}, "hcache setting 'namespace': namespace must be a non-empty string"),
-        ({"store_dirs": []}, "store_dirs may be empty only when store.tiers names a shared tier"),
+        ({"store_dirs": []}, "store_dirs may be empty only when store.shared names a shared store"),
         ({"pln": "H"}, "hcache setting 'pln': Extra inputs are not permitted"),
     ],
 )
@@ -76,7 +85,7 @@ def test_the_resolved_config_travels_as_json_whole():
     spec = loaded("random:llama").spec
     seconds = {name: [0.001, 0.004] for name in ("c_token", "c_h", "c_kv", "io_h", "io_kv")}
     resolved = resolve(
-        {"profile": Profile.new("m", spec, [64, 256], seconds, {}), "store": {"tiers": ["redis://localhost:1/0"]}, "namespace": "t1"},
+        {"profile": Profile.new("m", spec, [64, 256], seconds, {}), "store": {"shared": ["redis://localhost:1/0"]}, "namespace": "t1"},
         spec,
         "m",
     )
@@ -84,7 +93,7 @@ def test_the_resolved_config_travels_as_json_whole():
     assert again.model_dump_json() == resolved.model_dump_json()
     assert again.spec == spec and again.plan is None and again.save_formats == resolved.save_formats
     assert again.profile.seconds == resolved.profile.seconds and again.policy.plan_for(None, 256) == resolved.policy.plan_for(None, 256)
-    assert again.store.tiers == ("redis://localhost:1/0",)
+    assert again.store.shared == ("redis://localhost:1/0",)
 
 
 def test_an_engine_of_another_model_is_refused():
@@ -105,9 +114,9 @@ def test_tensor_parallel_ranks_store_in_directories_of_their_own(tmp_path):
 def test_serve_takes_a_config_file_and_its_flags_override_it(tmp_path):
     path = tmp_path / "hcache.json"
     path.write_text(json.dumps({"plan": "KV", "namespace": "tenant", "store": {"quota_bytes": 1 << 30}, "metrics_port": 9500}))
-    settings = _serve_settings("--config", str(path), "--plan", "H", "--tier", "redis://localhost:6379/0")
+    settings = _serve_settings("--config", str(path), "--plan", "H", "--shared", "redis://localhost:6379/0")
     assert settings.plan == "H" and settings.namespace == "tenant" and settings.metrics_port == 9500
-    assert settings.store.quota_bytes == 1 << 30 and settings.store.tiers == ("redis://localhost:6379/0",)
+    assert settings.store.quota_bytes == 1 << 30 and settings.store.shared == ("redis://localhost:6379/0",)
     assert _serve_settings().metrics_port == serve_command.DEFAULT_METRICS_PORT
     assert _serve_settings("--metrics-port", "0").metrics_port is None and _serve_settings("--off").enabled is False
 

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def _where(root: str, name: str, tiers: list[str], url: str | None) -> dict:
     """A runtime's store settings: the disk directory and the Redis tier of ``tiers``, in one namespace."""
-    return {"store_dir": Path(root) / name if "disk" in tiers else None, "store": {"tiers": [url] if "redis" in tiers else []}, "namespace": name}
+    return {"store_dir": Path(root) / name if "disk" in tiers else None, "store": {"shared": [url] if "redis" in tiers else []}, "namespace": name}
 
 
 def _compare(loaded, prompt: list[int], plan: RestorePlan, encodings: dict, stores: dict, label: str, repeats: int, device: str) -> dict:

@@ -294,7 +294,7 @@ def _save_overhead(args: argparse.Namespace, tiers: tuple[str, ...] = ()) -> dic
     with tempfile.TemporaryDirectory(prefix="hcache-bench-saver-") as tmp:
         runtimes = {
             on: HCacheRuntime(
-                loaded, None if on and tiers else Path(tmp) / str(on), save="plan" if on else "none", store=StoreConfig(tiers=tiers if on else ())
+                loaded, None if on and tiers else Path(tmp) / str(on), save="plan" if on else "none", store=StoreConfig(shared=tiers if on else ())
             )
             for on in (True, False)
         }

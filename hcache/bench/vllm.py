@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
         stores = {"host": ([store], [url]), "disk": ([store], []), "redis": (None, [url])}  # (store_dirs, tiers)
         for plan in plans:
             for tier, (dirs, tiers) in stores.items():
-                settings = {"store_dirs": dirs, "store": {"tiers": tiers}, "plan": plan, "save": "all" if len(plans) > 1 else "plan"}
+                settings = {"store_dirs": dirs, "store": {"shared": tiers}, "plan": plan, "save": "all" if len(plans) > 1 else "plan"}
                 configs["hcache_" + tier + (f"_{plan}" if len(plans) > 1 else "")] = (False, settings, tier == "host")
         configs["hcache_miss"] = (False, {"store_dirs": [str(Path(tmp) / "empty")]}, False)
         try:

@@ -1,7 +1,7 @@
 """A fleet on one machine: N ``hcache serve`` nodes behind HAProxy, one Redis server below them all.
 
 Each node is an ``hcache serve`` process with MII's OpenAI-compatible server, its own disk store and GPU
-prefix cache (``--gpu-cache``) and the shared Redis tier below (``--tier``). HAProxy, from the operating
+prefix cache (``--gpu-cache``) and the shared Redis store below (``--shared``). HAProxy, from the operating
 system's packages, routes each request by consistent hashing of its ``X-Session-Id`` header
 (``haproxy.cfg`` here, rendered for the nodes), so a conversation's turns find their history in one node's
 GPU cache; when that node is gone, the next node on the hash ring restores the history from Redis. Used
@@ -233,7 +233,7 @@ class Fleet:
                 self.redis = _start_redis()
                 self.redis_url = self.redis.url
             for node in self.nodes:
-                node.serve_args = [*node.serve_args, "--gpu-cache", "--tier", self.redis_url]
+                node.serve_args = [*node.serve_args, "--gpu-cache", "--shared", self.redis_url]
                 node.start()
             pool = ThreadPoolExecutor(len(self.nodes))
             try:  # the first node that fails stops the start (stop() then ends the others' waits too)

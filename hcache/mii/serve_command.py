@@ -38,9 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, metavar="JSON",
                    help="hcache settings as a JSON file (the fields of hcache.HCacheConfig, as for hcache.mii); the flags below override it")
     p.add_argument("--store-dir", action="append", default=None, help="chunk store directory (repeat for each SSD; default: hcache-store)")
-    p.add_argument("--tier", action="append", default=None, metavar="URL",
+    p.add_argument("--shared", action="append", default=None, metavar="URL",
                    help="a store shared with other replicas, below the local directory (repeat; nearest first): "
                    "redis://host:port/db, redis+cluster://host:port,host:port, or a directory on a shared filesystem")
+    p.add_argument("--tier", action="append", default=None, help=argparse.SUPPRESS)  # --shared's former name
     p.add_argument("--plan", default=None, help="auto, RE, H, KV or counts like 2RE+20H+8KV (default: H for MHA models, KV where KV is smaller)")
     p.add_argument("--profile", default=None, help="a profile from `hcache profile` (implies --plan auto); refused if measured elsewhere")
     p.add_argument("--no-measure-profile", dest="measure_profile", action="store_false", default=None,
@@ -90,7 +91,10 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
     if args.metrics_port is not None:
         given["metrics_port"] = args.metrics_port or None  # 0: off
     if args.tier is not None:
-        given["store"] = {**dict(base.get("store") or {}), "tiers": args.tier}
+        print("hcache serve: --tier is now called --shared; --tier will be refused in a later release", file=sys.stderr)
+    shared = (args.shared or []) + (args.tier or [])
+    if shared:
+        given["store"] = {**dict(base.get("store") or {}), "shared": shared}
     return HCacheConfig.of(base, **given)
 
 

@@ -34,8 +34,8 @@ class Method(str, Enum):
     KV = Format.KV.value  # offloaded K/V: copy only
 
     @property
-    def stored_format(self) -> str | None:
-        return None if self is Method.RE else self.value
+    def stored_format(self) -> Format | None:
+        return None if self is Method.RE else Format(self.value)
 
     def bytes_per_token_layer(self, spec: ModelSpec, encoding: torch.dtype | None = None) -> int:
         """Stored bytes per token per layer restored by this method: in the model's dtype, or with an 8-bit

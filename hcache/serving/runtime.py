@@ -55,7 +55,7 @@ class HCacheRuntime:
     :class:`~hcache.serving.engine.ServingEngine`. The keyword arguments are settings of
     :class:`~hcache.config.HCacheConfig` (``plan``, ``save``, ``profile``, ``store``, ``readers``...),
     checked before the model loads and resolved once for the model here. ``store_dir``: one directory or
-    a list (one per SSD); ``None``: no local disk (then ``store.tiers`` must name a shared tier).
+    a list (one per SSD); ``None``: no local disk (then ``store.shared`` must name a shared store).
     ``measure_profile=False``: with ``plan="auto"`` and no profile for this machine, serve the default plan
     instead of measuring a short profile on first use. ``gpu_cache``: keep finished requests' KV in the
     spare blocks of the engine's ``num_blocks``. Saving runs in background threads; :meth:`close` (or

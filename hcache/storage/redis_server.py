@@ -1,4 +1,4 @@
-"""Throwaway ``redis-server`` processes on free loopback ports: the shared tier ``hcache fleet`` starts when
+"""Throwaway ``redis-server`` processes on free loopback ports: the shared store ``hcache fleet`` starts when
 given no server, and the one the tests and benchmarks run against.
 
 Each server keeps nothing on disk (no RDB, no AOF) and is stopped by its process id.

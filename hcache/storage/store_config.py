@@ -1,10 +1,12 @@
-"""How a runtime's store is built: the host tier, the local disk store under it, and shared tiers below, each
-built by the kind its URL's scheme names (:data:`SHARED_KINDS`)."""
+"""How a runtime's store is built: the host pool in front, the local disk store under it, and stores shared
+with other nodes below, each built by the kind its URL's scheme names (:data:`SHARED_KINDS`). A "tier" is
+a level of this stack; a "shared store" is one of the levels below the local disk."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -27,10 +29,11 @@ class StoreConfig:
     the host pool, the tier in front of the disk that holds recent chunks and every chunk being saved
     (pinned when the engine is on a GPU; on a CPU its pages cost nothing until used). ``direct_io``,
     ``fsync``, ``verify``: see :class:`~hcache.storage.disk_store.DiskChunkStore`. ``writers``: threads
-    writing chunks back to the stores. ``tiers``: stores shared with other nodes, below the local disk
+    writing chunks back to the stores. ``shared``: stores shared with other nodes, below the local disk
     (nearest first): ``redis://host:port/db``, ``redis+cluster://host:port,host:port`` (options: see
     :meth:`~hcache.storage.redis_store.RedisChunkStore.from_url`), or a directory on a shared filesystem
-    (``file:///mnt/shared/hcache`` or a plain path)."""
+    (``file:///mnt/shared/hcache`` or a plain path). ``tiers``: the former name of ``shared``, accepted with a
+    warning."""
 
     quota_bytes: int | None = None
     ttl_s: float | None = None
@@ -39,13 +42,19 @@ class StoreConfig:
     fsync: bool = True
     verify: str = "header"
     writers: int = DEFAULT_WRITERS
-    tiers: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+    tiers: InitVar[Sequence[str] | None] = None
 
-    def __post_init__(self) -> None:
-        if isinstance(self.tiers, str):
-            raise StorageError(f"tiers is a list of tier URLs, not the string {self.tiers!r}")
-        object.__setattr__(self, "tiers", tuple(self.tiers))
-        self._shared()  # parsed now; a Redis tier connects on first use
+    def __post_init__(self, tiers: Sequence[str] | None) -> None:
+        if tiers is not None:
+            if self.shared:
+                raise StorageError("give the shared stores as shared, not also as tiers (its former name)")
+            warnings.warn("StoreConfig's tiers is now called shared; tiers will be refused in a later release", FutureWarning, stacklevel=3)
+            object.__setattr__(self, "shared", tiers)
+        if isinstance(self.shared, str):
+            raise StorageError(f"shared is a list of store URLs, not the string {self.shared!r}")
+        object.__setattr__(self, "shared", tuple(self.shared))
+        self._shared()  # parsed now; a Redis store connects on first use
 
     def check(self, chunk_bytes: int) -> None:
         """Refuse options that cannot hold a chunk file of ``chunk_bytes``, before anything is opened."""
@@ -58,13 +67,13 @@ class StoreConfig:
             raise StorageError(f"writers must be at least 1, not {self.writers}")
 
     def check_dirs(self, dirs: str | os.PathLike | Sequence[str | os.PathLike] | None) -> None:
-        """Raise what :meth:`open_store` would for the local ``dirs`` and the shared directory tiers (held
+        """Raise what :meth:`open_store` would for the local ``dirs`` and the shared directories (held
         by another process, of another layout, not writable), opening nothing: for a check before the
         processes that open them start."""
         if dirs is not None:
             DiskChunkStore.check(dirs)
-        for tier in self._shared():
-            tier.check()
+        for store in self._shared():
+            store.check()
 
     def open_store(
         self,
@@ -75,18 +84,18 @@ class StoreConfig:
         readers: int = DEFAULT_READERS,
         eviction: str = "lru",
     ) -> HostTier:
-        """The host tier over the disk store in ``dirs`` (None: no local disk) and the shared ``tiers``;
+        """The host tier over the disk store in ``dirs`` (None: no local disk) and the ``shared`` stores;
         ``pin``: page-lock the pool for DMA to a GPU; ``eviction``: the pool's policy (:mod:`.eviction`)."""
         if self.host_bytes <= 0:
             raise StorageError(f"host_bytes must be positive, not {self.host_bytes}")
-        if dirs is None and not self.tiers:
-            raise StorageError("a store needs a local directory or a shared tier")
+        if dirs is None and not self.shared:
+            raise StorageError("a store needs a local directory or a shared store")
         stores: list[ChunkStore] = []
         try:
             if dirs is not None:
                 stores.append(self.disk(dirs, labels, shared=False))
-            for tier in self._shared():
-                stores.append(tier.open(self, labels))
+            for shared in self._shared():
+                stores.append(shared.open(self, labels))
         except BaseException:
             for store in stores:
                 store.close()
@@ -94,15 +103,15 @@ class StoreConfig:
         return HostTier(stores, HostPool(self.host_bytes, pin=pin), readers=readers, writers=self.writers, eviction=eviction)
 
     def lookup(self, dirs: str | os.PathLike | Sequence[str | os.PathLike] | None) -> StoreLookup:
-        """A look-up of what the store over ``dirs`` and the shared tiers holds, for a process that does not
+        """A look-up of what the store over ``dirs`` and the shared stores holds, for a process that does not
         open it (:class:`~hcache.storage.lookup.StoreLookup`)."""
         shared = self._shared()
         local = directories(dirs) if dirs is not None else []
         return StoreLookup(local + [t.path for t in shared if isinstance(t, SharedDirectory)],
-                           [t.open(self, None) for t in shared if isinstance(t, RedisTier)])  # fmt: skip
+                           [t.open(self, None) for t in shared if isinstance(t, SharedRedis)])  # fmt: skip
 
-    def _shared(self) -> list[SharedTier]:
-        return [shared_tier(url) for url in self.tiers]
+    def _shared(self) -> list[SharedStore]:
+        return [shared_store(url) for url in self.shared]
 
     def disk(self, dirs, labels: Mapping[str, str] | None, shared: bool) -> DiskChunkStore:
         """A disk store over ``dirs`` with these options."""
@@ -118,7 +127,7 @@ class StoreConfig:
         )
 
 
-class RedisTier:
+class SharedRedis:
     """A Redis server or cluster shared by nodes (:class:`~hcache.storage.redis_store.RedisChunkStore`)."""
 
     def __init__(self, url: str):
@@ -146,13 +155,13 @@ class SharedDirectory:
         return config.disk(self.path, labels, shared=True)
 
 
-SharedTier = RedisTier | SharedDirectory
-SHARED_KINDS: dict[str, type[SharedTier]] = {**dict.fromkeys(REDIS_SCHEMES, RedisTier), "file": SharedDirectory, "": SharedDirectory}
+SharedStore = SharedRedis | SharedDirectory
+SHARED_KINDS: dict[str, type[SharedStore]] = {**dict.fromkeys(REDIS_SCHEMES, SharedRedis), "file": SharedDirectory, "": SharedDirectory}
 
 
-def shared_tier(url: str) -> SharedTier:
-    """The shared tier ``url`` names, by its scheme."""
+def shared_store(url: str) -> SharedStore:
+    """The shared store ``url`` names, by its scheme."""
     kind = SHARED_KINDS.get(urlsplit(url).scheme)
     if kind is None:
-        raise StorageError(f"unknown tier {url!r}: expected redis://, redis+cluster://, file:// or a directory")
+        raise StorageError(f"unknown shared store {url!r}: expected redis://, redis+cluster://, file:// or a directory")
     return kind(url)

@@ -12,7 +12,7 @@ decode step.
 
 Stage 2, bookkeeping. Once a batch's copies have landed (at once on a CPU, or when no chunk crossed to the
 host; after the save stream's event on a GPU, on a stage-2 thread), every chunk whose 64 rows are all there
-is published: restorable from memory at once, written back to every store tier (disk, shared tiers) in the
+is published: restorable from memory at once, written back to every store tier (disk, shared stores) in the
 background. Only full chunks are stored; a finished sequence's
 trailing partial chunk is dropped, and a chunk some of whose rows were restored rather than computed never
 fills (it is stored already): its slot goes back as soon as that is known. A stored chunk is immutable.

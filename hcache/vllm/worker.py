@@ -28,7 +28,7 @@ from ..model.spec import ModelSpec
 from ..model.tensor_parallel import SINGLE
 from ..paged.layout import PagedLayout, block_slots
 from ..paged.loader import Loader, PagedLayer
-from ..planning.plan import Method
+from ..storage.stored_state import Format
 from ..serving.records import PutRestore, SequenceRecord, log_requests
 from ..serving.restore import anchor_label, first_chunk_miss, store_miss
 from ..serving.store_stack import StoreStack
@@ -123,7 +123,7 @@ class WorkerSide:
             raise RuntimeError(f"vLLM's cache holds {layout.num_heads} heads of {layout.head_size}; the model has "
                                f"{spec.num_kv_heads} KV heads of {spec.head_size}")  # fmt: skip
         if uses_hidden_states(self.config):
-            saved = frozenset(layer for layer, formats in enumerate(self.config.save_formats) if Method.H.value in formats)
+            saved = frozenset(layer for layer, formats in enumerate(self.config.save_formats) if Format.H in formats)
             layers = {layer.index: name for name, layer in self._layers.items()}
             self._hidden = HiddenLayers(spec, registering_model(self._attention), layers, saved if self.stack.saver else frozenset())
         if self.stack.store is not None:
@@ -179,7 +179,7 @@ class WorkerSide:
             return
         layer = self._layers[name]
         hidden = self._hidden.captured(layer.index) if self._hidden is not None else None
-        if hidden is None and Method.H.value in self.config.save_formats[layer.index]:
+        if hidden is None and Format.H in self.config.save_formats[layer.index]:
             return
         key = id(layer.layout)
         if key not in self._elements:  # made by the step's first layer, on the cache's device, used by every layer

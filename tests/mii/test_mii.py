@@ -484,7 +484,7 @@ def test_serve_command_checks_its_config_before_starting_anything(model_dir, arg
 
 
 @pytest.mark.parametrize(
-    "args", [["--plan", "3H+"], ["--stored-dtype", "int4"], ["--profile", "nowhere.json"], ["--tier", "nosuch://host"]]
+    "args", [["--plan", "3H+"], ["--stored-dtype", "int4"], ["--profile", "nowhere.json"], ["--shared", "nosuch://host"]]
 )
 def test_a_serve_refused_for_bad_arguments_leaves_the_store_untouched(model_dir, tmp_path, args, capsys, monkeypatch):
     """Issue 34: a command refused for a bad argument opens nothing: the store's files (chunks, manifest,

@@ -147,7 +147,7 @@ def test_a_chunk_saved_without_the_plans_format_is_reported_other_settings(llama
 
 
 def test_a_shared_tier_that_is_down_is_reported_tier_unavailable(llama, prompt, tmp_path, redis_server):
-    log, tiers = tmp_path / "requests.jsonl", {"tiers": [redis_server.url]}
+    log, tiers = tmp_path / "requests.jsonl", {"shared": [redis_server.url]}
     with HCacheRuntime(llama, None, plan="KV", request_log=str(log), store=tiers) as runtime:  # Redis alone
         _turn(runtime, prompt)
         _cold(runtime)

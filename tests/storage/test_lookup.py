@@ -22,7 +22,7 @@ def test_the_stored_prefix_is_found_across_directories_and_tiers_without_the_own
         assert {owner.path(key).parents[2] for key in keys[:2]} == set(local)  # one in each local directory
         shared_store.put(*chunks[2])
         redis.put(keys[3], memoryview(chunks[3][1]))
-        lookup = StoreConfig(tiers=(str(shared), url)).lookup(local)
+        lookup = StoreConfig(shared=(str(shared), url)).lookup(local)
         try:
             assert lookup.stored_prefix(keys) == 4  # the fifth is stored nowhere
             assert lookup.stored_prefix(keys[:2] + keys[4:] + keys[2:4]) == 2
@@ -60,7 +60,7 @@ def test_a_lookup_stops_at_the_first_chunk_no_tier_holds(tmp_path, monkeypatch):
 
 
 def test_a_lookup_says_when_redis_did_not_answer(redis_server):
-    lookup = StoreConfig(tiers=(redis_server.url,)).lookup(None)
+    lookup = StoreConfig(shared=(redis_server.url,)).lookup(None)
     try:
         assert lookup.stored_prefix(["ab" * 16]) == 0 and lookup.available
         redis_server.stop()

@@ -50,7 +50,7 @@ def session(tmp_path_factory):
     logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "disk", "redis", "lost", "faults", "truncated")}
 
     def connector(log: str, dirs, tiers, store=None, **settings) -> dict:
-        return {"store_dirs": dirs, "store": {"tiers": tiers, **(store or {})}, "request_log": str(logs[log]), **settings}
+        return {"store_dirs": dirs, "store": {"shared": tiers, **(store or {})}, "request_log": str(logs[log]), **settings}
 
     spec = {
         "model": str(model_dir(DEFAULT_MODEL)),

@@ -38,7 +38,7 @@ def test_past_the_reports_the_stores_are_asked_and_each_end_has_its_reason(tmp_p
 
 
 def test_a_redis_that_does_not_answer_is_the_reason(redis_server):
-    index = StoredIndex(StoreConfig(tiers=(redis_server.url,)).lookup(None))
+    index = StoredIndex(StoreConfig(shared=(redis_server.url,)).lookup(None))
     try:
         index.apply([(KEYS[0], None)])
         redis_server.stop()

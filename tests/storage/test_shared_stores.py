@@ -1,5 +1,5 @@
 """Two serving nodes, one history: node A (a process of its own) saves, node B (this process) restores
-what A saved through a shared tier, with tokens identical to recompute; a shared tier that fails or lies
+what A saved through a shared store, with tokens identical to recompute; a shared store that fails or lies
 costs a recompute, never a wrong token."""
 import json
 import subprocess
@@ -18,8 +18,8 @@ MODEL = "random:llama"
 NEW_TOKENS = 4
 
 
-def _node_a(tiers: list[str], store_dir, prompts: list[list[int]]) -> list[dict]:
-    config = {"model": MODEL, "store_dir": str(store_dir), "tiers": tiers, "prompts": prompts, "new_tokens": NEW_TOKENS}
+def _node_a(shared: list[str], store_dir, prompts: list[list[int]]) -> list[dict]:
+    config = {"model": MODEL, "store_dir": str(store_dir), "shared": shared, "prompts": prompts, "new_tokens": NEW_TOKENS}
     script = SUPPORT / "shared_node.py"
     done = subprocess.run([sys.executable, str(script), json.dumps(config)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -27,7 +27,7 @@ def _node_a(tiers: list[str], store_dir, prompts: list[list[int]]) -> list[dict]
 
 
 @pytest.fixture
-def shared_tier(request, tmp_path):
+def shared_store(request, tmp_path):
     kind = request.param
     if kind == "shared-dir":
         return str(tmp_path / "shared")
@@ -35,13 +35,13 @@ def shared_tier(request, tmp_path):
     return f"{base}?namespace={uuid.uuid4().hex[:12]}"
 
 
-@pytest.mark.parametrize("shared_tier", ["redis", "redis-cluster", "shared-dir"], indirect=True)
-def test_node_b_restores_what_node_a_saved(shared_tier, tmp_path, rng, request):
-    kind = request.node.callspec.params["shared_tier"]
+@pytest.mark.parametrize("shared_store", ["redis", "redis-cluster", "shared-dir"], indirect=True)
+def test_node_b_restores_what_node_a_saved(shared_store, tmp_path, rng, request):
+    kind = request.node.callspec.params["shared_store"]
     prompt = random_prompt(200, 256, rng)
-    saved = _node_a([shared_tier], tmp_path / "a", [prompt])[0]
+    saved = _node_a([shared_store], tmp_path / "a", [prompt])[0]
     assert saved["restored_tokens"] == 0
-    store = StoreConfig(tiers=(shared_tier,), fsync=False)
+    store = StoreConfig(shared=(shared_store,), fsync=False)
     with HCacheRuntime(loaded(MODEL), tmp_path / "b", store=store) as b:
         result = b.generate(prompt, NEW_TOKENS)
         assert result.restored_tokens == 192 and result.fallback is None
@@ -49,12 +49,12 @@ def test_node_b_restores_what_node_a_saved(shared_tier, tmp_path, rng, request):
         assert result.output_ids == saved["output_ids"] == b.generate(prompt, NEW_TOKENS, restore=False).output_ids
         b.store.flush()
         assert len(b.store.stores[0].keys()) >= 3  # promoted to B's own disk
-        # another tenant on the same shared tier finds nothing of A's
+        # another tenant on the same shared store finds nothing of A's
         assert b.generate(prompt, NEW_TOKENS, namespace="tenant-b").restored_tokens == 0
 
 
 def _restore_again(runtime: HCacheRuntime, prompt: list[int]):
-    """Serve ``prompt`` with the host pool emptied first, so that the restore must read the shared tier."""
+    """Serve ``prompt`` with the host pool emptied first, so that the restore must read the shared store."""
     runtime.store.flush()
     runtime.store.drop_resident()
     return runtime.generate(prompt, NEW_TOKENS)
@@ -63,7 +63,7 @@ def _restore_again(runtime: HCacheRuntime, prompt: list[int]):
 def test_a_redis_killed_mid_run_turns_restores_into_recomputes(redis_server, rng):
     llama = loaded(MODEL)
     prompts = [random_prompt(150, 256, rng) for _ in range(2)]
-    with HCacheRuntime(llama, None, store=StoreConfig(tiers=(redis_server.url,))) as runtime:
+    with HCacheRuntime(llama, None, store=StoreConfig(shared=(redis_server.url,))) as runtime:
         expected = [runtime.generate(p, NEW_TOKENS, restore=False).output_ids for p in prompts]
         assert _restore_again(runtime, prompts[0]).restored_tokens == 128
         redis_server.stop()
@@ -76,7 +76,7 @@ def test_a_redis_killed_mid_run_turns_restores_into_recomputes(redis_server, rng
 def test_a_corrupt_value_in_redis_falls_back_with_identical_tokens(redis_url, rng):
     url = f"{redis_url}?namespace={uuid.uuid4().hex[:12]}"
     prompt = random_prompt(150, 256, rng)
-    with HCacheRuntime(loaded(MODEL), None, store=StoreConfig(tiers=(url,))) as runtime:
+    with HCacheRuntime(loaded(MODEL), None, store=StoreConfig(shared=(url,))) as runtime:
         expected = runtime.generate(prompt, NEW_TOKENS).output_ids
         runtime.store.flush()
         client = redis.Redis.from_url(redis_url)
@@ -93,7 +93,7 @@ def test_a_corrupt_value_in_redis_falls_back_with_identical_tokens(redis_url, rn
 
 def test_a_redis_restarted_empty_gives_misses_and_no_errors(redis_server, rng):
     prompt = random_prompt(150, 256, rng)
-    with HCacheRuntime(loaded(MODEL), None, store=StoreConfig(tiers=(redis_server.url,))) as runtime:
+    with HCacheRuntime(loaded(MODEL), None, store=StoreConfig(shared=(redis_server.url,))) as runtime:
         expected = runtime.generate(prompt, NEW_TOKENS).output_ids
         runtime.store.flush()
         redis_server.stop()
