@@ -51,6 +51,7 @@ import json
 import tempfile
 import time
 from collections import Counter
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,7 @@ from tqdm import tqdm
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load_model, model_dir, model_dtype
 from ..planning.profile import Profile
 from ..planning.profiler import measure_profile
-from ..serving.records import GPU_CACHE, RestoreStep
+from ..serving.records import GPU_CACHE, RestoreStep, SequenceRecord
 from ..serving.runtime import HCacheRuntime, RequestResult
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import DEFAULT_READERS
@@ -326,20 +327,11 @@ class _Mii:
             raise RuntimeError(f"MII answered {reply.generated_length} tokens in {len(self.steps)} steps, not {max_new_tokens}")
         times = self.steps[-max_new_tokens:]  # the first ended the prefill
         record = json.loads(Path(self.config["request_log"]).read_text().splitlines()[-1]) if self.config else {}
+        cost = {f.name: record[f.name] for f in fields(SequenceRecord) if f.name in record}
+        cost["restores"] = [RestoreStep(**step) for step in cost.get("restores", [])]
         return RequestResult(
             output_ids=self.tokenizer.encode(reply.generated_text, add_special_tokens=False),
-            prompt_tokens=reply.prompt_length,
-            restored_tokens=record.get("restored_tokens", 0),
-            plan=record.get("plan", ""),
-            ttft_s=times[0] - start,
-            bytes_read=record.get("bytes_read", 0),
-            fallback=record.get("fallback"),
-            restore_s=record.get("restore_s", 0.0),
-            tbt_s=np.diff(times).tolist(),
-            restores=[RestoreStep(**step) for step in record.get("restores", [])],
-            gpu_tokens=record.get("gpu_tokens", 0),
-            prefetch_hidden_s=record.get("prefetch_hidden_s", 0.0),
-            tier_tokens=record.get("tier_tokens", {}),
+            prompt_tokens=reply.prompt_length, ttft_s=times[0] - start, tbt_s=np.diff(times).tolist(), **cost,
         )
 
     def __enter__(self) -> "_Mii":

@@ -22,7 +22,7 @@ from ..model.tensor_parallel import SINGLE, TPGroup, local_spec, shard_model
 from ..resolve import resolve
 from ..serving.engine import ServingEngine
 from ..serving.metrics import serve_metrics
-from ..serving.self_check import serving_engine
+from ..serving.factory import serving_engine
 
 
 def building_hcache_engines(_load_model, hcache: ResolvedConfig):

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
 from ..ports import check_free
-from . import serve
 from .server_signals import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
 if TYPE_CHECKING:
@@ -101,6 +100,7 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
 def run(args: argparse.Namespace) -> int:
     from ..model.loader import model_dir
     from .engine_factory import context_length
+    from .deployment import serve
     from .processes import openai_server
 
     config = settings(args)

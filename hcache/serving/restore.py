@@ -304,7 +304,7 @@ def _layout_problems(
         scale = layout.entries.get((layer, scale_format(fmt)))
         if is_encoded(entry.dtype) and (scale is None or (scale.shape, scale.dtype) != ((CHUNK_TOKENS, *scale_shape(shapes[fmt])), SCALE_DTYPE)):
             return f"L{layer}.{fmt} is stored in {entry.dtype} without fitting scales", []
-    return None, sorted({fmt for _, fmt in need - set(layout.entries)})
+    return None, sorted({str(fmt) for _, fmt in need - set(layout.entries)})
 
 
 def _elsewhere(n: int) -> str:

@@ -27,27 +27,18 @@ from ..model.tensor_parallel import SINGLE, TPGroup, shard_model
 from ..planning.plan import RestorePlan
 from ..resolve import resolve
 from .engine import ServingEngine
-from .records import RestoreStep
-from .self_check import serving_engine
+from .records import SequenceRecord
+from .factory import serving_engine
 
 
 @dataclass
-class RequestResult:
-    output_ids: list[int]
-    prompt_tokens: int
-    restored_tokens: int
-    plan: str  # the plan its restores followed ("" if nothing was looked up)
-    ttft_s: float
-    bytes_read: int
-    fallback: str | None  # why stored state was used only in part, if it was
-    restore_s: float = 0.0  # time in the restore (lookup, reads, rebuild), part of ttft_s
+class RequestResult(SequenceRecord):
+    """A request's reply and timings, beside what its sequence cost (the fields of :class:`SequenceRecord`)."""
+
+    output_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0
     tbt_s: list[float] = field(default_factory=list)  # time between consecutive output tokens
-    restores: list[RestoreStep] = field(default_factory=list)  # each put's restore: plan and tokens
-    gpu_tokens: int = 0  # of restored_tokens, adopted from the GPU prefix cache
-    prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
-    tier_tokens: dict[str, int] = field(default_factory=dict)  # of restored_tokens, by the tier they were read from
-    lossy: bool = False  # some restored state was stored in 8 bits (``stored_dtype``), or adopted from a sequence that restored such
-    miss_tokens: dict[str, int] = field(default_factory=dict)  # stored-size tokens computed instead, by why (``MissReason``)
 
 
 class HCacheRuntime:
@@ -178,10 +169,7 @@ class HCacheRuntime:
             for uid in uids:
                 self.serving.flush(uid)
         return [
-            RequestResult(
-                out, len(prompt), r.restored_tokens, r.plan, ttft, r.bytes_read, r.fallback, r.restore_s, gaps,
-                r.restores, r.gpu_tokens, r.prefetch_hidden_s, r.tier_tokens, r.lossy, r.miss_tokens,
-            )
+            RequestResult(output_ids=out, prompt_tokens=len(prompt), ttft_s=ttft, tbt_s=gaps, **vars(r))
             for out, prompt, r, gaps in zip(outputs, prompts, records, tbt)
         ]
 

@@ -1,8 +1,8 @@
 """The start-up self-check, and the rule by which a restore is judged against recompute.
 
-Before an engine serves, :func:`serving_engine` saves a short random history on it into a throwaway store
-(a temporary directory, removed after), restores it by each stored method the plan may use
-(:func:`~hcache.resolve.self_check_methods`), and compares each restored cache and next token with
+Before an engine serves (:func:`~hcache.serving.factory.serving_engine`), :func:`self_check` saves a short
+random history on it into a throwaway store (a temporary directory, removed after), restores it by each
+stored method the plan may use (:func:`~hcache.resolve.self_check_methods`), and compares each restored cache and next token with
 the engine's own recompute of the same tokens, by the rule ``hcache check`` uses (:func:`layer_excess`,
 :class:`Comparison`). A method that fails is disabled for the process
 (:func:`~hcache.resolve.disable_methods`): one warning says why, and the metric
@@ -100,18 +100,6 @@ def layer_excess(kind: str, method: Method | str, got: KV, want: KV, spec: Model
         return ((k.float() - want_k.float()).abs() - rope_bound(want_k, torch.arange(len(k)), spec.rope.rotary_dim)).max().item()
     tolerance = (lambda want: 1e-5) if spec.dtype == "float32" else (lambda want: 2 * torch.finfo(want.dtype).eps * want.float().abs())
     return max(((g.float() - w.float()).abs() - tolerance(w)).max().item() for g, w in ((k, want_k), (v, want_v)))
-
-
-def serving_engine(
-    config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup = SINGLE, *, engine_config: object = None
-) -> ServingEngine:
-    """The serving engine over ``engine`` and its store stack, built by every entry point that serves (the
-    runtime, and MII's model servers), after the self-check the config's ``self_check`` asks for: with
-    the failed methods disabled, or :class:`SelfCheckFailed` under ``"strict"``."""
-    config = self_check(config, engine, fingerprint, tp)
-    serving = ServingEngine(engine, StoreStack(config, engine, fingerprint, tp), engine_config=engine_config)
-    serving.metrics.self_check_disabled = frozenset(m.value for m in config.disabled)
-    return serving
 
 
 def self_check(config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup = SINGLE) -> ResolvedConfig:

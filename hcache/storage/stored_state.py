@@ -19,10 +19,14 @@ import torch
 from ..ops.quant import ENCODINGS, SCALE_DTYPE, QuantRows, dequantise, quantise
 
 class Format(str, Enum):
-    """A stored format: what a layer's rows are. A ``str``, so it names a chunk's tensors as it is."""
+    """A stored format: what a layer's rows are. A ``str`` that prints as its value (as 3.11's ``StrEnum``),
+    so it names a chunk's tensors as it is."""
 
     H = "H"
     KV = "KV"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 class Encoding(str, Enum):

@@ -68,7 +68,7 @@ def test_deepspeed_is_told_its_accelerator_and_does_not_warn_that_it_guessed():
     it fell back to the CPU; hcache names the accelerator where torch sees no CUDA device."""
     script = """
 import os, torch
-from hcache.mii import _quiet_libraries
+from hcache.mii.deployment import _quiet_libraries
 _quiet_libraries()
 import mii
 from deepspeed.accelerator import get_accelerator

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 import hcache.mii
+import hcache.mii.deployment
 from hcache import process_tree
 from hcache.cli import main
 from hcache.errors import InvalidRequestError, UnsupportedModelError
@@ -452,7 +453,7 @@ def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, t
         launched.append(config)
         raise _Started
 
-    monkeypatch.setattr(hcache.mii, "launching_with_hcache", launch)
+    monkeypatch.setattr(hcache.mii.deployment, "launching_with_hcache", launch)
     with pytest.raises(_Started):
         main(["serve", "--model", tiny, "--engine", "reference", "--plan", "auto", "--no-measure-profile"])
     assert launched[0].plan == default_plan(spec) and launched[0].profile is None  # the replicas serve the default plan
