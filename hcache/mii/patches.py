@@ -4,14 +4,14 @@ installed together and undone together, in reverse order, leaving nothing behind
 hcache serves through MII's own pipeline, servers, batching loop and sampling by replacing a few of their
 attributes. Each replacement is made, from the original it wraps, by a function in the module whose job it
 is (:mod:`.engine_factory`, :mod:`.requests`, :mod:`.detokenize`, :mod:`.failures`, :mod:`.gateway`,
-:mod:`.loop`, :mod:`.processes`); the groups below say which attribute each replaces. They rely on MII's
+:mod:`.loop`, :mod:`.processes`, :mod:`.stopping`); the groups below say which attribute each replaces. They rely on MII's
 internals: :func:`check_mii_version` refuses a version they were not checked against.
 
 When each group is in effect:
 
 - while ``hcache.mii.pipeline`` builds a pipeline (:func:`install`), undone once it is built. The pipeline
   keeps the replacements of its own loop's methods in a subclass of its class
-  (:func:`hold_loop_patches`), and holds ``NAMESPACES`` until it is destroyed;
+  (:func:`hold_loop_patches`), and holds ``REQUEST_CLASSES`` until it is destroyed;
 - in one of MII's server processes, while MII's server runs (:func:`install_server`; :mod:`.launch`
   undoes it when the server returns);
 - in the process calling ``hcache.mii.serve``, while MII starts its processes
@@ -28,7 +28,7 @@ from typing import Any
 
 from ..config import ResolvedConfig
 from ..errors import InvalidRequestError
-from . import detokenize, engine_factory, failures, gateway, loop, processes, requests
+from . import detokenize, engine_factory, failures, gateway, loop, processes, requests, stopping
 
 TESTED_MII = ((0, 3), (0, 4))  # [lowest, highest) MII minor versions whose internals this was checked against
 ABSENT = object()  # what an owner held of a name it did not hold itself
@@ -68,6 +68,8 @@ ON_CPU = (  # where torch has no CUDA
 CHECKS = (
     Patch(_LOOP, "make_request", requests.checking_requests),
     Patch(_LOOP, "put", requests.opening_in_namespaces),
+    Patch(_LOOP, "_process_logits", stopping.as_asked),
+    Patch(_LOOP, "_generate_output", stopping.leaving_out_stop_tokens),
 )
 DETOKENIZING = (
     Patch("mii.modeling.tokenizers:HFTokenizer", "decode", detokenize.without_special_tokens),
@@ -89,9 +91,10 @@ LOOPBACK = (
     Patch("grpc", "server", gateway.loopback_grpc_server),
     Patch("zmq:Socket", "bind", gateway.loopback_zmq_bind),
 )
-NAMESPACES = (  # held while a pipeline or a model server lives (see Shared)
+REQUEST_CLASSES = (  # MII's request classes: held while a pipeline or a model server lives (see Shared)
     Patch("mii.batching.data_classes:Request", "to_msg_dict", requests.sending_namespace),
     Patch("mii.batching.data_classes:RequestMsg", "from_msg_dict", requests.receiving_namespace),
+    Patch("mii.batching.data_classes:Request", "is_done", stopping.counting_new_tokens),
 )
 MODEL_SERVER = (  # after FAILURES: this schedule_requests calls theirs
     Patch(_ASYNC, "schedule_requests", loop.waiting_when_idle),
@@ -106,7 +109,7 @@ LAUNCHING = (  # context: a processes.Launch
     Patch("mii.backend.server:MIIServer", "_launch_server_process", processes.through_hcache_launch),
     Patch("mii.backend.server:MIIServer", "_wait_until_server_is_live", processes.waiting_briefly),
 )
-EVERY = (*ENGINE, *ON_CPU, *CHECKS, *DETOKENIZING, *FAILURES, *LOOPBACK, *NAMESPACES, *MODEL_SERVER, *REST_GATEWAY, *LAUNCHING)
+EVERY = (*ENGINE, *ON_CPU, *CHECKS, *DETOKENIZING, *FAILURES, *LOOPBACK, *REQUEST_CLASSES, *MODEL_SERVER, *REST_GATEWAY, *LAUNCHING)
 
 
 class Patches:
@@ -158,7 +161,7 @@ class Patches:
 
 class Shared:
     """A group installed while anything holds it: the first hold installs it, the last release undoes it.
-    For a group that what outlives an install needs (a pipeline's broadcast of namespaces), while several
+    For a group that what outlives an install needs (the request classes a pipeline uses), while several
     such may live at once."""
 
     def __init__(self, group: tuple[Patch, ...]) -> None:
@@ -184,7 +187,7 @@ class Shared:
         return release
 
 
-BROADCASTING_NAMESPACES = Shared(NAMESPACES)
+HELD_REQUEST_CLASSES = Shared(REQUEST_CLASSES)
 
 
 def check_mii_version() -> None:
@@ -214,10 +217,10 @@ installed = install  # ``with installed(hcache):``
 
 
 def install_server(hcache: ResolvedConfig, model_config, rest_gateway: bool) -> Patches:
-    """For one of MII's server processes, until its server returns: :func:`install`, the namespaces'
-    broadcast, the model server's idle wait and store at shutdown, and, in the REST gateway, every request
+    """For one of MII's server processes, until its server returns: :func:`install`, MII's request classes'
+    replacements, the model server's idle wait and store at shutdown, and, in the REST gateway, every request
     checked at the door and every error answered with its HTTP status and message."""
-    patches = install(hcache).hold(BROADCASTING_NAMESPACES).install(MODEL_SERVER)
+    patches = install(hcache).hold(HELD_REQUEST_CLASSES).install(MODEL_SERVER)
     if rest_gateway:
         patches.install(REST_GATEWAY, model_config)
     return patches
@@ -226,10 +229,10 @@ def install_server(hcache: ResolvedConfig, model_config, rest_gateway: bool) -> 
 def hold_loop_patches(pipeline) -> None:
     """Keep hcache's replacements of ``pipeline``'s loop methods (it was built while :func:`install` was in
     effect) after the install is undone: its class becomes a subclass that holds them, and MII's classes are
-    left as they were. The namespaces' broadcast is held until the pipeline is destroyed."""
+    left as they were. MII's request classes are held until the pipeline is destroyed."""
     cls = type(pipeline)
     methods = {p.name: getattr(cls, p.name) for p in (*CHECKS, *FAILURES) if p.owner in (_LOOP, _PIPELINE)}
-    held = Patches().hold(BROADCASTING_NAMESPACES)
+    held = Patches().hold(HELD_REQUEST_CLASSES)
 
     def destroy(self) -> None:
         try:

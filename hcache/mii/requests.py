@@ -10,8 +10,10 @@ from pydantic import ValidationError
 
 from ..errors import InvalidRequestError
 from ..storage.chunk_key import check_namespace
+from .stopping import STOP_TOKEN_IDS, parse_stop_token_ids
 
 CACHE_SALT = "cache_salt"  # the per-request namespace, under vLLM's name
+_HCACHE_FIELDS = frozenset((CACHE_SALT, STOP_TOKEN_IDS))  # taken off before MII sees the options
 # Generation options a request may set: MII's, less the one MII fills in itself.
 _MII_FIELDS = frozenset(
     ("max_length", "max_new_tokens", "min_new_tokens", "stream", "ignore_eos", "return_full_text", "do_sample",
@@ -21,20 +23,24 @@ _INTEGER_FIELDS = ("max_length", "max_new_tokens", "min_new_tokens", "top_k")
 _BOOL_FIELDS = ("stream", "ignore_eos", "return_full_text", "do_sample")
 
 
-def check_generate_options(options: dict[str, Any], prompt_tokens: int, max_length: int) -> tuple[dict[str, Any], str | None]:
+def check_generate_options(
+    options: dict[str, Any], prompt_tokens: int, max_length: int
+) -> tuple[dict[str, Any], str | None, tuple[int, ...]]:
     """MII's generation options for one prompt of ``prompt_tokens`` tokens on a deployment whose context holds
-    ``max_length``, and the request's namespace; or an :class:`InvalidRequestError` saying what is wrong.
+    ``max_length``, the request's namespace and its stop token ids (:mod:`.stopping`); or an
+    :class:`InvalidRequestError` saying what is wrong.
 
     ``max_new_tokens`` (an integer of at least 1) is optional: without it MII generates up to the context's
     end. The prompt plus ``max_new_tokens`` must fit in the context (or in ``max_length``, if the request
     sets a smaller one)."""
     from mii.config import GenerateParamsConfig
 
-    unknown = sorted(set(options) - _MII_FIELDS - {CACHE_SALT})
+    unknown = sorted(set(options) - _MII_FIELDS - _HCACHE_FIELDS)
     if unknown:
-        raise InvalidRequestError(f"unknown field(s) {', '.join(unknown)}; a request may set {', '.join(sorted(_MII_FIELDS | {CACHE_SALT}))}")
+        raise InvalidRequestError(f"unknown field(s) {', '.join(unknown)}; a request may set {', '.join(sorted(_MII_FIELDS | _HCACHE_FIELDS))}")
     options = dict(options)
     namespace = check_namespace(options.pop(CACHE_SALT, None), CACHE_SALT)
+    stop_ids = parse_stop_token_ids(options.pop(STOP_TOKEN_IDS)) if STOP_TOKEN_IDS in options else ()
     for name in _INTEGER_FIELDS:
         if name in options and (type(options[name]) is not int):
             raise InvalidRequestError(f"{name} must be an integer, not {options[name]!r}")
@@ -49,6 +55,9 @@ def check_generate_options(options: dict[str, Any], prompt_tokens: int, max_leng
     new_tokens = options.get("max_new_tokens", 1)
     if new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be at least 1, not {new_tokens}")
+    least = options.get("min_new_tokens", 0)
+    if not 0 <= least <= options.get("max_new_tokens", limit - prompt_tokens):
+        raise InvalidRequestError(f"min_new_tokens must be between 0 and max_new_tokens, not {least}")
     if prompt_tokens + new_tokens > limit:
         raise InvalidRequestError(
             f"a prompt of {prompt_tokens} tokens plus max_new_tokens={new_tokens} exceeds the context length {limit}"
@@ -57,7 +66,7 @@ def check_generate_options(options: dict[str, Any], prompt_tokens: int, max_leng
         GenerateParamsConfig(prompt_length=prompt_tokens, **{"max_length": max_length, **options})
     except ValidationError as exc:
         raise InvalidRequestError(f"bad generation options: {exc}") from exc
-    return options, namespace
+    return options, namespace, stop_ids
 
 
 def check_rest_body(body: object, tokenize, max_length: int) -> None:
@@ -85,9 +94,9 @@ def checking_requests(make):
     loop (a bad one raises in its caller, and the loop never sees it)."""
 
     def make_request(self, tid, uid, input_tokens, kwargs):
-        options, namespace = check_generate_options(kwargs, len(input_tokens), self.max_length)
+        options, namespace, stop_ids = check_generate_options(kwargs, len(input_tokens), self.max_length)
         request = make(self, tid, uid, input_tokens, options)
-        request.hcache_namespace = namespace
+        request.hcache_namespace, request.hcache_stop_ids = namespace, stop_ids
         return request
 
     return make_request

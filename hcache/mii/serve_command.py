@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"REST: POST http://{args.host}:{args.rest_port}/mii/{args.deployment_name}  {{\"prompts\": [...], \"max_new_tokens\": N}}")
         if openai is not None:
             _signal_when_listening(openai, args.host, args.openai_port, READY_SIGNAL)
-            print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1/chat/completions  (model: {path})")
+            print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1/chat/completions  (model: {args.model})")
         if config.metrics_port:
             print(f"Prometheus metrics: http://{args.host}:{config.metrics_port}/metrics")
         print("serving; Ctrl-C stops", flush=True)

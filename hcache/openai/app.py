@@ -23,7 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import InvalidRequestError
+from ..mii.stopping import STOP_TOKEN_IDS
 from ..storage.chunk_key import check_namespace
+from ..version import __version__
 from .generation import Deployment, DeploymentError, Piece, until_stop
 from .protocol import (
     AssistantMessage,
@@ -121,6 +123,10 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
         if health.draining.is_set() or not health.ready.is_set():
             return JSONResponse({"status": "draining" if health.draining.is_set() else "starting"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:  # vLLM's server answers it, and its benchmarks ask
+        return JSONResponse({"version": __version__})
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -226,7 +232,15 @@ def _options(request, prompt_tokens: int, max_model_len: int, prompt_param: str)
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                        f"{prompt_tokens + new_tokens} tokens ({prompt_tokens} in the prompt, {new_tokens} for the "
                        f"completion). Please reduce the prompt or {param}.", param=param)  # fmt: skip
+    if request.min_tokens > new_tokens:
+        raise APIError(400, f"min_tokens ({request.min_tokens}) must be at most {param} ({new_tokens})", param="min_tokens")
     options: dict = {"max_new_tokens": new_tokens}
+    if request.min_tokens:
+        options["min_new_tokens"] = request.min_tokens
+    if request.ignore_eos:
+        options["ignore_eos"] = True
+    if request.stop_token_ids:
+        options[STOP_TOKEN_IDS] = ",".join(map(str, request.stop_token_ids))
     temperature = 1.0 if request.temperature is None else request.temperature
     if temperature == 0:
         options["do_sample"] = False

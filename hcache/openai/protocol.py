@@ -32,6 +32,11 @@ class _Request(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     cache_salt: Optional[str] = None  # vLLM's name for a per-request namespace
+    # vLLM's sampling extensions (its SamplingParams), which clients such as its benchmarks send
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    repetition_penalty: Optional[float] = None
 
     @property
     def stops(self) -> list[str]:
@@ -99,6 +104,10 @@ def unsupported(request: _Request) -> Optional[tuple[str, str]]:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(request, name):
             return name, f"{name} is not supported"
+    if request.repetition_penalty not in (None, 1.0):
+        return "repetition_penalty", "repetition_penalty is not supported (only 1.0, no penalty)"
+    if request.stop_token_ids and min(request.stop_token_ids) < 0:
+        return "stop_token_ids", "stop_token_ids must be non-negative token ids"
     if request.logit_bias:
         return "logit_bias", "logit_bias is not supported"
     if isinstance(request, ChatCompletionRequest):

@@ -54,7 +54,7 @@ def test_a_closed_pipeline_leaves_every_patched_attribute_as_it_found_it(tiny, t
     try:
         assert type(pipe.inference_engine).__name__ == "ServingEngine"  # built while the install was in effect
         assert _hcache_made(type(pipe).put) and _hcache_made(type(pipe).__call__)  # its loop kept on its own class
-        assert _changed(untouched) == _labels(patches.NAMESPACES)  # held while it lives
+        assert _changed(untouched) == _labels(patches.REQUEST_CLASSES)  # held while it lives
         with pytest.raises(InvalidRequestError, match="max_new_tokens must be at least 1"):  # the checks still run
             pipe(["Paris"], max_new_tokens=0)
         assert pipe(["Paris is"], max_new_tokens=2, do_sample=False)[0].generated_length == 2
@@ -71,7 +71,7 @@ def test_two_pipelines_share_the_namespaces_broadcast_until_both_are_destroyed(t
     first.destroy()
     with pytest.raises(AttributeError):  # MII's destroy fails a second time, after which the hold is not released again
         first.destroy()
-    assert _changed(untouched) == _labels(patches.NAMESPACES)
+    assert _changed(untouched) == _labels(patches.REQUEST_CLASSES)
     second.destroy()
     assert _changed(untouched) == set()
 
@@ -82,7 +82,7 @@ def test_a_server_process_undoes_every_patch_when_its_server_returns(tiny, untou
     with patches.install_server(config, model_config, rest_gateway=True):
         on_cpu = () if torch.cuda.is_available() else patches.ON_CPU
         server = (patches.ENGINE, on_cpu, patches.CHECKS, patches.DETOKENIZING, patches.FAILURES, patches.LOOPBACK,
-                  patches.NAMESPACES, patches.MODEL_SERVER, patches.REST_GATEWAY)  # fmt: skip
+                  patches.REQUEST_CLASSES, patches.MODEL_SERVER, patches.REST_GATEWAY)  # fmt: skip
         assert _changed(untouched) == _labels(*server)
     assert _changed(untouched) == set()
 

@@ -24,6 +24,7 @@ import psutil
 import pytest
 from transformers import AutoTokenizer
 
+import hcache
 from hcache import process_tree
 from hcache.model.loader import model_dir as resolve_model_dir
 from hcache.serving.records import SequenceRecord
@@ -199,6 +200,36 @@ def test_sampling_options_and_seed_with_greedy(server):
     assert _greedy(client, QUESTION, seed=1) == _greedy(client, QUESTION)
 
 
+def _ask(client: openai.OpenAI, stream: bool, **request) -> tuple[str, str, int]:
+    """A chat's text, finish reason and completion tokens, streamed or not."""
+    if not stream:
+        reply = client.chat.completions.create(**request)
+        return reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage.completion_tokens
+    text, chunks = _streamed(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1], chunks[-1].usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_vllms_sampling_extensions_are_honoured(server, stream):
+    """``min_tokens``, ``ignore_eos`` and ``stop_token_ids``, as vLLM's clients send them (``extra_body``)."""
+    client, request = server.client(), {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 30}
+    reply, reason, tokens = _ask(client, stream, **request)
+    assert reason == "stop" and tokens < 20  # the reply and its end-of-turn token
+    text, reason, tokens = _ask(client, stream, **request, extra_body={"min_tokens": 20})
+    assert text.startswith(reply) and len(text) > len(reply) and tokens >= 20  # the end of turn held back until then
+    text, reason, tokens = _ask(client, stream, **request, extra_body={"ignore_eos": True})
+    assert text.startswith(reply) and (reason, tokens) == ("length", 30)
+    ids = server.tokenizer.encode(reply)
+    at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # the first time this token is generated
+    text, reason, tokens = _ask(client, stream, **request, extra_body={"stop_token_ids": [ids[at]]})
+    assert (text, reason, tokens) == (server.tokenizer.decode(ids[:at]), "stop", at + 1)  # counted, its text not sent
+
+
+def test_version_answers_as_vllms_does(server):
+    answer = httpx.get(f"{server.url}/version")
+    assert answer.status_code == 200 and answer.json() == {"version": hcache.__version__}
+
+
 BAD = [  # (request fields over a valid chat, status, param, words of the message)
     ({"max_tokens": -1}, 400, "max_tokens", "at least 1"),
     ({"max_tokens": 10**9}, 400, "max_tokens", "maximum context length is 8192"),
@@ -215,6 +246,10 @@ BAD = [  # (request fields over a valid chat, status, param, words of the messag
     ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ({"extra_body": {"cache_salt": ""}}, 400, "cache_salt", "cache_salt"),
     ({"extra_body": {"top_k": -3}, "temperature": 0.5}, 400, "top_k", "top_k"),
+    ({"extra_body": {"repetition_penalty": 1.2}}, 400, "repetition_penalty", "not supported"),
+    ({"extra_body": {"min_tokens": 9}}, 400, "min_tokens", "at most max_tokens (8)"),
+    ({"extra_body": {"min_tokens": -1}}, 400, "min_tokens", "greater than or equal to 0"),
+    ({"extra_body": {"stop_token_ids": [-2]}}, 400, "stop_token_ids", "non-negative"),
 ]
 
 
@@ -360,4 +395,5 @@ def test_health_quiet_output_and_sigterm_without_waiting_out_a_grace_period(serv
     output = server.output.read_text()
     noise = ("Setting accelerator to CPU", "[runner.py", "[launch.py", "About to start server", "Loading weights")
     assert not any(line in output for line in noise), output  # third parties' logs stay below -v
+    assert f"/v1/chat/completions  (model: {MODEL})" in output  # the id /v1/models lists, not a directory
     assert server.tree and not server.left_running(), server.left_running()

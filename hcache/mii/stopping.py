@@ -1,0 +1,85 @@
+"""Which tokens end a request, and not before it has its ``min_new_tokens``: the rule vLLM's sampling
+extensions follow (``min_tokens``, ``stop_token_ids``, ``ignore_eos``), in MII's batching loop.
+
+MII 0.3 gets two of them wrong and lacks the third: it compares ``min_new_tokens`` with the sequence's
+length, prompt included, so a prompt longer than it is never held; a request held back by it, or by
+``ignore_eos``, still samples its end-of-sequence token, whose text the client never sees; and a request
+can name no stop token beside the tokenizer's. Here, as in vLLM, a request's stop tokens (the end of
+sequence, unless ``ignore_eos``, or the tokens of MII's ``stop``; and its ``stop_token_ids``) cannot be
+sampled among its first ``min_new_tokens`` tokens, and sampling any of them ends it ("stop"); the token
+that ended it is counted but its text is not sent (as vLLM's, and as the end of sequence's never is).
+Replacements for MII's attributes, installed by :mod:`hcache.mii.patches`; sampling runs on rank 0 alone.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import InvalidRequestError
+
+STOP_TOKEN_IDS = "stop_token_ids"  # hcache's option: comma-separated token ids (MII's requests carry scalars only)
+
+
+def parse_stop_token_ids(value: object) -> tuple[int, ...]:
+    """The token ids of ``stop_token_ids``: ``"2,17"``, or a list of ids from Python."""
+    items = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)) and items and all(_token_id(i) for i in items):
+        return tuple(int(i) for i in items)
+    raise InvalidRequestError(f"{STOP_TOKEN_IDS} must be token ids (non-negative integers, comma-separated), not {value!r:.80}")
+
+
+def _token_id(item: object) -> bool:
+    return (type(item) is int and item >= 0) or (isinstance(item, str) and item.strip().isdigit())
+
+
+def counting_new_tokens(is_done: property) -> property:
+    """``Request.is_done``: what the sampled token says, the rules above having been applied when it was
+    sampled (MII's getter would hold back by the sequence's length and by ``ignore_eos``)."""
+    return property(lambda self: self._is_done, is_done.fset)
+
+
+def as_asked(process_logits):
+    """``RaggedBatchBase._process_logits``: the stop tokens of each request still short of its
+    ``min_new_tokens`` masked out before sampling, and a sampled stop token ending its request."""
+
+    def process(self, logits: torch.Tensor, running) -> tuple[torch.Tensor, torch.Tensor]:
+        requests = list(running)
+        stops = [_stop_ids(self, r) for r in requests]
+        # MII's num_generated_tokens counts the token about to be sampled (0 while a prompt is split).
+        held = [i for i, r in enumerate(requests) if 0 < r.num_generated_tokens <= r.min_new_tokens and stops[i]]
+        if held:
+            logits = logits.clone()
+            for i in held:
+                logits[i, [t for t in stops[i] if t < logits.shape[1]]] = -torch.inf
+        next_tokens, done = process_logits(self, logits, running)
+        done = [t in s for t, s in zip(next_tokens.tolist(), stops)]
+        for r, stopped in zip(requests, done):
+            r.hcache_stopped = stopped
+        return next_tokens, torch.tensor(done, dtype=torch.bool)
+
+    return process
+
+
+def leaving_out_stop_tokens(generate_output):
+    """``RaggedBatchBase._generate_output``: a stream's last token, when it is the stop token that ended it,
+    sent as the end of sequence, which decodes to no text (MII's detokenising skips special tokens). A
+    whole reply leaves it out already (MII keeps no token that ended a request)."""
+
+    def output(self, r) -> None:
+        if r.stream and getattr(r, "hcache_stopped", False):  # it ends here: the token is not read again
+            r.next_token = torch.full_like(r.next_token, self.tokenizer.eos_token_id)
+        return generate_output(self, r)
+
+    return output
+
+
+def _stop_ids(loop, request) -> frozenset[int]:
+    """The tokens that end ``request``: MII's stop criteria named in its post-processing (the end of
+    sequence unless ``ignore_eos``, or the tokens of ``stop``) and its ``stop_token_ids``."""
+    mii_stops = set()
+    for name in request.post_processing:
+        criterion = loop._post_processors.get(name)
+        if hasattr(criterion, "eos_id") and not request.ignore_eos:
+            mii_stops.add(int(criterion.eos_id))
+        elif hasattr(criterion, "stop_token_id"):
+            mii_stops.add(int(criterion.stop_token_id))
+    return frozenset(mii_stops).union(getattr(request, "hcache_stop_ids", ()))

@@ -1,0 +1,77 @@
+"""Which tokens end a request in MII's loop (``hcache.mii.stopping``): MII's own stop criteria and sampler,
+the rule applied around them. Through a served deployment and the ``openai`` client: tests/openai."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mii.batching.generation.stop_criterion import EosGenerationStopCriterion, TokenStopCriterion
+
+from hcache.errors import InvalidRequestError
+from hcache.mii.requests import check_generate_options
+from hcache.mii.stopping import as_asked, counting_new_tokens, parse_stop_token_ids
+
+EOS, VOCAB = 2, 8
+
+
+def _request(generated: int, least: int = 0, stop_ids=(), ignore_eos: bool = False, criteria=("Stop",)):
+    return SimpleNamespace(num_generated_tokens=generated, min_new_tokens=least, hcache_stop_ids=tuple(stop_ids),
+                           ignore_eos=ignore_eos, post_processing=list(criteria))  # fmt: skip
+
+
+def _sample(requests, best: list[list[int]]):
+    """Sample greedily with the logits ranking ``best`` tokens first for each request."""
+    logits = torch.zeros(len(requests), VOCAB)
+    for row, ranked in enumerate(best):
+        for rank, token in enumerate(ranked):
+            logits[row, token] = 10.0 - rank
+    loop = SimpleNamespace(_post_processors={"Stop": EosGenerationStopCriterion(SimpleNamespace(eos_token_id=EOS)),
+                                             "Stop_5": TokenStopCriterion(5, tokenizer=None)})  # fmt: skip
+    greedy = lambda self, logits, running: (logits.argmax(-1), torch.zeros(len(running), dtype=torch.bool))  # noqa: E731
+    tokens, done = as_asked(greedy)(loop, logits, requests)
+    return tokens.tolist(), done.tolist()
+
+
+def test_stop_tokens_cannot_end_a_request_before_its_min_new_tokens_and_end_it_after():
+    requests = [
+        _request(3, least=3),  # the third token of at least three: the end of sequence is masked
+        _request(4, least=3),  # the fourth: it may end
+        _request(1, stop_ids=[6]),  # a stop token id of its own ends it
+        _request(1, least=2, stop_ids=[6]),  # ... but not before min_new_tokens either
+        _request(1, ignore_eos=True),  # the end of sequence is sampled and ends nothing
+        _request(1, ignore_eos=True, stop_ids=[6]),  # its own stop ids still end it
+        _request(0, least=5),  # a prompt still being split: nothing sampled counts
+        _request(2, least=4, criteria=("Stop_5",)),  # MII's `stop` tokens replace the end of sequence
+    ]
+    best = [[EOS, 4], [EOS, 4], [6, EOS], [6, EOS, 4], [EOS, 4], [6, 4], [EOS, 4], [5, EOS, 4]]
+    tokens, done = _sample(requests, best)
+    assert tokens == [4, EOS, 6, 4, EOS, 6, EOS, EOS]
+    assert done == [False, True, True, False, False, True, True, False]
+    assert [r.hcache_stopped for r in requests] == done
+
+
+def test_a_request_is_done_as_its_sampled_token_says():
+    owner = type("Request", (), {"is_done": property(lambda self: False, lambda self, v: setattr(self, "_is_done", v))})
+    owner.is_done = counting_new_tokens(owner.is_done)
+    r = owner()
+    r.is_done = True
+    assert r.is_done is True  # MII's getter held it back by the sequence's length and ignore_eos
+
+
+@pytest.mark.parametrize("value, ids", [("2,17", (2, 17)), ("5", (5,)), ([3, 4], (3, 4)), (" 7 , 8", (7, 8))])
+def test_stop_token_ids_are_token_ids(value, ids):
+    assert parse_stop_token_ids(value) == ids
+    assert check_generate_options({"stop_token_ids": value, "max_new_tokens": 4}, 10, 64)[2] == ids
+
+
+@pytest.mark.parametrize("value", ["", "a,b", "-1", "2,,3", [], [-1], [True], 2.5, "1.5"])
+def test_anything_else_is_refused_naming_the_field(value):
+    with pytest.raises(InvalidRequestError, match="stop_token_ids must be token ids"):
+        parse_stop_token_ids(value)
+
+
+def test_min_new_tokens_beyond_max_new_tokens_is_refused():
+    assert check_generate_options({"min_new_tokens": 4, "max_new_tokens": 4}, 10, 64)[0]["min_new_tokens"] == 4
+    with pytest.raises(InvalidRequestError, match="min_new_tokens must be between 0 and max_new_tokens, not 5"):
+        check_generate_options({"min_new_tokens": 5, "max_new_tokens": 4}, 10, 64)
