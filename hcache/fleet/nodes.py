@@ -267,6 +267,20 @@ class Fleet:
                 raise InvalidRequestError(f"HAProxy did not start on {self.host}:{self.port}: {tail}")
             time.sleep(0.2)
 
+    def restart(self, node: Node, seconds: float = START_S) -> int | None:
+        """One step of a rolling restart: drain and stop ``node``, start it again, and wait until the balancer
+        routes to it again, so that the next node may go (two out at once could leave a conversation's turn
+        no node). Returns its exit status."""
+        status = node.stop()
+        node.start()
+        node.wait_ready(seconds)
+        deadline = time.monotonic() + seconds
+        while self.balancer_stats()[node.name]["status"] != "UP":
+            if time.monotonic() > deadline:
+                raise InvalidRequestError(f"the balancer did not take {node.name} back within {seconds:g} s")
+            time.sleep(0.2)
+        return status
+
     def node_for(self, session: str) -> str:
         """The node the balancer sends ``session``'s requests to now (asked with a ``GET /health``)."""
         request = urllib.request.Request(f"http://{self.host}:{self.port}/health", headers={SESSION_HEADER: session})

@@ -109,7 +109,8 @@ def waiting_briefly(_mii_wait, launch: Launch):
 
 
 def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "localhost", *, max_model_len: int | None = None,
-                  names: list[str] | None = None, starting: bool = False, verbose: bool = False) -> subprocess.Popen:
+                  names: list[str] | None = None, starting: bool = False, shutdown_grace: float | None = None,
+                  verbose: bool = False) -> subprocess.Popen:
     """hcache's OpenAI-compatible server (:mod:`hcache.openai`) on ``host``, in front of a deployment's load
     balancer. ``starting``: the deployment is still starting; ``/health`` answers 503 until the server gets
     ``READY_SIGNAL``."""
@@ -119,6 +120,8 @@ def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "lo
         command += ["--served-model-name", name]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
+    if shutdown_grace is not None:
+        command += ["--shutdown-grace", str(shutdown_grace)]
     command += ["--starting"] * starting + ["--verbose"] * verbose
     return subprocess.Popen(command, start_new_session=True)  # Ctrl-C reaches the serving process, which drains this one first
 

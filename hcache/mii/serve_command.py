@@ -2,9 +2,10 @@
 optionally, MII's OpenAI-compatible server in front of it, until interrupted.
 
 SIGTERM or Ctrl-C drains the node: its OpenAI server's ``/health`` answers 503 at once, so a load balancer
-stops sending it requests; ``--drain-s`` later the server stops taking connections and finishes the
-requests it has; then the deployment stops, and each model server writes every chunk it saved to its
-stores before it exits."""
+stops sending it requests, while requests are still served; ``--drain-s`` later the server answers new
+requests 503 and gives those in flight ``--shutdown-grace`` to finish, ending the rest with an error
+(:mod:`hcache.openai.shutdown`); then the deployment stops, and each model server writes every chunk it
+saved to its stores before it exits."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
 from ..ports import check_free
-from .server_signals import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
+from .server_signals import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
 if TYPE_CHECKING:
     from ..config import HCacheConfig  # imported where it is used: it imports torch
@@ -65,7 +66,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--zmq-port", type=int, default=25555, help="MII's port for broadcasting a batch to its ranks (loopback)")
     p.add_argument("--dist-port", type=int, default=29500, help="torch.distributed's port for the ranks (loopback)")
     p.add_argument("--drain-s", type=float, default=DRAIN_S,
-                   help=f"on SIGTERM, seconds /health answers 503 before the OpenAI server stops taking requests (default {DRAIN_S})")
+                   help=f"on SIGTERM, seconds /health answers 503 while requests are still taken, so that a balancer moves away (default {DRAIN_S})")
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S, metavar="SECONDS",
+                   help="after the drain, new requests are answered 503 and those in flight get this long to finish before they "
+                   f"are ended with an error (default {DEFAULT_SHUTDOWN_GRACE_S:g})")
 
 
 def settings(args: argparse.Namespace) -> HCacheConfig:
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         if args.openai_port is not None:  # healthy once the deployment is up
             names = list(dict.fromkeys([args.model, path]))  # as given on the command line, and its directory
             openai = openai_server(path, args.port, args.openai_port, args.host, max_model_len=context_length(resolved),
-                                   names=names, starting=True, verbose=getattr(args, "verbose", False))  # fmt: skip
+                                   names=names, starting=True, shutdown_grace=args.shutdown_grace, verbose=getattr(args, "verbose", False))  # fmt: skip
 
     on_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C (by default SIGTERM ends only this process)
     try:
@@ -149,9 +153,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         with signals_ignored(signal.SIGINT, signal.SIGTERM):
             if openai is not None:
-                openai.terminate()  # uvicorn stops taking connections and finishes the requests it has
+                openai.terminate()  # new requests are refused; those in flight get the grace to finish (hcache.openai.shutdown)
                 try:
-                    openai.wait(FINISH_S + 5)
+                    openai.wait(args.shutdown_grace + FINISH_S + 5)
                 except subprocess.TimeoutExpired:
                     openai.kill()
                     openai.wait()

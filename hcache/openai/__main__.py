@@ -3,15 +3,16 @@
 
 Signals from ``hcache serve``: with ``--starting`` ``/health`` answers 503 until READY_SIGNAL (the
 deployment is up); DRAIN_SIGNAL makes it answer 503 again (the node is stopping) while requests are still
-served; SIGTERM then stops it taking connections, and it exits once its requests are answered, or
-``FINISH_S`` later, cutting those still running (they had the drain to finish)."""
+served; SIGTERM then shuts it down (:mod:`.shutdown`): new requests are answered 503, those in flight get
+``--shutdown-grace`` to finish and are then ended with an error, and it exits."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 
-from ..mii.server_signals import DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
+from ..mii.server_signals import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="localhost")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--starting", action="store_true", help="the deployment is starting: /health answers 503 until READY_SIGNAL")
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S, metavar="SECONDS",
+                   help=f"on SIGTERM, how long requests in flight may take to finish (default {DEFAULT_SHUTDOWN_GRACE_S:g})")
     p.add_argument("-v", "--verbose", action="store_true", help="log each request")
     args = p.parse_args(argv)
 
@@ -30,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from .app import Health, Served, create_app
+    from .shutdown import InFlight, shut_down
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     health = Health()
@@ -40,8 +44,21 @@ def main(argv: list[str] | None = None) -> None:
     max_model_len = args.max_model_len or AutoConfig.from_pretrained(args.model).max_position_embeddings
     served = Served(args.served_model_name or [args.model], AutoTokenizer.from_pretrained(args.model), max_model_len)
     app = create_app(served, args.load_balancer, health)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning", access_log=args.verbose,
-                timeout_graceful_shutdown=FINISH_S)  # fmt: skip
+    in_flight = InFlight(app)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            if sig != signal.SIGTERM or self.should_exit or self.started_shutdown:
+                return super().handle_exit(sig, frame)  # Ctrl-C, or a second signal: uvicorn's own stop
+            self.started_shutdown = True
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(loop.create_task, shut_down(self, in_flight, app.state.deployment, args.shutdown_grace, FINISH_S))
+
+    config = uvicorn.Config(in_flight, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
+                            access_log=args.verbose, timeout_graceful_shutdown=FINISH_S)  # fmt: skip
+    server = Server(config)
+    server.started_shutdown = False
+    server.run()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from ..errors import InvalidRequestError
 from ..mii.stopping import STOP_TOKEN_IDS
 from ..storage.chunk_key import check_namespace
 from ..version import __version__
+from .api_error import APIError
 from .generation import Deployment, DeploymentError, Piece, until_stop
 from .protocol import (
     AssistantMessage,
@@ -38,9 +39,7 @@ from .protocol import (
     CompletionChoice,
     CompletionRequest,
     Delta,
-    ErrorBody,
     HCacheReport,
-    ErrorResponse,
     Model,
     ModelList,
     Usage,
@@ -49,17 +48,6 @@ from .protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"  # OpenAI's types
-        body = ErrorBody(message=str(self), type=kind, param=self.param, code=self.code)
-        return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=self.status)
 
 
 @dataclass
@@ -88,9 +76,9 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
     deployment: Deployment
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(app: FastAPI):
         nonlocal deployment
-        deployment = Deployment(load_balancer)
+        deployment = app.state.deployment = Deployment(load_balancer)
         yield
         await deployment.close()
 

@@ -3,6 +3,7 @@ string or a client that goes away ends it at once (the call is cancelled, and th
 request: :mod:`hcache.mii.failures`), and a non-streamed answer is the streamed one joined."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -45,12 +46,15 @@ class Deployment:
         options = [("grpc.max_send_message_length", GRPC_MAX_MSG_SIZE), ("grpc.max_receive_message_length", GRPC_MAX_MSG_SIZE)]
         self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = ModelResponseStub(self._channel)
+        self._calls: set = set()
+        self._ended: str | None = None  # why end_all ended every call
 
     async def generate(self, prompt: str, options: dict) -> AsyncIterator[Piece]:
         """The pieces of ``prompt``'s generation with MII's generation ``options``. Leaving the iteration
         early cancels the call."""
         request = MultiStringRequest(request=[prompt], query_kwargs=kwarg_dict_to_proto({**options, "stream": True}))
         call, first, record = self._stub.GeneratorReplyStream(request), True, None
+        self._calls.add(call)
         try:
             async for reply in call:
                 if first:
@@ -60,8 +64,20 @@ class Deployment:
                 yield Piece(r.response, reason, r.prompt_tokens, r.generated_tokens, record)
         except grpc.aio.AioRpcError as exc:
             raise DeploymentError(http_status(exc.code()), exc.details() or f"the deployment answered {exc.code().name}") from None
+        except asyncio.CancelledError:  # the call's reading, cancelled by end_all (or the task's, by its client leaving)
+            if self._ended is None:
+                raise
+            raise DeploymentError(503, self._ended) from None
         finally:
+            self._calls.discard(call)
             call.cancel()  # a no-op once the call has ended
+
+    def end_all(self, why: str) -> None:
+        """End every generation in flight: each raises :class:`DeploymentError` (503, ``why``) to its reader,
+        and the model server drops its request."""
+        self._ended = why
+        for call in list(self._calls):
+            call.cancel()
 
     async def close(self) -> None:
         await self._channel.close()
