@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from ..fleet.nodes import Fleet, chat
 from ..ports import free_port
 from ..model.loader import DEFAULT_MODEL, model_dir
+from ._conversations import conversations_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,25 +44,13 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--turns must be at least 2 (the kill comes after half of them), not {args.turns}")
     path = str(model_dir(args.model))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    conversations = _conversations(tokenizer, args)
+    conversations = conversations_of(tokenizer, args.conversations, args.turns, args.document_words, args.seed)
     with tempfile.TemporaryDirectory(prefix="hcache-bench-fleet-") as tmp:
         serve_args = ["--model", path, "--engine", args.engine]
         with Fleet(args.nodes, tmp, redis_url=args.redis, port=free_port(), serve_args=serve_args) as fleet:
             records, killed = _replay(fleet, path, conversations, args)
             restored = _restored_by_source(fleet, killed["time"])
     return _summary(records, killed, restored, args)
-
-
-def _conversations(tokenizer, args) -> list[list[str]]:
-    """Each conversation's user messages: a document of whole words of the tokenizer, then questions."""
-    words = sorted(w[1:] for w in tokenizer.get_vocab() if w.startswith("Ġ") and w[1:].isalpha() and len(w) > 3)
-    rng = np.random.default_rng(args.seed)
-    out = []
-    for _ in range(args.conversations):
-        document = " ".join(rng.choice(words, args.document_words)).capitalize() + "."
-        questions = [f"What does the text say about {w}?" for w in rng.choice(words, args.turns)]
-        out.append([f"{document}\n\n{questions[0]}", *questions[1:]])
-    return out
 
 
 def _replay(fleet: Fleet, model: str, conversations: list[list[str]], args) -> tuple[list[dict], dict]:

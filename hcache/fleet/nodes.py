@@ -146,6 +146,7 @@ class Reply:
     text: str
     node: str  # the node that gave it (the balancer's header)
     ttft_s: float | None = None  # streamed: the time to the first token
+    token_s: list[float] = field(default_factory=list)  # streamed: when each piece of text came, from the request
 
 
 def chat(
@@ -165,16 +166,16 @@ def chat(
         node = answer.headers[NODE_HEADER]
         if not stream:
             return Reply(json.loads(answer.read())["choices"][0]["message"]["content"], node)
-        text, ttft = "", None
+        text, times = "", []
         for line in answer:  # server-sent events: a role first, then one chunk of content a token
             data = line.removeprefix(b"data: ").strip()
             if not data or data == b"[DONE]":
                 continue
             delta = json.loads(data)["choices"][0]["delta"]
-            if "content" in delta:
-                ttft = ttft if ttft is not None else time.perf_counter() - start
+            if delta.get("content"):
+                times.append(time.perf_counter() - start)
                 text += delta["content"]
-        return Reply(text, node, ttft)
+        return Reply(text, node, times[0] if times else None, times)
 
 
 class Fleet:

@@ -117,6 +117,16 @@ def restore_accounting(images: list[ChunkImage], jobs: list[tuple[int, str]], hi
     return used, lossy
 
 
+def tokens_by_source(tier: HostTier, images: list[ChunkImage], first: int, start: int, end: int) -> dict[str, int]:
+    """Tokens ``start``..``end`` of a sequence restored from ``images`` (chunk ``first + j`` of it each), by
+    where each chunk was read from (:meth:`~hcache.storage.host_tier.HostTier.take_source`, once a chunk)."""
+    sources: Counter[str] = Counter()
+    for j, image in enumerate(images):
+        lo, hi = max(start, (first + j) * CHUNK_TOKENS), min(end, (first + j + 1) * CHUNK_TOKENS)
+        sources[tier.take_source(image)] += max(0, hi - lo)
+    return dict(sources)
+
+
 def _nbytes(layout: ChunkLayout, layer: int, fmt: str) -> int:
     """Bytes a restore reads of one layer and format of a chunk, scales included."""
     entries = layout.entries
@@ -183,10 +193,8 @@ def restore_prefix(
             miss = lookup_miss(tier, keys[present])
         engine.end_restore(uid, tokens[held : end(restored)])
         used, lossy = restore_accounting(images, jobs, [j for j in _reading(tp, Method.H.value, n, agreed, first) if j < n], restored)
-        sources = Counter()
-        for j in range(restored):
-            sources[tier.take_source(images[j])] += min(end(restored), (j + 1) * CHUNK_TOKENS) - max(held, j * CHUNK_TOKENS)
-        return RestoreOutcome(end(restored) - held, used, fallback, dict(sources), lossy, {miss.value: missed} if missed else {})
+        sources = tokens_by_source(tier, images[:restored], 0, held, end(restored))
+        return RestoreOutcome(end(restored) - held, used, fallback, sources, lossy, {miss.value: missed} if missed else {})
     finally:
         copier.drain()  # no copy may still read a slot given back below
         for f in fetches:

@@ -1,0 +1,141 @@
+"""`hcache serve` under vLLM's multi-turn client shape: TTFT by turn, time per token and request latency, restoring against recomputing, beside the engine's own decode step.
+
+``--conversations`` conversations of ``--turns`` turns (a document of ``--document-words`` words, then
+questions), streamed and greedy, run by ``--concurrency`` clients at a time (each level in turn; a client
+takes a conversation and sends its turns one after another, as vLLM's
+``benchmarks/multi_turn/benchmark_serving_multi_turn.py`` does) against one ``hcache serve`` on the
+reference engine. Each turn is sent twice, interleaved: as is (its history restored) and under a
+``cache_salt`` of its own, where nothing is stored, so it is recomputed by the same server: a like-for-like
+baseline, whose reply must be the same. Before and after the traffic, with the server idle, the same model
+on :class:`~hcache.serving.runtime.HCacheRuntime` decodes a batch of as many prompts as there are clients:
+its time per step is what the serving path adds to (``per_token_over_engine``).
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from ..fleet.nodes import Node, Reply, chat
+from ..model.loader import DEFAULT_MODEL, model_dir
+from ._conversations import conversations_of
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--document-words", type=int, default=300, help="words of the document each conversation opens with")
+    parser.add_argument("--max-tokens", type=int, default=32, help="reply length cap")
+    parser.add_argument("--concurrency", default="1,8", help="clients at once, each level in turn (comma-separated)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> dict:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if min(levels) < 1 or args.turns < 1 or args.conversations < max(levels):
+        raise SystemExit(f"--concurrency must be positive and at most --conversations ({args.conversations}), not {args.concurrency}")
+    path = str(model_dir(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    result: dict = {"workload": {k: getattr(args, k) for k in ("model", "conversations", "turns", "document_words", "max_tokens", "concurrency", "seed")}}
+    with tempfile.TemporaryDirectory(prefix="hcache-bench-serve-") as tmp:
+        first_turns = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c[0]}], tokenize=False, add_generation_prompt=True))
+                       for c in conversations_of(tokenizer, max(levels), 1, args.document_words, args.seed)]  # fmt: skip
+        engine_before = _engine_step(path, Path(tmp) / "engine", first_turns, levels, args.max_tokens)
+        node = Node(0, Path(tmp) / "serve", ["--model", path, "--engine", "reference"])
+        node.start()
+        try:
+            node.wait_ready()
+            for level in levels:
+                conversations = conversations_of(tokenizer, args.conversations, args.turns, args.document_words, args.seed + level)
+                result[f"c{level}"] = _traffic(node, path, conversations, level, args.max_tokens)
+        finally:
+            node.stop()
+        engine_after = _engine_step(path, Path(tmp) / "engine", first_turns, levels, args.max_tokens)
+    for level in levels:
+        step = float(np.mean([engine_before[level], engine_after[level]]))
+        figures = result[f"c{level}"]
+        figures["engine_step_s"] = {"before": engine_before[level], "after": engine_after[level]}
+        figures["per_token_over_engine"] = figures["restore"]["per_token_s"]["p50"] / step
+        _print(level, figures, step)
+    return result
+
+
+def _engine_step(path: str, store: Path, prompts: list[list[int]], levels: list[int], new_tokens: int) -> dict[int, float]:
+    """The median time between two tokens of ``HCacheRuntime`` decoding a batch of ``level`` prompts, saving
+    as the server does: for each level."""
+    from ..serving.runtime import HCacheRuntime
+
+    steps = {}
+    with HCacheRuntime(path, store, self_check="off") as runtime:
+        runtime.generate(prompts[0][:16], 2)  # warm
+        for level in levels:
+            results = runtime.generate_batch(prompts[:level], new_tokens, restore=False, stop_token_ids=set())
+            steps[level] = float(np.median([gap for r in results for gap in r.tbt_s]))
+    return steps
+
+
+def _traffic(node: Node, model: str, conversations: list[list[str]], clients: int, max_tokens: int) -> dict:
+    """Every conversation's turns, ``clients`` conversations at a time; each turn as is and recomputed."""
+    records: list[dict] = []
+    bar = tqdm(total=len(conversations) * len(conversations[0]), desc=f"{clients} client(s)", unit="turn")
+
+    def converse(c: int) -> None:
+        messages: list[dict] = []
+        for turn, question in enumerate(conversations[c]):
+            messages.append({"role": "user", "content": question})
+            asked = {"base_url": f"{node.url}/v1", "model": model, "messages": messages, "session": f"c{c}", "max_tokens": max_tokens,
+                     "stream": True}  # fmt: skip
+            start = time.perf_counter()
+            served = chat(**asked)
+            served_s = time.perf_counter() - start
+            start = time.perf_counter()
+            recomputed = chat(**asked, cache_salt=f"recompute-{c}-{turn}-{time.time_ns()}")
+            recomputed_s = time.perf_counter() - start
+            messages.append({"role": "assistant", "content": served.text})
+            records.append({"conversation": c, "turn": turn + 1, "same_reply": served.text == recomputed.text,
+                            "restore": _timing(served, served_s), "recompute": _timing(recomputed, recomputed_s)})  # fmt: skip
+            bar.update()
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(converse, range(len(conversations))))
+    bar.close()
+    turns = len(conversations[0])
+    out: dict = {"replies_differing": sum(not r["same_reply"] for r in records), "requests": len(records)}
+    for arm in ("restore", "recompute"):
+        timings = [r[arm] for r in records]
+        out[arm] = {
+            "ttft_s_by_turn": {t: _p50([r[arm]["ttft_s"] for r in records if r["turn"] == t]) for t in range(1, turns + 1)},
+            "per_token_s": _spread([x["per_token_s"] for x in timings if x["per_token_s"] is not None]),
+            "latency_s": _spread([x["latency_s"] for x in timings]),
+        }
+    return out
+
+
+def _timing(reply: Reply, latency_s: float) -> dict:
+    gaps = np.diff(reply.token_s)
+    return {"ttft_s": reply.ttft_s, "latency_s": latency_s, "per_token_s": float(np.mean(gaps)) if len(gaps) else None}
+
+
+def _p50(values: list[float]) -> float:
+    return float(np.percentile(values, 50))
+
+
+def _spread(values: list[float]) -> dict:
+    return {"p50": _p50(values), "p90": float(np.percentile(values, 90)), "n": len(values)}
+
+
+def _print(level: int, figures: dict, step: float) -> None:
+    restore, recompute = figures["restore"], figures["recompute"]
+    print(f"{level} client(s): engine step {step * 1e3:.0f} ms; per token at the client {restore['per_token_s']['p50'] * 1e3:.0f} ms restoring, "
+          f"{recompute['per_token_s']['p50'] * 1e3:.0f} ms recomputing ({figures['per_token_over_engine']:.2f}x the engine's step); "
+          f"latency p50 {restore['latency_s']['p50']:.2f} s vs {recompute['latency_s']['p50']:.2f} s; "
+          f"{figures['replies_differing']} of {figures['requests']} replies differ")  # fmt: skip
+    for turn, ttft in restore["ttft_s_by_turn"].items():
+        print(f"  turn {turn}: TTFT p50 {ttft:.3f} s restoring, {recompute['ttft_s_by_turn'][turn]:.3f} s recomputing")
