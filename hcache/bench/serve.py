@@ -9,22 +9,38 @@ reference engine. Each turn is sent twice, interleaved: as is (its history resto
 baseline, whose reply must be the same. Before and after the traffic, with the server idle, the same model
 on :class:`~hcache.serving.runtime.HCacheRuntime` decodes a batch of as many prompts as there are clients:
 its time per step is what the serving path adds to (``per_token_over_engine``).
+
+With ``--vllm`` (vLLM installed), the same conversations then go, one server at a time, to ``vllm serve``
+with hcache's connector (restoring and, under a fresh ``cache_salt``, recomputing, interleaved) and to
+plain ``vllm serve`` (its own prefix cache, and a fresh ``cache_salt`` for its recompute), on the same
+model in float32.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from .. import process_tree
 from ..fleet.nodes import Node, Reply, chat
 from ..model.loader import DEFAULT_MODEL, model_dir
+from ..ports import free_port
 from ._conversations import conversations_of
+
+
+VLLM_START_S = 600
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="reply length cap")
     parser.add_argument("--concurrency", default="1,8", help="clients at once, each level in turn (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm", action="store_true", help="also vllm serve, with hcache's connector and without")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -53,11 +70,17 @@ def run(args: argparse.Namespace) -> dict:
         try:
             node.wait_ready()
             for level in levels:
-                conversations = conversations_of(tokenizer, args.conversations, args.turns, args.document_words, args.seed + level)
-                result[f"c{level}"] = _traffic(node, path, conversations, level, args.max_tokens)
+                result[f"c{level}"] = _traffic(f"{node.url}/v1", path, _conversations(tokenizer, args, level), level, args.max_tokens)
         finally:
             node.stop()
         engine_after = _engine_step(path, Path(tmp) / "engine", first_turns, levels, args.max_tokens)
+        if args.vllm:
+            connector = {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
+                         "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"store_dirs": [str(Path(tmp) / "vllm-store")]}}  # fmt: skip
+            for name, transfer in (("vllm_hcache", connector), ("vllm", None)):
+                with _vllm_serve(path, transfer, Path(tmp) / f"{name}.log") as url:
+                    for level in levels:
+                        result[f"c{level}"][name] = _traffic(url, path, _conversations(tokenizer, args, level), level, args.max_tokens)
     for level in levels:
         step = float(np.mean([engine_before[level], engine_after[level]]))
         figures = result[f"c{level}"]
@@ -65,6 +88,48 @@ def run(args: argparse.Namespace) -> dict:
         figures["per_token_over_engine"] = figures["restore"]["per_token_s"]["p50"] / step
         _print(level, figures, step)
     return result
+
+
+def _conversations(tokenizer, args, level: int) -> list[list[str]]:
+    """The conversations of a concurrency level: each level's are its own, so none restores another's."""
+    return conversations_of(tokenizer, args.conversations, args.turns, args.document_words, args.seed + level)
+
+
+@contextmanager
+def _vllm_serve(path: str, transfer: dict | None, log: Path) -> Iterator[str]:
+    """``vllm serve`` of ``path`` in float32 (with ``transfer`` as its KV transfer config) until the block
+    ends; its OpenAI API's base URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port),
+               "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager"]  # fmt: skip
+    if transfer is not None:
+        command += ["--kv-transfer-config", json.dumps(transfer)]
+    with open(log, "wb") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + VLLM_START_S
+        while not _healthy(f"http://127.0.0.1:{port}/health"):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not start; the end of {log}:\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        started = process_tree.tree(server.pid)
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        process_tree.kill(process_tree.running(started))
+        server.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
 
 
 def _engine_step(path: str, store: Path, prompts: list[list[int]], levels: list[int], new_tokens: int) -> dict[int, float]:
@@ -81,7 +146,7 @@ def _engine_step(path: str, store: Path, prompts: list[list[int]], levels: list[
     return steps
 
 
-def _traffic(node: Node, model: str, conversations: list[list[str]], clients: int, max_tokens: int) -> dict:
+def _traffic(url: str, model: str, conversations: list[list[str]], clients: int, max_tokens: int) -> dict:
     """Every conversation's turns, ``clients`` conversations at a time; each turn as is and recomputed."""
     records: list[dict] = []
     bar = tqdm(total=len(conversations) * len(conversations[0]), desc=f"{clients} client(s)", unit="turn")
@@ -90,7 +155,7 @@ def _traffic(node: Node, model: str, conversations: list[list[str]], clients: in
         messages: list[dict] = []
         for turn, question in enumerate(conversations[c]):
             messages.append({"role": "user", "content": question})
-            asked = {"base_url": f"{node.url}/v1", "model": model, "messages": messages, "session": f"c{c}", "max_tokens": max_tokens,
+            asked = {"base_url": url, "model": model, "messages": messages, "session": f"c{c}", "max_tokens": max_tokens,
                      "stream": True}  # fmt: skip
             start = time.perf_counter()
             served = chat(**asked)
@@ -139,3 +204,9 @@ def _print(level: int, figures: dict, step: float) -> None:
           f"{figures['replies_differing']} of {figures['requests']} replies differ")  # fmt: skip
     for turn, ttft in restore["ttft_s_by_turn"].items():
         print(f"  turn {turn}: TTFT p50 {ttft:.3f} s restoring, {recompute['ttft_s_by_turn'][turn]:.3f} s recomputing")
+    for name in ("vllm_hcache", "vllm"):
+        if name in figures:
+            served, again = figures[name]["restore"], figures[name]["recompute"]
+            print(f"  {name}: per token {served['per_token_s']['p50'] * 1e3:.0f} ms ({again['per_token_s']['p50'] * 1e3:.0f} ms recomputing); "
+                  f"returning turns' TTFT p50 {_p50(list(served['ttft_s_by_turn'].values())[1:] or [0]):.3f} s vs "
+                  f"{_p50(list(again['ttft_s_by_turn'].values())[1:] or [0]):.3f} s recomputing")  # fmt: skip
