@@ -230,7 +230,7 @@ def _options(request, prompt_tokens: int, max_model_len: int, prompt_param: str)
     if request.stop_token_ids:
         options[STOP_TOKEN_IDS] = ",".join(map(str, request.stop_token_ids))
     temperature = 1.0 if request.temperature is None else request.temperature
-    if temperature == 0:
+    if temperature == 0 or request.top_k == 1:  # top_k=1 samples the likeliest token: greedy, without sampling's cost
         options["do_sample"] = False
     else:
         options.update(do_sample=True, temperature=temperature, top_p=1.0 if request.top_p is None else request.top_p)

@@ -193,6 +193,8 @@ def test_sampling_options_and_seed_with_greedy(server):
                                              extra_body={"top_k": 40})  # fmt: skip
     assert sampled.usage.completion_tokens <= 8 and sampled.choices[0].message.content
     assert _greedy(client, QUESTION, seed=1) == _greedy(client, QUESTION)
+    top_1 = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0.7, max_tokens=32, extra_body={"top_k": 1})
+    assert top_1.choices[0].message.content == _greedy(client, QUESTION)  # served greedily: the same token
 
 
 def _ask(client: openai.OpenAI, stream: bool, **request) -> tuple[str, str, int]:
