@@ -38,6 +38,7 @@ from ..fleet.nodes import Node, Reply, chat
 from ..model.loader import DEFAULT_MODEL, model_dir
 from ..ports import free_port
 from ._conversations import conversations_of
+from .vllm import reserve_cpus_alike
 
 
 VLLM_START_S = 600
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> dict:
             node.stop()
         engine_after = _engine_step(path, Path(tmp) / "engine", first_turns, levels, args.max_tokens)
         if args.vllm:
+            result.update(reserve_cpus_alike())
             connector = {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
                          "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"store_dirs": [str(Path(tmp) / "vllm-store")]}}  # fmt: skip
             for name, transfer in (("vllm_hcache", connector), ("vllm", None)):
@@ -110,7 +112,8 @@ def _vllm_serve(path: str, transfer: dict | None, log: Path) -> Iterator[str]:
         deadline = time.monotonic() + VLLM_START_S
         while not _healthy(f"http://127.0.0.1:{port}/health"):
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not start; the end of {log}:\n{log.read_text(errors='replace')[-3000:]}")
+                errors = [line for line in log.read_text(errors="replace").splitlines() if "Error" in line]
+                raise RuntimeError("vllm serve did not start:\n" + "\n".join(errors[-20:]))
             time.sleep(1)
         yield f"http://127.0.0.1:{port}/v1"
     finally:

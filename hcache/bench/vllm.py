@@ -75,12 +75,17 @@ def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
                gpu_memory_utilization=args.memory, enable_prefix_caching=prefix_cache, kv_transfer_config=kv)  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
-    # vLLM's CPU worker keeps one core for its other processes, and one more when any KV connector is loaded
-    # (none at all on a 2-core machine, where both would leave nothing): engines with and without the
-    # connector would compute on different cores. The same number for every engine compares like with like.
+def reserve_cpus_alike() -> dict:
+    """vLLM's CPU worker keeps one core for its other processes, and one more when any KV connector is loaded
+    (none at all on a 2-core machine, where both would leave nothing): engines with and without the
+    connector would compute on different cores. The same number for every engine (this process's and those
+    it starts) compares like with like; the number, for the results."""
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    reserved = {"vllm_cpu_reserved_cpus": int(os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"])}
+    return {"vllm_cpu_reserved_cpus": int(os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"])}
+
+
+def run(args: argparse.Namespace) -> dict:
+    reserved = reserve_cpus_alike()
     if args.decode:
         return {**decode.run(args), **reserved}
     from vllm import SamplingParams

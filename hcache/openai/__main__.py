@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     in_flight = InFlight(app)
 
     class Server(uvicorn.Server):
+        started_shutdown = False
+
         def handle_exit(self, sig: int, frame) -> None:
             if sig != signal.SIGTERM or self.should_exit or self.started_shutdown:
                 return super().handle_exit(sig, frame)  # Ctrl-C, or a second signal: uvicorn's own stop
@@ -56,9 +58,7 @@ def main(argv: list[str] | None = None) -> None:
 
     config = uvicorn.Config(in_flight, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             access_log=args.verbose, timeout_graceful_shutdown=FINISH_S)  # fmt: skip
-    server = Server(config)
-    server.started_shutdown = False
-    server.run()
+    Server(config).run()
 
 
 if __name__ == "__main__":
