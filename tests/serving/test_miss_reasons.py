@@ -146,9 +146,9 @@ def test_a_chunk_saved_without_the_plans_format_is_reported_other_settings(llama
         _reported(runtime, log, second, {"other_settings": CHUNKS * CHUNK_TOKENS})
 
 
-def test_a_shared_tier_that_is_down_is_reported_tier_unavailable(llama, prompt, tmp_path, redis_server):
-    log, tiers = tmp_path / "requests.jsonl", {"shared": [redis_server.url]}
-    with HCacheRuntime(llama, None, plan="KV", request_log=str(log), store=tiers) as runtime:  # Redis alone
+def test_a_shared_store_that_is_down_is_reported_tier_unavailable(llama, prompt, tmp_path, redis_server):
+    log, shared = tmp_path / "requests.jsonl", {"shared": [redis_server.url]}
+    with HCacheRuntime(llama, None, plan="KV", request_log=str(log), store=shared) as runtime:  # Redis alone
         _turn(runtime, prompt)
         _cold(runtime)
         redis_server.stop()
