@@ -2,22 +2,34 @@
 anything starts (MII's servers would log the failure and carry on as if they served)."""
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterable
+from pathlib import Path
 
 from .errors import InvalidRequestError
 
 
 def free_port(host: str = "127.0.0.1", also: Iterable[int] = ()) -> int:
     """A free port on ``host``, with the ports ``also`` above it free too (a balancer's next to it, a Redis
-    cluster node's bus 10000 above)."""
+    cluster node's bus 10000 above). Picked below the ephemeral ports the system gives outgoing connections
+    (a port the system handed out as free is one a connection may take before the server binds it)."""
     also = list(also)
     while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if all(port + d <= 65535 and _bindable(host, port + d) for d in also):
+        port = random.randrange(*_LISTEN_PORTS)
+        if all(port + d <= 65535 and _bindable(host, port + d) for d in [0, *also]):
             return port
+
+
+def _listen_ports() -> tuple[int, int]:
+    try:  # Linux's ephemeral range; 32768 on most systems
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    return (20000, max(ephemeral, 21000))
+
+
+_LISTEN_PORTS = _listen_ports()
 
 
 def _bindable(host: str, port: int) -> bool:

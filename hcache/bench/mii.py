@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..ports import free_port
 from ..model.loader import model_dtype, random_model
 
 METHODS = {"recompute": {"enabled": False}, "kv": {"plan": "KV"}, "h": {"plan": "H"}}
@@ -120,9 +120,7 @@ def pipeline_on_free_port(model_dir: str, hcache_config: dict | None, **mii_opti
 
     import hcache.mii
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     if hcache_config is None:
         return mii.pipeline(model_dir, zmq_port_number=port, **mii_options)
     return hcache.mii.pipeline(model_dir, hcache=hcache_config, zmq_port_number=port, **mii_options)

@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from transformers import AutoTokenizer
 import hcache.mii
 import hcache.mii.deployment
 from hcache import process_tree
+from hcache.ports import free_port as _free_port
 from hcache.cli import main
 from hcache.errors import InvalidRequestError, UnsupportedModelError
 from hcache.config import HCacheConfig
@@ -44,11 +44,6 @@ NOTE = (
 QUESTIONS = [NOTE + "What is the capital of France?", "And of Germany?", "Which of the two cities is bigger?"]
 NEW_TOKENS = 32
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

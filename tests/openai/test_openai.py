@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from transformers import AutoTokenizer
 
 import hcache
 from hcache import process_tree
+from hcache.ports import free_port as _free_port
 from hcache.model.loader import model_dir as resolve_model_dir
 from hcache.serving.records import SequenceRecord
 from support import FAULT_DIR, REPO
@@ -44,11 +44,6 @@ TURNS = [
 
 DRAIN_S, GRACE_S = 3.0, 6.0  # hcache serve's default drain; a grace shorter than the long replies below
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 class Server:
