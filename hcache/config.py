@@ -30,6 +30,7 @@ from .storage.store_config import StoreConfig
 from .storage.stored_state import Encoding, Format, code_dtypes, parse_stored_dtype
 
 AUTO = "auto"  # a setting hcache decides
+_RANK_DIR = "tp{size}-rank{rank}"  # a tensor-parallel rank's store directory, inside each of the settings' own
 SavePolicy = Literal["plan", "all", "none"]
 EngineKind = Literal["fastgen", "reference", "vllm"]
 EvictionPolicy = Literal["cost", "lru"]
@@ -201,7 +202,16 @@ class ResolvedConfig(BaseModel):
             return None
         if self.tensor_parallel == 1:
             return dirs
-        return [str(Path(d) / f"tp{self.tensor_parallel}-rank{rank}") for d in dirs]
+        return [str(Path(d) / _RANK_DIR.format(size=self.tensor_parallel, rank=rank)) for d in dirs]
+
+    def other_layouts(self) -> list[Path]:
+        """The first store directory of each other tensor-parallel layout written beside this one: at size 1
+        the directory itself, at size N rank 0's. Their anchor logs say what a store of another size held."""
+        if not self.stored or not self.settings.store_dirs:
+            return []
+        base, own = Path(self.settings.store_dirs[0]), Path(self.store_dirs(0)[0])
+        found = [base, *sorted(base.glob(_RANK_DIR.format(size="*", rank=0)))]
+        return [d for d in found if d != own and d.is_dir()]
 
     @property
     def policy(self) -> PlanPolicy:

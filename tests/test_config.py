@@ -111,6 +111,18 @@ def test_tensor_parallel_ranks_store_in_directories_of_their_own(tmp_path):
     assert resolve({"enabled": False}, spec, "m", tensor_parallel=2).store_dirs(0) is None
 
 
+def test_other_tensor_parallel_layouts_are_found_beside_the_ranks_directories(tmp_path):
+    """Where a store of another size wrote (the directory itself at size 1, rank 0's at size N), for the
+    anchor logs that tell a miss of another layout; never this layout's own."""
+    spec = local_spec(loaded("random:llama").spec, TPGroup(0, 2))
+    base = tmp_path / "a"
+    for d in ("tp2-rank0", "tp2-rank1", "tp4-rank0", "tp4-rank3"):
+        (base / d).mkdir(parents=True)
+    settings = {"store_dirs": [str(base), str(tmp_path / "b")]}
+    assert resolve(settings, spec, "random:llama", tensor_parallel=2).other_layouts() == [base, base / "tp4-rank0"]
+    assert resolve(settings, loaded("random:llama").spec, "random:llama").other_layouts() == [base / "tp2-rank0", base / "tp4-rank0"]
+
+
 def test_serve_takes_a_config_file_and_its_flags_override_it(tmp_path):
     path = tmp_path / "hcache.json"
     path.write_text(json.dumps({"plan": "KV", "namespace": "tenant", "store": {"quota_bytes": 1 << 30}, "metrics_port": 9500}))

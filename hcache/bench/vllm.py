@@ -42,6 +42,7 @@ import os
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -82,6 +83,26 @@ def reserve_cpus_alike() -> dict:
     it starts) compares like with like; the number, for the results."""
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     return {"vllm_cpu_reserved_cpus": int(os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"])}
+
+
+@contextmanager
+def ranks_bound(tp: int):
+    """While vLLM engines of ``tp`` ranks start: each rank's OpenMP threads bound to CPUs of its own. With
+    tensor parallelism on a CPU, vLLM binds each rank to a NUMA node of its own and refuses more ranks than
+    nodes (one, on most machines) unless ``VLLM_CPU_OMP_THREADS_BIND`` says where: this process's CPUs,
+    split evenly, unless it is set."""
+    if tp == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise SystemExit(f"tensor_parallel_size={tp} needs a CPU a rank; this process may use {len(cpus)}")
+    share = len(cpus) // tp
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpus[r * share : (r + 1) * share])) for r in range(tp))
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
 
 def run(args: argparse.Namespace) -> dict:

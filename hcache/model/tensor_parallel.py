@@ -84,7 +84,15 @@ class TPGroup:
         chunks saved by the same rank of the same layout, since they hold its heads and its chunks."""
         if self.world_size == 1:
             return model_fingerprint
-        return f"{model_fingerprint}|tp{self.world_size}.{self.rank}"
+        return f"{model_fingerprint}{_LAYOUT}{self.world_size}.{self.rank}"
+
+
+_LAYOUT = "|tp"  # what a rank's fingerprint adds to the model's
+
+
+def model_fingerprint(fingerprint: str) -> str:
+    """The model's fingerprint in a rank's (:meth:`TPGroup.fingerprint`): the same at every layout."""
+    return fingerprint.partition(_LAYOUT)[0]
 
 
 SINGLE = TPGroup()
@@ -101,20 +109,27 @@ class RowParallel(nn.Module):
         return self.tp.all_reduce_(self.linear(x))
 
 
-def local_spec(spec: ModelSpec, tp: TPGroup) -> ModelSpec:
-    """The spec of one rank's shard: its share of the q and KV heads."""
-    if spec.num_kv_heads % tp.world_size or spec.num_heads % tp.world_size:
+def shard_heads(spec: ModelSpec, size: int) -> ModelSpec:
+    """The attention of one rank of ``size``: its share of the q heads, and of the KV heads, or one of them
+    where there are fewer KV heads than ranks (each then held by ``size / num_kv_heads`` ranks, as vLLM
+    and Megatron replicate them)."""
+    if spec.num_heads % size or (spec.num_kv_heads % size and size % spec.num_kv_heads):
         raise UnsupportedModelError(
-            f"tensor parallelism of degree {tp.world_size} needs the {spec.num_heads} attention heads and "
-            f"{spec.num_kv_heads} KV heads to divide by it"
+            f"tensor parallelism of degree {size} needs the {spec.num_heads} attention heads to divide by it, and the "
+            f"{spec.num_kv_heads} KV heads to divide by it or it by them"
         )
+    return dataclasses.replace(spec, num_heads=spec.num_heads // size, num_kv_heads=max(1, spec.num_kv_heads // size))
+
+
+def local_spec(spec: ModelSpec, tp: TPGroup) -> ModelSpec:
+    """The spec of one rank's shard made by :func:`shard_model`, which splits the KV heads, never replicates them."""
+    if spec.num_kv_heads % tp.world_size:
+        raise UnsupportedModelError(f"tensor parallelism of degree {tp.world_size} needs the {spec.num_kv_heads} KV heads to divide by it")
     if spec.model_type not in _MLP or spec.k_weight.module == spec.v_weight.module:
         raise UnsupportedModelError(
             f"tensor-parallel restore supports {', '.join(sorted(_MLP))} (separate q/k/v), not {spec.model_type}"
         )
-    return dataclasses.replace(
-        spec, num_heads=spec.num_heads // tp.world_size, num_kv_heads=spec.num_kv_heads // tp.world_size
-    )
+    return shard_heads(spec, tp.world_size)
 
 
 @torch.no_grad()

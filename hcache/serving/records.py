@@ -18,10 +18,11 @@ GPU_CACHE = "gpu_cache"  # restored from the GPU prefix cache: the source above 
 class MissReason(str, Enum):
     """Why stored tokens a put could have restored were computed instead, one reason per put: where its
     stored prefix ended. ``other_rank``: with tensor parallelism, another rank's prefix ended first (its
-    own log says why). ``other_model`` and ``other_cache_salt``: the prefix's first chunk was saved under
-    another fingerprint (another model, or weights, dtype, engine or tensor parallelism that round
-    differently) or under this model in another namespace; the response's ``hcache`` object reports both as
-    ``never_stored`` (:meth:`SequenceRecord.reply`)."""
+    own log says why). ``other_model``, ``other_cache_salt`` and ``other_layout``: the prefix's first chunk
+    was saved under another fingerprint (another model, or weights, dtype or engine that round
+    differently), under this model in another namespace, or in this namespace by this model at another
+    tensor-parallel size (whose ranks hold other heads); the response's ``hcache`` object reports all
+    three as ``never_stored`` (:meth:`SequenceRecord.reply`)."""
 
     NEVER_STORED = "never_stored"  # no tier holds it, and none of this process's evicted it: a first turn, or a prefix no one saved
     EVICTED = "evicted"  # a store of this process evicted it (quota, TTL or LRU), or it went between look-up and read
@@ -30,6 +31,7 @@ class MissReason(str, Enum):
     OTHER_SETTINGS = "other_settings"  # saved without a format the plan restores from
     OTHER_MODEL = "other_model"
     OTHER_CACHE_SALT = "other_cache_salt"
+    OTHER_LAYOUT = "other_layout"
     TIER_UNAVAILABLE = "tier_unavailable"  # a tier could not be read (an I/O error, Redis down)
     OTHER_RANK = "other_rank"
     PLAN_RECOMPUTE = "plan_recompute"  # the plan recomputes every layer: stored state was not used
@@ -101,9 +103,9 @@ class SequenceRecord:
     def reply(self) -> dict:
         """What a response tells its client of its restore (the ``hcache`` object beside ``usage``): the
         request log's counts of the prompt's restore, with tokens by tier including the GPU prefix cache's
-        (not the tokens computed: a streamed reply sends this while decoding goes on). Whether another model
-        or tenant stored the prompt is the operator's to know, not the client's (it would let a client probe
-        what others sent): both read ``never_stored`` here."""
+        (not the tokens computed: a streamed reply sends this while decoding goes on). Whether another model,
+        tenant or layout stored the prompt is the operator's to know, not the client's (it would let a client
+        probe what others sent): each reads ``never_stored`` here."""
         misses: Counter[str] = Counter()
         for reason, tokens in self.miss_tokens.items():
             misses[_REPLIED.get(reason, reason)] += tokens
@@ -114,7 +116,7 @@ class SequenceRecord:
         }  # fmt: skip
 
 
-_REPLIED = {MissReason.OTHER_MODEL.value: MissReason.NEVER_STORED.value, MissReason.OTHER_CACHE_SALT.value: MissReason.NEVER_STORED.value}
+_REPLIED = {reason.value: MissReason.NEVER_STORED.value for reason in (MissReason.OTHER_MODEL, MissReason.OTHER_CACHE_SALT, MissReason.OTHER_LAYOUT)}
 
 
 def log_requests(path: Path, records: Iterable[tuple[dict, SequenceRecord]]) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from ..engine.interface import Engine
 from ..model.spec import ModelSpec
-from ..model.tensor_parallel import SINGLE, TPGroup
+from ..model.tensor_parallel import SINGLE, TPGroup, model_fingerprint
 from ..ops.quant import SCALE_DTYPE, QuantRows
 from ..planning.plan import Method, RestorePlan, row_shapes
 from ..storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
@@ -76,15 +76,19 @@ def anchor_label(fingerprint: str, namespace: str | None) -> str:
 def first_chunk_miss(anchors: AnchorLog | None, label: str, chain: KeyChain, tokens: list[int], misses: dict[str, int]) -> dict[str, int]:
     """``misses``, where a conversation's first chunk (``tokens`` from the first, ``chain`` holding no full
     chunk yet) was never stored under the root ``label`` names: told apart if the anchor log says it was
-    stored under another model's or namespace's."""
+    stored in this namespace at another tensor-parallel layout, or under another namespace or model."""
     never = misses.get(MissReason.NEVER_STORED.value)
     if never is None or chain.chunks or anchors is None:
         return misses
     labels = anchors.labels(content_key(tokens))
     if not labels or label in labels:  # stored under its own root once: gone, as far as it can tell
         return misses
-    fingerprint = label.rpartition("/")[0]
-    same_model = any(other.rpartition("/")[0] == fingerprint for other in labels)
+    fingerprint, _, namespace = label.rpartition("/")
+    model = model_fingerprint(fingerprint)
+    stored = [(model_fingerprint(f), n) for f, _, n in (other.rpartition("/") for other in labels)]
+    if (model, namespace) in stored:  # its own root is not among them: another layout's
+        return _relabel(misses, MissReason.OTHER_LAYOUT)
+    same_model = any(m == model for m, _ in stored)
     return _relabel(misses, MissReason.OTHER_CACHE_SALT if same_model else MissReason.OTHER_MODEL)
 
 

@@ -115,7 +115,8 @@ class StoreStack:
                 self.capture = SaveCapture(self.saver, formats, config.encodings)
             self.prefetcher = Prefetcher(self.store)
             dirs = config.store_dirs(tp.rank)
-            self.anchors = AnchorLog(Path(dirs[0]) / ANCHORS_FILE if dirs else None)
+            others = [d / ANCHORS_FILE for d in config.other_layouts()]  # to tell a store of another tensor-parallel size
+            self.anchors = AnchorLog(Path(dirs[0]) / ANCHORS_FILE if dirs else None, consult=others)
         drop = self.saver.drop_partial if self.saver is not None else (lambda partial: None)
         self.gpu_cache = GpuPrefixCache(engine, drop, eviction=eviction, value=cost) if config.settings.gpu_cache else None
 

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -25,22 +26,21 @@ ANCHORS_KEPT = 1 << 14
 
 class AnchorLog:
     """Content key of a chain's first chunk -> the labels of the roots it was saved under. ``path``: the
-    log file (None: memory only)."""
+    log file (None: memory only). ``consult``: other stores' logs (another layout's, beside this one), read
+    once now and never written: their labels are answered too."""
 
-    def __init__(self, path: str | os.PathLike | None, kept: int = ANCHORS_KEPT):
+    def __init__(self, path: str | os.PathLike | None, kept: int = ANCHORS_KEPT, consult: Iterable[str | os.PathLike] = ()):
         self.path, self.kept = (Path(path) if path is not None else None), kept
         self._labels: OrderedDict[str, set[str]] = OrderedDict()
         self._lines = 0
         self._lock = threading.Lock()
-        if self.path is not None and self.path.exists():
-            try:
-                for line in self.path.read_text(errors="replace").splitlines():
-                    self._lines += 1
-                    parts = line.split()
-                    if len(parts) == 2:
-                        self._remember(*parts)
-            except OSError as exc:  # advisory: a store without it only reports fewer reasons
-                log.warning("cannot read the anchor log %s: %s", self.path, exc)
+        for content, label in _entries(self.path):
+            self._lines += 1
+            self._remember(content, label)
+        self._consulted: dict[str, set[str]] = {}
+        for other in consult:
+            for content, label in _entries(Path(other)):
+                self._consulted.setdefault(content, set()).add(label)
 
     def add(self, content: str, label: str) -> None:
         """Note that the chain whose first chunk has ``content`` was saved under ``label``."""
@@ -57,7 +57,7 @@ class AnchorLog:
     def labels(self, content: str) -> frozenset[str]:
         """The labels ``content``'s chains were saved under (of the latest ``kept`` prefixes)."""
         with self._lock:
-            return frozenset(self._labels.get(content, ()))
+            return frozenset(self._labels.get(content, ())) | self._consulted.get(content, set())
 
     def _remember(self, content: str, label: str) -> None:
         self._labels.setdefault(content, set()).add(label)
@@ -83,6 +83,21 @@ class AnchorLog:
             f.write("".join(entries))
         os.replace(tmp, self.path)
         self._lines = len(entries)
+
+
+def _entries(path: Path | None) -> Iterator[tuple[str, str]]:
+    """A log file's entries (content, label), its torn or foreign lines skipped; none if it cannot be read."""
+    if path is None or not path.exists():
+        return
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as exc:  # advisory: a store without it only reports fewer reasons
+        log.warning("cannot read the anchor log %s: %s", path, exc)
+        return
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 2:
+            yield parts[0], parts[1]
 
 
 def _private(path: Path, mode: int):

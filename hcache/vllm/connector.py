@@ -30,8 +30,10 @@ class HCacheConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(setup)
         else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
             device = torch.device(vllm_config.device_config.device)
-            self._worker = WorkerSide(setup, device, vllm_config.compilation_config.static_forward_context)
+            self._worker = WorkerSide(setup, device, vllm_config.compilation_config.static_forward_context, get_tensor_model_parallel_rank())
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -3,8 +3,10 @@ loads and saves each step.
 
 vLLM asks once per new request how many tokens past its own prefix cache's the connector can load. hcache
 keys the prompt's full 64-token chunks as every entry point does (rooted in the model's fingerprint and the
-request's ``cache_salt``), finds how many can be loaded from the first (:class:`~hcache.vllm.index.StoredIndex`,
-which the worker keeps told of what its tiers hold), and offers those past what vLLM holds, to be loaded
+request's ``cache_salt``; with tensor parallelism, each rank's keys, rooted in its own fingerprint), finds
+how many can be loaded from the first (:class:`~hcache.vllm.index.StoredIndex`, which the workers keep
+told of what their tiers hold; with tensor parallelism, the fewest any rank holds: each rank loads its own
+heads, and vLLM recomputes what any rank lacks), and offers those past what vLLM holds, to be loaded
 asynchronously: vLLM holds the request back while the worker loads them (:class:`LoadJob`) and keeps
 stepping the others. The last prompt token is never offered: its logits give the first output token, so
 vLLM must compute it. Stored-prefix tokens not offered are told to the worker with their reason, for the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..model.tensor_parallel import TPGroup
 from ..paged.loader import LoadJob
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from .index import StoredIndex
@@ -34,8 +37,11 @@ class _Tracked:
 class SchedulerSide:
     def __init__(self, setup: VllmSetup):
         self.setup = setup
-        settings = setup.config.settings
-        self.index = StoredIndex(settings.store.lookup(setup.config.store_dirs(0))) if setup.config.stored else None
+        config = setup.config
+        ranks = [TPGroup(r, config.tensor_parallel) for r in range(config.tensor_parallel)]
+        self._fingerprints = [tp.fingerprint(setup.fingerprint) for tp in ranks]  # each rank's keys are rooted in its own
+        dirs = [d for tp in ranks for d in config.store_dirs(tp.rank) or []]
+        self.index = StoredIndex(config.settings.store.lookup(dirs or None)) if config.stored else None
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[LoadJob] = []  # to send with this step's metadata
 
@@ -50,8 +56,9 @@ class SchedulerSide:
         usable = (len(prompt) - 1) // CHUNK_TOKENS * CHUNK_TOKENS
         if usable <= num_computed:
             return 0
-        keys = chunk_keys(prompt[:usable], root_key(self.setup.fingerprint, self.namespace(request)))
-        stored, why = self.index.stored_prefix(keys)
+        namespace = self.namespace(request)
+        stored, why = min((self.index.stored_prefix(chunk_keys(prompt[:usable], root_key(fingerprint, namespace))) for fingerprint in self._fingerprints),
+                          key=lambda found: found[0])  # a prefix every rank holds  # fmt: skip
         end = stored * CHUNK_TOKENS
         if why is not None:
             tracked.misses = {why.value: usable - max(end, num_computed)}

@@ -19,6 +19,7 @@ from ..planning.policy import is_auto
 from ..errors import InvalidRequestError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.spec import ModelSpec
+from ..model.tensor_parallel import shard_heads
 from ..planning.plan import Method
 from ..resolve import resolve
 
@@ -83,15 +84,25 @@ def resolve_setup(vllm_config) -> VllmSetup:
             f"hcache's vLLM connector needs vLLM's KV cache in the model's dtype, not kv_cache_dtype={cache_dtype!r}: "
             "it stores and loads K/V rows as the model computes them (stored_dtype sets how hcache stores them)"
         )
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise InvalidRequestError(
+            "hcache's vLLM connector does not serve pipeline parallelism (pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}): each stage would store a part of the layers; tensor parallelism it does (docs/vllm.md)"
+        )
+    tp = parallel.tensor_parallel_size
     spec = ModelSpec.from_config(model.hf_config, dtype=model.dtype)
     if not Path(model.model).is_dir():
         raise InvalidRequestError(f"hcache's vLLM connector needs the model as a local directory, not {model.model!r}")
     fingerprint = hashlib.blake2b(f"vllm|{checkpoint_fingerprint(model.model, spec)}".encode(), digest_size=16).hexdigest()
     eager = _eager(vllm_config.compilation_config)
-    if not eager and (settings.plan is None or is_auto(settings.plan)):
+    if (not eager or tp > 1) and (settings.plan is None or is_auto(settings.plan)):
         settings = HCacheConfig.of(settings, plan=Method.KV.value)  # H needs the layer inputs a compiled model hides
-        log.info("hcache's vLLM connector restores by KV: vLLM compiles the model, and H needs enforce_eager=True")
-    config = resolve(settings, spec, model.model, engine="vllm")  # refuses a plan of RE layers: vLLM computes them all
+        log.info("hcache's vLLM connector restores by KV: %s", "H needs enforce_eager=True" if not eager else _H_UNDER_TP)
+    config = resolve(settings, shard_heads(spec, tp), model.model, engine="vllm", tensor_parallel=tp)  # refuses a plan of RE layers
+    if uses_hidden_states(config) and tp > 1:
+        raise InvalidRequestError(f"plan {str(config.plan)!r} with save={settings.save!r} uses hidden states (H) at tensor_parallel_size={tp}: "
+                                  f"{_H_UNDER_TP}. Give plan 'KV'")  # fmt: skip
     if uses_hidden_states(config) and not eager:
         raise InvalidRequestError(
             f"plan {str(config.plan or 'auto')!r} with save={settings.save!r} restores or saves hidden states (H), which "
@@ -99,6 +110,12 @@ def resolve_setup(vllm_config) -> VllmSetup:
             "which vLLM's compiled model and CUDA graphs do not run. Serve with --enforce-eager, or give plan 'KV'"
         )
     return VllmSetup(config, fingerprint, vllm_config.cache_config.block_size)
+
+
+# Each rank of vLLM's tensor parallelism reads its store alone, with no collective off vLLM's step: H would
+# have each rank read the layer's whole input (hidden_size a token) where KV reads the rank's heads
+# (2 * kv_dim / size), never fewer bytes from size 2 on.
+_H_UNDER_TP = "each rank would read the whole hidden state, never fewer bytes than its own K/V heads (docs/vllm.md)"
 
 
 def uses_hidden_states(config: ResolvedConfig) -> bool:

@@ -25,7 +25,7 @@ import torch
 from .. import helper_threads
 from ..engine.ragged import Segment
 from ..model.spec import ModelSpec
-from ..model.tensor_parallel import SINGLE
+from ..model.tensor_parallel import TPGroup
 from ..paged.layout import PagedLayout, block_slots
 from ..paged.loader import Loader, PagedLayer
 from ..storage.stored_state import Format
@@ -72,13 +72,17 @@ def spare_cpus() -> set[int]:
 
 
 class WorkerSide:
-    def __init__(self, setup: VllmSetup, device: torch.device, attention_layers: dict):
+    """``rank``: the worker's tensor-parallel rank, which stores and loads its own K/V heads under keys of
+    its own (:meth:`~hcache.model.tensor_parallel.TPGroup.fingerprint`), in directories of its own."""
+
+    def __init__(self, setup: VllmSetup, device: torch.device, attention_layers: dict, rank: int = 0):
         self.setup, self.config = setup, setup.config
+        self.tp = TPGroup(rank, setup.config.tensor_parallel)  # no process group: the ranks never talk, vLLM's scheduler decides for them
         spare = spare_cpus() if device.type == "cpu" else set()
         helper_threads.run_on(spare)  # before the store stack starts its threads
         if spare:
             log.info("hcache's threads run on CPUs %s, apart from vLLM's OpenMP threads", sorted(spare))
-        self.stack = StoreStack(setup.config, VllmModel(setup.config.spec, device), setup.fingerprint, SINGLE)
+        self.stack = StoreStack(setup.config, VllmModel(setup.config.spec, device), setup.fingerprint, self.tp)
         self._attention = attention_layers  # layer name -> vLLM's Attention module (its backend's cache write)
         self._layers: dict[str, PagedLayer] = {}
         self._seqs: dict[str, _Sequence] = {}
@@ -225,7 +229,7 @@ class WorkerSide:
                 if seq.chain.chunks and self.stack.capture is not None:
                     self.stack.anchors.add(content_key(seq.chain.chunks[0][1]), seq.label)
             if record is not None:
-                finished.append(({"request_id": req_id}, record))
+                finished.append(({"request_id": req_id, **({"tp_rank": self.tp.rank} if self.tp.world_size > 1 else {})}, record))
         if self.request_log is not None:
             log_requests(self.request_log, finished)
 

