@@ -18,7 +18,11 @@ engine of its own, started in turn, over the same histories and questions:
 With ``--plans`` of more than one plan (``KV,H``), the three hcache configurations run once per plan, each
 named with its plan (``hcache_host_H``), and every plan saves both formats (``save="all"``). ``--mha``
 benchmarks the model made MHA (as many K/V heads as query heads, random weights, its tokenizer), where
-hidden states are half the bytes of K/V: H's case.
+hidden states are half the bytes of K/V: H's case. ``--tp N`` runs every engine with vLLM's tensor
+parallelism of N ranks (on a CPU, each rank bound to CPUs of its own: :func:`ranks_bound`); each rank
+stores and loads its own K/V heads, and ``stored_bytes_per_token`` counts every rank's. ``--heads Q,KV``
+reshapes the model to Q query and KV key/value heads of its head size (random weights, its tokenizer): a
+shape whose heads divide by ``--tp``, where the model's do not (SmolLM2's 9 and 3).
 
 The disk and Redis engines are new: each meets every history for the first time, in its store. ``speedup``
 is recompute's median TTFT over each configuration's (``speedup_vs_miss``: ``hcache_miss``'s over it); ``restored`` and ``stored_bytes_per_token`` come from
@@ -61,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None, help="a Redis server's URL (default: start one on loopback)")
     parser.add_argument("--plans", default="KV", help="hcache's plans, comma-separated (e.g. KV,H): each restores from every tier")
     parser.add_argument("--mha", action="store_true", help="the model made MHA with random weights (as many K/V heads as query heads)")
+    parser.add_argument("--tp", type=int, default=1, help="vLLM's tensor_parallel_size for every engine")
+    parser.add_argument("--heads", default=None, help="Q,KV: the model reshaped to Q query and KV key/value heads of its head size, random weights")
     parser.add_argument("--memory", type=float, default=0.25, help="vLLM's gpu_memory_utilization (on a CPU: the share of memory for its KV cache)")
     parser.add_argument("--decode", action="store_true", help="time decode steps with and without the connector instead (the options below)")
     decode.add_arguments(parser.add_argument_group("--decode"))
@@ -72,8 +78,33 @@ def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
     from ..vllm.settings import kv_transfer_config
 
     kv = kv_transfer_config(connector) if connector is not None else None
-    return LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.history + 4 * args.question,
-               gpu_memory_utilization=args.memory, enable_prefix_caching=prefix_cache, kv_transfer_config=kv)  # fmt: skip
+    parallel = {"tensor_parallel_size": args.tp, "distributed_executor_backend": "mp"} if args.tp > 1 else {}
+    with ranks_bound(args.tp):
+        return LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.history + 4 * args.question,
+                   gpu_memory_utilization=args.memory, enable_prefix_caching=prefix_cache, kv_transfer_config=kv, **parallel)  # fmt: skip
+
+
+def _shaped(args, directory: Path) -> tuple[Path, dict]:
+    """The model's checkpoint, or one of random weights reshaped by ``--heads`` and ``--mha``; its heads."""
+    from ..model.loader import model_dir, random_like, save_checkpoint
+
+    model = model_dir(args.model)
+    config = json.loads((model / "config.json").read_text())
+    heads = {"num_attention_heads": config["num_attention_heads"], "num_key_value_heads": config.get("num_key_value_heads", config["num_attention_heads"])}
+    overrides = {}
+    if args.heads:
+        q, kv = (int(n) for n in args.heads.split(","))
+        head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        overrides = {"num_attention_heads": q, "num_key_value_heads": kv, "hidden_size": q * head, "head_dim": head}
+    if args.mha:
+        overrides["num_key_value_heads"] = overrides.get("num_attention_heads", heads["num_attention_heads"])
+    heads.update({k: v for k, v in overrides.items() if k in heads})
+    if heads["num_attention_heads"] % args.tp or (heads["num_key_value_heads"] % args.tp and args.tp % heads["num_key_value_heads"]):
+        raise SystemExit(f"hcache bench vllm: {args.model}'s {heads['num_attention_heads']} query and {heads['num_key_value_heads']} "
+                         f"key/value heads do not divide among --tp {args.tp} ranks: reshape it with --heads Q,KV")  # fmt: skip
+    if not overrides:
+        return model, heads
+    return save_checkpoint(random_like(args.model, **overrides), directory, args.model), heads
 
 
 def reserve_cpus_alike() -> dict:
@@ -108,10 +139,11 @@ def ranks_bound(tp: int):
 def run(args: argparse.Namespace) -> dict:
     reserved = reserve_cpus_alike()
     if args.decode:
+        if args.tp > 1 or args.heads:
+            raise SystemExit("hcache bench vllm: --decode runs one rank of the model as it is; --tp and --heads are for the TTFT runs")
         return {**decode.run(args), **reserved}
     from vllm import SamplingParams
 
-    from ..model.loader import model_dir, random_like, save_checkpoint
     from ..storage.redis_server import RedisServer
 
     if args.conversations < 1 or args.history < 64:
@@ -132,10 +164,7 @@ def run(args: argparse.Namespace) -> dict:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="hcache-bench-vllm-") as tmp:
         store = str(Path(tmp) / "store")
-        model = model_dir(args.model)
-        if args.mha:
-            heads = json.loads((model / "config.json").read_text())["num_attention_heads"]
-            model = save_checkpoint(random_like(args.model, num_key_value_heads=heads), Path(tmp) / "mha", args.model)
+        model, heads = _shaped(args, Path(tmp) / "shaped")
         configs = {"recompute": (False, None, True), "prefix_cache": (True, None, True)}
         stores = {"host": ([store], [url]), "disk": ([store], []), "redis": (None, [url])}  # (store_dirs, tiers)
         for plan in plans:
@@ -167,15 +196,16 @@ def run(args: argparse.Namespace) -> dict:
                 llm.llm_engine.engine_core.shutdown()
                 del llm
                 records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+                first_rank = [r for r in records if not r.get("tp_rank")]  # with tensor parallelism each rank logs its own
                 tiers: dict[str, int] = {}
-                for r in records:
+                for r in first_rank:
                     for tier, n in r["tier_tokens"].items():
                         tiers[tier] = tiers.get(tier, 0) + n
-                restored = sum(r["restored_tokens"] for r in records)
+                restored = sum(r["restored_tokens"] for r in first_rank)
                 results[name] = {
                     "ttft_s": ttft, "median_ttft_s": statistics.median(ttft), "prefill_s": prefill_s,
                     "restored_tokens": restored, "restored_by_tier": tiers, "first_tokens": first_tokens,
-                    "stored_bytes_per_token": sum(r["bytes_read"] for r in records) / restored if restored else 0,
+                    "stored_bytes_per_token": sum(r["bytes_read"] for r in records) / restored if restored else 0,  # every rank's
                 }  # fmt: skip
         finally:
             if redis is not None:
@@ -185,12 +215,13 @@ def run(args: argparse.Namespace) -> dict:
         r["speedup"] = reference["median_ttft_s"] / r["median_ttft_s"]
         r["speedup_vs_miss"] = miss["median_ttft_s"] / r["median_ttft_s"]
         r["first_token_match"] = sum(a == b for a, b in zip(r["first_tokens"], reference["first_tokens"]))
-    print(f"{args.model}{' made MHA' if args.mha else ''}, {args.conversations} returning histories of {args.history} tokens (+{args.question}-token questions), {args.dtype}:")
+    shape = f" reshaped to {heads['num_attention_heads']}/{heads['num_key_value_heads']} heads" if args.heads or args.mha else ""
+    print(f"{args.model}{shape}, TP={args.tp}, {args.conversations} returning histories of {args.history} tokens (+{args.question}-token questions), {args.dtype}:")
     print(f"{'configuration':18} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'vs miss':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} {'1st token same':>15}")
     for name, r in results.items():
         tiers = ",".join(f"{t}:{n}" for t, n in r["restored_by_tier"].items()) or "-"
         print(f"{name:18} {1000 * r['median_ttft_s']:9.1f} {1000 * min(r['ttft_s']):6.0f}-{1000 * max(r['ttft_s']):<6.0f} "
               f"{r['speedup']:7.2f}x {r['speedup_vs_miss']:7.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
               f"{r['first_token_match']:>8d}/{args.conversations}")  # fmt: skip
-    return {"model": args.model, "mha": args.mha, "plans": plans, "dtype": args.dtype, "history": args.history, "question": args.question,
+    return {"model": args.model, "mha": args.mha, "heads": heads, "tensor_parallel": args.tp, "plans": plans, "dtype": args.dtype, "history": args.history, "question": args.question,
             "conversations": args.conversations, "configurations": results, **reserved}  # fmt: skip
