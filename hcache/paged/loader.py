@@ -28,7 +28,7 @@ from .. import helper_threads
 from ..model.tensor_parallel import SINGLE
 from ..planning.plan import Method, RestorePlan
 from ..serving.records import MissReason, PutRestore, SequenceRecord
-from ..serving.restore import gather_runs, lookup_miss, restore_accounting, tokens_by_source, verify_fetched
+from ..serving.restore import RestoreOutcome, gather_runs, lookup_miss, restore_accounting, tokens_by_source, verify_fetched
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from ..storage.stored_state import decode_rows, stored_rows
@@ -119,15 +119,13 @@ class Loader:
                     self.lost(keys[len(images)], miss.value)
             if end > job.start:
                 self._write(job, images, first, end, plan)
-            sources = tokens_by_source(store, images, first, job.start, end)
-            restored = end - job.start
             jobs = [(layer, method.value) for layer, method in enumerate(plan.layers)]
             used, lossy = restore_accounting(images, jobs, list(range(len(images))), len(images))
-            record.add(PutRestore(
-                plan=str(plan), tokens=restored, sources=sources, restore_s=time.perf_counter() - began, bytes_read=used,
-                fallback=why, misses={miss.value: job.end - end} if miss is not None and end < job.end else {}, lossy=lossy,
-                layer_tokens={m.value: restored * plan.count(m) for m in (Method.H, Method.KV) if plan.count(m)},
-            ))  # fmt: skip
+            misses = {miss.value: job.end - end} if miss is not None and end < job.end else {}
+            step = PutRestore()
+            RestoreOutcome(end - job.start, used, why, tokens_by_source(store, images, first, job.start, end), lossy, misses).record(step, plan)
+            step.restore_s = time.perf_counter() - began
+            record.add(step)
             return self._blocks(job, end) if end < job.end else set()
         finally:
             for image in images:

@@ -34,12 +34,12 @@ import torch
 
 from ..engine.interface import Engine
 from ..errors import InvalidRequestError
-from ..planning.plan import Method, RestorePlan
+from ..planning.plan import RestorePlan
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, check_namespace, chunk_keys, content_key, root_key
 from .gpu_prefix_cache import Adoption
 from .metrics import ServingMetrics
-from .records import GPU_CACHE, MissReason, PutRestore, SequenceRecord, log_requests
-from .restore import anchor_label, first_chunk_miss, lookup_miss, restore_prefix
+from .records import GPU_CACHE, PutRestore, SequenceRecord, log_requests
+from .restore import anchor_label, first_chunk_miss, lookup_miss, restorable, restore_prefix
 from .store_stack import StoreStack
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,8 @@ def _log_restore(uid: int, tokens: int, step: PutRestore) -> None:
 
 def _restores(allowed: bool, tokens: list[int]) -> bool:
     """Whether a put of ``tokens`` may restore (from the store, or from the GPU prefix cache), if ``allowed``:
-    all but its last token can be restored, so a one-token put (a decode step) never does."""
-    return allowed and len(tokens) > 1
+    a one-token put (a decode step) never does."""
+    return allowed and restorable(len(tokens)) > 0
 
 
 class ServingEngine:
@@ -201,7 +201,7 @@ class ServingEngine:
             aligned = seq.chain.tail + tokens
             found = None
             if _restores(seq.adopt, tokens):
-                found = self.stack.gpu_cache.match(aligned, keys[uid], seq.chain.key, len(seq.chain.tail), len(aligned) - 1)
+                found = self.stack.gpu_cache.match(aligned, keys[uid], seq.chain.key, len(seq.chain.tail), restorable(len(aligned)))
             adoptions.append(found)
         needed = sum(self.engine.query(uid, len(tokens), 1 << 30)[1] for uid, tokens in batch)
         if not self.stack.gpu_cache.make_room(needed):
@@ -244,7 +244,7 @@ class ServingEngine:
         if seq.plan is None:  # auto, at the first restore (a fixed plan spares the lookups)
             history = self._history(uid, seq, keys)
             if not history:  # nothing stored of it: every full chunk is a miss
-                missed = min(len(keys) * CHUNK_TOKENS, len(aligned) - 1) - len(held)
+                missed = min(len(keys) * CHUNK_TOKENS, restorable(len(aligned))) - len(held)
                 step.misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, aligned, {lookup_miss(self.stack.store, keys[0]).value: missed})
                 return 0
             seq.plan = self.config.policy.plan_for(None, history)
@@ -252,14 +252,12 @@ class ServingEngine:
         hidden = self.stack.prefetcher.hidden(keys)
         outcome = restore_prefix(
             self.engine, self.stack.store, uid, aligned, keys, self.fingerprint, plan, self.stack.copier, self.tp,
-            held=len(held), limit=len(aligned) - 1,
+            held=len(held), limit=restorable(len(aligned)),
         )  # fmt: skip
-        step.plan, step.tokens, step.hidden_s, step.sources = str(plan), outcome.tokens, hidden, outcome.sources
-        step.bytes_read, step.fallback, step.lossy = outcome.bytes_read, outcome.fallback, step.lossy or outcome.lossy
-        step.misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, aligned, dict(outcome.misses)) if not outcome.tokens else dict(outcome.misses)
-        if plan.count(Method.RE) == len(plan.layers) and outcome.tokens:  # recomputed, not restored
-            step.misses[MissReason.PLAN_RECOMPUTE.value] = outcome.tokens
-        step.layer_tokens = {m.value: plan.count(m) * outcome.tokens for m in Method if plan.count(m)}
+        outcome.record(step, plan)
+        step.hidden_s = hidden
+        if not outcome.tokens:
+            step.misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, aligned, step.misses)
         step.restore_s += time.perf_counter() - start
         seq.chain.extend(tokens[: outcome.tokens])
         return outcome.tokens

@@ -33,7 +33,7 @@ from ..storage.host_tier import HostTier
 from ..storage.stored_state import decode_rows, is_encoded, scale_format, scale_shape, stored_rows
 from ..storage.tp_ownership import shared_chunks, stores
 from ..transfer.copier import Copier
-from .records import MissReason
+from .records import MissReason, PutRestore
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,21 @@ class RestoreOutcome:
     sources: dict[str, int] = field(default_factory=dict)  # tokens by where their chunk was read from (HostTier.take_source)
     lossy: bool = False  # some of it was stored in an 8-bit encoding
     misses: dict[str, int] = field(default_factory=dict)  # full-chunk tokens wanted but not restored, by MissReason
+
+    def record(self, step: PutRestore, plan: RestorePlan) -> None:
+        """Fill ``step``, a put's record, with this restore from the store by ``plan``: the one accounting
+        of every engine's restore (the DeepSpeed path's and vLLM's loader)."""
+        step.plan, step.tokens, step.sources, step.bytes_read = str(plan), self.tokens, dict(self.sources), self.bytes_read
+        step.fallback, step.lossy, step.misses = self.fallback, step.lossy or self.lossy, dict(self.misses)
+        if plan.count(Method.RE) == len(plan.layers) and self.tokens:  # recomputed, not restored
+            step.misses[MissReason.PLAN_RECOMPUTE.value] = self.tokens
+        step.layer_tokens = {m.value: plan.count(m) * self.tokens for m in Method if plan.count(m)}
+
+
+def restorable(tokens: int) -> int:
+    """How many of a prompt's ``tokens`` a restore may load: all but the last, whose logits give the first
+    output token, so the engine computes it."""
+    return max(0, tokens - 1)
 
 
 def lookup_miss(tier: HostTier, key: str, *, seen: bool = False) -> MissReason:

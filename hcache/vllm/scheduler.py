@@ -8,8 +8,7 @@ how many can be loaded from the first (:class:`~hcache.vllm.index.StoredIndex`, 
 told of what their tiers hold; with tensor parallelism, the fewest any rank holds: each rank loads its own
 heads, and vLLM recomputes what any rank lacks), and offers those past what vLLM holds, to be loaded
 asynchronously: vLLM holds the request back while the worker loads them (:class:`LoadJob`) and keeps
-stepping the others. The last prompt token is never offered: its logits give the first output token, so
-vLLM must compute it. Stored-prefix tokens not offered are told to the worker with their reason, for the
+stepping the others. The last prompt token is never offered (:func:`~hcache.serving.restore.restorable`). Stored-prefix tokens not offered are told to the worker with their reason, for the
 request's record.
 """
 from __future__ import annotations
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..model.tensor_parallel import TPGroup
 from ..paged.loader import LoadJob
+from ..serving.restore import restorable
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from .index import StoredIndex
 from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
@@ -53,7 +53,7 @@ class SchedulerSide:
         if self.index is None or retry:  # a load of it fell short: vLLM recomputes what it lacks, nothing is offered twice
             return 0
         prompt = list(request.prompt_token_ids or [])
-        usable = (len(prompt) - 1) // CHUNK_TOKENS * CHUNK_TOKENS
+        usable = restorable(len(prompt)) // CHUNK_TOKENS * CHUNK_TOKENS
         if usable <= num_computed:
             return 0
         namespace = self.namespace(request)

@@ -22,6 +22,17 @@ def test_what_the_worker_reports_is_offered_without_asking_the_stores(tmp_path, 
     assert index.stored_prefix(KEYS) == (3, "never_stored") and asked == [KEYS[3:]]  # the stores: past the reports only
 
 
+def test_the_index_keeps_its_latest_chunks_and_asks_the_stores_of_those_it_forgot(tmp_path, monkeypatch):
+    index = StoredIndex(StoreConfig().lookup([tmp_path]), kept=3)
+    asked = []
+    monkeypatch.setattr(index.lookup, "stored_prefix", lambda keys: asked.append(list(keys)) or len(keys))
+    index.apply([(key, None) for key in KEYS[:3]])
+    assert index.stored_prefix(KEYS[:1]) == (1, None) and asked == []  # offered: now the latest
+    index.apply([(KEYS[3], None)])  # the fourth: the least recent of the others is forgotten
+    assert index.stored_prefix([KEYS[0], KEYS[2], KEYS[3]]) == (3, None) and asked == []
+    assert index.stored_prefix(KEYS) == (4, None) and asked == [KEYS[1:]]  # the stores hold the one forgotten
+
+
 def test_past_the_reports_the_stores_are_asked_and_each_end_has_its_reason(tmp_path):
     owner = DiskChunkStore(tmp_path)  # a store written before this worker started: nothing reported of it
     try:
