@@ -1,8 +1,19 @@
 """hcache in vLLM: a KV connector (``HCacheConnector``) that restores returning conversations from hcache's
 store. Load it with ``--kv-transfer-config '{"kv_connector": "HCacheConnector", "kv_connector_module_path":
 "hcache.vllm", "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config":
-{...hcache settings...}}'`` (``docs/vllm.md``), or from Python ``kv_transfer_config(settings)``. Importing this package imports vLLM."""
-from .connector import HCacheConnector
-from .settings import kv_transfer_config
+{...hcache settings...}}'`` (``docs/vllm.md``), or from Python ``kv_transfer_config(settings)``. Asking for
+either imports vLLM."""
+from __future__ import annotations
 
-__all__ = ["HCacheConnector", "kv_transfer_config"]
+import importlib
+
+# Handed on when first asked for: vLLM loads hcache's plugin (.plugin) in every process it starts, where
+# nothing of the connector is wanted.
+_HANDED_ON = {"HCacheConnector": ".connector", "kv_transfer_config": ".settings"}
+__all__ = list(_HANDED_ON)
+
+
+def __getattr__(name: str):
+    if name not in _HANDED_ON:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HANDED_ON[name], __name__), name)

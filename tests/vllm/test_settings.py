@@ -1,6 +1,10 @@
 """The connector's settings, resolved from vLLM's config as each of its processes resolves them: what it
 serves, and each setting it cannot serve refused with a line that says what to change."""
+import json
 import re
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -121,3 +125,29 @@ def test_good_settings_pass_the_early_check_and_keep_layerwise_saves_out_of_full
 
     assert kv_transfer_config({"store_dirs": [str(tmp_path)]})["kv_connector_extra_config"] == {"store_dirs": [str(tmp_path)]}
     assert HCacheConnector.requires_piecewise_for_cudagraph({"store_dirs": [str(tmp_path)]}) is True
+
+
+def test_vllms_openai_server_refuses_a_misspelt_setting_before_its_engine_starts():
+    """vLLM imports the connector only in its engine's processes, once the model loads; hcache's vLLM plugin
+    (entry point ``vllm.general_plugins``, installed with hcache) checks the settings in the process that
+    starts the server, as vLLM builds its config: the server exits with hcache's message, having started no
+    engine."""
+    from hcache.ports import free_port
+    from hcache.vllm.plugin import check_transfer_config
+
+    extra = {"store_dir": "x"}
+    config = {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
+              "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}  # fmt: skip
+    check_transfer_config(None)
+    check_transfer_config({**config, "kv_connector": "OffloadingConnector"})  # not hcache's: not its to check
+    with pytest.raises(InvalidRequestError, match="store_dir"):
+        check_transfer_config(vllm_config.KVTransferConfig(**config))
+    began = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir(DEFAULT_MODEL)),
+                          "--port", str(free_port()), "--kv-transfer-config", json.dumps(config)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    elapsed = time.monotonic() - began
+    output = run.stdout + run.stderr
+    assert run.returncode != 0 and "hcache setting 'store_dir'" in output, output[-3000:]
+    assert "EngineCore" not in output and "Starting to load model" not in output, output[-3000:]
+    print(f"refused in {elapsed:.1f} s")  # 13 s on the 2-vCPU VM, vLLM's own imports; it was 40 s to 3 min, after the model loaded
