@@ -8,7 +8,12 @@ reference engine. Each turn is sent twice, interleaved: as is (its history resto
 ``cache_salt`` of its own, where nothing is stored, so it is recomputed by the same server: a like-for-like
 baseline, whose reply must be the same. Before and after the traffic, with the server idle, the same model
 on :class:`~hcache.serving.runtime.HCacheRuntime` decodes a batch of as many prompts as there are clients:
-its time per step is what the serving path adds to (``per_token_over_engine``).
+its time per step is what the serving path adds to (``per_token_over_engine``). That baseline only
+decodes, while the server's steps at several clients also prefill other clients' turns (a recomputed
+turn prefills its whole history); so the server's own steps are timed too, in the same run (its
+``hcache_steps_total`` and ``hcache_step_seconds_total`` counters, read before and after each level):
+``per_token_over_step`` is the clients' mean time between two tokens over the mean step the server ran
+meanwhile, like for like.
 
 With ``--vllm`` (vLLM installed), the same conversations then go, one server at a time, to ``vllm serve``
 with hcache's connector (restoring and, under a fresh ``cache_salt``, recomputing, interleaved) and to
@@ -72,7 +77,10 @@ def run(args: argparse.Namespace) -> dict:
         try:
             node.wait_ready()
             for level in levels:
+                before = _steps(node.metrics_url)
                 result[f"c{level}"] = _traffic(f"{node.url}/v1", path, _conversations(tokenizer, args, level), level, args.max_tokens)
+                steps, seconds = (after - then for after, then in zip(_steps(node.metrics_url), before))
+                result[f"c{level}"]["server_step_s"] = {"mean": seconds / steps, "steps": steps}
         finally:
             node.stop()
         engine_after = _engine_step(path, Path(tmp) / "engine", first_turns, levels, args.max_tokens)
@@ -93,6 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         figures = result[f"c{level}"]
         figures["engine_step_s"] = {"before": engine_before[level], "after": engine_after[level]}
         figures["per_token_over_engine"] = figures["restore"]["per_token_s"]["p50"] / step
+        figures["per_token_over_step"] = figures["per_token_s_mean"] / figures["server_step_s"]["mean"]
         _print(level, figures, step)
     return result
 
@@ -140,6 +149,13 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _steps(metrics_url: str) -> tuple[float, float]:
+    """The server's steps so far, and the seconds it spent in them (its Prometheus counters)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(("hcache_steps_total ", "hcache_step_seconds_total ")))
+    return float(values["hcache_steps_total"]), float(values["hcache_step_seconds_total"])
+
+
 def _engine_step(path: str, store: Path, prompts: list[list[int]], levels: list[int], new_tokens: int) -> dict[int, float]:
     """The median time between two tokens of ``HCacheRuntime`` decoding a batch of ``level`` prompts, saving
     as the server does: for each level."""
@@ -180,7 +196,8 @@ def _traffic(url: str, model: str, conversations: list[list[str]], clients: int,
         list(pool.map(converse, range(len(conversations))))
     bar.close()
     turns = len(conversations[0])
-    out: dict = {"replies_differing": sum(not r["same_reply"] for r in records), "requests": len(records)}
+    out: dict = {"replies_differing": sum(not r["same_reply"] for r in records), "requests": len(records),
+                 "per_token_s_mean": float(np.mean([r[arm]["per_token_s"] for r in records for arm in ("restore", "recompute") if r[arm]["per_token_s"] is not None]))}  # fmt: skip
     for arm in ("restore", "recompute"):
         timings = [r[arm] for r in records]
         out[arm] = {
@@ -208,6 +225,8 @@ def _print(level: int, figures: dict, step: float) -> None:
     restore, recompute = figures["restore"], figures["recompute"]
     print(f"{level} client(s): engine step {step * 1e3:.0f} ms; per token at the client {restore['per_token_s']['p50'] * 1e3:.0f} ms restoring, "
           f"{recompute['per_token_s']['p50'] * 1e3:.0f} ms recomputing ({figures['per_token_over_engine']:.2f}x the engine's step); "
+          f"the server's own steps {figures['server_step_s']['mean'] * 1e3:.0f} ms, per token at the clients {figures['per_token_s_mean'] * 1e3:.0f} ms "
+          f"({figures['per_token_over_step']:.2f}x); "
           f"latency p50 {restore['latency_s']['p50']:.2f} s vs {recompute['latency_s']['p50']:.2f} s; "
           f"{figures['replies_differing']} of {figures['requests']} replies differ")  # fmt: skip
     for turn, ttft in restore["ttft_s_by_turn"].items():

@@ -145,12 +145,16 @@ class ServingEngine:
             elif self._seqs[uid].failed:
                 raise InvalidRequestError(f"sequence {uid}: an earlier put failed part-way; flush it and start again")
             batch.append((uid, tokens))
+        began = time.perf_counter()
         try:
             return self._put(batch)
         except BaseException:
             for uid, _ in batch:
                 self._seqs[uid].failed = True
             raise
+        finally:
+            self.metrics.steps += 1
+            self.metrics.step_s += time.perf_counter() - began
 
     def _put(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
         keys = {uid: self._keys(uid, tokens) for uid, tokens in batch}  # hashed once per put

@@ -31,6 +31,8 @@ class ServingMetrics:
         self.fallbacks = 0  # restores that used stored state only in part
         self.prefetch_hidden_s = 0.0
         self.sequences = 0  # finished
+        self.steps = 0  # puts, each a step of the engine: restores, one forward, saving
+        self.step_s = 0.0  # their wall time, from call to return
         self.self_check_disabled: frozenset[str] = frozenset()  # methods the start-up self-check disabled
         self.registry = CollectorRegistry()
         self.registry.register(self)
@@ -66,6 +68,9 @@ class ServingMetrics:
              {**{r.value: 0 for r in MissReason}, **self.miss_tokens}, "reason"),
             ("hcache_fallbacks", "Restores that used stored state only in part", self.fallbacks, None),
             ("hcache_sequences", "Sequences finished", self.sequences, None),
+            ("hcache_steps", "Steps the serving engine ran (puts: restores, one forward, saving)", self.steps, None),
+            ("hcache_step_seconds", "Seconds the serving engine spent in its steps, from a put's call to its return (on a GPU "
+             "its device work may end later): what the serving path around it adds to is the rest", self.step_s, None),
             ("hcache_prefetch_hidden_seconds", "Seconds of disk reads that look-ahead prefetch ran before their restore",
              self.prefetch_hidden_s, None),
             ("hcache_prefetched_chunks", "Chunk loads started by look-ahead prefetch",

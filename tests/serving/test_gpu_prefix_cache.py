@@ -195,9 +195,13 @@ def test_prefetch_reads_a_waiting_prompt_into_the_host_pool(llama, tmp_path, rng
 def test_metrics_count_and_are_served_for_prometheus(llama, tmp_path, rng):
     prompt = random_prompt(2 * CHUNK_TOKENS + 10, llama.spec.vocab_size, rng)
     with HCacheRuntime(llama, tmp_path / "store", plan="KV", gpu_cache=True) as runtime:
+        began = time.perf_counter()
         runtime.generate(prompt, 2, stop_token_ids=NO_STOP)
         r = runtime.generate(prompt + [7, 8], 2, stop_token_ids=NO_STOP)
+        wall = time.perf_counter() - began
         snap = runtime.metrics.snapshot()
+        assert snap["hcache_steps_total"] == 4  # each generate: its prompt's put, then one put of its first token
+        assert 0 < snap["hcache_step_seconds_total"] < wall
         assert snap['hcache_restored_tokens_total{source="gpu_cache"}'] == r.gpu_tokens > 0
         assert snap["hcache_gpu_cache_hit_tokens_total"] == r.gpu_tokens
         assert snap["hcache_gpu_cache_blocks"] == runtime.gpu_cache.blocks > 0
