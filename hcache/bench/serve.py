@@ -10,10 +10,11 @@ baseline, whose reply must be the same. Before and after the traffic, with the s
 on :class:`~hcache.serving.runtime.HCacheRuntime` decodes a batch of as many prompts as there are clients:
 its time per step is what the serving path adds to (``per_token_over_engine``). That baseline only
 decodes, while the server's steps at several clients also prefill other clients' turns (a recomputed
-turn prefills its whole history); so the server's own steps are timed too, in the same run (its
-``hcache_steps_total`` and ``hcache_step_seconds_total`` counters, read before and after each level):
-``per_token_over_step`` is the clients' mean time between two tokens over the mean step the server ran
-meanwhile, like for like.
+turn prefills its whole history); so the server's own steps are timed too, in the same run: for each
+token it decoded, the step that decoded it (its ``hcache_decoded_tokens_total`` and
+``hcache_decoded_token_seconds_total`` counters, read before and after each level). A client's time
+between two tokens is one such step and the serving path around it: ``per_token_over_step`` is the
+clients' mean over the server's, like for like.
 
 With ``--vllm`` (vLLM installed), the same conversations then go, one server at a time, to ``vllm serve``
 with hcache's connector (restoring and, under a fresh ``cache_salt``, recomputing, interleaved) and to
@@ -79,8 +80,8 @@ def run(args: argparse.Namespace) -> dict:
             for level in levels:
                 before = _steps(node.metrics_url)
                 result[f"c{level}"] = _traffic(f"{node.url}/v1", path, _conversations(tokenizer, args, level), level, args.max_tokens)
-                steps, seconds = (after - then for after, then in zip(_steps(node.metrics_url), before))
-                result[f"c{level}"]["server_step_s"] = {"mean": seconds / steps, "steps": steps}
+                tokens, seconds = (after - then for after, then in zip(_steps(node.metrics_url), before))
+                result[f"c{level}"]["server_step_s"] = {"mean_per_token": seconds / tokens, "tokens": tokens}
         finally:
             node.stop()
         engine_after = _engine_step(path, Path(tmp) / "engine", first_turns, levels, args.max_tokens)
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
         figures = result[f"c{level}"]
         figures["engine_step_s"] = {"before": engine_before[level], "after": engine_after[level]}
         figures["per_token_over_engine"] = figures["restore"]["per_token_s"]["p50"] / step
-        figures["per_token_over_step"] = figures["per_token_s_mean"] / figures["server_step_s"]["mean"]
+        figures["per_token_over_step"] = figures["per_token_s_mean"] / figures["server_step_s"]["mean_per_token"]
         _print(level, figures, step)
     return result
 
@@ -150,10 +151,11 @@ def _healthy(url: str) -> bool:
 
 
 def _steps(metrics_url: str) -> tuple[float, float]:
-    """The server's steps so far, and the seconds it spent in them (its Prometheus counters)."""
+    """The tokens the server decoded so far, and for each, the seconds of its step, summed (its Prometheus counters)."""
+    names = ("hcache_decoded_tokens_total", "hcache_decoded_token_seconds_total")
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(("hcache_steps_total ", "hcache_step_seconds_total ")))
-    return float(values["hcache_steps_total"]), float(values["hcache_step_seconds_total"])
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(tuple(f"{n} " for n in names)))
+    return float(values[names[0]]), float(values[names[1]])
 
 
 def _engine_step(path: str, store: Path, prompts: list[list[int]], levels: list[int], new_tokens: int) -> dict[int, float]:
@@ -225,7 +227,7 @@ def _print(level: int, figures: dict, step: float) -> None:
     restore, recompute = figures["restore"], figures["recompute"]
     print(f"{level} client(s): engine step {step * 1e3:.0f} ms; per token at the client {restore['per_token_s']['p50'] * 1e3:.0f} ms restoring, "
           f"{recompute['per_token_s']['p50'] * 1e3:.0f} ms recomputing ({figures['per_token_over_engine']:.2f}x the engine's step); "
-          f"the server's own steps {figures['server_step_s']['mean'] * 1e3:.0f} ms, per token at the clients {figures['per_token_s_mean'] * 1e3:.0f} ms "
+          f"the server's steps {figures['server_step_s']['mean_per_token'] * 1e3:.0f} ms a token, the clients' {figures['per_token_s_mean'] * 1e3:.0f} ms "
           f"({figures['per_token_over_step']:.2f}x); "
           f"latency p50 {restore['latency_s']['p50']:.2f} s vs {recompute['latency_s']['p50']:.2f} s; "
           f"{figures['replies_differing']} of {figures['requests']} replies differ")  # fmt: skip

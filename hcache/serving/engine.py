@@ -153,8 +153,7 @@ class ServingEngine:
                 self._seqs[uid].failed = True
             raise
         finally:
-            self.metrics.steps += 1
-            self.metrics.step_s += time.perf_counter() - began
+            self.metrics.stepped(time.perf_counter() - began, sum(len(tokens) == 1 for _, tokens in batch))
 
     def _put(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
         keys = {uid: self._keys(uid, tokens) for uid, tokens in batch}  # hashed once per put

@@ -33,9 +33,18 @@ class ServingMetrics:
         self.sequences = 0  # finished
         self.steps = 0  # puts, each a step of the engine: restores, one forward, saving
         self.step_s = 0.0  # their wall time, from call to return
+        self.decoded = 0  # tokens decoded: sequences' one-token puts
+        self.decoded_step_s = 0.0  # for each, the wall time of the step that decoded it
         self.self_check_disabled: frozenset[str] = frozenset()  # methods the start-up self-check disabled
         self.registry = CollectorRegistry()
         self.registry.register(self)
+
+    def stepped(self, seconds: float, decoded: int) -> None:
+        """A step of ``seconds`` that decoded ``decoded`` tokens (and may have prefilled more)."""
+        self.steps += 1
+        self.step_s += seconds
+        self.decoded += decoded
+        self.decoded_step_s += decoded * seconds
 
     def add(self, step) -> None:
         """Count one put's restore (a :class:`~hcache.serving.records.PutRestore`)."""
@@ -70,7 +79,11 @@ class ServingMetrics:
             ("hcache_sequences", "Sequences finished", self.sequences, None),
             ("hcache_steps", "Steps the serving engine ran (puts: restores, one forward, saving)", self.steps, None),
             ("hcache_step_seconds", "Seconds the serving engine spent in its steps, from a put's call to its return (on a GPU "
-             "its device work may end later): what the serving path around it adds to is the rest", self.step_s, None),
+             "its device work may end later)", self.step_s, None),
+            ("hcache_decoded_tokens", "Tokens decoded (sequences' one-token puts)", self.decoded, None),
+            ("hcache_decoded_token_seconds", "For each token decoded, the seconds of the step that decoded it: over "
+             "hcache_decoded_tokens_total, the engine's time between two tokens as a client sees it, before the serving path's",
+             self.decoded_step_s, None),
             ("hcache_prefetch_hidden_seconds", "Seconds of disk reads that look-ahead prefetch ran before their restore",
              self.prefetch_hidden_s, None),
             ("hcache_prefetched_chunks", "Chunk loads started by look-ahead prefetch",

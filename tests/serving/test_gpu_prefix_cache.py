@@ -201,7 +201,8 @@ def test_metrics_count_and_are_served_for_prometheus(llama, tmp_path, rng):
         wall = time.perf_counter() - began
         snap = runtime.metrics.snapshot()
         assert snap["hcache_steps_total"] == 4  # each generate: its prompt's put, then one put of its first token
-        assert 0 < snap["hcache_step_seconds_total"] < wall
+        assert snap["hcache_decoded_tokens_total"] == 2  # the one-token puts
+        assert 0 < snap["hcache_decoded_token_seconds_total"] < snap["hcache_step_seconds_total"] < wall
         assert snap['hcache_restored_tokens_total{source="gpu_cache"}'] == r.gpu_tokens > 0
         assert snap["hcache_gpu_cache_hit_tokens_total"] == r.gpu_tokens
         assert snap["hcache_gpu_cache_blocks"] == runtime.gpu_cache.blocks > 0
