@@ -8,13 +8,13 @@ it starts, first in the launching one as it reads its arguments (``vllm serve``,
 wraps ``EngineArgs.create_engine_config`` so that a config naming hcache's connector has its settings
 checked (:func:`~hcache.vllm.settings.connector_settings`) before the config is built. Not the store's
 directories: a config built again in a process that holds them (speculative decoding rebuilds one in the
-worker) would find them held. It imports nothing of hcache's until it sees such a config.
+worker) would find them held. It imports nothing of the connector's until it sees such a config.
 """
 from __future__ import annotations
 
 import functools
 
-CONNECTOR = "HCacheConnector"
+from .registration import CONNECTOR
 
 
 def register() -> None:

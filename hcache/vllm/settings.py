@@ -22,7 +22,7 @@ from ..model.spec import ModelSpec
 from ..model.tensor_parallel import shard_heads
 from ..planning.plan import Method
 from ..resolve import resolve
-from .plugin import CONNECTOR
+from .registration import CONNECTOR, MODULE
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def kv_transfer_config(settings: dict) -> dict:
     """vLLM's ``kv_transfer_config`` that loads hcache's connector with ``settings`` (hcache's, as a dict),
     checked now (:func:`check_settings`), before vLLM starts."""
     check_settings(settings)
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": settings}  # fmt: skip
 
 
