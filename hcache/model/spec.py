@@ -83,6 +83,7 @@ _FAMILIES: dict[str, _Family] = {
     ),
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
+STORED_LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer types whose state is K/V
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,13 @@ class ModelSpec:
     def from_config(cls, config: Any, dtype: torch.dtype | str | None = None) -> "ModelSpec":
         """Describe the model behind a ``transformers`` config. Raises :class:`UnsupportedModelError`."""
         model_type = getattr(config, "model_type", None)
+        others = sorted(set(getattr(config, "layer_types", None) or ()) - set(STORED_LAYER_TYPES))
+        if others:  # before the family: this is why such a model is not served, whatever its family
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} has {', '.join(others)} layers beside attention: hcache stores and restores "
+                f"attention K/V ({', '.join(STORED_LAYER_TYPES)} layers) and has no rule for the state other layers carry "
+                "(a Mamba or linear-attention layer's recurrent state), and K/V restored without that state would be wrong"
+            )
         family = _FAMILIES.get(model_type)
         if family is None:
             raise UnsupportedModelError(

@@ -45,6 +45,19 @@ def test_unsupported_architecture_names_the_supported_ones():
         assert name in str(err.value)
 
 
+@pytest.mark.parametrize("model_type", ["jamba", "qwen3_next", "falcon_h1", "nemotron_h"])
+def test_hybrid_models_with_recurrent_layers_are_refused_naming_the_missing_rule(model_type):
+    """Their Mamba or linear-attention layers carry a recurrent state that is not K/V: restoring attention's
+    K/V without it would serve wrong state (LMCache #2845), so they are refused saying so, not only as an
+    unknown family. Attention-only layer types (Qwen2's and Gemma's full and sliding) pass that check."""
+    from transformers import AutoConfig
+
+    with pytest.raises(UnsupportedModelError, match="no rule for the state other layers carry"):
+        ModelSpec.from_config(AutoConfig.for_model(model_type))
+    qwen2 = AutoConfig.for_model("qwen2", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=32)
+    assert ModelSpec.from_config(qwen2).sliding_windows == (32, None)
+
+
 def test_opt_350m_layout_is_rejected():
     with pytest.raises(UnsupportedModelError, match="do_layer_norm_before"):
         ModelSpec.from_config(AutoConfig.for_model("opt", do_layer_norm_before=False))
