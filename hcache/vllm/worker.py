@@ -61,14 +61,20 @@ class _Sequence:
 
 
 def spare_cpus() -> set[int]:
-    """The CPUs vLLM's CPU worker left to its other processes: those it may run on that its OpenMP threads
-    are not bound to (vLLM passes the binding to the worker as ``OMP_PLACES``, ``GOMP_CPU_AFFINITY`` or
-    ``KMP_AFFINITY``). Empty where nothing is bound (a GPU worker) or every CPU is."""
+    """The CPUs vLLM's CPU worker left to its other processes: those it may run on that no rank's OpenMP
+    threads are bound to (vLLM passes a worker its own binding as ``OMP_PLACES``, ``GOMP_CPU_AFFINITY`` or
+    ``KMP_AFFINITY``; every rank's is in ``VLLM_CPU_OMP_THREADS_BIND`` where the user gives it, ``|``
+    between ranks). Empty where nothing is bound (a GPU worker) or every CPU is."""
     bound = os.environ.get("OMP_PLACES") or os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("KMP_AFFINITY", "").partition("proclist=")[2]
     if not bound:
         return set()
     allowed = os.sched_getaffinity(os.getppid())  # the engine process's, which vLLM does not bind
-    return allowed - {int(cpu) for cpu in re.findall(r"\d+", bound)}
+    return allowed - _cpus(bound) - _cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
+
+
+def _cpus(listed: str) -> set[int]:
+    """The CPUs a binding names, singly or as ranges: ``{0},{1}``, ``0-3,8|4-7``."""
+    return {cpu for first, last in re.findall(r"(\d+)(?:-(\d+))?", listed) for cpu in range(int(first), int(last or first) + 1)}
 
 
 class WorkerSide:
