@@ -159,12 +159,12 @@ def run(args: argparse.Namespace) -> dict:
 
     histories = [tokens(args.history) for _ in range(args.conversations)]
     first, returning = ([tokens(args.question) for _ in histories] for _ in range(2))
-    redis = RedisServer().start() if args.redis is None else None
-    url = args.redis or redis.url
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="hcache-bench-vllm-") as tmp:
         store = str(Path(tmp) / "store")
-        model, heads = _shaped(args, Path(tmp) / "shaped")
+        model, heads = _shaped(args, Path(tmp) / "shaped")  # before Redis starts: it may refuse the shape
+        redis = RedisServer().start() if args.redis is None else None
+        url = args.redis or redis.url
         configs = {"recompute": (False, None, True), "prefix_cache": (True, None, True)}
         stores = {"host": ([store], [url]), "disk": ([store], []), "redis": (None, [url])}  # (store_dirs, tiers)
         for plan in plans:
