@@ -93,7 +93,10 @@ def _shaped(args, directory: Path) -> tuple[Path, dict]:
     heads = {"num_attention_heads": config["num_attention_heads"], "num_key_value_heads": config.get("num_key_value_heads", config["num_attention_heads"])}
     overrides = {}
     if args.heads:
-        q, kv = (int(n) for n in args.heads.split(","))
+        try:
+            q, kv = (int(n) for n in args.heads.split(","))
+        except ValueError:
+            raise SystemExit(f"hcache bench vllm: --heads takes Q,KV, two numbers, not {args.heads!r}") from None
         head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         overrides = {"num_attention_heads": q, "num_key_value_heads": kv, "hidden_size": q * head, "head_dim": head}
     if args.mha:
