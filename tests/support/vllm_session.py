@@ -21,6 +21,25 @@ import time
 from pathlib import Path
 
 
+def run_session(spec: dict, directory: Path) -> dict:
+    """This script run on ``spec`` in a process of its own, as a test runs it (vLLM's engines start processes
+    of their own, and this one exits between sessions): its OUT. Fails with the script's output's tail."""
+    import subprocess
+
+    (directory / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.run([sys.executable, __file__, str(directory / "spec.json"), str(directory / "out.json")],
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return json.loads((directory / "out.json").read_text())
+
+
+def logprobs_close(replies: list[list[float]], reference: list[list[float]]) -> bool:
+    """Replies' log-probabilities, token by token, equal to the reference's within float32 rounding."""
+    return len(replies) == len(reference) and all(
+        len(a) == len(b) and max((abs(x - y) for x, y in zip(a, b)), default=0.0) < 1e-4 for a, b in zip(replies, reference)
+    )
+
+
 def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, block_size: int | None, tp: int):
     from vllm import LLM
 

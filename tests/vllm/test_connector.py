@@ -16,11 +16,10 @@ alone.
 """
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.vllm_session import run_session
 
 from hcache.defaults import DEFAULT_MODEL
 from hcache.model.loader import model_dir
@@ -33,7 +32,6 @@ FULL_CHUNKS = 5 * 64  # the second turn's 349 tokens hold five full chunks befor
 FIRST_CHUNKS = 4 * 64  # the first turn's 319 tokens, four
 CONCURRENT = [["second", "a"], ["first", "a"]] * 4 + [["first", f"new{i}"] for i in range(8)]  # 8 loading, 8 computing
 POOL_BYTES = 18 << 20  # a host pool of six chunks (2.95 MB each: 30 layers of float32 K/V): two conversations' do not fit
-SESSION = Path(__file__).parents[1] / "support" / "vllm_session.py"
 HISTORY = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
            "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. ") * 6
 
@@ -71,11 +69,7 @@ def session(tmp_path_factory):
             {"connector": connector("truncated", [str(store)], []), "before": [f"truncate {store}"], "requests": [["second", "a"]]},
         ],
     }
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    run = subprocess.run([sys.executable, str(SESSION), str(tmp / "spec.json"), str(tmp / "out.json")],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    phases = json.loads((tmp / "out.json").read_text())["tokens"]
+    phases = run_session(spec, tmp)["tokens"]
     return phases, {name: _records(path) for name, path in logs.items()}
 
 

@@ -9,12 +9,11 @@ generated token's log-probability equals it within float32 rounding: the K/V reb
 are what vLLM's forward computed.
 """
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from support.helpers import loaded
+from support.vllm_session import logprobs_close, run_session
 from torch import nn
 
 from hcache.errors import InvalidRequestError
@@ -24,7 +23,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh in
 
 from hcache.vllm.hidden import HiddenLayers, registering_model  # noqa: E402  (hcache.vllm imports vLLM)
 
-SESSION = Path(__file__).parents[1] / "support" / "vllm_session.py"
 LAYERS, HIDDEN = 4, 256
 H_BYTES, KV_BYTES = HIDDEN * 4, 2 * HIDDEN * 4  # a token's stored bytes a layer in float32: MHA's K/V are twice its input
 HISTORY = "The quick brown fox jumps over the lazy dog near the river bank, and the dog sleeps on. " * 8
@@ -54,23 +52,15 @@ def session(tmp_path_factory):
              "requests": [["second", "a"]]},
         ],
     }  # fmt: skip
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    run = subprocess.run([sys.executable, str(SESSION), str(tmp / "spec.json"), str(tmp / "out.json")],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    out = json.loads((tmp / "out.json").read_text())
+    out = run_session(spec, tmp)
     records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
     return out["tokens"], out["logprobs"], records
-
-
-def _close(logprobs: list[float], reference: list[float]) -> bool:
-    return len(logprobs) == len(reference) and max(abs(a - b) for a, b in zip(logprobs, reference)) < 1e-4
 
 
 def test_the_second_turn_restores_by_hidden_states_from_the_host_pool_and_replies_as_computed_whole(session):
     tokens, logprobs, records = session
     _, reference, restored_reply = tokens[0]
-    assert restored_reply == reference and _close(logprobs[0][2], logprobs[0][1])
+    assert restored_reply == reference and logprobs_close([logprobs[0][2]], [logprobs[0][1]])
     first, whole, second = records["host"]
     assert first["restored_tokens"] == 0 and whole["restored_tokens"] == 0
     restored = second["restored_tokens"]
@@ -81,7 +71,7 @@ def test_the_second_turn_restores_by_hidden_states_from_the_host_pool_and_replie
 
 def test_a_restarted_vllm_restores_half_by_hidden_states_half_by_kv_from_the_disk(session):
     tokens, logprobs, records = session
-    assert tokens[1] == [tokens[0][1]] and _close(logprobs[1][0], logprobs[0][1])
+    assert tokens[1] == [tokens[0][1]] and logprobs_close([logprobs[1][0]], [logprobs[0][1]])
     (disk,) = records["disk"]
     restored = disk["restored_tokens"]
     # past the first turn's chunks, the disk holds the second turn's: saved by the forward that restored by H

