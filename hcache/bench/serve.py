@@ -87,8 +87,9 @@ def run(args: argparse.Namespace) -> dict:
         engine_after = _engine_step(path, Path(tmp) / "engine", first_turns, levels, args.max_tokens)
         if args.vllm:
             result.update(reserve_cpus_alike())
-            connector = {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
-                         "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"store_dirs": [str(Path(tmp) / "vllm-store")]}}  # fmt: skip
+            from ..vllm.settings import kv_transfer_config
+
+            connector = kv_transfer_config({"store_dirs": [str(Path(tmp) / "vllm-store")]})
             for name, transfer in (("vllm_hcache", connector), ("vllm", None)):
                 try:
                     with _vllm_serve(path, transfer, Path(tmp) / f"{name}.log") as url:

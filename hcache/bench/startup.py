@@ -3,7 +3,8 @@
 A start-up is what a user waits for before the first request. ``--through runtime`` (the default): the
 model loaded from its converted directory and :class:`~hcache.serving.runtime.HCacheRuntime` built over a
 fresh store. ``--through serve``: ``hcache serve`` started as a command, until it prints that it serves
-(MII's model server, load balancer and REST gateway up), then stopped (SIGTERM). One start, not timed, warms the page
+(MII's model server, load balancer and REST gateway up), then stopped (SIGTERM, with no drain: ``stop_s``
+is what an idle server takes past its drain to exit). One start, not timed, warms the page
 cache and the imports first. Starts with ``self_check="off"`` and ``"on"`` alternate over ``--repeats``
 rounds, so that drift in the machine hits both alike. The check's own time is measured apart on a runtime
 (the difference of two noisy start-up medians can be below their noise):
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-threads", type=int, default=None, help="torch threads (default: torch's own)")
 
 
-def _start_runtime(args: argparse.Namespace, store: Path, mode: str) -> float:
+def _start_runtime(args: argparse.Namespace, store: Path, mode: str) -> tuple[float, None]:
     from ..model.loader import load_model
     from ..serving.runtime import HCacheRuntime
 
@@ -43,11 +44,12 @@ def _start_runtime(args: argparse.Namespace, store: Path, mode: str) -> float:
     runtime = HCacheRuntime(load_model(args.model), store, self_check=mode, **({} if args.plan is None else {"plan": args.plan}))
     took = time.perf_counter() - begin
     runtime.close()
-    return took
+    return took, None
 
 
-def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> float:
-    """``hcache serve`` until it says it serves, on free ports, then Ctrl-C and its drain."""
+def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> tuple[float, float]:
+    """``hcache serve`` until it says it serves, on free ports, then SIGTERM: the seconds to start, and to
+    stop."""
     from ..ports import free_port
 
     ports = {f"--{name}": str(free_port()) for name in ("rest-port", "port", "zmq-port", "dist-port")}
@@ -64,10 +66,12 @@ def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> float:
             if serve.poll() is not None:
                 raise SystemExit(f"hcache bench startup: hcache serve exited with {serve.returncode} before serving:\n{log.read_text()[-3000:]}")
             time.sleep(0.05)
-        return time.perf_counter() - begin
+        started = time.perf_counter() - begin
     finally:
+        stopping = time.perf_counter()
         serve.send_signal(signal.SIGTERM)  # as Ctrl-C; SIGINT is ignored where the bench runs in the background
         serve.wait(timeout=120)
+    return started, time.perf_counter() - stopping
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -82,12 +86,16 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.torch_threads)
     start = {"runtime": _start_runtime, "serve": _start_serve}[args.through]
     starts: dict[str, list[float]] = {"off": [], "on": []}
+    stops: list[float] = []
     checks: list[float] = []
     with tempfile.TemporaryDirectory(prefix="hcache-bench-startup-") as tmp:
         start(args, Path(tmp) / "warm-up", "off")
         for i in tqdm(range(2 * args.repeats), desc=f"start-ups ({args.through})", unit="start"):
             mode = ("off", "on")[i % 2]
-            starts[mode].append(start(args, Path(tmp) / str(i), mode))
+            started, stopped = start(args, Path(tmp) / str(i), mode)
+            starts[mode].append(started)
+            if stopped is not None:
+                stops.append(stopped)
         settings = {} if args.plan is None else {"plan": args.plan}
         with HCacheRuntime(load_model(args.model), Path(tmp) / "check", self_check="on", **settings) as runtime:
             if runtime.config.disabled:
@@ -112,9 +120,12 @@ def run(args: argparse.Namespace) -> dict:
         "cost": check / off,
         "startup_ratio_on_over_off": on / off,
         "torch_threads": torch.get_num_threads(),
+        **({"stop_s": stops, "median_stop_s": statistics.median(stops)} if stops else {}),
     }
     print(f"{args.model} through {args.through}, self-check of {'+'.join(methods) or 'nothing'} ({args.repeats} start-ups each way, alternated):")
     print(f"  start-up, check off   median {off:.2f} s  ({min(starts['off']):.2f}-{max(starts['off']):.2f})")
     print(f"  start-up, check on    median {on:.2f} s  ({min(starts['on']):.2f}-{max(starts['on']):.2f}), {on / off:.2f}x")
     print(f"  the check alone       median {check:.3f} s  ({min(checks):.3f}-{max(checks):.3f}): {100 * check / off:.1f}% of start-up")
+    if stops:
+        print(f"  stop after SIGTERM    median {statistics.median(stops):.2f} s  ({min(stops):.2f}-{max(stops):.2f}), past a drain of 0 s")
     return result

@@ -149,6 +149,7 @@ def test_bench_startup_times_start_ups_with_the_self_check_off_and_on_and_the_ch
     assert result["methods_checked"] == ["H"]  # the MHA default plan stores H
     assert len(result["startup_off_s"]) == len(result["startup_on_s"]) == len(result["check_s"]) == 2
     assert 0 < result["median_check_s"] and result["cost"] == result["median_check_s"] / result["median_startup_off_s"]
+    assert "stop_s" not in result  # a runtime is closed, not stopped by a signal
 
 
 def test_bench_cold_reads_a_quarter_of_the_bytes_from_each_tier_in_8_bits(tmp_path):

