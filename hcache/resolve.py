@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable, Mapping
 from .config import EngineKind, HCacheConfig, ResolvedConfig, engine_and_device
 from .model.loader import LoadedModel
 from .model.spec import ModelSpec
+from .errors import UnsupportedModelError
+from .planning import window
 from .planning.auto_profile import auto_profile
 from .planning.plan import Method
 from .planning.policy import fixed_plan, is_auto
@@ -34,6 +36,12 @@ def resolve(
     after one warning."""
     settings = HCacheConfig.of(settings)
     kind, device = engine_and_device(settings)
+    if settings.enabled and tensor_parallel > 1 and (engine or kind) != "vllm" and window.sliding_layers(spec):
+        raise UnsupportedModelError(
+            "a model with sliding-window layers cannot be served with tensor parallelism here: its ranks gather each "
+            "H layer's rows chunk by chunk, and the window rule stores only the last window's (serve it at "
+            "tensor_parallel=1, or in vLLM)"
+        )
     profile = None
     if settings.enabled:
         command = profile_command(model_name, spec)

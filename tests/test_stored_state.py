@@ -260,7 +260,7 @@ def test_encoded_chunk_without_its_scales_is_refused(llama, tmp_path, rng):
     spec: ModelSpec = llama.spec
     shapes = row_shapes(spec)
     layout = ChunkLayout.plan([(0, "KV", shapes["KV"], INT8)], "fp")
-    wrong, _ = _layout_problems(layout, {(0, "KV")}, shapes, torch.float32)
+    wrong, _ = _layout_problems(layout, {(0, "KV")}, set(), shapes, torch.float32)
     assert "without fitting scales" in wrong
 
 

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
         cos, sin = rope_cos_sin(spec.rope, positions, dtype)
         return torch.stack((apply_rope(k, cos, sin), v), dim=1)
 
-    job = LoadJob("bench", None, prompt[:history], list(range(blocks)), 0, history)
+    job = LoadJob("bench", None, prompt[:history], [list(range(blocks))], 0, history)
     host_bytes = kv_bytes + h_bytes + (64 << 20)
     with tempfile.TemporaryDirectory(prefix="hcache-bench-paged-") as tmp, HCacheRuntime(
         LoadedModel(f"random:{args.shape}", model, spec, None), tmp, save="all", num_blocks=2 * history // CHUNK_TOKENS + 4,
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     ) as runtime:  # fmt: skip
         runtime.generate(prompt, 1, restore=False)  # the history's chunks, every format, now in the host pool
         runtime.store.flush()
-        loaders = {name: Loader(runtime.stack, BLOCK, BLOCK, layers, rebuild, plan=RestorePlan.parse(name, spec.num_layers)) for name in ("KV", "H")}
+        loaders = {name: Loader(runtime.stack, (BLOCK,), BLOCK, layers, rebuild, plan=RestorePlan.parse(name, spec.num_layers)) for name in ("KV", "H")}
         src = torch.empty(kv_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(1)
         dst = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
         gen = torch.Generator().manual_seed(1)

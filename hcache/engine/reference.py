@@ -194,13 +194,15 @@ class ReferenceEngine:
 
     def _attention(self, layer: int, q: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         out = torch.empty(q.shape[0], self.spec.num_heads * self.spec.head_size, dtype=q.dtype, device=q.device)
-        window = self.spec.sliding_windows[layer] if self.spec.sliding_windows else None
+        window = self.spec.window(layer)
         for s in segments:
             total = s.start + s.length
+            # A sliding-window layer reads its window only: a restore leaves the positions before it unwritten.
+            lo = 0 if window is None else max(0, s.start - window + 1)
             table = torch.tensor(self.sequences[s.uid].blocks, dtype=torch.long, device=self.device)
-            k, v = gather_kv(self.cache.layers[layer], table, total)
+            k, v = (t[lo:] for t in gather_kv(self.cache.layers[layer], table, total))
             q_pos = torch.arange(s.start, total, device=q.device)[:, None]
-            k_pos = torch.arange(total, device=q.device)[None, :]
+            k_pos = torch.arange(lo, total, device=q.device)[None, :]
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window

@@ -7,6 +7,7 @@ family is described once, here.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ class _Family:
     v: tuple[str, str]
     o: str
     positions: str  # "rope" or "learned"
+    windows: str = "none"  # which layers transformers' forward windows: "none", "uniform" (every layer) or "layer_types"
 
 
 _SEPARATE_QKV = dict(q=("self_attn.q_proj", ""), k=("self_attn.k_proj", ""), v=("self_attn.v_proj", ""))
@@ -61,8 +63,8 @@ _LLAMA_LIKE = _Family(
 )
 _FAMILIES: dict[str, _Family] = {
     "llama": _LLAMA_LIKE,
-    "mistral": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
+    "mistral": dataclasses.replace(_LLAMA_LIKE, windows="uniform"),
+    "qwen2": dataclasses.replace(_LLAMA_LIKE, windows="layer_types"),
     "phi3": _Family(
         layers="model.layers",
         capture="input_layernorm",
@@ -71,6 +73,7 @@ _FAMILIES: dict[str, _Family] = {
         v=("self_attn.qkv_proj", "v"),
         o="self_attn.o_proj",
         positions="rope",
+        windows="uniform",
     ),
     "opt": _Family(
         layers="model.decoder.layers",
@@ -129,6 +132,21 @@ class ModelSpec:
     @property
     def kv_bytes_per_token_layer(self) -> int:
         return 2 * self.kv_dim * self.itemsize
+
+    def window(self, layer: int) -> int | None:
+        """How many positions back a query of ``layer`` attends (itself included): ``None`` for full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def layer_type(self, layer: int) -> str:
+        """transformers' name of the layer's type, by which hcache's accounting and docs group layers."""
+        return "full_attention" if self.window(layer) is None else "sliding_attention"
+
+    def attended_from(self, layer: int, length: int) -> int:
+        """The first position that any query from position ``length`` on attends in ``layer``: 0 with full
+        attention, ``length - window`` with a window. One earlier than transformers' mask needs (a query at
+        ``p`` attends ``p - window < k <= p``), so an engine that counts the window one wider is served too."""
+        window = self.window(layer)
+        return 0 if window is None else max(0, length - window)
 
     @property
     def kv_to_hidden_ratio(self) -> float:
@@ -207,7 +225,7 @@ class ModelSpec:
             o_module=family.o,
             rope=_rope(config, head_size) if family.positions == "rope" else None,
             learned_position_offset=2 if family.positions == "learned" else None,
-            sliding_windows=_sliding_windows(config),
+            sliding_windows=_sliding_windows(config, family.windows),
         )
 
 
@@ -244,12 +262,14 @@ def _rope(config: Any, head_size: int) -> RopeSpec:
     )
 
 
-def _sliding_windows(config: Any) -> tuple[int | None, ...]:
+def _sliding_windows(config: Any, rule: str) -> tuple[int | None, ...]:
+    """Each layer's window as transformers' forward of the family applies it (vLLM may apply another: its
+    connector takes the windows from vLLM's KV cache groups instead)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     n = config.num_hidden_layers
-    if not window:
+    if not window or rule == "none":
         return (None,) * n
-    if layer_types:
+    if layer_types and rule == "layer_types":
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     return (window,) * n

@@ -26,6 +26,7 @@ import torch
 
 from .. import helper_threads
 from ..model.tensor_parallel import SINGLE
+from ..planning import window
 from ..planning.plan import Method, RestorePlan
 from ..serving.records import MissReason, PutRestore, SequenceRecord
 from ..serving.restore import RestoreOutcome, gather_runs, lookup_miss, restore_accounting, tokens_by_source, verify_fetched
@@ -39,36 +40,46 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LoadJob:
-    """A request's stored positions ``[start, end)`` to load into its blocks (``block_ids``, every block it
-    holds, in order). ``tokens``: its prompt up to ``end``, which keys the chunks; ``namespace``: its root's."""
+    """A request's stored positions ``[start, end)`` to load into its blocks (``block_ids``: every block it
+    holds, in order, in each KV cache group). ``tokens``: its prompt up to ``end``, which keys the chunks;
+    ``namespace``: its root's."""
 
     req_id: str
     namespace: str | None
     tokens: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     start: int
     end: int
 
 
 @dataclass(frozen=True)
 class PagedLayer:
-    """One attention layer of vLLM's paged cache: its index in the model, its cache and how that is laid out."""
+    """One attention layer of vLLM's paged cache: its index in the model, its cache and how that is laid
+    out, and its KV cache group (whose block ids it holds its positions in)."""
 
     index: int
     cache: torch.Tensor
     layout: PagedLayout
+    group: int = 0
+
+
+# vLLM's null block: a sliding-window group holds it for the positions before the window, and nothing is
+# written there.
+NULL_BLOCK = 0
 
 
 class Loader:
     """``layers``: the paged cache's layers, whose tensors hold blocks of ``kernel_block`` tokens (the
-    engine's blocks, of ``block_size``, may be split into several); ``rebuild(layer, hidden, positions)``:
+    engine's blocks, of ``block_sizes[group]`` in each KV cache group, may be split into several; a
+    sliding-window layer's window is read by the largest, :mod:`hcache.planning.window`); ``rebuild(layer, hidden, positions)``:
     K/V rows from hidden states (None where no layer restores by H); ``lost(key, reason)``: told of a chunk
     a load found gone (evicted or deleted since it was offered, or its tier down), so it is not offered again;
     ``plan``: a fixed plan for every load (by default, the stack's for each load's length)."""
 
-    def __init__(self, stack: StoreStack, block_size: int, kernel_block: int, layers: list[PagedLayer], rebuild: Callable | None = None,
+    def __init__(self, stack: StoreStack, block_sizes: tuple[int, ...], kernel_block: int, layers: list[PagedLayer], rebuild: Callable | None = None,
                  lost: Callable = lambda key, reason: None, plan: RestorePlan | None = None):  # fmt: skip
-        self.stack, self.config, self.block_size, self.kernel_block = stack, stack.config, block_size, kernel_block
+        self.stack, self.config, self.block_sizes, self.kernel_block = stack, stack.config, block_sizes, kernel_block
+        self.window_block = max(block_sizes)
         self.layers, self.rebuild, self.lost, self.plan = layers, rebuild, lost, plan
         self._thread = helper_threads.executor(1, "hcache-paged-load")
         self._inflight: dict[str, tuple[LoadJob, Future]] = {}
@@ -97,8 +108,10 @@ class Loader:
         return done
 
     def _blocks(self, job: LoadJob, end: int) -> set[int]:
-        """The blocks of ``job``'s positions from ``end`` on: not loaded."""
-        return set(job.block_ids[end // self.block_size : -(-job.end // self.block_size)])
+        """The blocks of ``job``'s positions from ``end`` on: not loaded (of its first group: vLLM takes a
+        hybrid model's failed loads by request, not by block)."""
+        size = self.block_sizes[0]
+        return set(job.block_ids[0][end // size : -(-job.end // size)])
 
     def _load(self, job: LoadJob, record: SequenceRecord) -> set[int]:
         began = time.perf_counter()
@@ -111,19 +124,27 @@ class Loader:
         plan = self.plan or self.config.policy.plan_for(self.config.plan, job.end - job.start)
         images = []
         try:
-            why, miss = verify_fetched(store, keys, fetches, images, job.tokens[first * CHUNK_TOKENS :], fingerprint, plan, SINGLE, 0, self.config.spec)
-            end = max(job.start, min(job.end, (first + len(images)) * CHUNK_TOKENS))
+            def reach(m: int) -> int:  # where a load of ``m`` chunks ends
+                return max(job.start, min(job.end, (first + m) * CHUNK_TOKENS))
+
+            spec = self.config.spec
+            why, miss = verify_fetched(
+                store, keys, fetches, images, job.tokens[first * CHUNK_TOKENS :], fingerprint, plan, SINGLE, first, spec, reach, self.window_block
+            )
+            end = reach(len(images))
             if end < job.end:
                 miss = miss or lookup_miss(store, keys[len(images)])
                 if miss in (MissReason.EVICTED, MissReason.TIER_UNAVAILABLE):
                     self.lost(keys[len(images)], miss.value)
+            reads = {(layer, method.value): range(max(0, window.first_read(spec, layer, end, self.window_block) - first), len(images))
+                     for layer, method in enumerate(plan.layers)}  # fmt: skip
             if end > job.start:
-                self._write(job, images, first, end, plan)
-            jobs = [(layer, method.value) for layer, method in enumerate(plan.layers)]
-            used, lossy = restore_accounting(images, jobs, list(range(len(images))), len(images))
+                self._write(job, images, first, end, plan, reads)
+            read, lossy = restore_accounting(spec, images, reads, len(images))
             misses = {miss.value: job.end - end} if miss is not None and end < job.end else {}
             step = PutRestore()
-            RestoreOutcome(end - job.start, used, why, tokens_by_source(store, images, first, job.start, end), lossy, misses).record(step, plan)
+            sources = tokens_by_source(store, images, first, job.start, end)
+            RestoreOutcome(end - job.start, sum(read.values()), why, sources, lossy, misses, read).record(step, plan)
             step.restore_s = time.perf_counter() - began
             record.add(step)
             return self._blocks(job, end) if end < job.end else set()
@@ -136,28 +157,41 @@ class Loader:
                     store.release(image)
 
     @torch.inference_mode()  # vLLM's caches are inference tensors; grad mode is per thread
-    def _write(self, job: LoadJob, images: list, first: int, end: int, plan) -> None:
-        """Each layer's K/V of positions ``[job.start, end)`` into the cache, on the copier's side stream:
-        a layer's rows gathered from the pool in one call (one DMA per chunk from pinned slots, on a GPU),
-        decoded, rebuilt where H, and scattered. This thread then waits for the side stream (the step's
-        stream never does): the pool's slots are released after this, and the load reported done."""
-        n, offset = end - job.start, job.start - first * CHUNK_TOKENS
+    def _write(self, job: LoadJob, images: list, first: int, end: int, plan: RestorePlan, reads: dict[tuple[int, str], range]) -> None:
+        """Each layer's K/V of positions ``[job.start, end)`` into the cache (a sliding-window layer's from
+        the first chunk it ``reads`` on), on the copier's side stream: a layer's rows gathered from the pool
+        in one call (one DMA per chunk from pinned slots, on a GPU), decoded, rebuilt where H, and
+        scattered. This thread then waits for the side stream (the step's stream never does): the pool's
+        slots are released after this, and the load reported done."""
         copier = self.stack.copier
-        blocks, offsets = block_slots(job.block_ids, job.start, end, self.block_size, self.kernel_block)
-        elements: dict[int, torch.Tensor] = {}
+        slots = {}  # by group: the first position held in a real block, and the blocks and offsets from there to ``end``
+        windowed = {layer.group for layer in self.layers if self.config.spec.window(layer.index) is not None}
+        for g in {layer.group for layer in self.layers}:
+            size = self.block_sizes[g]
+            real = range(job.start // size, -(-end // size))
+            held = next((b for b in real if job.block_ids[g][b] != NULL_BLOCK), None) if g in windowed else real.start
+            held = end if held is None else max(job.start, held * size)
+            slots[g] = held, *block_slots(job.block_ids[g], held, end, size, self.kernel_block)
+        elements: dict[tuple, torch.Tensor] = {}
         copier.follow()  # after the kernels queued so far: the blocks may have been another request's
         with copier.side_stream():
             positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
             for layer in self.layers:
                 method = plan.layers[layer.index]
-                runs = gather_runs(copier, [stored_rows(image, layer.index, method.value) for image in images])
+                chunks = reads[(layer.index, method.value)]
+                held, blocks, offsets = slots[layer.group]
+                begin = max(held, (first + chunks.start) * CHUNK_TOKENS)  # the layer's first position written
+                if begin >= end:
+                    continue
+                runs = gather_runs(copier, [stored_rows(images[j], layer.index, method.value) for j in chunks])
                 decoded = [decode_rows(run, layer.cache.dtype) for run in runs]  # one run, unless chunks were stored in several encodings
-                rows = (decoded[0] if len(decoded) == 1 else torch.cat(decoded))[offset : offset + n]
+                origin = (first + chunks.start) * CHUNK_TOKENS
+                rows = (decoded[0] if len(decoded) == 1 else torch.cat(decoded))[begin - origin : end - origin]
                 if method is Method.H:
-                    rows = self.rebuild(layer.index, rows, positions)
-                key = id(layer.layout)
+                    rows = self.rebuild(layer.index, rows, positions[begin - job.start :])
+                key = (id(layer.layout), layer.group, begin)
                 if key not in elements:
-                    elements[key] = layer.layout.elements(blocks, offsets)
+                    elements[key] = layer.layout.elements(blocks[begin - held :], offsets[begin - held :])
                 layer.layout.write(layer.cache, elements[key], rows)
         copier.drain()
 

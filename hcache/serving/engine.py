@@ -54,6 +54,7 @@ class _Sequence:
     label: str  # its chain's root, as the anchor log files it
     prompt_tokens: int = 0  # the prompt's length if announced before the first put (see the module doc)
     failed: bool = False  # a put raised part-way: the engine, the chain and the saver may disagree
+    windowed: bool = False  # a restore wrote sliding-window layers from their window on: its blocks are not every prefix's state
     record: SequenceRecord = field(default_factory=SequenceRecord)
 
 
@@ -258,6 +259,7 @@ class ServingEngine:
             held=len(held), limit=restorable(len(aligned)),
         )  # fmt: skip
         outcome.record(step, plan)
+        seq.windowed = seq.windowed or outcome.windowed
         step.hidden_s = hidden
         if not outcome.tokens:
             step.misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, aligned, step.misses)
@@ -324,7 +326,8 @@ class ServingEngine:
         then hand its KV blocks to the GPU prefix cache, if there is one, or free them."""
         seq = self._seqs.pop(uid, None)
         self._announced.pop(uid, None)
-        keep = self.stack.gpu_cache is not None and seq is not None and not seq.failed
+        # A shorter prefix of a windowed sequence's blocks would attend to sliding-window rows never written.
+        keep = self.stack.gpu_cache is not None and seq is not None and not seq.failed and not seq.windowed
         if seq is not None and not seq.failed and seq.chain.chunks and self.stack.capture is not None:
             self.stack.anchors.add(content_key(seq.chain.chunks[0][1]), seq.label)
         try:

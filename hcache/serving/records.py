@@ -29,6 +29,7 @@ class MissReason(str, Enum):
     FAILED_VERIFICATION = "failed_verification"  # checksum, length, key, tokens or fingerprint: discarded
     OTHER_VERSION = "other_version"  # another layout version's chunk (another hcache's): left alone
     OTHER_SETTINGS = "other_settings"  # saved without a format the plan restores from
+    OUTSIDE_WINDOW = "outside_window"  # a sliding-window layer's rows of the prefix's last window were not kept (planning/window.py)
     OTHER_MODEL = "other_model"
     OTHER_CACHE_SALT = "other_cache_salt"
     OTHER_LAYOUT = "other_layout"
@@ -60,6 +61,7 @@ class PutRestore:
     hidden_s: float = 0.0  # seconds of its disk reads that prefetch ran ahead of it
     sources: dict[str, int] = field(default_factory=dict)  # of ``tokens``, by the tier their chunk was read from
     bytes_read: int = 0  # stored bytes copied from the host pool
+    type_bytes: dict[str, int] = field(default_factory=dict)  # of ``bytes_read``, by layer type (full_attention, sliding_attention)
     gpu_bytes: int = 0  # KV bytes copied from the GPU prefix cache
     layer_tokens: dict[str, int] = field(default_factory=dict)  # tokens x layers, by method
     restore_s: float = 0.0
@@ -78,6 +80,7 @@ class SequenceRecord:
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of restored_tokens, read from the host pool and stores, by tier
     computed_tokens: int = 0
     bytes_read: int = 0
+    type_bytes: dict[str, int] = field(default_factory=dict)  # of bytes_read, by layer type
     restore_s: float = 0.0
     prefetch_hidden_s: float = 0.0  # seconds of its restores' disk reads that prefetch ran ahead of them
     plan: str = ""  # the plan its restores follow; "" until one is tried
@@ -91,6 +94,7 @@ class SequenceRecord:
         self.gpu_tokens += step.gpu_tokens
         self.tier_tokens = dict(Counter(self.tier_tokens) + Counter(step.sources))
         self.bytes_read += step.bytes_read
+        self.type_bytes = dict(Counter(self.type_bytes) + Counter(step.type_bytes))
         self.restore_s += step.restore_s
         self.prefetch_hidden_s += step.hidden_s
         self.plan = step.plan or self.plan

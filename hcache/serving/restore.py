@@ -16,6 +16,7 @@ import hashlib
 import itertools
 import logging
 from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from ..engine.interface import Engine
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import SINGLE, TPGroup, model_fingerprint
 from ..ops.quant import SCALE_DTYPE, QuantRows
+from ..planning import window
 from ..planning.plan import Method, RestorePlan, row_shapes
 from ..storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from ..storage.anchor_log import AnchorLog
@@ -46,12 +48,15 @@ class RestoreOutcome:
     sources: dict[str, int] = field(default_factory=dict)  # tokens by where their chunk was read from (HostTier.take_source)
     lossy: bool = False  # some of it was stored in an 8-bit encoding
     misses: dict[str, int] = field(default_factory=dict)  # full-chunk tokens wanted but not restored, by MissReason
+    type_bytes: dict[str, int] = field(default_factory=dict)  # ``bytes_read`` by layer type (restore_accounting)
+    windowed: bool = False  # sliding-window layers were written from their window on only: the cache before it is not theirs
 
     def record(self, step: PutRestore, plan: RestorePlan) -> None:
         """Fill ``step``, a put's record, with this restore from the store by ``plan``: the one accounting
         of every engine's restore (the DeepSpeed path's and vLLM's loader)."""
         step.plan, step.tokens, step.sources, step.bytes_read = str(plan), self.tokens, dict(self.sources), self.bytes_read
         step.fallback, step.lossy, step.misses = self.fallback, step.lossy or self.lossy, dict(self.misses)
+        step.type_bytes = dict(self.type_bytes)
         if plan.count(Method.RE) == len(plan.layers) and self.tokens:  # recomputed, not restored
             step.misses[MissReason.PLAN_RECOMPUTE.value] = self.tokens
         step.layer_tokens = {m.value: plan.count(m) * self.tokens for m in Method if plan.count(m)}
@@ -121,19 +126,24 @@ def _relabel(misses: dict[str, int], reason: MissReason) -> dict[str, int]:
     return {**{r: n for r, n in misses.items() if r != MissReason.NEVER_STORED.value}, reason.value: never}
 
 
-def restore_accounting(images: list[ChunkImage], jobs: list[tuple[int, str]], hidden: list[int], restored: int) -> tuple[int, bool]:
-    """The bytes a restore read (whole 64-row tensors, scales included) and whether the first ``restored``
-    chunks gave it any 8-bit state; ``hidden``: the chunks whose H it read (all of them, but with TP).
-    Counted per distinct layout, not per chunk and layer: chunks laid out alike share their layout."""
-    used, lossy = 0, False
-    for fmt in {fmt for _, fmt in jobs}:
-        layers = [layer for layer, f in jobs if f == fmt]
-        chunks = hidden if fmt == Method.H.value else range(len(images))
+def restore_accounting(
+    spec: ModelSpec, images: list[ChunkImage], reads: dict[tuple[int, str], Iterable[int]], restored: int
+) -> tuple[dict[str, int], bool]:
+    """The bytes a restore read (whole 64-row tensors, scales included), by layer type
+    (:meth:`ModelSpec.layer_type`), and whether the first ``restored`` chunks gave it any 8-bit state;
+    ``reads``: the chunks each ``(layer, format)`` read. Counted per distinct layout and set of chunks, not
+    per chunk and layer: chunks laid out alike share their layout, and layers of a type read alike."""
+    used: Counter[str] = Counter()
+    lossy = False
+    groups: dict[tuple, list[int]] = {}
+    for (layer, fmt), chunks in reads.items():
+        groups.setdefault((fmt, spec.layer_type(layer), tuple(chunks)), []).append(layer)
+    for (fmt, kind, chunks), layers in groups.items():
         for layout, count in Counter(images[j].layout for j in chunks).items():
-            used += count * sum(_nbytes(layout, layer, fmt) for layer in layers)
+            used[kind] += count * sum(_nbytes(layout, layer, fmt) for layer in layers)
         for layout in {images[j].layout for j in chunks if j < restored}:
             lossy = lossy or any(is_encoded(layout.entries[(layer, fmt)].dtype) for layer in layers)
-    return used, lossy
+    return dict(used), lossy
 
 
 def tokens_by_source(tier: HostTier, images: list[ChunkImage], first: int, start: int, end: int) -> dict[str, int]:
@@ -198,12 +208,22 @@ def restore_prefix(
         if agreed and plan.count(Method.RE):
             engine.recompute_layers(uid, tokens[held : end(agreed)], plan.count(Method.RE))
         fallback, miss = (_elsewhere(agreed), MissReason.OTHER_RANK) if agreed < present else (None, None)
-        verified, why = verify_fetched(tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec)
+        verified, why = verify_fetched(
+            tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec, lambda m: first * CHUNK_TOKENS + end(m),
+            engine.block_size,
+        )
         fallback, miss = verified or fallback, why or miss
         n = len(images)
         jobs = [(layer, m.value) for layer, m in enumerate(plan.layers) if m is not Method.RE] if agreed else []
+        # Chunks each layer reads: all of them, or a sliding-window layer's last window (at TP > 1 only on
+        # vLLM's path, which restores no H: ``resolve`` refuses sliding-window models to the DeepSpeed path's TP).
+        reads = {
+            (layer, fmt): range(max(0, window.first_read(engine.spec, layer, first * CHUNK_TOKENS + end(n), engine.block_size) - first), n)
+            if fmt == Method.KV.value or tp.world_size == 1 else _reading(tp, fmt, n, agreed, first)
+            for layer, fmt in jobs
+        }  # fmt: skip
         if n or tp.world_size > 1:  # with TP, the other ranks still gather this rank's rows of the H layers
-            _restore_layers(engine, copier, tp, uid, images, jobs, held, end(n), agreed, first)
+            _restore_layers(engine, copier, tp, uid, images, jobs, reads, held, end(n), agreed, first)
         restored = tp.min(n)
         if restored < n:
             fallback, miss = fallback or _elsewhere(restored), miss or MissReason.OTHER_RANK
@@ -211,9 +231,11 @@ def restore_prefix(
         if missed and miss is None:
             miss = lookup_miss(tier, keys[present])
         engine.end_restore(uid, tokens[held : end(restored)])
-        used, lossy = restore_accounting(images, jobs, [j for j in _reading(tp, Method.H.value, n, agreed, first) if j < n], restored)
+        read, lossy = restore_accounting(engine.spec, images, {job: [j for j in chunks if j < n] for job, chunks in reads.items()}, restored)
         sources = tokens_by_source(tier, images[:restored], 0, held, end(restored))
-        return RestoreOutcome(end(restored) - held, used, fallback, sources, lossy, {miss.value: missed} if missed else {})
+        windowed = any(chunks.start for (layer, _), chunks in reads.items() if engine.spec.window(layer) is not None)
+        misses = {miss.value: missed} if missed else {}
+        return RestoreOutcome(end(restored) - held, sum(read.values()), fallback, sources, lossy, misses, read, windowed)
     finally:
         copier.drain()  # no copy may still read a slot given back below
         for f in fetches:
@@ -232,24 +254,30 @@ def _reading(tp: TPGroup, fmt: str, n: int, agreed: int, first: int) -> range:
 
 def _restore_layers(
     engine: Engine, copier: Copier, tp: TPGroup, uid: int, images: list[ChunkImage], jobs: list[tuple[int, str]],
-    held: int, stop: int, agreed: int, first: int,
+    reads: dict[tuple[int, str], range], held: int, stop: int, agreed: int, first: int,
 ) -> None:
-    """Each stored layer's rows from the pool into the engine: KV copied into the paged cache, H copied to
-    the device and projected. Copies run ``copier.depth`` layers ahead of the compute."""
+    """Each stored layer's rows from the pool into the engine, from the chunks it ``reads``: KV copied into
+    the paged cache, H copied to the device and projected. Copies run ``copier.depth`` layers ahead of the
+    compute. A layer that reads from chunk ``j`` on writes from that chunk's first row (or ``held``) on."""
     n, spec = len(images), engine.spec
     dtype = spec.torch_dtype
     filler = torch.zeros(CHUNK_TOKENS, spec.hidden_size, dtype=dtype) if tp.world_size > 1 else None  # TP only
 
+    def origin(layer: int, fmt: str) -> int:  # where the layer's rows begin: its first chunk read (H with TP: all, gathered)
+        return reads[(layer, fmt)].start * CHUNK_TOKENS if tp.world_size == 1 or fmt == Method.KV.value else 0
+
     def stage(layer: int, fmt: str):
         with copier.side_stream():
             if fmt == Method.H.value:  # rows past another rank's bad chunk are garbage: the agreement ends the prefix there
-                parts = [stored_rows(images[j], layer, fmt) if j < n else filler for j in _reading(tp, fmt, n, agreed, first)]
+                parts = [stored_rows(images[j], layer, fmt) if j < n else filler for j in reads[(layer, fmt)]]
                 return gather_runs(copier, parts), copier.done()
-            if n:  # one call for the layer: the rows from ``held`` in the first chunk to ``stop`` in the last
-                parts = [stored_rows(images[j], layer, fmt) for j in range(n)]
+            chunks = reads[(layer, fmt)]
+            if chunks:  # one call for the layer: the rows from ``held`` (or its first chunk) to ``stop`` in the last
+                parts = [stored_rows(images[j], layer, fmt) for j in chunks]
                 parts[-1] = parts[-1][: stop - (n - 1) * CHUNK_TOKENS]
-                parts[0] = parts[0][held:]
-                engine.restore_kv(uid, layer, parts)
+                if chunks.start == 0:
+                    parts[0] = parts[0][held:]
+                engine.restore_kv(uid, layer, parts, max(held, origin(layer, fmt)) - held)
             return [], copier.done()
 
     ahead: deque = deque()
@@ -265,9 +293,11 @@ def _restore_layers(
                 rows = pieces[0]
             else:  # none (a TP rank with no chunk's H), or chunks stored in several encodings
                 rows = torch.cat(pieces) if pieces else torch.empty(0, spec.hidden_size, dtype=dtype, device=engine.device)
-            rows = tp.gather_in_turn(rows, agreed, CHUNK_TOKENS, first)[held:stop]  # collective: every rank gathers
+            rows = tp.gather_in_turn(rows, agreed, CHUNK_TOKENS, first)  # collective: every rank gathers
+            base = origin(layer, fmt)
+            rows = rows[max(held, base) - base : stop - base]
             if len(rows):
-                engine.restore_from_hidden(uid, layer, rows)
+                engine.restore_from_hidden(uid, layer, rows, max(held, base) - held)
     copier.wait(last)  # the KV copies land before anything reads the cache
 
 
@@ -284,15 +314,20 @@ def gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[t
 
 def verify_fetched(
     tier: HostTier, keys: list[str], fetches: list[Future], images: list[ChunkImage], tokens: list[int],
-    fingerprint: str, plan: RestorePlan, tp: TPGroup, first: int, spec: ModelSpec,
+    fingerprint: str, plan: RestorePlan, tp: TPGroup, first: int, spec: ModelSpec, end: Callable[[int], int], block: int,
 ) -> tuple[str | None, MissReason | None]:
     """Append to ``images`` the fetched chunks, in order, up to the first that is missing, bad, or short of
-    a format the plan restores from; why the prefix ends there (a message if it ends early for a reason
-    worth one, and the :class:`MissReason`)."""
+    a format the plan restores from, and then no further than the last whose sliding-window layers find
+    their window stored (:func:`hcache.planning.window.usable`; ``first``: the sequence's chunk that
+    ``keys[0]`` is, ``end(m)``: the sequence's length once ``m`` chunks are restored, ``block``: the
+    engine's KV block); why the prefix
+    ends there (a message if it ends early for a reason worth one, and the :class:`MissReason`)."""
     stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
     shapes, dtype = row_shapes(spec), spec.torch_dtype
     # The tensors a chunk must hold, by which TP rank owns its H; chunks share a few layouts, each checked once.
+    # A sliding-window layer's are checked if present, and wanted only in the window (below).
     needs = [{(layer, fmt) for layer, fmt in stored if stores(tp.rank, tp.world_size, r, fmt)} for r in range(tp.world_size)]
+    optional = {(layer, fmt) for layer, fmt in stored if spec.window(layer) is not None}
     checked: dict[tuple, tuple[str | None, list[str]]] = {}
     for j, (key, f) in enumerate(zip(keys, fetches)):
         try:
@@ -303,7 +338,7 @@ def verify_fetched(
             image.check(tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
             r = (first + j) % tp.world_size
             if (image.layout.signature, r) not in checked:
-                checked[(image.layout.signature, r)] = _layout_problems(image.layout, needs[r], shapes, dtype)
+                checked[(image.layout.signature, r)] = _layout_problems(image.layout, needs[r], optional, shapes, dtype)
             wrong, missing = checked[(image.layout.signature, r)]
             if wrong is not None:
                 raise ChunkInvalid(f"chunk {key}: {wrong}")
@@ -314,15 +349,24 @@ def verify_fetched(
             log.info("%s; recomputing from token %d", reason, j * CHUNK_TOKENS)
             return reason, MissReason.OTHER_SETTINGS
         images.append(image)
-    return None, None
+    verified = len(images)
+    layer_format = dict(stored)
+    usable = window.usable(spec, sorted(layer_format), first, verified, end, lambda j, layer: images[j].has(layer, layer_format[layer]), block)
+    if usable == verified:
+        return None, None
+    del images[usable:]  # still fetched: the caller releases them with the rest
+    reason = (f"the sliding-window layers' rows before token {end(verified)} were not kept (saved more than a window before "
+              f"where their conversation was saved); restoring {end(usable)} tokens")  # fmt: skip
+    log.info("%s", reason)
+    return reason, MissReason.OUTSIDE_WINDOW
 
 
 def _layout_problems(
-    layout: ChunkLayout, need: set[tuple[int, str]], shapes: dict, dtype: torch.dtype
+    layout: ChunkLayout, need: set[tuple[int, str]], optional: set[tuple[int, str]], shapes: dict, dtype: torch.dtype
 ) -> tuple[str | None, list[str]]:
     """Why a chunk of ``layout`` cannot serve ``need``: a tensor of another shape or dtype than the model's,
     or 8-bit codes without their scales (a copy would broadcast or convert it: the chunk is bad), and the
-    formats it lacks (it is merely short)."""
+    formats it lacks, but for the ``optional`` tensors (it is merely short)."""
     for layer, fmt in sorted(need & set(layout.entries)):
         entry = layout.entries[(layer, fmt)]
         if entry.shape != (CHUNK_TOKENS, *shapes[fmt]) or not (entry.dtype == dtype or is_encoded(entry.dtype)):
@@ -331,7 +375,7 @@ def _layout_problems(
         scale = layout.entries.get((layer, scale_format(fmt)))
         if is_encoded(entry.dtype) and (scale is None or (scale.shape, scale.dtype) != ((CHUNK_TOKENS, *scale_shape(shapes[fmt])), SCALE_DTYPE)):
             return f"L{layer}.{fmt} is stored in {entry.dtype} without fitting scales", []
-    return None, sorted({str(fmt) for _, fmt in need - set(layout.entries)})
+    return None, sorted({str(fmt) for _, fmt in need - optional - set(layout.entries)})
 
 
 def _elsewhere(n: int) -> str:

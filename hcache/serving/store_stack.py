@@ -20,6 +20,7 @@ from ..storage.chunk_key import CHUNK_TOKENS
 from ..engine.interface import Engine
 from ..engine.ragged import Segment
 from ..model.tensor_parallel import SINGLE, TPGroup
+from ..planning import window
 from ..planning.plan import Method, row_shapes
 from ..storage.anchor_log import ANCHORS_FILE, AnchorLog
 from ..storage.chunk import ChunkLayout
@@ -108,7 +109,9 @@ class StoreStack:
                 eviction=eviction,
             )
             self.saver = ChunkSaver(
-                self.store, self.fingerprint, tensors, stores=lambda c, f: stores(tp.rank, tp.world_size, c, base_format(f)),
+                self.store, self.fingerprint, tensors,
+                stores=lambda c, layer, f, end: stores(tp.rank, tp.world_size, c, base_format(f))
+                and window.saves(engine.spec, layer, c, end, engine.block_size),
                 value=lambda chunk: cost(chunk * CHUNK_TOKENS, CHUNK_TOKENS),
             )
             if any(formats):

@@ -88,9 +88,11 @@ def _split(pos: int, row: int, length: int):
 
 class ChunkSaver:
     """``tensors``: every ``(layer, format, row shape, dtype)`` the engine hands over. ``stores(chunk_index,
-    format)``: whether this saver stores that format of a sequence's chunk (a tensor-parallel rank stores
-    the hidden states of only some chunks); a chunk is published with what it stores, even nothing, so that
-    its key and tokens are on record. ``stage``: stage chunks on the rows' device and copy each to the host
+    layer, format, end)``: whether this saver stores that tensor of a sequence's chunk, which it asks when the
+    chunk's first rows arrive, in a forward that computes the sequence up to position ``end`` (a
+    tensor-parallel rank stores the hidden states of only some chunks; a sliding-window layer only the chunks
+    near the end, :mod:`hcache.planning.window`); a chunk is published with what it stores, even nothing, so
+    that its key and tokens are on record. ``stage``: stage chunks on the rows' device and copy each to the host
     once, when full (None: when the rows are on a GPU). ``value(chunk_index)``: what keeping a sequence's
     chunk in the host pool saves, given to the tier with it (:meth:`HostTier.publish`; opaque here)."""
 
@@ -100,7 +102,7 @@ class ChunkSaver:
         fingerprint: str,
         tensors: list[TensorSpec],
         *,
-        stores: Callable[[int, str], bool] = lambda chunk, fmt: True,
+        stores: Callable[[int, int, str, int], bool] = lambda chunk, layer, fmt, end: True,
         stage: bool | None = None,
         value: Callable[[int], float | None] = lambda chunk: None,
     ):
@@ -197,7 +199,7 @@ class ChunkSaver:
                     dead.append(seq.chunks.pop(index))
                     chunk = None
                 if chunk is None:
-                    image = self.tier.create(self._layout(index), self.fingerprint) if offset == 0 else None
+                    image = self.tier.create(self._layout(index, s.start + s.length), self.fingerprint) if offset == 0 else None
                     chunk = seq.chunks[index] = _Chunk(index, image, expected=offset)
                 chunk.expected = offset + n
                 pieces.append(_Piece(seq, chunk, offset, row, n))
@@ -318,8 +320,8 @@ class ChunkSaver:
                     self.tier.abandon(c.image)
                     c.image = c.staged = None
 
-    def _layout(self, index: int) -> ChunkLayout:
-        stored = [t for t in self._tensors if self.stores(index, t.fmt)]
+    def _layout(self, index: int, end: int) -> ChunkLayout:
+        stored = [t for t in self._tensors if self.stores(index, t.layer, t.fmt, end)]
         names = frozenset((layer, fmt) for layer, fmt, *_ in stored)
         if names not in self._layouts:
             self._layouts[names] = ChunkLayout.plan(stored, self.fingerprint)

@@ -13,7 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 
 from .metadata import HCacheStepMetadata
 from .scheduler import SchedulerSide
@@ -21,10 +27,13 @@ from .settings import connector_settings, resolve_setup
 from .worker import WorkerSide
 
 
-class HCacheConnector(KVConnectorBase_V1):
+class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """With vLLM's hybrid KV cache manager (a model with sliding-window and full-attention layers), each KV
+    cache group's blocks are loaded and saved by its layers' rule (:mod:`hcache.planning.window`)."""
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        setup = resolve_setup(vllm_config)
+        setup = resolve_setup(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -63,6 +72,9 @@ class HCacheConnector(KVConnectorBase_V1):
         self._scheduler.finished(request)
         return False, None  # saves are copied out during the forward; vLLM keeps a loading request's blocks itself
 
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
+
     # ---- worker side --------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
@@ -87,8 +99,11 @@ class HCacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker.finished(finished_req_ids) or None
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished loads; with several KV cache groups, those that fell short as failed too (vLLM recomputes
+        such a request whole: a block id names no request across groups)."""
+        loaded = self._worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=loaded, failed_recving=self._worker.failed_loads())
 
     def build_connector_worker_meta(self):
         return self._worker.scheduler_news()

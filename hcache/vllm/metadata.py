@@ -14,14 +14,14 @@ class RequestStep:
     """One request in one step. ``tokens`` continue the request's token ids from where the worker's copy
     ends (all of them when ``new``: a new request, or one resumed after preemption, whose KV starts again).
     Positions ``[start, start + length)`` are computed by the forward, and saved. ``block_ids``: every KV
-    block the request holds, in order. ``misses``: on a request's first step, the stored-prefix tokens the
+    block the request holds, in order, in each KV cache group. ``misses``: on a request's first step, the stored-prefix tokens the
     scheduler did not offer, by :class:`~hcache.serving.records.MissReason`."""
 
     req_id: str
     namespace: str | None
     new: bool
     tokens: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     start: int
     length: int
     misses: dict[str, int] = field(default_factory=dict)

@@ -28,7 +28,7 @@ from .settings import VllmSetup
 class _Tracked:
     request: object  # vllm.v1.request.Request
     computed: int  # vLLM's own prefix-cache hit when the store was asked
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # in each KV cache group
     sent: int = 0  # token ids the worker has
     misses: dict[str, int] = field(default_factory=dict)  # to send with the request's first step
     failed: bool = False  # its load fell short: a later look-up is vLLM's retry, which recomputes
@@ -75,7 +75,7 @@ class SchedulerSide:
             return
         end = tracked.computed + num_external
         self._loads.append(LoadJob(
-            request.request_id, self.namespace(request), list(request.prompt_token_ids[:end]), list(blocks.get_block_ids()[0]),
+            request.request_id, self.namespace(request), list(request.prompt_token_ids[:end]), [list(g) for g in blocks.get_block_ids()],
             tracked.computed, end,
         ))  # fmt: skip
 
@@ -86,21 +86,19 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is not None:
-                metadata.requests.append(self._step(new.req_id, tracked, list(new.block_ids[0]), True, new.num_computed_tokens, scheduled))
+                metadata.requests.append(self._step(new.req_id, tracked, [list(g) for g in new.block_ids], True, new.num_computed_tokens, scheduled))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._requests.get(req_id)
             if tracked is None:
                 continue
             resumed = req_id in cached.resumed_req_ids
-            added = cached.new_block_ids[i]
-            blocks = list(added[0]) if added is not None else []
-            metadata.requests.append(
-                self._step(req_id, tracked, blocks if resumed else tracked.block_ids + blocks, resumed, cached.num_computed_tokens[i], scheduled)
-            )
+            added = [list(g) for g in cached.new_block_ids[i] or ()] or [[] for _ in tracked.block_ids]
+            blocks = added if resumed else [held + more for held, more in zip(tracked.block_ids, added)]
+            metadata.requests.append(self._step(req_id, tracked, blocks, resumed, cached.num_computed_tokens[i], scheduled))
         return metadata
 
-    def _step(self, req_id: str, tracked: _Tracked, block_ids: list[int], new: bool, computed: int, scheduled: dict[str, int]) -> RequestStep:
+    def _step(self, req_id: str, tracked: _Tracked, block_ids: list[list[int]], new: bool, computed: int, scheduled: dict[str, int]) -> RequestStep:
         """``computed``: the request's tokens held before this step, loaded ones included."""
         length = scheduled.get(req_id, 0)
         if new:

@@ -7,6 +7,7 @@ does not share stored state with vLLM.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -40,9 +41,18 @@ def kv_transfer_config(settings: dict) -> dict:
 
 @dataclass(frozen=True)
 class VllmSetup:
+    """``block_sizes``: each of vLLM's KV cache groups' block, in tokens (one group, but for a model with
+    layers of several types under vLLM's hybrid KV cache manager); ``groups``: each layer's group."""
+
     config: ResolvedConfig
     fingerprint: str
-    block_size: int  # vLLM's KV block, in tokens
+    block_sizes: tuple[int, ...]
+    groups: tuple[int, ...]
+
+    @property
+    def window_block(self) -> int:
+        """The block by which vLLM holds a sliding-window layer's positions (:mod:`hcache.planning.window`)."""
+        return max(self.block_sizes)
 
 
 def connector_settings(extra: dict | None) -> HCacheConfig:
@@ -68,8 +78,9 @@ def check_settings(extra: dict | None) -> HCacheConfig:
     return settings
 
 
-def resolve_setup(vllm_config) -> VllmSetup:
-    """The resolved settings, fingerprint and block size of the engine ``vllm_config`` describes. Raises
+def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
+    """The resolved settings, fingerprint and KV cache groups of the engine ``vllm_config`` and
+    ``kv_cache_config`` (vLLM's, which the connector is given; None: one group) describe. Raises
     :class:`InvalidRequestError` for settings the connector cannot serve, naming what to change."""
     transfer = vllm_config.kv_transfer_config
     if transfer.kv_load_failure_policy != "recompute":
@@ -93,6 +104,8 @@ def resolve_setup(vllm_config) -> VllmSetup:
         )
     tp = parallel.tensor_parallel_size
     spec = ModelSpec.from_config(model.hf_config, dtype=model.dtype)
+    block_sizes, groups, windows = _cache_groups(kv_cache_config, spec.num_layers, vllm_config.cache_config.block_size)
+    spec = dataclasses.replace(spec, sliding_windows=windows or spec.sliding_windows)
     if not Path(model.model).is_dir():
         raise InvalidRequestError(f"hcache's vLLM connector needs the model as a local directory, not {model.model!r}")
     fingerprint = hashlib.blake2b(f"vllm|{checkpoint_fingerprint(model.model, spec)}".encode(), digest_size=16).hexdigest()
@@ -110,7 +123,23 @@ def resolve_setup(vllm_config) -> VllmSetup:
             "hcache's vLLM connector does only with enforce_eager=True: it reads each layer's input through a hook, "
             "which vLLM's compiled model and CUDA graphs do not run. Serve with --enforce-eager, or give plan 'KV'"
         )
-    return VllmSetup(config, fingerprint, vllm_config.cache_config.block_size)
+    return VllmSetup(config, fingerprint, block_sizes, groups)
+
+
+def _cache_groups(kv_cache_config, num_layers: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int | None, ...] | None]:
+    """Each KV cache group's block size, each layer's group, and each layer's window as vLLM runs it, which
+    may not be transformers' (a Qwen2 with mixed ``layer_types`` is windowed there, not in vLLM; a Llama
+    with them, in vLLM only): vLLM's groups say. Without them (None), one group of ``block_size``."""
+    if kv_cache_config is None:
+        return (block_size,), (0,) * num_layers, None
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    groups, windows = [0] * num_layers, [None] * num_layers
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        for name in group.layer_names:
+            layer = extract_layer_index(name)
+            groups[layer], windows[layer] = g, getattr(group.kv_cache_spec, "sliding_window", None)
+    return tuple(group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups), tuple(groups), tuple(windows)
 
 
 # Each rank of vLLM's tensor parallelism reads its store alone, with no collective off vLLM's step: H would

@@ -47,10 +47,12 @@ IDLE_WAIT_S = 0.01
 
 @dataclass(frozen=True)
 class VllmModel:
-    """What the store stack needs of an engine: its model's facts and its device."""
+    """What the store stack needs of an engine: its model's facts, its device, and the block by which it
+    holds a sliding-window layer's positions."""
 
     spec: ModelSpec
     device: torch.device
+    block_size: int
 
 
 @dataclass
@@ -88,15 +90,16 @@ class WorkerSide:
         helper_threads.run_on(spare)  # before the store stack starts its threads
         if spare:
             log.info("hcache's threads run on CPUs %s, apart from vLLM's OpenMP threads", sorted(spare))
-        self.stack = StoreStack(setup.config, VllmModel(setup.config.spec, device), setup.fingerprint, self.tp)
+        self.stack = StoreStack(setup.config, VllmModel(setup.config.spec, device, setup.window_block), setup.fingerprint, self.tp)
         self._attention = attention_layers  # layer name -> vLLM's Attention module (its backend's cache write)
         self._layers: dict[str, PagedLayer] = {}
         self._seqs: dict[str, _Sequence] = {}
         self._records: dict[str, SequenceRecord] = {}  # by request, from its load to its end
         self._uids = itertools.count()
         self._computing: list[tuple[RequestStep, _Sequence]] = []  # this step's requests with tokens to compute
-        self._computed: tuple | None = None  # (blocks, offsets) of the tokens this step computes
-        self._elements: dict[int, torch.Tensor] = {}  # this step's computed tokens' element indices, by layout
+        self._computed: dict[int, tuple] = {}  # (blocks, offsets) of the tokens this step computes, by KV cache group
+        self._elements: dict[tuple[int, int], torch.Tensor] = {}  # this step's computed tokens' element indices, by layout and group
+        self._hidden_group = 0  # the group of the layer whose slot mapping finds the captured rows
         self._kernel_block = 0  # tokens in a block of the cache tensors (vLLM may split its blocks into smaller ones)
         self._hidden: HiddenLayers | None = None  # the model's layers, where hidden states are saved or restored
         self._loader: Loader | None = None
@@ -104,6 +107,7 @@ class WorkerSide:
         self._idle = False  # this step computes nothing: only loads are in flight, if anything
         self._errors: set[int] = set()
         self._failed: list[str] = []  # requests whose load fell short, for the scheduler
+        self._short: set[str] = set()  # those among the loads the last ``finished`` reported
         self._changes: deque[tuple[str, str | None]] = deque()  # the tiers' gains and losses, for the scheduler's index
         if self.stack.store is not None:
             self.stack.store.watch(lambda key, loss: self._changes.append((key, None if loss is None else loss.value)))
@@ -125,7 +129,8 @@ class WorkerSide:
                 layouts[signature] = (
                     PagedLayout.probe(lambda k, v, c, s: write(module, k, v, c, s), cache) if write is not None else PagedLayout.split_kv(cache)
                 )
-            self._layers[name] = PagedLayer(extract_layer_index(name), cache, layouts[signature])
+            index = extract_layer_index(name)
+            self._layers[name] = PagedLayer(index, cache, layouts[signature], self.setup.groups[index])
             self._kernel_block = cache.shape[2]
         spec = self.config.spec
         layout = next(iter(layouts.values()))
@@ -136,10 +141,11 @@ class WorkerSide:
             saved = frozenset(layer for layer, formats in enumerate(self.config.save_formats) if Format.H in formats)
             layers = {layer.index: name for name, layer in self._layers.items()}
             self._hidden = HiddenLayers(spec, registering_model(self._attention), layers, saved if self.stack.saver else frozenset())
+            self._hidden_group = self.setup.groups[next(iter(layers))]  # HiddenLayers finds rows by its first layer's slots
         if self.stack.store is not None:
             rebuild = self._hidden.rebuild if self._hidden is not None else None
             lost = lambda key, reason: self._changes.append((key, reason))  # noqa: E731
-            self._loader = Loader(self.stack, self.setup.block_size, self._kernel_block, list(self._layers.values()), rebuild, lost)
+            self._loader = Loader(self.stack, self.setup.block_sizes, self._kernel_block, list(self._layers.values()), rebuild, lost)
 
     # ---- each step --------------------------------------------------------------------------------------
     def begin_step(self, metadata: HCacheStepMetadata) -> None:
@@ -152,12 +158,12 @@ class WorkerSide:
         self._computing = [(step, seq) for step, seq in requests if step.length]
         if not self._computing:
             return
-        size, kernel = self.setup.block_size, self._kernel_block
-        slots = [block_slots(step.block_ids, step.start, step.start + step.length, size, kernel) for step, _ in self._computing]
-        blocks, offsets = (torch.cat(parts) for parts in zip(*slots))
-        self._computed = blocks, offsets
+        for g, size in enumerate(self.setup.block_sizes):
+            slots = [block_slots(step.block_ids[g], step.start, step.start + step.length, size, self._kernel_block) for step, _ in self._computing]
+            self._computed[g] = tuple(torch.cat(parts) for parts in zip(*slots))
         if self.stack.saver is not None:
             if self._hidden is not None:
+                blocks, offsets = self._computed[self._hidden_group]
                 self._hidden.select(blocks * self._kernel_block + offsets)
             starts = itertools.accumulate((step.length for step, _ in self._computing), initial=0)
             self.stack.saver.begin_batch([Segment(seq.uid, step.start, step.length, row) for (step, seq), row in zip(self._computing, starts)])
@@ -191,9 +197,9 @@ class WorkerSide:
         hidden = self._hidden.captured(layer.index) if self._hidden is not None else None
         if hidden is None and Format.H in self.config.save_formats[layer.index]:
             return
-        key = id(layer.layout)
-        if key not in self._elements:  # made by the step's first layer, on the cache's device, used by every layer
-            self._elements[key] = layer.layout.elements(*self._computed)
+        key = (id(layer.layout), layer.group)
+        if key not in self._elements:  # made by the step's first layer of a group, on the cache's device, used by every layer of it
+            self._elements[key] = layer.layout.elements(*self._computed[layer.group])
         elements = self._elements[key]
         self.stack.capture.on_layer(layer.index, hidden, lambda: layer.layout.read(cache, elements))
 
@@ -203,7 +209,7 @@ class WorkerSide:
             self.stack.saver.end_batch()
         for step, _ in self._computing:
             self._records.setdefault(step.req_id, SequenceRecord()).computed_tokens += step.length
-        self._computing, self._computed, self._elements = [], None, {}
+        self._computing, self._computed, self._elements = [], {}, {}
         if self._hidden is not None:
             self._hidden.select(None)
 
@@ -213,10 +219,12 @@ class WorkerSide:
         chunks are published (the write-back goes on in the background) and its record logged, once its
         load, if one is in flight, is over."""
         loads = self._loader.finished(IDLE_WAIT_S if self._idle else 0.0) if self._loader is not None else {}
+        self._short = set()
         for req_id, unloaded in loads.items():
             self._errors |= unloaded
             if unloaded:
                 self._failed.append(req_id)
+                self._short.add(req_id)
         loaded = set(loads)
         ending = {r for r in req_ids if self._loader is not None and self._loader.loading(r)}
         self._ending |= ending
@@ -240,8 +248,16 @@ class WorkerSide:
             log_requests(self.request_log, finished)
 
     def load_errors(self) -> set[int]:
+        """The blocks the loads finished since the last call could not load, which vLLM recomputes: with one KV
+        cache group. With several, a block id names no request, and vLLM takes the requests instead
+        (:meth:`failed_loads`): their blocks are not reported."""
         errors, self._errors = self._errors, set()
-        return errors
+        return errors if len(self.setup.block_sizes) == 1 else set()
+
+    def failed_loads(self) -> set[str]:
+        """The requests whose load, reported by the last :meth:`finished`, fell short, which vLLM then
+        recomputes whole: with several KV cache groups (:meth:`load_errors` otherwise)."""
+        return set(self._short) if len(self.setup.block_sizes) > 1 else set()
 
     def scheduler_news(self) -> HCacheWorkerMetadata | None:
         """The chunks the tiers gained and lost since the last step, for the scheduler's index, and the loads

@@ -75,11 +75,11 @@ def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path
         return (hidden @ weight + positions[:, None] + layer).view(len(hidden), 2, spec.num_kv_heads, spec.head_size)
 
     layers = _cache(spec, 40)
-    loader = Loader(serving.stack, BLOCK, KERNEL_BLOCK, layers, rebuild)
+    loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, layers, rebuild)
     block_ids = [9, 2, 14, 5, 11, 7, 3, 1]  # 32-token blocks, each two 16-token kernel blocks
     start, end = 40, 4 * CHUNK_TOKENS  # from inside the first chunk (after a prefix-cache hit, say)
     try:
-        errors, record = _load(loader, LoadJob("r", None, prompt[:end], block_ids, start, end))
+        errors, record = _load(loader, LoadJob("r", None, prompt[:end], [block_ids], start, end))
         assert not errors and record.restored_tokens == end - start and record.tier_tokens == {"host": end - start}
         assert record.plan == f"{LAYERS}{plan}" and not record.miss_tokens
         blocks, offsets = block_slots(block_ids, start, end, BLOCK, KERNEL_BLOCK)
@@ -105,10 +105,10 @@ def test_a_chunk_gone_since_the_look_up_ends_the_load_and_is_told_lost(model, tm
     serving.stack.store.drop_resident()
     serving.stack.store.stores[0].path(keys[2]).unlink()  # deleted from the disk after it was offered
     lost = []
-    loader = Loader(serving.stack, BLOCK, KERNEL_BLOCK, _cache(spec, 40), lost=lambda key, reason: lost.append((key, reason)))
+    loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(spec, 40), lost=lambda key, reason: lost.append((key, reason)))
     block_ids = list(range(8))
     try:
-        errors, record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], block_ids, 0, 4 * CHUNK_TOKENS))
+        errors, record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], [block_ids], 0, 4 * CHUNK_TOKENS))
         assert errors == {4, 5, 6, 7}  # from position 128: the blocks vLLM computes again
         assert record.restored_tokens == 2 * CHUNK_TOKENS and record.miss_tokens == {"evicted": 2 * CHUNK_TOKENS}
         assert lost == [(keys[2], "evicted")]
@@ -121,9 +121,9 @@ def test_a_corrupt_chunk_ends_the_load_with_its_check_and_is_discarded(model, tm
     serving, prompt = _saved(model, tmp_path, rng, 4, plan="KV")
     keys = chunk_keys(prompt[: 4 * CHUNK_TOKENS], root_key(serving.fingerprint))
     corrupt_tensor(serving.stack.store, keys[1], 2, "KV")
-    loader = Loader(serving.stack, BLOCK, KERNEL_BLOCK, _cache(model[1], 40), lost=lambda key, reason: None)
+    loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(model[1], 40), lost=lambda key, reason: None)
     try:
-        errors, record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], list(range(8)), 0, 4 * CHUNK_TOKENS))
+        errors, record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], [list(range(8))], 0, 4 * CHUNK_TOKENS))
         assert errors == {2, 3, 4, 5, 6, 7} and record.restored_tokens == CHUNK_TOKENS
         assert record.miss_tokens == {"failed_verification": 3 * CHUNK_TOKENS} and "checksum mismatch in L0002.KV" in record.fallback
         assert not serving.stack.store.contains(keys[1])  # discarded: the recompute saves a good one
@@ -141,9 +141,9 @@ def test_a_load_never_syncs_its_work_does_not_grow_with_chunks_and_makes_no_stre
     counts = {}
     for chunks in (2, 6):
         serving, prompt = _saved(model, tmp_path / str(chunks), rng, chunks, plan="KV")
-        loader = Loader(serving.stack, BLOCK, KERNEL_BLOCK, _cache(spec, 40))
+        loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(spec, 40))
         made = dict(cuda.made)
-        job = LoadJob("r", None, prompt[: chunks * CHUNK_TOKENS], list(range(2 * chunks)), 0, chunks * CHUNK_TOKENS)
+        job = LoadJob("r", None, prompt[: chunks * CHUNK_TOKENS], [list(range(2 * chunks))], 0, chunks * CHUNK_TOKENS)
         try:
             with counting(Counter(serving.stack.store.pool.arena), monkeypatch) as counter:
                 assert loader._load(job, SequenceRecord()) == set()  # on this thread: the counter is the thread's
@@ -164,9 +164,9 @@ def test_the_store_stacks_and_the_loaders_threads_use_no_cpu_while_idle(model, t
 
     spec = model[1]
     serving, prompt = _saved(model, tmp_path, rng, 2, plan="KV", readers=2)
-    loader = Loader(serving.stack, BLOCK, KERNEL_BLOCK, _cache(spec, 40))
+    loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(spec, 40))
     try:
-        _load(loader, LoadJob("r", None, prompt[: 2 * CHUNK_TOKENS], list(range(4)), 0, 2 * CHUNK_TOKENS))
+        _load(loader, LoadJob("r", None, prompt[: 2 * CHUNK_TOKENS], [list(range(4))], 0, 2 * CHUNK_TOKENS))
         serving.stack.store.flush()
         began, cpu = time.monotonic(), time.process_time()
         time.sleep(1.0)

@@ -98,7 +98,7 @@ def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, 
 
 
 def test_a_pool_full_of_write_backs_applies_back_pressure_and_drops_nothing(tmp_path, rng, monkeypatch):
-    chunk_bytes = -(-(ChunkSaver(_tier(tmp_path / "probe"), FP, TENSORS)._layout(0).nbytes) // 4096) * 4096
+    chunk_bytes = -(-(ChunkSaver(_tier(tmp_path / "probe"), FP, TENSORS)._layout(0, CHUNK_TOKENS).nbytes) // 4096) * 4096
     tier = _tier(tmp_path, 5 * chunk_bytes)  # the second batch needs 4 chunks where 1 is free
     saver = ChunkSaver(tier, FP, TENSORS)
     gate, put = threading.Event(), tier.stores[0].put

@@ -41,7 +41,7 @@ def _config(extra: dict, policy: str = "recompute", cache_dtype: str = "auto", e
 
 def test_the_connector_serves_kv_on_every_layer_under_a_fingerprint_of_its_own(tmp_path):
     setup = resolve_setup(_config({"store_dirs": [str(tmp_path)], "stored_dtype": "int8"}))
-    assert str(setup.config.plan) == "30KV" and setup.config.engine == "vllm" and setup.block_size == 128
+    assert str(setup.config.plan) == "30KV" and setup.config.engine == "vllm" and setup.block_sizes == (128,)
     assert setup.config.save_formats == (frozenset({"KV"}),) * 30 and "KV" in setup.config.encodings
     assert setup.config.spec.dtype == "bfloat16"
     assert setup.fingerprint != checkpoint_fingerprint(model_dir(DEFAULT_MODEL), setup.config.spec)  # not FastGen's
@@ -63,7 +63,7 @@ def test_settings_it_cannot_serve_are_refused_saying_what_to_change(extra, polic
 
 
 def test_a_vllm_cache_in_another_dtype_than_the_models_is_refused(tmp_path):
-    assert resolve_setup(_config({"store_dirs": [str(tmp_path)]}, cache_dtype="bfloat16")).block_size == 128  # the model's
+    assert resolve_setup(_config({"store_dirs": [str(tmp_path)]}, cache_dtype="bfloat16")).block_sizes == (128,)  # the model's
     for other in ("fp8", "float16"):
         with pytest.raises(InvalidRequestError, match=f"kv_cache_dtype='{other}'"):
             resolve_setup(_config({}, cache_dtype=other))

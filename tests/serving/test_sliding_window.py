@@ -1,0 +1,149 @@
+"""Jenga's rule per layer type in hcache's own engine: sliding-window layers store and restore only their
+last window, full-attention layers everything, and a restore equals recompute by every method."""
+import pytest
+import torch
+from support.helpers import random_prompt
+from test_restore import assert_restored_kv_equals_recompute, plans
+
+from hcache.errors import UnsupportedModelError
+from hcache.model.loader import LoadedModel, random_model
+from hcache.model.spec import ModelSpec
+from hcache.planning import window
+from hcache.resolve import resolve
+from hcache.serving.runtime import HCacheRuntime
+from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+
+WINDOW = 80  # more than a chunk, not a multiple of one
+
+# Gemma-2/3's shape: sliding layers with a full-attention layer between (on Qwen2, whose layer_types
+# transformers and vLLM honour per layer); and Mistral's, one window on every layer.
+SHAPES = {
+    "alternating": ("qwen2", dict(num_hidden_layers=4, max_position_embeddings=1024, use_sliding_window=True, sliding_window=WINDOW,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])),
+    "uniform": ("mistral", dict(num_hidden_layers=3, max_position_embeddings=1024, sliding_window=WINDOW)),
+}  # fmt: skip
+
+
+@pytest.fixture(params=sorted(SHAPES), scope="module")
+def windowed(request) -> LoadedModel:
+    family, overrides = SHAPES[request.param]
+    model = random_model(family, **overrides)
+    return LoadedModel(f"random:{family}-{request.param}", model, ModelSpec.from_config(model.config, torch.float32), None)
+
+
+def test_the_rule_in_chunks():
+    model = random_model("qwen2", **SHAPES["alternating"][1])
+    spec = ModelSpec.from_config(model.config, torch.float32)
+    assert [spec.layer_type(layer) for layer in range(4)] == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    assert window.sliding_layers(spec) == [0, 1, 3]
+    # A restore of 400 tokens reads a sliding layer from position 320 on: chunk 5; a full layer from chunk 0.
+    assert window.first_read(spec, 0, 400) == 5 and window.first_read(spec, 2, 400) == 0
+    assert window.first_read(spec, 0, WINDOW) == 0
+    # A save up to 400 keeps what a restore ending anywhere in [336, 400] reads: chunks 4 on.
+    assert [c for c in range(7) if window.saves(spec, 0, c, 400)] == [4, 5, 6]
+    assert all(window.saves(spec, 2, c, 400) for c in range(7))
+    assert window.read_tokens(spec, 0, 0, 400) == 400 - 5 * CHUNK_TOKENS and window.read_tokens(spec, 2, 0, 400) == 400
+
+
+def test_every_method_restores_histories_past_the_window(windowed, tmp_path, rng):
+    """Histories of 2x, 4x and 5x the window, restored by every method and mixed plan: the K/V every layer
+    attends equals recompute's, and the greedy tokens are recompute's."""
+    spec = windowed.spec
+    runtime = HCacheRuntime(windowed, tmp_path, save="all")
+    prompt = random_prompt(2 * WINDOW + 30, spec.vocab_size, rng)
+    first = runtime.generate(prompt, 3 * WINDOW, restore=False, stop_token_ids=set())
+    history = prompt + first.output_ids[:-1]
+    every = plans(spec.num_layers)
+    for length, methods in ((2 * WINDOW + 20, every[:3]), (4 * WINDOW + 10, every[:3]), (len(history), every)):  # a reply regenerated, then the returning turn
+        follow_up = history[:length] + random_prompt(9, spec.vocab_size, rng)
+        expected = runtime.generate(follow_up, 10, restore=False).output_ids
+        for text in methods:
+            plan = runtime.resolve_plan(text)
+            restored = assert_restored_kv_equals_recompute(runtime, follow_up, plan)
+            assert restored == (length // CHUNK_TOKENS) * CHUNK_TOKENS
+            result = runtime.generate(follow_up, 10, plan=plan)
+            assert result.output_ids == expected, f"plan {plan} at {length} tokens"
+            assert result.restored_tokens == restored and result.fallback is None and set(result.miss_tokens) <= {"plan_recompute"}
+
+
+def test_sliding_layers_store_and_read_their_window_only(windowed, tmp_path, rng):
+    spec = windowed.spec
+    sliding = window.sliding_layers(spec)
+    runtime = HCacheRuntime(windowed, tmp_path, save="plan", plan="KV")
+    prompt = random_prompt(8 * CHUNK_TOKENS + 5, spec.vocab_size, rng)
+    runtime.generate(prompt, 1, restore=False)
+    runtime.store.flush()
+    keys = chunk_keys(prompt, root_key(runtime.fingerprint))
+    for index, key in enumerate(keys):
+        image = runtime.store.fetch(key).result()
+        try:
+            kept = {layer for layer in range(spec.num_layers) if image.has(layer, "KV")}
+        finally:
+            runtime.store.release(image)
+        want = {layer for layer in range(spec.num_layers) if window.saves(spec, layer, index, len(prompt))}
+        assert kept == want, f"chunk {index}"
+        assert set(range(spec.num_layers)) - set(sliding) <= kept  # full attention: every chunk
+    assert not any(runtime.store.fetch(keys[0]).result().has(layer, "KV") for layer in sliding)  # far behind the window
+
+    # The returning turn reads a sliding layer's window, a full layer everything: the bytes say so.
+    result = runtime.generate(prompt + random_prompt(3, spec.vocab_size, rng), 2, plan="KV")
+    assert result.restored_tokens == 8 * CHUNK_TOKENS
+    per_chunk = CHUNK_TOKENS * spec.kv_bytes_per_token_layer
+    full = spec.num_layers - len(sliding)
+    assert result.type_bytes.get("full_attention", 0) == full * 8 * per_chunk
+    reads = window.first_read(spec, sliding[0], 8 * CHUNK_TOKENS)
+    assert result.type_bytes["sliding_attention"] == len(sliding) * (8 - reads) * per_chunk
+    assert result.bytes_read == sum(result.type_bytes.values())
+
+
+def test_a_branch_behind_the_window_restores_what_it_can(windowed, tmp_path, rng):
+    """A conversation that branches from a saved one far before its end finds its sliding layers' window
+    not kept there: it restores a shorter prefix, or none, says why, and answers as recompute does."""
+    spec = windowed.spec
+    runtime = HCacheRuntime(windowed, tmp_path, save="all")
+    prompt = random_prompt(10 * CHUNK_TOKENS, spec.vocab_size, rng)
+    runtime.generate(prompt, 1, restore=False)
+    branch = prompt[: 3 * CHUNK_TOKENS] + random_prompt(20, spec.vocab_size, rng)
+    expected = HCacheRuntime(windowed, tmp_path / "plain", save="none").generate(branch, 8, restore=False).output_ids  # saves nothing
+    result = runtime.generate(branch, 8)
+    assert result.output_ids == expected
+    assert result.restored_tokens < 3 * CHUNK_TOKENS
+    assert result.miss_tokens == {"outside_window": 3 * CHUNK_TOKENS - result.restored_tokens}
+
+
+def test_a_windowed_sequence_leaves_nothing_to_the_gpu_prefix_cache(windowed, tmp_path, rng):
+    """Its blocks hold no sliding-window rows before its window: a shorter prefix of them would attend
+    rows never written, so they are freed, not kept."""
+    spec = windowed.spec
+    runtime = HCacheRuntime(windowed, tmp_path, save="plan", plan="KV", gpu_cache=True, num_blocks=64)
+    prompt = random_prompt(6 * CHUNK_TOKENS, spec.vocab_size, rng)
+    runtime.generate(prompt, 1, restore=False)
+    runtime.stack.gpu_cache.clear()
+    resent = prompt + random_prompt(4, spec.vocab_size, rng)
+    assert runtime.generate(resent, 1).restored_tokens == 6 * CHUNK_TOKENS  # from the store, windowed
+    assert runtime.stack.gpu_cache.blocks == 0
+    shorter = prompt[: 2 * CHUNK_TOKENS] + random_prompt(4, spec.vocab_size, rng)
+    expected = HCacheRuntime(windowed, tmp_path / "plain", save="none").generate(shorter, 6, restore=False).output_ids
+    result = runtime.generate(shorter, 6)
+    assert result.output_ids == expected and result.gpu_tokens == 0
+
+
+def test_tensor_parallel_deepspeed_path_refuses_sliding_windows():
+    model = random_model("mistral", sliding_window=WINDOW)
+    spec = ModelSpec.from_config(model.config, torch.float32)
+    with pytest.raises(UnsupportedModelError, match="sliding-window layers cannot be served with tensor parallelism"):
+        resolve({"save": "plan", "plan": "KV", "engine": "reference"}, spec, "random:mistral", tensor_parallel=2)
+    resolve({"save": "plan", "plan": "KV"}, spec, "random:mistral", tensor_parallel=2, engine="vllm")  # vLLM's ranks load KV only
+
+
+def test_the_reference_engine_windows_as_transformers_does(windowed, rng):
+    """Past the window, prefill and decode logits equal transformers' forward of the same model."""
+    from hcache.engine.reference import ReferenceEngine
+
+    ids = random_prompt(3 * WINDOW + 10, windowed.spec.vocab_size, rng)
+    with torch.no_grad():
+        expected = windowed.model(torch.tensor([ids])).logits[0]
+    engine = ReferenceEngine(windowed.model, windowed.spec, num_blocks=16)
+    torch.testing.assert_close(engine.step([(0, ids[:-20])])[0], expected[-21], atol=1e-4, rtol=0)
+    for i in range(len(ids) - 20, len(ids)):
+        torch.testing.assert_close(engine.step([(0, [ids[i]])])[0], expected[i], atol=1e-4, rtol=0)
