@@ -25,6 +25,7 @@ from .model.spec import ModelSpec
 from .planning.plan import Method, RestorePlan
 from .planning.policy import PlanPolicy, is_auto
 from .planning.profile import Profile
+from .planning.window import WindowRule
 from .storage.chunk_key import check_namespace
 from .storage.store_config import StoreConfig
 from .storage.stored_state import Encoding, Format, code_dtypes, parse_stored_dtype
@@ -35,6 +36,7 @@ SavePolicy = Literal["plan", "all", "none"]
 EngineKind = Literal["fastgen", "reference", "vllm"]
 EvictionPolicy = Literal["cost", "lru"]
 SelfCheck = Literal["on", "strict", "off"]
+SlidingLayers = Literal["window", "all"]
 
 
 class HCacheConfig(BaseModel):
@@ -68,7 +70,9 @@ class HCacheConfig(BaseModel):
     first when full: ``"cost"`` (the least recompute time saved per byte, per second idle, as Pensieve
     does) or ``"lru"`` (the least recently used). ``self_check``: before serving, restore a short random
     history by each method the plan may use and compare it with recompute: ``"on"`` disables a method that
-    fails, ``"strict"`` refuses to start, ``"off"`` skips the check.
+    fails, ``"strict"`` refuses to start, ``"off"`` skips the check. ``sliding_layers``: what sliding-window
+    layers store and restore: ``"window"``, the chunks their window reaches (:mod:`hcache.planning.window`),
+    or ``"all"``, every token, as full-attention layers (conversations that branch far back restore too).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -93,6 +97,7 @@ class HCacheConfig(BaseModel):
     stored_dtype: str = AUTO
     eviction: EvictionPolicy = "cost"
     self_check: SelfCheck = "on"
+    sliding_layers: SlidingLayers = "window"
 
     @classmethod
     def of(cls, settings: HCacheConfig | Mapping | None = None, /, **overrides) -> HCacheConfig:
@@ -217,7 +222,14 @@ class ResolvedConfig(BaseModel):
     def policy(self) -> PlanPolicy:
         """The plan policy these settings serve by: which plan each restore follows (made on each call: a
         copy with other ``disabled`` methods must not share it)."""
-        return PlanPolicy(self.spec, self.plan, self.profile, self.encodings, self.engine != "vllm", self.disabled, self.verified)
+        return PlanPolicy(
+            self.spec, self.plan, self.profile, self.encodings, self.engine != "vllm", self.disabled, self.verified, self.window_rule(self.spec)
+        )
+
+    def window_rule(self, spec: ModelSpec, block: int = 1) -> WindowRule:
+        """The window rule for ``spec`` (this model, or an engine's view of it) in an engine of ``block``-token
+        KV blocks, by the ``sliding_layers`` setting."""
+        return WindowRule(spec, block, every_token=self.settings.sliding_layers == "all")
 
     def check_engine(self, spec: ModelSpec) -> None:
         """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype

@@ -11,7 +11,7 @@ from .config import EngineKind, HCacheConfig, ResolvedConfig, engine_and_device
 from .model.loader import LoadedModel
 from .model.spec import ModelSpec
 from .errors import UnsupportedModelError
-from .planning import window
+from .planning.window import WindowRule
 from .planning.auto_profile import auto_profile
 from .planning.plan import Method
 from .planning.policy import fixed_plan, is_auto
@@ -36,11 +36,11 @@ def resolve(
     after one warning."""
     settings = HCacheConfig.of(settings)
     kind, device = engine_and_device(settings)
-    if settings.enabled and tensor_parallel > 1 and (engine or kind) != "vllm" and window.sliding_layers(spec):
+    if settings.enabled and tensor_parallel > 1 and (engine or kind) != "vllm" and WindowRule(spec).sliding_layers and settings.sliding_layers == "window":
         raise UnsupportedModelError(
-            "a model with sliding-window layers cannot be served with tensor parallelism here: its ranks gather each "
-            "H layer's rows chunk by chunk, and the window rule stores only the last window's (serve it at "
-            "tensor_parallel=1, or in vLLM)"
+            "a model with sliding-window layers cannot be served with tensor parallelism here by the window rule: its "
+            "ranks gather each H layer's rows chunk by chunk, and the rule stores only the last window's (set "
+            "sliding_layers='all', serve it at tensor_parallel=1, or in vLLM)"
         )
     profile = None
     if settings.enabled:

@@ -26,7 +26,6 @@ import torch
 
 from .. import helper_threads
 from ..model.tensor_parallel import SINGLE
-from ..planning import window
 from ..planning.plan import Method, RestorePlan
 from ..serving.records import MissReason, PutRestore, SequenceRecord
 from ..serving.restore import RestoreOutcome, gather_runs, lookup_miss, restore_accounting, tokens_by_source, verify_fetched
@@ -71,7 +70,7 @@ NULL_BLOCK = 0
 class Loader:
     """``layers``: the paged cache's layers, whose tensors hold blocks of ``kernel_block`` tokens (the
     engine's blocks, of ``block_sizes[group]`` in each KV cache group, may be split into several; a
-    sliding-window layer's window is read by the largest, :mod:`hcache.planning.window`); ``rebuild(layer, hidden, positions)``:
+    sliding-window layer reads its window by the stack's rule); ``rebuild(layer, hidden, positions)``:
     K/V rows from hidden states (None where no layer restores by H); ``lost(key, reason)``: told of a chunk
     a load found gone (evicted or deleted since it was offered, or its tier down), so it is not offered again;
     ``plan``: a fixed plan for every load (by default, the stack's for each load's length)."""
@@ -79,7 +78,6 @@ class Loader:
     def __init__(self, stack: StoreStack, block_sizes: tuple[int, ...], kernel_block: int, layers: list[PagedLayer], rebuild: Callable | None = None,
                  lost: Callable = lambda key, reason: None, plan: RestorePlan | None = None):  # fmt: skip
         self.stack, self.config, self.block_sizes, self.kernel_block = stack, stack.config, block_sizes, kernel_block
-        self.window_block = max(block_sizes)
         self.layers, self.rebuild, self.lost, self.plan = layers, rebuild, lost, plan
         self._thread = helper_threads.executor(1, "hcache-paged-load")
         self._inflight: dict[str, tuple[LoadJob, Future]] = {}
@@ -129,14 +127,14 @@ class Loader:
 
             spec = self.config.spec
             why, miss = verify_fetched(
-                store, keys, fetches, images, job.tokens[first * CHUNK_TOKENS :], fingerprint, plan, SINGLE, first, spec, reach, self.window_block
+                store, keys, fetches, images, job.tokens[first * CHUNK_TOKENS :], fingerprint, plan, SINGLE, first, spec, reach, self.stack.window
             )
             end = reach(len(images))
             if end < job.end:
                 miss = miss or lookup_miss(store, keys[len(images)])
                 if miss in (MissReason.EVICTED, MissReason.TIER_UNAVAILABLE):
                     self.lost(keys[len(images)], miss.value)
-            reads = {(layer, method.value): range(max(0, window.first_read(spec, layer, end, self.window_block) - first), len(images))
+            reads = {(layer, method.value): range(max(0, self.stack.window.first_read(layer, end) - first), len(images))
                      for layer, method in enumerate(plan.layers)}  # fmt: skip
             if end > job.start:
                 self._write(job, images, first, end, plan, reads)
@@ -165,7 +163,7 @@ class Loader:
         slots are released after this, and the load reported done."""
         copier = self.stack.copier
         slots = {}  # by group: the first position held in a real block, and the blocks and offsets from there to ``end``
-        windowed = {layer.group for layer in self.layers if self.config.spec.window(layer.index) is not None}
+        windowed = {layer.group for layer in self.layers if self.config.spec.window(layer.index) is not None}  # groups holding null blocks
         for g in {layer.group for layer in self.layers}:
             size = self.block_sizes[g]
             real = range(job.start // size, -(-end // size))

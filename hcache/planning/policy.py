@@ -12,6 +12,7 @@ from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
 from .plan import Method, RestorePlan, default_plan
 from .profile import Profile
+from .window import WindowRule
 
 def is_auto(plan: object) -> bool:
     """Whether ``plan`` is ``"auto"``: the profile's plan per history length."""
@@ -36,7 +37,8 @@ class PlanPolicy:
     ``encodings``: the stored formats kept in 8 bits (their costs differ). ``recomputes_layers``: whether the
     engine can recompute a token's first layers and restore the rest (a plan's RE layers): not vLLM, which
     computes every layer of a token it does not load. ``disabled``: the methods the self-check failed, which
-    no plan restores by; ``verified``: those it passed, which a disabled method's layers fall back to."""
+    no plan restores by; ``verified``: those it passed, which a disabled method's layers fall back to.
+    ``window``: the window rule restores follow, by which the profile costs each layer."""
 
     spec: ModelSpec
     plan: RestorePlan | None = None
@@ -45,6 +47,7 @@ class PlanPolicy:
     recomputes_layers: bool = True
     disabled: frozenset[Method] = frozenset()
     verified: frozenset[Method] = frozenset()
+    window: WindowRule | None = None
 
     def __post_init__(self) -> None:
         if self.plan is not None:
@@ -76,7 +79,8 @@ class PlanPolicy:
             return plan
         allow = {m: m not in self.disabled for m in (Method.H, Method.KV)}
         return self.profile.plan(
-            self.spec, history, self.encodings, allow_h=allow[Method.H], allow_kv=allow[Method.KV], allow_re=self.recomputes_layers
+            self.spec, history, self.encodings, allow_h=allow[Method.H], allow_kv=allow[Method.KV], allow_re=self.recomputes_layers,
+            window=self.window,
         )
 
     def allowed(self, plan: RestorePlan) -> RestorePlan:

@@ -12,6 +12,7 @@ that measures a fitting one. ``hcache profile`` saves to a per-machine cache und
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,7 +28,8 @@ from ..model.loader import cache_home
 from ..model.spec import ModelSpec
 from ..version import __version__
 from .plan import Method, RestorePlan
-from .scheduler import LayerCosts, partition
+from .scheduler import LayerCosts, partition, plan_seconds
+from .window import WindowRule
 
 # Bump when what is measured, or how, changes: older profiles are then stale.
 PROFILE_VERSION = 2  # 2: I/O measured as whole chunks loaded into the host pool, then copied out per layer
@@ -87,28 +89,39 @@ class Profile:
 
     def plan(
         self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None = None, allow_h: bool = True,
-        allow_kv: bool = True, allow_re: bool = True,
+        allow_kv: bool = True, allow_re: bool = True, window: WindowRule | None = None,
     ) -> RestorePlan:
         """``spec``: the model, or with TP the rank's shard (whose hidden states it stores 1/TP of).
         ``encodings``: the formats stored in 8 bits (``stored_dtype``), whose real bytes and dequantisation
         cost the partition then weighs. ``allow_h=False``: the best RE+KV plan; ``allow_kv=False``: the
-        best RE+H plan; ``allow_re=False``: the best H+KV plan."""
-        costs, bytes_h, bytes_kv = self._stored_costs(spec, history, encodings)
+        best RE+H plan; ``allow_re=False``: the best H+KV plan. ``window``: the window rule the restore
+        follows (by default the spec's windows')."""
+        costs, bytes_h, bytes_kv = self._stored_costs(spec, history, encodings, window)
         return partition(costs, spec.num_layers, bytes_h, bytes_kv, allow_h, allow_kv, allow_re)
 
     def bound_seconds(self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None = None) -> float:
         """The restore time the profile predicts for the best plan: the lower bound a pipelined executor
         can approach."""
         plan = self.plan(spec, history, encodings)
-        return self._stored_costs(spec, history, encodings)[0].plan_time(*(plan.count(m) for m in Method))
+        return plan_seconds(self._stored_costs(spec, history, encodings)[0], plan)
 
-    def _stored_costs(self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None) -> tuple[LayerCosts, int, int]:
-        """The costs at ``history`` of restoring state stored in ``encodings``, and its stored bytes per token
-        per layer: H (this rank's share of it) and KV."""
+    def _stored_costs(
+        self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None, window: WindowRule | None = None
+    ) -> tuple[list[LayerCosts], int, int]:
+        """Each layer's costs of restoring ``history`` tokens stored in ``encodings`` (a sliding-window layer
+        restores by H or KV only the tokens it reads, ``window``, and recomputes them all),
+        and the stored bytes per token per layer: H (this rank's share of it) and KV."""
         stored = {m.value: m.bytes_per_token_layer(spec, (encodings or {}).get(m.value)) for m in (Method.H, Method.KV)}
         lossless = {m.value: m.bytes_per_token_layer(spec) for m in (Method.H, Method.KV)}
-        costs = self.costs(history, {fmt: stored[fmt] / lossless[fmt] for fmt in encodings or {}})
-        return costs, stored[Method.H.value] // self.tensor_parallel, stored[Method.KV.value]
+        scale = {fmt: stored[fmt] / lossless[fmt] for fmt in encodings or {}}
+        full = self.costs(history, scale)
+        window = window or WindowRule(spec)
+        at: dict[int, LayerCosts] = {history: full}
+        reads = [window.read_tokens(layer, 0, history) for layer in range(spec.num_layers)]
+        for tokens in set(reads) - set(at):
+            at[tokens] = dataclasses.replace(self.costs(tokens, scale), c_token=full.c_token)
+        layers = [at[tokens] for tokens in reads]
+        return layers, stored[Method.H.value] // self.tensor_parallel, stored[Method.KV.value]
 
     def check(self, spec: ModelSpec, tensor_parallel: int = 1, command: str = "hcache profile --model ...") -> None:
         """Raise :class:`ProfileMismatch` unless this profile fits ``spec`` (with TP, a rank's shard) on this

@@ -13,15 +13,17 @@ compute side. Without TP it is 0.
 
 The paper solves two special cases in closed form (H+KV when compute-bound, RE+H when I/O-bound, with
 ``C_KV = 0``). Here every ``RE* H* KV*`` split is a candidate, which also admits the paper's "naive hybrid"
-RE+KV and three-way plans. For a fixed ``L_RE`` both sums are linear in ``L_KV``, so their max is
-minimised at an end of the range or next to the crossing: O(layers) candidates, not O(layers²).
+RE+KV and three-way plans. Layers may cost differently: a sliding-window layer's H and KV restore its
+window, not the history (:mod:`hcache.planning.window`), so the sums run over each layer's own costs, from
+prefix sums, for every split: O(layers²) candidates of O(1) each.
 """
 from __future__ import annotations
 
-import math
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .plan import RestorePlan
+from .plan import Method, RestorePlan
 
 # Plans whose times differ by less than this fraction are ties; ties go to the plan that stores fewer bytes.
 _TIE = 1e-9
@@ -43,50 +45,63 @@ class LayerCosts:
         return self.c_h + self.ag_h
 
     def plan_time(self, re: int, h: int, kv: int) -> float:
-        return max(re * self.c_token + h * self.h_compute + kv * self.c_kv, h * self.io_h + kv * self.io_kv)
+        """A plan's time where every layer costs this."""
+        return _Sums([self] * (re + h + kv)).time(re, kv)
+
+
+class _Sums:
+    """Prefix sums of each layer's costs, so that a split's compute and I/O cost O(1)."""
+
+    def __init__(self, layers: Sequence[LayerCosts]):
+        def prefix(cost) -> list[float]:
+            return [0.0, *itertools.accumulate(cost(c) for c in layers)]
+
+        self.n = len(layers)
+        self.re, self.h, self.kv = prefix(lambda c: c.c_token), prefix(lambda c: c.h_compute), prefix(lambda c: c.c_kv)
+        self.io_h, self.io_kv = prefix(lambda c: c.io_h), prefix(lambda c: c.io_kv)
+
+    def time(self, re: int, kv: int) -> float:
+        """``max(compute, io)`` of the plan with the first ``re`` layers RE and the last ``kv`` KV."""
+        mid = self.n - kv
+        compute = self.re[re] + self.h[mid] - self.h[re] + self.kv[self.n] - self.kv[mid]
+        return max(compute, self.io_h[mid] - self.io_h[re] + self.io_kv[self.n] - self.io_kv[mid])
 
 
 def partition(
-    costs: LayerCosts, num_layers: int, bytes_h: int = 0, bytes_kv: int = 0, allow_h: bool = True, allow_kv: bool = True,
-    allow_re: bool = True,
+    costs: LayerCosts | Sequence[LayerCosts], num_layers: int, bytes_h: int = 0, bytes_kv: int = 0, allow_h: bool = True,
+    allow_kv: bool = True, allow_re: bool = True,
 ) -> RestorePlan:
     """The plan with the least ``max(compute, io)``; among equal times, the one storing fewest bytes
-    (``bytes_h``, ``bytes_kv``: stored bytes per token per layer of each format). ``allow_h``/``allow_kv``
-    False: plans without that method (one the start-up self-check disabled); with neither, RE alone.
-    ``allow_re`` False: plans without RE, for an engine that computes every layer of a token it does not
-    load (vLLM); then KV where neither H nor KV is allowed.
+    (``bytes_h``, ``bytes_kv``: stored bytes per token per layer of each format). ``costs``: every layer's,
+    or each layer's. ``allow_h``/``allow_kv`` False: plans without that method (one the start-up self-check
+    disabled); with neither, RE alone. ``allow_re`` False: plans without RE, for an engine that computes
+    every layer of a token it does not load (vLLM); then KV where neither H nor KV is allowed.
 
-    H is never chosen when KV dominates it (no more I/O, compute or stored bytes per layer), as with GQA
-    models whose hidden states outweigh their K/V: swapping such an H layer for KV never costs anything."""
-    dominated = costs.io_kv <= costs.io_h and costs.c_kv <= costs.h_compute and bytes_kv <= bytes_h
+    H is never chosen when KV dominates it on every layer (no more I/O, compute or stored bytes), as with
+    GQA models whose hidden states outweigh their K/V: swapping such an H layer for KV never costs anything."""
+    layers = [costs] * num_layers if isinstance(costs, LayerCosts) else list(costs)
+    dominated = bytes_kv <= bytes_h and all(c.io_kv <= c.io_h and c.c_kv <= c.h_compute for c in layers)
     allow_h = allow_h and not dominated
+    sums = _Sums(layers)
     best: tuple[float, int, int, int] | None = None  # (time, stored bytes, re, kv)
     if not allow_re and not allow_h:
         allow_kv = True
     for re in range(num_layers + 1 if allow_re else 1):
         rest = num_layers - re
-        candidates = {0, rest, *(_crossings(costs, re, rest) if allow_h else ())}
-        for kv in candidates:
+        for kv in range(rest + 1):
             h = rest - kv
             if (h and not allow_h) or (kv and not allow_kv):
                 continue
-            key = (costs.plan_time(re, h, kv), h * bytes_h + kv * bytes_kv, re, kv)
+            key = (sums.time(re, kv), h * bytes_h + kv * bytes_kv, re, kv)
             if best is None or _better(key, best):
                 best = key
     _, _, re, kv = best
     return RestorePlan.split(num_layers, re=re, kv=kv)
 
 
-def _crossings(costs: LayerCosts, re: int, rest: int) -> set[int]:
-    """The integer ``L_KV`` on either side of where compute and I/O cross, for ``L_RE = re``."""
-    # compute(kv) = re·Ct + (rest-kv)·C_H' + kv·C_KV ; io(kv) = (rest-kv)·IO_H + kv·IO_KV ; C_H' = C_H + AG_H
-    slope = (costs.c_kv - costs.h_compute) - (costs.io_kv - costs.io_h)
-    if slope == 0:
-        return set()
-    x = (rest * costs.io_h - re * costs.c_token - rest * costs.h_compute) / slope
-    if not math.isfinite(x):
-        return set()
-    return {min(rest, max(0, k)) for k in (math.floor(x), math.ceil(x))}
+def plan_seconds(layers: Sequence[LayerCosts], plan: RestorePlan) -> float:
+    """``max(compute, io)`` of ``plan`` with each layer's costs."""
+    return _Sums(layers).time(plan.count(Method.RE), plan.count(Method.KV))
 
 
 def _better(a: tuple[float, int, int, int], b: tuple[float, int, int, int]) -> bool:

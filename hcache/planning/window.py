@@ -14,46 +14,58 @@ sliding-window layer attends to its last ``window`` positions only (:meth:`Model
   Rows further back are not stored: a conversation that branches more than a window before its end finds
   its sliding layers' state missing, and restores a shorter prefix (:func:`usable`) or recomputes.
 
-The saver, the restore (both engines), the plan's costs and the accounting ask this module, and only it.
+``sliding_layers="all"`` turns the rule off: sliding-window layers store and restore every token, as
+full-attention layers (:attr:`WindowRule.every_token`). The saver, the restore (both engines), the plan's
+costs and the accounting ask one :class:`WindowRule`, and only it.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..model.spec import ModelSpec
 from ..storage.chunk_key import CHUNK_TOKENS
 
 
-def first_read(spec: ModelSpec, layer: int, length: int, block: int = 1) -> int:
-    """The first chunk a restore of ``length`` tokens reads of ``layer``, in an engine of ``block``-token
-    blocks: 0 for a full-attention layer."""
-    return spec.attended_from(layer, length) // block * block // CHUNK_TOKENS
+@dataclass(frozen=True)
+class WindowRule:
+    """The rule for ``spec`` in an engine of ``block``-token KV blocks; ``every_token``: the rule off."""
 
+    spec: ModelSpec
+    block: int = 1
+    every_token: bool = False
 
-def saves(spec: ModelSpec, layer: int, chunk: int, end: int, block: int = 1) -> bool:
-    """Whether a save of a sequence computed up to position ``end`` keeps ``layer``'s rows of chunk ``chunk``."""
-    return chunk >= first_read(spec, layer, max(0, end - CHUNK_TOKENS), block)
+    def window(self, layer: int) -> int | None:
+        """The window the rule keeps of ``layer``: None for every token."""
+        return None if self.every_token else self.spec.window(layer)
 
+    def first_read(self, layer: int, length: int) -> int:
+        """The first chunk a restore of ``length`` tokens reads of ``layer``: 0 for a full-attention layer."""
+        if self.window(layer) is None:
+            return 0
+        return self.spec.attended_from(layer, length) // self.block * self.block // CHUNK_TOKENS
 
-def read_tokens(spec: ModelSpec, layer: int, start: int, length: int, block: int = 1) -> int:
-    """Of the tokens ``start``..``length`` a restore loads, how many ``layer`` reads (whole chunks from its
-    first read on, as stored)."""
-    return max(0, length - max(start, first_read(spec, layer, length, block) * CHUNK_TOKENS))
+    def saves(self, layer: int, chunk: int, end: int) -> bool:
+        """Whether a save of a sequence computed up to position ``end`` keeps ``layer``'s rows of ``chunk``."""
+        return chunk >= self.first_read(layer, max(0, end - CHUNK_TOKENS))
 
+    def read_tokens(self, layer: int, start: int, length: int) -> int:
+        """Of the tokens ``start``..``length`` a restore loads, how many ``layer`` reads (whole chunks from
+        its first read on, as stored)."""
+        return max(0, length - max(start, self.first_read(layer, length) * CHUNK_TOKENS))
 
-def sliding_layers(spec: ModelSpec) -> list[int]:
-    return [layer for layer in range(spec.num_layers) if spec.window(layer) is not None]
+    def usable(self, layers: list[int], first: int, n: int, end: Callable[[int], int], holds: Callable[[int, int], bool]) -> int:
+        """How many of ``n`` verified chunks (from the sequence's chunk ``first`` on) a restore may use: the
+        most whose every sliding layer among ``layers`` finds its window stored. ``end(m)``: the length,
+        from the sequence's start, a restore of ``m`` chunks reaches; ``holds(j, layer)``: whether chunk
+        ``j`` (counted from ``first``) holds that layer's rows. Chunks before ``first`` are in the engine's
+        cache already."""
+        sliding = [layer for layer in layers if self.window(layer) is not None]
+        for m in range(n, 0, -1):
+            if all(holds(j, layer) for layer in sliding for j in range(max(0, self.first_read(layer, end(m)) - first), m)):
+                return m
+        return 0
 
-
-def usable(
-    spec: ModelSpec, layers: list[int], first: int, n: int, end: Callable[[int], int], holds: Callable[[int, int], bool], block: int = 1
-) -> int:
-    """How many of ``n`` verified chunks (from the sequence's chunk ``first`` on) a restore may use: the most
-    whose every sliding layer among ``layers`` finds its window stored. ``end(m)``: the length, from the
-    sequence's start, a restore of ``m`` chunks reaches; ``holds(j, layer)``: whether chunk ``j`` (counted from
-    ``first``) holds that layer's rows. Chunks before ``first`` are in the engine's cache already."""
-    sliding = [layer for layer in layers if spec.window(layer) is not None]
-    for m in range(n, 0, -1):
-        if all(holds(j, layer) for layer in sliding for j in range(max(0, first_read(spec, layer, end(m), block) - first), m)):
-            return m
-    return 0
+    @property
+    def sliding_layers(self) -> list[int]:
+        return [layer for layer in range(self.spec.num_layers) if self.window(layer) is not None]

@@ -256,7 +256,7 @@ class ServingEngine:
         hidden = self.stack.prefetcher.hidden(keys)
         outcome = restore_prefix(
             self.engine, self.stack.store, uid, aligned, keys, self.fingerprint, plan, self.stack.copier, self.tp,
-            held=len(held), limit=restorable(len(aligned)),
+            held=len(held), limit=restorable(len(aligned)), window=self.stack.window,
         )  # fmt: skip
         outcome.record(step, plan)
         seq.windowed = seq.windowed or outcome.windowed

@@ -26,7 +26,7 @@ from ..engine.interface import Engine
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import SINGLE, TPGroup, model_fingerprint
 from ..ops.quant import SCALE_DTYPE, QuantRows
-from ..planning import window
+from ..planning.window import WindowRule
 from ..planning.plan import Method, RestorePlan, row_shapes
 from ..storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from ..storage.anchor_log import AnchorLog
@@ -175,13 +175,15 @@ def restore_prefix(
     *,
     held: int = 0,
     limit: int | None = None,
+    window: WindowRule | None = None,
 ) -> RestoreOutcome:
     """Restore the longest verified prefix of ``keys`` into sequence ``uid``, after the tokens it holds.
 
     ``tokens`` start at a chunk boundary, and ``keys`` are the chain keys of their full chunks. The
     sequence already holds the first ``held`` of them (``held < 64``: it ends inside the first chunk), and
     at most the first ``limit`` are wanted; so a sequence can be restored in steps, as its prompt arrives
-    in parts, and a chunk can be restored in part.
+    in parts, and a chunk can be restored in part. ``window``: the rule by which sliding-window layers
+    were saved and are read (the store stack's; by default, the engine's model's windows).
 
     The chunks are fetched into the host pool first (from disk on the tier's reader threads, while the RE
     layers compute); then each stored layer is copied from the pool, ``copier.depth`` layers ahead of the
@@ -191,6 +193,7 @@ def restore_prefix(
     and ``fingerprint`` of its own chunks: the ranks agree on the prefix, and an H layer's rows are
     gathered from the ranks that store them (:class:`~hcache.model.tensor_parallel.TPGroup`)."""
     limit = len(keys) * CHUNK_TOKENS if limit is None else limit
+    rule = window or WindowRule(engine.spec, engine.block_size)
     keys = keys[: -(-limit // CHUNK_TOKENS)]
 
     def end(chunks: int) -> int:  # where a restore of that many chunks stops in ``tokens``
@@ -209,8 +212,7 @@ def restore_prefix(
             engine.recompute_layers(uid, tokens[held : end(agreed)], plan.count(Method.RE))
         fallback, miss = (_elsewhere(agreed), MissReason.OTHER_RANK) if agreed < present else (None, None)
         verified, why = verify_fetched(
-            tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec, lambda m: first * CHUNK_TOKENS + end(m),
-            engine.block_size,
+            tier, keys, fetches[:agreed], images, tokens, fingerprint, plan, tp, first, engine.spec, lambda m: first * CHUNK_TOKENS + end(m), rule
         )
         fallback, miss = verified or fallback, why or miss
         n = len(images)
@@ -218,7 +220,7 @@ def restore_prefix(
         # Chunks each layer reads: all of them, or a sliding-window layer's last window (at TP > 1 only on
         # vLLM's path, which restores no H: ``resolve`` refuses sliding-window models to the DeepSpeed path's TP).
         reads = {
-            (layer, fmt): range(max(0, window.first_read(engine.spec, layer, first * CHUNK_TOKENS + end(n), engine.block_size) - first), n)
+            (layer, fmt): range(max(0, rule.first_read(layer, first * CHUNK_TOKENS + end(n)) - first), n)
             if fmt == Method.KV.value or tp.world_size == 1 else _reading(tp, fmt, n, agreed, first)
             for layer, fmt in jobs
         }  # fmt: skip
@@ -233,7 +235,7 @@ def restore_prefix(
         engine.end_restore(uid, tokens[held : end(restored)])
         read, lossy = restore_accounting(engine.spec, images, {job: [j for j in chunks if j < n] for job, chunks in reads.items()}, restored)
         sources = tokens_by_source(tier, images[:restored], 0, held, end(restored))
-        windowed = any(chunks.start for (layer, _), chunks in reads.items() if engine.spec.window(layer) is not None)
+        windowed = any(chunks.start for (layer, _), chunks in reads.items() if rule.window(layer) is not None)
         misses = {miss.value: missed} if missed else {}
         return RestoreOutcome(end(restored) - held, sum(read.values()), fallback, sources, lossy, misses, read, windowed)
     finally:
@@ -314,20 +316,20 @@ def gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[t
 
 def verify_fetched(
     tier: HostTier, keys: list[str], fetches: list[Future], images: list[ChunkImage], tokens: list[int],
-    fingerprint: str, plan: RestorePlan, tp: TPGroup, first: int, spec: ModelSpec, end: Callable[[int], int], block: int,
+    fingerprint: str, plan: RestorePlan, tp: TPGroup, first: int, spec: ModelSpec, end: Callable[[int], int], rule: WindowRule,
 ) -> tuple[str | None, MissReason | None]:
     """Append to ``images`` the fetched chunks, in order, up to the first that is missing, bad, or short of
     a format the plan restores from, and then no further than the last whose sliding-window layers find
-    their window stored (:func:`hcache.planning.window.usable`; ``first``: the sequence's chunk that
-    ``keys[0]`` is, ``end(m)``: the sequence's length once ``m`` chunks are restored, ``block``: the
-    engine's KV block); why the prefix
+    their window stored by ``rule`` (:meth:`~hcache.planning.window.WindowRule.usable`; ``first``: the
+    sequence's chunk that ``keys[0]`` is, ``end(m)``: the sequence's length once ``m`` chunks are
+    restored); why the prefix
     ends there (a message if it ends early for a reason worth one, and the :class:`MissReason`)."""
     stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
     shapes, dtype = row_shapes(spec), spec.torch_dtype
     # The tensors a chunk must hold, by which TP rank owns its H; chunks share a few layouts, each checked once.
     # A sliding-window layer's are checked if present, and wanted only in the window (below).
     needs = [{(layer, fmt) for layer, fmt in stored if stores(tp.rank, tp.world_size, r, fmt)} for r in range(tp.world_size)]
-    optional = {(layer, fmt) for layer, fmt in stored if spec.window(layer) is not None}
+    optional = {(layer, fmt) for layer, fmt in stored if rule.window(layer) is not None}
     checked: dict[tuple, tuple[str | None, list[str]]] = {}
     for j, (key, f) in enumerate(zip(keys, fetches)):
         try:
@@ -351,7 +353,7 @@ def verify_fetched(
         images.append(image)
     verified = len(images)
     layer_format = dict(stored)
-    usable = window.usable(spec, sorted(layer_format), first, verified, end, lambda j, layer: images[j].has(layer, layer_format[layer]), block)
+    usable = rule.usable(sorted(layer_format), first, verified, end, lambda j, layer: images[j].has(layer, layer_format[layer]))
     if usable == verified:
         return None, None
     del images[usable:]  # still fetched: the caller releases them with the rest

@@ -20,7 +20,6 @@ from ..storage.chunk_key import CHUNK_TOKENS
 from ..engine.interface import Engine
 from ..engine.ragged import Segment
 from ..model.tensor_parallel import SINGLE, TPGroup
-from ..planning import window
 from ..planning.plan import Method, row_shapes
 from ..storage.anchor_log import ANCHORS_FILE, AnchorLog
 from ..storage.chunk import ChunkLayout
@@ -95,6 +94,7 @@ class StoreStack:
         self.copier: Copier | None = None
         self.prefetcher: Prefetcher | None = None
         self.anchors: AnchorLog | None = None
+        self.window = config.window_rule(engine.spec, engine.block_size)  # which chunks a sliding-window layer saves and restores
         eviction, cost = config.settings.eviction, recompute_cost(config)
         if config.stored:
             formats = list(config.save_formats)
@@ -110,8 +110,7 @@ class StoreStack:
             )
             self.saver = ChunkSaver(
                 self.store, self.fingerprint, tensors,
-                stores=lambda c, layer, f, end: stores(tp.rank, tp.world_size, c, base_format(f))
-                and window.saves(engine.spec, layer, c, end, engine.block_size),
+                stores=lambda c, layer, f, end: stores(tp.rank, tp.world_size, c, base_format(f)) and self.window.saves(layer, c, end),
                 value=lambda chunk: cost(chunk * CHUNK_TOKENS, CHUNK_TOKENS),
             )
             if any(formats):

@@ -137,3 +137,17 @@ def test_profile_cli_measures_a_usable_profile(llama, new_machine, tmp_path, cap
         assert runtime.profile.tokens == [256, 512]
     assert main(["profile", "--model", "random:llama", "--short", "--tokens", "64"]) == 2
     assert "give one" in capsys.readouterr().err
+
+
+def test_a_sliding_window_layer_costs_its_window(llama, synthetic):
+    """Its H and KV restore the tokens it reads (planning/window.py), its RE the whole history."""
+    import dataclasses
+
+    from hcache.planning.scheduler import LayerCosts
+    from hcache.planning.window import WindowRule
+
+    spec = dataclasses.replace(llama.spec, sliding_windows=(64, None, None))
+    layers, _, _ = synthetic._stored_costs(spec, 256, None)
+    full, windowed = synthetic.costs(256), synthetic.costs(64)
+    assert WindowRule(spec).read_tokens(0, 0, 256) == 64 and layers[1] == layers[2] == full
+    assert layers[0] == LayerCosts(**{**dataclasses.asdict(windowed), "c_token": full.c_token})

@@ -100,3 +100,22 @@ def test_without_re_the_best_h_and_kv_split_for_an_engine_that_computes_every_la
         n, costs = rnd.randint(1, 48), LayerCosts(*(rnd.uniform(0.01, 5) for _ in range(5)))
         got = counts(partition(costs, n, BYTES_H, BYTES_KV, allow_re=False))
         assert got[0] == 0 and costs.plan_time(*got) <= min(costs.plan_time(0, n - kv, kv) for kv in range(n + 1)) * (1 + 1e-9), (seed, costs, n)
+
+
+def test_layers_of_different_costs_take_the_best_split():
+    """Layers that cost differently (a sliding-window layer restores its window): the partition's plan is the
+    best of every RE* H* KV* split, summed layer by layer."""
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    for _ in range(100):
+        n = rnd.randint(1, 24)
+        layers = [LayerCosts(*(rnd.uniform(0.01, 5) for _ in range(5))) for _ in range(n)]
+
+        def seconds(re: int, kv: int) -> float:
+            h = range(re, n - kv)
+            compute = sum(c.c_token for c in layers[:re]) + sum(layers[i].c_h for i in h) + sum(c.c_kv for c in layers[n - kv :])
+            return max(compute, sum(layers[i].io_h for i in h) + sum(c.io_kv for c in layers[n - kv :]))
+
+        plan = partition(layers, n, BYTES_H, BYTES_KV)
+        best = min(seconds(re, kv) for re in range(n + 1) for kv in range(n - re + 1))
+        assert seconds(plan.count(Method.RE), plan.count(Method.KV)) == pytest.approx(best, rel=1e-9), seed

@@ -8,7 +8,7 @@ from test_restore import assert_restored_kv_equals_recompute, plans
 from hcache.errors import UnsupportedModelError
 from hcache.model.loader import LoadedModel, random_model
 from hcache.model.spec import ModelSpec
-from hcache.planning import window
+from hcache.planning.window import WindowRule
 from hcache.resolve import resolve
 from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
@@ -34,15 +34,21 @@ def windowed(request) -> LoadedModel:
 def test_the_rule_in_chunks():
     model = random_model("qwen2", **SHAPES["alternating"][1])
     spec = ModelSpec.from_config(model.config, torch.float32)
+    window = WindowRule(spec)
     assert [spec.layer_type(layer) for layer in range(4)] == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-    assert window.sliding_layers(spec) == [0, 1, 3]
+    assert window.sliding_layers == [0, 1, 3]
     # A restore of 400 tokens reads a sliding layer from position 320 on: chunk 5; a full layer from chunk 0.
-    assert window.first_read(spec, 0, 400) == 5 and window.first_read(spec, 2, 400) == 0
-    assert window.first_read(spec, 0, WINDOW) == 0
+    assert window.first_read(0, 400) == 5 and window.first_read(2, 400) == 0
+    assert window.first_read(0, WINDOW) == 0
     # A save up to 400 keeps what a restore ending anywhere in [336, 400] reads: chunks 4 on.
-    assert [c for c in range(7) if window.saves(spec, 0, c, 400)] == [4, 5, 6]
-    assert all(window.saves(spec, 2, c, 400) for c in range(7))
-    assert window.read_tokens(spec, 0, 0, 400) == 400 - 5 * CHUNK_TOKENS and window.read_tokens(spec, 2, 0, 400) == 400
+    assert [c for c in range(7) if window.saves(0, c, 400)] == [4, 5, 6]
+    assert all(window.saves(2, c, 400) for c in range(7))
+    assert window.read_tokens(0, 0, 400) == 400 - 5 * CHUNK_TOKENS and window.read_tokens(2, 0, 400) == 400
+    # An engine of 128-token blocks holds the window from the block of position 320: chunk 4.
+    assert WindowRule(spec, block=128).first_read(0, 400) == 4
+    # sliding_layers="all": every token, as full attention.
+    every = WindowRule(spec, every_token=True)
+    assert every.sliding_layers == [] and every.first_read(0, 400) == 0 and all(every.saves(0, c, 400) for c in range(7))
 
 
 def test_every_method_restores_histories_past_the_window(windowed, tmp_path, rng):
@@ -68,8 +74,9 @@ def test_every_method_restores_histories_past_the_window(windowed, tmp_path, rng
 
 def test_sliding_layers_store_and_read_their_window_only(windowed, tmp_path, rng):
     spec = windowed.spec
-    sliding = window.sliding_layers(spec)
     runtime = HCacheRuntime(windowed, tmp_path, save="plan", plan="KV")
+    window = runtime.stack.window  # by the reference engine's 64-token blocks
+    sliding = window.sliding_layers
     prompt = random_prompt(8 * CHUNK_TOKENS + 5, spec.vocab_size, rng)
     runtime.generate(prompt, 1, restore=False)
     runtime.store.flush()
@@ -80,7 +87,7 @@ def test_sliding_layers_store_and_read_their_window_only(windowed, tmp_path, rng
             kept = {layer for layer in range(spec.num_layers) if image.has(layer, "KV")}
         finally:
             runtime.store.release(image)
-        want = {layer for layer in range(spec.num_layers) if window.saves(spec, layer, index, len(prompt))}
+        want = {layer for layer in range(spec.num_layers) if window.saves(layer, index, len(prompt))}
         assert kept == want, f"chunk {index}"
         assert set(range(spec.num_layers)) - set(sliding) <= kept  # full attention: every chunk
     assert not any(runtime.store.fetch(keys[0]).result().has(layer, "KV") for layer in sliding)  # far behind the window
@@ -91,7 +98,7 @@ def test_sliding_layers_store_and_read_their_window_only(windowed, tmp_path, rng
     per_chunk = CHUNK_TOKENS * spec.kv_bytes_per_token_layer
     full = spec.num_layers - len(sliding)
     assert result.type_bytes.get("full_attention", 0) == full * 8 * per_chunk
-    reads = window.first_read(spec, sliding[0], 8 * CHUNK_TOKENS)
+    reads = window.first_read(sliding[0], 8 * CHUNK_TOKENS)
     assert result.type_bytes["sliding_attention"] == len(sliding) * (8 - reads) * per_chunk
     assert result.bytes_read == sum(result.type_bytes.values())
 
@@ -109,6 +116,20 @@ def test_a_branch_behind_the_window_restores_what_it_can(windowed, tmp_path, rng
     assert result.output_ids == expected
     assert result.restored_tokens < 3 * CHUNK_TOKENS
     assert result.miss_tokens == {"outside_window": 3 * CHUNK_TOKENS - result.restored_tokens}
+
+
+def test_sliding_layers_all_restores_a_branch_behind_the_window(windowed, tmp_path, rng):
+    """``sliding_layers="all"``: every token stored and restored, as full attention; a branch far back
+    restores whole, and a restore reads every chunk of every layer."""
+    spec = windowed.spec
+    runtime = HCacheRuntime(windowed, tmp_path, save="plan", plan="KV", sliding_layers="all")
+    prompt = random_prompt(10 * CHUNK_TOKENS, spec.vocab_size, rng)
+    runtime.generate(prompt, 1, restore=False)
+    branch = prompt[: 3 * CHUNK_TOKENS] + random_prompt(20, spec.vocab_size, rng)
+    expected = HCacheRuntime(windowed, tmp_path / "plain", save="none").generate(branch, 8, restore=False).output_ids
+    result = runtime.generate(branch, 8)
+    assert result.output_ids == expected and result.restored_tokens == 3 * CHUNK_TOKENS and not result.miss_tokens
+    assert result.bytes_read == spec.num_layers * 3 * CHUNK_TOKENS * spec.kv_bytes_per_token_layer
 
 
 def test_a_windowed_sequence_leaves_nothing_to_the_gpu_prefix_cache(windowed, tmp_path, rng):
@@ -133,6 +154,7 @@ def test_tensor_parallel_deepspeed_path_refuses_sliding_windows():
     spec = ModelSpec.from_config(model.config, torch.float32)
     with pytest.raises(UnsupportedModelError, match="sliding-window layers cannot be served with tensor parallelism"):
         resolve({"save": "plan", "plan": "KV", "engine": "reference"}, spec, "random:mistral", tensor_parallel=2)
+    resolve({"save": "plan", "plan": "KV", "engine": "reference", "sliding_layers": "all"}, spec, "random:mistral", tensor_parallel=2)
     resolve({"save": "plan", "plan": "KV"}, spec, "random:mistral", tensor_parallel=2, engine="vllm")  # vLLM's ranks load KV only
 
 
