@@ -22,7 +22,12 @@ hidden states are half the bytes of K/V: H's case. ``--tp N`` runs every engine 
 parallelism of N ranks (on a CPU, each rank bound to CPUs of its own: :func:`ranks_bound`); each rank
 stores and loads its own K/V heads, and ``stored_bytes_per_token`` counts every rank's. ``--heads Q,KV``
 reshapes the model to Q query and KV key/value heads of its head size (random weights, its tokenizer): a
-shape whose heads divide by ``--tp``, where the model's do not (SmolLM2's 9 and 3).
+shape whose heads divide by ``--tp``, where the model's do not (SmolLM2's 9 and 3). ``--window W`` gives
+the model (random weights) sliding-window layers of W tokens, 1 in ``--full-every`` layers keeping full
+attention (2: Gemma 2's layout, 6: Gemma 3's), which vLLM runs with two KV cache groups; with
+``--sliding-layers window,all`` the hcache configurations run once per value, each over a store of its own
+(``_all``: every token stored and restored, as full attention), and ``stored_file_bytes_per_token`` is
+what that store's chunk files hold per stored token.
 
 The disk and Redis engines are new: each meets every history for the first time, in its store. ``speedup``
 is recompute's median TTFT over each configuration's (``speedup_vs_miss``: ``hcache_miss``'s over it); ``restored`` and ``stored_bytes_per_token`` come from
@@ -67,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mha", action="store_true", help="the model made MHA with random weights (as many K/V heads as query heads)")
     parser.add_argument("--tp", type=int, default=1, help="vLLM's tensor_parallel_size for every engine")
     parser.add_argument("--heads", default=None, help="Q,KV: the model reshaped to Q query and KV key/value heads of its head size, random weights")
+    parser.add_argument("--window", type=int, default=None, help="give the model (random weights) sliding-window layers of this many tokens")
+    parser.add_argument("--full-every", type=int, default=2, help="with --window: 1 in this many layers keeps full attention")
+    parser.add_argument("--sliding-layers", default="window", help="hcache's sliding_layers settings, comma-separated (window,all)")
     parser.add_argument("--memory", type=float, default=0.25, help="vLLM's gpu_memory_utilization (on a CPU: the share of memory for its KV cache)")
     parser.add_argument("--decode", action="store_true", help="time decode steps with and without the connector instead (the options below)")
     decode.add_arguments(parser.add_argument_group("--decode"))
@@ -85,7 +93,7 @@ def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
 
 
 def _shaped(args, directory: Path) -> tuple[Path, dict]:
-    """The model's checkpoint, or one of random weights reshaped by ``--heads`` and ``--mha``; its heads."""
+    """The model's checkpoint, or one of random weights reshaped by ``--heads``, ``--mha`` and ``--window``; its heads."""
     from ..model.loader import model_dir, random_like, save_checkpoint
 
     model = model_dir(args.model)
@@ -101,6 +109,11 @@ def _shaped(args, directory: Path) -> tuple[Path, dict]:
         overrides = {"num_attention_heads": q, "num_key_value_heads": kv, "hidden_size": q * head, "head_dim": head}
     if args.mha:
         overrides["num_key_value_heads"] = overrides.get("num_attention_heads", heads["num_attention_heads"])
+    if args.window:
+        layers = config["num_hidden_layers"]
+        overrides.update(sliding_window=args.window, layer_types=[
+            "full_attention" if (i + 1) % args.full_every == 0 else "sliding_attention" for i in range(layers)
+        ])  # fmt: skip
     heads.update({k: v for k, v in overrides.items() if k in heads})
     if heads["num_attention_heads"] % args.tp or (heads["num_key_value_heads"] % args.tp and args.tp % heads["num_key_value_heads"]):
         raise SystemExit(f"hcache bench vllm: {args.model}'s {heads['num_attention_heads']} query and {heads['num_key_value_heads']} "
@@ -152,8 +165,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.conversations < 1 or args.history < 64:
         raise SystemExit("hcache bench vllm: --conversations must be at least 1 and --history at least 64")
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
-    if not plans:
-        raise SystemExit("hcache bench vllm: --plans names no plan")
+    rules = [r.strip() for r in args.sliding_layers.split(",") if r.strip()]
+    if not plans or not rules:
+        raise SystemExit("hcache bench vllm: --plans and --sliding-layers name at least one value each")
+    if args.window is not None and (args.window < 64 or args.full_every < 1):
+        raise SystemExit("hcache bench vllm: --window must be at least 64 tokens and --full-every at least 1")
     one = SamplingParams(max_tokens=1, temperature=0)
     g = torch.Generator().manual_seed(0)
 
@@ -171,9 +187,13 @@ def run(args: argparse.Namespace) -> dict:
         configs = {"recompute": (False, None, True), "prefix_cache": (True, None, True)}
         stores = {"host": ([store], [url]), "disk": ([store], []), "redis": (None, [url])}  # (store_dirs, tiers)
         for plan in plans:
-            for tier, (dirs, tiers) in stores.items():
-                settings = {"store_dirs": dirs, "store": {"shared": tiers}, "plan": plan, "save": "all" if len(plans) > 1 else "plan"}
-                configs["hcache_" + tier + (f"_{plan}" if len(plans) > 1 else "")] = (False, settings, tier == "host")
+            for rule in rules:
+                for tier, (dirs, tiers) in stores.items():
+                    name = "hcache_" + tier + (f"_{plan}" if len(plans) > 1 else "") + (f"_{rule}" if len(rules) > 1 else "")
+                    dirs = [f"{store}-{rule}"] if dirs and len(rules) > 1 else dirs  # each rule stores apart (Redis: by namespace)
+                    settings = {"store_dirs": dirs, "store": {"shared": tiers}, "plan": plan, "save": "all" if len(plans) > 1 else "plan",
+                                "sliding_layers": rule, "namespace": rule if len(rules) > 1 else None}  # fmt: skip
+                    configs[name] = (False, settings, tier == "host")
         configs["hcache_miss"] = (False, {"store_dirs": [str(Path(tmp) / "empty")]}, False)
         try:
             for name in tqdm(configs, desc="vLLM engines", unit="engine"):
@@ -205,7 +225,12 @@ def run(args: argparse.Namespace) -> dict:
                     for tier, n in r["tier_tokens"].items():
                         tiers[tier] = tiers.get(tier, 0) + n
                 restored = sum(r["restored_tokens"] for r in first_rank)
+                stored_dirs = (connector or {}).get("store_dirs") or []
+                stored_files = sum(p.stat().st_size for d in stored_dirs for p in Path(d).glob("**/chunks/*/*.safetensors"))
                 results[name] = {
+                    "stored_file_bytes_per_token": stored_files / (args.conversations * (args.history // 64 * 64)) if stored_dirs else 0,
+                    "read_bytes_by_layer_type": {kind: sum(r.get("type_bytes", {}).get(kind, 0) for r in records) / max(1, restored)
+                                                 for kind in {k for r in records for k in r.get("type_bytes", {})}},  # fmt: skip
                     "ttft_s": ttft, "median_ttft_s": statistics.median(ttft), "prefill_s": prefill_s,
                     "restored_tokens": restored, "restored_by_tier": tiers, "first_tokens": first_tokens,
                     "stored_bytes_per_token": sum(r["bytes_read"] for r in records) / restored if restored else 0,  # every rank's
@@ -219,12 +244,17 @@ def run(args: argparse.Namespace) -> dict:
         r["speedup_vs_miss"] = miss["median_ttft_s"] / r["median_ttft_s"]
         r["first_token_match"] = sum(a == b for a, b in zip(r["first_tokens"], reference["first_tokens"]))
     shape = f" reshaped to {heads['num_attention_heads']}/{heads['num_key_value_heads']} heads" if args.heads or args.mha else ""
+    if args.window:
+        shape += f" with {args.window}-token sliding windows (1 in {args.full_every} layers full attention)"
     print(f"{args.model}{shape}, TP={args.tp}, {args.conversations} returning histories of {args.history} tokens (+{args.question}-token questions), {args.dtype}:")
-    print(f"{'configuration':18} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'vs miss':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} {'1st token same':>15}")
+    print(f"{'configuration':20} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'vs miss':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} "
+          f"{'files B/token':>13} {'1st token same':>15}")  # fmt: skip
     for name, r in results.items():
         tiers = ",".join(f"{t}:{n}" for t, n in r["restored_by_tier"].items()) or "-"
-        print(f"{name:18} {1000 * r['median_ttft_s']:9.1f} {1000 * min(r['ttft_s']):6.0f}-{1000 * max(r['ttft_s']):<6.0f} "
+        print(f"{name:20} {1000 * r['median_ttft_s']:9.1f} {1000 * min(r['ttft_s']):6.0f}-{1000 * max(r['ttft_s']):<6.0f} "
               f"{r['speedup']:7.2f}x {r['speedup_vs_miss']:7.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
+              f"{r['stored_file_bytes_per_token']:13.0f} "
               f"{r['first_token_match']:>8d}/{args.conversations}")  # fmt: skip
     return {"model": args.model, "mha": args.mha, "heads": heads, "tensor_parallel": args.tp, "plans": plans, "dtype": args.dtype, "history": args.history, "question": args.question,
+            "window": args.window, "full_every": args.full_every if args.window else None, "sliding_layers": rules,
             "conversations": args.conversations, "configurations": results, **reserved}  # fmt: skip

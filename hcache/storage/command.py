@@ -117,7 +117,7 @@ def inspect(d: Path) -> dict:
     from .stored_state import base_format
 
     files = _chunk_files(d)
-    status, formats, models = Counter(), {}, Counter()
+    status, formats, models, layers = Counter(), {}, Counter(), Counter()
     for f in files:
         state, tensors, meta = _header(f)
         status[state.split(":")[0]] += 1
@@ -130,6 +130,7 @@ def inspect(d: Path) -> dict:
                 seen.add((fmt, _dtype_name(dtype)))
         for fmt, encoding in seen:
             formats.setdefault(fmt, Counter())[encoding] += 1
+        layers.update({layer for layer, _ in tensors})
     mtimes = [f.mtime for f in files]
     now = time.time()
     return {
@@ -140,6 +141,7 @@ def inspect(d: Path) -> dict:
         "other_version": status["other version"],
         "bad_header": status["bad"],
         "formats": {fmt: dict(sorted(c.items())) for fmt, c in sorted(formats.items())},  # chunks holding each
+        "layers": dict(sorted(layers.items())),  # chunks holding each layer: a sliding-window layer's, only near each save's end
         "models": dict(models.most_common()),
         "namespaces": None,
         "namespaces_note": "not recorded in chunk metadata (a namespace is hashed into the chain's keys); evict --namespace finds its chunks by walking the key chains",
@@ -155,6 +157,11 @@ def _print_inspect(r: dict) -> None:
     print(f"  readable {r['readable']}, other layout version {r['other_version']}, bad header {r['bad_header']}")
     for fmt, encodings in r["formats"].items():
         print(f"  format {fmt}: " + ", ".join(f"{e} in {n} chunks" for e, n in encodings.items()))
+    by_count: dict[int, list[int]] = {}
+    for layer, n in r["layers"].items():
+        by_count.setdefault(n, []).append(layer)
+    for n, layers in sorted(by_count.items(), reverse=True):
+        print(f"  layers {', '.join(map(str, layers))}: in {n} chunks")
     for fingerprint, n in r["models"].items():
         print(f"  model {fingerprint}: {n} chunks")
     print(f"  namespaces: {r['namespaces_note']}")

@@ -101,6 +101,23 @@ def test_bench_paged_reports_the_vllm_connectors_core_against_its_floors(tmp_pat
     assert set(result["load_s"]) == {"KV", "H"} and result["history"] == 256 and result["layers"] == 2
 
 
+def test_bench_window_compares_the_window_rule_with_storing_every_token(tmp_path):
+    """Sliding-window layers by Jenga's rule store and read fewer bytes a token than storing every token,
+    and restore the same tokens."""
+    out = tmp_path / "window.json"
+    args = ["bench", "window", "--window", "128", "--multiples", "2,4", "--layers", "4", "--hidden", "128", "--repeats", "1", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert set(result["histories"]) == {"256", "512"}
+    for history, row in result["histories"].items():
+        window, every = row["window"], row["all"]
+        assert window["restored_tokens"] == every["restored_tokens"] == int(history)
+        assert window["stored_bytes_per_token"] < every["stored_bytes_per_token"], history
+        assert window["read_bytes_per_token"]["sliding_attention"] < every["read_bytes_per_token"]["sliding_attention"], history
+        assert window["read_bytes_per_token"]["full_attention"] == every["read_bytes_per_token"]["full_attention"], history
+        assert row["window_over_all"]["stored_bytes"] < 1 and window["median_ttft_s"] > 0
+
+
 def test_bench_storage_measures_the_disk_store_against_raw_o_direct_io(tmp_path):
     """The default path: the chunk store on a directory against raw sequential I/O of the same bytes, and the
     saver's cost on a decode loop (O_DIRECT where the file system allows it; the result says which)."""

@@ -1,10 +1,13 @@
 """Jenga's rule per layer type in hcache's own engine: sliding-window layers store and restore only their
 last window, full-attention layers everything, and a restore equals recompute by every method."""
+import json
+
 import pytest
 import torch
 from support.helpers import random_prompt
 from test_restore import assert_restored_kv_equals_recompute, plans
 
+from hcache.cli import main
 from hcache.errors import UnsupportedModelError
 from hcache.model.loader import LoadedModel, random_model
 from hcache.model.spec import ModelSpec
@@ -72,7 +75,7 @@ def test_every_method_restores_histories_past_the_window(windowed, tmp_path, rng
             assert result.restored_tokens == restored and result.fallback is None and set(result.miss_tokens) <= {"plan_recompute"}
 
 
-def test_sliding_layers_store_and_read_their_window_only(windowed, tmp_path, rng):
+def test_sliding_layers_store_and_read_their_window_only(windowed, tmp_path, rng, capsys):
     spec = windowed.spec
     runtime = HCacheRuntime(windowed, tmp_path, save="plan", plan="KV")
     window = runtime.stack.window  # by the reference engine's 64-token blocks
@@ -91,6 +94,12 @@ def test_sliding_layers_store_and_read_their_window_only(windowed, tmp_path, rng
         assert kept == want, f"chunk {index}"
         assert set(range(spec.num_layers)) - set(sliding) <= kept  # full attention: every chunk
     assert not any(runtime.store.fetch(keys[0]).result().has(layer, "KV") for layer in sliding)  # far behind the window
+    assert main(["store", "inspect", str(tmp_path), "--json"]) == 0  # beside the live store, read-only
+    layers = json.loads(capsys.readouterr().out)["layers"]
+    chunks = len(keys)
+    assert {int(layer): n for layer, n in layers.items()} == {
+        layer: chunks if layer not in sliding else sum(window.saves(layer, c, len(prompt)) for c in range(chunks)) for layer in range(spec.num_layers)
+    }
 
     # The returning turn reads a sliding layer's window, a full layer everything: the bytes say so.
     result = runtime.generate(prompt + random_prompt(3, spec.vocab_size, rng), 2, plan="KV")
