@@ -228,8 +228,9 @@ class ResolvedConfig(BaseModel):
 
     def window_rule(self, spec: ModelSpec, block: int = 1) -> WindowRule:
         """The window rule for ``spec`` (this model, or an engine's view of it) in an engine of ``block``-token
-        KV blocks, by the ``sliding_layers`` setting."""
-        return WindowRule(spec, block, every_token=self.settings.sliding_layers == "all")
+        KV blocks, by the ``sliding_layers`` setting. FastGen windows no layer (its Mistral attends to every
+        position), so on it every token is stored and restored."""
+        return WindowRule(spec, block, every_token=self.settings.sliding_layers == "all" or self.engine == "fastgen")
 
     def check_engine(self, spec: ModelSpec) -> None:
         """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype

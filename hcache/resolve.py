@@ -11,7 +11,6 @@ from .config import EngineKind, HCacheConfig, ResolvedConfig, engine_and_device
 from .model.loader import LoadedModel
 from .model.spec import ModelSpec
 from .errors import UnsupportedModelError
-from .planning.window import WindowRule
 from .planning.auto_profile import auto_profile
 from .planning.plan import Method
 from .planning.policy import fixed_plan, is_auto
@@ -36,12 +35,6 @@ def resolve(
     after one warning."""
     settings = HCacheConfig.of(settings)
     kind, device = engine_and_device(settings)
-    if settings.enabled and tensor_parallel > 1 and (engine or kind) != "vllm" and WindowRule(spec).sliding_layers and settings.sliding_layers == "window":
-        raise UnsupportedModelError(
-            "a model with sliding-window layers cannot be served with tensor parallelism here by the window rule: its "
-            "ranks gather each H layer's rows chunk by chunk, and the rule stores only the last window's (set "
-            "sliding_layers='all', serve it at tensor_parallel=1, or in vLLM)"
-        )
     profile = None
     if settings.enabled:
         command = profile_command(model_name, spec)
@@ -66,6 +59,12 @@ def resolve(
         stored_dtype=parse_stored_dtype(settings.stored_dtype),
     )
     _ = config.policy  # made now, so that a plan the engine cannot run is refused before a model loads
+    if settings.enabled and tensor_parallel > 1 and config.engine != "vllm" and config.window_rule(spec).sliding_layers:
+        raise UnsupportedModelError(
+            "a model with sliding-window layers cannot be served with tensor parallelism here by the window rule: its "
+            "ranks gather each H layer's rows chunk by chunk, and the rule stores only the last window's (set "
+            "sliding_layers='all', serve it at tensor_parallel=1, or in vLLM)"
+        )
     return config.model_copy(update={"save_formats": _save_formats(config)})
 
 

@@ -158,12 +158,15 @@ def test_a_windowed_sequence_leaves_nothing_to_the_gpu_prefix_cache(windowed, tm
     assert result.output_ids == expected and result.gpu_tokens == 0
 
 
-def test_tensor_parallel_deepspeed_path_refuses_sliding_windows():
+def test_the_deepspeed_paths_tensor_parallelism_refuses_the_window_rule():
     model = random_model("mistral", sliding_window=WINDOW)
     spec = ModelSpec.from_config(model.config, torch.float32)
     with pytest.raises(UnsupportedModelError, match="sliding-window layers cannot be served with tensor parallelism"):
         resolve({"save": "plan", "plan": "KV", "engine": "reference"}, spec, "random:mistral", tensor_parallel=2)
     resolve({"save": "plan", "plan": "KV", "engine": "reference", "sliding_layers": "all"}, spec, "random:mistral", tensor_parallel=2)
+    # FastGen windows no layer (its Mistral attends to every position): the rule is off there.
+    fastgen = resolve({"save": "plan", "plan": "KV"}, spec, "random:mistral", tensor_parallel=2, engine="fastgen")
+    assert fastgen.window_rule(spec).sliding_layers == [] and WindowRule(spec).sliding_layers == [0, 1, 2]
     resolve({"save": "plan", "plan": "KV"}, spec, "random:mistral", tensor_parallel=2, engine="vllm")  # vLLM's ranks load KV only
 
 
