@@ -38,6 +38,22 @@ def test_family_specifics():
     assert mistral.sliding_windows == (32, 32)
 
 
+def test_each_family_windows_the_layers_transformers_windows():
+    """Mistral and Phi-3 window every layer by ``sliding_window``, Qwen2 the layers its ``layer_types`` name
+    sliding, Llama none: what each family's forward in transformers does, whatever the config carries
+    (vLLM windows some of these otherwise; its connector takes vLLM's windows, tests/vllm)."""
+    from transformers import AutoConfig
+
+    layer_types = ["sliding_attention", "full_attention"]
+    fields = dict(num_hidden_layers=2, sliding_window=32, layer_types=layer_types)
+    assert ModelSpec.from_config(AutoConfig.for_model("mistral", **fields)).sliding_windows == (32, 32)
+    assert ModelSpec.from_config(AutoConfig.for_model("llama", **fields)).sliding_windows == (None, None)
+    assert ModelSpec.from_config(AutoConfig.for_model("qwen2", use_sliding_window=True, **fields)).sliding_windows == (32, None)
+    spec = ModelSpec.from_config(AutoConfig.for_model("qwen2", use_sliding_window=True, **fields))
+    assert [spec.layer_type(i) for i in range(2)] == layer_types
+    assert [spec.attended_from(i, 100) for i in range(2)] == [68, 0] and spec.attended_from(0, 20) == 0
+
+
 def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(UnsupportedModelError) as err:
         ModelSpec.from_config(GPT2Config())
