@@ -19,9 +19,10 @@ prefix sums, for every split: O(layers²) candidates of O(1) each.
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from .plan import Method, RestorePlan
 
@@ -46,67 +47,56 @@ class LayerCosts:
 
     def plan_time(self, re: int, h: int, kv: int) -> float:
         """A plan's time where every layer costs this."""
-        return _Sums([self] * (re + h + kv)).time(re, kv)
+        return float(_Sums([self] * (re + h + kv)).time(re, kv))
 
 
 class _Sums:
-    """Prefix sums of each layer's costs, so that a split's compute and I/O cost O(1)."""
+    """Prefix sums of each layer's costs, so that a split's compute and I/O cost O(1), for every split at once."""
 
     def __init__(self, layers: Sequence[LayerCosts]):
-        def prefix(cost) -> list[float]:
-            return [0.0, *itertools.accumulate(cost(c) for c in layers)]
+        def prefix(cost) -> np.ndarray:
+            return np.concatenate(([0.0], np.cumsum([cost(c) for c in layers], dtype=np.float64)))
 
         self.n = len(layers)
         self.re, self.h, self.kv = prefix(lambda c: c.c_token), prefix(lambda c: c.h_compute), prefix(lambda c: c.c_kv)
         self.io_h, self.io_kv = prefix(lambda c: c.io_h), prefix(lambda c: c.io_kv)
 
-    def time(self, re: int, kv: int) -> float:
-        """``max(compute, io)`` of the plan with the first ``re`` layers RE and the last ``kv`` KV."""
+    def time(self, re, kv):
+        """``max(compute, io)`` of the plans with the first ``re`` layers RE and the last ``kv`` KV (numbers or
+        arrays of them)."""
         mid = self.n - kv
         compute = self.re[re] + self.h[mid] - self.h[re] + self.kv[self.n] - self.kv[mid]
-        return max(compute, self.io_h[mid] - self.io_h[re] + self.io_kv[self.n] - self.io_kv[mid])
+        return np.maximum(compute, self.io_h[mid] - self.io_h[re] + self.io_kv[self.n] - self.io_kv[mid])
 
 
 def partition(
     costs: LayerCosts | Sequence[LayerCosts], num_layers: int, bytes_h: int = 0, bytes_kv: int = 0, allow_h: bool = True,
     allow_kv: bool = True, allow_re: bool = True,
 ) -> RestorePlan:
-    """The plan with the least ``max(compute, io)``; among equal times, the one storing fewest bytes
-    (``bytes_h``, ``bytes_kv``: stored bytes per token per layer of each format). ``costs``: every layer's,
-    or each layer's. ``allow_h``/``allow_kv`` False: plans without that method (one the start-up self-check
-    disabled); with neither, RE alone. ``allow_re`` False: plans without RE, for an engine that computes
-    every layer of a token it does not load (vLLM); then KV where neither H nor KV is allowed.
+    """The plan with the least ``max(compute, io)``; among times equal within a relative 1e-9, the one
+    storing fewest bytes (``bytes_h``, ``bytes_kv``: stored bytes per token per layer of each format), then
+    the fewest RE and KV layers. ``costs``: every layer's, or each layer's. ``allow_h``/``allow_kv`` False:
+    plans without that method (one the start-up self-check disabled); with neither, RE alone. ``allow_re``
+    False: plans without RE, for an engine that computes every layer of a token it does not load (vLLM);
+    then KV where neither H nor KV is allowed.
 
     H is never chosen when KV dominates it on every layer (no more I/O, compute or stored bytes), as with
     GQA models whose hidden states outweigh their K/V: swapping such an H layer for KV never costs anything."""
     layers = [costs] * num_layers if isinstance(costs, LayerCosts) else list(costs)
     dominated = bytes_kv <= bytes_h and all(c.io_kv <= c.io_h and c.c_kv <= c.h_compute for c in layers)
     allow_h = allow_h and not dominated
-    sums = _Sums(layers)
-    best: tuple[float, int, int, int] | None = None  # (time, stored bytes, re, kv)
     if not allow_re and not allow_h:
         allow_kv = True
-    for re in range(num_layers + 1 if allow_re else 1):
-        rest = num_layers - re
-        for kv in range(rest + 1):
-            h = rest - kv
-            if (h and not allow_h) or (kv and not allow_kv):
-                continue
-            key = (sums.time(re, kv), h * bytes_h + kv * bytes_kv, re, kv)
-            if best is None or _better(key, best):
-                best = key
-    _, _, re, kv = best
-    return RestorePlan.split(num_layers, re=re, kv=kv)
+    re, kv = np.meshgrid(np.arange(num_layers + 1 if allow_re else 1), np.arange(num_layers + 1), indexing="ij")
+    h = num_layers - re - kv
+    valid = (h >= 0) & ((h == 0) | allow_h) & ((kv == 0) | allow_kv)
+    re, kv, h = re[valid], kv[valid], h[valid]
+    seconds = _Sums(layers).time(re, kv)
+    fastest = seconds <= seconds.min() * (1 + _TIE)
+    best = np.lexsort((kv[fastest], re[fastest], h[fastest] * bytes_h + kv[fastest] * bytes_kv))[0]
+    return RestorePlan.split(num_layers, re=int(re[fastest][best]), kv=int(kv[fastest][best]))
 
 
 def plan_seconds(layers: Sequence[LayerCosts], plan: RestorePlan) -> float:
     """``max(compute, io)`` of ``plan`` with each layer's costs."""
-    return _Sums(layers).time(plan.count(Method.RE), plan.count(Method.KV))
-
-
-def _better(a: tuple[float, int, int, int], b: tuple[float, int, int, int]) -> bool:
-    if a[0] < b[0] * (1 - _TIE):
-        return True
-    if a[0] > b[0] * (1 + _TIE):
-        return False
-    return a[1:] < b[1:]
+    return float(_Sums(layers).time(plan.count(Method.RE), plan.count(Method.KV)))
