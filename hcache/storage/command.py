@@ -29,7 +29,7 @@ class _BadArguments(Exception):
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("store", help="inspect, verify or evict the chunks of a store directory (also while a server holds it)")
     ops = p.add_subparsers(dest="store_command", required=True)
-    inspect = ops.add_parser("inspect", help="chunks, bytes, formats and encodings, models, ages (read-only)")
+    inspect = ops.add_parser("inspect", help="chunks, bytes, formats and encodings, layers, models, ages (read-only)")
     inspect.add_argument("dir", metavar="DIR", help="a store directory (hcache serve --store-dir)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     verify = ops.add_parser("verify", help="read every chunk and check every checksum; exit status 1 if any is bad")
