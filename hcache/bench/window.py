@@ -59,8 +59,9 @@ def _stored_bytes(directory: Path) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     args.multiples = [int(m) for m in args.multiples.split(",") if m.strip()]
-    if args.window < 64 or args.full_every < 1 or not args.multiples or min(args.multiples) < 1 or args.repeats < 1:
-        raise SystemExit("hcache bench window: --window must be at least 64, --full-every, --multiples and --repeats at least 1")
+    if args.window < 64 or args.full_every < 1 or not args.multiples or min(args.multiples) < 1 or args.repeats < 1 or args.hidden < 64 or args.hidden % 64:
+        raise SystemExit("hcache bench window: --window must be at least 64, --hidden a multiple of 64 (heads of 64), "
+                         "--full-every, --multiples and --repeats at least 1")  # fmt: skip
     loaded = _model(args)
     g = torch.Generator().manual_seed(0)
     results: dict[str, dict] = {}
