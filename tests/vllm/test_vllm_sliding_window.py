@@ -128,3 +128,14 @@ def test_a_window_on_every_layer(tmp_path, stored):
     second = records["saved"][-1]
     assert second["restored_tokens"] == stored
     assert second["type_bytes"] == {"sliding_attention": 4 * (stored - 64 * _first_read(stored)) * KV_BYTES}
+
+
+def test_the_connector_keeps_vllms_hybrid_kv_cache_manager_on():
+    """vLLM turns its hybrid KV cache manager off for a connector that does not declare it (and keeps every
+    sliding layer's cache whole); hcache's declares it, so the hybrid model above runs in two groups."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from hcache.vllm.settings import kv_transfer_config
+
+    assert KVConnectorFactory.supports_hma_config(KVTransferConfig(**kv_transfer_config({"enabled": False})))  # vLLM's own test
