@@ -57,7 +57,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..config import HCacheConfig
 from ..defaults import DEFAULT_MODEL
+from ..errors import InvalidRequestError
 from . import _vllm_decode as decode
 
 
@@ -168,6 +170,11 @@ def run(args: argparse.Namespace) -> dict:
     rules = [r.strip() for r in args.sliding_layers.split(",") if r.strip()]
     if not plans or not rules:
         raise SystemExit("hcache bench vllm: --plans and --sliding-layers name at least one value each")
+    for rule in rules:  # before any engine starts
+        try:
+            HCacheConfig.of(sliding_layers=rule)
+        except InvalidRequestError as exc:
+            raise SystemExit(f"hcache bench vllm: --sliding-layers: {exc}") from None
     if args.window is not None and (args.window < 64 or args.full_every < 1):
         raise SystemExit("hcache bench vllm: --window must be at least 64 tokens and --full-every at least 1")
     one = SamplingParams(max_tokens=1, temperature=0)
