@@ -16,7 +16,7 @@ import hashlib
 import itertools
 import logging
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -127,17 +127,19 @@ def _relabel(misses: dict[str, int], reason: MissReason) -> dict[str, int]:
 
 
 def restore_accounting(
-    spec: ModelSpec, images: list[ChunkImage], reads: dict[tuple[int, str], Iterable[int]], restored: int
+    spec: ModelSpec, images: list[ChunkImage], reads: dict[tuple[int, str], range], restored: int
 ) -> tuple[dict[str, int], bool]:
     """The bytes a restore read (whole 64-row tensors, scales included), by layer type
     (:meth:`ModelSpec.layer_type`), and whether the first ``restored`` chunks gave it any 8-bit state;
-    ``reads``: the chunks each ``(layer, format)`` read. Counted per distinct layout and set of chunks, not
-    per chunk and layer: chunks laid out alike share their layout, and layers of a type read alike."""
+    ``reads``: the chunks each ``(layer, format)`` read (those past ``images``, another TP rank's, were not).
+    Counted per distinct layout and range of chunks, not per chunk and layer: chunks laid out alike share
+    their layout, and layers of a type read alike."""
     used: Counter[str] = Counter()
     lossy = False
     groups: dict[tuple, list[int]] = {}
     for (layer, fmt), chunks in reads.items():
-        groups.setdefault((fmt, spec.layer_type(layer), tuple(chunks)), []).append(layer)
+        chunks = range(chunks.start, min(chunks.stop, len(images)), chunks.step)
+        groups.setdefault((fmt, spec.layer_type(layer), chunks), []).append(layer)
     for (fmt, kind, chunks), layers in groups.items():
         for layout, count in Counter(images[j].layout for j in chunks).items():
             used[kind] += count * sum(_nbytes(layout, layer, fmt) for layer in layers)
@@ -233,7 +235,7 @@ def restore_prefix(
         if missed and miss is None:
             miss = lookup_miss(tier, keys[present])
         engine.end_restore(uid, tokens[held : end(restored)])
-        read, lossy = restore_accounting(engine.spec, images, {job: [j for j in chunks if j < n] for job, chunks in reads.items()}, restored)
+        read, lossy = restore_accounting(engine.spec, images, reads, restored)
         sources = tokens_by_source(tier, images[:restored], 0, held, end(restored))
         windowed = any(chunks.start for (layer, _), chunks in reads.items() if rule.window(layer) is not None)
         misses = {miss.value: missed} if missed else {}
