@@ -47,16 +47,24 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hcache-check-store-") as tmp:
         store = Path(args.store_dir or tmp)
         steps = [
-            ("environment", lambda: describe_environment(store)),
-            ("floors", lambda: measure_floors(store, args.quick)),
-            ("correctness", lambda: {"cases": _with_progress(engines)}),
-            ("speed", lambda: measure_speed(args.quick, lambda name: print(f"  speed: {name}", flush=True))),
+            ("environment", lambda keep: describe_environment(store)),
+            ("floors", lambda keep: measure_floors(store, args.quick)),
+            ("correctness", lambda keep: {"cases": _with_progress(engines, lambda cases: keep({"cases": cases}))}),
+            ("speed", lambda keep: measure_speed(args.quick, lambda name: print(f"  speed: {name}", flush=True), keep)),
         ]
         for i, (name, step) in enumerate(steps, 1):
             print(f"[{i}/{len(steps)}] {name}", flush=True)
             start = time.perf_counter()
+
+            def keep(partial: dict) -> None:
+                """What a long step has so far, written now: a run cut off (a lent GPU's time running out)
+                still leaves it, marked unfinished."""
+                report["steps"][name] = {**partial, "unfinished": True, "seconds": round(time.perf_counter() - start, 1)}
+                if out:
+                    _write(report, out)
+
             try:
-                result = step()
+                result = step(keep)
             except Exception as exc:  # recorded; the later steps still run and the report is still written
                 result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
                 print(f"  {name} failed: {result['error']}", flush=True)
@@ -71,13 +79,20 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _with_progress(engines: list[str]) -> list[dict]:
+def _with_progress(engines: list[str], keep) -> list[dict]:
     from tqdm import tqdm
 
     from .correctness import FAMILIES, PLANS, check_restores
 
+    done: list[dict] = []
+
+    def progress(case: dict) -> None:
+        bar.update()
+        done.append(case)
+        keep(done)
+
     with tqdm(total=len(engines) * len(FAMILIES) * len(PLANS), desc="  correctness", unit="case", leave=False) as bar:
-        return check_restores(engines, progress=lambda case: bar.update())
+        return check_restores(engines, progress=progress)
 
 
 def _failed(step: dict) -> str:
@@ -97,7 +112,7 @@ def markdown(report: dict) -> str:
     lines = [f"# hcache check: {report['machine']['gpu'] and report['machine']['gpu']['name'] or report['machine']['cpu']}",
              "", f"`{report['command']}`, {report['machine']['date']}", ""]  # fmt: skip
     for name, step in report["steps"].items():
-        lines += [f"## {name} ({step['seconds']} s)", ""]
+        lines += [f"## {name} ({step['seconds']} s{', unfinished: the run was cut off here' if step.get('unfinished') else ''})", ""]
         if "error" in step:
             lines += [f"failed: `{step['error']}`", ""]
         elif name == "correctness":
@@ -105,7 +120,7 @@ def markdown(report: dict) -> str:
             lines += [_case_row(c) for c in step["cases"]]
         else:
             lines += ["| figure | value |", "|---|---|"]
-            lines += [f"| {key} | {_cell(value)} |" for key, value in _flat(step) if key != "seconds"]
+            lines += [f"| {key} | {_cell(value)} |" for key, value in _flat(step) if key not in ("seconds", "unfinished")]
         lines.append("")
     return "\n".join(lines)
 

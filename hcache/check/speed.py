@@ -24,7 +24,10 @@ import torch
 RECORD = ("benchmark", "command", "commit", "machine")  # what ``--json`` adds to a benchmark's figures
 
 
-def measure_speed(quick: bool, progress) -> dict:
+def measure_speed(quick: bool, progress, keep=lambda results: None) -> dict:
+    """The benchmarks' figures by name. A benchmark that fails is recorded with its error and the next one
+    runs (a first run on a new GPU should say all it can); ``keep(results)`` is told the figures so far
+    after each, so a run cut off still leaves them."""
     if not torch.cuda.is_available():
         return {"skipped": "needs a CUDA GPU: absolute restore times mean something only there"}
     histories = (1024, 4096, *(() if quick else (16384,)))
@@ -37,7 +40,11 @@ def measure_speed(quick: bool, progress) -> dict:
     results = {}
     for bench, argv, name in runs:
         progress(name)
-        results[name] = _bench(bench, argv)
+        try:
+            results[name] = _bench(bench, argv)
+        except RuntimeError as exc:
+            results[name] = {"error": str(exc)}
+        keep(results)
     return results
 
 

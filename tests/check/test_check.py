@@ -146,3 +146,46 @@ def test_on_a_gpu_the_speed_step_runs_the_benchmarks_the_targets_name(monkeypatc
     assert list(speed.measure_speed(quick=False, progress=lambda name: None)) == [
         "transfer_1024", "transfer_4096", "transfer_16384", "vllm_paged_1024", "vllm_paged_4096", "vllm_paged_16384",
         "ops", "storage", "mii_2048", "mii_4096"]
+
+
+def test_a_failing_benchmark_is_recorded_and_the_figures_so_far_are_kept_as_they_come(monkeypatch):
+    """A first run on a new GPU says all it can: one benchmark's failure leaves the others running, and
+    each result reaches the report as it comes (a run cut off keeps what it measured)."""
+    from hcache.check import speed
+
+    monkeypatch.setattr(speed.torch.cuda, "is_available", lambda: True)
+
+    def bench(name, argv):
+        if name == "paged":
+            raise RuntimeError(f"hcache bench paged {' '.join(argv)} exited with status 1")
+        return {"figure": name}
+
+    monkeypatch.setattr(speed, "_bench", bench)
+    kept = []
+    results = speed.measure_speed(quick=True, progress=lambda name: None, keep=lambda r: kept.append(list(r)))
+    assert results["vllm_paged_1024"] == {"error": "hcache bench paged --history 1024 exited with status 1"}
+    assert results["ops"] == {"figure": "ops"} and results["transfer_4096"] == {"figure": "transfer"}
+    assert kept == [list(results)[:n] for n in range(1, len(results) + 1)]
+
+
+def test_a_check_cut_off_mid_step_leaves_the_cases_it_finished(tmp_path, monkeypatch):
+    from hcache.check import correctness
+
+    out = tmp_path / "check"
+    seen = []
+
+    def cut_off(engines, progress=None):
+        case = {"engine": "reference", "family": "llama", "dtype": "float32", "plan": "RE", "restored_tokens": 191,
+                "expected_tokens": 191, "fallback": None, "tokens_equal": True, "worst_excess": -1e-6, "ok": True}  # fmt: skip
+        progress(case)
+        seen.append(json.loads(out.with_suffix(".json").read_text())["steps"]["correctness"])
+        raise KeyboardInterrupt  # the lease's end: nothing after this runs
+
+    monkeypatch.setattr(correctness, "check_restores", cut_off)
+    monkeypatch.setattr("hcache.check.floors.measure_floors", lambda store, quick: {"host_copy_gbps": 1.0})
+    import pytest
+
+    with pytest.raises(KeyboardInterrupt):
+        main(["check", "--quick", "--out", str(out)])
+    assert seen[0]["unfinished"] and seen[0]["cases"][0]["plan"] == "RE"
+    assert "## correctness (" in out.with_suffix(".md").read_text() and "unfinished: the run was cut off here" in out.with_suffix(".md").read_text()
