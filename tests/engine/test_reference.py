@@ -24,6 +24,23 @@ def test_prefill_and_decode_match_transformers(tiny, rng):
     assert engine.sequences[1].tokens == ids
 
 
+def test_attention_in_query_tiles_equals_one_call(tiny, rng, monkeypatch):
+    """A long prefill's attention is taken in tiles of queries (its scores bounded): the same logits and
+    cache as one call, for a prefill and for a continuation after it, in a ragged batch."""
+    import hcache.engine.reference as reference
+
+    prompts = [random_prompt(n, tiny.spec.vocab_size, rng) for n in (90, 37)]
+    whole = ReferenceEngine(tiny.model, tiny.spec, num_blocks=16)
+    want = [whole.step([(0, prompts[0][:60]), (1, prompts[1])]), whole.step([(0, prompts[0][60:])])]
+    monkeypatch.setattr(reference, "SCORES", 7 * tiny.spec.num_heads * 90)  # a few queries a tile
+    tiled = ReferenceEngine(tiny.model, tiny.spec, num_blocks=16)
+    got = [tiled.step([(0, prompts[0][:60]), (1, prompts[1])]), tiled.step([(0, prompts[0][60:])])]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    for layer in range(tiny.spec.num_layers):
+        torch.testing.assert_close(tiled.kv(0, layer), whole.kv(0, layer), atol=1e-5, rtol=0)
+
+
 def test_ragged_batch_equals_each_sequence_alone(tiny, rng):
     prompts = [random_prompt(n, tiny.spec.vocab_size, rng) for n in (70, 5, 130)]
     engine = ReferenceEngine(tiny.model, tiny.spec, num_blocks=16)
