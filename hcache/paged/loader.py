@@ -8,9 +8,10 @@ restore does (:func:`~hcache.serving.restore.verify_fetched`), and writes each l
 cache by the request's plan: the stored K/V rows (KV) or K/V rebuilt from the stored hidden states with
 the layer's own weights (H: the engine's ``rebuild``; vLLM's is :mod:`hcache.vllm.hidden`). Rows cross to
 the cache's device as stored (8-bit codes with their scales), one gather per layer, and are decoded there.
-On a GPU the loader's copies and kernels run on the copier's side stream, and the load is reported done
-only once that stream has finished them, so the request's first forward reads complete blocks; the step's
-stream is never synchronised. The blocks of what fell short (a chunk gone, unreadable or bad) are load
+On a GPU the loader's copies run on the copier's side stream, a few layers ahead of the H rebuilds, which
+run on a stream of the loader's own after each copy's event (as every restore is pipelined:
+:meth:`~hcache.transfer.copier.Copier.pipeline`); the load is reported done only once both streams have
+finished, so the request's first forward reads complete blocks; the step's stream is never synchronised. The blocks of what fell short (a chunk gone, unreadable or bad) are load
 errors, which the engine recomputes: nothing unverified is written.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from .. import helper_threads
 from ..model.tensor_parallel import SINGLE
 from ..planning.plan import Method, RestorePlan
+from ..ops.quant import QuantRows
 from ..serving.records import MissReason, PutRestore, SequenceRecord
 from ..serving.restore import RestoreOutcome, gather_runs, lookup_miss, restore_accounting, tokens_by_source, verify_fetched
 from ..serving.store_stack import StoreStack
@@ -80,6 +82,8 @@ class Loader:
         self.stack, self.config, self.block_sizes, self.kernel_block = stack, stack.config, block_sizes, kernel_block
         self.layers, self.rebuild, self.lost, self.plan = layers, rebuild, lost, plan
         self._thread = helper_threads.executor(1, "hcache-paged-load")
+        copier = stack.copier
+        self._stream = torch.cuda.Stream(copier.device) if copier is not None and copier.cuda else None  # H's rebuilds, off the step's stream
         self._inflight: dict[str, tuple[LoadJob, Future]] = {}
 
     def submit(self, job: LoadJob, record: SequenceRecord) -> None:
@@ -157,10 +161,12 @@ class Loader:
     @torch.inference_mode()  # vLLM's caches are inference tensors; grad mode is per thread
     def _write(self, job: LoadJob, images: list, first: int, end: int, plan: RestorePlan, reads: dict[tuple[int, str], range]) -> None:
         """Each layer's K/V of positions ``[job.start, end)`` into the cache (a sliding-window layer's from
-        the first chunk it ``reads`` on), on the copier's side stream: a layer's rows gathered from the pool
-        in one call (one DMA per chunk from pinned slots, on a GPU), decoded, rebuilt where H, and
-        scattered. This thread then waits for the side stream (the step's stream never does): the pool's
-        slots are released after this, and the load reported done."""
+        the first chunk it ``reads`` on), pipelined as every restore is (:meth:`Copier.pipeline`): a layer's
+        rows gathered from the pool in one call on the copier's side stream (one DMA per chunk from pinned
+        slots, on a GPU), KV decoded and scattered there too, while the layers before it that restore by H
+        are decoded, rebuilt and scattered on the loader's own stream, each after its copy's event. This
+        thread then waits for both streams (the step's stream never does): the pool's slots are released
+        after this, and the load reported done."""
         copier = self.stack.copier
         slots = {}  # by group: the first position held in a real block, and the blocks and offsets from there to ``end``
         windowed = {layer.group for layer in self.layers if self.config.spec.window(layer.index) is not None}  # groups holding null blocks
@@ -171,26 +177,50 @@ class Loader:
             held = end if held is None else max(job.start, held * size)
             slots[g] = held, *block_slots(job.block_ids[g], held, end, size, self.kernel_block)
         elements: dict[tuple, torch.Tensor] = {}
-        copier.follow()  # after the kernels queued so far: the blocks may have been another request's
-        with copier.side_stream():
+        jobs = []  # (layer, method, the chunks it reads, its first position written), for the layers that write
+        for layer in self.layers:
+            method = plan.layers[layer.index]
+            chunks = reads[(layer.index, method.value)]
+            begin = max(slots[layer.group][0], (first + chunks.start) * CHUNK_TOKENS)
+            if begin < end:
+                jobs.append((layer, method, chunks, begin))
+
+        def rows_of(layer: PagedLayer, runs: list, chunks: range, begin: int) -> torch.Tensor:
+            decoded = [decode_rows(run, layer.cache.dtype) for run in runs]  # one run, unless chunks were stored in several encodings
+            origin = (first + chunks.start) * CHUNK_TOKENS
+            return (decoded[0] if len(decoded) == 1 else torch.cat(decoded))[begin - origin : end - origin]
+
+        def stage(item: tuple) -> tuple:  # on the side stream: the layer's rows to the device, and KV's written
+            layer, method, chunks, begin = item
+            held, blocks, offsets = slots[layer.group]
+            key = (id(layer.layout), layer.group, begin)
+            if key not in elements:
+                elements[key] = layer.layout.elements(blocks[begin - held :], offsets[begin - held :])
+            runs = gather_runs(copier, [stored_rows(images[j], layer.index, method.value) for j in chunks])
+            if method is Method.H:
+                return runs, elements[key]
+            layer.layout.write(layer.cache, elements[key], rows_of(layer, runs, chunks, begin))
+            return None
+
+        def finish(item: tuple, staged: tuple | None, done) -> None:  # on the loader's stream: H rebuilt after its copy
+            if staged is None:
+                return
+            layer, _, chunks, begin = item
+            runs, where = staged
+            copier.wait(done, where, *(t for run in runs for t in ((run.codes, run.scale) if isinstance(run, QuantRows) else [run])))
+            rows = self.rebuild(layer.index, rows_of(layer, runs, chunks, begin), positions[begin - job.start :])
+            layer.layout.write(layer.cache, where, rows)
+
+        copier.follow()  # both streams after the kernels queued so far: the blocks may have been another request's
+        if self._stream is None:
             positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
-            for layer in self.layers:
-                method = plan.layers[layer.index]
-                chunks = reads[(layer.index, method.value)]
-                held, blocks, offsets = slots[layer.group]
-                begin = max(held, (first + chunks.start) * CHUNK_TOKENS)  # the layer's first position written
-                if begin >= end:
-                    continue
-                runs = gather_runs(copier, [stored_rows(images[j], layer.index, method.value) for j in chunks])
-                decoded = [decode_rows(run, layer.cache.dtype) for run in runs]  # one run, unless chunks were stored in several encodings
-                origin = (first + chunks.start) * CHUNK_TOKENS
-                rows = (decoded[0] if len(decoded) == 1 else torch.cat(decoded))[begin - origin : end - origin]
-                if method is Method.H:
-                    rows = self.rebuild(layer.index, rows, positions[begin - job.start :])
-                key = (id(layer.layout), layer.group, begin)
-                if key not in elements:
-                    elements[key] = layer.layout.elements(blocks[begin - held :], offsets[begin - held :])
-                layer.layout.write(layer.cache, elements[key], rows)
+            copier.pipeline(jobs, stage, finish)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(copier.device))
+            with torch.cuda.stream(self._stream):
+                positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
+                copier.pipeline(jobs, stage, finish)
+            self._stream.synchronize()
         copier.drain()
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -270,38 +270,37 @@ def _restore_layers(
     def origin(layer: int, fmt: str) -> int:  # where the layer's rows begin: its first chunk read (H with TP: all, gathered)
         return reads[(layer, fmt)].start * CHUNK_TOKENS if tp.world_size == 1 or fmt == Method.KV.value else 0
 
-    def stage(layer: int, fmt: str):
-        with copier.side_stream():
-            if fmt == Method.H.value:  # rows past another rank's bad chunk are garbage: the agreement ends the prefix there
-                parts = [stored_rows(images[j], layer, fmt) if j < n else filler for j in reads[(layer, fmt)]]
-                return gather_runs(copier, parts), copier.done()
-            chunks = reads[(layer, fmt)]
-            if chunks:  # one call for the layer: the rows from ``held`` (or its first chunk) to ``stop`` in the last
-                parts = [stored_rows(images[j], layer, fmt) for j in chunks]
-                parts[-1] = parts[-1][: stop - (n - 1) * CHUNK_TOKENS]
-                if chunks.start == 0:
-                    parts[0] = parts[0][held:]
-                engine.restore_kv(uid, layer, parts, max(held, origin(layer, fmt)) - held)
-            return [], copier.done()
+    def stage(job: tuple[int, str]) -> list:
+        layer, fmt = job
+        if fmt == Method.H.value:  # rows past another rank's bad chunk are garbage: the agreement ends the prefix there
+            parts = [stored_rows(images[j], layer, fmt) if j < n else filler for j in reads[(layer, fmt)]]
+            return gather_runs(copier, parts)
+        chunks = reads[(layer, fmt)]
+        if chunks:  # one call for the layer: the rows from ``held`` (or its first chunk) to ``stop`` in the last
+            parts = [stored_rows(images[j], layer, fmt) for j in chunks]
+            parts[-1] = parts[-1][: stop - (n - 1) * CHUNK_TOKENS]
+            if chunks.start == 0:
+                parts[0] = parts[0][held:]
+            engine.restore_kv(uid, layer, parts, max(held, origin(layer, fmt)) - held)
+        return []
 
-    ahead: deque = deque()
-    last = None
-    for i in range(len(jobs)):
-        while len(ahead) < copier.depth and i + len(ahead) < len(jobs):
-            ahead.append(stage(*jobs[i + len(ahead)]))
-        (layer, fmt), (runs, last) = jobs[i], ahead.popleft()
-        if fmt == Method.H.value:
-            copier.wait(last, *(t for run in runs for t in ((run.codes, run.scale) if isinstance(run, QuantRows) else [run])))
-            pieces = [decode_rows(run, dtype) for run in runs]
-            if len(pieces) == 1:  # a layer stored in one encoding: its gathered rows as they are
-                rows = pieces[0]
-            else:  # none (a TP rank with no chunk's H), or chunks stored in several encodings
-                rows = torch.cat(pieces) if pieces else torch.empty(0, spec.hidden_size, dtype=dtype, device=engine.device)
-            rows = tp.gather_in_turn(rows, agreed, CHUNK_TOKENS, first)  # collective: every rank gathers
-            base = origin(layer, fmt)
-            rows = rows[max(held, base) - base : stop - base]
-            if len(rows):
-                engine.restore_from_hidden(uid, layer, rows, max(held, base) - held)
+    def finish(job: tuple[int, str], runs: list, done) -> None:
+        layer, fmt = job
+        if fmt != Method.H.value:
+            return
+        copier.wait(done, *(t for run in runs for t in ((run.codes, run.scale) if isinstance(run, QuantRows) else [run])))
+        pieces = [decode_rows(run, dtype) for run in runs]
+        if len(pieces) == 1:  # a layer stored in one encoding: its gathered rows as they are
+            rows = pieces[0]
+        else:  # none (a TP rank with no chunk's H), or chunks stored in several encodings
+            rows = torch.cat(pieces) if pieces else torch.empty(0, spec.hidden_size, dtype=dtype, device=engine.device)
+        rows = tp.gather_in_turn(rows, agreed, CHUNK_TOKENS, first)  # collective: every rank gathers
+        base = origin(layer, fmt)
+        rows = rows[max(held, base) - base : stop - base]
+        if len(rows):
+            engine.restore_from_hidden(uid, layer, rows, max(held, base) - held)
+
+    last = copier.pipeline(jobs, stage, finish)
     copier.wait(last)  # the KV copies land before anything reads the cache
 
 

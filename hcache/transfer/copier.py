@@ -8,6 +8,8 @@ a CPU the copies run inline and there are no events.
 """
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -65,6 +67,22 @@ class Copier:
         compute.wait_event(event)
         for t in tensors:
             t.record_stream(compute)
+
+    def pipeline(self, jobs: Sequence, stage: Callable, finish: Callable) -> torch.cuda.Event | None:
+        """A restore's layers, bubble-free: ``stage(job)`` (its copies) runs on the side stream up to
+        ``depth`` jobs ahead of ``finish(job, staged, done)``, which runs in order on the caller's stream and
+        waits on ``done`` (:meth:`wait`) before it reads what ``stage`` returned. Returns the last job's
+        event (None on a CPU, or with no jobs)."""
+        ahead: deque = deque()
+        last = None
+        for i, job in enumerate(jobs):
+            while len(ahead) < self.depth and i + len(ahead) < len(jobs):
+                with self.side_stream():
+                    staged = stage(jobs[i + len(ahead)])
+                ahead.append((staged, self.done()))
+            staged, last = ahead.popleft()
+            finish(job, staged, last)
+        return last
 
     def drain(self) -> None:
         """Block the host until every copy issued has finished: the sources may then be reused."""

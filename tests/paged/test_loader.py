@@ -14,6 +14,7 @@ from hcache.model.loader import random_model
 from hcache.model.spec import ModelSpec
 from hcache.paged.layout import PagedLayout, block_slots
 from hcache.paged.loader import Loader, LoadJob, PagedLayer
+from hcache.planning.plan import Method, RestorePlan
 from hcache.serving.records import SequenceRecord
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.storage.stored_state import decode_rows, stored_rows
@@ -65,15 +66,22 @@ def _load(loader: Loader, job: LoadJob) -> tuple[set[int], SequenceRecord]:
     return done[job.req_id], record
 
 
-@pytest.mark.parametrize("plan", ["KV", "H"])
-def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path, rng, plan):
-    spec = model[1]
-    serving, prompt = _saved(model, tmp_path, rng, 4, plan=plan)
+def _rebuild(spec: ModelSpec, rng):
     weight = torch.randn(spec.hidden_size, 2 * spec.kv_dim, generator=rng)
 
     def rebuild(layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # any K/V rule will do
         return (hidden @ weight + positions[:, None] + layer).view(len(hidden), 2, spec.num_kv_heads, spec.head_size)
 
+    return rebuild
+
+
+@pytest.mark.parametrize("plan", ["KV", "H", "2H+1KV"])
+def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path, rng, plan):
+    """Each layer by its plan's method; H's rebuilds run a layer behind the copies (the restore's pipeline)."""
+    spec = model[1]
+    serving, prompt = _saved(model, tmp_path, rng, 4, plan=plan)
+    rebuild = _rebuild(spec, rng)
+    methods = RestorePlan.parse(plan, LAYERS).layers
     layers = _cache(spec, 40)
     loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, layers, rebuild)
     block_ids = [9, 2, 14, 5, 11, 7, 3, 1]  # 32-token blocks, each two 16-token kernel blocks
@@ -81,14 +89,15 @@ def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path
     try:
         errors, record = _load(loader, LoadJob("r", None, prompt[:end], [block_ids], start, end))
         assert not errors and record.restored_tokens == end - start and record.tier_tokens == {"host": end - start}
-        assert record.plan == f"{LAYERS}{plan}" and not record.miss_tokens
+        assert record.plan == str(RestorePlan.parse(plan, LAYERS)) and not record.miss_tokens
         blocks, offsets = block_slots(block_ids, start, end, BLOCK, KERNEL_BLOCK)
-        stored = _stored(serving, chunk_keys(prompt[:end], root_key(serving.fingerprint)), plan)
+        keys = chunk_keys(prompt[:end], root_key(serving.fingerprint))
+        stored = {m: _stored(serving, keys, m) for m in ("H", "KV")}
         positions = torch.arange(start, end)
-        for layer in layers:
+        for layer, method in zip(layers, methods):
             rows = layer.layout.read(layer.cache, layer.layout.elements(blocks, offsets))
-            want = stored[layer.index][start:end]
-            torch.testing.assert_close(rows, rebuild(layer.index, want, positions) if plan == "H" else want, rtol=0, atol=0)
+            want = stored[method.value][layer.index][start:end]
+            torch.testing.assert_close(rows, rebuild(layer.index, want, positions) if method is Method.H else want, rtol=0, atol=0)
         untouched = torch.ones(40 * KERNEL_BLOCK, dtype=torch.bool)
         untouched[blocks * KERNEL_BLOCK + offsets] = False
         assert not layers[0].cache.transpose(1, 2).reshape(-1, spec.num_kv_heads * 2 * spec.head_size)[untouched].any()
@@ -132,16 +141,18 @@ def test_a_corrupt_chunk_ends_the_load_with_its_check_and_is_discarded(model, tm
         serving.close()
 
 
-def test_a_load_never_syncs_its_work_does_not_grow_with_chunks_and_makes_no_stream(model, tmp_path, rng, monkeypatch):
+@pytest.mark.parametrize("plan", ["KV", "H", "2H+1KV"])
+def test_a_load_never_syncs_its_work_does_not_grow_with_chunks_and_makes_no_stream(model, tmp_path, rng, monkeypatch, plan):
     """Counted as tests/serving/test_gpu_budgets.py counts a restore: no host sync from a load's start to its
-    end; the same device ops for 2 chunks as for 6 (per layer one gather, one scatter); and, on the GPU
-    branches, no stream, event or pinned buffer made by a load: it runs on the copier's side stream."""
+    end; the same device ops for 2 chunks as for 6 (per layer one gather, one scatter, and for H one
+    rebuild); and, on the GPU branches, no stream, event or pinned buffer made by a load: its copies run on
+    the copier's side stream, its rebuilds on the loader's stream, both made once."""
     spec = model[1]
     cuda = FakeCuda(monkeypatch)
     counts = {}
     for chunks in (2, 6):
-        serving, prompt = _saved(model, tmp_path / str(chunks), rng, chunks, plan="KV")
-        loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(spec, 40))
+        serving, prompt = _saved(model, tmp_path / str(chunks), rng, chunks, plan=plan)
+        loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(spec, 40), _rebuild(spec, rng))
         made = dict(cuda.made)
         job = LoadJob("r", None, prompt[: chunks * CHUNK_TOKENS], [list(range(2 * chunks))], 0, chunks * CHUNK_TOKENS)
         try:
