@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
         try:
             for batch, history in tqdm([(b, h) for b in batches for h in histories], desc="batch x history", unit="case"):
                 steps: dict[str, list[float]] = {name: [] for name in engines}
-                loading: list[bool] = []  # per paired step: the saving engine's loads were in flight
+                loading: list[bool] = []  # per round of turns: the saving engine's loads were in flight in its turn
                 loaded_from: dict[str, int] = {}
                 for _ in range(args.repeats):
                     returning = [tokens(history) for _ in range(args.loads)]
