@@ -28,9 +28,8 @@ import torch
 from .. import helper_threads
 from ..model.tensor_parallel import SINGLE
 from ..planning.plan import Method, RestorePlan
-from ..ops.quant import QuantRows
 from ..serving.records import MissReason, PutRestore, SequenceRecord
-from ..serving.restore import RestoreOutcome, gather_runs, lookup_miss, restore_accounting, tokens_by_source, verify_fetched
+from ..serving.restore import RestoreOutcome, gather_runs, lookup_miss, restore_accounting, run_tensors, tokens_by_source, verify_fetched
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from ..storage.stored_state import decode_rows, stored_rows
@@ -207,7 +206,7 @@ class Loader:
                 return
             layer, _, chunks, begin = item
             runs, where = staged
-            copier.wait(done, where, *(t for run in runs for t in ((run.codes, run.scale) if isinstance(run, QuantRows) else [run])))
+            copier.wait(done, where, *run_tensors(runs))
             rows = self.rebuild(layer.index, rows_of(layer, runs, chunks, begin), positions[begin - job.start :])
             layer.layout.write(layer.cache, where, rows)
 

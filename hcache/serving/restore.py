@@ -288,7 +288,7 @@ def _restore_layers(
         layer, fmt = job
         if fmt != Method.H.value:
             return
-        copier.wait(done, *(t for run in runs for t in ((run.codes, run.scale) if isinstance(run, QuantRows) else [run])))
+        copier.wait(done, *run_tensors(runs))
         pieces = [decode_rows(run, dtype) for run in runs]
         if len(pieces) == 1:  # a layer stored in one encoding: its gathered rows as they are
             rows = pieces[0]
@@ -313,6 +313,11 @@ def gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[t
         if isinstance(run[0], QuantRows) else copier.gather(run)
         for run in runs
     ]  # fmt: skip
+
+
+def run_tensors(runs: list[torch.Tensor | QuantRows]) -> list[torch.Tensor]:
+    """The device tensors :func:`gather_runs` made: what a stream that reads them must keep alive."""
+    return [t for run in runs for t in ((run.codes, run.scale) if isinstance(run, QuantRows) else (run,))]
 
 
 def verify_fetched(
