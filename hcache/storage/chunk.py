@@ -155,6 +155,7 @@ class ChunkImage:
         self.source = Source.HOST.value  # where it came into host memory from: saved here, or a store's kind
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # ``data`` read as each dtype, the base of its views
+        self._spans: dict[tuple[tuple[int, ...], str], list[tuple[int, int, torch.Tensor]]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -180,6 +181,31 @@ class ChunkImage:
             start = base.storage_offset() + e.offset // e.dtype.itemsize  # offsets are 64-byte aligned
             view = self._views[(layer, fmt)] = base.as_strided(e.shape, e.strides, start)
         return view
+
+    def spans(self, layers: tuple[int, ...], fmt: str) -> list[tuple[int, int, torch.Tensor]]:
+        """The rows of format ``fmt`` of ``layers`` in as few views as the layout allows: ``(i, j, view)``,
+        ``view`` ``[j - i, 64, *row]`` holding those of ``layers[i:j]``, alike and evenly spaced in the image
+        (a layer-major image spaces every layer's tensors alike where the layers store the same). Layers the
+        chunk does not hold are left out. Made once for each ``layers``: a saver asks every decode step."""
+        spans = self._spans.get((layers, fmt))
+        if spans is None:
+            spans, entries, i = [], self.layout.entries, 0
+            while i < len(layers):
+                first = entries.get((layers[i], fmt))
+                if first is None:
+                    i += 1
+                    continue
+                j, step = i + 1, first.nbytes
+                while j < len(layers) and (e := entries.get((layers[j], fmt))) is not None and (e.shape, e.dtype) == (first.shape, first.dtype):
+                    gap = e.offset - entries[(layers[j - 1], fmt)].offset
+                    if gap <= 0 or (j > i + 1 and gap != step):
+                        break
+                    step, j = gap, j + 1
+                view = self.tensor(layers[i], fmt)  # offsets are 64-byte aligned: ``step`` is a whole number of elements
+                spans.append((i, j, view.as_strided((j - i, *first.shape), (step // first.dtype.itemsize, *first.strides), view.storage_offset())))
+                i = j
+            self._spans[(layers, fmt)] = spans
+        return spans
 
     def seal(self, key: str | None = None, tokens: list[int] | None = None, parent: str = "") -> None:
         """Write the header (checksums of the rows as they are now), naming the chunk first if ``key`` is

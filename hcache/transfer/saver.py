@@ -3,12 +3,14 @@ without stalling the forward pass.
 
 Stage 1, on the forward's thread. When a batch begins, every chunk its rows reach gets a host-pool slot
 (:meth:`~hcache.storage.host_tier.HostTier.create`: it waits, counted, only while the pool is full of
-chunks still being written back). On a CPU each layer's rows then go straight into those slots, one batched
-copy per layer. On a GPU they go into a device copy of the chunk's image instead (one batched copy per
-layer, on the compute stream: the engine may reuse its buffer in the next layer), and a chunk crosses to
-its pinned slot once, whole, when its last row is in: one copy on a save stream that the forward never
-waits for, where copying each batch's rows would make one small PCIe copy per sequence and layer at every
-decode step.
+chunks still being written back). Each layer's rows are held back in a buffer the saver keeps (one copy:
+the engine may reuse its own in the next layer), up to :data:`RUN_BYTES` of them, and then each sequence's
+rows of that run of layers go to its chunk in one strided copy, all sequences' in one batched call: at a
+decode step, where each sequence computes a row, copying a layer at a time would cost a call per sequence
+and layer. On a CPU the rows go straight into the chunks' slots. On a GPU they go into a device copy of
+the chunk's image instead (on the compute stream), and a chunk crosses to its pinned slot once, whole,
+when its last row is in: one copy on a save stream that the forward never waits for, where copying each
+batch's rows would make one small PCIe copy per sequence and run at every decode step.
 
 Stage 2, bookkeeping. Once a batch's copies have landed (at once on a CPU, or when no chunk crossed to the
 host; after the save stream's event on a GPU, on a stage-2 thread), every chunk whose 64 rows are all there
@@ -38,6 +40,11 @@ from ..storage.host_tier import HostTier
 from ..storage.stored_state import TensorSpec
 
 log = logging.getLogger(__name__)
+
+# Rows of one format a batch holds back before copying them to their chunks. A layer's rows larger than
+# half of it (a long prefill's) are copied as they come: there a copy per layer costs little more.
+RUN_BYTES = 8 << 20
+
 
 @dataclass
 class _Chunk:
@@ -71,10 +78,19 @@ class _Piece:
 
 
 @dataclass
+class _Run:
+    """One format's rows of the layers handed over since its last copy: ``rows[k]`` are ``layers[k]``'s."""
+
+    layers: list[int]
+    rows: torch.Tensor  # [room, T, *row], a view of the saver's buffer for the format
+
+
+@dataclass
 class _Batch:
     pieces: list[_Piece]
     dead: list[_Chunk]  # chunks that can no longer fill: given back once this batch's copies have landed
     delivered: set[tuple[int, str]] = field(default_factory=set)  # (layer, format) the forward handed over
+    runs: dict[str, _Run] = field(default_factory=dict)  # by format: rows held back, not yet in their chunks
 
 
 def _split(pos: int, row: int, length: int):
@@ -117,6 +133,7 @@ class ChunkSaver:
         self._stage2: ThreadPoolExecutor | None = None  # made on the first GPU batch
         self._save_stream = None
         self._events: list = []  # GPU: fired events, for the next batches to record
+        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}  # RUN_BYTES for each format's runs, made once
 
     @property
     def stalls(self) -> int:
@@ -206,17 +223,39 @@ class ChunkSaver:
         self._batch = _Batch(pieces, dead) if pieces or dead else None
 
     def on_layer(self, layer: int, rows: dict[str, torch.Tensor]) -> None:
+        """Layer ``layer``'s rows of the batch by format, each ``[T, *row]``; copied (on the current stream)
+        before this returns, into the format's run or straight to the chunks: the engine may reuse them next."""
         batch = self._batch
         if batch is None:
             return
         for fmt, t in rows.items():
             batch.delivered.add((layer, fmt))
-            self._copy(batch, layer, fmt, t)  # on the current (compute) stream: the engine may reuse t next
+            run = batch.runs.get(fmt)
+            if run is not None and (len(run.layers) == len(run.rows) or (run.rows.shape[1:], run.rows.dtype, run.rows.device) != (t.shape, t.dtype, t.device)):
+                self._flush(batch, fmt)
+                run = None
+            if run is None:
+                room = RUN_BYTES // max(t.nbytes, 1)
+                if room < 2:
+                    self._copy(batch, (layer,), fmt, t[None])
+                    continue
+                buffer = self._buffers.get((fmt, t.device))
+                if buffer is None:
+                    buffer = self._buffers[(fmt, t.device)] = torch.empty(RUN_BYTES, dtype=torch.uint8, device=t.device)
+                run = batch.runs[fmt] = _Run([], buffer[: room * t.nbytes].view(t.dtype).view(room, *t.shape))
+            run.rows[len(run.layers)].copy_(t)
+            run.layers.append(layer)
+
+    def _flush(self, batch: _Batch, fmt: str) -> None:
+        run = batch.runs.pop(fmt)
+        self._copy(batch, tuple(run.layers), fmt, run.rows[: len(run.layers)])
 
     def end_batch(self) -> None:
         batch, self._batch = self._batch, None
         if batch is None:
             return
+        for fmt in list(batch.runs):
+            self._flush(batch, fmt)
         if batch.pieces and batch.delivered != self._names:  # a capture that skipped a layer: its rows are not all there
             log.error("saver: a forward pass handed over %d of %d layer tensors; its chunks are not saved",
                       len(batch.delivered & self._names), len(self._names))  # fmt: skip
@@ -265,19 +304,24 @@ class ChunkSaver:
             self._give_back(batch.dead)
 
     # ---- the copies and stage 2 -----------------------------------------------------------------------
-    def _copy(self, batch: _Batch, layer: int, fmt: str, src: torch.Tensor) -> None:
-        """The layer's rows into each piece's chunk: its staged image on the rows' device, or its slot."""
+    def _copy(self, batch: _Batch, layers: tuple[int, ...], fmt: str, src: torch.Tensor) -> None:
+        """The rows of ``layers`` (``src[k]``: ``layers[k]``'s) into each piece's chunk: its staged image on
+        the rows' device, or its slot; a piece's rows of layers evenly spaced in its chunk in one copy."""
         stage = device_copy.uses_streams(src.device) if self.stage is None else self.stage
         dst, rows = [], []
         for p in batch.pieces:
             chunk = p.chunk
-            if chunk.image is None or not chunk.image.has(layer, fmt):
+            if chunk.image is None:
                 continue
-            if stage and chunk.staged is None:  # one per chunk, from the caching allocator
-                data = torch.empty(chunk.image.layout.nbytes, dtype=torch.uint8, device=src.device)
-                chunk.staged = ChunkImage(data, chunk.image.layout, self.fingerprint)
-            dst.append((chunk.staged if stage else chunk.image).tensor(layer, fmt)[p.offset : p.offset + p.n])
-            rows.append(src[p.row : p.row + p.n])
+            spans = chunk.image.spans(layers, fmt)
+            if spans and stage:
+                if chunk.staged is None:  # one per chunk, from the caching allocator
+                    data = torch.empty(chunk.image.layout.nbytes, dtype=torch.uint8, device=src.device)
+                    chunk.staged = ChunkImage(data, chunk.image.layout, self.fingerprint)
+                spans = chunk.staged.spans(layers, fmt)
+            for i, j, view in spans:
+                dst.append(view[:, p.offset : p.offset + p.n])
+                rows.append(src[i:j, p.row : p.row + p.n])
         if dst:
             torch._foreach_copy_(dst, rows, non_blocking=True)  # one call for the batch's pieces
 
