@@ -16,6 +16,7 @@ from hcache.storage.chunk import decode
 from hcache.storage.chunk_key import CHUNK_TOKENS, KeyChain, chunk_keys, root_key
 from hcache.storage.disk_store import DiskChunkStore
 from hcache.storage.host_tier import HostTier
+from hcache.transfer import saver as saver_module
 from hcache.transfer.saver import ChunkSaver
 from hcache.storage.store_config import StoreConfig
 from hcache.storage.host_pool import HostPool
@@ -23,6 +24,7 @@ from hcache.storage.host_pool import HostPool
 FP = "saver-test"
 LAYERS = 3
 TENSORS = [(layer, fmt, shape, torch.float32) for layer in range(LAYERS) for fmt, shape in (("H", (8,)), ("KV", (2, 2, 4)))]
+MIXED = [t for t in TENSORS if t[:2] != (1, "H")]  # layer 1 stores no H: the layers' tensors are not evenly spaced
 
 
 def _rows(uid: int, positions: range, layer: int) -> dict[str, torch.Tensor]:
@@ -35,10 +37,11 @@ def _tier(path, pool_bytes: int = 16 << 20) -> HostTier:
     return HostTier([DiskChunkStore(path, fsync=False)], HostPool(pool_bytes), readers=0)
 
 
-def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int, int]]) -> None:
+def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int, int]], tensors: list = TENSORS) -> None:
     """Feed the saver like the serving engine and an engine would: each step processes some tokens of some
     sequences as a batch, after the sequence's key chain has taken them."""
     done = {uid: 0 for uid in streams}
+    stored = {t[:2] for t in tensors}
     chains = {uid: KeyChain(root_key(FP, str(uid))) for uid in streams}
     for uid in streams:
         saver.open(uid, chains[uid])
@@ -53,13 +56,13 @@ def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int,
         saver.begin_batch(segments)
         for layer in range(LAYERS):
             rows = [_rows(uid, positions, layer) for uid, positions in parts]
-            saver.on_layer(layer, {fmt: torch.cat([r[fmt] for r in rows]) for fmt in ("H", "KV")})
+            saver.on_layer(layer, {fmt: torch.cat([r[fmt] for r in rows]) for fmt in ("H", "KV") if (layer, fmt) in stored})
         saver.end_batch()
     for uid in streams:
         saver.close(uid)
 
 
-def _check_store(tier: HostTier, streams: dict[int, list[int]], processed: dict[int, int]) -> int:
+def _check_store(tier: HostTier, streams: dict[int, list[int]], processed: dict[int, int], tensors: list = TENSORS) -> int:
     """Every chunk is right in memory and, once written back, on disk."""
     tier.flush()
     checked = 0
@@ -69,28 +72,33 @@ def _check_store(tier: HostTier, streams: dict[int, list[int]], processed: dict[
             image = tier.fetch(key).result()
             on_disk = decode(read_back(tier.stores[0], key), key)
             assert image.tokens == on_disk.tokens == tokens[c * CHUNK_TOKENS : (c + 1) * CHUNK_TOKENS]
-            for layer in range(LAYERS):
-                expected = _rows(uid, range(c * CHUNK_TOKENS, (c + 1) * CHUNK_TOKENS), layer)
-                for fmt in ("H", "KV"):
-                    assert torch.equal(image.tensor(layer, fmt), expected[fmt])
-                    assert torch.equal(on_disk.tensors[(layer, fmt)], expected[fmt])
+            assert set(on_disk.tensors) == {t[:2] for t in tensors}
+            for layer, fmt, *_ in tensors:
+                expected = _rows(uid, range(c * CHUNK_TOKENS, (c + 1) * CHUNK_TOKENS), layer)[fmt]
+                assert torch.equal(image.tensor(layer, fmt), expected)
+                assert torch.equal(on_disk.tensors[(layer, fmt)], expected)
             tier.release(image)
             checked += 1
     return checked
 
 
+# run_bytes: rows held back as the saver does (None), in runs of at most 2 layers for a decode step's KV and
+# 4 for its H and copied as they come for the prefill's (700), or copied as they come always (1).
 @pytest.mark.parametrize("stage", [False, True])  # True: the GPU's way, rows staged on their device until a chunk is full
-def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, stage):
+@pytest.mark.parametrize("tensors, run_bytes", [(TENSORS, None), (TENSORS, 700), (TENSORS, 1), (MIXED, None)], ids=["runs", "short-runs", "no-runs", "mixed"])
+def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, stage, tensors, run_bytes, monkeypatch):
+    if run_bytes is not None:
+        monkeypatch.setattr(saver_module, "RUN_BYTES", run_bytes)
     tier = _tier(tmp_path)
-    saver = ChunkSaver(tier, FP, TENSORS, stage=stage)
+    saver = ChunkSaver(tier, FP, tensors, stage=stage)
     streams = {uid: random_prompt(300, 1000, rng) for uid in range(5)}
     # a prefill of uneven lengths (chunks straddle batches), then decode steps of one token each
     steps = [{uid: 37 + 20 * uid for uid in streams}]
     steps += [{uid: 1 for uid in streams if 37 + 20 * uid + k < 300} for k in range(300 - 37)]
     steps = [s for s in steps if s]
-    _run(saver, streams, steps)
+    _run(saver, streams, steps, tensors)
     processed = {uid: 300 for uid in streams}
-    assert _check_store(tier, streams, processed) == 5 * (300 // 64) == saver.chunks_published
+    assert _check_store(tier, streams, processed, tensors) == 5 * (300 // 64) == saver.chunks_published
     assert saver.save_errors == 0 and len(tier.keys()) == saver.chunks_published  # no partial chunk stored
     assert tier.pool.used_bytes == saver.chunks_published * tier.pool.view(tier.fetch(tier.keys()[0]).result().slot).numel()
     saver.shutdown()
@@ -207,5 +215,23 @@ def test_a_chunk_finished_by_a_restore_gives_its_slot_back_at_once(tmp_path, rng
     assert tier.pool.used_bytes == held  # chunk 0's slot went back; chunk 1 took one of the same size
     saver.close(0)
     assert tier.pool.used_bytes == 0 and saver.chunks_published == 0
+    saver.shutdown()
+    tier.close()
+
+
+@pytest.mark.parametrize("tensors", [TENSORS, MIXED], ids=["alike", "mixed"])
+def test_a_decode_step_copies_each_sequences_rows_once_a_format_not_once_a_layer(tmp_path, rng, monkeypatch, tensors):
+    """A prefill of 70 tokens (two chunks each) and a decode step, of 5 sequences over 3 layers: each one
+    batched copy per format, of one strided run of layers per chunk a sequence reaches (two where layer 1
+    stores no H, which breaks the KV tensors' even spacing), rather than one copy per layer."""
+    calls = []
+    copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src, **kw: (calls.append(len(dst)), copy(dst, src, **kw)))
+    tier = _tier(tmp_path)
+    saver = ChunkSaver(tier, FP, tensors)
+    streams = {uid: random_prompt(71, 1000, rng) for uid in range(5)}
+    _run(saver, streams, [{uid: 70 for uid in streams}, {uid: 1 for uid in streams}], tensors)
+    kv_spans = 1 if tensors is TENSORS else 2  # KV: layers 0-1, then 2; H: layers 0 and 2, evenly spaced
+    assert sorted(calls) == sorted([10, 10 * kv_spans, 5, 5 * kv_spans]), f"copies (tensors each) in a prefill and a decode step: {calls}"
     saver.shutdown()
     tier.close()
