@@ -12,7 +12,7 @@ oneDNN and drops the plain weight; quantized layers keep them quantized), so its
 that has them, and it rounds as the forward does.
 
 The capture is a forward pre-hook on each ``qkv_proj``: it keeps the rows of this step's computed tokens,
-found by their cache slots in the forward's slot mapping (:meth:`HiddenLayers.select`), so the forward's
+found by their cache slots in the forward's slot mapping (:mod:`hcache.vllm.batch_rows`), so the forward's
 batch order does not matter. Hooks run only in eager mode: with torch.compile or CUDA graphs they would
 not, so the settings refuse H there (:mod:`hcache.vllm.settings`).
 """
@@ -27,6 +27,7 @@ from torch import nn
 
 from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
+from .batch_rows import batch_rows
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +116,8 @@ class HiddenLayers:
         if slots is None:  # a micro-batched forward: the saver finds its H layers missing and saves none of it
             log.warning("hcache: this forward has no slot mapping for %s; its hidden states are not saved", self._slot_layer)
             return None
-        ours = self._slots.to(slots.device, slots.dtype)
-        order = torch.argsort(slots)
-        rows = order[torch.searchsorted(slots[order], ours).clamp(max=len(slots) - 1)]
-        if not torch.equal(slots[rows], ours):
+        rows = batch_rows(slots, self._slots)
+        if rows is None:
             log.error("hcache: this step's tokens are not all in the forward's slot mapping; their hidden states are not saved")
             return None
         return rows.to(device)

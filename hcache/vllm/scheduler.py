@@ -94,8 +94,10 @@ class SchedulerSide:
                 continue
             resumed = req_id in cached.resumed_req_ids
             added = [list(g) for g in cached.new_block_ids[i] or ()] or [[] for _ in tracked.block_ids]
-            blocks = added if resumed else [held + more for held, more in zip(tracked.block_ids, added)]
-            metadata.requests.append(self._step(req_id, tracked, blocks, resumed, cached.num_computed_tokens[i], scheduled))
+            if not resumed:
+                for held, more in zip(tracked.block_ids, added):
+                    held.extend(more)
+            metadata.requests.append(self._step(req_id, tracked, added if resumed else tracked.block_ids, resumed, cached.num_computed_tokens[i], scheduled))
         return metadata
 
     def _step(self, req_id: str, tracked: _Tracked, block_ids: list[list[int]], new: bool, computed: int, scheduled: dict[str, int]) -> RequestStep:
@@ -105,7 +107,8 @@ class SchedulerSide:
             tracked.sent = 0
         tracked.block_ids = block_ids
         tokens = list(tracked.request.all_token_ids[tracked.sent : computed + length])
-        step = RequestStep(req_id, self.namespace(tracked.request), new, tokens, block_ids, computed, length, tracked.misses)
+        held = [ids[computed // size : -(-(computed + length) // size)] for ids, size in zip(block_ids, self.setup.block_sizes)]
+        step = RequestStep(req_id, self.namespace(tracked.request), new, tokens, held, computed, length, tracked.misses)
         tracked.sent += len(tokens)
         tracked.misses = {}
         return step

@@ -4,8 +4,9 @@ scheduler what its tiers hold.
 
 Each step, when vLLM binds the scheduler's metadata (before the forward), the step's new loads go to the
 loader, and the saver opens the step's batch. After each attention layer has written the new tokens' K/V,
-:meth:`WorkerSide.save_layer` reads them back and hands them, with the layer's captured input where hidden
-states are saved, to the saver, which fills host-pool chunks off the forward's path and writes them back
+:meth:`WorkerSide.save_layer` takes them from what the backend's cache write was given (or, for a backend
+that writes inside its attention, reads them back out of the cache) and hands them, with the layer's
+captured input where hidden states are saved, to the saver, which fills host-pool chunks off the forward's path and writes them back
 to the stores in the background. After the forward, the loads finished meanwhile are reported to vLLM
 (with the blocks they could not load, which vLLM recomputes), and the chunks the tiers gained or lost since
 the last step to the scheduler's index.
@@ -33,6 +34,7 @@ from ..serving.records import PutRestore, SequenceRecord, log_requests
 from ..serving.restore import anchor_label, first_chunk_miss, store_miss
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, content_key, root_key
+from .batch_rows import batch_rows
 from .hidden import HiddenLayers, registering_model
 from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
 from .settings import VllmSetup, uses_hidden_states
@@ -99,6 +101,9 @@ class WorkerSide:
         self._computing: list[tuple[RequestStep, _Sequence]] = []  # this step's requests with tokens to compute
         self._computed: dict[int, tuple] = {}  # (blocks, offsets) of the tokens this step computes, by KV cache group
         self._elements: dict[tuple[int, int], torch.Tensor] = {}  # this step's computed tokens' element indices, by layout and group
+        self._written: dict[str, tuple] = {}  # layer name -> (K, V, slot mapping) its cache write was given this step
+        self._rows: dict[tuple, torch.Tensor | None] = {}  # this step's tokens' rows in a slot mapping, by group and mapping
+        self._captures: list = []  # backends whose cache write is captured
         self._hidden_group = 0  # the group of the layer whose slot mapping finds the captured rows
         self._kernel_block = 0  # tokens in a block of the cache tensors (vLLM may split its blocks into smaller ones)
         self._hidden: HiddenLayers | None = None  # the model's layers, where hidden states are saved or restored
@@ -121,6 +126,7 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         layouts: dict[tuple, PagedLayout] = {}
+        writes = {}
         for name, cache in kv_caches.items():
             module = self._attention.get(name)
             write = getattr(getattr(module, "impl", None), "do_kv_cache_update", None)
@@ -129,6 +135,8 @@ class WorkerSide:
                 layouts[signature] = (
                     PagedLayout.probe(lambda k, v, c, s: write(module, k, v, c, s), cache) if write is not None else PagedLayout.split_kv(cache)
                 )
+            if write is not None:
+                writes[name] = module.impl, write
             index = extract_layer_index(name)
             self._layers[name] = PagedLayer(index, cache, layouts[signature], self.setup.groups[index])
             self._kernel_block = cache.shape[2]
@@ -142,16 +150,33 @@ class WorkerSide:
             layers = {layer.index: name for name, layer in self._layers.items()}
             self._hidden = HiddenLayers(spec, registering_model(self._attention), layers, saved if self.stack.saver else frozenset())
             self._hidden_group = self.setup.groups[next(iter(layers))]  # HiddenLayers finds rows by its first layer's slots
+        if self.stack.capture is not None:
+            for name, (impl, write) in writes.items():
+                self._capture_writes(name, impl, write)
         if self.stack.store is not None:
             rebuild = self._hidden.rebuild if self._hidden is not None else None
             lost = lambda key, reason: self._changes.append((key, reason))  # noqa: E731
             self._loader = Loader(self.stack, self.setup.block_sizes, self._kernel_block, list(self._layers.values()), rebuild, lost)
 
+    def _capture_writes(self, name: str, impl, write) -> None:
+        """Keep what the backend's cache write of layer ``name`` is given while a step saves: the forward's new
+        K and V (as ``[T, heads, head_size]``, what the cache holds, in the model's dtype), and its slot
+        mapping. Reading them back out of the cache instead is a gather through memory the attention has
+        since moved on from: 6% of a CPU decode step at 16 requests, where this costs two row selections."""
+
+        def capturing(layer, key, value, cache, slot_mapping):
+            write(layer, key, value, cache, slot_mapping)
+            if self._computing:
+                self._written[name] = key, value, slot_mapping
+
+        impl.do_kv_cache_update = capturing  # vLLM calls it through the impl, from its cache-update op
+        self._captures.append(impl)
+
     # ---- each step --------------------------------------------------------------------------------------
     def begin_step(self, metadata: HCacheStepMetadata) -> None:
         """Before the forward: the step's loads handed to the loader, sequences opened or continued, their
         misses recorded, and the saver's batch begun."""
-        self._elements, self._idle = {}, not metadata.requests
+        self._elements, self._written, self._rows, self._idle = {}, {}, {}, not metadata.requests
         for job in metadata.loads:
             self._loader.submit(job, self._records.setdefault(job.req_id, SequenceRecord()))
         requests = [(step, self._sequence(step)) for step in metadata.requests]
@@ -159,7 +184,7 @@ class WorkerSide:
         if not self._computing:
             return
         for g, size in enumerate(self.setup.block_sizes):
-            slots = [block_slots(step.block_ids[g], step.start, step.start + step.length, size, self._kernel_block) for step, _ in self._computing]
+            slots = [block_slots(step.block_ids[g], step.start % size, step.start % size + step.length, size, self._kernel_block) for step, _ in self._computing]
             self._computed[g] = tuple(torch.cat(parts) for parts in zip(*slots))
         if self.stack.saver is not None:
             if self._hidden is not None:
@@ -197,11 +222,26 @@ class WorkerSide:
         hidden = self._hidden.captured(layer.index) if self._hidden is not None else None
         if hidden is None and Format.H in self.config.save_formats[layer.index]:
             return
+        written = self._written.pop(name, None)
+        rows = self._batch_rows(layer.group, written[2]) if written is not None else None
+        if rows is not None:
+            k, v = written[0], written[1]
+            self.stack.capture.on_layer(layer.index, hidden, lambda: torch.stack((k.index_select(0, rows), v.index_select(0, rows)), dim=1))
+            return
         key = (id(layer.layout), layer.group)
         if key not in self._elements:  # made by the step's first layer of a group, on the cache's device, used by every layer of it
             self._elements[key] = layer.layout.elements(*self._computed[layer.group])
         elements = self._elements[key]
         self.stack.capture.on_layer(layer.index, hidden, lambda: layer.layout.read(cache, elements))
+
+    def _batch_rows(self, group: int, mapping: torch.Tensor) -> torch.Tensor | None:
+        """This step's computed tokens' rows in a forward's ``mapping`` of group ``group``: found once for
+        the step's layers of the group that share it (None: not all there, a micro-batch's)."""
+        key = (group, mapping.data_ptr(), len(mapping))
+        if key not in self._rows:
+            blocks, offsets = self._computed[group]
+            self._rows[key] = batch_rows(mapping, blocks * self._kernel_block + offsets)
+        return self._rows[key]
 
     def end_step(self) -> None:
         """After the forward: the saver's batch lands."""
@@ -209,7 +249,7 @@ class WorkerSide:
             self.stack.saver.end_batch()
         for step, _ in self._computing:
             self._records.setdefault(step.req_id, SequenceRecord()).computed_tokens += step.length
-        self._computing, self._computed, self._elements = [], {}, {}
+        self._computing, self._computed, self._elements, self._written, self._rows = [], {}, {}, {}, {}
         if self._hidden is not None:
             self._hidden.select(None)
 
@@ -267,6 +307,9 @@ class WorkerSide:
         return HCacheWorkerMetadata(changes, failed) if changes or failed else None
 
     def close(self) -> None:
+        for impl in self._captures:
+            del impl.do_kv_cache_update  # the backend's own again
+        self._captures = []
         if self._loader is not None:
             self._loader.close()
         if self._hidden is not None:
