@@ -38,7 +38,7 @@ class PagedLayout:
     def __init__(self, offsets: torch.Tensor, block_stride: int, strided: bool = False):
         self.offsets, self.block_stride, self.strided = offsets.to(torch.int64), block_stride, strided
         self.block_size, _, self.num_heads, self.head_size = offsets.shape
-        self._flat: dict[tuple, torch.Tensor] = {}  # each cache's storage, flat: made once (asking a tensor its storage costs a decode step's gather)
+        self._flat: dict[tuple, torch.Tensor] = {}  # each cache's storage, flat, made once: asking a tensor for its storage costs as much as a decode step's gather
 
     @classmethod
     def split_kv(cls, cache: torch.Tensor) -> "PagedLayout":
@@ -124,11 +124,24 @@ class PagedLayout:
         else:
             self._storage(cache).put_(elements, rows)
 
-def block_slots(block_ids: list[int], start: int, end: int, block_size: int, kernel_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache blocks and offsets in them of positions ``[start, end)`` of a request holding ``block_ids``
-    (blocks of ``block_size`` tokens): vLLM may split its blocks into smaller kernel blocks of
-    ``kernel_block`` tokens, which the cache tensors hold."""
-    positions = torch.arange(start, end)
-    ids = torch.tensor(block_ids, dtype=torch.int64)[positions // block_size]
+def block_slots(spans: list[tuple[list[int], int, int]], block_size: int, kernel_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache blocks and offsets in them of positions ``[start, end)`` of each request in ``spans``
+    (``(block_ids, start, end)``: it holds ``block_ids``, blocks of ``block_size`` tokens), one request after
+    another: vLLM may split its blocks into smaller kernel blocks of ``kernel_block`` tokens, which the cache
+    tensors hold. The same few operations for a step's requests, however many: a decode step's each take
+    one token."""
+    ids, first_block, first, rows = [], [], [], []  # per request: where its block ids and positions begin
+    total = 0
+    for block_ids, start, end in spans:
+        first_block.append(len(ids))
+        ids += block_ids
+        first.append(start)
+        rows.append(total)
+        total += end - start
+    row_of = torch.tensor(rows, dtype=torch.int64)
+    index = torch.arange(total)
+    request = torch.searchsorted(row_of, index, right=True) - 1  # each position's request (past any that has none)
+    positions = index - row_of[request] + torch.tensor(first, dtype=torch.int64)[request]
+    blocks = torch.tensor(ids, dtype=torch.int64)[positions // block_size + torch.tensor(first_block, dtype=torch.int64)[request]]
     within = positions % block_size
-    return ids * (block_size // kernel_block) + within // kernel_block, within % kernel_block
+    return blocks * (block_size // kernel_block) + within // kernel_block, within % kernel_block

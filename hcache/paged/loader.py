@@ -174,7 +174,7 @@ class Loader:
             real = range(job.start // size, -(-end // size))
             held = next((b for b in real if job.block_ids[g][b] != NULL_BLOCK), None) if g in windowed else real.start
             held = end if held is None else max(job.start, held * size)
-            slots[g] = held, *block_slots(job.block_ids[g], held, end, size, self.kernel_block)
+            slots[g] = held, *block_slots([(job.block_ids[g], held, end)], size, self.kernel_block)
         elements: dict[tuple, torch.Tensor] = {}
         jobs = []  # (layer, method, the chunks it reads, its first position written), for the layers that write
         for layer in self.layers:

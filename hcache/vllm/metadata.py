@@ -15,8 +15,8 @@ class RequestStep:
     ends (all of them when ``new``: a new request, or one resumed after preemption, whose KV starts again).
     Positions ``[start, start + length)`` are computed by the forward, and saved. ``block_ids``: the KV
     blocks that hold them, in order, in each KV cache group, from the block holding ``start`` (the step's,
-    not the request's: a decode step sends one a group, whatever the history). ``misses: on a request's first step, the stored-prefix tokens the
-    scheduler did not offer, by :class:`~hcache.serving.records.MissReason`."""
+    not the request's: a decode step sends one a group, whatever the history). ``misses``: on a request's
+    first step, the stored-prefix tokens the scheduler did not offer, by :class:`~hcache.serving.records.MissReason`."""
 
     req_id: str
     namespace: str | None

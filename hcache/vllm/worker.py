@@ -6,10 +6,10 @@ Each step, when vLLM binds the scheduler's metadata (before the forward), the st
 loader, and the saver opens the step's batch. After each attention layer has written the new tokens' K/V,
 :meth:`WorkerSide.save_layer` takes them from what the backend's cache write was given (or, for a backend
 that writes inside its attention, reads them back out of the cache) and hands them, with the layer's
-captured input where hidden states are saved, to the saver, which fills host-pool chunks off the forward's path and writes them back
-to the stores in the background. After the forward, the loads finished meanwhile are reported to vLLM
-(with the blocks they could not load, which vLLM recomputes), and the chunks the tiers gained or lost since
-the last step to the scheduler's index.
+captured input where hidden states are saved, to the saver, which fills host-pool chunks off the
+forward's path and writes them back to the stores in the background. After the forward, the loads
+finished meanwhile are reported to vLLM (with the blocks they could not load, which vLLM recomputes), and
+the chunks the tiers gained or lost since the last step to the scheduler's index.
 """
 from __future__ import annotations
 
@@ -184,8 +184,8 @@ class WorkerSide:
         if not self._computing:
             return
         for g, size in enumerate(self.setup.block_sizes):
-            slots = [block_slots(step.block_ids[g], step.start % size, step.start % size + step.length, size, self._kernel_block) for step, _ in self._computing]
-            self._computed[g] = tuple(torch.cat(parts) for parts in zip(*slots))
+            spans = [(step.block_ids[g], step.start % size, step.start % size + step.length) for step, _ in self._computing]
+            self._computed[g] = block_slots(spans, size, self._kernel_block)
         if self.stack.saver is not None:
             if self._hidden is not None:
                 blocks, offsets = self._computed[self._hidden_group]

@@ -90,7 +90,7 @@ def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path
         errors, record = _load(loader, LoadJob("r", None, prompt[:end], [block_ids], start, end))
         assert not errors and record.restored_tokens == end - start and record.tier_tokens == {"host": end - start}
         assert record.plan == str(RestorePlan.parse(plan, LAYERS)) and not record.miss_tokens
-        blocks, offsets = block_slots(block_ids, start, end, BLOCK, KERNEL_BLOCK)
+        blocks, offsets = block_slots([(block_ids, start, end)], BLOCK, KERNEL_BLOCK)
         keys = chunk_keys(prompt[:end], root_key(serving.fingerprint))
         stored = {m: _stored(serving, keys, m) for m in ("H", "KV")}
         positions = torch.arange(start, end)
