@@ -13,8 +13,9 @@ class LayerCapture(Protocol):
     """Receives, once per layer per batch, the whole batch's normalised layer input and its K/V.
 
     ``hidden`` is ``[T, D]``, a view of a buffer the engine reuses: copy what you keep before returning.
-    ``kv()`` returns ``[T, 2, n_kv_heads, head_size]``: K (rotated, as in the cache) and V. It reads them back
-    from the cache, so a capture that saves only hidden states never pays for that read.
+    ``kv()`` returns ``[T, 2, n_kv_heads, head_size]``: K (rotated, as in the cache) and V, in a tensor of its
+    own (no one else writes it; it may be a view of one). It reads them back from the cache or copies them
+    from what the cache write was given, so a capture that saves only hidden states never pays for that.
     """
 
     def begin_batch(self, segments: list[Segment]) -> None: ...

@@ -71,7 +71,8 @@ class SaveCapture:
             rows[Method.H.value] = hidden
         if Method.KV.value in self.formats[layer]:
             rows[Method.KV.value] = kv()  # [T, 2, n_kv, head]: the stored KV layout
-        self.saver.on_layer(layer, encode_rows(rows, self.encodings))
+        encoded = encode_rows(rows, self.encodings)
+        self.saver.on_layer(layer, encoded, keep=[fmt for fmt, t in encoded.items() if t is not hidden])  # all made here but the engine's hidden
 
     def end_batch(self) -> None:
         self.saver.end_batch()

@@ -4,7 +4,8 @@ without stalling the forward pass.
 Stage 1, on the forward's thread. When a batch begins, every chunk its rows reach gets a host-pool slot
 (:meth:`~hcache.storage.host_tier.HostTier.create`: it waits, counted, only while the pool is full of
 chunks still being written back). Each layer's rows are held back in a buffer the saver keeps (one copy:
-the engine may reuse its own in the next layer), up to :data:`RUN_BYTES` of them, and then each sequence's
+the engine may reuse its own in the next layer; rows made for the saver, K/V copied out of the engine's
+cache, are kept as they are and stacked into it at once), up to :data:`RUN_BYTES` of them, and then each sequence's
 rows of that run of layers go to its chunk in one strided copy, all sequences' in one batched call: at a
 decode step, where each sequence computes a row, copying a layer at a time would cost a call per sequence
 and layer. On a CPU the rows go straight into the chunks' slots. On a GPU they go into a device copy of
@@ -23,9 +24,11 @@ A chunk's key comes from the sequence's key chain, which the serving engine owns
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -79,10 +82,13 @@ class _Piece:
 
 @dataclass
 class _Run:
-    """One format's rows of the layers handed over since its last copy: ``rows[k]`` are ``layers[k]``'s."""
+    """One format's rows of the layers handed over since its last copy: ``rows[k]`` are ``layers[k]``'s, or,
+    where the saver keeps the tensors it is handed, ``kept[k]`` is, stacked into ``rows`` when the run is
+    copied."""
 
     layers: list[int]
     rows: torch.Tensor  # [room, T, *row], a view of the saver's buffer for the format
+    kept: list[torch.Tensor] | None  # None: each layer's rows copied into ``rows`` as they come
 
 
 @dataclass
@@ -127,6 +133,7 @@ class ChunkSaver:
         self._tensors = [TensorSpec(*t) for t in tensors]
         self._layouts: dict[frozenset[tuple[int, str]], ChunkLayout] = {}
         self._names = {(layer, fmt) for layer, fmt, *_ in tensors}
+        self._layers = Counter(fmt for _, fmt in self._names)  # layers storing each format: a run never holds more
         self._seqs: dict[int, _Sequence] = {}
         self._batch: _Batch | None = None
         self._lock = threading.Lock()
@@ -222,33 +229,43 @@ class ChunkSaver:
                 pieces.append(_Piece(seq, chunk, offset, row, n))
         self._batch = _Batch(pieces, dead) if pieces or dead else None
 
-    def on_layer(self, layer: int, rows: dict[str, torch.Tensor]) -> None:
+    def on_layer(self, layer: int, rows: dict[str, torch.Tensor], keep: Collection[str] = ()) -> None:
         """Layer ``layer``'s rows of the batch by format, each ``[T, *row]``; copied (on the current stream)
-        before this returns, into the format's run or straight to the chunks: the engine may reuse them next."""
+        before this returns, into the format's run or straight to the chunks: the engine may reuse them next.
+        ``keep``: formats whose tensors were made for the saver (nobody else writes them), held as they are
+        until their run is copied, with the run's other kept tensors in one call: at a decode step a layer's
+        copy costs more in calls than in bytes."""
         batch = self._batch
         if batch is None:
             return
         for fmt, t in rows.items():
             batch.delivered.add((layer, fmt))
-            run = batch.runs.get(fmt)
-            if run is not None and (len(run.layers) == len(run.rows) or (run.rows.shape[1:], run.rows.dtype, run.rows.device) != (t.shape, t.dtype, t.device)):
+            run, kept = batch.runs.get(fmt), fmt in keep
+            if run is not None and (len(run.layers) == len(run.rows) or (run.kept is not None) != kept
+                                    or (run.rows.shape[1:], run.rows.dtype, run.rows.device) != (t.shape, t.dtype, t.device)):  # fmt: skip
                 self._flush(batch, fmt)
                 run = None
             if run is None:
-                room = RUN_BYTES // max(t.nbytes, 1)
+                room = min(RUN_BYTES // max(t.nbytes, 1), self._layers[fmt])
                 if room < 2:
                     self._copy(batch, (layer,), fmt, t[None])
                     continue
                 buffer = self._buffers.get((fmt, t.device))
                 if buffer is None:
                     buffer = self._buffers[(fmt, t.device)] = torch.empty(RUN_BYTES, dtype=torch.uint8, device=t.device)
-                run = batch.runs[fmt] = _Run([], buffer[: room * t.nbytes].view(t.dtype).view(room, *t.shape))
-            run.rows[len(run.layers)].copy_(t)
+                run = batch.runs[fmt] = _Run([], buffer[: room * t.nbytes].view(t.dtype).view(room, *t.shape), [] if kept else None)
+            if kept:
+                run.kept.append(t)
+            else:
+                run.rows[len(run.layers)].copy_(t)
             run.layers.append(layer)
 
     def _flush(self, batch: _Batch, fmt: str) -> None:
         run = batch.runs.pop(fmt)
-        self._copy(batch, tuple(run.layers), fmt, run.rows[: len(run.layers)])
+        rows = run.rows[: len(run.layers)]
+        if run.kept is not None:
+            torch.stack(run.kept, out=rows)
+        self._copy(batch, tuple(run.layers), fmt, rows)
 
     def end_batch(self) -> None:
         batch, self._batch = self._batch, None
@@ -309,7 +326,7 @@ class ChunkSaver:
         the rows' device, or its slot; a piece's rows of layers evenly spaced in its chunk in one copy."""
         stage = device_copy.uses_streams(src.device) if self.stage is None else self.stage
         dst, rows = [], []
-        for p in batch.pieces:
+        for p, piece in zip(batch.pieces, self._pieces(batch, src)):
             chunk = p.chunk
             if chunk.image is None:
                 continue
@@ -321,9 +338,16 @@ class ChunkSaver:
                 spans = chunk.staged.spans(layers, fmt)
             for i, j, view in spans:
                 dst.append(view[:, p.offset : p.offset + p.n])
-                rows.append(src[i:j, p.row : p.row + p.n])
+                rows.append(piece if (i, j) == (0, len(layers)) else piece[i:j])
         if dst:
             torch._foreach_copy_(dst, rows, non_blocking=True)  # one call for the batch's pieces
+
+    @staticmethod
+    def _pieces(batch: _Batch, src: torch.Tensor) -> list[torch.Tensor]:
+        """Each piece's rows of ``src`` (``[layers, T, *row]``), cut in one call rather than a slice each."""
+        cuts = sorted({0, src.shape[1]} | {p.row for p in batch.pieces} | {p.row + p.n for p in batch.pieces})
+        parts = dict(zip(cuts, src.split([b - a for a, b in itertools.pairwise(cuts)], dim=1)))  # pieces never overlap
+        return [parts[p.row] for p in batch.pieces]
 
     def _land_when(self, landed: torch.cuda.Event, batch: _Batch) -> None:
         try:

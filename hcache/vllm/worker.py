@@ -3,11 +3,11 @@ paged cache off the step (:mod:`hcache.paged.loader`), saves what the forward co
 scheduler what its tiers hold.
 
 Each step, when vLLM binds the scheduler's metadata (before the forward), the step's new loads go to the
-loader, and the saver opens the step's batch. After each attention layer has written the new tokens' K/V,
-:meth:`WorkerSide.save_layer` takes them from what the backend's cache write was given (or, for a backend
-that writes inside its attention, reads them back out of the cache) and hands them, with the layer's
-captured input where hidden states are saved, to the saver, which fills host-pool chunks off the
-forward's path and writes them back to the stores in the background. After the forward, the loads
+loader, and the saver opens the step's batch. As each attention layer's cache write is given the new
+tokens' K/V, the worker hands them (with the layer's captured input, where hidden states are saved) to the
+saver, which fills host-pool chunks off the forward's path and writes them back to the stores in the
+background; for a backend that writes inside its attention, :meth:`WorkerSide.save_layer` reads them back
+out of the cache after the layer's attention instead. After the forward, the loads
 finished meanwhile are reported to vLLM (with the blocks they could not load, which vLLM recomputes), and
 the chunks the tiers gained or lost since the last step to the scheduler's index.
 """
@@ -18,6 +18,7 @@ import logging
 import os
 import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from ..serving.records import PutRestore, SequenceRecord, log_requests
 from ..serving.restore import anchor_label, first_chunk_miss, store_miss
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, content_key, root_key
-from .batch_rows import batch_rows
+from .batch_rows import batch_rows, in_order
 from .hidden import HiddenLayers, registering_model
 from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
 from .settings import VllmSetup, uses_hidden_states
@@ -101,8 +102,8 @@ class WorkerSide:
         self._computing: list[tuple[RequestStep, _Sequence]] = []  # this step's requests with tokens to compute
         self._computed: dict[int, tuple] = {}  # (blocks, offsets) of the tokens this step computes, by KV cache group
         self._elements: dict[tuple[int, int], torch.Tensor] = {}  # this step's computed tokens' element indices, by layout and group
-        self._written: dict[str, tuple] = {}  # layer name -> (K, V, slot mapping) its cache write was given this step
-        self._rows: dict[tuple, torch.Tensor | None] = {}  # this step's tokens' rows in a slot mapping, by group and mapping
+        self._handed: set[str] = set()  # layers whose cache write handed this step's rows to the saver
+        self._rows: dict[tuple, tuple] = {}  # this step's tokens' rows in a slot mapping (found, rows), by group and mapping
         self._captures: list = []  # backends whose cache write is captured
         self._hidden_group = 0  # the group of the layer whose slot mapping finds the captured rows
         self._kernel_block = 0  # tokens in a block of the cache tensors (vLLM may split its blocks into smaller ones)
@@ -159,15 +160,18 @@ class WorkerSide:
             self._loader = Loader(self.stack, self.setup.block_sizes, self._kernel_block, list(self._layers.values()), rebuild, lost)
 
     def _capture_writes(self, name: str, impl, write) -> None:
-        """Keep what the backend's cache write of layer ``name`` is given while a step saves: the forward's new
-        K and V (as ``[T, heads, head_size]``, what the cache holds, in the model's dtype), and its slot
-        mapping. Reading them back out of the cache instead is a gather through memory the attention has
-        since moved on from: 6% of a CPU decode step at 16 requests, where this costs two row selections."""
+        """Hand layer ``name``'s rows to the saver as its backend's cache write is given them, while a step
+        saves: the forward's new K and V (as ``[T, heads, head_size]``, what the cache holds, in the model's
+        dtype), found in the batch by the write's slot mapping. Right after that write the few calls that copy
+        them run on warm caches; after the layer's attention (``save_kv_layer``) each costs ten times as
+        much on a CPU, the attention having evicted the code and data they touch, and reading the rows back
+        out of the cache is a gather through memory it has moved on from (6% of a CPU decode step at 16
+        requests)."""
 
         def capturing(layer, key, value, cache, slot_mapping):
             write(layer, key, value, cache, slot_mapping)
             if self._computing:
-                self._written[name] = key, value, slot_mapping
+                self._hand_over(name, key, value, slot_mapping)
 
         impl.do_kv_cache_update = capturing  # vLLM calls it through the impl, from its cache-update op
         self._captures.append(impl)
@@ -176,7 +180,7 @@ class WorkerSide:
     def begin_step(self, metadata: HCacheStepMetadata) -> None:
         """Before the forward: the step's loads handed to the loader, sequences opened or continued, their
         misses recorded, and the saver's batch begun."""
-        self._elements, self._written, self._rows, self._idle = {}, {}, {}, not metadata.requests
+        self._elements, self._handed, self._rows, self._idle = {}, set(), {}, not metadata.requests
         for job in metadata.loads:
             self._loader.submit(job, self._records.setdefault(job.req_id, SequenceRecord()))
         requests = [(step, self._sequence(step)) for step in metadata.requests]
@@ -212,35 +216,55 @@ class WorkerSide:
             self._records.setdefault(step.req_id, SequenceRecord()).add(PutRestore(misses=misses))
         return seq
 
+    def _hand_over(self, name: str, key: torch.Tensor, value: torch.Tensor, mapping: torch.Tensor) -> None:
+        """Layer ``name``'s K/V rows from its cache write, if the write holds all of this step's tokens (a
+        micro-batch's does not: :meth:`save_layer` reads them back once the layer is whole)."""
+        layer = self._layers[name]
+        found, rows = self._batch_rows(layer.group, mapping)
+        if not found or name in self._handed:
+            return
+
+        def kv() -> torch.Tensor:  # [T, 2, H, C] of the saver's own: one operation a layer when in order
+            both = torch.stack((key, value), dim=1)
+            return both if rows is None else both.index_select(0, rows)
+
+        self._handed.add(name)
+        self._give(layer, kv)
+
     def save_layer(self, name: str, cache: torch.Tensor) -> None:
-        """After layer ``name``'s attention wrote this step's K/V: its hidden states and K/V rows to the
-        saver. A layer whose hidden states were not captured hands over nothing, and the saver saves none of
-        this step's chunks (it logs a forward that skipped a layer)."""
-        if not self._computing or self.stack.capture is None or name not in self._layers:
+        """After layer ``name``'s attention wrote this step's K/V: its rows to the saver, read back out of
+        ``cache``, unless its cache write handed them over (:meth:`_capture_writes`)."""
+        if not self._computing or self.stack.capture is None or name not in self._layers or name in self._handed:
             return
         layer = self._layers[name]
-        hidden = self._hidden.captured(layer.index) if self._hidden is not None else None
-        if hidden is None and Format.H in self.config.save_formats[layer.index]:
-            return
-        written = self._written.pop(name, None)
-        rows = self._batch_rows(layer.group, written[2]) if written is not None else None
-        if rows is not None:
-            k, v = written[0], written[1]
-            self.stack.capture.on_layer(layer.index, hidden, lambda: torch.stack((k.index_select(0, rows), v.index_select(0, rows)), dim=1))
-            return
         key = (id(layer.layout), layer.group)
         if key not in self._elements:  # made by the step's first layer of a group, on the cache's device, used by every layer of it
             self._elements[key] = layer.layout.elements(*self._computed[layer.group])
         elements = self._elements[key]
-        self.stack.capture.on_layer(layer.index, hidden, lambda: layer.layout.read(cache, elements))
+        self._give(layer, lambda: layer.layout.read(cache, elements))
 
-    def _batch_rows(self, group: int, mapping: torch.Tensor) -> torch.Tensor | None:
-        """This step's computed tokens' rows in a forward's ``mapping`` of group ``group``: found once for
-        the step's layers of the group that share it (None: not all there, a micro-batch's)."""
+    def _give(self, layer: PagedLayer, kv: Callable[[], torch.Tensor]) -> None:
+        """``layer``'s hidden states and K/V (``kv()``, called if it saves them) to the saver. A layer whose
+        hidden states were not captured hands over nothing, and the saver saves none of this step's chunks
+        (it logs a forward that skipped a layer)."""
+        hidden = self._hidden.captured(layer.index) if self._hidden is not None else None
+        if hidden is None and Format.H in self.config.save_formats[layer.index]:
+            return
+        self.stack.capture.on_layer(layer.index, hidden, kv)
+
+    def _batch_rows(self, group: int, mapping: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+        """Whether this step's computed tokens are all in a forward's ``mapping`` of group ``group`` (not in a
+        micro-batch's), and their rows in it (None: the batch is theirs, in order, as a decode step's
+        usually is); found once for the step's layers of the group that share it."""
         key = (group, mapping.data_ptr(), len(mapping))
         if key not in self._rows:
             blocks, offsets = self._computed[group]
-            self._rows[key] = batch_rows(mapping, blocks * self._kernel_block + offsets)
+            slots = blocks * self._kernel_block + offsets
+            if in_order(mapping, slots):
+                self._rows[key] = True, None
+            else:
+                rows = batch_rows(mapping, slots)
+                self._rows[key] = rows is not None, rows
         return self._rows[key]
 
     def end_step(self) -> None:
@@ -249,7 +273,7 @@ class WorkerSide:
             self.stack.saver.end_batch()
         for step, _ in self._computing:
             self._records.setdefault(step.req_id, SequenceRecord()).computed_tokens += step.length
-        self._computing, self._computed, self._elements, self._written, self._rows = [], {}, {}, {}, {}
+        self._computing, self._computed, self._elements, self._handed, self._rows = [], {}, {}, set(), {}
         if self._hidden is not None:
             self._hidden.select(None)
 

@@ -37,9 +37,10 @@ def _tier(path, pool_bytes: int = 16 << 20) -> HostTier:
     return HostTier([DiskChunkStore(path, fsync=False)], HostPool(pool_bytes), readers=0)
 
 
-def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int, int]], tensors: list = TENSORS) -> None:
+def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int, int]], tensors: list = TENSORS, keep: tuple = ()) -> None:
     """Feed the saver like the serving engine and an engine would: each step processes some tokens of some
-    sequences as a batch, after the sequence's key chain has taken them."""
+    sequences as a batch, after the sequence's key chain has taken them. ``keep``: formats whose rows are
+    handed over as the saver's to keep (an engine's K/V copied for it), the others as a buffer to copy."""
     done = {uid: 0 for uid in streams}
     stored = {t[:2] for t in tensors}
     chains = {uid: KeyChain(root_key(FP, str(uid))) for uid in streams}
@@ -56,7 +57,7 @@ def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int,
         saver.begin_batch(segments)
         for layer in range(LAYERS):
             rows = [_rows(uid, positions, layer) for uid, positions in parts]
-            saver.on_layer(layer, {fmt: torch.cat([r[fmt] for r in rows]) for fmt in ("H", "KV") if (layer, fmt) in stored})
+            saver.on_layer(layer, {fmt: torch.cat([r[fmt] for r in rows]) for fmt in ("H", "KV") if (layer, fmt) in stored}, keep=keep)
         saver.end_batch()
     for uid in streams:
         saver.close(uid)
@@ -85,8 +86,9 @@ def _check_store(tier: HostTier, streams: dict[int, list[int]], processed: dict[
 # run_bytes: rows held back as the saver does (None), in runs of at most 2 layers for a decode step's KV and
 # 4 for its H and copied as they come for the prefill's (700), or copied as they come always (1).
 @pytest.mark.parametrize("stage", [False, True])  # True: the GPU's way, rows staged on their device until a chunk is full
-@pytest.mark.parametrize("tensors, run_bytes", [(TENSORS, None), (TENSORS, 700), (TENSORS, 1), (MIXED, None)], ids=["runs", "short-runs", "no-runs", "mixed"])
-def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, stage, tensors, run_bytes, monkeypatch):
+@pytest.mark.parametrize("tensors, run_bytes, keep", [(TENSORS, None, ()), (TENSORS, None, ("KV",)), (TENSORS, 700, ("KV",)), (TENSORS, 1, ()), (MIXED, None, ("KV",))],
+                         ids=["runs", "runs-kept", "short-runs-kept", "no-runs", "mixed-kept"])  # fmt: skip
+def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, stage, tensors, run_bytes, keep, monkeypatch):
     if run_bytes is not None:
         monkeypatch.setattr(saver_module, "RUN_BYTES", run_bytes)
     tier = _tier(tmp_path)
@@ -96,7 +98,7 @@ def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, 
     steps = [{uid: 37 + 20 * uid for uid in streams}]
     steps += [{uid: 1 for uid in streams if 37 + 20 * uid + k < 300} for k in range(300 - 37)]
     steps = [s for s in steps if s]
-    _run(saver, streams, steps, tensors)
+    _run(saver, streams, steps, tensors, keep)
     processed = {uid: 300 for uid in streams}
     assert _check_store(tier, streams, processed, tensors) == 5 * (300 // 64) == saver.chunks_published
     assert saver.save_errors == 0 and len(tier.keys()) == saver.chunks_published  # no partial chunk stored
@@ -219,19 +221,34 @@ def test_a_chunk_finished_by_a_restore_gives_its_slot_back_at_once(tmp_path, rng
     tier.close()
 
 
+@pytest.mark.parametrize("keep", [(), ("KV",)], ids=["copied", "kv-kept"])
 @pytest.mark.parametrize("tensors", [TENSORS, MIXED], ids=["alike", "mixed"])
-def test_a_decode_step_copies_each_sequences_rows_once_a_format_not_once_a_layer(tmp_path, rng, monkeypatch, tensors):
+def test_a_decode_step_copies_each_sequences_rows_once_a_format_not_once_a_layer(tmp_path, rng, monkeypatch, tensors, keep):
     """A prefill of 70 tokens (two chunks each) and a decode step, of 5 sequences over 3 layers: each one
     batched copy per format, of one strided run of layers per chunk a sequence reaches (two where layer 1
-    stores no H, which breaks the KV tensors' even spacing), rather than one copy per layer."""
-    calls = []
-    copy = torch._foreach_copy_
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src, **kw: (calls.append(len(dst)), copy(dst, src, **kw)))
+    stores no H, which breaks the KV tensors' even spacing), rather than one copy per layer. Rows handed over
+    to be kept are not copied as they come, but in one call for the run's layers when it is copied."""
+    calls, copied, stacked = [], [], []
+    foreach_copy, copy, stack = torch._foreach_copy_, torch.Tensor.copy_, torch.stack
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src, **kw: (calls.append(len(dst)), foreach_copy(dst, src, **kw)))
+    monkeypatch.setattr(torch, "stack", lambda tensors, *a, **kw: (stacked.append(len(tensors)), stack(tensors, *a, **kw))[1])
     tier = _tier(tmp_path)
     saver = ChunkSaver(tier, FP, tensors)
+    hand_over = saver.on_layer
+
+    def on_layer(layer, rows, keep=()):  # the copies a layer's hand-over makes, by the rows' width (not the write-back's, on threads of its own)
+        caller = threading.get_ident()
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "copy_", lambda dst, src, **kw: (threading.get_ident() == caller and copied.append(dst.shape[-1]), copy(dst, src, **kw))[1])
+            hand_over(layer, rows, keep)
+
+    saver.on_layer = on_layer
     streams = {uid: random_prompt(71, 1000, rng) for uid in range(5)}
-    _run(saver, streams, [{uid: 70 for uid in streams}, {uid: 1 for uid in streams}], tensors)
+    _run(saver, streams, [{uid: 70 for uid in streams}, {uid: 1 for uid in streams}], tensors, keep)
     kv_spans = 1 if tensors is TENSORS else 2  # KV: layers 0-1, then 2; H: layers 0 and 2, evenly spaced
     assert sorted(calls) == sorted([10, 10 * kv_spans, 5, 5 * kv_spans]), f"copies (tensors each) in a prefill and a decode step: {calls}"
+    assert stacked == ([LAYERS, LAYERS] if keep else []), "each step's kept K/V rows into their run in one call"
+    h_layers = sum(fmt == "H" for _, fmt, *_ in tensors)
+    assert sorted(copied) == sorted([8] * 2 * h_layers + ([] if keep else [4] * 2 * LAYERS)), "a layer's rows copied as they come: H's (8 wide), KV's unless kept"
     saver.shutdown()
     tier.close()
