@@ -84,7 +84,8 @@ def _check_store(tier: HostTier, streams: dict[int, list[int]], processed: dict[
 
 
 # run_bytes: rows held back as the saver does (None), in runs of at most 2 layers for a decode step's KV and
-# 4 for its H and copied as they come for the prefill's (700), or copied as they come always (1).
+# all 3 for its H and copied as they come for the prefill's (700), or copied as they come always (1); K/V
+# handed over to be kept, or copied as they come (keep).
 @pytest.mark.parametrize("stage", [False, True])  # True: the GPU's way, rows staged on their device until a chunk is full
 @pytest.mark.parametrize("tensors, run_bytes, keep", [(TENSORS, None, ()), (TENSORS, None, ("KV",)), (TENSORS, 700, ("KV",)), (TENSORS, 1, ()), (MIXED, None, ("KV",))],
                          ids=["runs", "runs-kept", "short-runs-kept", "no-runs", "mixed-kept"])  # fmt: skip
