@@ -46,8 +46,9 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Yes: each layer's K/V is kept in Python as the backend's cache write is given it and saved after its
-        attention (``save_kv_layer``), both of which a full CUDA graph would skip. vLLM asks this whenever it builds a config with CUDA graphs on (a GPU's default): first in
+        """Yes: each layer's K/V is handed to the saver in Python as the backend's cache write is given it (or
+        read back after its attention, ``save_kv_layer``), which a full CUDA graph would skip. vLLM asks this
+        whenever it builds a config with CUDA graphs on (a GPU's default): first in
         the process that starts it, before any weights load, where hcache's settings are checked. The store's
         directories are not: a config rebuilt later (speculative decoding's, in the worker) would find them
         held by this very engine."""
