@@ -3,7 +3,9 @@ shared server or filesystem), which are tried in order.
 
 - **Save.** The saver lays a chunk out in a slot (:meth:`HostTier.create`) and writes its rows there; when
   the chunk is complete it is published (:meth:`HostTier.publish`): restorable from memory at once, and
-  written back to every store by writer threads, straight from the slot.
+  written back to every store by writer threads, straight from the slot. A chain reaches each store in
+  order: a chunk's write-back waits for that of the chunk it continues, so a store's quota keeps a chain's
+  start whichever writer is quicker, and no store holds a chunk before the one it continues.
 - **Restore.** :meth:`HostTier.fetch` serves a chunk in the pool at once; a miss is read from the first
   store that has it by a reader thread with one request into a new slot, and its checksums are verified
   then, once: a chunk in the pool is trusted from then on. A chunk found in a lower store is promoted: it
@@ -26,6 +28,7 @@ import errno
 import logging
 import threading
 import time
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -51,6 +54,8 @@ class HostPoolFull(OSError):
 
 
 DEFAULT_WRITERS = 2
+
+_WriteBack = tuple[ChunkImage, list[ChunkStore], bool]  # a chunk, the stores to write it to, whether to seal it first
 
 
 @dataclass
@@ -86,6 +91,8 @@ class HostTier:
         self._values = Values()  # what publishers said keeping each chunk saves
         self._loading: dict[str, Future] = {}
         self._writebacks = 0
+        self._writing: Counter[str] = Counter()  # write-backs of each key not ended yet
+        self._behind: defaultdict[str, list[_WriteBack]] = defaultdict(list)  # waiting for a key's write-backs
         self._readers = helper_threads.executor(readers, "hcache-load") if readers else None
         self._writers = helper_threads.executor(writers, "hcache-writeback")
         self._uses = Uses(self.stores, self._writers, self._cond)
@@ -302,14 +309,36 @@ class HostTier:
 
     def _write_behind(self, image: ChunkImage, stores: list[ChunkStore], *, seal: bool = False) -> None:
         """With the lock held: hand the caller's reference to ``image`` to a writer thread that writes it
-        to ``stores`` (``seal``: first writing its header)."""
+        to ``stores`` (``seal``: first writing its header), once the write-backs of its parent have ended."""
         self._writebacks += 1
-        try:
-            self._writers.submit(self._write_back, image, stores, seal)
-        except RuntimeError:  # shut down: the chunk stays in memory only
-            self._writebacks -= 1
-            self._drop_ref(image)
-            self._cond.notify_all()
+        self._writing[image.key] += 1
+        job = (image, stores, seal)
+        if image.parent in self._writing:
+            self._behind[image.parent].append(job)
+        else:
+            self._submit([job])
+
+    def _submit(self, jobs: list[_WriteBack]) -> None:
+        """With the lock held: start write-backs. Once the writers are shut down, each is given up (its chunk
+        stays in memory only), and so are those waiting for it."""
+        while jobs:
+            job = jobs.pop()
+            try:
+                self._writers.submit(self._write_back, *job)
+            except RuntimeError:
+                jobs.extend(self._ended(job[0]))
+
+    def _ended(self, image: ChunkImage) -> list[_WriteBack]:
+        """With the lock held: a write-back of ``image`` ended or was given up; the write-backs that waited
+        for the last of its key's."""
+        self._writebacks -= 1
+        self._drop_ref(image)
+        self._cond.notify_all()
+        self._writing[image.key] -= 1
+        if self._writing[image.key]:
+            return []
+        del self._writing[image.key]
+        return self._behind.pop(image.key, [])
 
     def _write_back(self, image: ChunkImage, stores: list[ChunkStore], seal: bool) -> None:
         try:
@@ -333,9 +362,7 @@ class HostTier:
                         log.warning("could not write chunk %s to %s (%s); %d write(s) failed so far", image.key, _label(store), exc, errors)
         finally:
             with self._cond:
-                self._writebacks -= 1
-                self._drop_ref(image)
-                self._cond.notify_all()
+                self._submit(self._ended(image))
 
     def flush(self) -> None:
         """Wait until every published chunk has been written back to every store (or has failed to be),

@@ -281,3 +281,33 @@ def test_a_write_back_replaces_a_stored_copy_whose_header_disagrees(tmp_path, ki
     tier.flush()
     check_served(store, c.key, c)
     tier.close()
+
+
+def test_a_chain_is_written_back_in_order_so_a_quota_keeps_its_start(tmp_path, monkeypatch):
+    """With two writers, a chunk's write must not reach the store before that of the chunk it continues:
+    else the third of a chain can take the quota's room while the second is on its way, and the quota (which
+    keeps a chain's start) refuses the second instead."""
+    chain = [chunk(i) for i in range(3)]
+    size = len(encode(chain[0]))
+    tier = HostTier([DiskChunkStore(tmp_path, quota_bytes=2 * size + size // 2, fsync=False)], HostPool(4 * -(-size // PAGE) * PAGE), writers=2)
+    order, put = [], tier.stores[0].put
+
+    def slow_second(key, *a):
+        if key == chain[1].key:
+            time.sleep(0.3)  # the second chunk's writer is slower than the first's
+        order.append(key)
+        put(key, *a)
+
+    monkeypatch.setattr(tier.stores[0], "put", slow_second)
+    parent = ""
+    for c in chain:
+        image = tier.create(_layout_of(c), FINGERPRINT)
+        for name, t in c.tensors.items():
+            image.tensor(*name).copy_(t)
+        tier.publish(image, c.key, c.tokens, parent=parent)
+        parent = c.key
+    tier.flush()
+    assert order == [c.key for c in chain]
+    assert [tier.stores[0].contains(c.key) for c in chain] == [True, True, False]
+    assert tier.stores[0].gone(chain[2].key) is Loss.EVICTED
+    tier.close()
