@@ -25,7 +25,7 @@ from ..storage.anchor_log import ANCHORS_FILE, AnchorLog
 from ..storage.chunk import ChunkLayout
 from ..storage.host_tier import HostTier
 from ..storage.prefetch import Prefetcher
-from ..storage.stored_state import Encodings, base_format, encode_rows, stored_tensors
+from ..storage.stored_state import Encodings, base_format, encode_rows, stored_names, stored_tensors
 from ..storage.tp_ownership import stores
 from ..transfer.copier import Copier
 from ..transfer.saver import ChunkSaver
@@ -57,25 +57,36 @@ def recompute_cost(config: ResolvedConfig) -> Callable[[int, int], float]:
 
 class SaveCapture:
     """The engine's per-layer rows to the saver, in the formats saved for each layer, encoded on the rows'
-    device (:func:`~hcache.storage.stored_state.encode_rows`)."""
+    device (:func:`~hcache.storage.stored_state.encode_rows`). An engine that keeps every K/V row of a
+    running sequence (vLLM's paged cache) gives ``read_kv`` instead of handing K/V over by layer."""
 
     def __init__(self, saver: ChunkSaver, formats: list[frozenset[str]], encodings: Encodings):
         self.saver, self.formats, self.encodings = saver, formats, encodings
+        self.kv_layers = [layer for layer, saved in enumerate(formats) if Method.KV.value in saved]
+        self._kv_names = stored_names(Method.KV.value, encodings)
+        self._read_kv: Callable[[list[Segment], list[int]], torch.Tensor] | None = None
 
-    def begin_batch(self, segments: list[Segment]) -> None:
-        self.saver.begin_batch(segments)
+    def begin_batch(self, segments: list[Segment], read_kv: Callable[[list[Segment], list[int]], torch.Tensor] | None = None) -> None:
+        """``read_kv(segments, layers)``: the K/V rows of ``segments`` of ``layers``, ``[layers, T, 2, n_kv,
+        head]``, which the engine still holds when this batch ends: then K/V are read once a chunk fills, not
+        handed over by layer."""
+        self._read_kv = read_kv if self.kv_layers else None
+        self.saver.begin_batch(segments, later=self._kv_names if self._read_kv is not None else ())
 
-    def on_layer(self, layer: int, hidden: torch.Tensor, kv: Callable[[], torch.Tensor]) -> None:
+    def on_layer(self, layer: int, hidden: torch.Tensor | None, kv: Callable[[], torch.Tensor] | None) -> None:
+        """``hidden``: the layer's input rows, where it saves H; ``kv()``: its K/V rows, unless ``read_kv`` reads them."""
         rows = {}
         if Method.H.value in self.formats[layer]:
             rows[Method.H.value] = hidden
-        if Method.KV.value in self.formats[layer]:
+        if Method.KV.value in self.formats[layer] and self._read_kv is None:
             rows[Method.KV.value] = kv()  # [T, 2, n_kv, head]: the stored KV layout
         encoded = encode_rows(rows, self.encodings)
         self.saver.on_layer(layer, encoded, keep=[fmt for fmt, t in encoded.items() if t is not hidden])  # all made here but the engine's hidden
 
     def end_batch(self) -> None:
-        self.saver.end_batch()
+        read = self._read_kv
+        self._read_kv = None
+        self.saver.end_batch((lambda segments: encode_rows({Method.KV.value: read(segments, self.kv_layers)}, self.encodings)) if read else None)
 
 
 class StoreStack:

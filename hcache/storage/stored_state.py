@@ -100,6 +100,11 @@ def scale_format(fmt: str) -> str:
     return f"{fmt}.scale"
 
 
+def stored_names(fmt: str, encodings: Encodings) -> frozenset[str]:
+    """The tensors a chunk holds of format ``fmt``: its rows, and their scales where it is stored encoded."""
+    return frozenset({fmt, scale_format(fmt)} if fmt in encodings else {fmt})
+
+
 def base_format(name: str) -> str:
     """The format a stored tensor belongs to (``"KV.scale"`` -> ``"KV"``)."""
     return name.split(".", 1)[0]

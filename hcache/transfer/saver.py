@@ -8,10 +8,14 @@ the engine may reuse its own in the next layer; rows made for the saver, K/V cop
 cache, are kept as they are and stacked into it at once), up to :data:`RUN_BYTES` of them, and then each sequence's
 rows of that run of layers go to its chunk in one strided copy, all sequences' in one batched call: at a
 decode step, where each sequence computes a row, copying a layer at a time would cost a call per sequence
-and layer. On a CPU the rows go straight into the chunks' slots. On a GPU they go into a device copy of
-the chunk's image instead (on the compute stream), and a chunk crosses to its pinned slot once, whole,
-when its last row is in: one copy on a save stream that the forward never waits for, where copying each
-batch's rows would make one small PCIe copy per sequence and run at every decode step.
+and layer. An engine that keeps rows of its own until a sequence ends (vLLM's paged cache holds every K/V
+row of a running request) need not hand them over at all: a batch names those formats ``later``, and the
+chunks it fills have their rows of them read out of the engine once, every layer's together, when the batch
+ends; a decode step that fills no chunk then costs nothing per layer. On a CPU the rows go straight into
+the chunks' slots. On a GPU they go into a device copy of the chunk's image instead (on the compute stream),
+and a chunk crosses to its pinned slot once, whole, when its last row is in: one copy on a save stream that
+the forward never waits for, where copying each batch's rows would make one small PCIe copy per sequence
+and run at every decode step.
 
 Stage 2, bookkeeping. Once a batch's copies have landed (at once on a CPU, or when no chunk crossed to the
 host; after the save stream's event on a GPU, on a stage-2 thread), every chunk whose 64 rows are all there
@@ -27,7 +31,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,6 +66,7 @@ PartialChunk = _Chunk  # a finished sequence's trailing chunk, kept to be resume
 
 @dataclass
 class _Sequence:
+    uid: int
     chain: KeyChain
     chunks: dict[int, _Chunk] = field(default_factory=dict)  # by the chunk's index in the sequence
     in_flight: list[Future] = field(default_factory=list)  # stage 2 of batches not yet landed (GPU)
@@ -95,6 +99,7 @@ class _Run:
 class _Batch:
     pieces: list[_Piece]
     dead: list[_Chunk]  # chunks that can no longer fill: given back once this batch's copies have landed
+    later: frozenset[str]  # formats not handed over: read for the chunks the batch fills when it ends
     delivered: set[tuple[int, str]] = field(default_factory=set)  # (layer, format) the forward handed over
     runs: dict[str, _Run] = field(default_factory=dict)  # by format: rows held back, not yet in their chunks
 
@@ -133,7 +138,7 @@ class ChunkSaver:
         self._tensors = [TensorSpec(*t) for t in tensors]
         self._layouts: dict[frozenset[tuple[int, str]], ChunkLayout] = {}
         self._names = {(layer, fmt) for layer, fmt, *_ in tensors}
-        self._layers = Counter(fmt for _, fmt in self._names)  # layers storing each format: a run never holds more
+        self._layers = {fmt: sorted(layer for layer, f in self._names if f == fmt) for _, fmt in self._names}  # storing each format
         self._seqs: dict[int, _Sequence] = {}
         self._batch: _Batch | None = None
         self._lock = threading.Lock()
@@ -158,7 +163,7 @@ class ChunkSaver:
 
     def open(self, uid: int, chain: KeyChain) -> None:
         """Start saving sequence ``uid``, whose chunk keys ``chain`` gives."""
-        self._seqs[uid] = _Sequence(chain)
+        self._seqs[uid] = _Sequence(uid, chain)
 
     def close(self, uid: int, keep_partial: bool = False) -> PartialChunk | None:
         """Wait until every full chunk of ``uid`` is published, then forget ``uid``; its partial chunks are
@@ -205,9 +210,10 @@ class ChunkSaver:
             self._stage2.shutdown(wait=True)
 
     # ---- stage 1: called by the engine's forward ------------------------------------------------------
-    def begin_batch(self, segments: list[Segment]) -> None:
+    def begin_batch(self, segments: list[Segment], later: Collection[str] = ()) -> None:
         """Give every chunk the batch's rows reach a slot. A chunk whose next computed rows do not start
-        where its last ones ended had rows restored in between: it never fills, so its slot goes back."""
+        where its last ones ended had rows restored in between: it never fills, so its slot goes back.
+        ``later``: formats the engine does not hand over by layer (:meth:`end_batch` reads them)."""
         self._abort_unfinished_batch()
         pieces, dead = [], []
         for s in segments:
@@ -227,7 +233,7 @@ class ChunkSaver:
                     chunk = seq.chunks[index] = _Chunk(index, image, expected=offset)
                 chunk.expected = offset + n
                 pieces.append(_Piece(seq, chunk, offset, row, n))
-        self._batch = _Batch(pieces, dead) if pieces or dead else None
+        self._batch = _Batch(pieces, dead, frozenset(later)) if pieces or dead else None
 
     def on_layer(self, layer: int, rows: dict[str, torch.Tensor], keep: Collection[str] = ()) -> None:
         """Layer ``layer``'s rows of the batch by format, each ``[T, *row]``; copied (on the current stream)
@@ -246,9 +252,9 @@ class ChunkSaver:
                 self._flush(batch, fmt)
                 run = None
             if run is None:
-                room = min(RUN_BYTES // max(t.nbytes, 1), self._layers[fmt])
+                room = min(RUN_BYTES // max(t.nbytes, 1), len(self._layers.get(fmt, ())))  # a run never holds more layers
                 if room < 2:
-                    self._copy(batch, (layer,), fmt, t[None])
+                    self._copy(batch.pieces, (layer,), fmt, t[None])
                     continue
                 buffer = self._buffers.get((fmt, t.device))
                 if buffer is None:
@@ -265,19 +271,27 @@ class ChunkSaver:
         rows = run.rows[: len(run.layers)]
         if run.kept is not None:
             torch.stack(run.kept, out=rows)
-        self._copy(batch, tuple(run.layers), fmt, rows)
+        self._copy(batch.pieces, tuple(run.layers), fmt, rows)
 
-    def end_batch(self) -> None:
+    def end_batch(self, read: Callable[[list[Segment]], dict[str, torch.Tensor]] | None = None) -> None:
+        """``read(segments)``: where the batch named formats ``later``, the engine's rows of them for
+        ``segments`` (whole chunks, rows one after another), by format, ``[layers, T, *row]`` for every layer
+        that stores the format, in order."""
         batch, self._batch = self._batch, None
         if batch is None:
             return
+        if batch.later and read is None:  # its chunks never fill: they are given back when their sequences close
+            raise ValueError(f"a batch that named {sorted(batch.later)} later must end with a read of them")
         for fmt in list(batch.runs):
             self._flush(batch, fmt)
-        if batch.pieces and batch.delivered != self._names:  # a capture that skipped a layer: its rows are not all there
+        names = {name for name in self._names if name[1] not in batch.later}
+        if batch.pieces and batch.delivered != names:  # a capture that skipped a layer: its rows are not all there
             log.error("saver: a forward pass handed over %d of %d layer tensors; its chunks are not saved",
-                      len(batch.delivered & self._names), len(self._names))  # fmt: skip
+                      len(batch.delivered & names), len(names))  # fmt: skip
             for p in batch.pieces:
                 p.seq.broken = True
+        if batch.later:
+            self._read_later(batch, read)
         full = list({id(p.chunk): p.chunk for p in batch.pieces
                      if p.chunk.staged is not None and p.chunk.expected == CHUNK_TOKENS and not p.seq.broken}.values())  # fmt: skip
         if not full:
@@ -303,6 +317,16 @@ class ChunkSaver:
         for seq in {id(p.seq): p.seq for p in batch.pieces}.values():
             seq.in_flight = [f for f in seq.in_flight if not f.done()] + [future]
 
+    def _read_later(self, batch: _Batch, read: Callable[[list[Segment]], dict[str, torch.Tensor]]) -> None:
+        """The ``later`` rows of each chunk this batch filled, read in one call and copied in like a run."""
+        filled = [p for p in batch.pieces if p.offset + p.n == CHUNK_TOKENS and p.chunk.image is not None and not p.seq.broken]
+        if not filled:
+            return
+        pieces = [_Piece(p.seq, p.chunk, 0, k * CHUNK_TOKENS, CHUNK_TOKENS) for k, p in enumerate(filled)]
+        rows = read([Segment(p.seq.uid, p.chunk.index * CHUNK_TOKENS, CHUNK_TOKENS, p.row) for p in pieces])
+        for fmt in batch.later:
+            self._copy(pieces, tuple(self._layers[fmt]), fmt, rows[fmt])
+
     @staticmethod
     def _unstage(chunks: list[_Chunk]) -> None:
         """Copy full staged chunks to their host slots, each in one copy of its tensors' bytes."""
@@ -321,12 +345,12 @@ class ChunkSaver:
             self._give_back(batch.dead)
 
     # ---- the copies and stage 2 -----------------------------------------------------------------------
-    def _copy(self, batch: _Batch, layers: tuple[int, ...], fmt: str, src: torch.Tensor) -> None:
+    def _copy(self, pieces: list[_Piece], layers: tuple[int, ...], fmt: str, src: torch.Tensor) -> None:
         """The rows of ``layers`` (``src[k]``: ``layers[k]``'s) into each piece's chunk: its staged image on
         the rows' device, or its slot; a piece's rows of layers evenly spaced in its chunk in one copy."""
         stage = device_copy.uses_streams(src.device) if self.stage is None else self.stage
         dst, rows = [], []
-        for p, piece in zip(batch.pieces, self._pieces(batch, src)):
+        for p, piece in zip(pieces, self._pieces(pieces, src)):
             chunk = p.chunk
             if chunk.image is None:
                 continue
@@ -343,11 +367,11 @@ class ChunkSaver:
             torch._foreach_copy_(dst, rows, non_blocking=True)  # one call for the batch's pieces
 
     @staticmethod
-    def _pieces(batch: _Batch, src: torch.Tensor) -> list[torch.Tensor]:
+    def _pieces(pieces: list[_Piece], src: torch.Tensor) -> list[torch.Tensor]:
         """Each piece's rows of ``src`` (``[layers, T, *row]``), cut in one call rather than a slice each."""
-        cuts = sorted({0, src.shape[1]} | {p.row for p in batch.pieces} | {p.row + p.n for p in batch.pieces})
+        cuts = sorted({0, src.shape[1]} | {p.row for p in pieces} | {p.row + p.n for p in pieces})
         parts = dict(zip(cuts, src.split([b - a for a, b in itertools.pairwise(cuts)], dim=1)))  # pieces never overlap
-        return [parts[p.row] for p in batch.pieces]
+        return [parts[p.row] for p in pieces]
 
     def _land_when(self, landed: torch.cuda.Event, batch: _Batch) -> None:
         try:

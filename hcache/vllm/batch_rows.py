@@ -15,8 +15,3 @@ def batch_rows(mapping: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | Non
     rows = order[torch.searchsorted(mapping[order], ours).clamp(max=len(mapping) - 1)]
     return rows if torch.equal(mapping[rows], ours) else None
 
-
-def in_order(mapping: torch.Tensor, slots: torch.Tensor) -> bool:
-    """Whether the forward's batch is exactly ``slots``, in their order (no padding, nobody else's tokens):
-    then its rows are the step's tokens as they are, with nothing to select."""
-    return len(mapping) == len(slots) and torch.equal(mapping, slots.to(mapping.device, mapping.dtype))

@@ -46,12 +46,13 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Yes: each layer's K/V is handed to the saver in Python as the backend's cache write is given it (or
-        read back after its attention, ``save_kv_layer``), which a full CUDA graph would skip. vLLM asks this
-        whenever it builds a config with CUDA graphs on (a GPU's default): first in
-        the process that starts it, before any weights load, where hcache's settings are checked. The store's
-        directories are not: a config rebuilt later (speculative decoding's, in the worker) would find them
-        held by this very engine."""
+        """Yes: where hidden states are saved or restored, each layer's input is captured and handed to the
+        saver in Python (``save_kv_layer``), which a full CUDA graph would skip. (K/V need no layer hook: they
+        are read out of the cache after the forward. Whether a full graph then serves a KV plan has not been
+        tried, so piecewise graphs are asked for all the same.) vLLM asks this whenever it builds a config with
+        CUDA graphs on (a GPU's default): first in the process that starts it, before any weights load, where
+        hcache's settings are checked. The store's directories are not: a config rebuilt later (speculative
+        decoding's, in the worker) would find them held by this very engine."""
         connector_settings(extra_config)
         return True
 
@@ -92,7 +93,7 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
         pass  # no layer waits: a request's load is done before vLLM schedules it
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        self._worker.save_layer(layer_name, kv_layer)
+        self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         self._worker.end_step()

