@@ -125,7 +125,9 @@ def test_lru_eviction_order_respects_quota_and_pins(tmp_path, caplog):
     _while_read(store, keys[2], during_the_read_of_2)
     check_served(store, keys[2], chunk(2))
     assert store.used_bytes <= 3 * size
-    # The order survives a restart (rebuilt from file times): the oldest file goes first.
+    # The order survives a restart (rebuilt from file times): the oldest file goes first. Closing sets the
+    # times of the uses noted (a thread of the store's sets them), which would otherwise race the utime.
+    store.close()
     os.utime(store.path(keys[3]), (1, 1))
     with caplog.at_level("WARNING", logger="hcache.storage.disk_store"):
         reopened = DiskChunkStore(_dirs(tmp_path), quota_bytes=2 * size)
