@@ -186,14 +186,14 @@ class WorkerSide:
             spans = [(step.block_ids[g], step.start % size, step.start % size + step.length) for step, _ in self._computing]
             blocks, offsets = block_slots(spans, size, self._kernel_block)
             self._hidden.select(blocks * self._kernel_block + offsets)
-        for step, seq in self._computing:
-            seq.track(step, self.setup.block_sizes)
         starts = itertools.accumulate((step.length for step, _ in self._computing), initial=0)
         segments = [Segment(seq.uid, step.start, step.length, row) for (step, seq), row in zip(self._computing, starts)]
-        if self.stack.capture is not None:
-            self.stack.capture.begin_batch(segments, read_kv=self._read_kv)
-        else:
+        if self.stack.capture is None:  # nothing saved: chunks are published with their keys and tokens alone
             self.stack.saver.begin_batch(segments)
+            return
+        for step, seq in self._computing:  # the blocks :meth:`_read_kv` reads the chunks this step fills from
+            seq.track(step, self.setup.block_sizes)
+        self.stack.capture.begin_batch(segments, read_kv=self._read_kv)
 
     def _sequence(self, step: RequestStep) -> _Sequence:
         seq = self._seqs.get(step.req_id)
