@@ -1,22 +1,31 @@
 """Where hcache's helper threads run: the store's readers and writers, the saver's packer and the paged
-loader. By default they run wherever the thread that starts them may. An engine that binds its compute
-threads to cores (vLLM's CPU worker binds OpenMP's, one per core, and leaves the rest to its other
-processes) names the cores left over (:func:`run_on`), so that hcache's copies, checksums and disk writes
-do not preempt the forward's threads: an OpenMP forward stalls at its barriers on any core that is taken.
+loader. By default they run wherever the thread that starts them may, at the priority of the thread that
+starts them. An engine that binds its compute threads to cores (vLLM's CPU worker binds OpenMP's, one per
+core, and leaves the rest to its other processes) names the cores left over (:func:`run_on`), so that
+hcache's copies, checksums and disk writes do not preempt the forward's threads: an OpenMP forward stalls
+at its barriers on any core that is taken. The cores left over are where the engine's own other processes
+run (vLLM's scheduler and its API process), and each step waits on them too: so the helpers there run at
+the lowest priority (``nice`` 19), taking what those leave, as a background load should.
 """
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+LOWEST = 19  # the lowest ``nice``: the thread runs when no thread of a higher priority wants its core
+
 _cpus: frozenset[int] = frozenset()
+_nice = 0
 
 
-def run_on(cpus: Iterable[int]) -> None:
-    """Helper threads started from now on run on ``cpus`` (none: wherever they may)."""
-    global _cpus
+def run_on(cpus: Iterable[int], nice: int = LOWEST) -> None:
+    """Helper threads started from now on run on ``cpus`` (none: wherever they may, at their starter's
+    priority) at ``nice`` (where ``cpus`` are named)."""
+    global _cpus, _nice
     _cpus = frozenset(cpus)
+    _nice = nice if _cpus else 0
 
 
 def executor(workers: int, name: str) -> ThreadPoolExecutor:
@@ -27,3 +36,6 @@ def executor(workers: int, name: str) -> ThreadPoolExecutor:
 def _bind() -> None:
     if _cpus:
         os.sched_setaffinity(0, _cpus)
+    if _nice:  # Linux keeps a nice value per thread: this thread's alone
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _nice))

@@ -8,11 +8,14 @@ and dtype. So hcache does not assume the CPU's packing: :meth:`PagedLayout.probe
 known values through the backend's own cache-write op and seeing where each lands.
 
 Either way the layout is one index map: for each token offset in a block, K or V, head and channel, the
-element's offset from the block's first element. Reading and writing rows is then one gather or scatter
-on the cache's storage, for any backend; a strided layout reads and writes through the tensor's own view
-instead, a head's K and V one run each. A step's tokens take the same places in every layer's cache, so
-their element indices (:meth:`PagedLayout.elements`) are made once a step, on the cache's device, and
-every layer reads or writes through them.
+element's offset from the block's first element. Most backends' maps are strided: each of K and V (or the
+two together) sits at fixed strides by token, head and channel, FlashAttention's as its tensor's strides
+say, the CPU backend's with K's channels strided across a block's tokens. Rows are then read and written
+through a strided view of the cache, indexed by (block, offset) alone: two indices a token, where a map
+that is no stride pattern (AMX's packing) is read and written element by element, one index an element,
+several times the bytes moved. A step's tokens take the same places in every layer's cache, so their
+indices (:meth:`PagedLayout.elements`) are made once a step, on the cache's device, and every layer reads
+or writes through them.
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
+# Where tokens are in a cache, as a layout reads and writes them (:meth:`PagedLayout.elements`): index tensors
+Places = tuple[torch.Tensor, ...]
 
 # A backend's own cache write: (key [T, H, C], value [T, H, C], cache, slot_mapping [T]) -> None
 CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -32,14 +38,15 @@ class LayoutError(RuntimeError):
 class PagedLayout:
     """``offsets[n, kv, h, c]``: where token ``n`` of a block keeps element ``c`` of head ``h`` of K
     (``kv=0``) or V (``kv=1``), counted in elements from the block's first one; ``block_stride``: the
-    elements from one block to the next. ``strided``: the layout is the cache tensor's own view (K then V on
-    its last axis), so tokens are read and written through that view, a head's K and V one run each,
-    rather than element by element through the map."""
+    elements from one block to the next. Where the map is strided (:func:`_strided_parts`), tokens are
+    read and written through views of the cache at those strides, rather than element by element."""
 
-    def __init__(self, offsets: torch.Tensor, block_stride: int, strided: bool = False):
-        self.offsets, self.block_stride, self.strided = offsets.to(torch.int64), block_stride, strided
+    def __init__(self, offsets: torch.Tensor, block_stride: int):
+        self.offsets, self.block_stride = offsets.to(torch.int64), block_stride
         self.block_size, _, self.num_heads, self.head_size = offsets.shape
-        self._flat: dict[tuple, torch.Tensor] = {}  # each cache's storage, flat, made once: asking a tensor for its storage costs as much as a decode step's gather
+        self.parts = _strided_parts(self.offsets)
+        self._views: dict[tuple, list[torch.Tensor]] = {}  # each cache's views, made once: a view costs as much as a decode step's gather
+        self._flat: dict[tuple, torch.Tensor] = {}  # each cache's storage, flat, made once, likewise
 
     @classmethod
     def split_kv(cls, cache: torch.Tensor) -> "PagedLayout":
@@ -51,7 +58,7 @@ class PagedLayout:
         n, kv, h, c = torch.meshgrid(
             *(torch.arange(k, device=cache.device) for k in (block_size, 2, heads, head_size)), indexing="ij"
         )
-        return cls(n * sn + h * sh + (kv * head_size + c) * sc, sb, strided=True)
+        return cls(n * sn + h * sh + (kv * head_size + c) * sc, sb)
 
     @classmethod
     def probe(cls, write: CacheWrite, cache: torch.Tensor) -> "PagedLayout":
@@ -89,15 +96,35 @@ class PagedLayout:
             raise LayoutError(f"the backend's cache write does not lay out every block of a {tuple(cache.shape)} cache alike")
         return cls(where.reshape(block_size, 2, heads, head_size), half)
 
-    def elements(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Where tokens at ``blocks`` and ``offsets`` in them are, on the device of the layout's map: their
-        ``[T, 2, H, C]`` element indices from a cache's first element, or for a strided layout ``[2, T]``
-        (blocks, offsets), all :meth:`read` and :meth:`write` need of the tensor's own view."""
+    @property
+    def strided(self) -> bool:
+        return self.parts is not None
+
+    def elements(self, blocks: torch.Tensor, offsets: torch.Tensor, whole: int = 0) -> Places:
+        """Where tokens at ``blocks`` and ``offsets`` in them are, on the device of the layout's map, as
+        :meth:`read` and :meth:`write` take them. ``whole``: how many blocks the leading tokens fill, each
+        whole and in order (the caller knows: a load's positions from a block's start on), which a strided
+        layout reads and writes a block at a time, and the rest by (block, offset). A map that is no stride
+        pattern takes the tokens' ``[T, 2, H, C]`` element indices from a cache's first element."""
         device = self.offsets.device
         if self.strided:
-            return torch.stack((blocks, offsets)).to(device, torch.int64)
+            lead = whole * self.block_size
+            return blocks[:lead:self.block_size].to(device, torch.int64), torch.stack((blocks[lead:], offsets[lead:])).to(device, torch.int64)
         base = blocks.to(device, torch.int64) * self.block_stride
-        return base.view(-1, 1, 1, 1) + self.offsets[offsets.to(device, torch.int64)]
+        return (base.view(-1, 1, 1, 1) + self.offsets[offsets.to(device, torch.int64)],)
+
+    def _strided_views(self, cache: torch.Tensor) -> list[torch.Tensor]:
+        """The cache as ``[blocks, block_size, kv, H, C]`` views, one per strided part."""
+        key = (cache.data_ptr(), cache.dtype, cache.shape[0])
+        views = self._views.get(key)
+        if views is None:
+            start = cache.storage_offset()
+            views = self._views[key] = [
+                torch.as_strided(cache, (cache.shape[0], self.block_size, kv.stop - kv.start, self.num_heads, self.head_size),
+                                 (self.block_stride, *strides), start + first)
+                for kv, first, strides in self.parts
+            ]  # fmt: skip
+        return views
 
     def _storage(self, cache: torch.Tensor) -> torch.Tensor:
         """The cache's storage from its first element on, flat."""
@@ -108,22 +135,48 @@ class PagedLayout:
             flat = self._flat[key] = torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size() - start,), (1,), start)
         return flat
 
-    def read(self, cache: torch.Tensor, elements: torch.Tensor) -> torch.Tensor:
+    def read(self, cache: torch.Tensor, places: Places) -> torch.Tensor:
         """Tokens' K/V as ``[T, 2, H, C]`` (hcache's stored KV rows), from ``cache`` at their
         :meth:`elements`."""
         if self.strided:
-            rows = cache[elements[0], :, elements[1]]  # [T, H, 2C]: K's channels, then V's
-            return rows.unflatten(-1, (2, self.head_size)).transpose(1, 2)
-        return self._storage(cache).take(elements)  # take: half the time of indexing, for a decode step's few tokens
+            whole, (blocks, offsets) = places
+            parts = [torch.cat([view[whole].flatten(0, 1), view[blocks, offsets]]) for view in self._strided_views(cache)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return self._storage(cache).take(places[0])  # take: half the time of indexing, for a decode step's few tokens
 
-    def write(self, cache: torch.Tensor, elements: torch.Tensor, rows: torch.Tensor) -> None:
+    def write(self, cache: torch.Tensor, places: Places, rows: torch.Tensor) -> None:
         """Put ``rows`` (``[T, 2, H, C]``) into ``cache`` at the tokens' :meth:`elements`."""
         rows = rows.to(cache.device, cache.dtype)
-        if self.strided:  # K's channels then V's, each written from its rows as they are
-            cache[elements[0], :, elements[1], : self.head_size] = rows[:, 0]
-            cache[elements[0], :, elements[1], self.head_size :] = rows[:, 1]
-        else:
-            self._storage(cache).put_(elements, rows)
+        if not self.strided:
+            self._storage(cache).put_(places[0], rows)
+            return
+        whole, (blocks, offsets) = places
+        lead = len(whole) * self.block_size
+        for (kv, _, _), view in zip(self.parts, self._strided_views(cache)):
+            if lead:  # block by block: the copy runs along the cache's own strides, an index a block
+                view[whole] = rows[:lead, kv].unflatten(0, (-1, self.block_size))
+            if lead < len(rows):
+                view[blocks, offsets] = rows[lead:, kv]
+
+
+def _strided_parts(offsets: torch.Tensor) -> list[tuple[slice, int, tuple[int, int, int, int]]] | None:
+    """The map ``offsets[n, kv, h, c]`` as strided parts, if it is so made: K and V together (one part),
+    else each apart (two), as ``(kv, first element, strides by token, kv, head and channel)``, each element
+    at ``first + n * sn + kv * skv + h * sh + c * sc``; None where it is neither."""
+
+    def fit(part: torch.Tensor) -> tuple[int, tuple[int, int, int, int]] | None:
+        first = int(part[0, 0, 0, 0])
+        # a dim of one place takes any stride; 0 would read as broadcast, and a copy then runs twice as long
+        strides = tuple(int(part.narrow(d, 1, 1).flatten()[0]) - first if part.shape[d] > 1 else 1 for d in range(4))
+        grid = torch.meshgrid(*(torch.arange(k, device=part.device) for k in part.shape), indexing="ij")
+        return (first, strides) if torch.equal(part, first + sum(i * s for i, s in zip(grid, strides))) else None
+
+    whole = fit(offsets)
+    if whole is not None:
+        return [(slice(0, 2), *whole)]
+    apart = [fit(offsets[:, kv : kv + 1]) for kv in (0, 1)]
+    return None if None in apart else [(slice(kv, kv + 1), *apart[kv]) for kv in (0, 1)]
+
 
 def block_slots(spans: list[tuple[list[int], int, int]], block_size: int, kernel_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache blocks and offsets in them of positions ``[start, end)`` of each request in ``spans``

@@ -33,7 +33,7 @@ from ..serving.restore import RestoreOutcome, gather_runs, lookup_miss, restore_
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from ..storage.stored_state import decode_rows, stored_rows
-from .layout import PagedLayout, block_slots
+from .layout import PagedLayout, Places, block_slots
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class Loader:
             held = next((b for b in real if job.block_ids[g][b] != NULL_BLOCK), None) if g in windowed else real.start
             held = end if held is None else max(job.start, held * size)
             slots[g] = held, *block_slots([(job.block_ids[g], held, end)], size, self.kernel_block)
-        elements: dict[tuple, torch.Tensor] = {}
+        elements: dict[tuple, Places] = {}
         jobs = []  # (layer, method, the chunks it reads, its first position written), for the layers that write
         for layer in self.layers:
             method = plan.layers[layer.index]
@@ -194,7 +194,8 @@ class Loader:
             held, blocks, offsets = slots[layer.group]
             key = (id(layer.layout), layer.group, begin)
             if key not in elements:
-                elements[key] = layer.layout.elements(blocks[begin - held :], offsets[begin - held :])
+                whole = (end - begin) // self.kernel_block if begin % self.kernel_block == 0 else 0  # kernel blocks, from a block's start on
+                elements[key] = layer.layout.elements(blocks[begin - held :], offsets[begin - held :], whole)
             runs = gather_runs(copier, [stored_rows(images[j], layer.index, method.value) for j in chunks])
             if method is Method.H:
                 return runs, elements[key]
@@ -206,7 +207,7 @@ class Loader:
                 return
             layer, _, chunks, begin = item
             runs, where = staged
-            copier.wait(done, where, *run_tensors(runs))
+            copier.wait(done, *where, *run_tensors(runs))
             rows = self.rebuild(layer.index, rows_of(layer, runs, chunks, begin), positions[begin - job.start :])
             layer.layout.write(layer.cache, where, rows)
 

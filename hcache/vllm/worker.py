@@ -28,7 +28,7 @@ from .. import helper_threads
 from ..engine.ragged import Segment
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import TPGroup
-from ..paged.layout import PagedLayout, block_slots
+from ..paged.layout import PagedLayout, Places, block_slots
 from ..paged.loader import Loader, PagedLayer
 from ..storage.stored_state import Format
 from ..serving.records import PutRestore, SequenceRecord, log_requests
@@ -230,7 +230,7 @@ class WorkerSide:
         ``[layers, T, 2, heads, head_size]``, read out of vLLM's cache: one gather a layer, whatever the
         number of chunks."""
         seqs = {seq.uid: seq for _, seq in self._computing}
-        elements: dict[tuple[int, int], torch.Tensor] = {}  # shared by the layers of a layout and group
+        elements: dict[tuple[int, int], Places] = {}  # shared by the layers of a layout and group
         rows = []
         for index in layers:
             layer = self._by_index[index]

@@ -1,6 +1,6 @@
-"""The paged-cache layout without vLLM: a probe refuses a write that lays blocks out unevenly, and the
+"""The paged-cache layout without vLLM: a probe refuses a write that lays blocks out unevenly, the
 standardized (FlashAttention) layout is read through its strides, on tensors laid out as vLLM's CUDA build
-allocates and views them."""
+allocates and views them, and any map is written and read where it says, through strided views or not."""
 import pytest
 import torch
 
@@ -39,11 +39,47 @@ def test_the_standardized_layout_is_what_flashattention_reads_and_writes(physica
     rows = _rows(len(slots), torch.bfloat16)
     key_cache[blocks, offsets], value_cache[blocks, offsets] = rows[:, 0], rows[:, 1]  # reshape_and_cache_flash's rule
     layout = PagedLayout.split_kv(cache)
+    assert len(layout.parts) == 1  # K and V at one set of strides: one view
     elements = layout.elements(blocks, offsets)
     assert torch.equal(layout.read(cache, elements), rows)
     ours = torch.zeros_like(storage)
     layout.write(ours.transpose(1, 2) if physical == "LBNHC" else ours, elements, rows)
     assert torch.equal(ours, storage)
+
+
+def _cpu_backend_map() -> torch.Tensor:
+    """vLLM's CPU backend's map (vec ISAs): a head's K then V in each block, K's channels strided across
+    the block's tokens, V's rows plain."""
+    n, kv, h, c = torch.meshgrid(*(torch.arange(k) for k in (BLOCK, 2, HEADS, HEAD)), indexing="ij")
+    head = h * 2 * BLOCK * HEAD
+    return torch.where(kv == 0, head + c * BLOCK + n, head + BLOCK * HEAD + n * HEAD + c)
+
+
+@pytest.mark.parametrize("tokens", ["scattered", "whole blocks, then part of one"])
+@pytest.mark.parametrize("kind", ["K and V apart", "no stride pattern"])
+def test_a_layout_writes_and_reads_each_element_where_its_map_says(kind, tokens):
+    """A map strided for K and V apart (the CPU backend's) goes through two strided views, block by block
+    where tokens fill whole blocks in order (a load's); a map that is no stride pattern (AMX packs K in
+    tiles; here, the CPU map's places shuffled) element by element. Either way every element lands where the
+    map puts it, and reads back."""
+    offsets = _cpu_backend_map()
+    if kind == "no stride pattern":
+        offsets = torch.randperm(offsets.numel(), generator=torch.Generator().manual_seed(2))[offsets]
+    layout = PagedLayout(offsets, offsets.numel())
+    assert layout.strided == (kind == "K and V apart") and (not layout.strided or len(layout.parts) == 2)
+    if tokens == "scattered":
+        slots = torch.randperm(BLOCKS * BLOCK, generator=torch.Generator().manual_seed(3))[:70]
+    else:
+        slots = torch.cat([torch.arange(3 * BLOCK, 4 * BLOCK), torch.arange(BLOCK, 2 * BLOCK), torch.arange(4 * BLOCK, 4 * BLOCK + 5)])
+    blocks, within = slots // BLOCK, slots % BLOCK
+    rows = _rows(len(slots), torch.float32)
+    cache = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * HEAD)
+    elements = layout.elements(blocks, within, whole=0 if tokens == "scattered" else 2)
+    layout.write(cache, elements, rows)
+    expected = torch.zeros(cache.numel())
+    expected[(blocks * offsets.numel()).view(-1, 1, 1, 1) + offsets[within]] = rows
+    assert torch.equal(cache.view(-1), expected)
+    assert torch.equal(layout.read(cache, elements), rows)
 
 
 def test_block_slots_follow_the_block_table_into_kernel_blocks():
