@@ -140,7 +140,12 @@ class PagedLayout:
         :meth:`elements`."""
         if self.strided:
             whole, (blocks, offsets) = places
-            parts = [torch.cat([view[whole].flatten(0, 1), view[blocks, offsets]]) for view in self._strided_views(cache)]
+            parts = []
+            for view in self._strided_views(cache):  # one gather where the tokens are all whole blocks or none are
+                pieces = [view[whole].flatten(0, 1)] if len(whole) else []
+                if blocks.numel() or not pieces:
+                    pieces.append(view[blocks, offsets])
+                parts.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return self._storage(cache).take(places[0])  # take: half the time of indexing, for a decode step's few tokens
 
