@@ -17,10 +17,13 @@ The requests' lengths are ``history`` plus offsets spread over a chunk (64 token
 fills and publishes chunks in some steps of every 64, as a batch of real conversations does: ``--steps``
 of at least 64 time every request's chunk being saved.
 
-``--loads`` returning conversations, saved by the saving engine before the round, join its batch halfway
-through, at the start of its middle turn: while their loads run (vLLM holds them back, ``load_kv_async``)
-the engine keeps stepping the decoders, and the ratio of that turn (``loading_overhead``) is set beside the
-others'. A step in which a loaded request computes its question is not counted. Where the loads were read from
+``--loads`` returning conversations, saved by the saving engine before the round, join its batch at the
+start of every other turn of its (the second, the fourth, ...), the same conversations each time (vLLM's
+prefix cache is off, so each is loaded again): while their loads run (vLLM holds them back,
+``load_kv_async``) the engine keeps stepping the decoders, and the ratios of those turns
+(``loading_overhead``) are set beside the others'. A step's time drifts by a tenth from turn to turn here,
+so one loading turn a round could not tell a few percent: half the turns load. A step in which a loaded
+request computes its question is not counted. Where the loads were read from
 (host pool or disk) is taken from the request log: a small host pool (``--host-mb``) sends the earlier
 conversations to the disk once the decoders' saves fill it.
 """
@@ -118,7 +121,7 @@ def _kv_bytes_per_token(args) -> int:
 def _interleaved(engines: dict, prompts: list[list[int]], returning: list[list[int]], steps: int, block: int) -> tuple[dict[str, list[float]], list[bool]]:
     """Every engine given ``prompts``, stepped to their first tokens and paused; then the engines take turns,
     ``block`` decode steps each, resumed for their turn and paused after it, until each has timed ``steps``.
-    ``returning`` join the saving engine at its middle turn. Returns each engine's mean step of each turn,
+    ``returning`` join the saving engine at every other turn. Returns each engine's mean step of each turn,
     in the same order for every engine, and for each turn whether the saving engine's loads were in flight
     in it; a step in which a loaded request computes its question is left out of its turn."""
     from vllm import SamplingParams
@@ -142,7 +145,7 @@ def _interleaved(engines: dict, prompts: list[list[int]], returning: list[list[i
         for name in names[turn % len(names) :] + names[: turn % len(names)]:  # each engine first, second and last alike
             engine = engines[name]
             engine.engine_core.call_utility("resume_scheduler")
-            if name == "hcache_saving" and returning and turn == turns // 2:
+            if name == "hcache_saving" and returning and turn % 2 == 1 and not waiting:
                 waiting = {f"r{time.monotonic_ns()}x{j}" for j in range(len(returning))}
                 for rid, prompt in zip(sorted(waiting), returning):
                     engine.add_request(rid, {"prompt_token_ids": prompt + [13] * 8}, SamplingParams(max_tokens=1))

@@ -109,7 +109,8 @@ class PagedLayout:
         device = self.offsets.device
         if self.strided:
             lead = whole * self.block_size
-            return blocks[:lead:self.block_size].to(device, torch.int64), torch.stack((blocks[lead:], offsets[lead:])).to(device, torch.int64)
+            rest = torch.stack((blocks[lead:], offsets[lead:])).to(device, torch.int64)  # one copy to the device
+            return blocks[:lead:self.block_size].to(device, torch.int64), *rest.unbind()
         base = blocks.to(device, torch.int64) * self.block_stride
         return (base.view(-1, 1, 1, 1) + self.offsets[offsets.to(device, torch.int64)],)
 
@@ -139,7 +140,7 @@ class PagedLayout:
         """Tokens' K/V as ``[T, 2, H, C]`` (hcache's stored KV rows), from ``cache`` at their
         :meth:`elements`."""
         if self.strided:
-            whole, (blocks, offsets) = places
+            whole, blocks, offsets = places
             parts = []
             for view in self._strided_views(cache):  # one gather where the tokens are all whole blocks or none are
                 pieces = [view[whole].flatten(0, 1)] if len(whole) else []
@@ -151,11 +152,12 @@ class PagedLayout:
 
     def write(self, cache: torch.Tensor, places: Places, rows: torch.Tensor) -> None:
         """Put ``rows`` (``[T, 2, H, C]``) into ``cache`` at the tokens' :meth:`elements`."""
-        rows = rows.to(cache.device, cache.dtype)
+        if (rows.device, rows.dtype) != (cache.device, cache.dtype):
+            rows = rows.to(cache.device, cache.dtype)
         if not self.strided:
             self._storage(cache).put_(places[0], rows)
             return
-        whole, (blocks, offsets) = places
+        whole, blocks, offsets = places
         lead = len(whole) * self.block_size
         for (kv, _, _), view in zip(self.parts, self._strided_views(cache)):
             if lead:  # block by block: the copy runs along the cache's own strides, an index a block

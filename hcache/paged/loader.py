@@ -33,6 +33,7 @@ from ..serving.restore import RestoreOutcome, gather_runs, lookup_miss, restore_
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from ..storage.stored_state import decode_rows, stored_rows
+from ..transfer.scratch import Scratch
 from .layout import PagedLayout, Places, block_slots
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class Loader:
         self._thread = helper_threads.executor(1, "hcache-paged-load")
         copier = stack.copier
         self._stream = torch.cuda.Stream(copier.device) if copier is not None and copier.cuda else None  # H's rebuilds, off the step's stream
+        # a CPU's staged rows, in buffers kept from load to load (:mod:`~hcache.transfer.scratch`); a GPU's come from torch's caching allocator
+        self._scratch = Scratch(copier.depth) if copier is not None and not copier.cuda else None
         self._inflight: dict[str, tuple[LoadJob, Future]] = {}
 
     def submit(self, job: LoadJob, record: SequenceRecord) -> None:
@@ -186,17 +189,20 @@ class Loader:
 
         def rows_of(layer: PagedLayer, runs: list, chunks: range, begin: int) -> torch.Tensor:
             decoded = [decode_rows(run, layer.cache.dtype) for run in runs]  # one run, unless chunks were stored in several encodings
+            rows = decoded[0] if len(decoded) == 1 else torch.cat(decoded)
             origin = (first + chunks.start) * CHUNK_TOKENS
-            return (decoded[0] if len(decoded) == 1 else torch.cat(decoded))[begin - origin : end - origin]
+            return rows if (begin, end) == (origin, origin + rows.shape[0]) else rows[begin - origin : end - origin]
 
         def stage(item: tuple) -> tuple:  # on the side stream: the layer's rows to the device, and KV's written
             layer, method, chunks, begin = item
+            if self._scratch is not None:
+                self._scratch.next_job()
             held, blocks, offsets = slots[layer.group]
             key = (id(layer.layout), layer.group, begin)
             if key not in elements:
                 whole = (end - begin) // self.kernel_block if begin % self.kernel_block == 0 else 0  # kernel blocks, from a block's start on
                 elements[key] = layer.layout.elements(blocks[begin - held :], offsets[begin - held :], whole)
-            runs = gather_runs(copier, [stored_rows(images[j], layer.index, method.value) for j in chunks])
+            runs = gather_runs(copier, [stored_rows(images[j], layer.index, method.value) for j in chunks], self._scratch)
             if method is Method.H:
                 return runs, elements[key]
             layer.layout.write(layer.cache, elements[key], rows_of(layer, runs, chunks, begin))
@@ -211,6 +217,8 @@ class Loader:
             rows = self.rebuild(layer.index, rows_of(layer, runs, chunks, begin), positions[begin - job.start :])
             layer.layout.write(layer.cache, where, rows)
 
+        if self._scratch is not None:
+            self._scratch.rewind()  # the last load's jobs are done: a load of few layers uses few slots
         copier.follow()  # both streams after the kernels queued so far: the blocks may have been another request's
         if self._stream is None:
             positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None

@@ -35,6 +35,7 @@ from ..storage.host_tier import HostTier
 from ..storage.stored_state import decode_rows, is_encoded, scale_format, scale_shape, stored_rows
 from ..storage.tp_ownership import shared_chunks, stores
 from ..transfer.copier import Copier
+from ..transfer.scratch import Scratch
 from .records import MissReason, PutRestore
 
 log = logging.getLogger(__name__)
@@ -304,13 +305,14 @@ def _restore_layers(
     copier.wait(last)  # the KV copies land before anything reads the cache
 
 
-def gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows]) -> list[torch.Tensor | QuantRows]:
+def gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows], scratch: Scratch | None = None) -> list[torch.Tensor | QuantRows]:
     """H rows of consecutive chunks on the device, one gather per run of chunks stored alike (one run,
-    unless the chunks were saved in different encodings): lossless rows, or codes and scales."""
+    unless the chunks were saved in different encodings): lossless rows, or codes and scales (in
+    ``scratch``'s buffers, if given: :meth:`Copier.gather`)."""
     runs = [list(run) for _, run in itertools.groupby(parts, lambda p: (type(p), (p.codes if isinstance(p, QuantRows) else p).dtype))]
     return [
-        QuantRows(copier.gather([p.codes for p in run]), copier.gather([p.scale for p in run]))
-        if isinstance(run[0], QuantRows) else copier.gather(run)
+        QuantRows(copier.gather([p.codes for p in run], scratch), copier.gather([p.scale for p in run], scratch))
+        if isinstance(run[0], QuantRows) else copier.gather(run, scratch)
         for run in runs
     ]  # fmt: skip
 

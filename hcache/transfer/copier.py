@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from ..ops import device_copy
+from .scratch import Scratch
 
 DEFAULT_DEPTH = 4
 
@@ -44,10 +45,11 @@ class Copier:
         with torch.cuda.stream(self.stream):
             yield
 
-    def gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
+    def gather(self, parts: list[torch.Tensor], scratch: Scratch | None = None) -> torch.Tensor:
         """The parts' rows, in order, as one tensor on the device: one batched call, one copy per part (a
-        DMA from pinned memory on a GPU). Call inside :meth:`side_stream`."""
-        return device_copy.gather(parts, self.device)
+        DMA from pinned memory on a GPU). Call inside :meth:`side_stream`. ``scratch``: a CPU's buffers to
+        put them in (a new tensor, without)."""
+        return device_copy.gather(parts, self.device, None if scratch is None else scratch.empty)
 
     def done(self) -> torch.cuda.Event | None:
         """An event marking every copy issued so far (None on a CPU)."""

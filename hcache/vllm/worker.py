@@ -231,6 +231,8 @@ class WorkerSide:
         number of chunks."""
         seqs = {seq.uid: seq for _, seq in self._computing}
         elements: dict[tuple[int, int], Places] = {}  # shared by the layers of a layout and group
+        k = self._kernel_block  # segments of whole kernel blocks (a GPU's 16 tokens in a 64-token chunk) are read a block at a time
+        whole = sum(s.length for s in segments) // k if all(s.start % k == 0 and s.length % k == 0 for s in segments) else 0
         rows = []
         for index in layers:
             layer = self._by_index[index]
@@ -238,7 +240,7 @@ class WorkerSide:
             if key not in elements:
                 size = self.setup.block_sizes[layer.group]
                 spans = [seqs[s.uid].span(layer.group, size, s.start, s.length) for s in segments]
-                elements[key] = layer.layout.elements(*block_slots(spans, size, self._kernel_block))
+                elements[key] = layer.layout.elements(*block_slots(spans, size, k), whole)
             rows.append(layer.layout.read(layer.cache, elements[key]))
         return torch.stack(rows)
 

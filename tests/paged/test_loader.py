@@ -106,6 +106,37 @@ def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path
         serving.close()
 
 
+def test_a_cpu_load_stages_its_rows_in_kept_buffers(model, tmp_path, rng):
+    """On a CPU, a load stages no rows in new memory once an earlier one of its length has (it makes only its
+    tokens' places): a fresh tensor a layer costs
+    the engine's own threads the kernel's unmapping of it (hcache/transfer/scratch.py). And a load into
+    the buffers an earlier load used still lands its own rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = model[1]
+    serving, prompt = _saved(model, tmp_path, rng, 4, plan="KV")
+    other = random_prompt(4 * CHUNK_TOKENS + 1, spec.vocab_size, rng)
+    serving.put([1], [other])
+    serving.flush(1)
+    layers = _cache(spec, 40)
+    loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, layers)
+    end = 4 * CHUNK_TOKENS
+    try:
+        assert _load(loader, LoadJob("a", None, prompt[:end], [list(range(8))], 0, end))[0] == set()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            assert loader._load(LoadJob("b", None, other[:end], [list(range(8, 16))], 0, end), SequenceRecord()) == set()
+        allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+        layer_rows = end * 2 * spec.kv_dim * 4  # one layer's rows staged, float32: a fresh tensor a layer would be LAYERS of them
+        assert allocated < layer_rows, f"a second load allocated {allocated} bytes (its places only would be {end * 3 * 8})"
+        blocks, offsets = block_slots([(list(range(8, 16)), 0, end)], BLOCK, KERNEL_BLOCK)
+        stored = _stored(serving, chunk_keys(other[:end], root_key(serving.fingerprint)), "KV")
+        for layer in layers:
+            assert torch.equal(layer.layout.read(layer.cache, layer.layout.elements(blocks, offsets)), stored[layer.index])
+    finally:
+        loader.close()
+        serving.close()
+
+
 def test_a_chunk_gone_since_the_look_up_ends_the_load_and_is_told_lost(model, tmp_path, rng):
     spec = model[1]
     serving, prompt = _saved(model, tmp_path, rng, 4, plan="KV")

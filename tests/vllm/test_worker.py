@@ -52,16 +52,17 @@ def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_
     """Two requests in blocks scattered over vLLM's cache, prefilled (70 and 6 tokens) and then decoded a
     token a step to 130, as vLLM's forward would write them: every chunk they fill is stored with exactly the
     K/V the cache holds (through blocks split into kernel blocks, and chunks across blocks); the cache is read
-    once a layer in a step that fills chunks, whichever and however many, and never in a step that fills none."""
+    once a layer in a step that fills chunks, whichever and however many, a kernel block at a time, and never
+    in a step that fills none."""
     from hcache.paged.layout import PagedLayout, block_slots
     from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
     from hcache.storage.stored_state import stored_rows
     from hcache.vllm.metadata import HCacheStepMetadata, RequestStep
 
     worker, spec, caches = _worker(tmp_path)
-    reads = []
+    reads = []  # the whole kernel blocks each read takes a block at a time (a chunk is 4 of 16 tokens)
     read = PagedLayout.read
-    monkeypatch.setattr(PagedLayout, "read", lambda self, cache, elements: (reads.append(len(reads)), read(self, cache, elements))[1])
+    monkeypatch.setattr(PagedLayout, "read", lambda self, cache, places: (reads.append(len(places[0])), read(self, cache, places))[1])
     blocks = {0: [5, 9, 2, 7, 11], 1: [30, 1, 17, 24, 3]}
     g = torch.Generator().manual_seed(0)
     tokens = {r: torch.randint(0, spec.vocab_size, (130,), generator=g).tolist() for r in blocks}
@@ -91,6 +92,7 @@ def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_
         per_step.append(len(reads) - before)
     fills = [i for i, n in enumerate(per_step) if n]
     assert fills == [0, 58, 122] and all(per_step[i] == LAYERS for i in fills), per_step  # chunk 0 of request 0; 1 of 0 and 0 of 1; 1 of 1
+    assert reads == [4] * LAYERS + [8] * LAYERS + [4] * LAYERS, reads
     worker.finished({"r0", "r1"})
     store = worker.stack.store
     store.flush()
