@@ -1,7 +1,8 @@
-"""Reusable host buffers for the rows a pipeline stages on a CPU. A fresh tensor a layer costs every thread
-of the process, not only the one that makes it: glibc hands a freed block of megabytes back to the kernel,
-the next layer's faults it in again, and each unmapping interrupts the cores the engine's own threads run
-on to flush their TLBs. So rows staged on a CPU go into buffers kept from one load to the next."""
+"""Reusable host buffers for the rows a pipeline stages on a CPU. A fresh tensor a layer slowed the engine's
+own threads too, not only the one that made it (a spot check: far more from a thread of the engine's
+process than from a process apart), likely because glibc hands a freed block of megabytes back to the
+kernel, the next layer's faults it in again, and each unmapping interrupts the process's other cores. So
+rows staged on a CPU go into buffers kept from one load to the next."""
 from __future__ import annotations
 
 import math
