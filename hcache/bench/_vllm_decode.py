@@ -21,7 +21,8 @@ of at least 64 time every request's chunk being saved.
 start of every other turn of its (the second, the fourth, ...), the same conversations each time (vLLM's
 prefix cache is off, so each is loaded again): while their loads run (vLLM holds them back,
 ``load_kv_async``) the engine keeps stepping the decoders, and the ratios of those turns
-(``loading_overhead``) are set beside the others'. A step's time drifts by a tenth from turn to turn here,
+(``loading_overhead``) are set beside the others' (``not_loading_overhead``, which the printout shows as
+the saving engine's overhead; its ``overhead`` mixes both). A step's time drifts by a tenth from turn to turn here,
 so one loading turn a round could not tell a few percent: half the turns load. A step in which a loaded
 request computes its question is not counted. Where the loads were read from
 (host pool or disk) is taken from the request log: a small host pool (``--host-mb``) sends the earlier
@@ -201,7 +202,7 @@ def _compare(steps: dict[str, list[float]], loading: list[bool], loaded_from: di
         pick = lambda flag, xs: [x for x, f in zip(xs, loading) if f == flag]  # noqa: E731
         saving["loading"] = loading
         saving["loading_overhead"], saving["loading_overhead_ci"] = paired_overhead(pick(True, steps["hcache_saving"]), pick(True, base))
-        saving["not_loading_overhead"], _ = paired_overhead(pick(False, steps["hcache_saving"]), pick(False, base))
+        saving["not_loading_overhead"], saving["not_loading_overhead_ci"] = paired_overhead(pick(False, steps["hcache_saving"]), pick(False, base))
         saving["loaded_tokens_by_tier"] = loaded_from
     return out
 
@@ -209,9 +210,14 @@ def _compare(steps: dict[str, list[float]], loading: list[bool], loaded_from: di
 def _print(results: dict, args: argparse.Namespace) -> None:
     print(f"{args.model}, {args.dtype}: {args.steps} decode steps x {args.repeats} rounds, engines in turns of {args.block} steps;"
           " overhead: the median of each turn's mean step over vLLM alone's in the same round of turns, less one (95% interval)")  # fmt: skip
-    print(f"{'case':>10} {'engine':18} {'step ms':>8} {'overhead':>22} {'while loading':>22}  loaded from")
+    print(f"{'case':>10} {'engine':18} {'step ms':>8} {'overhead':>22} {'while loading':>22}  loaded from"
+          "   (the saving engine's overhead: its turns without loads)")  # fmt: skip
     for case, engines in results.items():
         for name, r in engines.items():
             cell = lambda o, ci: f"{100 * o:+6.1f}% [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"  # noqa: E731
-            extra = f" {cell(r['loading_overhead'], r['loading_overhead_ci']):>22}  {r['loaded_tokens_by_tier']}" if "loading" in r else ""
-            print(f"{case:>10} {name:18} {1000 * r['median_step_s']:8.1f} {cell(r['overhead'], r['overhead_ci']):>22}{extra}")
+            overhead = cell(r["overhead"], r["overhead_ci"])
+            extra = ""
+            if "loading" in r:
+                overhead = cell(r["not_loading_overhead"], r["not_loading_overhead_ci"])
+                extra = f" {cell(r['loading_overhead'], r['loading_overhead_ci']):>22}  {r['loaded_tokens_by_tier']}"
+            print(f"{case:>10} {name:18} {1000 * r['median_step_s']:8.1f} {overhead:>22}{extra}")

@@ -32,6 +32,7 @@ from ..serving.records import MissReason, PutRestore, SequenceRecord
 from ..serving.restore import RestoreOutcome, gather_runs, lookup_miss, restore_accounting, run_tensors, tokens_by_source, verify_fetched
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
+from ..storage.image_rows import ImageRows
 from ..storage.stored_state import decode_rows, stored_rows
 from ..transfer.scratch import Scratch
 from .layout import PagedLayout, Places, block_slots
@@ -202,7 +203,10 @@ class Loader:
             if key not in elements:
                 whole = (end - begin) // self.kernel_block if begin % self.kernel_block == 0 else 0  # kernel blocks, from a block's start on
                 elements[key] = layer.layout.elements(blocks[begin - held :], offsets[begin - held :], whole)
-            runs = gather_runs(copier, [stored_rows(images[j], layer.index, method.value) for j in chunks], self._scratch)
+            if shared is not None and shared.gathers:  # a CPU's: one call a layer, whatever the number of chunks
+                runs = [shared.stored_rows(layer.index, method.value, chunks, self._scratch.empty)]
+            else:  # a GPU's: one DMA per chunk from its pinned slot (:meth:`Copier.gather`)
+                runs = gather_runs(copier, [stored_rows(images[j], layer.index, method.value) for j in chunks], self._scratch)
             if method is Method.H:
                 return runs, elements[key]
             layer.layout.write(layer.cache, elements[key], rows_of(layer, runs, chunks, begin))
@@ -217,6 +221,7 @@ class Loader:
             rows = self.rebuild(layer.index, rows_of(layer, runs, chunks, begin), positions[begin - job.start :])
             layer.layout.write(layer.cache, where, rows)
 
+        shared = ImageRows(images) if self._scratch is not None else None
         if self._scratch is not None:
             self._scratch.rewind()  # the last load's jobs are done: a load of few layers uses few slots
         copier.follow()  # both streams after the kernels queued so far: the blocks may have been another request's

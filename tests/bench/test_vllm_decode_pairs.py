@@ -1,8 +1,10 @@
 """The decode benchmark's comparison (``hcache bench vllm --decode``), without vLLM: paired steps see a small
 cost through a drift many times larger."""
+import argparse
+
 import numpy as np
 
-from hcache.bench._vllm_decode import _compare, paired_overhead
+from hcache.bench._vllm_decode import _compare, _print, paired_overhead
 
 
 def test_a_2_percent_cost_is_seen_through_a_drift_of_2x():
@@ -17,7 +19,7 @@ def test_a_2_percent_cost_is_seen_through_a_drift_of_2x():
     assert abs(same) < 0.005 and low < 0 < high
 
 
-def test_the_steps_while_loading_are_compared_apart():
+def test_the_steps_while_loading_are_compared_apart(capsys):
     base = [0.1] * 8
     saving = [0.1] * 4 + [0.15] * 4  # its last four steps ran while loads were in flight
     loading = [False] * 4 + [True] * 4
@@ -25,3 +27,6 @@ def test_the_steps_while_loading_are_compared_apart():
     assert out["vllm"]["overhead"] == 0 and out["hcache_saving"]["not_loading_overhead"] == 0
     assert abs(out["hcache_saving"]["loading_overhead"] - 0.5) < 1e-9 and out["hcache_saving"]["loaded_tokens_by_tier"] == {"host_pool": 128}
     assert "loading" not in _compare({"vllm": base, "hcache_saving": base}, [False] * 8, {})["hcache_saving"]
+    _print({"1x1024": out}, argparse.Namespace(model="m", dtype="bfloat16", steps=8, repeats=1, block=4))
+    saving = next(line for line in capsys.readouterr().out.splitlines() if "hcache_saving" in line)
+    assert saving.split()[3:5] == ["+0.0%", "[+0.0,"] and "+50.0%" in saving  # not the +25% of every turn mixed

@@ -199,6 +199,35 @@ def test_a_load_never_syncs_its_work_does_not_grow_with_chunks_and_makes_no_stre
     assert counts[2].ops == counts[6].ops, f"device ops grow with chunks: {dict(counts[2].ops)} against {dict(counts[6].ops)}"
 
 
+def test_a_cpu_load_reads_a_layers_rows_of_every_chunk_in_one_call(model, tmp_path, rng, monkeypatch):
+    """On a CPU, the calls a load makes for each layer do not grow with its chunks: a layer's rows of every
+    chunk are gathered out of the host pool in one call, not read chunk by chunk (each call a helper thread
+    makes hands the GIL to the engine's thread: hcache/storage/image_rows.py)."""
+    from hcache.storage.chunk import ChunkImage
+
+    spec = model[1]
+    reads, counts, tensor = {}, {}, ChunkImage.tensor
+    for chunks in (2, 6):
+        serving, prompt = _saved(model, tmp_path / str(chunks), rng, chunks, plan="2H+1KV")
+        layers = _cache(spec, 40)
+        loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, layers, _rebuild(spec, rng))
+        job = LoadJob("r", None, prompt[: chunks * CHUNK_TOKENS], [list(range(2 * chunks))], 0, chunks * CHUNK_TOKENS)
+        try:
+            calls = []
+            with monkeypatch.context() as m, counting(Counter(serving.stack.store.pool.arena), monkeypatch) as counter:
+                m.setattr(ChunkImage, "tensor", lambda self, *a: (calls.append(a), tensor(self, *a))[1])
+                assert loader._load(job, SequenceRecord()) == set()
+            blocks, offsets = block_slots([(list(range(2 * chunks)), 0, chunks * CHUNK_TOKENS)], BLOCK, KERNEL_BLOCK)
+            stored = _stored(serving, chunk_keys(prompt[: chunks * CHUNK_TOKENS], root_key(serving.fingerprint)), "KV")
+            assert torch.equal(layers[2].layout.read(layers[2].cache, layers[2].layout.elements(blocks, offsets)), stored[2])
+        finally:
+            loader.close()
+            serving.close()
+        reads[chunks], counts[chunks] = len(calls), counter.ops
+    assert reads[2] == reads[6], f"a chunk's tensor read {reads[2]} times in a load of 2 chunks, {reads[6]} in one of 6"
+    assert counts[2] == counts[6], f"ops grow with chunks: {dict(counts[2])} against {dict(counts[6])}"
+
+
 def test_the_store_stacks_and_the_loaders_threads_use_no_cpu_while_idle(model, tmp_path, rng):
     """vLLM's CPU worker binds its OpenMP threads to the cores: threads hcache starts beside them (the
     store's readers and writers, the loader's) must wait, not spin, between loads and saves."""
