@@ -48,6 +48,20 @@ def test_float8_codes_read_on_a_cpu_by_their_bits_are_what_torch_converts_them_t
     assert torch.equal(got[~want.isnan()], want[~want.isnan()]) and torch.equal(got.signbit(), want.signbit())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("encoding", [INT8, FP8])
+def test_dequantised_into_given_buffers_are_the_same_bits_as_into_new_ones(encoding, dtype, rng):
+    """A CPU load decodes into its kept buffers (hcache/transfer/scratch.py): the same arithmetic, one
+    float32 product rounded once, and the result is the buffer given."""
+    x = torch.randn(64, 2, 3, 64, generator=rng) * torch.rand(64, 2, 3, 1, generator=rng) * 8
+    rows = quantise(x, encoding)
+    given = []
+    out = dequantise(rows, dtype, lambda shape, dt: given.append(torch.full(shape, float("nan")).to(dt)) or given[-1])
+    want = (rows.codes.float() * rows.scale.float().unsqueeze(-1)).to(dtype)
+    assert out is given[0] and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(dequantise(rows, dtype).view(torch.uint8), want.view(torch.uint8))
+
+
 def test_zero_rows_quantise_to_zero():
     rows = quantise(torch.zeros(4, 8), INT8)
     assert torch.equal(dequantise(rows, torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16))

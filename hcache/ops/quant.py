@@ -11,6 +11,7 @@ the fused Triton kernel (:mod:`hcache.ops.dequant_scatter_kernel`) matches bit f
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,20 +49,34 @@ def quantise(x: torch.Tensor, dtype: torch.dtype) -> QuantRows:
     return QuantRows(codes, scale)
 
 
-def dequantise(rows: QuantRows, dtype: torch.dtype) -> torch.Tensor:
-    """``codes · scale`` in float32, rounded once to ``dtype`` (one float32 buffer, scaled in place)."""
-    return codes_as_float(rows.codes).mul_(rows.scale.float().unsqueeze(-1)).to(dtype)
+def dequantise(rows: QuantRows, dtype: torch.dtype, empty: Callable | None = None) -> torch.Tensor:
+    """``codes · scale`` in float32, rounded once to ``dtype``: the codes, exact in any dtype, written into
+    the result and scaled in place by the float32 scales (a ``dtype`` tensor times a float32 one is taken in
+    float32), so the only buffer is the result. ``empty(shape, dtype)``: where it goes (a new tensor, by
+    default; a CPU load's kept buffers, :mod:`hcache.transfer.scratch`)."""
+    out = _codes_into(rows.codes, dtype, empty)
+    return out.mul_(rows.scale.float().unsqueeze(-1))
 
 
 def codes_as_float(codes: torch.Tensor) -> torch.Tensor:
-    """8-bit codes as float32, exactly.
+    """8-bit codes as float32, exactly."""
+    return _codes_into(codes, torch.float32)
+
+
+def _codes_into(codes: torch.Tensor, dtype: torch.dtype, empty: Callable | None = None) -> torch.Tensor:
+    """8-bit codes in a tensor of ``dtype`` from ``empty`` (floating point: every code is exact in it).
 
     Torch converts float8 on a CPU one element at a time, many times slower than int8, so there e4m3's
     bits are moved into float16's place instead, in a few vector ops: the sign to bit 15, exponent and
     mantissa up by 7. That float16 is the code's value over 2^8 (its exponent bias is 8 more than e4m3's,
-    and e4m3's subnormals land on float16's), which 2^8 restores. (e4m3's NaN would read 480; codes are
-    clamped, and a chunk's bytes are checksummed.)"""
+    and e4m3's subnormals land on float16's), which 2^8 restores, exactly. (e4m3's NaN would read 480; codes
+    are clamped, and a chunk's bytes are checksummed.)"""
+    if empty is None:
+        empty = lambda shape, dt: torch.empty(shape, dtype=dt, device=codes.device)  # noqa: E731
+    out = empty(codes.shape, dtype)
     if codes.dtype != torch.float8_e4m3fn or codes.device.type != "cpu":
-        return codes.float()
-    bits = (codes.view(torch.int8).to(torch.int16) << 7) & ~0x4000  # sign extension cleared from bit 14
-    return bits.view(torch.float16).float().mul_(256.0)
+        return out.copy_(codes)
+    bits = empty(codes.shape, torch.int16).copy_(codes.view(torch.int8))
+    bits <<= 7
+    bits &= ~0x4000  # the sign extension cleared from bit 14
+    return out.copy_(bits.view(torch.float16)).mul_(256.0)

@@ -189,7 +189,9 @@ class Loader:
                 jobs.append((layer, method, chunks, begin))
 
         def rows_of(layer: PagedLayer, runs: list, chunks: range, begin: int) -> torch.Tensor:
-            decoded = [decode_rows(run, layer.cache.dtype) for run in runs]  # one run, unless chunks were stored in several encodings
+            # 8-bit rows decoded into the scratch's slot of the job staged last: used up before it is reused
+            empty = self._scratch.empty if self._scratch is not None else None
+            decoded = [decode_rows(run, layer.cache.dtype, empty) for run in runs]  # one run, unless chunks were stored in several encodings
             rows = decoded[0] if len(decoded) == 1 else torch.cat(decoded)
             origin = (first + chunks.start) * CHUNK_TOKENS
             return rows if (begin, end) == (origin, origin + rows.shape[0]) else rows[begin - origin : end - origin]

@@ -75,11 +75,12 @@ def _rebuild(spec: ModelSpec, rng):
     return rebuild
 
 
-@pytest.mark.parametrize("plan", ["KV", "H", "2H+1KV"])
-def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path, rng, plan):
-    """Each layer by its plan's method; H's rebuilds run a layer behind the copies (the restore's pipeline)."""
+@pytest.mark.parametrize("plan, stored_dtype", [("KV", "auto"), ("H", "auto"), ("2H+1KV", "auto"), ("2H+1KV", "fp8"), ("KV", "int8")])
+def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path, rng, plan, stored_dtype):
+    """Each layer by its plan's method; H's rebuilds run a layer behind the copies (the restore's pipeline);
+    8-bit rows decoded as every restore decodes them."""
     spec = model[1]
-    serving, prompt = _saved(model, tmp_path, rng, 4, plan=plan)
+    serving, prompt = _saved(model, tmp_path, rng, 4, plan=plan, stored_dtype=stored_dtype)
     rebuild = _rebuild(spec, rng)
     methods = RestorePlan.parse(plan, LAYERS).layers
     layers = _cache(spec, 40)
@@ -106,15 +107,16 @@ def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path
         serving.close()
 
 
-def test_a_cpu_load_stages_its_rows_in_kept_buffers(model, tmp_path, rng):
+@pytest.mark.parametrize("stored_dtype", ["auto", "int8", "fp8"])
+def test_a_cpu_load_stages_its_rows_in_kept_buffers(model, tmp_path, rng, stored_dtype):
     """On a CPU, a load stages no rows in new memory once an earlier one of its length has (it makes only its
-    tokens' places): a fresh tensor a layer costs
+    tokens' places), 8-bit rows decoded there too: a fresh tensor a layer costs
     the engine's own threads the kernel's unmapping of it (hcache/transfer/scratch.py). And a load into
     the buffers an earlier load used still lands its own rows."""
     from torch.profiler import ProfilerActivity, profile
 
     spec = model[1]
-    serving, prompt = _saved(model, tmp_path, rng, 4, plan="KV")
+    serving, prompt = _saved(model, tmp_path, rng, 4, plan="KV", stored_dtype=stored_dtype)
     other = random_prompt(4 * CHUNK_TOKENS + 1, spec.vocab_size, rng)
     serving.put([1], [other])
     serving.flush(1)
