@@ -23,8 +23,10 @@ prefix cache is off, so each is loaded again): while their loads run (vLLM holds
 ``load_kv_async``) the engine keeps stepping the decoders, and the ratios of those turns
 (``loading_overhead``) are set beside the others' (``not_loading_overhead``, which the printout shows as
 the saving engine's overhead; its ``overhead`` mixes both). A step's time drifts by a tenth from turn to turn here,
-so one loading turn a round could not tell a few percent: half the turns load. A step in which a loaded
-request computes its question is not counted. Where the loads were read from
+so one loading turn a round could not tell a few percent: half the turns load. The other engines are given
+as many requests at the same turns, their question alone (9 tokens), which join and leave their batches as
+the loaded ones leave the saving engine's: a loading turn then differs from theirs by the loads alone. A
+step in which any of these requests computes is not counted. Where the loads were read from
 (host pool or disk) is taken from the request log: a small host pool (``--host-mb``) sends the earlier
 conversations to the disk once the decoders' saves fill it.
 """
@@ -122,9 +124,10 @@ def _kv_bytes_per_token(args) -> int:
 def _interleaved(engines: dict, prompts: list[list[int]], returning: list[list[int]], steps: int, block: int) -> tuple[dict[str, list[float]], list[bool]]:
     """Every engine given ``prompts``, stepped to their first tokens and paused; then the engines take turns,
     ``block`` decode steps each, resumed for their turn and paused after it, until each has timed ``steps``.
-    ``returning`` join the saving engine at every other turn. Returns each engine's mean step of each turn,
-    in the same order for every engine, and for each turn whether the saving engine's loads were in flight
-    in it; a step in which a loaded request computes its question is left out of its turn."""
+    ``returning`` join the saving engine at every other turn, and their last token and question the others.
+    Returns each engine's mean step of each turn, in the same order for every engine, and for each turn
+    whether the saving engine's loads were in flight in it; a step in which a returning request computes its
+    question is left out of its turn."""
     from vllm import SamplingParams
 
     turns = -(-steps // block)
@@ -140,27 +143,29 @@ def _interleaved(engines: dict, prompts: list[list[int]], returning: list[list[i
         _pause(engine)
     names = list(engines)
     means: dict[str, list[float]] = {name: [] for name in names}
-    during, waiting = [], set()
+    during, waiting = [], {name: set() for name in names}
     for turn in range(turns):
         loads = False
         for name in names[turn % len(names) :] + names[: turn % len(names)]:  # each engine first, second and last alike
             engine = engines[name]
             engine.engine_core.call_utility("resume_scheduler")
-            if name == "hcache_saving" and returning and turn % 2 == 1 and not waiting:
-                waiting = {f"r{time.monotonic_ns()}x{j}" for j in range(len(returning))}
-                for rid, prompt in zip(sorted(waiting), returning):
-                    engine.add_request(rid, {"prompt_token_ids": prompt + [13] * 8}, SamplingParams(max_tokens=1))
-            engine.step()  # the step in flight when it was paused, or its output: not a whole step of this turn
+            if returning and turn % 2 == 1 and not waiting[name]:
+                waiting[name] = {f"r{time.monotonic_ns()}x{j}" for j in range(len(returning))}
+                for rid, prompt in zip(sorted(waiting[name]), returning):
+                    asked = prompt if name == "hcache_saving" else prompt[-1:]  # the others: the question alone
+                    engine.add_request(rid, {"prompt_token_ids": asked + [13] * 8}, SamplingParams(max_tokens=1))
+            outs = engine.step()  # the step in flight when it was paused, or its output: not a whole step of this turn
+            waiting[name] -= {_base(out.request_id) for out in outs}  # a question alone may be answered in it
             took = []
             for _ in range(block):
-                loads = loads or (name == "hcache_saving" and bool(waiting))
+                loads = loads or (name == "hcache_saving" and bool(waiting[name]))
                 began = time.perf_counter()
                 outs = engine.step()
                 elapsed = time.perf_counter() - began
-                joined = {_base(out.request_id) for out in outs} & waiting if name == "hcache_saving" else set()
+                joined = {_base(out.request_id) for out in outs} & waiting[name]
                 if not joined:
                     took.append(elapsed)
-                waiting -= joined  # loaded and answered: the steps after are without loads again
+                waiting[name] -= joined  # loaded (or, elsewhere, computed) and answered: the steps after are without loads again
             means[name].append(statistics.fmean(took) if took else float("nan"))
             _pause(engine)
         during.append(loads)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -20,7 +21,6 @@ class ImageRows:
     where the images do not share one storage and one layout (read image by image then)."""
 
     def __init__(self, images: list[ChunkImage]):
-        self.images = images
         first = images[0] if images else None
         self.gathers = first is not None and all(
             image.layout is first.layout or image.layout.entries == first.layout.entries for image in images
@@ -33,14 +33,14 @@ class ImageRows:
         self._index = torch.tensor([start // self._step for start in starts], dtype=torch.int64)
         self._runs: dict[range, torch.Tensor] = {}
 
-    def stored_rows(self, layer: int, fmt: str, chunks: range, empty) -> torch.Tensor | QuantRows:
+    def stored_rows(self, layer: int, fmt: str, chunks: range, empty: Callable) -> torch.Tensor | QuantRows:
         """The rows of one layer and format of ``images[chunks]``, one chunk after another, as
         :func:`~hcache.storage.stored_state.stored_rows` reads one chunk's: a tensor, or 8-bit codes with
         their scales; in tensors from ``empty(shape, dtype)``."""
         rows = self._gather(layer, fmt, chunks, empty)
         return QuantRows(rows, self._gather(layer, scale_format(fmt), chunks, empty)) if is_encoded(rows.dtype) else rows
 
-    def _gather(self, layer: int, fmt: str, chunks: range, empty) -> torch.Tensor:
+    def _gather(self, layer: int, fmt: str, chunks: range, empty: Callable) -> torch.Tensor:
         e = self._entries[(layer, fmt)]
         base = self._base
         rows = (base.untyped_storage().nbytes() - e.offset - e.nbytes) // self._step + 1

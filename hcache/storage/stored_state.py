@@ -10,7 +10,7 @@ of every encoding restore on any runtime.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import NamedTuple
 
@@ -158,7 +158,7 @@ def stored_rows(image, layer: int, fmt: str) -> torch.Tensor | QuantRows:
     return QuantRows(rows, image.tensor(layer, scale_format(fmt))) if is_encoded(rows.dtype) else rows
 
 
-def decode_rows(rows: torch.Tensor | QuantRows, dtype: torch.dtype, empty=None) -> torch.Tensor:
+def decode_rows(rows: torch.Tensor | QuantRows, dtype: torch.dtype, empty: Callable | None = None) -> torch.Tensor:
     """Stored rows in the model's ``dtype``: 8-bit codes dequantised (into a tensor from ``empty(shape,
     dtype)``, if given), lossless rows as they are."""
     return dequantise(rows, dtype, empty) if isinstance(rows, QuantRows) else rows

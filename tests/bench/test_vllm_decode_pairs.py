@@ -1,10 +1,12 @@
 """The decode benchmark's comparison (``hcache bench vllm --decode``), without vLLM: paired steps see a small
 cost through a drift many times larger."""
 import argparse
+import time
+import types
 
 import numpy as np
 
-from hcache.bench._vllm_decode import _compare, _print, paired_overhead
+from hcache.bench._vllm_decode import _compare, _interleaved, _print, paired_overhead
 
 
 def test_a_2_percent_cost_is_seen_through_a_drift_of_2x():
@@ -30,3 +32,50 @@ def test_the_steps_while_loading_are_compared_apart(capsys):
     _print({"1x1024": out}, argparse.Namespace(model="m", dtype="bfloat16", steps=8, repeats=1, block=4))
     saving = next(line for line in capsys.readouterr().out.splitlines() if "hcache_saving" in line)
     assert saving.split()[3:5] == ["+0.0%", "[+0.0,"] and "+50.0%" in saving  # not the +25% of every turn mixed
+
+
+class _Engine:
+    """vLLM's engine as the turns drive it: decoding requests give a token every step; a returning request
+    answers ``wait`` steps after it arrives (the saving engine's, once its load is done) and leaves."""
+
+    def __init__(self, wait: int):
+        self.wait, self.arrived, self.left = wait, [], {}
+        self.decoding: set[str] = set()
+        self.engine_core = types.SimpleNamespace(call_utility=lambda *args: None)
+
+    def add_request(self, rid, prompt, params):
+        if rid.startswith("r"):
+            self.arrived.append(len(prompt["prompt_token_ids"]))
+            self.left[rid] = self.wait
+        else:
+            self.decoding.add(rid)
+
+    def step(self):
+        time.sleep(0.001 * len(self.left))  # a step with a returning request in it is slower
+        for rid in self.left:
+            self.left[rid] -= 1
+        answered = [rid for rid, n in self.left.items() if n <= 0]
+        for rid in answered:
+            del self.left[rid]
+        token = [types.SimpleNamespace(token_ids=[1])]
+        return [types.SimpleNamespace(request_id=rid, outputs=token) for rid in sorted(self.decoding) + answered]
+
+    def abort_request(self, ids):
+        self.decoding -= set(ids)
+
+    def has_unfinished_requests(self):
+        return bool(self.decoding or self.left)
+
+
+def test_every_engine_gets_the_returning_requests_at_the_same_turns_and_their_answering_steps_are_not_timed():
+    """The saving engine loads their histories; the others are asked the question alone, so that a loading
+    turn differs from theirs by the loads only."""
+    engines = {"vllm": _Engine(1), "hcache_saving": _Engine(3), "hcache_not_saving": _Engine(1)}
+    history, question = [5] * 128, [13] * 8
+    means, during = _interleaved(engines, [[1] * 70], [history], steps=16, block=4)
+    assert engines["hcache_saving"].arrived == [len(history + question)] * 2  # at the second and fourth turns
+    assert engines["vllm"].arrived == engines["hcache_not_saving"].arrived == [1 + len(question)] * 2
+    assert during == [False, True, False, True]
+    # the saving engine's loads span its turn's first two steps (timed, slower); the answering step is not timed
+    assert all(len(m) == 4 for m in means.values()) and means["hcache_saving"][1] > means["hcache_saving"][0]
+    assert means["vllm"][1] < 0.001  # its one step with the question in it was left out
