@@ -1,5 +1,5 @@
 """Where hcache's helper threads run: the store's readers and writers, the saver's packer and the paged
-loader. By default they run wherever the thread that starts them may, at the priority of the thread that
+loader (and the loader's process, :func:`bind_process`). By default they run wherever the thread that starts them may, at the priority of the thread that
 starts them. An engine that binds its compute threads to cores (vLLM's CPU worker binds OpenMP's, one per
 core, and leaves the rest to its other processes) names the cores left over (:func:`run_on`), so that
 hcache's copies, checksums and disk writes do not preempt the forward's threads: an OpenMP forward stalls
@@ -39,3 +39,12 @@ def _bind() -> None:
     if _nice:  # Linux keeps a nice value per thread: this thread's alone
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _nice))
+
+
+def bind_process(pid: int) -> None:
+    """Put process ``pid``, a helper that hcache started, where its helper threads run, at their priority
+    (before it starts threads of its own: they take its CPUs)."""
+    if _cpus:
+        os.sched_setaffinity(pid, _cpus)
+    if _nice:
+        os.setpriority(os.PRIO_PROCESS, pid, max(os.getpriority(os.PRIO_PROCESS, pid), _nice))

@@ -34,7 +34,9 @@ from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from ..storage.image_rows import ImageRows
 from ..storage.stored_state import decode_rows, stored_rows
+from ..transfer.copier import Copier
 from ..transfer.scratch import Scratch
+from .copy_process import CopyProcess, ProcessGone
 from .layout import PagedLayout, Places, block_slots
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,13 @@ class Loader:
         # a CPU's staged rows, in buffers kept from load to load (:mod:`~hcache.transfer.scratch`); a GPU's come from torch's caching allocator
         self._scratch = Scratch(copier.depth) if copier is not None and not copier.cuda else None
         self._inflight: dict[str, tuple[LoadJob, Future]] = {}
+        self._process: CopyProcess | None = None  # a CPU's KV writes, out of the engine's GIL, where the host pool is shareable
+        pool = stack.store.pool if stack.store is not None else None
+        if self._scratch is not None and pool is not None and pool.fd is not None:
+            try:
+                self._process = CopyProcess(layers, pool.fd, pool.capacity, kernel_block, copier.depth)
+            except (RuntimeError, OSError) as e:
+                log.warning("hcache: no load process (%s); loads run on a thread of the worker", e)
 
     def submit(self, job: LoadJob, record: SequenceRecord) -> None:
         self._inflight[job.req_id] = job, self._thread.submit(self._load, job, record)
@@ -169,7 +178,8 @@ class Loader:
         slots, on a GPU), KV decoded and scattered there too, while the layers before it that restore by H
         are decoded, rebuilt and scattered on the loader's own stream, each after its copy's event. This
         thread then waits for both streams (the step's stream never does): the pool's slots are released
-        after this, and the load reported done."""
+        after this, and the load reported done. On a CPU with a load process, that process writes the KV
+        layers meanwhile (:mod:`~hcache.paged.copy_process`), and this thread waits for it too."""
         copier = self.stack.copier
         slots = {}  # by group: the first position held in a real block, and the blocks and offsets from there to ``end``
         windowed = {layer.group for layer in self.layers if self.config.spec.window(layer.index) is not None}  # groups holding null blocks
@@ -179,7 +189,6 @@ class Loader:
             held = next((b for b in real if job.block_ids[g][b] != NULL_BLOCK), None) if g in windowed else real.start
             held = end if held is None else max(job.start, held * size)
             slots[g] = held, *block_slots([(job.block_ids[g], held, end)], size, self.kernel_block)
-        elements: dict[tuple, Places] = {}
         jobs = []  # (layer, method, the chunks it reads, its first position written), for the layers that write
         for layer in self.layers:
             method = plan.layers[layer.index]
@@ -187,32 +196,17 @@ class Loader:
             begin = max(slots[layer.group][0], (first + chunks.start) * CHUNK_TOKENS)
             if begin < end:
                 jobs.append((layer, method, chunks, begin))
-
-        def rows_of(layer: PagedLayer, runs: list, chunks: range, begin: int) -> torch.Tensor:
-            # 8-bit rows decoded into the scratch's slot of the job staged last: used up before it is reused
-            empty = self._scratch.empty if self._scratch is not None else None
-            decoded = [decode_rows(run, layer.cache.dtype, empty) for run in runs]  # one run, unless chunks were stored in several encodings
-            rows = decoded[0] if len(decoded) == 1 else torch.cat(decoded)
-            origin = (first + chunks.start) * CHUNK_TOKENS
-            return rows if (begin, end) == (origin, origin + rows.shape[0]) else rows[begin - origin : end - origin]
-
-        def stage(item: tuple) -> tuple:  # on the side stream: the layer's rows to the device, and KV's written
-            layer, method, chunks, begin = item
-            if self._scratch is not None:
-                self._scratch.next_job()
-            held, blocks, offsets = slots[layer.group]
-            key = (id(layer.layout), layer.group, begin)
-            if key not in elements:
-                whole = (end - begin) // self.kernel_block if begin % self.kernel_block == 0 else 0  # kernel blocks, from a block's start on
-                elements[key] = layer.layout.elements(blocks[begin - held :], offsets[begin - held :], whole)
-            if shared is not None and shared.gathers:  # a CPU's: one call a layer, whatever the number of chunks
-                runs = [shared.stored_rows(layer.index, method.value, chunks, self._scratch.empty)]
-            else:  # a GPU's: one DMA per chunk from its pinned slot (:meth:`Copier.gather`)
-                runs = gather_runs(copier, [stored_rows(images[j], layer.index, method.value) for j in chunks], self._scratch)
-            if method is Method.H:
-                return runs, elements[key]
-            layer.layout.write(layer.cache, elements[key], rows_of(layer, runs, chunks, begin))
-            return None
+        shared = ImageRows.of(images) if self._scratch is not None else None
+        kv = [item for item in jobs if item[1] is not Method.H]
+        process = self._process if shared is not None and kv else None
+        if process is not None:  # the KV layers to the load process, the H layers here, at once
+            try:
+                process.submit(LoadWrites.message(shared, slots, first, end, kv))
+            except ProcessGone:
+                self._lose_process()
+                raise
+            jobs = [item for item in jobs if item[1] is Method.H]
+        writes = LoadWrites(slots, first, end, self.kernel_block, copier, self._scratch, shared, images)
 
         def finish(item: tuple, staged: tuple | None, done) -> None:  # on the loader's stream: H rebuilt after its copy
             if staged is None:
@@ -220,24 +214,102 @@ class Loader:
             layer, _, chunks, begin = item
             runs, where = staged
             copier.wait(done, *where, *run_tensors(runs))
-            rows = self.rebuild(layer.index, rows_of(layer, runs, chunks, begin), positions[begin - job.start :])
+            rows = self.rebuild(layer.index, writes.rows_of(layer, runs, chunks, begin), positions[begin - job.start :])
             layer.layout.write(layer.cache, where, rows)
 
-        shared = ImageRows(images) if self._scratch is not None else None
-        if self._scratch is not None:
-            self._scratch.rewind()  # the last load's jobs are done: a load of few layers uses few slots
-        copier.follow()  # both streams after the kernels queued so far: the blocks may have been another request's
-        if self._stream is None:
-            positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
-            copier.pipeline(jobs, stage, finish)
-        else:
-            self._stream.wait_stream(torch.cuda.current_stream(copier.device))
-            with torch.cuda.stream(self._stream):
+        try:
+            if self._scratch is not None:
+                self._scratch.rewind()  # the last load's jobs are done: a load of few layers uses few slots
+            copier.follow()  # both streams after the kernels queued so far: the blocks may have been another request's
+            if self._stream is None:
                 positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
-                copier.pipeline(jobs, stage, finish)
-            self._stream.synchronize()
-        copier.drain()
+                copier.pipeline(jobs, writes.stage, finish)
+            else:
+                self._stream.wait_stream(torch.cuda.current_stream(copier.device))
+                with torch.cuda.stream(self._stream):
+                    positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
+                    copier.pipeline(jobs, writes.stage, finish)
+                self._stream.synchronize()
+            copier.drain()
+        finally:
+            if process is not None:
+                self._wait_process()
+
+    def _wait_process(self) -> None:
+        """Wait for the load process's writes; if it is gone, load on this thread from now on (this load's
+        blocks are load errors: what it wrote is not known)."""
+        try:
+            self._process.wait()
+        except ProcessGone:
+            self._lose_process()
+            raise
+
+    def _lose_process(self) -> None:
+        log.warning("hcache: the load process ended (exit code %s); loads run on a thread of the worker from now on", self._process.returncode())
+        self._process.close()
+        self._process = None
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+        if self._process is not None:
+            self._process.close()
 
+
+class LoadWrites:
+    """One load's layer writes: each layer's rows gathered from the pool and, for KV, written into the
+    cache (:meth:`stage`); H's rows staged for the loader's rebuild. Made by the loader's thread, and by the
+    load process for the KV layers it is sent (:meth:`message`, :meth:`received`). ``slots``: by KV cache
+    group, the first position held in a real block and the blocks and offsets from there to ``end``;
+    ``shared``: the images' rows gathered a layer at a time (a CPU's), else ``images`` read a chunk at a
+    time through ``copier`` (a GPU's)."""
+
+    def __init__(self, slots: dict, first: int, end: int, kernel_block: int, copier: Copier | None, scratch: Scratch | None,
+                 shared: ImageRows | None, images: list | None = None):  # fmt: skip
+        self.slots, self.first, self.end, self.kernel_block = slots, first, end, kernel_block
+        self.copier, self.scratch, self.shared, self.images = copier, scratch, shared, images
+        self._elements: dict[tuple, Places] = {}
+
+    @staticmethod
+    def message(shared: ImageRows, slots: dict, first: int, end: int, jobs: list[tuple]) -> dict:
+        """What the load process needs to write ``jobs``: plain data (numpy, not tensors: a pickled tensor
+        would travel as a shared-memory handle the process cannot open)."""
+        return {"starts": shared.starts, "entries": shared.entries, "first": first, "end": end,
+                "slots": {g: (held, blocks.numpy(), offsets.numpy()) for g, (held, blocks, offsets) in slots.items()},
+                "jobs": [(layer.index, method.value, chunks.start, chunks.stop, begin) for layer, method, chunks, begin in jobs]}  # fmt: skip
+
+    @classmethod
+    def received(cls, message: dict, arena: torch.Tensor, layers: dict[int, PagedLayer], kernel_block: int, scratch: Scratch) -> tuple:
+        """The load process's side of :meth:`message`: its writes over ``arena`` and its jobs over ``layers``."""
+        slots = {g: (held, torch.from_numpy(blocks), torch.from_numpy(offsets)) for g, (held, blocks, offsets) in message["slots"].items()}
+        shared = ImageRows(arena, message["starts"], message["entries"])
+        jobs = [(layers[index], Method(method), range(start, stop), begin) for index, method, start, stop, begin in message["jobs"]]
+        return cls(slots, message["first"], message["end"], kernel_block, None, scratch, shared), jobs
+
+    def rows_of(self, layer: PagedLayer, runs: list, chunks: range, begin: int) -> torch.Tensor:
+        """A layer's rows of positions ``[begin, end)``, from the runs :meth:`stage` gathered."""
+        # 8-bit rows decoded into the scratch's slot of the job staged last: used up before it is reused
+        empty = self.scratch.empty if self.scratch is not None else None
+        decoded = [decode_rows(run, layer.cache.dtype, empty) for run in runs]  # one run, unless chunks were stored in several encodings
+        rows = decoded[0] if len(decoded) == 1 else torch.cat(decoded)
+        origin = (self.first + chunks.start) * CHUNK_TOKENS
+        return rows if (begin, self.end) == (origin, origin + rows.shape[0]) else rows[begin - origin : self.end - origin]
+
+    def stage(self, item: tuple) -> tuple | None:
+        """On the side stream: the layer's rows to the device, and KV's written; H's returned, with where
+        they go."""
+        layer, method, chunks, begin = item
+        if self.scratch is not None:
+            self.scratch.next_job()
+        held, blocks, offsets = self.slots[layer.group]
+        key = (id(layer.layout), layer.group, begin)
+        if key not in self._elements:
+            whole = (self.end - begin) // self.kernel_block if begin % self.kernel_block == 0 else 0  # kernel blocks, from a block's start on
+            self._elements[key] = layer.layout.elements(blocks[begin - held :], offsets[begin - held :], whole)
+        if self.shared is not None:  # a CPU's: one call a layer, whatever the number of chunks
+            runs = [self.shared.stored_rows(layer.index, method.value, chunks, self.scratch.empty)]
+        else:  # a GPU's: one DMA per chunk from its pinned slot (:meth:`Copier.gather`)
+            runs = gather_runs(self.copier, [stored_rows(self.images[j], layer.index, method.value) for j in chunks], self.scratch)
+        if method is Method.H:
+            return runs, self._elements[key]
+        layer.layout.write(layer.cache, self._elements[key], self.rows_of(layer, runs, chunks, begin))
+        return None

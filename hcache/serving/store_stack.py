@@ -98,9 +98,11 @@ class StoreStack:
     model's; the stack's, which its chunks carry and its keys are rooted in, is this rank's.
 
     Parts that the settings leave out are None: ``store``, ``saver``, ``copier``, ``prefetcher`` and
-    ``anchors`` (which roots conversations were saved under, for miss reasons) without a store, ``capture`` when nothing is saved, ``gpu_cache`` unless ``gpu_cache=True``."""
+    ``anchors`` (which roots conversations were saved under, for miss reasons) without a store, ``capture`` when nothing is saved, ``gpu_cache`` unless ``gpu_cache=True``.
+    ``shareable_pool``: the host pool on memory another process may map (a CPU's load process,
+    :mod:`hcache.paged.copy_process`)."""
 
-    def __init__(self, config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup = SINGLE):
+    def __init__(self, config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup = SINGLE, shareable_pool: bool = False):
         config.check_engine(engine.spec)
         self.config, self.tp = config, tp
         self.fingerprint = tp.fingerprint(fingerprint)
@@ -121,6 +123,7 @@ class StoreStack:
                 config.store_dirs(tp.rank),
                 {"fingerprint": self.fingerprint, "dtype": engine.spec.dtype},
                 pin=engine.device.type == "cuda",
+                shareable=shareable_pool,
                 readers=config.settings.readers,
                 eviction=eviction,
             )

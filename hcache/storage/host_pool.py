@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
+import os
 import threading
 import weakref
 
@@ -49,20 +50,29 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Python < 3.13 lacks t
 
 
 class HostPool:
-    """``capacity_bytes`` of host memory (rounded down to pages). ``pin``: page-locked, for DMA to a GPU.
+    """``capacity_bytes`` of host memory (rounded down to pages). ``pin``: page-locked, for DMA to a GPU;
+    ``shareable``: on a memfd (:attr:`fd`), which another process may map, to read and write the same
+    pages (``mmap(fd, capacity, MAP_SHARED)``).
 
     Thread-safe. A new slot holds one reference; :meth:`ref` and :meth:`unref` count the others, and
     :meth:`free` returns an unreferenced slot's pages."""
 
-    def __init__(self, capacity_bytes: int, pin: bool = False):
+    def __init__(self, capacity_bytes: int, pin: bool = False, shareable: bool = False):
         capacity = capacity_bytes // PAGE * PAGE
         if capacity <= 0:
             raise ValueError(f"a host pool needs at least one page ({PAGE} bytes), not {capacity_bytes}")
         self.capacity, self.pinned = capacity, pin
-        # Private (a forked child gets its own copy, unless the pool is pinned), page-aligned, and not charged against the commit limit
-        # until touched (MAP_NORESERVE): a 4 GiB pool costs nothing unused, and a process holding several can
-        # still fork.
-        self._memory = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        self.fd: int | None = None
+        if shareable:  # pages of a memfd come on first touch as well; /dev/shm's size does not bound them
+            self.fd = os.memfd_create("hcache-host-pool", os.MFD_CLOEXEC)
+            weakref.finalize(self, os.close, self.fd)
+            os.ftruncate(self.fd, capacity)
+            self._memory = mmap.mmap(self.fd, capacity, flags=mmap.MAP_SHARED)
+        else:
+            # Private (a forked child gets its own copy, unless the pool is pinned), page-aligned, and not charged against the commit limit
+            # until touched (MAP_NORESERVE): a 4 GiB pool costs nothing unused, and a process holding several can
+            # still fork.
+            self._memory = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         self.arena = torch.frombuffer(self._memory, dtype=torch.uint8)
         if pin:  # registered in place: torch's pinned allocator would round the size up to a power of two
             _register(self, self._memory, self.arena)

@@ -81,11 +81,13 @@ class StoreConfig:
         labels: Mapping[str, str] | None = None,
         *,
         pin: bool = False,
+        shareable: bool = False,
         readers: int = DEFAULT_READERS,
         eviction: str = "lru",
     ) -> HostTier:
         """The host tier over the disk store in ``dirs`` (None: no local disk) and the ``shared`` stores;
-        ``pin``: page-lock the pool for DMA to a GPU; ``eviction``: the pool's policy (:mod:`.eviction`)."""
+        ``pin``: page-lock the pool for DMA to a GPU; ``shareable``: the pool on memory another process may map
+        (:class:`~hcache.storage.host_pool.HostPool`); ``eviction``: the pool's policy (:mod:`.eviction`)."""
         if self.host_bytes <= 0:
             raise StorageError(f"host_bytes must be positive, not {self.host_bytes}")
         if dirs is None and not self.shared:
@@ -100,7 +102,7 @@ class StoreConfig:
             for store in stores:
                 store.close()
             raise
-        return HostTier(stores, HostPool(self.host_bytes, pin=pin), readers=readers, writers=self.writers, eviction=eviction)
+        return HostTier(stores, HostPool(self.host_bytes, pin=pin, shareable=shareable), readers=readers, writers=self.writers, eviction=eviction)
 
     def lookup(self, dirs: str | os.PathLike | Sequence[str | os.PathLike] | None) -> StoreLookup:
         """A look-up of what the store over ``dirs`` and the shared stores holds, for a process that does not

@@ -110,7 +110,9 @@ class WorkerSide:
         helper_threads.run_on(spare)  # before the store stack starts its threads
         if spare:
             log.info("hcache's threads run on CPUs %s, apart from vLLM's OpenMP threads", sorted(spare))
-        self.stack = StoreStack(setup.config, VllmModel(setup.config.spec, device, setup.window_block), setup.fingerprint, self.tp)
+        # a CPU's loads write their KV from a process of their own, which maps the host pool (:mod:`hcache.paged.copy_process`)
+        self.stack = StoreStack(setup.config, VllmModel(setup.config.spec, device, setup.window_block), setup.fingerprint, self.tp,
+                                shareable_pool=device.type == "cpu")  # fmt: skip
         self._attention = attention_layers  # layer name -> vLLM's Attention module (its backend's cache write)
         self._layers: dict[str, PagedLayer] = {}
         self._seqs: dict[str, _Sequence] = {}

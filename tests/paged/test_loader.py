@@ -75,20 +75,30 @@ def _rebuild(spec: ModelSpec, rng):
     return rebuild
 
 
-@pytest.mark.parametrize("plan, stored_dtype", [("KV", "auto"), ("H", "auto"), ("2H+1KV", "auto"), ("2H+1KV", "fp8"), ("KV", "int8")])
-def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path, rng, plan, stored_dtype):
+@pytest.mark.parametrize("plan, stored_dtype, process", [
+    ("KV", "auto", False), ("H", "auto", False), ("2H+1KV", "auto", False), ("2H+1KV", "fp8", False), ("KV", "int8", False),
+    ("KV", "auto", True), ("2H+1KV", "fp8", True), ("KV", "int8", True),
+])  # fmt: skip
+def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path, rng, monkeypatch, plan, stored_dtype, process):
     """Each layer by its plan's method; H's rebuilds run a layer behind the copies (the restore's pipeline);
-    8-bit rows decoded as every restore decodes them."""
+    8-bit rows decoded as every restore decodes them. Over a shareable host pool (vLLM's CPU worker's), the
+    KV layers are written by the load process, into the same caches, and none by this process."""
     spec = model[1]
-    serving, prompt = _saved(model, tmp_path, rng, 4, plan=plan, stored_dtype=stored_dtype)
+    serving, prompt = _saved(model, tmp_path, rng, 4, plan=plan, stored_dtype=stored_dtype, shareable_pool=process)
     rebuild = _rebuild(spec, rng)
     methods = RestorePlan.parse(plan, LAYERS).layers
     layers = _cache(spec, 40)
     loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, layers, rebuild)
+    assert (loader._process is not None) == process
+    written = []  # the layers this process writes
+    write = PagedLayout.write
+    monkeypatch.setattr(PagedLayout, "write", lambda self, cache, *a: written.append(next(x.index for x in layers if x.cache is cache)) or write(self, cache, *a))
     block_ids = [9, 2, 14, 5, 11, 7, 3, 1]  # 32-token blocks, each two 16-token kernel blocks
     start, end = 40, 4 * CHUNK_TOKENS  # from inside the first chunk (after a prefix-cache hit, say)
     try:
         errors, record = _load(loader, LoadJob("r", None, prompt[:end], [block_ids], start, end))
+        by_h = [layer for layer, method in enumerate(methods) if method is Method.H]
+        assert sorted(written) == (by_h if process else list(range(LAYERS)))
         assert not errors and record.restored_tokens == end - start and record.tier_tokens == {"host": end - start}
         assert record.plan == str(RestorePlan.parse(plan, LAYERS)) and not record.miss_tokens
         blocks, offsets = block_slots([(block_ids, start, end)], BLOCK, KERNEL_BLOCK)
@@ -137,6 +147,43 @@ def test_a_cpu_load_stages_its_rows_in_kept_buffers(model, tmp_path, rng, stored
     finally:
         loader.close()
         serving.close()
+
+
+def test_a_load_process_gone_fails_its_load_and_later_loads_run_on_the_thread(model, tmp_path, rng):
+    """The load process killed: the load it was to write reports every block (recomputed: nothing unknown
+    served), and the loads after it are written by the loader's thread, and land."""
+    spec = model[1]
+    serving, prompt = _saved(model, tmp_path, rng, 2, plan="KV", shareable_pool=True)
+    layers = _cache(spec, 40)
+    loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, layers)
+    end, block_ids = 2 * CHUNK_TOKENS, [3, 1, 4, 0]
+    try:
+        child = loader._process._child
+        child.kill()
+        child.wait()
+        assert _load(loader, LoadJob("a", None, prompt[:end], [block_ids], 0, end))[0] == set(block_ids)
+        assert loader._process is None
+        errors, record = _load(loader, LoadJob("b", None, prompt[:end], [block_ids], 0, end))
+        assert not errors and record.restored_tokens == end
+        blocks, offsets = block_slots([(block_ids, 0, end)], BLOCK, KERNEL_BLOCK)
+        stored = _stored(serving, chunk_keys(prompt[:end], root_key(serving.fingerprint)), "KV")
+        for layer in layers:
+            assert torch.equal(layer.layout.read(layer.cache, layer.layout.elements(blocks, offsets)), stored[layer.index])
+    finally:
+        loader.close()
+        serving.close()
+
+
+def test_the_load_process_ends_with_its_loader(model, tmp_path, rng):
+    serving, _ = _saved(model, tmp_path, rng, 1, plan="KV", shareable_pool=True)
+    loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(model[1], 8))
+    child = loader._process._child
+    try:
+        assert child.poll() is None
+    finally:
+        loader.close()
+        serving.close()
+    assert child.poll() == 0
 
 
 def test_a_chunk_gone_since_the_look_up_ends_the_load_and_is_told_lost(model, tmp_path, rng):

@@ -38,8 +38,8 @@ def test_a_tensor_of_a_run_of_images_is_their_rows_in_order_lossless_or_8bit(rng
     images = _images(pool, layout, rng, 5)
     starts = [image.data.storage_offset() for image in images]
     assert len({b - a for a, b in zip(starts, starts[1:])}) > 1  # not evenly spaced
-    rows = ImageRows(images)
-    assert rows.gathers
+    rows = ImageRows.of(images)
+    assert rows is not None
     for chunks in (range(0, 5), range(1, 4), range(3, 4)):
         h = rows.stored_rows(0, "H", chunks, _empty)
         assert h.shape == (len(chunks) * CHUNK_TOKENS, 8) and h.dtype == torch.bfloat16
@@ -54,9 +54,9 @@ def test_images_apart_or_laid_out_otherwise_are_not_gathered(rng):
     layout = ChunkLayout.plan(TENSORS, "fp")
     pool = HostPool(8 * (layout.nbytes + 2 * PAGE))
     images = _images(pool, layout, rng, 2)
-    assert ImageRows(images).gathers and not ImageRows([]).gathers
+    assert ImageRows.of(images) is not None and ImageRows.of([]) is None
     apart = ChunkImage(torch.zeros(layout.nbytes, dtype=torch.uint8), layout, "fp")  # not in the pool's arena
-    assert not ImageRows([*images, apart]).gathers
+    assert ImageRows.of([*images, apart]) is None
     other = ChunkLayout.plan([(0, "H", (8,), torch.bfloat16)], "fp")
     slot = pool.alloc(other.nbytes)
-    assert not ImageRows([*images, ChunkImage(pool.view(slot, 0, other.nbytes), other, "fp", slot=slot)]).gathers
+    assert ImageRows.of([*images, ChunkImage(pool.view(slot, 0, other.nbytes), other, "fp", slot=slot)]) is None

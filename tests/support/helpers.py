@@ -29,12 +29,12 @@ def corrupt_tensor(store, key: str, layer: int, fmt: str) -> None:
     path.write_bytes(bytes(data))
 
 
-def serving_engine(engine, fingerprint: str, store_dir, model_name: str = "test", **settings):
+def serving_engine(engine, fingerprint: str, store_dir, model_name: str = "test", shareable_pool: bool = False, **settings):
     """A serving engine over ``engine``, by ``settings`` (:class:`~hcache.config.HCacheConfig`) resolved for
-    its model, as the runtime builds one."""
+    its model, as the runtime builds one (``shareable_pool``: as vLLM's CPU worker builds its stack)."""
     from hcache.resolve import resolve
     from hcache.serving.engine import ServingEngine
     from hcache.serving.store_stack import StoreStack
 
     config = resolve({"store_dirs": store_dir, **settings}, engine.spec, model_name)
-    return ServingEngine(engine, StoreStack(config, engine, fingerprint))
+    return ServingEngine(engine, StoreStack(config, engine, fingerprint, shareable_pool=shareable_pool))

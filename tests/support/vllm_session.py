@@ -10,9 +10,12 @@ until N chunk files are written under DIR, then delete them all; ``"stop_redis"`
 own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a CPU), ``tp`` (vLLM's
 ``tensor_parallel_size``, one process a rank, each bound to CPUs of its own), and ``requests``:
 [[turn, cache_salt, actions...]] served in order, each request after its actions; ``["batch", [[turn,
-cache_salt], ...]]`` sends those requests in one ``generate`` call, to run concurrently. ``"$REDIS"`` in a connector's settings is the
-URL of a redis-server this script starts.
-OUT: ``tokens``: per phase, each request's generated token ids; ``logprobs``: the log-probability of each.
+cache_salt], ...]]`` sends those requests in one ``generate`` call, to run concurrently; ``["steps",
+DECODERS, JOINING]`` (each ``[[turn, cache_salt], ...]``) steps the engine one step at a time (:func:`_steps`):
+DECODERS decode, and JOINING join them a few steps in. ``"$REDIS"`` in a connector's settings is the URL of a
+redis-server this script starts.
+OUT: ``tokens``: per phase, each request's generated token ids (a ``steps`` request's: JOINING's);
+``logprobs``: the log-probability of each; ``steps``: per phase, its ``steps`` request's steps, or null.
 """
 import json
 import os
@@ -51,6 +54,55 @@ def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, blo
     with ranks_bound(tp):
         return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, kv_cache_memory_bytes=512 << 20,  # quicker to make than a share of memory
                    enable_prefix_caching=prefix_cache, kv_transfer_config=kv, **({"block_size": block_size} if block_size else {}), **parallel)  # fmt: skip
+
+
+STEPS_ALONE = 6  # the decoders' steps timed before the joining requests arrive, and after they have left
+
+
+def _steps(llm, decoders: list[dict], joining: list[dict], params) -> tuple[list, list[dict]]:
+    """``decoders`` decoding, stepped to their first tokens; then one step at a time: STEPS_ALONE steps, then
+    ``joining`` added and stepped until every one of them has replied, then STEPS_ALONE steps again. Returns
+    the joining requests' outputs, and each timed step: its seconds (``s``), how many decoders it gave a
+    token (``decoders``), and how many joining requests had no token yet when it ended (``waiting``: held
+    back while they load, or computing in it)."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    base = lambda out: out.request_id.split("-")[0]  # noqa: E731  vLLM may suffix "-..." to an id
+    decoding = [f"decoder{i}" for i in range(len(decoders))]
+    for rid, request in zip(decoding, decoders):
+        engine.add_request(rid, request, SamplingParams(max_tokens=1024, ignore_eos=True, temperature=0))
+    started: set[str] = set()
+    while len(started) < len(decoding):
+        started |= {base(out) for out in engine.step() if out.outputs[0].token_ids}
+    steps, replies = [], {}
+
+    def step(waiting: set[str], timed: bool = True) -> None:
+        began = time.perf_counter()
+        outs = engine.step()
+        took = time.perf_counter() - began
+        for out in outs:
+            waiting.discard(base(out))
+            if out.finished and base(out).startswith("joining"):
+                replies[base(out)] = out
+        if timed:
+            steps.append({"s": took, "decoders": sum(base(out) in started for out in outs), "waiting": len(waiting)})
+
+    for _ in range(STEPS_ALONE):
+        step(set())
+    waiting = {f"joining{j}" for j in range(len(joining))}
+    for rid, request in zip(sorted(waiting), joining):
+        engine.add_request(rid, request, params)
+    while waiting:
+        step(waiting)
+    while len(replies) < len(joining):  # their replies, decoded beside the decoders: not timed
+        step(set(), timed=False)
+    for _ in range(STEPS_ALONE):
+        step(set())
+    engine.abort_request(decoding)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [replies[f"joining{j}"] for j in range(len(joining))], steps
 
 
 def _corrupt(directory: str) -> None:
@@ -100,25 +152,33 @@ def main() -> None:
     redis = RedisServer().start() if "$REDIS" in json.dumps(spec) else None
     prompts: dict[str, list[int]] = {}
     replies: dict[str, list[int]] = {}  # the first phase's, which later turns' prompts continue
-    results, logprobs = [], []
+    results, logprobs, timed = [], [], []
     try:
         for phase in spec["phases"]:
             for action in phase.get("before", []):
                 _act(action, redis)
             connector = json.loads(json.dumps(phase["connector"]).replace("$REDIS", redis.url if redis else ""))
             llm = _llm(spec["model"], spec["dtype"], connector, phase.get("prefix_cache", False), phase.get("block_size"), phase.get("tp", 1))
-            out, probs = [], []
+            out, probs, steps = [], [], None
             for turn, salt, *actions in phase["requests"]:
+                decoders = []
+                if turn == "steps":  # ["steps", decoders, joining]
+                    decoders, salt, actions = salt, actions[0], actions[1:]
                 for action in actions:
                     _act(action, redis)
-                batch = salt if turn == "batch" else [[turn, salt]]  # a batch: [[turn, salt], ...] sent at once
-                for name, _ in batch:
+                batch = salt if turn in ("batch", "steps") else [[turn, salt]]  # a batch: [[turn, salt], ...] sent at once
+                for name, _ in decoders + batch:
                     if name not in prompts:
                         previous, text = spec["turns"][name]
                         head = prompts[previous] + replies[previous] if previous else []
                         prompts[name] = head + llm.get_tokenizer().encode(text, add_special_tokens=False)
-                requests = [{"prompt_token_ids": prompts[name], **({"cache_salt": s} if s else {})} for name, s in batch]
-                for (name, _), output in zip(batch, llm.generate(requests, params, use_tqdm=False)):
+                request = lambda name, s: {"prompt_token_ids": prompts[name], **({"cache_salt": s} if s else {})}  # noqa: E731
+                requests = [request(name, s) for name, s in batch]
+                if turn == "steps":
+                    outputs, steps = _steps(llm, [request(name, s) for name, s in decoders], requests, params)
+                else:
+                    outputs = llm.generate(requests, params, use_tqdm=False)
+                for (name, _), output in zip(batch, outputs):
                     tokens = list(output.outputs[0].token_ids)
                     replies.setdefault(name, tokens)
                     out.append(tokens)
@@ -127,10 +187,11 @@ def main() -> None:
             del llm
             results.append(out)
             logprobs.append(probs)
+            timed.append(steps)
     finally:
         if redis is not None:
             redis.close()
-    Path(sys.argv[2]).write_text(json.dumps({"tokens": results, "logprobs": logprobs}))
+    Path(sys.argv[2]).write_text(json.dumps({"tokens": results, "logprobs": logprobs, "steps": timed}))
 
 
 if __name__ == "__main__":

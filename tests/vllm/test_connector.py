@@ -5,8 +5,10 @@ One session, seven vLLM engines in turn over one redis-server: vLLM alone (the r
 bfloat16 a token's K/V computed in a decode step rounds apart from the same token's in a prefill, so a reply
 may part from vLLM's alone at a near tie, as it does with vLLM's own prefix cache); the connector saving the
 first turn to the disk and Redis, then restoring the second from the host pool, and under another
-``cache_salt`` restoring nothing, then serving 16 requests at once, half of them loading; restarted on the disk alone, restoring from the disk, then, storing in
-int8 beside vLLM's own prefix cache, a conversation under a new salt; with Redis as its only tier and
+``cache_salt`` restoring nothing, then serving 16 requests at once, half of them loading, then saving four
+long conversations; restarted on the disk alone, restoring from the disk, then, storing in int8 beside
+vLLM's own prefix cache, a conversation under a new salt, then stepped one step at a time while the four
+long conversations load from the disk beside eight decoding; with Redis as its only tier and
 32-token blocks (the others' hold 128, hcache's chunks 64), restoring from Redis, then from the host pool
 with Redis stopped; on a store of its own with a six-chunk host pool, restoring from the pool with the
 chunk files deleted, and recomputing a conversation whose chunks were offered but gone; with every chunk
@@ -16,6 +18,7 @@ alone.
 """
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,9 @@ if shutil.which("redis-server") is None:
 FULL_CHUNKS = 5 * 64  # the second turn's 349 tokens hold five full chunks before its last token, which vLLM computes
 FIRST_CHUNKS = 4 * 64  # the first turn's 319 tokens, four
 CONCURRENT = [["second", "a"], ["first", "a"]] * 4 + [["first", f"new{i}"] for i in range(8)]  # 8 loading, 8 computing
+LONG = [[f"long{i}", "a"] for i in range(4)]  # 1,284 tokens each: 19 chunks, 56 MB of float32 K/V to load
+LONG_CHUNKS = 19 * 64
+DECODERS = [["first", f"d{i}"] for i in range(8)]  # under salts of their own: nothing stored to load
 POOL_BYTES = 18 << 20  # a host pool of six chunks (2.95 MB each: 30 layers of float32 K/V): two conversations' do not fit
 HISTORY = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
            "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. ") * 6
@@ -54,13 +60,14 @@ def session(tmp_path_factory):
         "model": str(model_dir(DEFAULT_MODEL)),
         "dtype": "float32",  # bfloat16 rounds a token's K/V computed in a decode step apart from the same in a prefill
         "max_tokens": 24,
-        "turns": {"first": [None, HISTORY + "Question: when was it built?"], "second": ["first", " Question: who designed it?"]},
+        "turns": {"first": [None, HISTORY + "Question: when was it built?"], "second": ["first", " Question: who designed it?"],
+                  **{name: [None, f"Conversation {name}. " + HISTORY * 4 + "Question: how tall is it?"] for name, _ in LONG}},
         "phases": [
-            {"connector": None, "requests": [["first", "a"], ["second", "a"]]},
+            {"connector": None, "requests": [["first", "a"], ["second", "a"], ["batch", LONG]]},
             {"connector": connector("saved", [str(store)], ["$REDIS"]),
-             "requests": [["first", "a"], ["second", "b"], ["second", "a"], ["batch", CONCURRENT]]},
+             "requests": [["first", "a"], ["second", "b"], ["second", "a"], ["batch", CONCURRENT], ["batch", LONG]]},
             {"connector": connector("disk", [str(store)], [], stored_dtype="int8"), "prefix_cache": True,
-             "requests": [["second", "a"], ["first", "c"], ["second", "c"]]},
+             "requests": [["second", "a"], ["first", "c"], ["second", "c"], ["steps", DECODERS, LONG]]},
             {"connector": connector("redis", None, ["$REDIS"]), "block_size": 32,
              "requests": [["second", "a"], ["first", "r"], ["second", "r", "stop_redis"]]},
             {"connector": connector("lost", [str(lost)], [], store={"host_bytes": POOL_BYTES}),
@@ -69,13 +76,13 @@ def session(tmp_path_factory):
             {"connector": connector("truncated", [str(store)], []), "before": [f"truncate {store}"], "requests": [["second", "a"]]},
         ],
     }
-    phases = run_session(spec, tmp)["tokens"]
-    return phases, {name: _records(path) for name, path in logs.items()}
+    out = run_session(spec, tmp)
+    return out["tokens"], {name: _records(path) for name, path in logs.items()}, out["steps"]
 
 
 def test_a_returning_conversation_restores_from_the_host_pool_and_replies_as_vllm_alone(session):
-    phases, logs = session
-    (first, second), (saved_first, salted, restored) = phases[0], phases[1][:3]
+    phases, logs, _ = session
+    (first, second), (saved_first, salted, restored) = phases[0][:2], phases[1][:3]
     assert saved_first == first and salted == second and restored == second
     records = logs["saved"]
     assert records[0]["restored_tokens"] == 0 and records[0]["miss_tokens"] == {"never_stored": FIRST_CHUNKS}  # the first turn
@@ -86,27 +93,47 @@ def test_a_returning_conversation_restores_from_the_host_pool_and_replies_as_vll
 def test_sixteen_concurrent_requests_half_loading_half_computing_reply_as_vllm_alone(session):
     """One ``generate`` of 16 requests: eight load their stored prefix off the step while the eight new ones
     are prefilled and decoded in the same steps, and every reply is vLLM's alone, token for token."""
-    phases, logs = session
-    (first, second), concurrent = phases[0], phases[1][3:]
+    phases, logs, _ = session
+    (first, second), concurrent = phases[0][:2], phases[1][3:19]
     assert concurrent == [second, first] * 4 + [first] * 8
-    records = logs["saved"][3:]
+    records = logs["saved"][3:19]
     loaded = sorted(r["restored_tokens"] for r in records)
     assert loaded == [0] * 8 + [FIRST_CHUNKS] * 4 + [FULL_CHUNKS] * 4, loaded
     assert all(r["tier_tokens"] in ({}, {"host": r["restored_tokens"]}) for r in records)
 
 
+def test_decoders_keep_stepping_while_long_conversations_load_from_the_disk(session):
+    """The restarted engine steps eight decoders one step at a time, and four long conversations saved by
+    the engine before it join them and load from the disk: every step gives every decoder a token while
+    they wait, the engine takes several steps meanwhile, and those steps' median stays under twice that of
+    the same run's steps without loads. Then each replies as vLLM alone. This guards the decoders' pace,
+    not the loads' asynchrony: here the joining requests wait some 20 steps past their loads, so a load
+    made inside the step (tried once: ``Loader.submit`` waiting for its load) stalls two steps of those
+    and passes too."""
+    phases, logs, steps = session
+    assert phases[2][3:] == phases[0][2:] and len(phases[0][2:]) == len(LONG)
+    loads = [r for r in logs["disk"] if r["request_id"].startswith("joining")]
+    assert len(loads) == len(LONG) and all(r["tier_tokens"] == {"disk": LONG_CHUNKS} for r in loads), loads
+    timed = steps[2]
+    assert all(s["decoders"] == len(DECODERS) for s in timed)  # no decoder held back, by a load or otherwise
+    waiting = [s["s"] for s in timed if s["waiting"]]
+    alone = [s["s"] for s in timed if not s["waiting"]]
+    assert len(waiting) >= 3, timed  # the loads spanned steps: the engine did not wait for them
+    assert statistics.median(waiting) < 2 * statistics.median(alone), timed
+
+
 def test_two_cache_salts_never_share_state(session):
-    _, logs = session
+    _, logs, _ = session
     salted = logs["saved"][1]  # the second turn under salt "b": the first was saved under "a"
     assert salted["restored_tokens"] == 0 and salted["tier_tokens"] == {}
     assert salted["miss_tokens"] == {"other_cache_salt": FULL_CHUNKS}  # the anchor log: stored, under another salt
 
 
 def test_a_restarted_vllm_restores_from_the_disk_and_another_from_redis_alone_into_smaller_blocks(session):
-    phases, logs = session
+    phases, logs, _ = session
     second = phases[0][1]
     assert phases[2][0] == second and phases[3][0] == second
-    (disk, _, _), redis = logs["disk"], logs["redis"][0]
+    (disk, _, _), redis = logs["disk"][:3], logs["redis"][0]
     assert disk["restored_tokens"] == FULL_CHUNKS and disk["tier_tokens"] == {"disk": disk["restored_tokens"]}
     assert redis["restored_tokens"] == FULL_CHUNKS and redis["tier_tokens"] == {"redis": redis["restored_tokens"]}
 
@@ -115,7 +142,7 @@ def test_the_host_pool_is_offered_with_the_files_gone_or_redis_down(session):
     """The scheduler's index holds what the worker's tiers hold: a conversation whose chunks are in the host
     pool restores from it with its chunk files deleted (the disk phase) or its Redis stopped (the Redis
     phase), where a look-up of the files or of Redis alone would offer nothing."""
-    phases, logs = session
+    phases, logs, _ = session
     second = phases[0][1]
     assert phases[3][2] == second and phases[4][2] == second
     for record in (logs["redis"][2], logs["lost"][2]):
@@ -127,7 +154,7 @@ def test_a_chunk_lost_after_it_was_offered_is_recomputed_with_its_reason(session
     were deleted: the index still offered them (it is told of pool gains and discards, not of evictions
     from the pool, which the stores below still hold), the load found the first gone, and vLLM recomputed
     the blocks it reported: the same reply, and the miss in the request log."""
-    phases, logs = session
+    phases, logs, _ = session
     assert phases[4][3] == phases[0][1]
     lost = logs["lost"][3]
     assert lost["restored_tokens"] == 0 and lost["miss_tokens"] == {"evicted": FULL_CHUNKS} and lost["computed_tokens"] > FULL_CHUNKS
@@ -138,15 +165,15 @@ def test_8_bit_state_loads_past_vllms_own_prefix_cache(session):
     turn's 343 tokens fill two of vLLM's 128-token blocks, which its prefix cache keeps for the second turn;
     the connector loads the rest of the stored prefix, one chunk, in int8: lossy, so the reply may differ.
     The lossless chunks it loaded before, from the disk, restored exactly (the test above)."""
-    phases, logs = session
+    phases, logs, _ = session
     assert phases[2][1] == phases[0][0]  # the first turn under salt "c": nothing to load
-    _, first, second = logs["disk"]
+    _, first, second = logs["disk"][:3]
     assert first["restored_tokens"] == 0 and not first["lossy"]
     assert second["restored_tokens"] == FULL_CHUNKS - 2 * 128 and second["tier_tokens"] == {"host": 64} and second["lossy"]
 
 
 def test_corrupt_chunks_and_a_stopped_redis_fall_back_to_recompute_with_the_same_reply(session):
-    phases, logs = session
+    phases, logs, _ = session
     assert phases[5] == [phases[0][1]]
     (faults,) = logs["faults"]
     assert faults["restored_tokens"] == 0 and faults["tier_tokens"] == {}
@@ -156,7 +183,7 @@ def test_corrupt_chunks_and_a_stopped_redis_fall_back_to_recompute_with_the_same
 def test_chunk_files_dropped_when_the_store_opened_are_recomputed_as_failed_verification(session):
     """Issue 42: the worker's store drops the damaged files when it opens, so the scheduler, which reads the
     directories, finds none and says ``never_stored``; the worker, whose store knows why, says why."""
-    phases, logs = session
+    phases, logs, _ = session
     assert phases[6] == [phases[0][1]]
     (truncated,) = logs["truncated"]
     assert truncated["restored_tokens"] == 0 and truncated["miss_tokens"] == {"failed_verification": FULL_CHUNKS}
