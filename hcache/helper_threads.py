@@ -1,6 +1,6 @@
 """Where hcache's helper threads run: the store's readers and writers, the saver's packer and the paged
-loader (and the loader's process, :func:`bind_process`). By default they run wherever the thread that starts them may, at the priority of the thread that
-starts them. An engine that binds its compute threads to cores (vLLM's CPU worker binds OpenMP's, one per
+loader (and the loader's process, :func:`bind_process`). By default they run wherever the thread that
+starts them may, at its priority. An engine that binds its compute threads to cores (vLLM's CPU worker binds OpenMP's, one per
 core, and leaves the rest to its other processes) names the cores left over (:func:`run_on`), so that
 hcache's copies, checksums and disk writes do not preempt the forward's threads: an OpenMP forward stalls
 at its barriers on any core that is taken. The cores left over are where the engine's own other processes

@@ -6,9 +6,9 @@ thread makes hands the GIL back, and takes it again from the forward's thread, w
 checks on a 2-vCPU VM: some 45 waits a 4K-token load, about 90 µs each). A process of its own has a GIL
 of its own. It maps the same memory, not a copy: the host pool's arena (a memfd,
 :class:`~hcache.storage.host_pool.HostPool`'s ``shareable``) and the paged caches, which :func:`share`
-moves onto memfds in place when the process starts, so that every view of them, the engine's own
-included, reads and writes the same pages. The loader's thread sends it a load's KV layers as plain data
-(:meth:`~hcache.paged.loader.LoadWrites.message`) and waits on a socket, holding nothing, while it
+moves onto memfds in place when the process starts: the tensors the engine registered, which its
+attention layers hold (another tensor on a cache's old storage would keep the old pages; vLLM keeps none). The loader's thread sends it a load's KV layers as plain data
+(:meth:`~hcache.paged.load_writes.LoadWrites.message`) and waits on a socket, holding nothing, while it
 rebuilds the load's H layers itself (they need the model's weights). The process is a fresh interpreter
 (``python -m hcache.paged.copy_process``), not a fork: the engine's process has threads, OpenMP's among
 them, that a forked child would inherit in whatever state they were. It ends when the engine closes the
@@ -49,8 +49,8 @@ def _mapped(fd: int, nbytes: int) -> torch.Tensor:
 
 @torch.inference_mode()  # an engine's caches may be inference tensors, which only inference mode may ``set_``
 def share(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, int]], list[tuple]]:
-    """Move the storage of each of ``tensors`` onto a memfd, in place (tensors sharing one storage still
-    share one), its contents kept. Returns each storage's ``(fd, nbytes)`` and each tensor's
+    """Move the storage of each of ``tensors`` onto a memfd, in place (those sharing one storage still
+    share one; tensors not given keep the old one), its contents kept. Returns each storage's ``(fd, nbytes)`` and each tensor's
     ``(storage, element offset, shape, stride, dtype)``, from which another process maps them
     (:func:`_tensors`)."""
     storages: dict[int, tuple[int, torch.Tensor]] = {}
@@ -132,7 +132,7 @@ class CopyProcess:
 def _serve(conn: Connection) -> None:
     from ..transfer.scratch import Scratch
     from .layout import PagedLayout
-    from .loader import LoadWrites, PagedLayer
+    from .load_writes import LoadWrites, PagedLayer
 
     torch.set_num_threads(1)
     setup = conn.recv()

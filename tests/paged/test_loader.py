@@ -56,6 +56,14 @@ def _stored(serving, keys: list[str], fmt: str) -> list[torch.Tensor]:
             serving.stack.store.release(image)
 
 
+def _assert_landed(serving, layers: list[PagedLayer], tokens: list[int], block_ids: list[int]) -> None:
+    """Each layer's cache holds the stored KV rows of ``tokens``' chunks in ``block_ids``."""
+    blocks, offsets = block_slots([(block_ids, 0, len(tokens))], BLOCK, KERNEL_BLOCK)
+    stored = _stored(serving, chunk_keys(tokens, root_key(serving.fingerprint)), "KV")
+    for layer in layers:
+        assert torch.equal(layer.layout.read(layer.cache, layer.layout.elements(blocks, offsets)), stored[layer.index])
+
+
 def _load(loader: Loader, job: LoadJob) -> tuple[set[int], SequenceRecord]:
     record = SequenceRecord()
     loader.submit(job, record)
@@ -140,10 +148,7 @@ def test_a_cpu_load_stages_its_rows_in_kept_buffers(model, tmp_path, rng, stored
         allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
         layer_rows = end * 2 * spec.kv_dim * 4  # one layer's rows staged, float32: a fresh tensor a layer would be LAYERS of them
         assert allocated < layer_rows, f"a second load allocated {allocated} bytes (its places only would be {end * 3 * 8})"
-        blocks, offsets = block_slots([(list(range(8, 16)), 0, end)], BLOCK, KERNEL_BLOCK)
-        stored = _stored(serving, chunk_keys(other[:end], root_key(serving.fingerprint)), "KV")
-        for layer in layers:
-            assert torch.equal(layer.layout.read(layer.cache, layer.layout.elements(blocks, offsets)), stored[layer.index])
+        _assert_landed(serving, layers, other[:end], list(range(8, 16)))
     finally:
         loader.close()
         serving.close()
@@ -165,10 +170,7 @@ def test_a_load_process_gone_fails_its_load_and_later_loads_run_on_the_thread(mo
         assert loader._process is None
         errors, record = _load(loader, LoadJob("b", None, prompt[:end], [block_ids], 0, end))
         assert not errors and record.restored_tokens == end
-        blocks, offsets = block_slots([(block_ids, 0, end)], BLOCK, KERNEL_BLOCK)
-        stored = _stored(serving, chunk_keys(prompt[:end], root_key(serving.fingerprint)), "KV")
-        for layer in layers:
-            assert torch.equal(layer.layout.read(layer.cache, layer.layout.elements(blocks, offsets)), stored[layer.index])
+        _assert_landed(serving, layers, prompt[:end], block_ids)
     finally:
         loader.close()
         serving.close()
