@@ -36,9 +36,9 @@ class ProcessGone(RuntimeError):
 
 
 def memfd_tensor(nbytes: int, name: str) -> tuple[int, torch.Tensor]:
-    """``nbytes`` of fresh memory on a memfd, as a uint8 tensor, and the fd (inheritable by a child that is
-    passed it)."""
-    fd = os.memfd_create(name, 0)
+    """``nbytes`` of fresh memory on a memfd, as a uint8 tensor, and the fd (closed on exec: a child gets it
+    only where it is passed, as ``Popen``'s ``pass_fds``)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
     os.ftruncate(fd, nbytes)
     return fd, torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED), dtype=torch.uint8)
 
@@ -96,7 +96,11 @@ class CopyProcess:
         layouts = {id(layer.layout): (layer.layout.offsets.numpy(), layer.layout.block_stride) for layer in layers}
         self._send({"pool": (pool_fd, pool_bytes), "storages": storages, "kernel_block": kernel_block, "depth": depth, "layouts": layouts,
                     "layers": [(layer.index, view, id(layer.layout), layer.group) for layer, view in zip(layers, views)]})  # fmt: skip
-        self.wait()  # mapped and ready, or why not
+        try:
+            self.wait()  # mapped and ready, or why not
+        except RuntimeError:
+            self.close()
+            raise
 
     def submit(self, message: dict) -> None:
         self._send(message)
