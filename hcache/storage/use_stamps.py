@@ -39,8 +39,12 @@ class UseStamps:
                 self._running = False
 
     def flush(self) -> None:
-        """Set every time noted so far, now."""
-        self._thread.submit(self._set).result()
+        """Set every time noted so far, now: on this thread where the store's takes no more work (a store
+        closed as the interpreter exits)."""
+        try:
+            self._thread.submit(self._set).result()
+        except RuntimeError:
+            self._set()
 
     def shutdown(self) -> None:
         """Stop the thread; times noted after this are not set."""

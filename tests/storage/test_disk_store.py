@@ -267,6 +267,21 @@ def _open_elsewhere(path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
 
 
+def test_a_store_closed_as_the_interpreter_exits_records_its_last_uses(tmp_path):
+    """A store closed at exit (an engine's shutdown hook), when the stamper's thread takes no more work:
+    the close sets the times itself, without a traceback."""
+    key, data = chunk_bytes(0)
+    (tmp_path / "payload").write_bytes(data)
+    code = (
+        "import atexit, sys; from pathlib import Path; from hcache.storage.disk_store import DiskChunkStore; "
+        "now = [1000.0]; s = DiskChunkStore(sys.argv[1], clock=lambda: now[0]); s.put(sys.argv[2], Path(sys.argv[3]).read_bytes()); "
+        "now[0] = 5000.0; s.contains_many([sys.argv[2]]); atexit.register(s.close)"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "d"), key, str(tmp_path / "payload")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert DiskChunkStore(tmp_path / "d").path(key).stat().st_mtime == 5000.0
+
+
 def test_a_shared_directory_serves_chunks_other_processes_publish(tmp_path):
     """Shared mode (one filesystem, several nodes): any number of shared openers, no private one; a chunk
     another process published is found by its path; start-up keeps a young temporary file (another node's

@@ -66,8 +66,11 @@ def _steps(llm, decoders: list[dict], joining: list[dict], params) -> tuple[list
     token (``decoders``), and how many joining requests had no token yet when it ended (``waiting``: held
     back while they load, or computing in it)."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
+    params = params.clone()
+    params.output_kind = RequestOutputKind.CUMULATIVE  # an output each step: ``generate`` leaves ``params`` FINAL_ONLY
     base = lambda out: out.request_id.split("-")[0]  # noqa: E731  vLLM may suffix "-..." to an id
     decoding = [f"decoder{i}" for i in range(len(decoders))]
     for rid, request in zip(decoding, decoders):
