@@ -8,7 +8,7 @@ first turn to the disk and Redis, then restoring the second from the host pool, 
 ``cache_salt`` restoring nothing, then serving 16 requests at once, half of them loading, then saving four
 long conversations; restarted on the disk alone, restoring from the disk, then, storing in int8 beside
 vLLM's own prefix cache, a conversation under a new salt, then stepped one step at a time while the four
-long conversations load from the disk beside eight decoding; with Redis as its only tier and
+long conversations load from the disk beside twelve decoding (16 conversations); with Redis as its only tier and
 32-token blocks (the others' hold 128, hcache's chunks 64), restoring from Redis, then from the host pool
 with Redis stopped; on a store of its own with a six-chunk host pool, restoring from the pool with the
 chunk files deleted, and recomputing a conversation whose chunks were offered but gone; with every chunk
@@ -36,7 +36,7 @@ FIRST_CHUNKS = 4 * 64  # the first turn's 319 tokens, four
 CONCURRENT = [["second", "a"], ["first", "a"]] * 4 + [["first", f"new{i}"] for i in range(8)]  # 8 loading, 8 computing
 LONG = [[f"long{i}", "a"] for i in range(4)]  # 1,284 tokens each: 19 chunks, 56 MB of float32 K/V to load
 LONG_CHUNKS = 19 * 64
-DECODERS = [["first", f"d{i}"] for i in range(8)]  # under salts of their own: nothing stored to load
+DECODERS = [["first", f"d{i}"] for i in range(12)]  # under salts of their own: nothing stored to load; with LONG, 16 conversations
 POOL_BYTES = 18 << 20  # a host pool of six chunks (2.95 MB each: 30 layers of float32 K/V): two conversations' do not fit
 HISTORY = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
            "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. ") * 6
@@ -103,7 +103,7 @@ def test_sixteen_concurrent_requests_half_loading_half_computing_reply_as_vllm_a
 
 
 def test_decoders_keep_stepping_while_long_conversations_load_from_the_disk(session):
-    """The restarted engine steps eight decoders one step at a time, and four long conversations saved by
+    """The restarted engine steps twelve decoders one step at a time, and four long conversations saved by
     the engine before it join them and load from the disk: every step gives every decoder a token while
     they wait, the engine takes several steps meanwhile, no step lasts as long as the loads together, and
     those steps' median stays under twice that of the same run's steps without loads. Then each replies as
