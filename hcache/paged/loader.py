@@ -66,10 +66,12 @@ class Loader:
     sliding-window layer reads its window by the stack's rule); ``rebuild(layer, hidden, positions)``:
     K/V rows from hidden states (None where no layer restores by H); ``lost(key, reason)``: told of a chunk
     a load found gone (evicted or deleted since it was offered, or its tier down), so it is not offered again;
-    ``plan``: a fixed plan for every load (by default, the stack's for each load's length)."""
+    ``plan``: a fixed plan for every load (by default, the stack's for each load's length); ``movable``:
+    whether the caches may be moved onto memory a load process maps (the engine's layers hold the very
+    tensors in ``layers``, which are moved in place), else a CPU's loads run on the loader's thread."""
 
     def __init__(self, stack: StoreStack, block_sizes: tuple[int, ...], kernel_block: int, layers: list[PagedLayer], rebuild: Callable | None = None,
-                 lost: Callable = lambda key, reason: None, plan: RestorePlan | None = None):  # fmt: skip
+                 lost: Callable = lambda key, reason: None, plan: RestorePlan | None = None, movable: bool = True):  # fmt: skip
         self.stack, self.config, self.block_sizes, self.kernel_block = stack, stack.config, block_sizes, kernel_block
         self.layers, self.rebuild, self.lost, self.plan = layers, rebuild, lost, plan
         self._thread = helper_threads.executor(1, "hcache-paged-load")
@@ -80,7 +82,7 @@ class Loader:
         self._inflight: dict[str, tuple[LoadJob, Future]] = {}
         self._process: CopyProcess | None = None  # a CPU's KV writes, out of the engine's GIL, where the host pool is shareable
         pool = stack.store.pool if stack.store is not None else None
-        if self._scratch is not None and pool is not None and pool.fd is not None:
+        if movable and self._scratch is not None and pool is not None and pool.fd is not None:
             try:
                 self._process = CopyProcess(layers, pool.fd, pool.capacity, kernel_block, copier.depth)
             except (RuntimeError, OSError) as e:
@@ -186,14 +188,7 @@ class Loader:
                 jobs.append((layer, method, chunks, begin))
         shared = ImageRows.of(images) if self._scratch is not None else None
         kv = [item for item in jobs if item[1] is not Method.H]
-        process = self._process if shared is not None and kv else None
-        if process is not None:  # the KV layers to the load process, the H layers here, at once
-            try:
-                process.submit(LoadWrites.message(shared, slots, first, end, kv))
-            except ProcessGone:
-                self._lose_process()
-                raise
-            jobs = [item for item in jobs if item[1] is Method.H]
+        process = self._process if kv and shared is not None and self._in_pool(shared) else None
         writes = LoadWrites(slots, first, end, self.kernel_block, copier, self._scratch, shared, images)
 
         def finish(item: tuple, staged: tuple | None, done) -> None:  # on the loader's stream: H rebuilt after its copy
@@ -205,7 +200,14 @@ class Loader:
             rows = self.rebuild(layer.index, writes.rows_of(layer, runs, chunks, begin), positions[begin - job.start :])
             layer.layout.write(layer.cache, where, rows)
 
+        sent = False  # the KV layers to the load process, the H layers here, at once
         try:
+            if process is not None:
+                try:
+                    process.submit(LoadWrites.message(shared, slots, first, end, kv))
+                    sent, jobs = True, [item for item in jobs if item[1] is Method.H]
+                except ProcessGone:  # gone since the last load: nothing of this one was sent, this thread writes it
+                    self._lose_process()
             if self._scratch is not None:
                 self._scratch.rewind()  # the last load's jobs are done: a load of few layers uses few slots
             copier.follow()  # both streams after the kernels queued so far: the blocks may have been another request's
@@ -220,8 +222,13 @@ class Loader:
                 self._stream.synchronize()
             copier.drain()
         finally:
-            if process is not None:
+            if sent:
                 self._wait_process()
+
+    def _in_pool(self, shared: ImageRows) -> bool:
+        """Whether ``shared``'s rows are in the host pool, which the load process maps (the offsets it is
+        sent are into that)."""
+        return shared.base.untyped_storage().data_ptr() == self.stack.store.pool.arena.untyped_storage().data_ptr()
 
     def _wait_process(self) -> None:
         """Wait for the load process's writes; if it is gone, load on this thread from now on (this load's

@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from .shared_memory import mapping, memfd
+
 PAGE = 4096
 
 
@@ -63,11 +65,10 @@ class HostPool:
             raise ValueError(f"a host pool needs at least one page ({PAGE} bytes), not {capacity_bytes}")
         self.capacity, self.pinned = capacity, pin
         self.fd: int | None = None
-        if shareable:  # pages of a memfd come on first touch as well; /dev/shm's size does not bound them
-            self.fd = os.memfd_create("hcache-host-pool", os.MFD_CLOEXEC)
+        if shareable:
+            self.fd = memfd(capacity, "hcache-host-pool")
             weakref.finalize(self, os.close, self.fd)
-            os.ftruncate(self.fd, capacity)
-            self._memory = mmap.mmap(self.fd, capacity, flags=mmap.MAP_SHARED)
+            self._memory = mapping(self.fd, capacity)
         else:
             # Private (a forked child gets its own copy, unless the pool is pinned), page-aligned, and not charged against the commit limit
             # until touched (MAP_NORESERVE): a 4 GiB pool costs nothing unused, and a process holding several can

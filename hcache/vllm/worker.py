@@ -169,7 +169,11 @@ class WorkerSide:
         if self.stack.store is not None:
             rebuild = self._hidden.rebuild if self._hidden is not None else None
             lost = lambda key, reason: self._changes.append((key, reason))  # noqa: E731
-            self._loader = Loader(self.stack, self.setup.block_sizes, self._kernel_block, list(self._layers.values()), rebuild, lost)
+            # a load process needs the caches moved in place: only where the layers hold the tensors registered (not views of them)
+            movable = all(getattr(self._attention.get(name), "kv_cache", None) is cache for name, cache in kv_caches.items())
+            if not movable and self.stack.store.pool.fd is not None:
+                log.info("hcache: vLLM's layers hold views of their caches, not the caches registered; loads run on a thread of the worker")
+            self._loader = Loader(self.stack, self.setup.block_sizes, self._kernel_block, list(self._layers.values()), rebuild, lost, movable=movable)
 
     # ---- each step --------------------------------------------------------------------------------------
     def begin_step(self, metadata: HCacheStepMetadata) -> None:

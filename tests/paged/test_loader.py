@@ -3,6 +3,8 @@ over the reference engine, loaded into a paged cache laid out as FlashAttention'
 smaller kernel blocks, from inside a chunk; a chunk gone since the look-up ends the load there, with its
 blocks reported and its key told lost, and a corrupt one with its check; and the budgets a GPU would hold
 it to, counted on the CPU."""
+import signal
+
 import pytest
 import torch
 from support.budgets import Counter, FakeCuda, counting
@@ -12,6 +14,7 @@ from hcache.engine import ReferenceEngine
 from hcache.model.fingerprint import model_fingerprint
 from hcache.model.loader import random_model
 from hcache.model.spec import ModelSpec
+from hcache.paged import copy_process
 from hcache.paged.layout import PagedLayout, block_slots
 from hcache.paged.loader import Loader, LoadJob, PagedLayer
 from hcache.planning.plan import Method, RestorePlan
@@ -154,9 +157,13 @@ def test_a_cpu_load_stages_its_rows_in_kept_buffers(model, tmp_path, rng, stored
         serving.close()
 
 
-def test_a_load_process_gone_fails_its_load_and_later_loads_run_on_the_thread(model, tmp_path, rng):
-    """The load process killed: the load it was to write reports every block (recomputed: nothing unknown
-    served), and the loads after it are written by the loader's thread, and land."""
+@pytest.mark.parametrize("how", ["killed-between-loads", "hung-in-a-load"])
+def test_a_load_process_lost_leaves_its_loads_to_the_thread_and_never_a_load_half_known(model, tmp_path, rng, monkeypatch, how):
+    """The load process killed before a load: nothing of it was sent, and the thread writes it, and it lands.
+    The process hung while it has a load (stopped): after :data:`REPLY_S` it is killed and that load reports
+    every block (recomputed: nothing unknown served). Either way the loads after it are written by the
+    loader's thread, and land."""
+    monkeypatch.setattr(copy_process, "REPLY_S", 1.0)
     spec = model[1]
     serving, prompt = _saved(model, tmp_path, rng, 2, plan="KV", shareable_pool=True)
     layers = _cache(spec, 40)
@@ -164,10 +171,14 @@ def test_a_load_process_gone_fails_its_load_and_later_loads_run_on_the_thread(mo
     end, block_ids = 2 * CHUNK_TOKENS, [3, 1, 4, 0]
     try:
         child = loader._process._child
-        child.kill()
-        child.wait()
-        assert _load(loader, LoadJob("a", None, prompt[:end], [block_ids], 0, end))[0] == set(block_ids)
-        assert loader._process is None
+        if how == "killed-between-loads":
+            child.kill()
+            child.wait()
+        else:
+            child.send_signal(signal.SIGSTOP)
+        errors, _ = _load(loader, LoadJob("a", None, prompt[:end], [block_ids], 0, end))
+        assert errors == (set() if how == "killed-between-loads" else set(block_ids))
+        assert loader._process is None and child.poll() is not None
         errors, record = _load(loader, LoadJob("b", None, prompt[:end], [block_ids], 0, end))
         assert not errors and record.restored_tokens == end
         _assert_landed(serving, layers, prompt[:end], block_ids)

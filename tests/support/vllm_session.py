@@ -8,7 +8,9 @@ of actions: ``"corrupt DIR"``: flip a byte in the tensors of every chunk file un
 cut 100 bytes off every chunk file under DIR; ``"delete DIR N"``: wait
 until N chunk files are written under DIR, then delete them all; ``"stop_redis"``), ``prefix_cache`` (vLLM's
 own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a CPU), ``tp`` (vLLM's
-``tensor_parallel_size``, one process a rank, each bound to CPUs of its own), and ``requests``:
+``tensor_parallel_size``, one process a rank, each bound to CPUs of its own), ``reserved_cpus`` (cores
+vLLM's CPU worker keeps off its OpenMP threads, ``VLLM_CPU_NUM_OF_RESERVED_CPU``; vLLM's default if
+absent), and ``requests``:
 [[turn, cache_salt, actions...]] served in order, each request after its actions; ``["batch", [[turn,
 cache_salt], ...]]`` sends those requests in one ``generate`` call, to run concurrently; ``["steps",
 DECODERS, JOINING]`` (each ``[[turn, cache_salt], ...]``) steps the engine one step at a time (:func:`_steps`):
@@ -17,6 +19,7 @@ redis-server this script starts.
 OUT: ``tokens``: per phase, each request's generated token ids (a ``steps`` request's: JOINING's);
 ``logprobs``: the log-probability of each; ``steps``: per phase, its ``steps`` request's steps, or null.
 """
+import contextlib
 import json
 import os
 import sys
@@ -43,7 +46,7 @@ def logprobs_close(replies: list[list[float]], reference: list[list[float]]) -> 
     )
 
 
-def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, block_size: int | None, tp: int):
+def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, block_size: int | None, tp: int, reserved: int | None = None):
     from vllm import LLM
 
     from hcache.bench.vllm import ranks_bound
@@ -51,9 +54,27 @@ def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, blo
 
     kv = kv_transfer_config(connector) if connector is not None else None
     parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
-    with ranks_bound(tp):
+    with ranks_bound(tp), _reserved_cpus(reserved):
         return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, kv_cache_memory_bytes=512 << 20,  # quicker to make than a share of memory
                    enable_prefix_caching=prefix_cache, kv_transfer_config=kv, **({"block_size": block_size} if block_size else {}), **parallel)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _reserved_cpus(count: int | None):
+    """While an engine starts: vLLM's CPU worker keeps ``count`` cores off its OpenMP threads, for its
+    other processes and hcache's helpers (None: vLLM's default, which on two cores keeps none)."""
+    if count is None:
+        yield
+        return
+    before = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(count)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+        else:
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = before
 
 
 STEPS_ALONE = 6  # the decoders' steps timed before the joining requests arrive, and after they have left
@@ -93,9 +114,10 @@ def _steps(llm, decoders: list[dict], joining: list[dict], params) -> tuple[list
 
     for _ in range(STEPS_ALONE):
         step(set())
-    waiting = {f"joining{j}" for j in range(len(joining))}
-    for rid, request in zip(sorted(waiting), joining):
+    names = [f"joining{j}" for j in range(len(joining))]
+    for rid, request in zip(names, joining):
         engine.add_request(rid, request, params)
+    waiting = set(names)
     while waiting:
         step(waiting)
     while len(replies) < len(joining):  # their replies, decoded beside the decoders: not timed
@@ -161,7 +183,8 @@ def main() -> None:
             for action in phase.get("before", []):
                 _act(action, redis)
             connector = json.loads(json.dumps(phase["connector"]).replace("$REDIS", redis.url if redis else ""))
-            llm = _llm(spec["model"], spec["dtype"], connector, phase.get("prefix_cache", False), phase.get("block_size"), phase.get("tp", 1))
+            llm = _llm(spec["model"], spec["dtype"], connector, phase.get("prefix_cache", False), phase.get("block_size"), phase.get("tp", 1),
+                       phase.get("reserved_cpus"))  # fmt: skip
             out, probs, steps = [], [], None
             for turn, salt, *actions in phase["requests"]:
                 decoders = []

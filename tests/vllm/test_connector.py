@@ -66,7 +66,7 @@ def session(tmp_path_factory):
             {"connector": None, "requests": [["first", "a"], ["second", "a"], ["batch", LONG]]},
             {"connector": connector("saved", [str(store)], ["$REDIS"]),
              "requests": [["first", "a"], ["second", "b"], ["second", "a"], ["batch", CONCURRENT], ["batch", LONG]]},
-            {"connector": connector("disk", [str(store)], [], stored_dtype="int8"), "prefix_cache": True,
+            {"connector": connector("disk", [str(store)], [], stored_dtype="int8"), "prefix_cache": True, "reserved_cpus": 1,
              "requests": [["second", "a"], ["first", "c"], ["second", "c"], ["steps", DECODERS, LONG]]},
             {"connector": connector("redis", None, ["$REDIS"]), "block_size": 32,
              "requests": [["second", "a"], ["first", "r"], ["second", "r", "stop_redis"]]},
@@ -103,23 +103,28 @@ def test_sixteen_concurrent_requests_half_loading_half_computing_reply_as_vllm_a
 
 
 def test_decoders_keep_stepping_while_long_conversations_load_from_the_disk(session):
-    """The restarted engine steps twelve decoders one step at a time, and four long conversations saved by
-    the engine before it join them and load from the disk: every step gives every decoder a token while
-    they wait, the engine takes several steps meanwhile, no step lasts as long as the loads together, and
-    those steps' median stays under twice that of the same run's steps without loads. Then each replies as
-    vLLM alone. A load made inside the step (tried: ``Loader.submit`` waiting for its load) fails this:
-    the joining requests then wait two steps, one of which holds every load."""
+    """The restarted engine (one core kept off vLLM's OpenMP threads, as vLLM keeps one for its other
+    processes where it has cores to spare) steps twelve decoders one step at a time, and four long
+    conversations saved by the engine before it join them and load from the disk: every step gives every
+    decoder a token while they wait, the engine takes several steps meanwhile, no step that only loads
+    lasts as long as the loads together, and those steps' median stays under 1.5 times that of the same
+    run's steps without loads. (A step that gives a joining request its first token computes the rest of
+    its prompt, as vLLM alone would: set apart.) Then each replies as vLLM alone. A load made inside the
+    step (tried: ``Loader.submit`` waiting for its load) fails this: the joining requests then wait two
+    steps, one of which holds every load."""
     phases, logs, steps = session
     assert phases[2][3:] == phases[0][2:] and len(phases[0][2:]) == len(LONG)
     loads = [r for r in logs["disk"] if r["request_id"].startswith("joining")]
     assert len(loads) == len(LONG) and all(r["tier_tokens"] == {"disk": LONG_CHUNKS} for r in loads), loads
     timed = steps[2]
     assert all(s["decoders"] == len(DECODERS) for s in timed)  # no decoder held back, by a load or otherwise
-    waiting = [s["s"] for s in timed if s["waiting"]]
+    waiting = [s for s in timed if s["waiting"]]
+    before = [0] + [s["waiting"] for s in timed[:-1]]
+    loading = [s["s"] for s, held in zip(timed, before) if s["waiting"] and s["waiting"] >= held]  # no joining request's first token in it
     alone = [s["s"] for s in timed if not s["waiting"]]
     assert len(waiting) >= 3, timed  # the loads spanned steps: the engine did not wait for them
-    assert max(waiting) < sum(r["restore_s"] for r in loads), (timed, loads)  # a step that made the loads lasts as long as all of them
-    assert statistics.median(waiting) < 2 * statistics.median(alone), timed
+    assert max(loading) < sum(r["restore_s"] for r in loads), (timed, loads)  # a step that made the loads lasts as long as all of them
+    assert statistics.median(loading) < 1.5 * statistics.median(alone), timed
 
 
 def test_two_cache_salts_never_share_state(session):

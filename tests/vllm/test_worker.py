@@ -1,6 +1,7 @@
 """The vLLM worker's side: where hcache's helper threads run beside vLLM's OpenMP threads, and what a saving
 step reads out of vLLM's cache, driven as vLLM drives it (without an engine)."""
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +27,9 @@ def test_helper_threads_keep_off_every_ranks_openmp_cpus(monkeypatch):
 LAYERS, BLOCK, KERNEL_BLOCK = 3, 32, 16  # vLLM's blocks of 32 tokens, split into kernel blocks of 16
 
 
-def _worker(tmp_path):
+def _worker(tmp_path, bound=None):
+    """A CPU worker over three layers' caches; ``bound(cache)``: the tensor each layer holds, as vLLM's
+    ``bind_kv_cache`` hands them over (None: no attention layers)."""
     from hcache.model.loader import random_model
     from hcache.model.spec import ModelSpec
     from hcache.resolve import resolve
@@ -35,11 +38,30 @@ def _worker(tmp_path):
 
     spec = ModelSpec.from_config(random_model("llama", num_hidden_layers=LAYERS).config, torch.float32)
     config = resolve({"store_dirs": [str(tmp_path)], "plan": "KV"}, spec, "random-llama", engine="vllm")
-    worker = WorkerSide(VllmSetup(config, "worker-test", (BLOCK,), (0,) * LAYERS), torch.device("cpu"), {})
+    attention = {}
+    worker = WorkerSide(VllmSetup(config, "worker-test", (BLOCK,), (0,) * LAYERS), torch.device("cpu"), attention)
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(64, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size).transpose(1, 2)
               for i in range(LAYERS)}  # fmt: skip
+    if bound is not None:
+        attention.update({name: SimpleNamespace(kv_cache=bound(cache)) for name, cache in caches.items()})
     worker.register(caches)
     return worker, spec, list(caches.values())
+
+
+@pytest.mark.parametrize("held", ["the-caches", "views-of-them"])
+def test_a_cpu_worker_loads_from_a_process_only_where_vllms_layers_hold_the_caches_it_registered(tmp_path, held):
+    """The load process needs vLLM's caches moved in place (``set_`` on the tensors registered). Where the
+    layers hold other tensors over them (vLLM binds kernel-block views where its kernels' blocks are
+    smaller), a move would leave the layers on the old memory: nothing moves, and loads run on the
+    worker's thread."""
+    worker, _, caches = _worker(tmp_path, (lambda cache: cache) if held == "the-caches" else (lambda cache: cache.view(cache.shape)))
+    try:
+        assert worker.stack.store.pool.fd is not None  # a CPU's host pool is shareable
+        assert (worker._loader._process is not None) == (held == "the-caches")
+        layer = worker._attention["model.layers.0.self_attn.attn"].kv_cache
+        assert layer.untyped_storage().data_ptr() == caches[0].untyped_storage().data_ptr()  # the layer and the loader on the same memory
+    finally:
+        worker.close()
 
 
 def _rows(request: int, positions: range, layer: int, spec) -> torch.Tensor:
