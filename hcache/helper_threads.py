@@ -34,17 +34,14 @@ def executor(workers: int, name: str) -> ThreadPoolExecutor:
 
 
 def _bind() -> None:
-    if _cpus:
-        os.sched_setaffinity(0, _cpus)
-    if _nice:  # Linux keeps a nice value per thread: this thread's alone
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _nice))
+    bind_process(threading.get_native_id())
 
 
-def bind_process(pid: int) -> None:
-    """Put process ``pid``, a helper that hcache started, where its helper threads run, at their priority
-    (before it starts threads of its own: they take its CPUs)."""
+def bind_process(tid: int) -> None:
+    """Put thread or process ``tid`` (a helper hcache started; a process before it starts threads of its
+    own, which take its CPUs) where the helper threads run, at their priority: Linux keeps both per
+    thread."""
     if _cpus:
-        os.sched_setaffinity(pid, _cpus)
+        os.sched_setaffinity(tid, _cpus)
     if _nice:
-        os.setpriority(os.PRIO_PROCESS, pid, max(os.getpriority(os.PRIO_PROCESS, pid), _nice))
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _nice))
