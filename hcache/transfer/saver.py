@@ -59,6 +59,7 @@ class _Chunk:
     expected: int = 0  # the row the next computed rows of this chunk must start at
     filled: int = 0  # rows that have landed
     staged: ChunkImage | None = None  # staging only: the image on the device, copied to ``image`` when full
+    vouchers: list[torch.Tensor] = field(default_factory=list)  # must all hold for it to publish (``vouch``)
 
 
 PartialChunk = _Chunk  # a finished sequence's trailing chunk, kept to be resumed (see ``close``)
@@ -101,6 +102,7 @@ class _Batch:
     dead: list[_Chunk]  # chunks that can no longer fill: given back once this batch's copies have landed
     later: frozenset[str]  # formats not handed over: read for the chunks the batch fills when it ends
     delivered: set[tuple[int, str]] = field(default_factory=set)  # (layer, format) the forward handed over
+    vouchers: list[torch.Tensor] = field(default_factory=list)  # given by ``vouch``
     runs: dict[str, _Run] = field(default_factory=dict)  # by format: rows held back, not yet in their chunks
 
 
@@ -145,6 +147,7 @@ class ChunkSaver:
         self._stage2: ThreadPoolExecutor | None = None  # made on the first GPU batch
         self._save_stream = None
         self._events: list = []  # GPU: fired events, for the next batches to record
+        self._flags: list[torch.Tensor] = []  # GPU: pinned bools, read by stage 2, for the next batches' vouchers
         self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}  # RUN_BYTES for each format's runs, made once
 
     @property
@@ -266,6 +269,13 @@ class ChunkSaver:
                 run.rows[len(run.layers)].copy_(t)
             run.layers.append(layer)
 
+    def vouch(self, held: torch.Tensor) -> None:
+        """The batch's rows hold only if ``held`` (a bool on their device) does: a chunk they reach publishes
+        only if it does. Read once the chunk fills and its rows have landed, not now: on a GPU, reading it
+        here would wait for the forward."""
+        if self._batch is not None:
+            self._batch.vouchers.append(held)
+
     def _flush(self, batch: _Batch, fmt: str) -> None:
         run = batch.runs.pop(fmt)
         rows = run.rows[: len(run.layers)]
@@ -292,13 +302,18 @@ class ChunkSaver:
                 p.seq.broken = True
         if batch.later:
             self._read_later(batch, read)
-        full = list({id(p.chunk): p.chunk for p in batch.pieces
-                     if p.chunk.staged is not None and p.chunk.expected == CHUNK_TOKENS and not p.seq.broken}.values())  # fmt: skip
-        if not full:
+        for chunk in {id(p.chunk): p.chunk for p in batch.pieces}.values():
+            chunk.vouchers += batch.vouchers
+        filled = {id(p.chunk): p for p in batch.pieces if p.chunk.expected == CHUNK_TOKENS and not p.seq.broken}.values()
+        full = [p.chunk for p in filled if p.chunk.staged is not None]
+        checks = list({id(v): v for p in filled for v in p.chunk.vouchers}.values())
+        if not full and not checks:
             self._land(batch)
             return
-        device = full[0].staged.data.device
+        device = full[0].staged.data.device if full else checks[0].device
         if not device_copy.uses_streams(device):
+            if checks and not torch.stack(checks).all():
+                self._refuse(filled)
             self._unstage(full)
             self._land(batch)
             return
@@ -307,13 +322,17 @@ class ChunkSaver:
             self._save_stream = torch.cuda.Stream(device)
             self._stage2 = helper_threads.executor(1, "hcache-saver")
         self._save_stream.wait_stream(torch.cuda.current_stream(device))
+        flag = None
         with torch.cuda.stream(self._save_stream):
             for c in full:
                 c.staged.data.record_stream(self._save_stream)  # its memory is reused only once the copy is done
             self._unstage(full)
+            if checks:  # read by stage 2 once landed: no wait for the forward here
+                flag = self._flags.pop() if self._flags else torch.empty((), dtype=torch.bool, pin_memory=device.type == "cuda")
+                flag.copy_(torch.stack(checks).all(), non_blocking=True)
         landed = self._events.pop() if self._events else torch.cuda.Event()
         landed.record(self._save_stream)
-        future = self._stage2.submit(self._land_when, landed, batch)
+        future = self._stage2.submit(self._land_when, landed, batch, flag, list(filled))
         for seq in {id(p.seq): p.seq for p in batch.pieces}.values():
             seq.in_flight = [f for f in seq.in_flight if not f.done()] + [future]
 
@@ -330,6 +349,8 @@ class ChunkSaver:
     @staticmethod
     def _unstage(chunks: list[_Chunk]) -> None:
         """Copy full staged chunks to their host slots, each in one copy of its tensors' bytes."""
+        if not chunks:
+            return
         spans = [slice(c.image.layout.data_start, c.image.layout.nbytes) for c in chunks]
         torch._foreach_copy_([c.image.data[b] for c, b in zip(chunks, spans)],
                              [c.staged.data[b] for c, b in zip(chunks, spans)], non_blocking=True)  # fmt: skip
@@ -373,15 +394,28 @@ class ChunkSaver:
         parts = dict(zip(cuts, src.split([b - a for a, b in itertools.pairwise(cuts)], dim=1)))  # pieces never overlap
         return [parts[p.row] for p in pieces]
 
-    def _land_when(self, landed: torch.cuda.Event, batch: _Batch) -> None:
+    def _land_when(self, landed: torch.cuda.Event, batch: _Batch, flag: torch.Tensor | None, filled: list[_Piece]) -> None:
         try:
             landed.synchronize()
             self._events.append(landed)  # reused by a later batch: it has fired
+            if flag is not None:
+                held = bool(flag)
+                self._flags.append(flag)
+                if not held:
+                    self._refuse(filled)
             self._land(batch)
         except Exception:
             log.exception("saver: copying a batch's rows failed; its chunks are not saved")
             for p in batch.pieces:
                 p.seq.broken = True
+
+    @staticmethod
+    def _refuse(filled) -> None:
+        """Chunks filled with rows that a voucher says were not all the engine's: their sequences publish
+        nothing more (a row of another token in a chunk would be served as this one's)."""
+        log.error("saver: a batch's rows were not all where the engine placed its tokens; their chunks are not saved")
+        for p in filled:
+            p.seq.broken = True
 
     def _land(self, batch: _Batch) -> None:
         """The batch's rows are in their slots: count them, publish every chunk now complete, and give back

@@ -13,8 +13,9 @@ that has them, and it rounds as the forward does.
 
 The capture is a forward pre-hook on each ``qkv_proj``: it keeps the rows of this step's computed tokens,
 found by their cache slots in the forward's slot mapping (:mod:`hcache.vllm.batch_rows`), so the forward's
-batch order does not matter. Hooks run only in eager mode: with torch.compile or CUDA graphs they would
-not, so the settings refuse H there (:mod:`hcache.vllm.settings`).
+batch order does not matter; whether they were all found (:attr:`HiddenLayers.held`) goes to the saver
+with them, which saves nothing of a step where they were not. Hooks run only in eager mode: with
+torch.compile or CUDA graphs they would not, so the settings refuse H there (:mod:`hcache.vllm.settings`).
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class HiddenLayers:
         self._layers: dict[int, _Layer] = {}
         self._slots: torch.Tensor | None = None  # this step's computed tokens' cache slots
         self._rows: torch.Tensor | None = None  # their rows in the forward's batch, found by its first layer
+        self.held: torch.Tensor | None = None  # on the device: whether ``_rows`` hold every one of them
         self._slot_layer = next(iter(layers.values()))  # every layer's tokens take the same slots
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
@@ -104,7 +106,7 @@ class HiddenLayers:
     def select(self, slots: torch.Tensor | None) -> None:
         """Capture, in the coming forward, the rows of the tokens written to cache ``slots`` (kernel block ×
         its tokens + offset, as vLLM's slot mapping counts them; None: none), in that order."""
-        self._slots, self._rows, self._captured = slots, None, {}
+        self._slots, self._rows, self.held, self._captured = slots, None, None, {}
 
     def _find_rows(self, device: torch.device) -> torch.Tensor | None:
         """The selected tokens' rows in the forward's batch, from its slot mapping, which vLLM sets for the
@@ -116,10 +118,7 @@ class HiddenLayers:
         if slots is None:  # a micro-batched forward: the saver finds its H layers missing and saves none of it
             log.warning("hcache: this forward has no slot mapping for %s; its hidden states are not saved", self._slot_layer)
             return None
-        rows = batch_rows(slots, self._slots)
-        if rows is None:
-            log.error("hcache: this step's tokens are not all in the forward's slot mapping; their hidden states are not saved")
-            return None
+        rows, self.held = batch_rows(slots, self._slots)
         return rows.to(device)
 
     def captured(self, layer: int) -> torch.Tensor | None:

@@ -253,6 +253,8 @@ class WorkerSide:
     def end_step(self) -> None:
         """After the forward: the saver's batch lands."""
         if self._computing and self.stack.saver is not None:
+            if self._hidden is not None and self._hidden.held is not None:
+                self.stack.saver.vouch(self._hidden.held)
             (self.stack.capture or self.stack.saver).end_batch()
         for step, _ in self._computing:
             self._records.setdefault(step.req_id, SequenceRecord()).computed_tokens += step.length

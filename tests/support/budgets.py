@@ -10,7 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hcache.ops import device_copy
 
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "equal", "is_nonzero", "allclose",
+# ``item`` is how ``.item()``, ``int()`` and ``float()`` of a tensor dispatch under inference mode
+# (``_local_scalar_dense`` outside it); ``is_nonzero`` is ``bool()``'s there.
+SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "equal", "is_nonzero", "allclose",
             "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave"}  # fmt: skip
 HOST_READS = ("tolist", "cpu", "numpy")
 

@@ -303,3 +303,49 @@ def test_a_batch_that_names_k_v_later_and_ends_without_a_read_saves_nothing(tmp_
     assert tier.keys() == [] and saver.chunks_published == 0 and tier.pool.used_bytes == 0
     saver.shutdown()
     tier.close()
+
+
+@pytest.mark.parametrize("streams", [False, True], ids=["cpu", "gpu-branches"])
+@pytest.mark.parametrize("bad", [None, 0, 1], ids=["all-held", "bad-first-batch", "bad-last-batch"])
+def test_rows_a_voucher_says_are_not_the_engines_publish_nothing_of_their_sequences(tmp_path, rng, monkeypatch, streams, bad):
+    """vLLM's worker finds a step's hidden-state rows by their cache slots and vouches for them with a bool
+    it does not read (on a GPU, reading it would wait for the forward). Sequence 0's chunk fills over two
+    batches, 40 rows and 24: a voucher that does not hold in either keeps that chunk and every later one of
+    sequence 0 out of the store, and sequence 1, in neither batch, publishes; on the GPU branches the voucher
+    is read only by stage 2, so its batch makes no host sync."""
+    from support.budgets import Counter, FakeCuda, counting
+
+    if streams:
+        FakeCuda(monkeypatch)
+    tier = _tier(tmp_path)
+    saver = ChunkSaver(tier, FP, TENSORS)
+    tokens = {uid: random_prompt(128, 1000, rng) for uid in (0, 1)}
+    chains = {uid: KeyChain(root_key(FP, str(uid))) for uid in tokens}
+    for uid in tokens:
+        saver.open(uid, chains[uid])
+    done = {0: 0, 1: 0}
+    syncs = []
+    for k, step in enumerate([{0: 40}, {0: 24}, {1: 64}, {0: 64}]):
+        segments, row = [], 0
+        for uid, n in step.items():
+            chains[uid].extend(tokens[uid][done[uid] : done[uid] + n])
+            segments.append(Segment(uid, done[uid], n, row))
+            row += n
+        with counting(Counter(tier.pool.arena), monkeypatch) as counter:
+            saver.begin_batch(segments)
+            for layer in range(LAYERS):
+                saver.on_layer(layer, {fmt: torch.cat([_rows(uid, range(done[uid], done[uid] + n), layer)[fmt] for uid, n in step.items()])
+                                       for fmt in ("H", "KV")})  # fmt: skip
+            saver.vouch(torch.tensor(k != bad))
+            saver.end_batch()
+        syncs += list(counter.syncs)
+        for uid, n in step.items():
+            done[uid] += n
+    for uid in tokens:
+        saver.close(uid)
+    tier.flush()
+    published = {uid: sum(tier.contains(key) for key in chunk_keys(tokens[uid], root_key(FP, str(uid)))) for uid in tokens}
+    assert published == ({0: 2, 1: 1} if bad is None else {0: 0, 1: 1}), published
+    assert not streams or not syncs, f"host syncs with a voucher on the GPU branches: {syncs}"
+    saver.shutdown()
+    tier.close()

@@ -1,5 +1,6 @@
 """The vLLM worker's side: where hcache's helper threads run beside vLLM's OpenMP threads, and what a saving
 step reads out of vLLM's cache, driven as vLLM drives it (without an engine)."""
+import contextlib
 import os
 from types import SimpleNamespace
 
@@ -70,55 +71,75 @@ def _rows(request: int, positions: range, layer: int, spec) -> torch.Tensor:
     return base.view(-1, 1, 1, 1) + torch.arange(2 * spec.num_kv_heads * spec.head_size, dtype=torch.float32).view(2, spec.num_kv_heads, spec.head_size) / 4096
 
 
+BLOCKS = {0: [5, 9, 2, 7, 11], 1: [30, 1, 17, 24, 3]}  # each request's blocks, scattered over vLLM's cache
+
+
+def _steps(worker, spec, caches, tokens, steps, around=lambda k, step: contextlib.nullcontext()):
+    """Drive ``worker`` as vLLM does through ``steps`` (request -> tokens computed in that step; a request
+    starts with its prefill), each step's K/V written into ``caches`` as vLLM's forward would; ``around(k,
+    step)``: a context each step's hand-over runs in."""
+    from hcache.paged.layout import block_slots
+    from hcache.vllm.metadata import HCacheStepMetadata, RequestStep
+
+    layout = worker._layers["model.layers.0.self_attn.attn"].layout
+    done = dict.fromkeys(tokens, 0)
+    for k, step in enumerate(steps):
+        requests = []
+        for r, n in step.items():
+            n = min(n, len(tokens[r]) - done[r])
+            if not n:
+                continue
+            start = done[r]
+            spans = [(BLOCKS[r][start // BLOCK :], start % BLOCK, start % BLOCK + n)]
+            elements = layout.elements(*block_slots(spans, BLOCK, KERNEL_BLOCK))
+            for layer, cache in enumerate(caches):  # the forward's cache write
+                layout.write(cache, elements, _rows(r, range(start, start + n), layer, spec))
+            held = [BLOCKS[r][start // BLOCK : -(-(start + n) // BLOCK)]]
+            requests.append(RequestStep(f"r{r}", None, start == 0, tokens[r][: start + n] if start == 0 else tokens[r][start : start + n], held, start, n))
+            done[r] += n
+        if not requests:
+            break
+        with around(k, step):
+            worker.begin_step(HCacheStepMetadata(requests))
+            worker.end_step()
+
+
+def _tokens(spec, length: int = 130) -> dict[int, list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return {r: torch.randint(0, spec.vocab_size, (length,), generator=g).tolist() for r in BLOCKS}
+
+
 def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_nothing_on_other_steps(tmp_path, monkeypatch):
     """Two requests in blocks scattered over vLLM's cache, prefilled (70 and 6 tokens) and then decoded a
     token a step to 130, as vLLM's forward would write them: every chunk they fill is stored with exactly the
     K/V the cache holds (through blocks split into kernel blocks, and chunks across blocks); the cache is read
     once a layer in a step that fills chunks, whichever and however many, a kernel block at a time, and never
     in a step that fills none."""
-    from hcache.paged.layout import PagedLayout, block_slots
+    from hcache.paged.layout import PagedLayout
     from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
     from hcache.storage.stored_state import stored_rows
-    from hcache.vllm.metadata import HCacheStepMetadata, RequestStep
 
     worker, spec, caches = _worker(tmp_path)
     reads = []  # the whole kernel blocks each read takes a block at a time (a chunk is 4 of 16 tokens)
     read = PagedLayout.read
     monkeypatch.setattr(PagedLayout, "read", lambda self, cache, places: (reads.append(len(places[0])), read(self, cache, places))[1])
-    blocks = {0: [5, 9, 2, 7, 11], 1: [30, 1, 17, 24, 3]}
-    g = torch.Generator().manual_seed(0)
-    tokens = {r: torch.randint(0, spec.vocab_size, (130,), generator=g).tolist() for r in blocks}
-    layout = worker._layers["model.layers.0.self_attn.attn"].layout
-    done = {0: 0, 1: 0}
-    steps = [{0: 70, 1: 6}] + [{0: 1, 1: 1}] * 124
+    tokens = _tokens(spec)
     per_step = []
-    for step in steps:
-        requests = []
-        for r, n in step.items():
-            n = min(n, 130 - done[r])
-            if not n:
-                continue
-            start = done[r]
-            spans = [(blocks[r][start // BLOCK :], start % BLOCK, start % BLOCK + n)]
-            elements = layout.elements(*block_slots(spans, BLOCK, KERNEL_BLOCK))
-            for layer, cache in enumerate(caches):  # the forward's cache write
-                layout.write(cache, elements, _rows(r, range(start, start + n), layer, spec))
-            held = [blocks[r][start // BLOCK : -(-(start + n) // BLOCK)]]
-            requests.append(RequestStep(f"r{r}", None, start == 0, tokens[r][: start + n] if start == 0 else tokens[r][start : start + n], held, start, n))
-            done[r] += n
-        if not requests:
-            break
+
+    @contextlib.contextmanager
+    def count(k, step):
         before = len(reads)
-        worker.begin_step(HCacheStepMetadata(requests))
-        worker.end_step()
+        yield
         per_step.append(len(reads) - before)
+
+    _steps(worker, spec, caches, tokens, [{0: 70, 1: 6}] + [{0: 1, 1: 1}] * 124, count)
     fills = [i for i, n in enumerate(per_step) if n]
     assert fills == [0, 58, 122] and all(per_step[i] == LAYERS for i in fills), per_step  # chunk 0 of request 0; 1 of 0 and 0 of 1; 1 of 1
     assert reads == [4] * LAYERS + [8] * LAYERS + [4] * LAYERS, reads
     worker.finished({"r0", "r1"})
     store = worker.stack.store
     store.flush()
-    for r in blocks:
+    for r in BLOCKS:
         for c, key in enumerate(chunk_keys(tokens[r][:128], root_key(worker.stack.fingerprint))):
             image = store.fetch(key).result()
             try:
@@ -126,4 +147,31 @@ def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_
                     assert torch.equal(stored_rows(image, layer, "KV"), _rows(r, range(c * CHUNK_TOKENS, (c + 1) * CHUNK_TOKENS), layer, spec))
             finally:
                 store.release(image)
+    worker.close()
+
+
+def test_a_saving_step_never_syncs_makes_nothing_and_does_not_grow_with_chunks_or_history(tmp_path, monkeypatch):
+    """Counted as tests/serving/test_gpu_budgets.py counts the DeepSpeed path, on the GPU branches: no
+    step of the saving worker syncs with the host; after the first step that fills a chunk, none makes a
+    stream, an event or a pinned buffer; a step that fills two chunks runs the device ops of one that fills
+    one (but for a staging image each, taken from the caching allocator: no kernel); and a decode step that
+    fills none runs the same ops at 10 tokens of history as at 100."""
+    from support.budgets import Counter, FakeCuda, counting
+
+    cuda = FakeCuda(monkeypatch)
+    worker, spec, caches = _worker(tmp_path)
+    counted, made = {}, {}
+
+    @contextlib.contextmanager
+    def count(k, step):
+        with counting(Counter(worker.stack.store.pool.arena), monkeypatch) as counter:
+            yield
+        counted[k], made[k] = counter, dict(cuda.made)
+        counter.ops.pop("empty", None)
+
+    _steps(worker, spec, caches, _tokens(spec), [{0: 70, 1: 6}] + [{0: 1, 1: 1}] * 124, count)
+    assert not any(c.syncs for c in counted.values()), {k: dict(c.syncs) for k, c in counted.items() if c.syncs}
+    assert made[58] == made[122] == made[0], f"made after the first fill: {made[0]} then {made[58]}, {made[122]}"
+    assert counted[58].ops == counted[122].ops, f"two chunks filled: {dict(counted[58].ops)}; one: {dict(counted[122].ops)}"
+    assert counted[4].ops == counted[94].ops, f"10 tokens of history: {dict(counted[4].ops)}; 100: {dict(counted[94].ops)}"
     worker.close()
