@@ -9,8 +9,8 @@ first turn to the disk and Redis, then restoring the second from the host pool, 
 long conversations; restarted on the disk alone, restoring from the disk, then, storing in int8 beside
 vLLM's own prefix cache, a conversation under a new salt, then stepped one step at a time while the four
 long conversations load from the disk beside twelve decoding (16 conversations); with Redis as its only tier and
-32-token blocks (the others' hold 128, hcache's chunks 64), restoring from Redis, then from the host pool
-with Redis stopped; on a store of its own with a six-chunk host pool, restoring from the pool with the
+32-token blocks (the others' hold 128, hcache's chunks 64) and a six-chunk host pool, restoring from
+Redis, then from the host pool with Redis stopped, then recomputing a conversation offered from Redis; on a store of its own with a six-chunk host pool, restoring from the pool with the
 chunk files deleted, and recomputing a conversation whose chunks were offered but gone; with every chunk
 file corrupted and Redis stopped, restoring nothing and recomputing; with every chunk file truncated
 before it starts, the same. Every load is asynchronous, and every lossless restore's reply equals vLLM's
@@ -68,8 +68,8 @@ def session(tmp_path_factory):
              "requests": [["first", "a"], ["second", "b"], ["second", "a"], ["batch", CONCURRENT], ["batch", LONG]]},
             {"connector": connector("disk", [str(store)], [], stored_dtype="int8"), "prefix_cache": True, "reserved_cpus": 1,
              "requests": [["second", "a"], ["first", "c"], ["second", "c"], ["steps", DECODERS, LONG]]},
-            {"connector": connector("redis", None, ["$REDIS"]), "block_size": 32,
-             "requests": [["second", "a"], ["first", "r"], ["second", "r", "stop_redis"]]},
+            {"connector": connector("redis", None, ["$REDIS"], store={"host_bytes": POOL_BYTES}), "block_size": 32,
+             "requests": [["second", "a"], ["first", "r"], ["second", "r", "stop_redis"], ["second", "a"]]},
             {"connector": connector("lost", [str(lost)], [], store={"host_bytes": POOL_BYTES}),
              "requests": [["first", "x"], ["first", "y"], ["second", "y", f"delete {lost} 10"], ["second", "x"]]},
             {"connector": connector("faults", [str(store)], ["$REDIS"]), "before": [f"corrupt {store}", "stop_redis"], "requests": [["second", "a"]]},
@@ -163,6 +163,19 @@ def test_a_chunk_lost_after_it_was_offered_is_recomputed_with_its_reason(session
     assert phases[4][3] == phases[0][1]
     lost = logs["lost"][3]
     assert lost["restored_tokens"] == 0 and lost["miss_tokens"] == {"evicted": FULL_CHUNKS} and lost["computed_tokens"] > FULL_CHUNKS
+
+
+def test_a_chunk_offered_from_a_stopped_redis_is_recomputed_with_its_reason(session):
+    """The Redis phase's engine loaded the second turn under salt "a" from Redis into its six-chunk host
+    pool, which the next conversation's saves then left it out of (in Redis alone). With Redis stopped,
+    the scheduler's index, which asks no store, still offered it; its load ran (``restore_s``), found the
+    tier down, and vLLM recomputed the blocks it reported: the reply of vLLM alone, and the reason in the
+    request log."""
+    phases, logs, _ = session
+    assert phases[3][3] == phases[0][1]
+    down = logs["redis"][3]
+    assert down["restore_s"] > 0 and down["restored_tokens"] == 0 and down["tier_tokens"] == {}
+    assert down["miss_tokens"] == {"tier_unavailable": FULL_CHUNKS} and down["computed_tokens"] > FULL_CHUNKS
 
 
 def test_8_bit_state_loads_past_vllms_own_prefix_cache(session):
