@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from ..model.loader import model_dir
     from ..vllm.settings import kv_transfer_config
+    from .vllm import kv_bytes_per_token
 
     batches = [int(b) for b in args.batches.split(",")]
     histories = [int(h) for h in args.histories.split(",")]
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> dict:
         engines = {}
         for name, connector in tqdm(connectors.items(), desc="vLLM engines", unit="engine"):
             engines[name] = LLM(model=str(model_dir(args.model)), dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
-                                kv_cache_memory_bytes=budget * _kv_bytes_per_token(args) * 2, enable_prefix_caching=False,
+                                kv_cache_memory_bytes=budget * kv_bytes_per_token(model_dir(args.model), args.dtype) * 2, enable_prefix_caching=False,
                                 disable_log_stats=True, kv_transfer_config=kv_transfer_config(connector) if connector else None)  # fmt: skip
         try:
             for batch, history in tqdm([(b, h) for b in batches for h in histories], desc="batch x history", unit="case"):
@@ -110,15 +111,6 @@ def run(args: argparse.Namespace) -> dict:
     _print(results, args)
     return {"model": args.model, "dtype": args.dtype, "steps": args.steps, "repeats": args.repeats, "loads": args.loads,
             "host_mb": args.host_mb, "block": args.block, "decode": results}  # fmt: skip
-
-
-def _kv_bytes_per_token(args) -> int:
-    from ..model.loader import model_dir
-
-    config = json.loads((model_dir(args.model) / "config.json").read_text())
-    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    width = 4 if args.dtype == "float32" else 2
-    return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", config["num_attention_heads"]) * head * width
 
 
 def _interleaved(engines: dict, prompts: list[list[int]], returning: list[list[int]], steps: int, block: int) -> tuple[dict[str, list[float]], list[bool]]:

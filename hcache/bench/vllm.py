@@ -4,16 +4,24 @@ connector restoring from the host pool, the disk and Redis, side by side in one 
 ``--conversations`` histories of ``--history`` random tokens are each first prefilled with a first question
 (``prefill_s``: where hcache saves, the saving is in it). Then each history returns with a new question
 and one token is generated: the time of that ``generate`` call is its TTFT. Every configuration is a vLLM
-engine of its own, started in turn, over the same histories and questions:
+engine of its own, all alive at once, over the same histories and questions, and the returning questions
+are **interleaved**: each history returns to every engine in turn, a second or so apart, the engines'
+order rotating from one history to the next, so that the machine's drift over minutes falls on every
+configuration alike:
 
 - ``recompute``: vLLM with its prefix cache off, which prefills every returning history;
 - ``prefix_cache``: vLLM's own prefix cache (its KV blocks in the engine's memory);
-- ``hcache_host``: hcache's connector (prefix cache off), the histories saved by the first questions and
-  restored from the host pool;
-- ``hcache_disk``: a new engine over the same store directory, without Redis: restored from the disk;
-- ``hcache_redis``: a new engine with Redis as its only tier: restored from Redis;
+- ``hcache_host``: hcache's connector (prefix cache off, a store of its own), the histories saved by the
+  first questions and restored from the host pool;
+- ``hcache_disk``: an engine over a store directory that another engine, closed before it started, saved
+  the histories into (with Redis): it meets each history for the first time, restored from the disk;
+- ``hcache_redis``: likewise with Redis as its only tier: restored from Redis;
 - ``hcache_miss``: the connector loaded over an empty store, which it misses: vLLM recomputing with
   hcache's connector in the engine (looking up, saving), the like-for-like baseline (``speedup_vs_miss``).
+
+Each engine's KV cache holds every history twice over, no more (``kv_cache_memory_bytes``), so that they
+fit at once: the default run's six SmolLM2 engines held about 7 GB together on a CPU; ``--plans`` and
+``--sliding-layers`` multiply the hcache engines.
 
 With ``--plans`` of more than one plan (``KV,H``), the three hcache configurations run once per plan, each
 named with its plan (``hcache_host_H``), and every plan saves both formats (``save="all"``). ``--mha``
@@ -29,9 +37,8 @@ attention (2: Gemma 2's layout, 6: Gemma 3's), which vLLM runs with two KV cache
 (``_all``: every token stored and restored, as full attention), and ``stored_file_bytes_per_token`` is
 what that store's chunk files hold per stored token.
 
-The disk and Redis engines are new: each meets every history for the first time, in its store. ``speedup``
-is recompute's median TTFT over each configuration's (``speedup_vs_miss``: ``hcache_miss``'s over it); ``restored`` and ``stored_bytes_per_token`` come from
-the connector's request log. ``first_token_match`` counts returning questions whose first token equals
+``speedup`` is recompute's median TTFT over each configuration's (``speedup_vs_miss``: ``hcache_miss``'s
+over it); ``restored`` and ``stored_bytes_per_token`` come from the connector's request log. ``first_token_match`` counts returning questions whose first token equals
 recompute's (a K/V computed in a smaller prefill may round apart from a full prefill's, so a near tie may
 break the other way, as with vLLM's own prefix cache).
 
@@ -77,12 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=None, help="give the model (random weights) sliding-window layers of this many tokens")
     parser.add_argument("--full-every", type=int, default=2, help="with --window: 1 in this many layers keeps full attention")
     parser.add_argument("--sliding-layers", default="window", help="hcache's sliding_layers settings, comma-separated (window,all)")
-    parser.add_argument("--memory", type=float, default=0.25, help="vLLM's gpu_memory_utilization (on a CPU: the share of memory for its KV cache)")
     parser.add_argument("--decode", action="store_true", help="time decode steps with and without the connector instead (the options below)")
     decode.add_arguments(parser.add_argument_group("--decode"))
 
 
-def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
+def _engine(args, model: str, prefix_cache: bool, connector: dict | None, memory: int):
+    """A vLLM engine over ``model`` with ``memory`` bytes of KV cache (every engine of a run is alive at once)."""
     from vllm import LLM
 
     from ..vllm.settings import kv_transfer_config
@@ -91,7 +98,22 @@ def _engine(args, model: str, prefix_cache: bool, connector: dict | None):
     parallel = {"tensor_parallel_size": args.tp, "distributed_executor_backend": "mp"} if args.tp > 1 else {}
     with ranks_bound(args.tp):
         return LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.history + 4 * args.question,
-                   gpu_memory_utilization=args.memory, enable_prefix_caching=prefix_cache, kv_transfer_config=kv, **parallel)  # fmt: skip
+                   kv_cache_memory_bytes=memory, enable_prefix_caching=prefix_cache, kv_transfer_config=kv, disable_log_stats=True, **parallel)  # fmt: skip
+
+
+def _timed(llm, prompt: list[int], params) -> tuple[float, int]:
+    """One ``generate`` of ``prompt``: its time and its first token."""
+    begin = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return time.perf_counter() - begin, out[0].outputs[0].token_ids[0]
+
+
+def kv_bytes_per_token(model: Path, dtype: str) -> int:
+    """Bytes of K/V a token takes in vLLM's cache of ``model`` (a checkpoint directory) in ``dtype``."""
+    config = json.loads((model / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    width = 4 if dtype == "float32" else 2
+    return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", config["num_attention_heads"]) * head * width
 
 
 def _shaped(args, directory: Path) -> tuple[Path, dict]:
@@ -187,64 +209,71 @@ def run(args: argparse.Namespace) -> dict:
     first, returning = ([tokens(args.question) for _ in histories] for _ in range(2))
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="hcache-bench-vllm-") as tmp:
-        store = str(Path(tmp) / "store")
         model, heads = _shaped(args, Path(tmp) / "shaped")  # before Redis starts: it may refuse the shape
         redis = RedisServer().start() if args.redis is None else None
         url = args.redis or redis.url
-        configs = {"recompute": (False, None, True), "prefix_cache": (True, None, True)}
-        stores = {"host": ([store], [url]), "disk": ([store], []), "redis": (None, [url])}  # (store_dirs, tiers)
+        configs: dict[str, tuple[bool, dict | None, bool]] = {"recompute": (False, None, True), "prefix_cache": (True, None, True)}
+        savers: dict[str, dict] = {}  # by rule: what saves the histories that the disk and Redis engines restore
         for plan in plans:
             for rule in rules:
-                for tier, (dirs, tiers) in stores.items():
-                    name = "hcache_" + tier + (f"_{plan}" if len(plans) > 1 else "") + (f"_{rule}" if len(rules) > 1 else "")
-                    dirs = [f"{store}-{rule}"] if dirs and len(rules) > 1 else dirs  # each rule stores apart (Redis: by namespace)
-                    settings = {"store_dirs": dirs, "store": {"shared": tiers}, "plan": plan, "save": "all" if len(plans) > 1 else "plan",
-                                "sliding_layers": rule, "namespace": rule if len(rules) > 1 else None}  # fmt: skip
-                    configs[name] = (False, settings, tier == "host")
+                suffix = (f"_{plan}" if len(plans) > 1 else "") + (f"_{rule}" if len(rules) > 1 else "")
+                common = {"plan": plan, "save": "all" if len(plans) > 1 else "plan", "sliding_layers": rule,
+                          "namespace": rule if len(rules) > 1 else None}  # each rule stores apart (Redis: by namespace)  # fmt: skip
+                store = [str(Path(tmp) / f"store-{rule}")]
+                savers.setdefault(rule, {**common, "store_dirs": store, "store": {"shared": [url]}})
+                configs["hcache_host" + suffix] = (False, {**common, "store_dirs": [str(Path(tmp) / f"host{suffix}")]}, True)
+                configs["hcache_disk" + suffix] = (False, {**common, "store_dirs": store, "store": {"shared": []}}, False)
+                configs["hcache_redis" + suffix] = (False, {**common, "store_dirs": None, "store": {"shared": [url]}}, False)
         configs["hcache_miss"] = (False, {"store_dirs": [str(Path(tmp) / "empty")]}, False)
+        logs = {name: Path(tmp) / f"{name}.jsonl" for name in configs}
+        memory = 2 * args.conversations * (args.history + 4 * args.question) * kv_bytes_per_token(model, args.dtype)  # every history, twice over
+        engines: dict = {}
         try:
-            for name in tqdm(configs, desc="vLLM engines", unit="engine"):
-                prefix_cache, connector, prefill = configs[name]
-                log = Path(tmp) / f"{name}.jsonl"
-                if connector is not None:
-                    connector = {**connector, "request_log": str(log)}
-                llm = _engine(args, str(model), prefix_cache, connector)
-                prefill_s = []
-                if prefill:
-                    for history, question in zip(histories, first):
-                        begin = time.perf_counter()
-                        llm.generate([{"prompt_token_ids": history + question}], one, use_tqdm=False)
-                        prefill_s.append(time.perf_counter() - begin)
-                    if log.exists():
-                        log.unlink()  # the records of the returning questions only
-                ttft, first_tokens = [], []
-                for history, question in zip(histories, returning):
-                    begin = time.perf_counter()
-                    out = llm.generate([{"prompt_token_ids": history + question}], one, use_tqdm=False)
-                    ttft.append(time.perf_counter() - begin)
-                    first_tokens.append(out[0].outputs[0].token_ids[0])
+            for settings in tqdm(savers.values(), desc="saving the histories", unit="store"):  # closed before the disk engines open the store
+                llm = _engine(args, str(model), False, settings, memory)
+                llm.generate([{"prompt_token_ids": h + q} for h, q in zip(histories, first)], one, use_tqdm=False)
                 llm.llm_engine.engine_core.shutdown()
                 del llm
-                records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-                first_rank = [r for r in records if not r.get("tp_rank")]  # with tensor parallelism each rank logs its own
-                tiers: dict[str, int] = {}
-                for r in first_rank:
-                    for tier, n in r["tier_tokens"].items():
-                        tiers[tier] = tiers.get(tier, 0) + n
-                restored = sum(r["restored_tokens"] for r in first_rank)
-                stored_dirs = (connector or {}).get("store_dirs") or []
-                stored_files = sum(p.stat().st_size for d in stored_dirs for p in Path(d).glob("**/chunks/*/*.safetensors"))
-                results[name] = {
-                    "stored_file_bytes_per_token": stored_files / (args.conversations * (args.history // 64 * 64)) if stored_dirs else 0,
-                    "read_bytes_by_layer_type": {kind: sum(r.get("type_bytes", {}).get(kind, 0) for r in records) / max(1, restored)
-                                                 for kind in {k for r in records for k in r.get("type_bytes", {})}},  # fmt: skip
-                    "ttft_s": ttft, "median_ttft_s": statistics.median(ttft), "prefill_s": prefill_s,
-                    "restored_tokens": restored, "restored_by_tier": tiers, "first_tokens": first_tokens,
-                    "stored_bytes_per_token": sum(r["bytes_read"] for r in records) / restored if restored else 0,  # every rank's
-                }  # fmt: skip
+            for name, (prefix_cache, connector, _) in tqdm(configs.items(), desc="vLLM engines", unit="engine"):
+                engines[name] = _engine(args, str(model), prefix_cache, connector and {**connector, "request_log": str(logs[name])}, memory)
+            prefill_s: dict[str, list[float]] = {name: [] for name in configs}
+            for history, question in zip(histories, first):
+                for name, (_, _, prefill) in configs.items():
+                    if prefill:
+                        prefill_s[name].append(_timed(engines[name], history + question, one)[0])
+            for log in logs.values():
+                log.unlink(missing_ok=True)  # the records of the returning questions only
+            ttft: dict[str, list[float]] = {name: [] for name in configs}
+            first_tokens: dict[str, list[int]] = {name: [] for name in configs}
+            names = list(configs)
+            for i, (history, question) in enumerate(tqdm(list(zip(histories, returning)), desc="returning histories", unit="history")):
+                for name in names[i % len(names) :] + names[: i % len(names)]:  # each engine first, second and last alike
+                    took, token = _timed(engines[name], history + question, one)
+                    ttft[name].append(took)
+                    first_tokens[name].append(token)
         finally:
+            for llm in engines.values():
+                llm.llm_engine.engine_core.shutdown()
             if redis is not None:
                 redis.close()
+        for name, (_, connector, _) in configs.items():
+            records = [json.loads(line) for line in logs[name].read_text().splitlines()] if logs[name].exists() else []
+            first_rank = [r for r in records if not r.get("tp_rank")]  # with tensor parallelism each rank logs its own
+            tiers: dict[str, int] = {}
+            for r in first_rank:
+                for tier, n in r["tier_tokens"].items():
+                    tiers[tier] = tiers.get(tier, 0) + n
+            restored = sum(r["restored_tokens"] for r in first_rank)
+            stored_dirs = (connector or {}).get("store_dirs") or []
+            stored_files = sum(p.stat().st_size for d in stored_dirs for p in Path(d).glob("**/chunks/*/*.safetensors"))
+            results[name] = {
+                "stored_file_bytes_per_token": stored_files / (args.conversations * (args.history // 64 * 64)) if stored_dirs else 0,
+                "read_bytes_by_layer_type": {kind: sum(r.get("type_bytes", {}).get(kind, 0) for r in records) / max(1, restored)
+                                             for kind in {k for r in records for k in r.get("type_bytes", {})}},  # fmt: skip
+                "ttft_s": ttft[name], "median_ttft_s": statistics.median(ttft[name]), "prefill_s": prefill_s[name],
+                "restored_tokens": restored, "restored_by_tier": tiers, "first_tokens": first_tokens[name],
+                "stored_bytes_per_token": sum(r["bytes_read"] for r in records) / restored if restored else 0,  # every rank's
+            }  # fmt: skip
     reference, miss = results["recompute"], results["hcache_miss"]
     for name, r in results.items():
         r["speedup"] = reference["median_ttft_s"] / r["median_ttft_s"]
