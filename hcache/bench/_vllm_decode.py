@@ -57,11 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoConfig
     from vllm import LLM, SamplingParams
 
     from ..model.loader import model_dir
     from ..vllm.settings import kv_transfer_config
-    from .vllm import kv_bytes_per_token
+    from ..model.spec import ModelSpec
 
     batches = [int(b) for b in args.batches.split(",")]
     histories = [int(h) for h in args.histories.split(",")]
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
         engines = {}
         for name, connector in tqdm(connectors.items(), desc="vLLM engines", unit="engine"):
             engines[name] = LLM(model=str(model_dir(args.model)), dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
-                                kv_cache_memory_bytes=budget * kv_bytes_per_token(model_dir(args.model), args.dtype) * 2, enable_prefix_caching=False,
+                                kv_cache_memory_bytes=budget * ModelSpec.from_config(AutoConfig.from_pretrained(model_dir(args.model)), args.dtype).kv_bytes_per_token * 2, enable_prefix_caching=False,
                                 disable_log_stats=True, kv_transfer_config=kv_transfer_config(connector) if connector else None)  # fmt: skip
         try:
             for batch, history in tqdm([(b, h) for b in batches for h in histories], desc="batch x history", unit="case"):

@@ -108,14 +108,6 @@ def _timed(llm, prompt: list[int], params) -> tuple[float, int]:
     return time.perf_counter() - begin, out[0].outputs[0].token_ids[0]
 
 
-def kv_bytes_per_token(model: Path, dtype: str) -> int:
-    """Bytes of K/V a token takes in vLLM's cache of ``model`` (a checkpoint directory) in ``dtype``."""
-    config = json.loads((model / "config.json").read_text())
-    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    width = 4 if dtype == "float32" else 2
-    return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", config["num_attention_heads"]) * head * width
-
-
 def _shaped(args, directory: Path) -> tuple[Path, dict]:
     """The model's checkpoint, or one of random weights reshaped by ``--heads``, ``--mha`` and ``--window``; its heads."""
     from ..model.loader import model_dir, random_like, save_checkpoint
@@ -182,8 +174,10 @@ def run(args: argparse.Namespace) -> dict:
         if args.tp > 1 or args.heads:
             raise SystemExit("hcache bench vllm: --decode runs one rank of the model as it is; --tp and --heads are for the TTFT runs")
         return {**decode.run(args), **reserved}
+    from transformers import AutoConfig
     from vllm import SamplingParams
 
+    from ..model.spec import ModelSpec
     from ..storage.redis_server import RedisServer
 
     if args.conversations < 1 or args.history < 64:
@@ -226,7 +220,8 @@ def run(args: argparse.Namespace) -> dict:
                 configs["hcache_redis" + suffix] = (False, {**common, "store_dirs": None, "store": {"shared": [url]}}, False)
         configs["hcache_miss"] = (False, {"store_dirs": [str(Path(tmp) / "empty")]}, False)
         logs = {name: Path(tmp) / f"{name}.jsonl" for name in configs}
-        memory = 2 * args.conversations * (args.history + 4 * args.question) * kv_bytes_per_token(model, args.dtype)  # every history, twice over
+        per_token = ModelSpec.from_config(AutoConfig.from_pretrained(model), args.dtype).kv_bytes_per_token
+        memory = 2 * args.conversations * (args.history + 4 * args.question) * per_token  # every history, twice over
         engines: dict = {}
         try:
             for settings in tqdm(savers.values(), desc="saving the histories", unit="store"):  # closed before the disk engines open the store

@@ -133,6 +133,11 @@ class ModelSpec:
     def kv_bytes_per_token_layer(self) -> int:
         return 2 * self.kv_dim * self.itemsize
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """A token's K/V over every layer: what a KV cache holding all of them takes a token."""
+        return self.num_layers * self.kv_bytes_per_token_layer
+
     def window(self, layer: int) -> int | None:
         """How many positions back a query of ``layer`` attends (itself included): ``None`` for full attention."""
         return self.sliding_windows[layer] if self.sliding_windows else None

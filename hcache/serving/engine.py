@@ -228,7 +228,7 @@ class ServingEngine:
         if partial is not None:  # the chunk it ends in is still saved, from its rows computed before
             self.stack.saver.resume(uid, *partial)
         seq.chain.extend(tokens[:n])
-        step.gpu_tokens, step.gpu_bytes = n, n * self.spec.num_layers * self.spec.kv_bytes_per_token_layer
+        step.gpu_tokens, step.gpu_bytes = n, n * self.spec.kv_bytes_per_token
         step.lossy = adoption.lossy
         step.restore_s += time.perf_counter() - start
         return n
