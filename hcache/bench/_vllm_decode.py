@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
 
     from ..model.loader import model_dir
-    from ..vllm.settings import kv_transfer_config
     from ..model.spec import ModelSpec
+    from ..vllm.settings import kv_transfer_config
 
     batches = [int(b) for b in args.batches.split(",")]
     histories = [int(h) for h in args.histories.split(",")]
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> dict:
     tokens = lambda n: torch.randint(100, 40000, (n,), generator=g).tolist()  # noqa: E731
     max_len = max(histories) + CHUNK + 2 * args.steps + 64
     budget = (max(batches) + args.loads) * max_len
+    per_token = ModelSpec.from_config(AutoConfig.from_pretrained(model_dir(args.model)), args.dtype).kv_bytes_per_token
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="hcache-bench-vllm-decode-") as tmp:
         log = Path(tmp) / "requests.jsonl"
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> dict:
         engines = {}
         for name, connector in tqdm(connectors.items(), desc="vLLM engines", unit="engine"):
             engines[name] = LLM(model=str(model_dir(args.model)), dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
-                                kv_cache_memory_bytes=budget * ModelSpec.from_config(AutoConfig.from_pretrained(model_dir(args.model)), args.dtype).kv_bytes_per_token * 2, enable_prefix_caching=False,
+                                kv_cache_memory_bytes=budget * per_token * 2, enable_prefix_caching=False,
                                 disable_log_stats=True, kv_transfer_config=kv_transfer_config(connector) if connector else None)  # fmt: skip
         try:
             for batch, history in tqdm([(b, h) for b in batches for h in histories], desc="batch x history", unit="case"):
