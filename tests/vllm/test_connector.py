@@ -10,8 +10,8 @@ long conversations; restarted on the disk alone, restoring from the disk, then, 
 vLLM's own prefix cache, a conversation under a new salt, then stepped one step at a time while the four
 long conversations load from the disk beside twelve decoding (16 conversations); with Redis as its only tier and
 32-token blocks (the others' hold 128, hcache's chunks 64) and a six-chunk host pool, restoring from
-Redis, then from the host pool with Redis stopped, then recomputing a conversation offered from Redis; on a store of its own with a six-chunk host pool, restoring from the pool with the
-chunk files deleted, and recomputing a conversation whose chunks were offered but gone; with every chunk
+Redis, then from the host pool with Redis stopped, then recomputing a conversation offered from Redis; on
+a store of its own with a six-chunk host pool, restoring from the pool with the chunk files deleted, and recomputing a conversation whose chunks were offered but gone; with every chunk
 file corrupted and Redis stopped, restoring nothing and recomputing; with every chunk file truncated
 before it starts, the same. Every load is asynchronous, and every lossless restore's reply equals vLLM's
 alone.
