@@ -155,7 +155,7 @@ def test_a_saving_step_never_syncs_makes_nothing_and_does_not_grow_with_chunks_o
     step of the saving worker syncs with the host; after the first step that fills a chunk, none makes a
     stream, an event or a pinned buffer; a step that fills two chunks runs the device ops of one that fills
     one (but for a staging image each, taken from the caching allocator: no kernel); and a decode step that
-    fills none runs the same ops at 10 tokens of history as at 100."""
+    fills none runs no device op at all, however long its requests' histories."""
     from support.budgets import Counter, FakeCuda, counting
 
     cuda = FakeCuda(monkeypatch)
@@ -173,5 +173,5 @@ def test_a_saving_step_never_syncs_makes_nothing_and_does_not_grow_with_chunks_o
     assert not any(c.syncs for c in counted.values()), {k: dict(c.syncs) for k, c in counted.items() if c.syncs}
     assert made[58] == made[122] == made[0], f"made after the first fill: {made[0]} then {made[58]}, {made[122]}"
     assert counted[58].ops == counted[122].ops, f"two chunks filled: {dict(counted[58].ops)}; one: {dict(counted[122].ops)}"
-    assert counted[4].ops == counted[94].ops, f"10 tokens of history: {dict(counted[4].ops)}; 100: {dict(counted[94].ops)}"
+    assert not any(c.ops for k, c in counted.items() if k not in (0, 58, 122)), {k: dict(c.ops) for k, c in counted.items() if c.ops}
     worker.close()
