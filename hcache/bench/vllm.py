@@ -20,8 +20,7 @@ configuration alike:
   hcache's connector in the engine (looking up, saving), the like-for-like baseline (``speedup_vs_miss``).
 
 Each engine's KV cache holds every history twice over, no more (``kv_cache_memory_bytes``), so that they
-fit at once: the default run's six SmolLM2 engines held about 7 GB together on a CPU; ``--plans`` and
-``--sliding-layers`` multiply the hcache engines.
+fit in memory at once; ``--plans`` and ``--sliding-layers`` multiply the hcache engines.
 
 With ``--plans`` of more than one plan (``KV,H``), the three hcache configurations run once per plan, each
 named with its plan (``hcache_host_H``), and every plan saves both formats (``save="all"``). ``--mha``

@@ -302,8 +302,9 @@ class ChunkSaver:
                 p.seq.broken = True
         if batch.later:
             self._read_later(batch, read)
-        for chunk in {id(p.chunk): p.chunk for p in batch.pieces}.values():
-            chunk.vouchers += batch.vouchers
+        if batch.vouchers:  # only where the engine vouches (vLLM's H): no work a step otherwise
+            for chunk in {id(p.chunk): p.chunk for p in batch.pieces}.values():
+                chunk.vouchers += batch.vouchers
         filled = {id(p.chunk): p for p in batch.pieces if p.chunk.expected == CHUNK_TOKENS and not p.seq.broken}.values()
         full = [p.chunk for p in filled if p.chunk.staged is not None]
         checks = list({id(v): v for p in filled for v in p.chunk.vouchers}.values())
