@@ -4,7 +4,7 @@ written into its blocks on a thread of its own, while the engine holds the reque
 worker (:mod:`hcache.vllm.worker`) drives it, and ``hcache bench paged`` times it on its own.
 
 A load fetches its chunks into the host pool (on the store's reader threads), verifies them as every
-restore does (:func:`~hcache.serving.restore.verify_fetched`), and writes each layer's K/V into the paged
+restore does (:class:`~hcache.serving.stored_prefix.StoredPrefix`), and writes each layer's K/V into the paged
 cache by the request's plan: the stored K/V rows (KV) or K/V rebuilt from the stored hidden states with
 the layer's own weights (H: the engine's ``rebuild``; vLLM's is :mod:`hcache.vllm.hidden`). Rows cross to
 the cache's device as stored (8-bit codes with their scales), one gather per layer, and are decoded there.
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import helper_threads
-from ..model.tensor_parallel import SINGLE
 from ..planning.plan import Method, RestorePlan
 from ..serving.records import MissReason, PutRestore, SequenceRecord
-from ..serving.restore import RestoreOutcome, lookup_miss, restore_accounting, run_tensors, tokens_by_source, verify_fetched
+from ..serving.restore import run_tensors
+from ..serving.stored_prefix import StoredPrefix
 from ..serving.store_stack import StoreStack
-from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
+from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from ..storage.image_rows import ImageRows
 from ..transfer.scratch import Scratch
 from .copy_process import CopyProcess, ProcessGone
@@ -120,45 +120,30 @@ class Loader:
     def _load(self, job: LoadJob, record: SequenceRecord) -> set[int]:
         began = time.perf_counter()
         store, fingerprint = self.stack.store, self.stack.fingerprint
-        chain = KeyChain(root_key(fingerprint, job.namespace))
-        chain.extend(job.tokens)
         first = job.start // CHUNK_TOKENS
-        keys = [key for key, _ in chain.chunks[first : -(-job.end // CHUNK_TOKENS)]]
-        fetches = [store.fetch(key) for key in keys]
+        keys = chunk_keys(job.tokens, root_key(fingerprint, job.namespace))[first:]
         plan = self.plan or self.config.policy.plan_for(self.config.plan, job.end - job.start)
-        images = []
-        try:
-            def reach(m: int) -> int:  # where a load of ``m`` chunks ends
-                return max(job.start, min(job.end, (first + m) * CHUNK_TOKENS))
 
-            spec = self.config.spec
-            why, miss = verify_fetched(
-                store, keys, fetches, images, job.tokens[first * CHUNK_TOKENS :], fingerprint, plan, SINGLE, first, spec, reach, self.stack.window
-            )
-            end = reach(len(images))
-            if end < job.end:
-                miss = miss or lookup_miss(store, keys[len(images)])
-                if miss in (MissReason.EVICTED, MissReason.TIER_UNAVAILABLE):
-                    self.lost(keys[len(images)], miss.value)
-            reads = {(layer, method.value): range(max(0, self.stack.window.first_read(layer, end) - first), len(images))
+        def reach(m: int) -> int:  # where a load of ``m`` chunks ends
+            return max(job.start, min(job.end, (first + m) * CHUNK_TOKENS))
+
+        spec = self.config.spec
+        with StoredPrefix(store, keys, first) as prefix:
+            prefix.fetch(len(keys))
+            prefix.verify(job.tokens[first * CHUNK_TOKENS :], fingerprint, plan, spec, self.stack.window, reach)
+            n = len(prefix.images)
+            end = reach(n)
+            if end < job.end and prefix.why_short() in (MissReason.EVICTED, MissReason.TIER_UNAVAILABLE):
+                self.lost(keys[n], prefix.miss.value)
+            reads = {(layer, method.value): range(max(0, self.stack.window.first_read(layer, end) - first), n)
                      for layer, method in enumerate(plan.layers)}  # fmt: skip
             if end > job.start:
-                self._write(job, images, first, end, plan, reads)
-            read, lossy = restore_accounting(spec, images, reads, len(images))
-            misses = {miss.value: job.end - end} if miss is not None and end < job.end else {}
+                self._write(job, prefix.images, first, end, plan, reads)
             step = PutRestore()
-            sources = tokens_by_source(store, images, first, job.start, end)
-            RestoreOutcome(end - job.start, sum(read.values()), why, sources, lossy, misses, read).record(step, plan)
+            prefix.outcome(spec, reads, n, job.start, end, job.end - end).record(step, plan)
             step.restore_s = time.perf_counter() - began
             record.add(step)
             return self._blocks(job, end) if end < job.end else set()
-        finally:
-            for image in images:
-                store.release(image)
-            for fetch in fetches[len(images) :]:  # past the prefix's end, fetched all the same
-                image = fetch.result() if fetch.exception() is None else None
-                if image is not None:
-                    store.release(image)
 
     @torch.inference_mode()  # vLLM's caches are inference tensors; grad mode is per thread
     def _write(self, job: LoadJob, images: list, first: int, end: int, plan: RestorePlan, reads: dict[tuple[int, str], range]) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,27 +35,29 @@ import torch
 from ..engine.interface import Engine
 from ..errors import InvalidRequestError
 from ..planning.plan import RestorePlan
-from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, check_namespace, chunk_keys, content_key, root_key
+from ..storage.chunk_key import CHUNK_TOKENS, check_namespace, chunk_keys, root_key
 from .gpu_prefix_cache import Adoption
 from .metrics import ServingMetrics
+from .miss_reasons import first_chunk_miss, lookup_miss
 from .records import GPU_CACHE, PutRestore, SequenceRecord, log_requests
-from .restore import anchor_label, first_chunk_miss, lookup_miss, restorable, restore_prefix
+from .restore import restore_prefix
+from .session import Session
 from .store_stack import StoreStack
+from .stored_prefix import restorable
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Sequence:
+@dataclass(kw_only=True)
+class _Sequence(Session):
+    """Its chain covers the tokens the engine holds, and those of a put in progress."""
+
     plan: RestorePlan | None  # None: auto, until the first restore chooses it
     restore: bool  # from the store
     adopt: bool  # from the GPU prefix cache (there may be one without a store)
-    chain: KeyChain  # over the tokens the engine holds, and those of a put in progress; the saver reads it
-    label: str  # its chain's root, as the anchor log files it
     prompt_tokens: int = 0  # the prompt's length if announced before the first put (see the module doc)
     failed: bool = False  # a put raised part-way: the engine, the chain and the saver may disagree
     windowed: bool = False  # a restore wrote sliding-window layers from their window on: its blocks are not every prefix's state
-    record: SequenceRecord = field(default_factory=SequenceRecord)
 
 
 def _log_restore(uid: int, tokens: int, step: PutRestore) -> None:
@@ -112,14 +114,11 @@ class ServingEngine:
             raise InvalidRequestError(f"sequence {uid} is already open; flush it first")
         namespace = self._namespace(namespace)
         resolved = self.config.policy.request_plan(plan)
-        chain = KeyChain(root_key(self.fingerprint, namespace))
         stack = self.stack
-        self._seqs[uid] = _Sequence(
-            resolved, restore and stack.store is not None, restore and stack.gpu_cache is not None, chain,
-            anchor_label(self.fingerprint, namespace), self._announced.pop(uid, 0),
+        self._seqs[uid] = _Sequence.open(
+            stack, uid, namespace, plan=resolved, restore=restore and stack.store is not None, adopt=restore and stack.gpu_cache is not None,
+            prompt_tokens=self._announced.pop(uid, 0),
         )  # fmt: skip
-        if self.stack.capture is not None:
-            self.stack.saver.open(uid, chain)
 
     def _namespace(self, namespace: object) -> str | None:
         """A request's namespace, checked (a non-empty string: "" is refused, not read as none); None: the
@@ -328,10 +327,8 @@ class ServingEngine:
         self._announced.pop(uid, None)
         # A shorter prefix of a windowed sequence's blocks would attend to sliding-window rows never written.
         keep = self.stack.gpu_cache is not None and seq is not None and not seq.failed and not seq.windowed
-        if seq is not None and not seq.failed and seq.chain.chunks and self.stack.capture is not None:
-            self.stack.anchors.add(content_key(seq.chain.chunks[0][1]), seq.label)
         try:
-            partial = self.stack.saver.close(uid, keep_partial=keep) if self.stack.saver is not None else None
+            partial = seq.close(self.stack, keep_partial=keep, anchored=not seq.failed) if seq is not None else None
             if keep:
                 seen = self.engine.seen_tokens(uid)
                 self.stack.gpu_cache.keep(self.engine.detach(uid), seq.chain, seen, partial, lossy=seq.record.lossy)

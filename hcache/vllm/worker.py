@@ -31,10 +31,11 @@ from ..model.tensor_parallel import TPGroup
 from ..paged.layout import PagedLayout, Places, block_slots
 from ..paged.loader import Loader, PagedLayer
 from ..storage.stored_state import Format
+from ..serving.miss_reasons import first_chunk_miss, store_miss
 from ..serving.records import PutRestore, SequenceRecord, log_requests
-from ..serving.restore import anchor_label, first_chunk_miss, store_miss
+from ..serving.session import Session
 from ..serving.store_stack import StoreStack
-from ..storage.chunk_key import CHUNK_TOKENS, KeyChain, content_key, root_key
+from ..storage.chunk_key import CHUNK_TOKENS
 from .hidden import HiddenLayers, registering_model
 from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
 from .settings import VllmSetup, uses_hidden_states
@@ -57,11 +58,8 @@ class VllmModel:
     block_size: int
 
 
-@dataclass
-class _Sequence:
-    uid: int
-    chain: KeyChain
-    label: str  # its chain's root, as the anchor log files it
+@dataclass(kw_only=True)
+class _Sequence(Session):
     blocks: list[dict[int, int]] = field(default_factory=list)  # by KV cache group: block index in the request -> id, for the chunk being filled
 
     def track(self, step: RequestStep, sizes: list[int]) -> None:
@@ -203,13 +201,11 @@ class WorkerSide:
 
     def _sequence(self, step: RequestStep) -> _Sequence:
         seq = self._seqs.get(step.req_id)
-        if step.new or seq is None:
-            if seq is not None and self.stack.saver is not None:
-                self.stack.saver.close(seq.uid)
-            root = root_key(self.stack.fingerprint, step.namespace)
-            seq = self._seqs[step.req_id] = _Sequence(next(self._uids), KeyChain(root), anchor_label(self.stack.fingerprint, step.namespace))
-            if self.stack.saver is not None:
-                self.stack.saver.open(seq.uid, seq.chain)
+        if step.new or seq is None:  # its first step, or its first since it was preempted: its chain starts again
+            if seq is not None:
+                seq.close(self.stack)
+            record = self._records.setdefault(step.req_id, SequenceRecord())
+            seq = self._seqs[step.req_id] = _Sequence.open(self.stack, next(self._uids), step.namespace, record)
         misses = step.misses  # the stored prefix the scheduler could not offer, on the request's first step
         if misses and step.start == 0:  # nothing of it held: the miss is at the conversation's first chunk
             misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, step.tokens, misses)
@@ -217,7 +213,7 @@ class WorkerSide:
         if misses:  # the store knows better than the files the scheduler read what it lost
             missed = seq.chain.chunk(step.start // CHUNK_TOKENS)
             misses = store_miss(self.stack.store, missed[0], misses) if missed is not None else misses
-            self._records.setdefault(step.req_id, SequenceRecord()).add(PutRestore(misses=misses))
+            seq.record.add(PutRestore(misses=misses))
         return seq
 
     def save_layer(self, name: str) -> None:
@@ -256,8 +252,8 @@ class WorkerSide:
             if self._hidden is not None and self._hidden.held is not None:
                 self.stack.saver.vouch(self._hidden.held)
             (self.stack.capture or self.stack.saver).end_batch()
-        for step, _ in self._computing:
-            self._records.setdefault(step.req_id, SequenceRecord()).computed_tokens += step.length
+        for step, seq in self._computing:
+            seq.record.computed_tokens += step.length
         self._computing = []
         if self._hidden is not None:
             self._hidden.select(None)
@@ -287,10 +283,8 @@ class WorkerSide:
         for req_id in req_ids:
             seq = self._seqs.pop(req_id, None)
             record = self._records.pop(req_id, None)
-            if seq is not None and self.stack.saver is not None:
-                self.stack.saver.close(seq.uid)
-                if seq.chain.chunks and self.stack.capture is not None:
-                    self.stack.anchors.add(content_key(seq.chain.chunks[0][1]), seq.label)
+            if seq is not None:
+                seq.close(self.stack)
             if record is not None:
                 finished.append(({"request_id": req_id, **({"tp_rank": self.tp.rank} if self.tp.world_size > 1 else {})}, record))
         if self.request_log is not None:

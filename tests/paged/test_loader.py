@@ -3,6 +3,7 @@ over the reference engine, loaded into a paged cache laid out as FlashAttention'
 smaller kernel blocks, from inside a chunk; a chunk gone since the look-up ends the load there, with its
 blocks reported and its key told lost, and a corrupt one with its check; and the budgets a GPU would hold
 it to, counted on the CPU."""
+import shutil
 import signal
 
 import pytest
@@ -232,6 +233,36 @@ def test_a_corrupt_chunk_ends_the_load_with_its_check_and_is_discarded(model, tm
     finally:
         loader.close()
         serving.close()
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_load_reports_a_stored_prefix_as_the_serving_engines_restore_does(model, tmp_path, rng, damaged):
+    """One restore core for both integrations (serving/stored_prefix.py): the same stored prefix, in two
+    copies of one store, loaded into a paged cache and restored by the serving engine, gives the same
+    record: tokens by tier, bytes by layer type, plan, and, for a corrupt chunk, where and why it fell short."""
+    loaded, spec = model
+    saved, prompt = _saved(model, tmp_path / "a", rng, 4, plan="2H+1KV")
+    saved.close()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    fingerprint = model_fingerprint(loaded, spec)
+    restoring = serving_engine(ReferenceEngine(loaded, spec, num_blocks=40), fingerprint, tmp_path / "a", save="all", plan="2H+1KV")
+    loading = serving_engine(ReferenceEngine(loaded, spec, num_blocks=40), fingerprint, tmp_path / "b", save="all", plan="2H+1KV")
+    loader = Loader(loading.stack, (BLOCK,), KERNEL_BLOCK, _cache(spec, 40), _rebuild(spec, rng))
+    try:
+        if damaged:
+            for serving in (restoring, loading):
+                corrupt_tensor(serving.stack.store, chunk_keys(prompt, root_key(fingerprint))[2], 2, "KV")
+        restoring.put([0], [prompt])
+        _, loaded_record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], [list(range(8))], 0, 4 * CHUNK_TOKENS))
+        fields = ("restored_tokens", "tier_tokens", "bytes_read", "type_bytes", "plan", "fallback", "miss_tokens", "lossy")
+        restored = {name: getattr(restoring.record(0), name) for name in fields}
+        assert restored == {name: getattr(loaded_record, name) for name in fields}
+        assert restored["restored_tokens"] == (2 if damaged else 4) * CHUNK_TOKENS and restored["bytes_read"] > 0
+        assert restored["miss_tokens"] == ({"failed_verification": 2 * CHUNK_TOKENS} if damaged else {})
+    finally:
+        loader.close()
+        loading.close()
+        restoring.close()
 
 
 @pytest.mark.parametrize("plan", ["KV", "H", "2H+1KV"])
