@@ -121,7 +121,7 @@ class Loader:
         began = time.perf_counter()
         store, fingerprint = self.stack.store, self.stack.fingerprint
         first = job.start // CHUNK_TOKENS
-        keys = chunk_keys(job.tokens, root_key(fingerprint, job.namespace))[first:]
+        keys = chunk_keys(job.tokens[: job.end], root_key(fingerprint, job.namespace))[first:]
         plan = self.plan or self.config.policy.plan_for(self.config.plan, job.end - job.start)
 
         def reach(m: int) -> int:  # where a load of ``m`` chunks ends

@@ -27,7 +27,8 @@ class Session:
     @classmethod
     def open(cls, stack: StoreStack, uid: int, namespace: str | None, record: SequenceRecord | None = None, **more) -> Session:
         """Open ``uid``, its chunks keyed under ``namespace`` (None: the chunks every sequence without one
-        shares), and saved if ``stack`` saves. ``record``: one kept from before (vLLM's record of a request
+        shares), and known to ``stack``'s saver if it has one (which saves what the engine hands it: nothing
+        where no format is saved). ``record``: one kept from before (vLLM's record of a request
         outlives its sequence: its load comes first, and a preempted request starts a new one); ``more``:
         an engine's own fields, where it keeps its sequences in a subclass."""
         chain = KeyChain(root_key(stack.fingerprint, namespace))
