@@ -1,6 +1,7 @@
 """A sequence as hcache keeps it in whichever engine runs it (the serving engine over DeepSpeed or the
 reference engine, vLLM's worker): one :class:`Session` each, opened and closed by the same rules, so a
-conversation is keyed, saved, anchored and logged alike wherever it ran."""
+conversation is keyed, saved and anchored alike wherever it ran, and its record is the one its request-log
+line writes out (:func:`~hcache.serving.records.log_requests`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
