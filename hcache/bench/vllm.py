@@ -4,8 +4,8 @@ connector restoring from the host pool, the disk and Redis, side by side in one 
 ``--conversations`` histories of ``--history`` random tokens are each first prefilled with a first question
 (``prefill_s``: where hcache saves, the saving is in it). Then each history returns with a new question
 and one token is generated: the time of that ``generate`` call is its TTFT. Every configuration is a vLLM
-engine of its own, all alive at once, over the same histories and questions, and the returning questions
-are **interleaved**: each history returns to every engine in turn, a second or so apart, the engines'
+engine of its own, all alive at once, over the same histories and questions, and the first and the returning
+questions are **interleaved**: each history returns to every engine in turn, a second or so apart, the engines'
 order rotating from one history to the next, so that the machine's drift over minutes falls on every
 configuration alike:
 
@@ -105,6 +105,12 @@ def _timed(llm, prompt: list[int], params) -> tuple[float, int]:
     begin = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     return time.perf_counter() - begin, out[0].outputs[0].token_ids[0]
+
+
+def _rotated(names: list[str], i: int) -> list[str]:
+    """``names`` in the order of the ``i``-th history: rotated by one from the last, so that each engine
+    runs first, second and last alike."""
+    return names[i % len(names) :] + names[: i % len(names)]
 
 
 def _shaped(args, directory: Path) -> tuple[Path, dict]:
@@ -231,17 +237,16 @@ def run(args: argparse.Namespace) -> dict:
             for name, (prefix_cache, connector, _) in tqdm(configs.items(), desc="vLLM engines", unit="engine"):
                 engines[name] = _engine(args, str(model), prefix_cache, connector and {**connector, "request_log": str(logs[name])}, memory)
             prefill_s: dict[str, list[float]] = {name: [] for name in configs}
-            for history, question in zip(histories, first):
-                for name, (_, _, prefill) in configs.items():
-                    if prefill:
-                        prefill_s[name].append(_timed(engines[name], history + question, one)[0])
+            prefilling = [name for name, (_, _, prefill) in configs.items() if prefill]
+            for i, (history, question) in enumerate(zip(histories, first)):
+                for name in _rotated(prefilling, i):
+                    prefill_s[name].append(_timed(engines[name], history + question, one)[0])
             for log in logs.values():
                 log.unlink(missing_ok=True)  # the records of the returning questions only
             ttft: dict[str, list[float]] = {name: [] for name in configs}
             first_tokens: dict[str, list[int]] = {name: [] for name in configs}
-            names = list(configs)
             for i, (history, question) in enumerate(tqdm(list(zip(histories, returning)), desc="returning histories", unit="history")):
-                for name in names[i % len(names) :] + names[: i % len(names)]:  # each engine first, second and last alike
+                for name in _rotated(list(configs), i):
                     took, token = _timed(engines[name], history + question, one)
                     ttft[name].append(took)
                     first_tokens[name].append(token)
