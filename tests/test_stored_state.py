@@ -267,7 +267,7 @@ def test_a_corrupt_scale_falls_back_to_recompute(llama, tmp_path, rng):
 
 
 def test_encoded_chunk_without_its_scales_is_refused(llama, tmp_path, rng):
-    from hcache.serving.stored_prefix import _layout_problems
+    from hcache.restore.stored_prefix import _layout_problems
     from hcache.planning.plan import row_shapes
     from hcache.storage.chunk import ChunkLayout
 

@@ -28,7 +28,7 @@ from ..ops.rope import apply_rope, rope_cos_sin
 from ..paged.layout import PagedLayout
 from ..paged.loader import Loader, LoadJob, PagedLayer
 from ..planning.plan import RestorePlan
-from ..serving.records import SequenceRecord
+from ..restore.records import SequenceRecord
 from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.store_config import StoreConfig

@@ -61,7 +61,7 @@ from tqdm import tqdm
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load_model, model_dir, model_dtype
 from ..planning.profile import Profile
 from ..planning.profiler import measure_profile
-from ..serving.records import GPU_CACHE, RestoreStep, SequenceRecord
+from ..restore.records import GPU_CACHE, RestoreStep, SequenceRecord
 from ..serving.runtime import HCacheRuntime, RequestResult
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import DEFAULT_READERS

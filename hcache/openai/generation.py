@@ -21,7 +21,7 @@ from ..mii.http_status import http_status
 @dataclass(frozen=True)
 class Piece:
     """One message of a generation: new text, and on the last one why it ended ("stop" or "length");
-    ``hcache``: the request's restore record (:meth:`~hcache.serving.records.SequenceRecord.reply`), on every
+    ``hcache``: the request's restore record (:meth:`~hcache.restore.records.SequenceRecord.reply`), on every
     piece once the first message brought it."""
 
     text: str

@@ -4,7 +4,7 @@ written into its blocks on a thread of its own, while the engine holds the reque
 worker (:mod:`hcache.vllm.worker`) drives it, and ``hcache bench paged`` times it on its own.
 
 A load fetches its chunks into the host pool (on the store's reader threads), verifies them as every
-restore does (:class:`~hcache.serving.stored_prefix.StoredPrefix`), and writes each layer's K/V into the paged
+restore does (:class:`~hcache.restore.stored_prefix.StoredPrefix`), and writes each layer's K/V into the paged
 cache by the request's plan: the stored K/V rows (KV) or K/V rebuilt from the stored hidden states with
 the layer's own weights (H: the engine's ``rebuild``; vLLM's is :mod:`hcache.vllm.hidden`). Rows cross to
 the cache's device as stored (8-bit codes with their scales), one gather per layer, and are decoded there.
@@ -27,9 +27,9 @@ import torch
 
 from .. import helper_threads
 from ..planning.plan import Method, RestorePlan
-from ..serving.records import MissReason, PutRestore, SequenceRecord
+from ..restore.records import MissReason, PutRestore, SequenceRecord
 from ..serving.restore import run_tensors
-from ..serving.stored_prefix import StoredPrefix
+from ..restore.stored_prefix import StoredPrefix
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from ..storage.image_rows import ImageRows

@@ -38,12 +38,12 @@ from ..planning.plan import RestorePlan
 from ..storage.chunk_key import CHUNK_TOKENS, check_namespace, chunk_keys, root_key
 from .gpu_prefix_cache import Adoption
 from .metrics import ServingMetrics
-from .miss_reasons import first_chunk_miss, lookup_miss
-from .records import GPU_CACHE, PutRestore, SequenceRecord, log_requests
+from ..restore.miss_reasons import first_chunk_miss, lookup_miss
+from ..restore.records import GPU_CACHE, PutRestore, SequenceRecord, log_requests
 from .restore import restore_prefix
-from .session import Session
+from ..restore.session import Session
 from .store_stack import StoreStack
-from .stored_prefix import restorable
+from ..restore.stored_prefix import restorable
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..planning.plan import Method
 from ..storage.stored_state import Source
-from .records import GPU_CACHE, MissReason
+from ..restore.records import GPU_CACHE, MissReason
 
 
 class ServingMetrics:
@@ -47,7 +47,7 @@ class ServingMetrics:
         self.decoded_step_s += decoded * seconds
 
     def add(self, step) -> None:
-        """Count one put's restore (a :class:`~hcache.serving.records.PutRestore`)."""
+        """Count one put's restore (a :class:`~hcache.restore.records.PutRestore`)."""
         self.restored_tokens.update(step.sources)
         if step.gpu_tokens:
             self.restored_tokens[GPU_CACHE] += step.gpu_tokens

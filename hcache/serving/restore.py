@@ -1,7 +1,7 @@
 """Restore a stored token prefix into an engine's KV cache, layer by layer, by a :class:`RestorePlan`.
 
 The chunks are fetched, verified and accounted for as every restore's are
-(:class:`~hcache.serving.stored_prefix.StoredPrefix`): the usable prefix ends at the first chunk that is
+(:class:`~hcache.restore.stored_prefix.StoredPrefix`): the usable prefix ends at the first chunk that is
 missing or bad, and tokens past it are prefilled from scratch, which is exact. A chunk found bad half-way
 through the layers is still safe: the prefill of the remaining tokens rewrites every layer's K/V from that
 position on.
@@ -30,8 +30,8 @@ from ..storage.stored_state import decode_rows, stored_rows
 from ..storage.tp_ownership import shared_chunks
 from ..transfer.copier import Copier
 from ..transfer.scratch import Scratch
-from .records import MissReason
-from .stored_prefix import RestoreOutcome, StoredPrefix
+from ..restore.records import MissReason
+from ..restore.stored_prefix import RestoreOutcome, StoredPrefix
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from ..model.tensor_parallel import SINGLE, TPGroup, shard_model
 from ..planning.plan import RestorePlan
 from ..resolve import resolve
 from .engine import ServingEngine
-from .records import SequenceRecord
+from ..restore.records import SequenceRecord
 from .factory import serving_engine
 
 

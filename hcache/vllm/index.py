@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ..serving.records import MissReason
+from ..restore.records import MissReason
 from ..storage.chunk_store import LossLog
 from ..storage.lookup import StoreLookup
 

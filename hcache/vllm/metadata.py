@@ -16,7 +16,7 @@ class RequestStep:
     Positions ``[start, start + length)`` are computed by the forward, and saved. ``block_ids``: the KV
     blocks that hold them, in order, in each KV cache group, from the block holding ``start`` (the step's,
     not the request's: a decode step sends one a group, whatever the history). ``misses``: on a request's
-    first step, the stored-prefix tokens the scheduler did not offer, by :class:`~hcache.serving.records.MissReason`."""
+    first step, the stored-prefix tokens the scheduler did not offer, by :class:`~hcache.restore.records.MissReason`."""
 
     req_id: str
     namespace: str | None
@@ -40,7 +40,7 @@ class HCacheStepMetadata(KVConnectorMetadata):
 class HCacheWorkerMetadata(KVConnectorWorkerMetadata):
     """What the worker tells the scheduler after a step. ``changes``: what its tiers gained and lost since
     its last step, in order: (chunk key, None) for a chunk
-    held, (chunk key, the :class:`~hcache.serving.records.MissReason`) for one discarded as bad or found
+    held, (chunk key, the :class:`~hcache.restore.records.MissReason`) for one discarded as bad or found
     gone by a load. The scheduler's index of what can be loaded follows it
     (:class:`~hcache.vllm.index.StoredIndex`)."""
 

@@ -8,7 +8,7 @@ how many can be loaded from the first (:class:`~hcache.vllm.index.StoredIndex`, 
 told of what their tiers hold; with tensor parallelism, the fewest any rank holds: each rank loads its own
 heads, and vLLM recomputes what any rank lacks), and offers those past what vLLM holds, to be loaded
 asynchronously: vLLM holds the request back while the worker loads them (:class:`LoadJob`) and keeps
-stepping the others. The last prompt token is never offered (:func:`~hcache.serving.stored_prefix.restorable`). Stored-prefix tokens not offered are told to the worker with their reason, for the
+stepping the others. The last prompt token is never offered (:func:`~hcache.restore.stored_prefix.restorable`). Stored-prefix tokens not offered are told to the worker with their reason, for the
 request's record.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..model.tensor_parallel import TPGroup
 from ..paged.loader import LoadJob
-from ..serving.stored_prefix import restorable
+from ..restore.stored_prefix import restorable
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from .index import StoredIndex
 from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep

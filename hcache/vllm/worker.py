@@ -31,9 +31,9 @@ from ..model.tensor_parallel import TPGroup
 from ..paged.layout import PagedLayout, Places, block_slots
 from ..paged.loader import Loader, PagedLayer
 from ..storage.stored_state import Format
-from ..serving.miss_reasons import first_chunk_miss, store_miss
-from ..serving.records import PutRestore, SequenceRecord, log_requests
-from ..serving.session import Session
+from ..restore.miss_reasons import first_chunk_miss, store_miss
+from ..restore.records import PutRestore, SequenceRecord, log_requests
+from ..restore.session import Session
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS
 from .hidden import HiddenLayers, registering_model

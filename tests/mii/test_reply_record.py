@@ -4,7 +4,7 @@ from mii.grpc_related.proto.modelresponse_pb2 import MultiGenerationReply, Singl
 from mii.grpc_related.task_methods import TextGenerationMethods
 
 from hcache.mii.reply_record import record_of, with_record
-from hcache.serving.records import SequenceRecord
+from hcache.restore.records import SequenceRecord
 
 
 def _reply(text: str) -> MultiGenerationReply:

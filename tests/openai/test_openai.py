@@ -27,7 +27,7 @@ import hcache
 from hcache import process_tree
 from hcache.ports import free_port as _free_port
 from hcache.model.loader import model_dir as resolve_model_dir
-from hcache.serving.records import SequenceRecord
+from hcache.restore.records import SequenceRecord
 from support import FAULT_DIR, REPO
 
 MODEL = "smollm2"

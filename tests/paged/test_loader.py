@@ -19,7 +19,7 @@ from hcache.paged import copy_process
 from hcache.paged.layout import PagedLayout, block_slots
 from hcache.paged.loader import Loader, LoadJob, PagedLayer
 from hcache.planning.plan import Method, RestorePlan
-from hcache.serving.records import SequenceRecord
+from hcache.restore.records import SequenceRecord
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.storage.stored_state import decode_rows, stored_rows
 
@@ -237,7 +237,7 @@ def test_a_corrupt_chunk_ends_the_load_with_its_check_and_is_discarded(model, tm
 
 @pytest.mark.parametrize("damaged", [False, True])
 def test_a_load_reports_a_stored_prefix_as_the_serving_engines_restore_does(model, tmp_path, rng, damaged):
-    """One restore core for both integrations (serving/stored_prefix.py): the same stored prefix, in two
+    """One restore core for both integrations (restore/stored_prefix.py): the same stored prefix, in two
     copies of one store, loaded into a paged cache and restored by the serving engine, gives the same
     record: tokens by tier, bytes by layer type, plan, and, for a corrupt chunk, where and why it fell short."""
     loaded, spec = model

@@ -132,7 +132,7 @@ def test_corrupt_chunk_is_logged_discarded_and_recomputed(stored, caplog, where)
     data = bytearray(path.read_bytes())
     data[20 if where == "header" else -3] ^= 0xFF
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="hcache.serving.stored_prefix"):
+    with caplog.at_level(logging.WARNING, logger="hcache.restore.stored_prefix"):
         result = runtime.generate(prompt, 8, plan="KV", stop_token_ids=NO_STOP)
     assert result.restored_tokens == 64 and result.output_ids == expected
     assert result.fallback and "recomputing from token 64" in caplog.text

@@ -1,6 +1,6 @@
 """Why stored tokens were computed instead of restored: the one set of rules every engine's restore asks
 (the DeepSpeed path's, vLLM's scheduler and loads), so a miss reads the same in every request log
-(:class:`~hcache.serving.records.MissReason`)."""
+(:class:`~hcache.restore.records.MissReason`)."""
 from __future__ import annotations
 
 import hashlib

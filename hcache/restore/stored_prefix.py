@@ -97,7 +97,7 @@ class StoredPrefix:
 
     def why_short(self) -> MissReason:
         """Why the prefix ends after ``images``: the reason found, else the tier's for the chunk past them
-        (:func:`~hcache.serving.miss_reasons.lookup_miss`), kept: a reason noted after this one is not taken."""
+        (:func:`~hcache.restore.miss_reasons.lookup_miss`), kept: a reason noted after this one is not taken."""
         if self.miss is None:
             self.miss = lookup_miss(self.tier, self.keys[len(self.images)])
         return self.miss

@@ -11,8 +11,8 @@ from support.damage import KINDS, damage
 from support.helpers import corrupt_tensor, loaded, random_prompt
 
 from hcache.model.tensor_parallel import TPGroup
-from hcache.serving.records import MissReason, SequenceRecord
-from hcache.serving.miss_reasons import anchor_label, first_chunk_miss
+from hcache.restore.records import MissReason, SequenceRecord
+from hcache.restore.miss_reasons import anchor_label, first_chunk_miss
 from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.anchor_log import AnchorLog
 from hcache.storage.chunk_key import CHUNK_TOKENS, LAYOUT_VERSION, KeyChain, chunk_keys, content_key, root_key
