@@ -15,7 +15,7 @@ MII's methods (installed by :mod:`hcache.mii.patches`) change that:
   queue is drained when the call ends, so nothing of a failed call reaches that thread's next one.
 - The model server answers a failed call with a gRPC status (INVALID_ARGUMENT for a bad request, INTERNAL
   otherwise) and the error's message; the load balancer passes it on; the REST gateway and the OpenAI server
-  answer HTTP 400, 503 (the deployment is unreachable) or 500 with it (:func:`hcache.mii.http_status.http_status`).
+  answer HTTP 400, 503 (the deployment is unreachable) or 500 with it (:func:`hcache.mii.gateway.http_status`).
 
 With tensor parallelism above 1 every rank must make the same puts, which a retry on one rank would break:
 there a failure stops the loop, as in MII.

@@ -6,14 +6,19 @@ from __future__ import annotations
 import grpc
 
 from ..errors import InvalidRequestError
-from .http_status import http_status
 from .requests import check_rest_body
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status a REST or OpenAI client gets for a call the deployment answered with ``code``: one
+    rule for this gateway and hcache's OpenAI server, which stands on the deployment."""
+    return {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503}.get(code, 500)
 
 
 def checked_rest_gateway(create_app, model_config):
     """``restful_gateway.createRestfulGatewayApp``. MII's gateway answers every error with a bare HTTP 500:
     here a bad request is refused with HTTP 400 and the reason before it reaches the deployment, and one the
-    deployment fails is answered with :func:`~hcache.mii.http_status.http_status` and the deployment's message.
+    deployment fails is answered with :func:`http_status` and the deployment's message.
     ``model_config``: MII's, of the model the gateway serves (its tokenizer counts a prompt's tokens)."""
     import torch
     from flask import jsonify, request

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
 from ..ports import check_free
-from .server_signals import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
+from .processes import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
 if TYPE_CHECKING:
     from ..config import HCacheConfig  # imported where it is used: it imports torch

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import signal
 
-from ..mii.server_signals import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
+from ..mii.processes import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@ from mii.grpc_related.proto.modelresponse_pb2_grpc import ModelResponseStub
 from mii.utils import kwarg_dict_to_proto
 
 from ..mii.reply_record import record_of
-from ..mii.http_status import http_status
+from ..mii.gateway import http_status
 
 
 @dataclass(frozen=True)
