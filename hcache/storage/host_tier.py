@@ -25,10 +25,8 @@ shared server or filesystem), which are tried in order.
 from __future__ import annotations
 
 import errno
-import logging
 import threading
 import time
-from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,8 +40,7 @@ from .host_pool import HostPool, Slot
 from .lru_index import Entry, LruIndex
 from .stored_state import Source
 from .uses import Uses
-
-log = logging.getLogger(__name__)
+from .write_back import DEFAULT_WRITERS, WriteBacks
 
 
 class HostPoolFull(OSError):
@@ -53,9 +50,6 @@ class HostPoolFull(OSError):
         super().__init__(errno.ENOMEM, message)
 
 
-DEFAULT_WRITERS = 2
-
-_WriteBack = tuple[ChunkImage, list[ChunkStore], bool]  # a chunk, the stores to write it to, whether to seal it first
 
 
 @dataclass
@@ -84,18 +78,17 @@ class HostTier:
         if not stores:
             raise ValueError("a host tier needs at least one store below it")
         self.stores, self.pool = list(stores), pool
-        self.hits = self.misses = self.evictions = self.write_errors = self.unsaved = self.bytes_loaded = 0
+        self.hits = self.misses = self.evictions = self.unsaved = self.bytes_loaded = 0
         self.saver_stalls, self.loader_stalls = Stalls(), Stalls()  # waits for room by :meth:`create`, by loads
         self._cond = threading.Condition()
         self._index = LruIndex(pinned=_referenced, policy=eviction)  # published chunks (entries' ``where``: the image)
         self._values = Values()  # what publishers said keeping each chunk saves
         self._loading: dict[str, Future] = {}
-        self._writebacks = 0
-        self._writing: Counter[str] = Counter()  # write-backs of each key not ended yet
-        self._behind: defaultdict[str, list[_WriteBack]] = defaultdict(list)  # waiting for a key's write-backs
         self._readers = helper_threads.executor(readers, "hcache-load") if readers else None
         self._writers = helper_threads.executor(writers, "hcache-writeback")
         self._uses = Uses(self.stores, self._writers, self._cond)
+        current = lambda image: self._image(image.key) is image  # noqa: E731
+        self._write_backs = WriteBacks(pool, self._writers, self._cond, self._uses, current, self._drop_ref)
         self._watchers: list[Callable[[str, Loss | None], None]] = []
 
     def watch(self, changed: Callable[[str, Loss | None], None]) -> None:
@@ -113,6 +106,11 @@ class HostTier:
     @property
     def eviction(self) -> str:
         return self._index.policy
+
+    @property
+    def write_errors(self) -> int:
+        """Writes a store below refused (the chunk stays in the pool)."""
+        return self._write_backs.errors
 
     # ---- lookups --------------------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
@@ -142,6 +140,15 @@ class HostTier:
         """Whether the chunk is in host memory now."""
         with self._cond:
             return key in self._index
+
+    def hold(self, key: str) -> ChunkImage | None:
+        """The chunk if it is in host memory now, referenced for the caller (who must :meth:`release` it), so
+        that it stays: a pin, which reads no store and counts no hit."""
+        with self._cond:
+            image = self._image(key)
+            if image is not None:
+                self.pool.ref(image.slot)
+            return image
 
     # ---- restore side ---------------------------------------------------------------------------------
     def fetch(self, key: str) -> Future:
@@ -240,7 +247,7 @@ class HostTier:
             self._add(key, image)
             if found:  # promote it into the stores above the one that had it
                 self.pool.ref(image.slot)
-                self._write_behind(image, self.stores[:found])
+                self._write_backs.start(image, self.stores[:found])
         return image
 
     def take_source(self, image: ChunkImage) -> str:
@@ -295,7 +302,7 @@ class HostTier:
             if old is not None and old.where.slot.refs == 0:
                 self.pool.free(old.where.slot)
             self._add(key, image)
-            self._write_behind(image, self.stores, seal=True)
+            self._write_backs.start(image, self.stores, seal=True)
 
     def _keeps(self, key: str, image: ChunkImage) -> bool:
         """With the lock held: whether the pool holds ``key`` with every tensor ``image`` has (then
@@ -307,68 +314,11 @@ class HostTier:
         self._drop_ref(image)
         return True
 
-    def _write_behind(self, image: ChunkImage, stores: list[ChunkStore], *, seal: bool = False) -> None:
-        """With the lock held: hand the caller's reference to ``image`` to a writer thread that writes it
-        to ``stores`` (``seal``: first writing its header), once the write-backs of its parent have ended."""
-        self._writebacks += 1
-        self._writing[image.key] += 1
-        job = (image, stores, seal)
-        if image.parent in self._writing:
-            self._behind[image.parent].append(job)
-        else:
-            self._submit([job])
-
-    def _submit(self, jobs: list[_WriteBack]) -> None:
-        """With the lock held: start write-backs. Once the writers are shut down, each is given up (its chunk
-        stays in memory only), and so are those waiting for it."""
-        while jobs:
-            job = jobs.pop()
-            try:
-                self._writers.submit(self._write_back, *job)
-            except RuntimeError:
-                jobs.extend(self._ended(job[0]))
-
-    def _ended(self, image: ChunkImage) -> list[_WriteBack]:
-        """With the lock held: a write-back of ``image`` ended or was given up; the write-backs that waited
-        for the last of its key's."""
-        self._writebacks -= 1
-        self._drop_ref(image)
-        self._cond.notify_all()
-        self._writing[image.key] -= 1
-        if self._writing[image.key]:
-            return []
-        del self._writing[image.key]
-        return self._behind.pop(image.key, [])
-
-    def _write_back(self, image: ChunkImage, stores: list[ChunkStore], seal: bool) -> None:
-        try:
-            self._uses.pass_down()
-            if seal:
-                image.seal()  # checksums here, off the saver's path: the rows no longer change
-            for store in stores:
-                with self._cond:
-                    if self._image(image.key) is not image:
-                        return  # replaced (healed) or discarded since: its write would undo that
-                held = store.header(image.key)
-                if held is not None and image.stored_in(*held):
-                    continue  # that store has it, with as many formats, and its header agrees: nothing to write
-                try:
-                    store.put(image.key, self.pool.buffer(image.slot), image.nbytes, image.parent)
-                except Exception as exc:  # ENOSPC, EIO, a full quota, a server down: serving goes on
-                    with self._cond:
-                        self.write_errors += 1
-                        errors = self.write_errors
-                    if errors == 1 or errors % 100 == 0:
-                        log.warning("could not write chunk %s to %s (%s); %d write(s) failed so far", image.key, _label(store), exc, errors)
-        finally:
-            with self._cond:
-                self._submit(self._ended(image))
-
     def flush(self) -> None:
         """Wait until every published chunk has been written back to every store (or has failed to be),
         and every use noted has been passed down."""
         with self._cond:
-            while self._writebacks or self._uses.queued:
+            while self._write_backs.in_flight or self._uses.queued:
                 self._cond.wait()
 
     # ---- capacity -------------------------------------------------------------------------------------
@@ -398,7 +348,7 @@ class HostTier:
                     self.pool.free(victim[1].where.slot)
                     self.evictions += 1
                     continue
-                if not self._writebacks:
+                if not self._write_backs.in_flight:
                     break
                 if began is None:
                     began = time.perf_counter()
@@ -468,7 +418,3 @@ class HostTier:
         self._writers.shutdown(wait=True)
         for store in self.stores:
             store.close()
-
-
-def _label(store: ChunkStore) -> str:
-    return getattr(store, "name", type(store).__name__)

@@ -16,7 +16,8 @@ from .disk_store import DiskChunkStore
 from .host_pool import PAGE, HostPool, round_up
 from .lookup import StoreLookup
 from .store_dir import directories
-from .host_tier import DEFAULT_READERS, DEFAULT_WRITERS, HostTier
+from .host_tier import DEFAULT_READERS, HostTier
+from .write_back import DEFAULT_WRITERS
 from .redis_store import SCHEMES as REDIS_SCHEMES
 from .redis_store import RedisChunkStore
 
