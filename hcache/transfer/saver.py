@@ -28,11 +28,10 @@ A chunk's key comes from the sequence's key chain, which the serving engine owns
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections.abc import Callable, Collection
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -40,49 +39,19 @@ import torch
 from .. import helper_threads
 from ..engine.ragged import Segment
 from ..ops import device_copy
-from ..storage.chunk import ChunkImage, ChunkLayout
+from ..storage.chunk import ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain
 from ..storage.host_tier import HostTier
 from ..storage.stored_state import TensorSpec
+from .chunk_rows import Chunk, Piece, SavedSequence, copy_rows, split, unstage
 
 log = logging.getLogger(__name__)
+
+PartialChunk = Chunk  # a finished sequence's trailing chunk, kept to be resumed (see ``ChunkSaver.close``)
 
 # Rows of one format a batch holds back before copying them to their chunks. A layer's rows larger than
 # half of it (a long prefill's) are copied as they come: there a copy per layer costs little more.
 RUN_BYTES = 8 << 20
-
-
-@dataclass
-class _Chunk:
-    index: int  # in the sequence
-    image: ChunkImage | None  # None: not saved (the pool had no room, or its first rows were restored)
-    expected: int = 0  # the row the next computed rows of this chunk must start at
-    filled: int = 0  # rows that have landed
-    staged: ChunkImage | None = None  # staging only: the image on the device, copied to ``image`` when full
-    vouchers: list[torch.Tensor] = field(default_factory=list)  # must all hold for it to publish (``vouch``)
-
-
-PartialChunk = _Chunk  # a finished sequence's trailing chunk, kept to be resumed (see ``close``)
-
-
-@dataclass
-class _Sequence:
-    uid: int
-    chain: KeyChain
-    chunks: dict[int, _Chunk] = field(default_factory=dict)  # by the chunk's index in the sequence
-    in_flight: list[Future] = field(default_factory=list)  # stage 2 of batches not yet landed (GPU)
-    broken: bool = False  # a forward pass failed mid-batch: its rows are incomplete, publish nothing more
-
-
-@dataclass
-class _Piece:
-    """One segment's rows in one chunk: ``n`` rows from batch row ``row`` to chunk row ``offset``."""
-
-    seq: _Sequence
-    chunk: _Chunk
-    offset: int
-    row: int
-    n: int
 
 
 @dataclass
@@ -98,21 +67,12 @@ class _Run:
 
 @dataclass
 class _Batch:
-    pieces: list[_Piece]
-    dead: list[_Chunk]  # chunks that can no longer fill: given back once this batch's copies have landed
+    pieces: list[Piece]
+    dead: list[Chunk]  # chunks that can no longer fill: given back once this batch's copies have landed
     later: frozenset[str]  # formats not handed over: read for the chunks the batch fills when it ends
     delivered: set[tuple[int, str]] = field(default_factory=set)  # (layer, format) the forward handed over
     vouchers: list[torch.Tensor] = field(default_factory=list)  # given by ``vouch``
     runs: dict[str, _Run] = field(default_factory=dict)  # by format: rows held back, not yet in their chunks
-
-
-def _split(pos: int, row: int, length: int):
-    """``(chunk index, offset in the chunk, batch row, rows)`` of each chunk a segment reaches."""
-    while length:
-        index, offset = divmod(pos, CHUNK_TOKENS)
-        n = min(length, CHUNK_TOKENS - offset)
-        yield index, offset, row, n
-        pos, row, length = pos + n, row + n, length - n
 
 
 class ChunkSaver:
@@ -141,7 +101,7 @@ class ChunkSaver:
         self._layouts: dict[frozenset[tuple[int, str]], ChunkLayout] = {}
         self._names = {(layer, fmt) for layer, fmt, *_ in tensors}
         self._layers = {fmt: sorted(layer for layer, f in self._names if f == fmt) for _, fmt in self._names}  # storing each format
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, SavedSequence] = {}
         self._batch: _Batch | None = None
         self._lock = threading.Lock()
         self._stage2: ThreadPoolExecutor | None = None  # made on the first GPU batch
@@ -166,7 +126,7 @@ class ChunkSaver:
 
     def open(self, uid: int, chain: KeyChain) -> None:
         """Start saving sequence ``uid``, whose chunk keys ``chain`` gives."""
-        self._seqs[uid] = _Sequence(uid, chain)
+        self._seqs[uid] = SavedSequence(uid, chain)
 
     def close(self, uid: int, keep_partial: bool = False) -> PartialChunk | None:
         """Wait until every full chunk of ``uid`` is published, then forget ``uid``; its partial chunks are
@@ -226,16 +186,16 @@ class ChunkSaver:
             for c in list(seq.chunks.values()):  # stopped short of this segment: the rest was restored
                 if c.expected < CHUNK_TOKENS and c.index * CHUNK_TOKENS + c.expected < s.start:
                     dead.append(seq.chunks.pop(c.index))
-            for index, offset, row, n in _split(s.start, s.row, s.length):
+            for index, offset, row, n in split(s.start, s.row, s.length):
                 chunk = seq.chunks.get(index)
                 if chunk is not None and chunk.expected != offset:
                     dead.append(seq.chunks.pop(index))
                     chunk = None
                 if chunk is None:
                     image = self.tier.create(self._layout(index, s.start + s.length), self.fingerprint) if offset == 0 else None
-                    chunk = seq.chunks[index] = _Chunk(index, image, expected=offset)
+                    chunk = seq.chunks[index] = Chunk(index, image, expected=offset)
                 chunk.expected = offset + n
-                pieces.append(_Piece(seq, chunk, offset, row, n))
+                pieces.append(Piece(seq, chunk, offset, row, n))
         self._batch = _Batch(pieces, dead, frozenset(later)) if pieces or dead else None
 
     def on_layer(self, layer: int, rows: dict[str, torch.Tensor], keep: Collection[str] = ()) -> None:
@@ -315,7 +275,7 @@ class ChunkSaver:
         if not device_copy.uses_streams(device):
             if checks and not torch.stack(checks).all():
                 self._refuse(filled)
-            self._unstage(full)
+            unstage(full)
             self._land(batch)
             return
         # The whole chunks cross to their pinned slots on the save stream, which the forward never waits for.
@@ -327,7 +287,7 @@ class ChunkSaver:
         with torch.cuda.stream(self._save_stream):
             for c in full:
                 c.staged.data.record_stream(self._save_stream)  # its memory is reused only once the copy is done
-            self._unstage(full)
+            unstage(full)
             if checks:  # read by stage 2 once landed: no wait for the forward here
                 flag = self._flags.pop() if self._flags else torch.empty((), dtype=torch.bool, pin_memory=device.type == "cuda")
                 flag.copy_(torch.stack(checks).all(), non_blocking=True)
@@ -342,21 +302,10 @@ class ChunkSaver:
         filled = [p for p in batch.pieces if p.offset + p.n == CHUNK_TOKENS and p.chunk.image is not None and not p.seq.broken]
         if not filled:
             return
-        pieces = [_Piece(p.seq, p.chunk, 0, k * CHUNK_TOKENS, CHUNK_TOKENS) for k, p in enumerate(filled)]
+        pieces = [Piece(p.seq, p.chunk, 0, k * CHUNK_TOKENS, CHUNK_TOKENS) for k, p in enumerate(filled)]
         rows = read([Segment(p.seq.uid, p.chunk.index * CHUNK_TOKENS, CHUNK_TOKENS, p.row) for p in pieces])
         for fmt in batch.later:
             self._copy(pieces, tuple(self._layers[fmt]), fmt, rows[fmt])
-
-    @staticmethod
-    def _unstage(chunks: list[_Chunk]) -> None:
-        """Copy full staged chunks to their host slots, each in one copy of its tensors' bytes."""
-        if not chunks:
-            return
-        spans = [slice(c.image.layout.data_start, c.image.layout.nbytes) for c in chunks]
-        torch._foreach_copy_([c.image.data[b] for c, b in zip(chunks, spans)],
-                             [c.staged.data[b] for c, b in zip(chunks, spans)], non_blocking=True)  # fmt: skip
-        for c in chunks:
-            c.staged = None
 
     def _abort_unfinished_batch(self) -> None:
         """A batch that began but never ended (its forward raised) publishes nothing; nor do its sequences."""
@@ -367,35 +316,11 @@ class ChunkSaver:
             self._give_back(batch.dead)
 
     # ---- the copies and stage 2 -----------------------------------------------------------------------
-    def _copy(self, pieces: list[_Piece], layers: tuple[int, ...], fmt: str, src: torch.Tensor) -> None:
-        """The rows of ``layers`` (``src[k]``: ``layers[k]``'s) into each piece's chunk: its staged image on
-        the rows' device, or its slot; a piece's rows of layers evenly spaced in its chunk in one copy."""
+    def _copy(self, pieces: list[Piece], layers: tuple[int, ...], fmt: str, src: torch.Tensor) -> None:
         stage = device_copy.uses_streams(src.device) if self.stage is None else self.stage
-        dst, rows = [], []
-        for p, piece in zip(pieces, self._pieces(pieces, src)):
-            chunk = p.chunk
-            if chunk.image is None:
-                continue
-            spans = chunk.image.spans(layers, fmt)
-            if spans and stage:
-                if chunk.staged is None:  # one per chunk, from the caching allocator
-                    data = torch.empty(chunk.image.layout.nbytes, dtype=torch.uint8, device=src.device)
-                    chunk.staged = ChunkImage(data, chunk.image.layout, self.fingerprint)
-                spans = chunk.staged.spans(layers, fmt)
-            for i, j, view in spans:
-                dst.append(view[:, p.offset : p.offset + p.n])
-                rows.append(piece if (i, j) == (0, len(layers)) else piece[i:j])
-        if dst:
-            torch._foreach_copy_(dst, rows, non_blocking=True)  # one call for the batch's pieces
+        copy_rows(pieces, layers, fmt, src, stage=stage, fingerprint=self.fingerprint)
 
-    @staticmethod
-    def _pieces(pieces: list[_Piece], src: torch.Tensor) -> list[torch.Tensor]:
-        """Each piece's rows of ``src`` (``[layers, T, *row]``), cut in one call rather than a slice each."""
-        cuts = sorted({0, src.shape[1]} | {p.row for p in pieces} | {p.row + p.n for p in pieces})
-        parts = dict(zip(cuts, src.split([b - a for a, b in itertools.pairwise(cuts)], dim=1)))  # pieces never overlap
-        return [parts[p.row] for p in pieces]
-
-    def _land_when(self, landed: torch.cuda.Event, batch: _Batch, flag: torch.Tensor | None, filled: list[_Piece]) -> None:
+    def _land_when(self, landed: torch.cuda.Event, batch: _Batch, flag: torch.Tensor | None, filled: list[Piece]) -> None:
         try:
             landed.synchronize()
             self._events.append(landed)  # reused by a later batch: it has fired
@@ -434,7 +359,7 @@ class ChunkSaver:
                     self.chunks_published += 1
         self._give_back(batch.dead)
 
-    def _give_back(self, chunks: list[_Chunk]) -> None:
+    def _give_back(self, chunks: list[Chunk]) -> None:
         """Return unpublished chunks' slots, once no copy into them can still be running."""
         chunks = [c for c in chunks if c.image is not None]
         if not chunks:
