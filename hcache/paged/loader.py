@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
@@ -36,23 +35,10 @@ from ..storage.image_rows import ImageRows
 from ..transfer.scratch import Scratch
 from .copy_process import CopyProcess, ProcessGone
 from .layout import block_slots
+from .load_job import LoadJob
 from .load_writes import LoadWrites, PagedLayer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadJob:
-    """A request's stored positions ``[start, end)`` to load into its blocks (``block_ids``: every block it
-    holds, in order, in each KV cache group). ``tokens``: its prompt up to ``end``, which keys the chunks;
-    ``namespace``: its root's."""
-
-    req_id: str
-    namespace: str | None
-    tokens: list[int]
-    block_ids: list[list[int]]
-    start: int
-    end: int
 
 
 # vLLM's null block: a sliding-window group holds it for the positions before the window, and nothing is

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from enum import Enum
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from .chunk import ChunkLayout
+if TYPE_CHECKING:  # the chunk format needs torch; a process that only asks what is stored (vLLM's scheduler) need not
+    from .chunk import ChunkLayout
 
 
 class Loss(str, Enum):
@@ -77,6 +78,14 @@ class ChunkStore(Protocol):
         """Publish ``data[:length]`` atomically, replacing any chunk of that key; ``parent``: the chunk before
         it in its chain, which a store that evicts keeps at least as long. Raises OSError when it cannot be
         stored; nothing is then published."""
+
+    def pin(self, keys: list[str]) -> list[object | None]:
+        """Hold each stored chunk of ``keys`` against this store's own evictions (its quota, its TTL) until
+        :meth:`unpin`: a pin each, None where the chunk is not stored. A store that others evict from (Redis)
+        holds nothing; its pin says only that the chunk was stored."""
+
+    def unpin(self, pins: list[object]) -> None:
+        """Let go of pins :meth:`pin` gave."""
 
     def discard(self, key: str) -> None:
         """Delete a chunk found bad (remembered as such: :meth:`gone`)."""

@@ -20,7 +20,8 @@ uses the last first, so a parent is always the more recent. The order and the TT
 times at start-up, so a use also sets the file's time: at most once a second per chunk (``_STAMP_S``), on
 a thread of the store's own, never on the caller's (:mod:`.use_stamps`). A crash loses at most the uses of
 the last moments.
-A chunk is pinned while :meth:`read_into` reads it, and a pinned chunk is never evicted.
+A chunk is pinned while :meth:`read_into` reads it, or while a caller holds it (:meth:`pin`: a load to come), and
+a pinned chunk is never evicted.
 
 Losses. What the store evicted, what it found bad (at start-up, on a read, or a file whose length
 changed) and discarded, and what vanished behind its back, are remembered (the latest 16,384):
@@ -248,6 +249,21 @@ class DiskChunkStore:
             return None
         finally:
             self._unpin(entry)
+
+    def pin(self, keys: list[str]) -> list[Entry | None]:
+        """Hold each stored chunk of ``keys`` until :meth:`unpin`: the quota and the TTL pass a pinned chunk
+        over, as they do one being read. Another process's store over a shared directory does not see it."""
+        with self._lock:
+            entries = [self._lookup(key) for key in keys]
+            for entry in entries:
+                if entry is not None:
+                    entry.pins += 1
+        return entries
+
+    def unpin(self, pins: list[Entry]) -> None:
+        with self._lock:
+            for entry in pins:
+                entry.pins -= 1
 
     def header(self, key: str) -> tuple[ChunkLayout, dict] | None:
         """The stored chunk's layout and metadata, or None if it is absent, unreadable or damaged. The

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .store_dir import chunk_path
-from .redis_store import RedisChunkStore
+
+if TYPE_CHECKING:  # its owner builds the tiers; the asker need not import torch for the chunk format
+    from .redis_store import RedisChunkStore
 
 
 class StoreLookup:

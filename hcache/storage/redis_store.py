@@ -143,6 +143,14 @@ class RedisChunkStore:
 
         return self._guard("look up", call, [False] * len(keys))
 
+    def pin(self, keys: list[str]) -> list[str | None]:
+        """Whether each chunk is stored (its key, else None), in one round trip: the server evicts by its own
+        policy (``maxmemory``, TTL), which no client can hold off."""
+        return [key if hit else None for key, hit in zip(keys, self.contains_many(keys))]
+
+    def unpin(self, pins: list[str]) -> None:
+        pass  # nothing was held
+
     def touch(self, keys: list[str]) -> None:
         """Uses served by a tier above: each renews its value's TTL, or without one its place in the
         server's LRU order."""

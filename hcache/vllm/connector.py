@@ -4,7 +4,9 @@ store instead of recomputed.
 vLLM builds the connector twice, as its scheduler's and as each worker's, in processes of their own; both
 resolve the same settings from vLLM's config (:func:`~hcache.vllm.settings.resolve_setup`), and each role
 hands its calls to its side: :class:`~hcache.vllm.scheduler.SchedulerSide` (what is stored, what to load
-and save) and :class:`~hcache.vllm.worker.WorkerSide` (the store stack, the loads and saves). Stored
+and save; it imports neither torch nor vLLM, and its messages take vLLM's types here,
+:mod:`~hcache.vllm.metadata`) and :class:`~hcache.vllm.worker.WorkerSide` (the store stack, the loads and
+saves). Stored
 prefixes load asynchronously: vLLM holds a request back (``WAITING_FOR_REMOTE_KVS``) until the worker
 reports its load done, and steps the others meanwhile.
 """
@@ -58,14 +60,15 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """None while the workers are holding the stored prefix found (vLLM asks again next step)."""
         tokens = self._scheduler.matched_tokens(request, num_computed_tokens)
-        return tokens, tokens > 0
+        return tokens, bool(tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self._scheduler.build(scheduler_output)
+        return HCacheStepMetadata(**vars(self._scheduler.build(scheduler_output)))
 
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.worker_output(connector_output.kv_connector_worker_meta)

@@ -8,18 +8,22 @@ worker holds in memory is offered with no file-system or network call, even when
 Redis is down. Past the indexed
 prefix, the chunks this worker has not seen (those of a store another process wrote, or this one before a
 restart) are asked of the stores (:class:`~hcache.storage.lookup.StoreLookup`), which stops at the first
-chunk no tier holds. The index is advice: the worker verifies every chunk it loads, and one gone since is
-a load error that vLLM recomputes. It holds the latest ``HELD_KEPT`` chunks held, in bounded memory; one
+chunk no tier holds. The index is where a request's lifecycle starts (its ``lookup``,
+:mod:`hcache.vllm.scheduler`): what it finds, the workers then hold against eviction until it is loaded,
+and the scheduler offers what they hold. It holds the latest ``HELD_KEPT`` chunks held, in bounded memory; one
 it has forgotten is asked of the stores, as one it never saw.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..restore.records import MissReason
 from ..storage.chunk_store import LossLog
-from ..storage.lookup import StoreLookup
+
+if TYPE_CHECKING:  # built by the connector's settings (:meth:`~hcache.vllm.settings.VllmSetup.store_lookup`)
+    from ..storage.lookup import StoreLookup
 
 
 HELD_KEPT = 1 << 18  # chunks (16M tokens) the index remembers, about 40 MB of keys

@@ -1,27 +1,44 @@
 """The scheduler's side of hcache's vLLM connector: how much of a prompt is stored, and what the worker
-loads and saves each step.
+loads and saves each step. It imports neither torch nor vLLM nor hcache's data plane (the loader, the paged
+layout, the store stack): vLLM splits its own offloading the same way (``OffloadingSpec.get_manager()`` for
+the scheduler, ``get_handlers()`` for the worker).
 
 vLLM asks once per new request how many tokens past its own prefix cache's the connector can load. hcache
 keys the prompt's full 64-token chunks as every entry point does (rooted in the model's fingerprint and the
-request's ``cache_salt``; with tensor parallelism, each rank's keys, rooted in its own fingerprint), finds
-how many can be loaded from the first (:class:`~hcache.vllm.index.StoredIndex`, which the workers keep
-told of what their tiers hold; with tensor parallelism, the fewest any rank holds: each rank loads its own
-heads, and vLLM recomputes what any rank lacks), and offers those past what vLLM holds, to be loaded
-asynchronously: vLLM holds the request back while the worker loads them (:class:`LoadJob`) and keeps
-stepping the others. The last prompt token is never offered (:func:`~hcache.restore.stored_prefix.restorable`). Stored-prefix tokens not offered are told to the worker with their reason, for the
-request's record.
+request's ``cache_salt``; with tensor parallelism, each rank's keys, rooted in its own fingerprint) and
+finds how many can be loaded from the first (:class:`~hcache.vllm.index.StoredIndex`, which the workers
+keep told of what their tiers hold). The stored prefix then goes through a lifecycle, as in vLLM's
+``OffloadingManager`` (``lookup``, ``prepare_load``, ``complete_load``), so that what is offered cannot be
+evicted before it is loaded:
+
+- **lookup**: the index says how much is stored. Nothing past vLLM's own hit: nothing to offer, and no
+  round trip.
+- **prepare_load**: the workers, which own the tiers and make every eviction, are asked to hold that prefix
+  (:class:`~hcache.vllm.messages.PinRequest`), and vLLM is told to ask again (``None``): the request waits
+  a step while vLLM steps the others. Each worker holds what its tiers have of it
+  (:class:`~hcache.storage.pins.PinnedPrefix`) and answers how much that is.
+- **offer**: asked again, the scheduler offers what every rank holds, past vLLM's hit, to be loaded
+  asynchronously: vLLM allocates its blocks and holds the request back while the worker loads them
+  (:class:`~hcache.paged.load_job.LoadJob`).
+- **complete_load**: the worker lets the prefix go when the load is over, loaded or not; the scheduler tells
+  it to (``unpins``) where no load follows (the request ended, or vLLM took none of it).
+
+The last prompt token is never offered (:func:`~hcache.restore.restorable.restorable`). Stored-prefix
+tokens not offered are told to the worker with their reason, for the request's record.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..model.tensor_parallel import TPGroup
-from ..paged.loader import LoadJob
-from ..restore.stored_prefix import restorable
+from ..paged.load_job import LoadJob
+from ..restore.restorable import restorable
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from .index import StoredIndex
-from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
-from .settings import VllmSetup
+from .messages import Pinned, PinRequest, RequestStep, SchedulerStep
+
+if TYPE_CHECKING:  # resolved in the connector, which imports vLLM and torch
+    from .settings import VllmSetup
 
 
 @dataclass
@@ -32,61 +49,96 @@ class _Tracked:
     sent: int = 0  # token ids the worker has
     misses: dict[str, int] = field(default_factory=dict)  # to send with the request's first step
     failed: bool = False  # its load fell short: a later look-up is vLLM's retry, which recomputes
+    usable: int = 0  # prompt tokens a load may cover: whole chunks, the last token left out
+    pinning: int = 0  # chunks the workers were asked to hold for its load (0: none held for it)
+    why: str | None = None  # why the stored prefix found ends where it does
+    answers: dict[int, Pinned] = field(default_factory=dict)  # by rank: how much each holds
 
 
 class SchedulerSide:
     def __init__(self, setup: VllmSetup):
         self.setup = setup
-        config = setup.config
-        ranks = [TPGroup(r, config.tensor_parallel) for r in range(config.tensor_parallel)]
-        self._fingerprints = [tp.fingerprint(setup.fingerprint) for tp in ranks]  # each rank's keys are rooted in its own
-        dirs = [d for tp in ranks for d in config.store_dirs(tp.rank) or []]
-        self.index = StoredIndex(config.settings.store.lookup(dirs or None)) if config.stored else None
+        self._fingerprints = setup.rank_fingerprints  # each rank's keys are rooted in its own
+        self.index = StoredIndex(setup.store_lookup()) if setup.config.stored else None
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[LoadJob] = []  # to send with this step's metadata
+        self._pins: list[PinRequest] = []
+        self._unpins: list[str] = []
 
-    def matched_tokens(self, request, num_computed: int) -> int:
-        """Tokens past ``num_computed`` (vLLM's own prefix-cache hit) that can be loaded."""
+    def matched_tokens(self, request, num_computed: int) -> int | None:
+        """Tokens past ``num_computed`` (vLLM's own prefix-cache hit) that can be loaded; None while the
+        workers have not yet answered how much of the stored prefix they hold."""
         previous = self._requests.get(request.request_id)
+        if previous is not None and previous.pinning:
+            return self._offer(previous, num_computed) if len(previous.answers) == len(self._fingerprints) else None
         retry = previous is not None and previous.failed
         tracked = self._requests[request.request_id] = _Tracked(request, num_computed, failed=retry)
         if self.index is None or retry:  # a load of it fell short: vLLM recomputes what it lacks, nothing is offered twice
             return 0
         prompt = list(request.prompt_token_ids or [])
-        usable = restorable(len(prompt)) // CHUNK_TOKENS * CHUNK_TOKENS
-        if usable <= num_computed:
+        tracked.usable = restorable(len(prompt)) // CHUNK_TOKENS * CHUNK_TOKENS
+        if tracked.usable <= num_computed:
             return 0
         namespace = self.namespace(request)
-        stored, why = min((self.index.stored_prefix(chunk_keys(prompt[:usable], root_key(fingerprint, namespace))) for fingerprint in self._fingerprints),
+        stored, why = min((self.index.stored_prefix(chunk_keys(prompt[: tracked.usable], root_key(fingerprint, namespace))) for fingerprint in self._fingerprints),
                           key=lambda found: found[0])  # a prefix every rank holds  # fmt: skip
+        tracked.why = why.value if why is not None else None
+        if stored * CHUNK_TOKENS <= num_computed:  # nothing past vLLM's own hit: nothing to hold
+            return self._offer(tracked, num_computed, stored)
+        tracked.pinning = stored
+        self._pins.append(PinRequest(request.request_id, namespace, prompt[: stored * CHUNK_TOKENS]))
+        return None
+
+    def _offer(self, tracked: _Tracked, num_computed: int, stored: int | None = None) -> int:
+        """The tokens past ``num_computed`` of the prefix ``stored`` (by default, what every rank holds of what
+        they were asked to), its misses noted; a held prefix with nothing to offer is let go."""
+        why = tracked.why
+        if stored is None:
+            short = min(tracked.answers.values(), key=lambda answer: answer.chunks)
+            stored, why = (short.chunks, short.why) if short.chunks < tracked.pinning else (tracked.pinning, why)
+        tracked.computed = num_computed
         end = stored * CHUNK_TOKENS
         if why is not None:
-            tracked.misses = {why.value: usable - max(end, num_computed)}
-        return max(0, end - num_computed)
+            tracked.misses = {why: tracked.usable - max(end, num_computed)}
+        offered = max(0, end - num_computed)
+        if not offered:
+            self._let_go(tracked)
+        return offered
+
+    def _let_go(self, tracked: _Tracked) -> None:
+        """No load follows: the workers let its held prefix go."""
+        if tracked.pinning:
+            self._unpins.append(tracked.request.request_id)
+            tracked.pinning, tracked.answers = 0, {}
 
     def namespace(self, request) -> str | None:
         """A request's namespace: its ``cache_salt``, else the deployment's."""
         return getattr(request, "cache_salt", None) or self.setup.config.settings.namespace
 
     def after_alloc(self, request, blocks, num_external: int) -> None:
-        """The blocks for an offered load are allocated: the load goes to the worker with this step."""
+        """The blocks for an offered load are allocated: the load goes to the worker with this step, and the
+        held prefix with it (the worker lets it go when the load is over). vLLM may take none of the offer."""
         tracked = self._requests.get(request.request_id)
-        if tracked is None or not num_external:
+        if tracked is None or not tracked.pinning:
+            return
+        if not num_external:
+            self._let_go(tracked)
             return
         end = tracked.computed + num_external
         self._loads.append(LoadJob(
             request.request_id, self.namespace(request), list(request.prompt_token_ids[:end]), [list(g) for g in blocks.get_block_ids()],
             tracked.computed, end,
         ))  # fmt: skip
+        tracked.pinning, tracked.answers = 0, {}
 
-    def build(self, scheduler_output) -> HCacheStepMetadata:
-        metadata = HCacheStepMetadata(loads=self._loads)
-        self._loads = []
+    def build(self, scheduler_output) -> SchedulerStep:
+        step = SchedulerStep(loads=self._loads, pins=self._pins, unpins=self._unpins)
+        self._loads, self._pins, self._unpins = [], [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is not None:
-                metadata.requests.append(self._step(new.req_id, tracked, [list(g) for g in new.block_ids], True, new.num_computed_tokens, scheduled))
+                step.requests.append(self._step(new.req_id, tracked, [list(g) for g in new.block_ids], True, new.num_computed_tokens, scheduled))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._requests.get(req_id)
@@ -97,8 +149,8 @@ class SchedulerSide:
             if not resumed:
                 for held, more in zip(tracked.block_ids, added):
                     held.extend(more)
-            metadata.requests.append(self._step(req_id, tracked, added if resumed else tracked.block_ids, resumed, cached.num_computed_tokens[i], scheduled))
-        return metadata
+            step.requests.append(self._step(req_id, tracked, added if resumed else tracked.block_ids, resumed, cached.num_computed_tokens[i], scheduled))
+        return step
 
     def _step(self, req_id: str, tracked: _Tracked, block_ids: list[list[int]], new: bool, computed: int, scheduled: dict[str, int]) -> RequestStep:
         """``computed``: the request's tokens held before this step, loaded ones included."""
@@ -113,18 +165,26 @@ class SchedulerSide:
         tracked.misses = {}
         return step
 
-    def worker_output(self, meta: HCacheWorkerMetadata | None) -> None:
-        """What the worker's tiers gained and lost last step, into the index; loads that fell short, noted."""
-        if meta is None:
+    def worker_output(self, report) -> None:
+        """A step's :class:`~hcache.vllm.messages.WorkerReport` (None: nothing to say): what the workers' tiers
+        gained and lost, into the index; loads that fell short, noted; how much of each prefix asked for each
+        rank holds."""
+        if report is None:
             return
         if self.index is not None:
-            self.index.apply(meta.changes)
-        for req_id in meta.failed:
+            self.index.apply(report.changes)
+        for req_id in report.failed:
             if req_id in self._requests:
                 self._requests[req_id].failed = True
+        for answer in report.pinned:
+            tracked = self._requests.get(answer.req_id)
+            if tracked is not None and tracked.pinning:
+                tracked.answers[answer.rank] = answer
 
     def finished(self, request) -> None:
-        self._requests.pop(request.request_id, None)
+        tracked = self._requests.pop(request.request_id, None)
+        if tracked is not None:
+            self._let_go(tracked)
 
     def close(self) -> None:
         if self.index is not None:

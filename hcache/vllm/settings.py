@@ -20,9 +20,10 @@ from ..planning.policy import is_auto
 from ..errors import InvalidRequestError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.spec import ModelSpec
-from ..model.tensor_parallel import shard_heads
+from ..model.tensor_parallel import TPGroup, shard_heads
 from ..planning.plan import Method
 from ..resolve import resolve
+from ..storage.lookup import StoreLookup
 from .registration import CONNECTOR, MODULE
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,16 @@ class VllmSetup:
     def window_block(self) -> int:
         """The block by which vLLM holds a sliding-window layer's positions (:mod:`hcache.planning.window`)."""
         return max(self.block_sizes)
+
+    @property
+    def rank_fingerprints(self) -> list[str]:
+        """Each tensor-parallel rank's fingerprint, in which its chunks' keys are rooted."""
+        return [TPGroup(r, self.config.tensor_parallel).fingerprint(self.fingerprint) for r in range(self.config.tensor_parallel)]
+
+    def store_lookup(self) -> StoreLookup:
+        """The look-up of every rank's stores, for a process that does not own them (the scheduler's)."""
+        dirs = [d for r in range(self.config.tensor_parallel) for d in self.config.store_dirs(r) or []]
+        return self.config.settings.store.lookup(dirs or None)
 
 
 def connector_settings(extra: dict | None) -> HCacheConfig:

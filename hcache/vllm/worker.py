@@ -28,16 +28,19 @@ from .. import helper_threads
 from ..engine.ragged import Segment
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import TPGroup
-from ..paged.layout import PagedLayout, Places, block_slots
+from ..ops.paged_kv import block_slots
+from ..paged.layout import PagedLayout, Places
 from ..paged.loader import Loader, PagedLayer
 from ..storage.stored_state import Format
-from ..restore.miss_reasons import first_chunk_miss, store_miss
+from ..restore.miss_reasons import first_chunk_miss, lookup_miss, store_miss
 from ..restore.records import PutRestore, SequenceRecord, log_requests
 from ..restore.session import Session
 from ..serving.store_stack import StoreStack
-from ..storage.chunk_key import CHUNK_TOKENS
+from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+from ..storage.pins import PinnedPrefix
 from .hidden import HiddenLayers, registering_model
-from .metadata import HCacheStepMetadata, HCacheWorkerMetadata, RequestStep
+from .messages import Pinned, PinRequest, RequestStep, SchedulerStep
+from .metadata import HCacheWorkerMetadata
 from .settings import VllmSetup, uses_hidden_states
 
 log = logging.getLogger(__name__)
@@ -74,7 +77,7 @@ class _Sequence(Session):
             held.update(enumerate(ids, step.start // size))
 
     def span(self, group: int, size: int, start: int, length: int) -> tuple[list[int], int, int]:
-        """Positions ``[start, start + length)`` as :func:`~hcache.paged.layout.block_slots` takes them."""
+        """Positions ``[start, start + length)`` as :func:`~hcache.ops.paged_kv.block_slots` takes them."""
         first = start // size
         ids = [self.blocks[group][i] for i in range(first, (start + length - 1) // size + 1)]
         return ids, start - first * size, start - first * size + length
@@ -129,6 +132,8 @@ class WorkerSide:
         self._failed: list[str] = []  # requests whose load fell short, for the scheduler
         self._short: set[str] = set()  # those among the loads the last ``finished`` reported
         self._changes: deque[tuple[str, str | None]] = deque()  # the tiers' gains and losses, for the scheduler's index
+        self._pins: dict[str, PinnedPrefix] = {}  # by request: the stored prefix held for its load
+        self._pinned: list[Pinned] = []  # how much of each, for the scheduler
         if self.stack.store is not None:
             self.stack.store.watch(lambda key, loss: self._changes.append((key, None if loss is None else loss.value)))
         log_path = setup.config.settings.request_log
@@ -174,10 +179,14 @@ class WorkerSide:
             self._loader = Loader(self.stack, self.setup.block_sizes, self._kernel_block, list(self._layers.values()), rebuild, lost, movable=movable)
 
     # ---- each step --------------------------------------------------------------------------------------
-    def begin_step(self, metadata: HCacheStepMetadata) -> None:
-        """Before the forward: the step's loads handed to the loader, sequences opened or continued, their
-        misses recorded, and the saver's batch begun."""
+    def begin_step(self, metadata: SchedulerStep) -> None:
+        """Before the forward: stored prefixes held or let go as the scheduler says, the step's loads handed to
+        the loader, sequences opened or continued, their misses recorded, and the saver's batch begun."""
         self._idle = not metadata.requests
+        for req_id in metadata.unpins:
+            self._unpin(req_id)
+        for ask in metadata.pins:
+            self._pin(ask)
         for job in metadata.loads:
             self._loader.submit(job, self._records.setdefault(job.req_id, SequenceRecord()))
         requests = [(step, self._sequence(step)) for step in metadata.requests]
@@ -198,6 +207,24 @@ class WorkerSide:
         for step, seq in self._computing:  # the blocks :meth:`_read_kv` reads the chunks this step fills from
             seq.track(step, self.setup.block_sizes)
         self.stack.capture.begin_batch(segments, read_kv=self._read_kv)
+
+    def _pin(self, ask: PinRequest) -> None:
+        """Hold what the tiers have of a prefix the scheduler means to offer, until its load is over (every
+        eviction is this process's, so nothing it holds goes meanwhile), and tell the scheduler how much
+        that is; a chunk found gone, the index too."""
+        self._unpin(ask.req_id)
+        keys = chunk_keys(ask.tokens, root_key(self.stack.fingerprint, ask.namespace))
+        held = self._pins[ask.req_id] = PinnedPrefix(self.stack.store, keys)
+        why = None
+        if held.count < len(keys):
+            why = lookup_miss(self.stack.store, keys[held.count], seen=True).value
+            self._changes.append((keys[held.count], why))
+        self._pinned.append(Pinned(ask.req_id, self.tp.rank, held.count, why))
+
+    def _unpin(self, req_id: str) -> None:
+        held = self._pins.pop(req_id, None)
+        if held is not None:
+            held.release()
 
     def _sequence(self, step: RequestStep) -> _Sequence:
         seq = self._seqs.get(step.req_id)
@@ -262,10 +289,11 @@ class WorkerSide:
         """Requests vLLM is done with (``req_ids``), and the loads finished since the last step, whose
         requests are returned; their unloaded blocks are kept for :meth:`load_errors`. A finished request's
         chunks are published (the write-back goes on in the background) and its record logged, once its
-        load, if one is in flight, is over."""
+        load, if one is in flight, is over. A load's held prefix is let go as it ends."""
         loads = self._loader.finished(IDLE_WAIT_S if self._idle else 0.0) if self._loader is not None else {}
         self._short = set()
         for req_id, unloaded in loads.items():
+            self._unpin(req_id)
             self._errors |= unloaded
             if unloaded:
                 self._failed.append(req_id)
@@ -281,6 +309,7 @@ class WorkerSide:
     def _close(self, req_ids: set[str]) -> None:
         finished = []
         for req_id in req_ids:
+            self._unpin(req_id)  # ended before its load was sent
             seq = self._seqs.pop(req_id, None)
             record = self._records.pop(req_id, None)
             if seq is not None:
@@ -303,13 +332,16 @@ class WorkerSide:
         return set(self._short) if len(self.setup.block_sizes) > 1 else set()
 
     def scheduler_news(self) -> HCacheWorkerMetadata | None:
-        """The chunks the tiers gained and lost since the last step, for the scheduler's index, and the loads
-        that fell short."""
+        """The chunks the tiers gained and lost since the last step, for the scheduler's index, the loads
+        that fell short, and how much of each prefix asked for this rank holds."""
         changes = [self._changes.popleft() for _ in range(len(self._changes))]
         failed, self._failed = self._failed, []
-        return HCacheWorkerMetadata(changes, failed) if changes or failed else None
+        pinned, self._pinned = self._pinned, []
+        return HCacheWorkerMetadata(changes, failed, pinned) if changes or failed or pinned else None
 
     def close(self) -> None:
+        for req_id in list(self._pins):
+            self._unpin(req_id)
         if self._loader is not None:
             self._loader.close()
         if self._hidden is not None:

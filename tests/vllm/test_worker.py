@@ -79,7 +79,7 @@ def _steps(worker, spec, caches, tokens, steps, around=lambda k, step: contextli
     starts with its prefill), each step's K/V written into ``caches`` as vLLM's forward would; ``around(k,
     step)``: a context each step's hand-over runs in."""
     from hcache.paged.layout import block_slots
-    from hcache.vllm.metadata import HCacheStepMetadata, RequestStep
+    from hcache.vllm.messages import RequestStep, SchedulerStep
 
     layout = worker._layers["model.layers.0.self_attn.attn"].layout
     done = dict.fromkeys(tokens, 0)
@@ -100,7 +100,7 @@ def _steps(worker, spec, caches, tokens, steps, around=lambda k, step: contextli
         if not requests:
             break
         with around(k, step):
-            worker.begin_step(HCacheStepMetadata(requests))
+            worker.begin_step(SchedulerStep(requests))
             worker.end_step()
 
 

@@ -1,0 +1,19 @@
+"""What a paged load is asked to do: plain values, which the engine's scheduler builds (vLLM's, in a process
+that needs neither torch nor the store) and the worker's loader (:mod:`hcache.paged.loader`) carries out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LoadJob:
+    """A request's stored positions ``[start, end)`` to load into its blocks (``block_ids``: every block it
+    holds, in order, in each KV cache group). ``tokens``: its prompt up to ``end``, which keys the chunks;
+    ``namespace``: its root's."""
+
+    req_id: str
+    namespace: str | None
+    tokens: list[int]
+    block_ids: list[list[int]]
+    start: int
+    end: int
