@@ -1,6 +1,7 @@
 """The one interface both engines serve: the reference engine (HF transformers, any device) and the
-DeepSpeed-FastGen adapter (CUDA). hcache's serving layer drives either through it, and MII's batching
-loop drives the serving layer through the FastGen half of it (``put``/``query``/``flush``/``free_blocks``).
+DeepSpeed-FastGen adapter (CUDA), split by role. hcache's serving layer drives either through it, MII's
+batching loop drives the serving layer through its scheduling part (``put``/``query``/``flush``/
+``free_blocks``), and the restore core writes through its restore primitives.
 """
 from __future__ import annotations
 
@@ -14,12 +15,39 @@ from ..ops.quant import QuantRows
 from .capture import LayerCapture
 
 
-class Engine(Protocol):
-    """A ragged-batch engine over a paged KV cache, with hcache's three restore primitives.
+class Scheduling(Protocol):
+    """FastGen's scheduling interface, which MII's batching loop drives.
 
     Capacity follows ``InferenceEngineV2``'s semantics, because MII schedules with them: ``free_blocks``
     holds one count per KV-cache group (MII takes the min), and ``query`` answers how many of
     ``max_request_tokens`` more tokens fit in ``max_request_blocks`` more blocks, and how many blocks they need.
+    """
+
+    @property
+    def free_blocks(self) -> torch.Tensor: ...
+
+    def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]: ...
+
+    def get_remaining_block_capacity(self, uid: int) -> int: ...
+
+    def flush(self, uid: int) -> None: ...
+
+
+class Forward(Protocol):
+    """A ragged forward over a paged KV cache, whose layers' rows a capture hook can save."""
+
+    def seen_tokens(self, uid: int) -> int:
+        """Tokens whose K/V the sequence holds; 0 for a sequence the engine does not track."""
+        ...
+
+    def step(self, requests: list[tuple[int, list[int]]], capture: LayerCapture | None = None) -> torch.Tensor:
+        """Append each request's tokens to its sequence; next-token logits ``[len(requests), vocab]``."""
+        ...
+
+
+class RestorePrimitives(Protocol):
+    """hcache's three restore primitives, which the restore core writes through
+    (:class:`~hcache.serving.restore.EngineTarget`).
 
     A restore extends a sequence from its current length: ``begin_restore`` reserves blocks for
     ``num_tokens`` more tokens, the primitives fill every layer's K/V at those positions, and
@@ -32,26 +60,6 @@ class Engine(Protocol):
     device: torch.device
     block_size: int
 
-    # ---- FastGen's scheduling interface -------------------------------------------------------------
-    @property
-    def free_blocks(self) -> torch.Tensor: ...
-
-    def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]: ...
-
-    def get_remaining_block_capacity(self, uid: int) -> int: ...
-
-    def flush(self, uid: int) -> None: ...
-
-    # ---- forward ------------------------------------------------------------------------------------
-    def seen_tokens(self, uid: int) -> int:
-        """Tokens whose K/V the sequence holds; 0 for a sequence the engine does not track."""
-        ...
-
-    def step(self, requests: list[tuple[int, list[int]]], capture: LayerCapture | None = None) -> torch.Tensor:
-        """Append each request's tokens to its sequence; next-token logits ``[len(requests), vocab]``."""
-        ...
-
-    # ---- restore primitives (positions continue from the sequence's current length) -----------------
     def begin_restore(self, uid: int, num_tokens: int) -> None: ...
 
     def recompute_layers(self, uid: int, tokens: list[int], num_layers: int) -> None:
@@ -72,7 +80,10 @@ class Engine(Protocol):
 
     def end_restore(self, uid: int, tokens: list[int]) -> None: ...
 
-    # ---- blocks held for no sequence: the GPU prefix cache's (:mod:`hcache.serving.gpu_prefix_cache`) -------
+
+class HeldBlocks(Protocol):
+    """Blocks held for no sequence: the GPU prefix cache's (:mod:`hcache.serving.gpu_prefix_cache`)."""
+
     def detach(self, uid: int) -> list[int]:
         """Drop a sequence like :meth:`flush`, but hand its KV blocks to the caller instead of freeing them
         (they stay used in ``free_blocks`` until :meth:`release_blocks`); [] for an unknown sequence."""
@@ -80,12 +91,16 @@ class Engine(Protocol):
 
     def release_blocks(self, blocks: list[int]) -> None: ...
 
-    def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's cached K and V ``[length, n_kv_heads, head_size]`` of one layer (default: every
-        seen token), gathered from its blocks: for checks against recompute, not the serving path."""
-        ...
-
     def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
         """The restore's first ``len(slots)`` rows, every layer, copied on the device from flat cache ``slots``
         ``[T]`` of held blocks (slot = block * block_size + row): one gather and scatter per layer."""
+        ...
+
+
+class Engine(Scheduling, Forward, RestorePrimitives, HeldBlocks, Protocol):
+    """A ragged-batch engine over a paged KV cache, in every role: the reference engine and FastGen's."""
+
+    def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's cached K and V ``[length, n_kv_heads, head_size]`` of one layer (default: every
+        seen token), gathered from its blocks: for checks against recompute, not the serving path."""
         ...

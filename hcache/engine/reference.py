@@ -20,7 +20,7 @@ from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write
 from ..ops.kv_projection import linear_rows
-from ..ops.paged_kv import block_runs, block_slots
+from ..ops.paged_kv import block_runs, flat_slots
 from ..ops.quant import QuantRows
 from .blocked_kv_cache import BlockedKVCache
 from .capture import LayerCapture
@@ -141,7 +141,7 @@ class ReferenceEngine:
             seq.blocks.extend(self.cache.allocate(missing))
 
     def _slots(self, seq: Sequence, start: int, length: int) -> torch.Tensor:
-        return block_slots(seq.blocks, start, start + length, self.cache.block_size, self.device)
+        return flat_slots(seq.blocks, start, start + length, self.cache.block_size, self.device)
 
     # ---- forward -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -153,6 +153,17 @@ class ReferenceEngine:
             self.sequences[uid].tokens.extend(tokens)
         last_rows = torch.tensor([s.row + s.length - 1 for s in segments], device=self.device)
         return self.decoder.logits(hidden[last_rows]).float()
+
+    @torch.no_grad()
+    def score(self, uid: int, tokens: list[int], last: int) -> torch.Tensor:
+        """Append ``tokens`` to sequence ``uid``, as ``step`` does, and return the next-token logits
+        ``[last, vocab]`` after each of its last ``last`` tokens: a text scored position by position
+        (teacher forcing), where serving needs only the last position's."""
+        if not 1 <= last <= len(tokens):
+            raise InvalidRequestError(f"sequence {uid}: cannot score the last {last} of {len(tokens)} tokens")
+        hidden, _ = self._forward([(uid, tokens)], self.spec.num_layers, None)
+        self.sequences[uid].tokens.extend(tokens)
+        return self.decoder.logits(hidden[len(tokens) - last :]).float()
 
     def _forward(
         self, requests: list[tuple[int, list[int]]], num_layers: int, capture: LayerCapture | None

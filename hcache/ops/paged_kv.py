@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -37,10 +38,33 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tu
     return kv[:, 0], kv[:, 1]
 
 
-def block_slots(blocks: list[int], lo: int, hi: int, block_size: int, device: torch.device) -> torch.Tensor:
-    """Flat cache slots of rows ``[lo, hi)`` of ``blocks`` read as one run of tokens."""
-    table = torch.tensor(blocks, dtype=torch.long, device=device)
-    return slot_mapping(table, torch.arange(lo, hi, device=device), block_size)
+def flat_slots(blocks: list[int], lo: int, hi: int, block_size: int, device: torch.device | str) -> torch.Tensor:
+    """Flat cache slots of rows ``[lo, hi)`` of ``blocks`` read as one run of tokens (:func:`block_slots`)."""
+    blocks_of, offsets = block_slots([(blocks, lo, hi)], block_size, block_size)
+    return (blocks_of * block_size + offsets).to(device)
+
+
+def block_slots(spans: list[tuple[list[int], int, int]], block_size: int, kernel_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache blocks and offsets in them of positions ``[start, end)`` of each request in ``spans``
+    (``(block_ids, start, end)``: it holds ``block_ids``, blocks of ``block_size`` tokens), one request after
+    another: vLLM may split its blocks into smaller kernel blocks of ``kernel_block`` tokens, which the cache
+    tensors hold. The same few operations for a step's requests, however many (a decode step's each take
+    one token), in numpy: on a step's few indices a numpy call costs a microsecond, a torch call ten."""
+    ids, first_block, first, rows = [], [], [], []  # per request: where its block ids and positions begin
+    total = 0
+    for block_ids, start, end in spans:
+        first_block.append(len(ids))
+        ids += block_ids
+        first.append(start)
+        rows.append(total)
+        total += end - start
+    row_of = np.array(rows, dtype=np.int64)
+    index = np.arange(total, dtype=np.int64)
+    request = np.searchsorted(row_of, index, side="right") - 1  # each position's request (past any that has none)
+    positions = index - row_of[request] + np.array(first, dtype=np.int64)[request]
+    blocks = np.array(ids, dtype=np.int64)[positions // block_size + np.array(first_block, dtype=np.int64)[request]]
+    within = positions % block_size
+    return torch.from_numpy(blocks * (block_size // kernel_block) + within // kernel_block), torch.from_numpy(within % kernel_block)
 
 
 def block_runs(blocks: list[int], start: int, length: int, block_size: int) -> list[tuple[int, int, int]]:

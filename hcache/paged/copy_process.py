@@ -8,7 +8,7 @@ of its own. It maps the same memory, not a copy: the host pool's arena (a memfd,
 :class:`~hcache.storage.host_pool.HostPool`'s ``shareable``) and the paged caches, which :func:`share`
 moves onto memfds in place when the process starts: the tensors the engine registered, which its
 attention layers hold (another tensor on a cache's old storage would keep the old pages; vLLM keeps none). The loader's thread sends it a load's KV layers as plain data
-(:meth:`~hcache.paged.load_writes.LoadWrites.message`) and waits on a socket, holding nothing, while it
+(:meth:`~hcache.paged.target.PagedTarget.message`) and waits on a socket, holding nothing, while it
 rebuilds the load's H layers itself (they need the model's weights). The process is a fresh interpreter
 (``python -m hcache.paged.copy_process``), not a fork: the engine's process has threads, OpenMP's among
 them, that a forked child would inherit in whatever state they were. It ends when the engine closes the
@@ -103,7 +103,7 @@ def _tensors(storages: list[tuple[int, int]], views: list[tuple]) -> list[torch.
 
 
 class CopyProcess:
-    """The load process for ``layers`` (:class:`~hcache.paged.load_writes.PagedLayer`; their caches are
+    """The load process for ``layers`` (:class:`~hcache.paged.target.PagedLayer`; their caches are
     moved onto memfds here) over the host pool on memfd ``pool_fd`` of ``pool_bytes``. ``depth``: the
     staging buffers it keeps (a pipeline's depth). One load at a time: :meth:`submit`, then :meth:`wait`."""
 
@@ -174,7 +174,7 @@ class CopyProcess:
 def _serve(conn: Connection) -> None:
     from ..transfer.scratch import Scratch
     from .layout import PagedLayout
-    from .load_writes import LoadWrites, PagedLayer
+    from .target import PagedLayer, PagedTarget
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the engine's process group: the engine ends it, after its load
     torch.set_num_threads(1)
@@ -198,10 +198,10 @@ def _serve(conn: Connection) -> None:
             except (EOFError, OSError):  # the engine closed the socket, or died
                 return
             try:
-                writes, jobs = LoadWrites.received(message, arena, layers, kernel_block, scratch)
+                target, rows, jobs = PagedTarget.received(message, arena, layers, kernel_block, scratch)
                 scratch.rewind()
-                for item in jobs:
-                    writes.stage(item)
+                for job in jobs:
+                    target.write_kv(job, rows)
                 conn.send(None)
             except Exception as e:  # noqa: BLE001  the load's blocks are then load errors, recomputed
                 conn.send(f"{type(e).__name__}: {e}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 # Where tokens are in a cache, as a layout reads and writes them (:meth:`PagedLayout.elements`): index tensors
@@ -183,26 +182,3 @@ def _strided_parts(offsets: torch.Tensor) -> list[tuple[slice, int, tuple[int, i
         return [(slice(0, 2), *whole)]
     apart = [fit(offsets[:, kv : kv + 1]) for kv in (0, 1)]
     return None if None in apart else [(slice(kv, kv + 1), *apart[kv]) for kv in (0, 1)]
-
-
-def block_slots(spans: list[tuple[list[int], int, int]], block_size: int, kernel_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache blocks and offsets in them of positions ``[start, end)`` of each request in ``spans``
-    (``(block_ids, start, end)``: it holds ``block_ids``, blocks of ``block_size`` tokens), one request after
-    another: vLLM may split its blocks into smaller kernel blocks of ``kernel_block`` tokens, which the cache
-    tensors hold. The same few operations for a step's requests, however many (a decode step's each take
-    one token), in numpy: on a step's few indices a numpy call costs a microsecond, a torch call ten."""
-    ids, first_block, first, rows = [], [], [], []  # per request: where its block ids and positions begin
-    total = 0
-    for block_ids, start, end in spans:
-        first_block.append(len(ids))
-        ids += block_ids
-        first.append(start)
-        rows.append(total)
-        total += end - start
-    row_of = np.array(rows, dtype=np.int64)
-    index = np.arange(total, dtype=np.int64)
-    request = np.searchsorted(row_of, index, side="right") - 1  # each position's request (past any that has none)
-    positions = index - row_of[request] + np.array(first, dtype=np.int64)[request]
-    blocks = np.array(ids, dtype=np.int64)[positions // block_size + np.array(first_block, dtype=np.int64)[request]]
-    within = positions % block_size
-    return torch.from_numpy(blocks * (block_size // kernel_block) + within // kernel_block), torch.from_numpy(within % kernel_block)

@@ -21,22 +21,24 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
+from dataclasses import replace
 
 import torch
 
 from .. import helper_threads
 from ..planning.plan import Method, RestorePlan
+from ..restore.layers import StoredRows, restore_layers
+from ..restore.reads import LayerJob, layer_jobs, reads
 from ..restore.records import MissReason, PutRestore, SequenceRecord
-from ..serving.restore import run_tensors
 from ..restore.stored_prefix import StoredPrefix
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from ..storage.image_rows import ImageRows
 from ..transfer.scratch import Scratch
 from .copy_process import CopyProcess, ProcessGone
-from .layout import block_slots
 from .load_job import LoadJob
-from .load_writes import LoadWrites, PagedLayer
+from ..ops.paged_kv import block_slots
+from .target import PagedLayer, PagedTarget
 
 log = logging.getLogger(__name__)
 
@@ -121,26 +123,26 @@ class Loader:
             end = reach(n)
             if end < job.end and prefix.why_short() in (MissReason.EVICTED, MissReason.TIER_UNAVAILABLE):
                 self.lost(keys[n], prefix.miss.value)
-            reads = {(layer, method.value): range(max(0, self.stack.window.first_read(layer, end) - first), n)
-                     for layer, method in enumerate(plan.layers)}  # fmt: skip
+            jobs = layer_jobs(plan, self.stack.window, first, job.start, end, n)
             if end > job.start:
-                self._write(job, prefix.images, first, end, plan, reads)
+                self._write(job, prefix.images, first, end, plan, jobs)
             step = PutRestore()
-            prefix.outcome(spec, reads, n, job.start, end, job.end - end).record(step, plan)
+            prefix.outcome(spec, reads(jobs), n, job.start, end, job.end - end).record(step, plan)
             step.restore_s = time.perf_counter() - began
             record.add(step)
             return self._blocks(job, end) if end < job.end else set()
 
     @torch.inference_mode()  # vLLM's caches are inference tensors; grad mode is per thread
-    def _write(self, job: LoadJob, images: list, first: int, end: int, plan: RestorePlan, reads: dict[tuple[int, str], range]) -> None:
+    def _write(self, job: LoadJob, images: list, first: int, end: int, plan: RestorePlan, jobs: list[LayerJob]) -> None:
         """Each layer's K/V of positions ``[job.start, end)`` into the cache (a sliding-window layer's from
-        the first chunk it ``reads`` on), pipelined as every restore is (:meth:`Copier.pipeline`): a layer's
-        rows gathered from the pool in one call on the copier's side stream (one DMA per chunk from pinned
-        slots, on a GPU), KV decoded and scattered there too, while the layers before it that restore by H
-        are decoded, rebuilt and scattered on the loader's own stream, each after its copy's event. This
-        thread then waits for both streams (the step's stream never does): the pool's slots are released
-        after this, and the load reported done. On a CPU with a load process, that process writes the KV
-        layers meanwhile (:mod:`~hcache.paged.copy_process`), and this thread waits for it too."""
+        the first chunk it reads on, and from the first position its group holds in a real block), by the
+        restore core's pipeline (:func:`~hcache.restore.layers.restore_layers`): a layer's rows gathered
+        from the pool in one call on the copier's side stream (one DMA per chunk from pinned slots, on a
+        GPU), KV decoded and scattered there too, while the layers before it that restore by H are decoded,
+        rebuilt and scattered on the loader's own stream, each after its copy's event. This thread then
+        waits for both streams (the step's stream never does): the pool's slots are released after this,
+        and the load reported done. On a CPU with a load process, that process writes the KV layers
+        meanwhile (:mod:`~hcache.paged.copy_process`), and this thread waits for it too."""
         copier = self.stack.copier
         slots = {}  # by group: the first position held in a real block, and the blocks and offsets from there to ``end``
         windowed = {layer.group for layer in self.layers if self.config.spec.window(layer.index) is not None}  # groups holding null blocks
@@ -150,46 +152,33 @@ class Loader:
             held = next((b for b in real if job.block_ids[g][b] != NULL_BLOCK), None) if g in windowed else real.start
             held = end if held is None else max(job.start, held * size)
             slots[g] = held, *block_slots([(job.block_ids[g], held, end)], size, self.kernel_block)
-        jobs = []  # (layer, method, the chunks it reads, its first position written), for the layers that write
-        for layer in self.layers:
-            method = plan.layers[layer.index]
-            chunks = reads[(layer.index, method.value)]
-            begin = max(slots[layer.group][0], (first + chunks.start) * CHUNK_TOKENS)
-            if begin < end:
-                jobs.append((layer, method, chunks, begin))
+        layers = {layer.index: layer for layer in self.layers}
+        jobs = [j for j in (replace(j, begin=max(j.begin, slots[layers[j.layer].group][0])) for j in jobs if j.layer in layers) if j.begin < end]
         shared = ImageRows.of(images) if self._scratch is not None else None
-        kv = [item for item in jobs if item[1] is not Method.H]
+        kv = [j for j in jobs if j.method is not Method.H]
         process = self._process if kv and shared is not None and self._in_pool(shared) else None
-        writes = LoadWrites(slots, first, end, self.kernel_block, copier, self._scratch, shared, images)
-
-        def finish(item: tuple, staged: tuple | None, done) -> None:  # on the loader's stream: H rebuilt after its copy
-            if staged is None:
-                return
-            layer, _, chunks, begin = item
-            runs, where = staged
-            copier.wait(done, *where, *run_tensors(runs))
-            rows = self.rebuild(layer.index, writes.rows_of(layer, runs, chunks, begin), positions[begin - job.start :])
-            layer.layout.write(layer.cache, where, rows)
-
+        dtype = self.layers[0].cache.dtype
+        rows = StoredRows(images, first, end, copier, dtype, self._scratch, shared)
         sent = False  # the KV layers to the load process, the H layers here, at once
         try:
             if process is not None:
                 try:
-                    process.submit(LoadWrites.message(shared, slots, first, end, kv))
-                    sent, jobs = True, [item for item in jobs if item[1] is Method.H]
+                    process.submit(PagedTarget.message(shared, slots, first, end, kv))
+                    sent, jobs = True, [j for j in jobs if j.method is Method.H]
                 except ProcessGone:  # gone since the last load: nothing of this one was sent, this thread writes it
                     self._lose_process()
             if self._scratch is not None:
                 self._scratch.rewind()  # the last load's jobs are done: a load of few layers uses few slots
+            # H's positions and every job's places in the caches, on this stream before the side stream follows it
+            positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
+            target = PagedTarget(layers, slots, jobs, end, self.kernel_block, self.rebuild, positions, job.start)
             copier.follow()  # both streams after the kernels queued so far: the blocks may have been another request's
             if self._stream is None:
-                positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
-                copier.pipeline(jobs, writes.stage, finish)
+                restore_layers(jobs, rows, target, copier)
             else:
                 self._stream.wait_stream(torch.cuda.current_stream(copier.device))
                 with torch.cuda.stream(self._stream):
-                    positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
-                    copier.pipeline(jobs, writes.stage, finish)
+                    restore_layers(jobs, rows, target, copier)
                 self._stream.synchronize()
             copier.drain()
         finally:

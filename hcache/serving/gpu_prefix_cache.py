@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.interface import Engine
-from ..ops.paged_kv import block_slots
+from ..ops.paged_kv import flat_slots
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain
 from ..storage.eviction import check_policy, victim
 from ..transfer.saver import PartialChunk
@@ -197,7 +197,7 @@ class GpuPrefixCache:
         engine = self.engine
         engine.begin_restore(uid, len(tokens))
         # the slots on the host, then one transfer: no per-chunk copies or kernels on the device
-        slots = [block_slots(e.blocks, e.offset + lo, e.offset + hi, engine.block_size, "cpu") for e, lo, hi in adoption.pieces]
+        slots = [flat_slots(e.blocks, e.offset + lo, e.offset + hi, engine.block_size, "cpu") for e, lo, hi in adoption.pieces]
         engine.restore_from_slots(uid, torch.cat(slots).to(engine.device))
         engine.end_restore(uid, tokens)
         self._touch([entry for entry, _, _ in adoption.pieces])

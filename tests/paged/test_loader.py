@@ -13,10 +13,11 @@ from support.helpers import corrupt_tensor, random_prompt, serving_engine
 
 from hcache.engine import ReferenceEngine
 from hcache.model.fingerprint import model_fingerprint
-from hcache.model.loader import random_model
+from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
 from hcache.paged import copy_process
-from hcache.paged.layout import PagedLayout, block_slots
+from hcache.ops.paged_kv import block_slots
+from hcache.paged.layout import PagedLayout
 from hcache.paged.loader import Loader, LoadJob, PagedLayer
 from hcache.planning.plan import Method, RestorePlan
 from hcache.restore.records import SequenceRecord

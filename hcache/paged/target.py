@@ -1,0 +1,81 @@
+"""The restore core's target for a vLLM-style paged cache (:class:`~hcache.restore.layers.RestoreTarget`):
+one load's layer writes, made by the loader's thread (:mod:`hcache.paged.loader`) and, on a CPU, by its
+load process for the KV layers (:mod:`hcache.paged.copy_process`), which it is sent as plain data
+(:meth:`PagedTarget.message`, :meth:`PagedTarget.received`)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..planning.plan import Method
+from ..restore.layers import StoredRows
+from ..restore.reads import LayerJob
+from ..storage.image_rows import ImageRows
+from ..transfer.scratch import Scratch
+from .layout import PagedLayout, Places
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """One attention layer of vLLM's paged cache: its index in the model, its cache and how that is laid
+    out, and its KV cache group (whose block ids it holds its positions in)."""
+
+    index: int
+    cache: torch.Tensor
+    layout: PagedLayout
+    group: int = 0
+
+
+class PagedTarget:
+    """``layers`` by index; ``slots``: by KV cache group, the first position held in a real block and the
+    blocks and offsets from there to ``end``; ``jobs``: the layers it writes, whose places in the caches are
+    found here, once, before the first write; ``rebuild(layer, hidden, positions)``: K/V rows from hidden
+    states, for the H layers, whose ``positions`` are ``[start, end)``'s."""
+
+    def __init__(self, layers: dict[int, PagedLayer], slots: dict, jobs: list[LayerJob], end: int, kernel_block: int,
+                 rebuild: Callable | None = None, positions: torch.Tensor | None = None, start: int = 0):  # fmt: skip
+        self.layers, self.rebuild, self.positions, self.start = layers, rebuild, positions, start
+        self._places: dict[tuple, Places] = {}
+        for job in jobs:
+            layer = self.layers[job.layer]
+            held, blocks, offsets = slots[layer.group]
+            key = self._key(job)
+            if key not in self._places:
+                whole = (end - job.begin) // kernel_block if job.begin % kernel_block == 0 else 0  # kernel blocks, from a block's start on
+                self._places[key] = layer.layout.elements(blocks[job.begin - held :], offsets[job.begin - held :], whole)
+
+    def _key(self, job: LayerJob) -> tuple:
+        layer = self.layers[job.layer]
+        return id(layer.layout), layer.group, job.begin
+
+    def write_kv(self, job: LayerJob, rows: StoredRows) -> None:
+        layer = self.layers[job.layer]
+        layer.layout.write(layer.cache, self._places[self._key(job)], rows.rows(job, rows.gather(job)))
+
+    def write_hidden(self, job: LayerJob, hidden: torch.Tensor) -> None:
+        layer = self.layers[job.layer]
+        kv = self.rebuild(job.layer, hidden, self.positions[job.begin - self.start :])
+        layer.layout.write(layer.cache, self._places[self._key(job)], kv)
+
+    @staticmethod
+    def message(shared: ImageRows, slots: dict, first: int, end: int, jobs: list[LayerJob]) -> dict:
+        """What the load process needs to write ``jobs``: plain data (numpy, not tensors: a pickled tensor
+        would travel as a shared-memory handle the process cannot open)."""
+        return {"starts": shared.starts, "entries": shared.entries, "first": first, "end": end,
+                "slots": {g: (held, blocks.numpy(), offsets.numpy()) for g, (held, blocks, offsets) in slots.items()},
+                "jobs": [(job.layer, job.method.value, job.chunks.start, job.chunks.stop, job.begin) for job in jobs]}  # fmt: skip
+
+    @classmethod
+    def received(cls, message: dict, arena: torch.Tensor, layers: dict[int, PagedLayer], kernel_block: int,
+                 scratch: Scratch) -> tuple[PagedTarget, StoredRows, list[LayerJob]]:  # fmt: skip
+        """The load process's side of :meth:`message`: its target over ``layers``, its rows over ``arena``,
+        and its jobs."""
+        slots = {g: (held, torch.from_numpy(blocks), torch.from_numpy(offsets)) for g, (held, blocks, offsets) in message["slots"].items()}
+        jobs = [LayerJob(index, Method(method), range(start, stop), begin) for index, method, start, stop, begin in message["jobs"]]
+        end = message["end"]
+        shared = ImageRows(arena, message["starts"], message["entries"])
+        dtype = next(iter(layers.values())).cache.dtype
+        rows = StoredRows([], message["first"], end, None, dtype, scratch, shared)
+        return cls(layers, slots, jobs, end, kernel_block), rows, jobs
