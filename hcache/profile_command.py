@@ -33,7 +33,8 @@ def _profile_fastgen(args: argparse.Namespace) -> tuple:
 
     from .engine.fastgen import build_fastgen_engine
     from .errors import InvalidRequestError
-    from .model.loader import model_dir, model_dtype, random_model
+    from .model.loader import model_dir, model_dtype
+    from .model.random_weights import random_model
     from .planning.profiler import default_tokens, measure_engine, profile_tokens
 
     if not torch.cuda.is_available() or (args.device or "cuda").split(":")[0] != "cuda":

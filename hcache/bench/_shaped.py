@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..model.loader import model_dtype, random_model
+from ..model.loader import model_dtype
+from ..model.random_weights import random_model
 from ..model.spec import ModelSpec
 from ..storage.chunk_key import CHUNK_TOKENS
 

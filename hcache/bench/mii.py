@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..ports import free_port
-from ..model.loader import model_dtype, random_model
+from ..model.loader import model_dtype
+from ..model.random_weights import save_random_model
+from ..workload.servers import pipeline_on_free_port
 
 METHODS = {"recompute": {"enabled": False}, "kv": {"plan": "KV"}, "h": {"plan": "H"}}
 
@@ -111,34 +112,3 @@ def _timed(fn):
     start = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - start
-
-
-def pipeline_on_free_port(model_dir: str, hcache_config: dict | None, **mii_options):
-    """``hcache.mii.pipeline``, or plain ``mii.pipeline`` for ``None``, on a free ZMQ port, with MII's
-    ``mii_options``."""
-    import mii
-
-    import hcache.mii
-
-    port = free_port()
-    if hcache_config is None:
-        return mii.pipeline(model_dir, zmq_port_number=port, **mii_options)
-    return hcache.mii.pipeline(model_dir, hcache=hcache_config, zmq_port_number=port, **mii_options)
-
-
-def save_random_model(name: str, dtype: torch.dtype, path: Path) -> Path:
-    """A random-weight model of shape ``random:<shape>`` and a word-level tokenizer over its vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
-
-    model = random_model(name.removeprefix("random:"), dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu")
-    model.save_pretrained(path)
-    # Special tokens are matched inside words, so no word may contain another: "w1." is not in "w17.".
-    vocab = {f"w{i}.": i for i in range(model.config.vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0."))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0.", eos_token="w1.").save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path

@@ -12,6 +12,7 @@ as the connector's worker loads a returning request off the step:
   the rebuild being its K/V GEMM, RoPE and scatter on rows already on the device: 1.0 is bubble-free.
 - ``h_vs_kv``: the H load's speed over the KV load's.
 
+Each load is submitted to the loader's thread and waited for (``submit``, ``finished``), as the worker's are.
 Each figure is the median over ``--repeats`` rounds, every round timing all of them in turn. The model:
 :mod:`hcache.bench._shaped`. Absolute times mean something only on a GPU; compare the ratios.
 """
@@ -75,8 +76,12 @@ def run(args: argparse.Namespace) -> dict:
         elements = layout.elements(*(torch.arange(history) // BLOCK, torch.arange(history) % BLOCK))
 
         def load(name: str) -> None:
-            record = SequenceRecord()
-            assert loaders[name]._load(job, record) == set() and record.restored_tokens == history, record
+            """One load as the connector's worker makes it: submitted to the loader's thread, waited for."""
+            record, done = SequenceRecord(), {}
+            loaders[name].submit(job, record)
+            while not done:
+                done = loaders[name].finished(wait=60.0)
+            assert done == {job.req_id: set()} and record.restored_tokens == history, (done, record)
 
         def rebuild_alone() -> None:
             for layer, rows in zip(layers, hidden):

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..engine.reference import ReferenceEngine
 from ..model.loader import DEFAULT_MODEL, load_model, model_dtype
 from ..ops.quant import dequantise, quantise
 from ..planning.plan import Method, RestorePlan, row_shapes
@@ -148,19 +147,9 @@ def _score(rt: HCacheRuntime, ids: list[int], plan: RestorePlan, start: int, end
     outcome = restore_prefix(engine, rt.store, 0, ids[:start], keys, rt.fingerprint, plan, rt.stack.copier)
     if outcome.tokens != len(keys) * CHUNK_TOKENS or outcome.fallback:
         raise RuntimeError(f"plan {plan} restored {outcome.tokens} tokens ({outcome.fallback})")
-    logits = teacher_forced_logits(engine, 0, ids[outcome.tokens : end], end - start)
+    logits = engine.score(0, ids[outcome.tokens : end], end - start)
     engine.flush_all()
     return logits
-
-
-@torch.no_grad()
-def teacher_forced_logits(engine: ReferenceEngine, uid: int, tokens: list[int], last: int) -> torch.Tensor:
-    """Append ``tokens`` to one sequence, as ``step`` does, and return the next-token logits ``[last, vocab]``
-    after each of its last ``last`` tokens: serving needs only the last position's, so this reaches into the
-    reference engine's forward rather than widen the engine for a benchmark."""
-    hidden, _ = engine._forward([(uid, tokens)], engine.spec.num_layers, None)
-    engine.sequences[uid].tokens.extend(tokens)
-    return engine.decoder.logits(hidden[len(tokens) - last :]).float()
 
 
 def _position_stats(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -115,7 +115,8 @@ def _rotated(names: list[str], i: int) -> list[str]:
 
 def _shaped(args, directory: Path) -> tuple[Path, dict]:
     """The model's checkpoint, or one of random weights reshaped by ``--heads``, ``--mha`` and ``--window``; its heads."""
-    from ..model.loader import model_dir, random_like, save_checkpoint
+    from ..model.loader import model_dir, save_checkpoint
+    from ..model.random_weights import random_like
 
     model = model_dir(args.model)
     config = json.loads((model / "config.json").read_text())
@@ -141,7 +142,7 @@ def _shaped(args, directory: Path) -> tuple[Path, dict]:
                          f"key/value heads do not divide among --tp {args.tp} ranks: reshape it with --heads Q,KV")  # fmt: skip
     if not overrides:
         return model, heads
-    return save_checkpoint(random_like(args.model, **overrides), directory, args.model), heads
+    return save_checkpoint(random_like(model, **overrides), directory, args.model), heads
 
 
 def reserve_cpus_alike() -> dict:

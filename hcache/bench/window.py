@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..model.loader import LoadedModel, random_model
+from ..model.loader import LoadedModel
+from ..model.random_weights import random_model
 from ..model.spec import ModelSpec
 from ..serving.runtime import HCacheRuntime
 

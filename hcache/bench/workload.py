@@ -1,11 +1,8 @@
 """End-to-end workload: replay a chat or long-context trace; TTFT and TBT of ideal, recompute, KV offload and hcache auto.
 
-The replay is event-driven on a simulated clock, with one engine serving requests first come, first served
-(the reference engine serves one request at a time). Sessions arrive by the trace; each later turn arrives
-its think time after the previous reply finished. Every request really runs on the runtime, and its
-measured times advance the clock, so TTFT = queueing wait + measured time to the first token (restore,
-prefill) and TBT is the measured time between consecutive tokens. Each (method, rate) replays the same
-trace, with the same token ids, in a store of its own, so no method reuses another's chunks:
+Each (method, rate) replays the same trace (:mod:`hcache.workload.traces`), with the same token ids, in a store
+of its own, so no method reuses another's chunks, by :func:`hcache.workload.replay.replay` (requests served
+first come, first served on a simulated clock advanced by their measured times):
 - ``ideal``: no eviction, as if every history stayed in device memory (prefix sharing included): the GPU
   prefix cache with blocks for every session's history, and the time of every restore (adoption or read)
   counted as zero, so TTFT is the prefill of the new tokens over the history already on the device. It
@@ -22,20 +19,16 @@ Every method but ``ideal`` and ``recompute`` prefetches (look-ahead): before a r
 already waiting in the queue starts reading its stored chunks into the host pool; ``prefetch_hidden_s`` is
 the read time that ran ahead of the restores. ``gpu_cache_hit_rate``: the share of the tokens looked up
 that the GPU cache had.
-Replies are forced to the trace's lengths (no stop token). ``bytes_per_token`` is the store's bytes over
-the tokens it holds, chunk headers included. Throughput is output tokens over the replay's span (first
-arrival to last reply). ``restore_share`` is the share of the engine's busy time spent restoring.
 Absolute CPU times mean little; compare the methods within one run.
 
 ``--through mii`` replays the same loop through DeepSpeed-MII's own ``mii.pipeline`` (``hcache.mii.pipeline``,
-``--engine``: the reference engine on a CPU, FastGen on a GPU), one call per request, for ``recompute``
-(hcache off), ``kv``, ``auto``, ``auto_gpu_cache`` and, on FastGen, ``mii``: plain ``mii.pipeline`` without
-hcache. MII returns whole replies, so the pipeline's batching steps are timed: with one sequence running,
-each of the reply's steps made one token, the first of them ending the prefill (TTFT) and the rest the
-TBTs. Restores come from the request log; prefetch is the engine's. MII takes text, so prompts are words
-that tokenize back to the same ids: a ``random:`` model is saved with ``hcache bench mii``'s word-level
-tokenizer (exact, replies included); an HF model's prompts are drawn from its whole-word tokens and its
-replies are tokenized again from their text, so a reply's ids may differ slightly from the model's.
+``--engine``: the reference engine on a CPU, FastGen on a GPU; :class:`hcache.workload.servers.MiiServer`),
+one call per request, for ``recompute`` (hcache off), ``kv``, ``auto``, ``auto_gpu_cache`` and, on FastGen,
+``mii``: plain ``mii.pipeline`` without hcache. Prefetch is the engine's. MII takes text, so prompts are
+words that tokenize back to the same ids: a ``random:`` model is saved with a word-level tokenizer
+(:func:`hcache.model.random_weights.save_random_model`: exact, replies included); an HF model's prompts are
+drawn from its whole-word tokens and its replies are tokenized again from their text, so a reply's ids may
+differ slightly from the model's.
 ``ideal`` is runtime-only.
 
 ``--eviction cost,lru`` replays each method under each eviction policy of the GPU prefix cache and the host
@@ -46,12 +39,7 @@ tokens restored from each tier by policy, with cost's ratios to LRU. Eviction ne
 from __future__ import annotations
 
 import argparse
-import heapq
-import json
 import tempfile
-import time
-from collections import Counter
-from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -61,13 +49,14 @@ from tqdm import tqdm
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load_model, model_dir, model_dtype
 from ..planning.profile import Profile
 from ..planning.profiler import measure_profile
-from ..restore.records import GPU_CACHE, RestoreStep, SequenceRecord
-from ..serving.runtime import HCacheRuntime, RequestResult
+from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import DEFAULT_READERS
+from ..workload.replay import replay
+from ..workload.servers import MiiServer, RuntimeServer, whole_word_ids
+from ..workload.traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
 from ._workload_options import kv_blocks, memory_settings, parse_policies, parse_rates, profile_tokens
 from ._workload_report import METRICS, plot, print_eviction, print_table, write_csv
-from .traces import LEVAL, PRESETS, Trace, load_sharegpt, make_trace
 
 METHODS = ("ideal", "recompute", "kv", "auto", "auto_gpu_cache")
 _RUNTIME = {  # method -> (plan, save policy, restore, GPU prefix cache)
@@ -156,7 +145,10 @@ def run(args: argparse.Namespace) -> dict:
         for rate, trace in zip(rates, traces):
             for method, policy, name in runs:
                 bar.set_postfix(rate=rate, method=name)
-                by_rate[name].append(_replay(lambda d, m=method, p=policy: serve(m, d, p), words, trace, rate, method, args, bar))
+                by_rate[name].append({"rate": rate, **replay(
+                    lambda d, m=method, p=policy: serve(m, d, p), words, trace, args.seed,
+                    prefetch=method not in ("ideal", "recompute"), on_device=method == "ideal", done=bar.update,
+                )})
     sessions = traces[0].sessions
     turns = [t for s in sessions for t in s.turns]
     result = {
@@ -202,42 +194,20 @@ def _trace(args: argparse.Namespace, loaded: LoadedModel, rate: float) -> Trace:
     return trace
 
 
-def _ids(seed: int, key: tuple[int, ...], n: int, words: np.ndarray) -> list[int]:
-    """Token ids drawn from ``words`` that depend only on ``key``: every method and rate sends the same prompts."""
-    return words[np.random.default_rng([seed, *key]).integers(0, len(words), n)].tolist()
-
-
 def _runtime(loaded: LoadedModel, profile: Profile | None, args, trace: Trace):
     """``serve(method, store_dir)``: an :class:`HCacheRuntime` set up for ``method``; ideal's engine has blocks
     for every session's history too, so its GPU prefix cache never evicts."""
     every_history = sum(-(-s.total_tokens // CHUNK_TOKENS) for s in trace.sessions)
 
-    def serve(method: str, store_dir: str, eviction: str | None) -> _Runtime:
+    def serve(method: str, store_dir: str, eviction: str | None) -> RuntimeServer:
         plan, save, restore, gpu_cache = _RUNTIME[method]
-        return _Runtime(HCacheRuntime(
+        return RuntimeServer(HCacheRuntime(
             loaded, store_dir, plan=plan, save=save, profile=profile if plan == "auto" else None,
             readers=args.readers, num_blocks=kv_blocks(args) + (every_history if method == "ideal" else 0),
             gpu_cache=gpu_cache, **memory_settings(args, eviction),
         ), restore)
 
     return serve
-
-
-class _Runtime:
-    """The replay's view of a server: ``generate``, ``prefetch``, and its ``store`` and ``gpu_cache``."""
-
-    def __init__(self, runtime: HCacheRuntime, restore: bool):
-        self.runtime, self.restore = runtime, restore
-        self.prefetch, self.store, self.gpu_cache = runtime.prefetch, runtime.store, runtime.gpu_cache
-
-    def generate(self, prompt: list[int], max_new_tokens: int) -> RequestResult:
-        return self.runtime.generate(prompt, max_new_tokens, restore=self.restore, stop_token_ids=())
-
-    def __enter__(self) -> "_Runtime":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.runtime.close()
 
 
 def _mii_engine(args: argparse.Namespace) -> str:
@@ -251,12 +221,12 @@ def _through_mii(loaded: LoadedModel, engine: str, profile: Profile | None, args
     from (those that tokenize back to themselves: see the module docstring)."""
     from transformers import AutoTokenizer
 
-    from .mii import save_random_model
+    from ..model.random_weights import save_random_model
 
     random = args.model.startswith("random:")
     path = save_random_model(args.model, loaded.model.dtype, tmp / "model") if random else model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    words = np.arange(loaded.spec.vocab_size) if random else _whole_words(tokenizer)
+    words = np.arange(loaded.spec.vocab_size) if random else whole_word_ids(tokenizer)
     if profile is not None:
         profile.save(tmp / "profile.json")
 
@@ -265,7 +235,7 @@ def _through_mii(loaded: LoadedModel, engine: str, profile: Profile | None, args
     mii_options = {"inference_engine_config": _fastgen_memory(args, loaded.spec.head_size)} if engine == "fastgen" else {}
     placed = {"device": args.device} if engine == "reference" else {}
 
-    def serve(method: str, store_dir: str, eviction: str | None) -> _Mii:
+    def serve(method: str, store_dir: str, eviction: str | None) -> MiiServer:
         options = _MII[method]
         config = None if options is None else {
             "engine": engine, "store_dirs": [store_dir], "request_log": f"{store_dir}/requests.jsonl",
@@ -273,7 +243,7 @@ def _through_mii(loaded: LoadedModel, engine: str, profile: Profile | None, args
             **memory_settings(args, eviction),
             **({"profile": str(tmp / "profile.json")} if options.get("plan") == "auto" else {}),
         }
-        return _Mii(str(path), tokenizer, config, mii_options)
+        return MiiServer(str(path), tokenizer, config, mii_options)
 
     return serve, words
 
@@ -285,130 +255,3 @@ def _fastgen_memory(args: argparse.Namespace, head_size: int) -> dict:
 
     blocks = -(-kv_blocks(args) * CHUNK_TOKENS // get_kv_block_size(head_size))
     return {"state_manager": {"memory_config": {"mode": "allocate", "size": blocks}}}
-
-
-def _whole_words(tokenizer) -> np.ndarray:
-    """Ids of the tokens that are one space-led alphabetic word and tokenize back to themselves alone: a text
-    of such words tokenizes to exactly its ids."""
-    texts = tokenizer.batch_decode([[t] for t in range(len(tokenizer))])
-    ids = [t for t, w in enumerate(texts) if len(w) > 1 and w[0] == " " and w[1:].isascii() and w[1:].isalpha()]
-    encoded = tokenizer([texts[t] for t in ids], add_special_tokens=False)["input_ids"]
-    return np.array([t for t, e in zip(ids, encoded) if e == [t]])
-
-
-class _Mii:
-    """``hcache.mii.pipeline`` (plain ``mii.pipeline`` for ``config=None``) answering one prompt per call,
-    with the same view as :class:`_Runtime`. Its batching steps are timed: with one sequence running, each of
-    the reply's steps made one of its tokens."""
-
-    def __init__(self, path: str, tokenizer, config: dict | None, mii_options: dict):
-        from .mii import pipeline_on_free_port
-
-        self.tokenizer, self.config = tokenizer, config
-        self.pipe = pipeline_on_free_port(path, config, **mii_options)
-        served = self.pipe.inference_engine if config is not None else None
-        self.store = served.stack.store if served is not None else None
-        self.gpu_cache = served.stack.gpu_cache if served is not None else None
-        self.prefetch = served.prefetch if served is not None else (lambda prompt: 0)
-        self.steps: list[float] = []
-        step = self.pipe.generate
-
-        def timed_step(*a, **kw):
-            step(*a, **kw)
-            self.steps.append(time.perf_counter())
-
-        self.pipe.generate = timed_step
-
-    def generate(self, prompt: list[int], max_new_tokens: int) -> RequestResult:
-        self.steps.clear()
-        start = time.perf_counter()
-        reply = self.pipe([self.tokenizer.decode(prompt)], max_new_tokens=max_new_tokens, ignore_eos=True, do_sample=False)[0]
-        if reply.generated_length != max_new_tokens or len(self.steps) < max_new_tokens:
-            raise RuntimeError(f"MII answered {reply.generated_length} tokens in {len(self.steps)} steps, not {max_new_tokens}")
-        times = self.steps[-max_new_tokens:]  # the first ended the prefill
-        record = json.loads(Path(self.config["request_log"]).read_text().splitlines()[-1]) if self.config else {}
-        cost = {f.name: record[f.name] for f in fields(SequenceRecord) if f.name in record}
-        cost["restores"] = [RestoreStep(**step) for step in cost.get("restores", [])]
-        return RequestResult(
-            output_ids=self.tokenizer.encode(reply.generated_text, add_special_tokens=False),
-            prompt_tokens=reply.prompt_length, ttft_s=times[0] - start, tbt_s=np.diff(times).tolist(), **cost,
-        )
-
-    def __enter__(self) -> "_Mii":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.config is not None:
-            self.pipe.inference_engine.close()
-        self.pipe.destroy()
-
-
-def _replay(serve, words: np.ndarray, trace: Trace, rate: float, method: str, args, bar: tqdm) -> dict:
-    """One method's replay at one rate, through ``serve(store_dir)`` (the runtime's or MII's)."""
-    sessions = trace.sessions
-    ttft, tbt, restore_s, busy, restored, outputs, plans = [], [], 0.0, 0.0, 0, 0, set()
-    gpu_tokens, hidden_s, replies, tiers = 0, 0.0, {}, Counter()
-    with tempfile.TemporaryDirectory(prefix=f"hcache-workload-{method}-") as store_dir:
-        with serve(store_dir) as runtime:
-            history = {
-                i: _ids(args.seed, (1, s.document), s.context_tokens, words) if s.context_tokens else []
-                for i, s in enumerate(sessions)
-            }
-
-            def prompt_of(i: int, k: int) -> list[int]:
-                return history[i] + _ids(args.seed, (2, i, k), sessions[i].turns[k].input_tokens, words)
-
-            queue = [(s.arrival_s, i, 0) for i, s in enumerate(sessions)]
-            heapq.heapify(queue)
-            clock = first = queue[0][0]
-            while queue:
-                arrival, i, k = heapq.heappop(queue)
-                turn = sessions[i].turns[k]
-                prompt = prompt_of(i, k)
-                begin = max(clock, arrival)
-                if method not in ("ideal", "recompute"):  # look-ahead: the requests waiting behind this one
-                    for waiting in sorted(queue):
-                        if waiting[0] <= begin:
-                            runtime.prefetch(prompt_of(*waiting[1:]))
-                start = time.perf_counter()
-                r = runtime.generate(prompt, turn.output_tokens)
-                service = time.perf_counter() - start
-                free = r.restore_s if method == "ideal" else 0.0  # ideal: the history is already on the device
-                clock = begin + service - free
-                ttft.append(begin - arrival + r.ttft_s - free)
-                tbt += r.tbt_s
-                busy += service - free
-                restore_s += r.restore_s - free
-                restored += r.restored_tokens
-                gpu_tokens += r.gpu_tokens
-                tiers.update(r.tier_tokens)
-                hidden_s += r.prefetch_hidden_s
-                outputs += len(r.output_ids)
-                plans.update(step.plan for step in r.restores)
-                history[i] = prompt + r.output_ids
-                replies[f"{i}.{k}"] = r.output_ids
-                if k + 1 < len(sessions[i].turns):
-                    heapq.heappush(queue, (clock + sessions[i].turns[k + 1].think_s, i, k + 1))
-                bar.update()
-        stats = runtime.store.stats() if runtime.store else None  # after close: every chunk saved is on disk
-        cache = runtime.gpu_cache
-    held = stats["stores"][0]["chunks"] * CHUNK_TOKENS if stats else 0
-    return {
-        "rate": rate,
-        "ttft_p50_s": float(np.percentile(ttft, 50)),
-        "ttft_p99_s": float(np.percentile(ttft, 99)),
-        "tbt_mean_s": float(np.mean(tbt)) if tbt else None,
-        "tbt_p99_s": float(np.percentile(tbt, 99)) if tbt else None,
-        "throughput_tok_s": outputs / (clock - first),
-        "restore_tokens_per_s": restored / restore_s if restored and restore_s > 0 else None,
-        "bytes_per_token": 0.0 if method == "ideal" or not held else stats["stores"][0]["used_bytes"] / held,
-        "restore_share": restore_s / busy,
-        "requests": len(ttft),
-        "restored_tokens": restored,
-        "gpu_tokens": gpu_tokens,
-        "tier_tokens": {GPU_CACHE: gpu_tokens, **tiers} if gpu_tokens else dict(tiers),  # restored, by where from
-        "gpu_cache_hit_rate": cache.hit_tokens / max(cache.hit_tokens + cache.miss_tokens, 1) if cache else None,
-        "prefetch_hidden_s": hidden_s,
-        "plans": sorted(plans),
-        "replies": replies,  # by "session.turn"
-    }

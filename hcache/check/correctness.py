@@ -16,7 +16,7 @@ import torch
 from ..engine import ReferenceEngine
 from ..engine.interface import Engine
 from ..model.fingerprint import model_fingerprint
-from ..model.loader import random_model
+from ..model.random_weights import random_model
 from ..model.spec import ModelSpec
 from ..resolve import resolve
 from ..serving.engine import ServingEngine

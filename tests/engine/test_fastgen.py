@@ -544,7 +544,7 @@ def real_fastgen(request, tmp_path_factory):
     (not most of the GPU), so the families' engines fit one after another."""
     if not torch.cuda.is_available():
         pytest.skip("FastGen's kernels need a CUDA GPU; the fakes above cover the logic")
-    from hcache.model.loader import random_model
+    from hcache.model.random_weights import random_model
 
     family = request.param
     path = tmp_path_factory.mktemp(family)

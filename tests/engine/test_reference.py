@@ -24,6 +24,20 @@ def test_prefill_and_decode_match_transformers(tiny, rng):
     assert engine.sequences[1].tokens == ids
 
 
+def test_score_gives_every_position_as_transformers_and_extends_the_sequence(tiny, rng):
+    """``score``: the next-token logits after each of a continuation's last tokens, as transformers' forward of
+    the whole text gives them, and the sequence grown by the continuation, as ``step`` grows it."""
+    ids = random_prompt(90, tiny.spec.vocab_size, rng)
+    with torch.no_grad():
+        expected = tiny.model(torch.tensor([ids])).logits[0]
+    engine = ReferenceEngine(tiny.model, tiny.spec, num_blocks=8)
+    engine.step([(0, ids[:40])])
+    torch.testing.assert_close(engine.score(0, ids[40:], 30), expected[60:], atol=ATOL, rtol=0)
+    assert engine.sequences[0].tokens == ids
+    with pytest.raises(InvalidRequestError, match="cannot score"):
+        engine.score(0, ids[:5], 6)
+
+
 def test_attention_in_query_tiles_equals_one_call(tiny, rng, monkeypatch):
     """A long prefill's attention is taken in tiles of queries (its scores bounded): the same logits and
     cache as one call, for a prefill and for a continuation after it, in a ragged batch."""

@@ -28,7 +28,8 @@ from hcache.config import HCacheConfig
 from hcache.mii.engine_factory import resolve_deployment
 from hcache.mii.processes import openai_server
 from hcache.model.loader import model_dir as resolve_model_dir
-from hcache.model.loader import random_model, save_checkpoint
+from hcache.model.loader import save_checkpoint
+from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
 from hcache.planning.plan import default_plan
 from hcache.planning.profile import Profile, ProfileMismatch, default_profile_path

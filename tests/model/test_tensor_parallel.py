@@ -11,7 +11,8 @@ from support.helpers import corrupt_tensor, loaded, random_prompt
 
 from hcache.engine import ReferenceEngine
 from hcache.errors import UnsupportedModelError
-from hcache.model.loader import LoadedModel, random_model
+from hcache.model.loader import LoadedModel
+from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
 from hcache.planning.plan import Method, RestorePlan
 from hcache.planning.profile import Profile, ProfileMismatch

@@ -38,7 +38,7 @@ import hcache.storage.chunk_key as chunk_key
 import hcache.transfer.copier as copier_module
 from hcache.engine import ReferenceEngine
 from hcache.model.fingerprint import model_fingerprint
-from hcache.model.loader import random_model
+from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
 from hcache.storage.chunk_key import CHUNK_TOKENS
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 from support.helpers import loaded, random_prompt
 
-from hcache.model.loader import LoadedModel, random_model
+from hcache.model.loader import LoadedModel
+from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
 from hcache.planning.plan import RestorePlan
 from hcache.serving.restore import restore_prefix

@@ -10,7 +10,8 @@ from support.storage_chunks import read_back
 
 from hcache.engine import ReferenceEngine
 from hcache.errors import InvalidRequestError, ModelNotFoundError, StorageError
-from hcache.model.loader import load_model, random_model
+from hcache.model.loader import load_model
+from hcache.model.random_weights import random_model
 from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.chunk import Chunk, decode, encode
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key

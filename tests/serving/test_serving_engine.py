@@ -10,7 +10,7 @@ from support.helpers import loaded, random_prompt, serving_engine
 from hcache.engine import ReferenceEngine
 from hcache.errors import CacheFullError, InvalidRequestError
 from hcache.model.fingerprint import model_fingerprint
-from hcache.model.loader import random_model
+from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
 from hcache.planning.profile import Profile
 from hcache.serving.engine import ServingEngine

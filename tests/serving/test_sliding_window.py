@@ -9,7 +9,8 @@ from test_restore import assert_restored_kv_equals_recompute, plans
 
 from hcache.cli import main
 from hcache.errors import UnsupportedModelError
-from hcache.model.loader import LoadedModel, random_model
+from hcache.model.loader import LoadedModel
+from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
 from hcache.planning.window import WindowRule
 from hcache.resolve import resolve

