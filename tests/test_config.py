@@ -153,7 +153,7 @@ def test_a_deployment_is_resolved_for_the_dtype_its_engine_runs(tmp_path):
     import torch
 
     from hcache.mii.engine_factory import resolve_deployment
-    from hcache.model.loader import random_model
+    from hcache.model.random_weights import random_model
 
     random_model("llama", torch.bfloat16).save_pretrained(tmp_path)
     assert resolve_deployment(HCacheConfig(engine="fastgen"), str(tmp_path)).spec.dtype == "bfloat16"

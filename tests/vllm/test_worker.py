@@ -31,7 +31,7 @@ LAYERS, BLOCK, KERNEL_BLOCK = 3, 32, 16  # vLLM's blocks of 32 tokens, split int
 def _worker(tmp_path, bound=None):
     """A CPU worker over three layers' caches; ``bound(cache)``: the tensor each layer holds, as vLLM's
     ``bind_kv_cache`` hands them over (None: no attention layers)."""
-    from hcache.model.loader import random_model
+    from hcache.model.random_weights import random_model
     from hcache.model.spec import ModelSpec
     from hcache.resolve import resolve
     from hcache.vllm.settings import VllmSetup
