@@ -3,6 +3,7 @@ import argparse
 import json
 
 import pytest
+import torch
 from support.helpers import loaded
 
 from hcache.config import HCacheConfig, ResolvedConfig
@@ -133,6 +134,30 @@ def test_serve_takes_a_config_file_and_its_flags_override_it(tmp_path):
     assert _serve_settings("--metrics-port", "0").metrics_port is None and _serve_settings("--off").enabled is False
 
 
+def test_serve_stored_dtype_flag_overrides_the_config_file(tmp_path):
+    (tmp_path / "c.json").write_text('{"stored_dtype": "int8", "plan": "KV"}')
+    assert _serve_settings("--config", str(tmp_path / "c.json")).stored_dtype == "int8"
+    settings = _serve_settings("--config", str(tmp_path / "c.json"), "--stored-dtype", "H=fp8,KV=int8")
+    assert settings.stored_dtype == "H=fp8,KV=int8" and settings.plan == "KV"
+
+
+def test_the_encodings_travel_to_model_servers_and_steer_the_auto_plan():
+    """What hcache.mii.serve hands its model servers as JSON: the setting, and with it the auto plan's
+    choice for 8-bit bytes and the formats saved."""
+    spec = loaded("random:llama").spec
+    seconds = {
+        "c_token": [0.01, 0.04], "c_h": [0.001, 0.004], "c_kv": [0.0, 0.0],
+        "io_h": [0.004, 0.016], "io_kv": [0.008, 0.032],
+    }
+    settings = {"profile": Profile.new("m", spec, [64, 256], seconds, {}), "stored_dtype": "H=fp8"}
+    resolved = resolve(settings, spec, "m")
+    again = ResolvedConfig.model_validate_json(resolved.model_dump_json())
+    assert again.encodings == resolved.encodings == {"H": torch.float8_e4m3fn}
+    assert again.policy.plan_for(None, 256) == RestorePlan.uniform(3, "H")
+    lossless = resolve({**settings, "stored_dtype": "auto"}, spec, "m")
+    assert lossless.policy.plan_for(None, 256) == RestorePlan.parse("1RE+2H", 3)
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
@@ -150,8 +175,6 @@ def test_a_bad_config_file_is_refused(tmp_path, content, message):
 
 def test_a_deployment_is_resolved_for_the_dtype_its_engine_runs(tmp_path):
     """FastGen runs a checkpoint in the dtype its config names; the reference engine in float32 on a CPU."""
-    import torch
-
     from hcache.mii.engine_factory import resolve_deployment
     from hcache.model.random_weights import random_model
 

@@ -2,9 +2,11 @@ import json
 
 import pytest
 
+import hcache.demo
 from hcache.cli import main
 from hcache.demo import run_demo
-from hcache.machine import source_commit
+from hcache.errors import InvalidRequestError
+from hcache.machine.facts import source_commit
 
 
 def test_demo_restores_every_turn_by_every_method_with_identical_replies(smollm2, tmp_path, capsys):
@@ -52,3 +54,9 @@ def test_demo_refuses_fewer_than_one_repeat_before_touching_the_store(tmp_path, 
     with pytest.raises(ValueError, match="repeats must be an integer of at least 1"):
         run_demo(turns=1, store_dir=str(store), repeats=repeats)
     assert not store.exists()
+
+
+def test_demo_refuses_a_bad_stored_dtype_before_loading_the_model(monkeypatch):
+    monkeypatch.setattr(hcache.demo, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(InvalidRequestError, match="stored_dtype"):
+        run_demo(stored_dtype="int4")

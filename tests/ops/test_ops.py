@@ -113,12 +113,6 @@ def check_kernel_against_reference(head_size, n_kv, dtype, rope, rng, rule="hf")
         assert not torch.equal(cache.flatten(0, 1)[slots, 0], k)
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    """Run Triton kernels on the interpreter; the kernel is wrapped at launch, so setting it now suffices."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 def test_kernel_equals_reference(head_size, dtype, interpret, rng):

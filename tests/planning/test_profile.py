@@ -3,12 +3,13 @@ import json
 import logging
 
 import pytest
+import torch
 from support.helpers import loaded, random_prompt
 
 import hcache.planning.profiler
 from hcache.cli import main
 from hcache.errors import InvalidRequestError
-from hcache.planning.plan import default_plan
+from hcache.planning.plan import Method, RestorePlan, default_plan
 from hcache.planning.profile import PROFILE_VERSION, Profile, ProfileMismatch, default_profile_path
 from hcache.serving.runtime import HCacheRuntime
 
@@ -151,3 +152,36 @@ def test_a_sliding_window_layer_costs_its_window(llama, synthetic):
     full, windowed = synthetic.costs(256), synthetic.costs(64)
     assert WindowRule(spec).read_tokens(0, 0, 256) == 64 and layers[1] == layers[2] == full
     assert layers[0] == LayerCosts(**{**dataclasses.asdict(windowed), "c_token": full.c_token})
+
+
+def test_auto_plan_weighs_the_encodings_bytes_and_dequantisation_cost(llama):
+    spec = llama.spec
+    seconds = {
+        "c_token": [0.01, 0.04], "c_h": [0.001, 0.004], "c_kv": [0.0, 0.0],
+        "io_h": [0.004, 0.016], "io_kv": [0.008, 0.032],
+    }
+    profile = Profile.new(llama.name, spec, [64, 256], seconds, {})
+    fp8, int8 = {"H": torch.float8_e4m3fn}, {"KV": torch.int8}
+    assert Method.H.bytes_per_token_layer(spec, fp8["H"]) == spec.hidden_size + 2  # codes and one float16 scale
+    assert Method.KV.bytes_per_token_layer(spec, int8["KV"]) == 2 * spec.num_kv_heads * (spec.head_size + 2)
+    # I/O-bound lossless: a layer recomputed; H at a quarter of the bytes is compute-bound: all H
+    assert profile.plan(spec, 256) == RestorePlan.parse("1RE+2H", 3)
+    assert profile.plan(spec, 256, fp8) == RestorePlan.uniform(3, "H")
+    ratio = (spec.hidden_size + 2) / spec.hidden_bytes_per_token_layer
+    assert profile.costs(256, {"H": ratio}).io_h == pytest.approx(0.016 * ratio)
+    # RE+KV (bench restore's hybrid) and the bound weigh the encoding too: KV at a quarter of the bytes is
+    # no longer worth recomputing a layer for
+    assert profile.plan(spec, 256, allow_h=False) == RestorePlan.parse("1RE+2KV", 3)
+    assert profile.plan(spec, 256, int8, allow_h=False) == RestorePlan.uniform(3, "KV")
+    assert profile.bound_seconds(spec, 256, int8) < profile.bound_seconds(spec, 256)
+    # a measured dequantisation cost replaces the lossless compute cost: here, one too dear to take H
+    priced = Profile.new(llama.name, spec, [64, 256], {**seconds, "c_h8": [0.05, 0.2], "c_kv8": [0.0, 0.0]}, {})
+    assert priced.costs(256, {"H": ratio}).c_h == 0.2
+    assert priced.plan(spec, 256, fp8).count(Method.H) < 3
+
+
+def test_profile_with_and_without_8bit_costs_loads(llama, tmp_path):
+    seconds = {"c_token": [0.01], "c_h": [0.001], "c_kv": [0.0], "io_h": [0.004], "io_kv": [0.008]}
+    for extra in ({}, {"c_h8": [0.002], "c_kv8": [0.001]}):
+        Profile.new(llama.name, llama.spec, [64], {**seconds, **extra}, {}).save(tmp_path / "p.json")
+        assert Profile.load(tmp_path / "p.json", llama.spec).seconds.keys() == {**seconds, **extra}.keys()

@@ -7,6 +7,7 @@ import torch
 from support.storage_chunks import read_back
 
 from hcache.errors import StorageError
+from hcache.ops.quant import quantise
 from hcache.storage.chunk import Chunk, ChunkImage, ChunkInvalid, ChunkLayout, decode, encode
 from hcache.storage.chunk_key import CHUNK_TOKENS, LAYOUT_VERSION, chunk_keys, root_key
 from hcache.storage.disk_store import DiskChunkStore
@@ -151,3 +152,19 @@ def test_read_only_directory_is_rejected(tmp_path):
             DiskChunkStore(tmp_path / "store")
     finally:
         tmp_path.chmod(0o700)
+
+
+def test_chunk_stores_codes_and_scales_under_checksums(rng):
+    """An 8-bit format's codes and its float16 scales are tensors of the chunk like any other."""
+    fp8 = torch.float8_e4m3fn
+    rows = quantise(torch.randn(64, 2, 3, 64, generator=rng), fp8)
+    chunk = Chunk("ab" * 16, list(range(64)), "fp", {(0, "KV"): rows.codes, (0, "KV.scale"): rows.scale})
+    data = encode(chunk)
+    back = decode(data, chunk.key)
+    assert back.tensors[(0, "KV")].dtype == fp8 and torch.equal(back.tensors[(0, "KV")].view(torch.uint8), rows.codes.view(torch.uint8))
+    assert torch.equal(back.tensors[(0, "KV.scale")], rows.scale)
+    assert b'"dtype":"F8_E4M3"' in data and b'"dtype":"F16"' in data
+    bad = bytearray(data)
+    bad[-1] ^= 0x01  # the last scale's low byte
+    with pytest.raises(Exception, match="checksum mismatch in L0000.KV.scale"):
+        decode(bytes(bad), chunk.key)
