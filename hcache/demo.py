@@ -22,7 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .config import HCacheConfig
-from .machine import machine_facts, source_commit
+from .machine.facts import machine_facts, source_commit
 from .model.loader import DEFAULT_MODEL, load_model
 from .planning.plan import RestorePlan
 from .serving.runtime import HCacheRuntime

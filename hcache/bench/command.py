@@ -2,7 +2,7 @@
 
 Each module of the package but this one (and those named ``_*``, its helpers) is one benchmark. It defines ``add_arguments(parser)`` and ``run(args) -> dict``; the
 first line of its docstring is its help. ``--json PATH`` writes the returned figures together with the
-command, the hcache commit it ran (:func:`~hcache.machine.source_commit`) and the machine's facts, so a kept
+command, the hcache commit it ran (:func:`~hcache.machine.facts.source_commit`) and the machine's facts, so a kept
 result says where it came from.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import pkgutil
 from pathlib import Path
 
-from ..machine import machine_facts
+from ..machine.facts import machine_facts
 
 
 def available() -> dict[str, str]:
@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..machine import source_commit
+    from ..machine.facts import source_commit
 
     commit = source_commit()  # before the run: the source it measures, whatever is committed meanwhile
     result = importlib.import_module(available()[args.benchmark]).run(args)

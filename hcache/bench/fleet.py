@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from ..fleet.nodes import Fleet, chat
-from ..ports import free_port
+from ..machine.ports import free_port
 from ..model.loader import DEFAULT_MODEL, model_dir
 from ._conversations import conversations_of
 

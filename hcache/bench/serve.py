@@ -39,10 +39,10 @@ import numpy as np
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from .. import process_tree
+from ..machine import process_tree
 from ..fleet.nodes import Node, Reply, chat
 from ..model.loader import DEFAULT_MODEL, model_dir
-from ..ports import free_port
+from ..machine.ports import free_port
 from ._conversations import conversations_of
 from .vllm import reserve_cpus_alike
 

@@ -50,7 +50,7 @@ def _start_runtime(args: argparse.Namespace, store: Path, mode: str) -> tuple[fl
 def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> tuple[float, float]:
     """``hcache serve`` until it says it serves, on free ports, then SIGTERM: the seconds to start, and to
     stop."""
-    from ..ports import free_port
+    from ..machine.ports import free_port
 
     ports = {f"--{name}": str(free_port()) for name in ("rest-port", "port", "zmq-port", "dist-port")}
     command = [sys.executable, "-m", "hcache", "serve", "--model", args.model, "--store-dir", str(store), "--self-check", mode,

@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..machine import machine_facts, machine_name, source_commit
+from ..machine.facts import machine_facts, machine_name, source_commit
 
 RESULTS = Path("benchmarks/results")
 

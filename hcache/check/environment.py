@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..machine import machine_facts
+from ..machine.facts import machine_facts
 from ..storage.direct_io import supports_direct
 
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-from .. import process_tree
+from ..machine import process_tree
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError, StorageError
-from ..ports import check_free, free_port
+from ..machine.ports import check_free, free_port
 
 SESSION_HEADER = "X-Session-Id"
 NODE_HEADER = "X-Hcache-Node"  # set by the balancer on each answer: the node that gave it

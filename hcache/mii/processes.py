@@ -14,7 +14,7 @@ import time
 
 import psutil
 
-from .. import process_tree
+from ..machine import process_tree
 
 # How ``hcache serve`` drives the OpenAI server it starts (:func:`openai_server`): its signals and its grace,
 # read by the server's ``__main__`` too. The server stands on the deployment, so the deployment owns them.

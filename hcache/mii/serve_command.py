@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
-from ..ports import check_free
+from ..machine.ports import check_free
 from .processes import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from .. import helper_threads
+from ..machine import helper_threads
 from ..storage.shared_memory import mapped, memfd
 
 

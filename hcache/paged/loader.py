@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from .. import helper_threads
+from ..machine import helper_threads
 from ..planning.plan import Method, RestorePlan
 from ..restore.layers import StoredRows, restore_layers
 from ..restore.reads import LayerJob, layer_jobs, reads

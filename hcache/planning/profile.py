@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import HCacheError
-from ..machine import machine_facts, machine_name
+from ..machine.facts import machine_facts, machine_name
 from ..model.loader import cache_home
 from ..model.spec import ModelSpec
 from ..version import __version__

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .. import helper_threads
+from ..machine import helper_threads
 from ..defaults import DEFAULT_READERS
 from .chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from .chunk_store import ChunkStore, Loss

@@ -14,7 +14,7 @@ from pathlib import Path
 import redis
 
 from ..errors import StorageError
-from ..ports import free_port
+from ..machine.ports import free_port
 
 _START_S = 10.0
 

@@ -7,7 +7,7 @@ import os
 import threading
 from pathlib import Path
 
-from .. import helper_threads
+from ..machine import helper_threads
 
 
 def set_time(path: Path, when: float) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import helper_threads
+from ..machine import helper_threads
 from ..engine.ragged import Segment
 from ..ops import device_copy
 from ..storage.chunk import ChunkLayout

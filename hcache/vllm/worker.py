@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .. import helper_threads
+from ..machine import helper_threads
 from ..engine.ragged import Segment
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import TPGroup

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..ports import free_port
+from ..machine.ports import free_port
 from ..restore.records import RestoreStep, SequenceRecord
 from ..serving.runtime import HCacheRuntime, RequestResult
 

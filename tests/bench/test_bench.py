@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from hcache.cli import main
-from hcache.machine import SOURCE_ROOT, source_commit
+from hcache.machine.facts import SOURCE_ROOT, source_commit
 from hcache.version import __version__
 
 

@@ -6,7 +6,7 @@ import torch
 from hcache.check.correctness import FAMILIES, PLANS, check_restores
 from hcache.cli import main
 from hcache.engine import ReferenceEngine
-from hcache.machine import source_commit
+from hcache.machine.facts import source_commit
 
 
 def test_check_reports_the_machine_and_passes_every_restore_on_the_cpu(tmp_path, capsys):

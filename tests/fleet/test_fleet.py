@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from hcache.storage.redis_server import redis_missing
 from hcache.fleet import Fleet, chat, haproxy_missing
-from hcache.ports import free_port
+from hcache.machine.ports import free_port
 from hcache.model.loader import model_dir as resolve_model_dir
 
 pytestmark = pytest.mark.skipif(bool(haproxy_missing() or redis_missing()), reason=f"{haproxy_missing() or redis_missing()}")

@@ -20,8 +20,8 @@ from transformers import AutoTokenizer
 
 import hcache.mii
 import hcache.mii.deployment
-from hcache import process_tree
-from hcache.ports import free_port as _free_port
+from hcache.machine import process_tree
+from hcache.machine.ports import free_port as _free_port
 from hcache.cli import main
 from hcache.errors import InvalidRequestError, UnsupportedModelError
 from hcache.config import HCacheConfig

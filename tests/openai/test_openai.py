@@ -24,8 +24,8 @@ import pytest
 from transformers import AutoTokenizer
 
 import hcache
-from hcache import process_tree
-from hcache.ports import free_port as _free_port
+from hcache.machine import process_tree
+from hcache.machine.ports import free_port as _free_port
 from hcache.model.loader import model_dir as resolve_model_dir
 from hcache.restore.records import SequenceRecord
 from support import FAULT_DIR, REPO

@@ -133,7 +133,7 @@ def test_vllms_openai_server_refuses_a_misspelt_setting_before_its_engine_starts
     (entry point ``vllm.general_plugins``, installed with hcache) checks the settings in the process that
     starts the server, as vLLM builds its config: the server exits with hcache's message, having started no
     engine."""
-    from hcache.ports import free_port
+    from hcache.machine.ports import free_port
     from hcache.vllm import kv_transfer_config
     from hcache.vllm.plugin import check_transfer_config
 

@@ -12,9 +12,9 @@ import socket
 import subprocess
 from pathlib import Path
 
-from .version import __version__
+from ..version import __version__
 
-SOURCE_ROOT = Path(__file__).resolve().parent.parent  # a checkout's root, where hcache is a git checkout
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # a checkout's root, where hcache is a git checkout
 
 
 def _cpu_name() -> str:

@@ -3,7 +3,7 @@ engine's own processes there come first; anywhere, at their starter's priority, 
 import os
 import threading
 
-from hcache import helper_threads
+from hcache.machine import helper_threads
 
 
 def _where_and_nice() -> tuple[set[int], int]:

@@ -7,7 +7,7 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 
 def free_port(host: str = "127.0.0.1", also: Iterable[int] = ()) -> int:
