@@ -1,5 +1,5 @@
 """The data-path benchmarks' model (``bench transfer``, ``bench paged``): a named shape with a few layers and
-random weights. Only attention's shapes matter to their figures, so the MLP and vocabulary are shrunk to
+random weights (:func:`hcache.model.random_weights.random_model`). Only attention's shapes matter to their figures, so the MLP and vocabulary are shrunk to
 keep host memory small."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..model.loader import model_dtype
-from ..model.random_weights import random_model
+from ..model.loader import LoadedModel, model_dtype
+from ..model.random_weights import RANDOM_PREFIX, random_model
 from ..model.spec import ModelSpec
 from ..storage.chunk_key import CHUNK_TOKENS
 
@@ -28,8 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Shaped:
-    model: torch.nn.Module
-    spec: ModelSpec
+    loaded: LoadedModel  # ``random:<shape>``, as the loader names it
     history: int  # whole chunks
     device: torch.device
     dtype: torch.dtype
@@ -46,7 +45,7 @@ def shaped(args: argparse.Namespace) -> Shaped:
     spec = ModelSpec.from_config(model.config, dtype)
     if history >= spec.max_positions:
         raise ValueError(f"--history must be below the model's {spec.max_positions} positions")
-    return Shaped(model, spec, history, torch.device(args.device), dtype)
+    return Shaped(LoadedModel(f"{RANDOM_PREFIX}{args.shape}", model, spec, None), history, torch.device(args.device), dtype)
 
 
 def timed_rounds(measures: dict, repeats: int, device: torch.device, desc: str, after=lambda name: None) -> dict[str, float]:

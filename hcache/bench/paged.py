@@ -23,7 +23,6 @@ import tempfile
 
 import torch
 
-from ..model.loader import LoadedModel
 from ..ops.kv_projection import KVProjection
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..paged.layout import PagedLayout
@@ -43,7 +42,8 @@ add_arguments = _shaped.add_arguments
 
 def run(args: argparse.Namespace) -> dict:
     shape = _shaped.shaped(args)
-    model, spec, history, device, dtype = shape.model, shape.spec, shape.history, shape.device, shape.dtype
+    loaded, history, device, dtype = shape.loaded, shape.history, shape.device, shape.dtype
+    model, spec = loaded.model, loaded.spec
     kv_bytes = history * spec.kv_bytes_per_token
     h_bytes = history * spec.num_layers * spec.hidden_bytes_per_token_layer
     prompt = torch.randint(0, spec.vocab_size, (history + 1,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> dict:
     job = LoadJob("bench", None, prompt[:history], [list(range(blocks))], 0, history)
     host_bytes = kv_bytes + h_bytes + (64 << 20)
     with tempfile.TemporaryDirectory(prefix="hcache-bench-paged-") as tmp, HCacheRuntime(
-        LoadedModel(f"random:{args.shape}", model, spec, None), tmp, save="all", num_blocks=2 * history // CHUNK_TOKENS + 4,
+        loaded, tmp, save="all", num_blocks=2 * history // CHUNK_TOKENS + 4,
         device=args.device, store=StoreConfig(host_bytes=host_bytes, fsync=False),
     ) as runtime:  # fmt: skip
         runtime.generate(prompt, 1, restore=False)  # the history's chunks, every format, now in the host pool

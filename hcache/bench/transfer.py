@@ -19,7 +19,6 @@ import tempfile
 import torch
 
 from ..engine.ragged import Segment
-from ..model.loader import LoadedModel
 from ..model.spec import ModelSpec
 from ..planning.plan import RestorePlan
 from ..serving.restore import restore_prefix
@@ -38,8 +37,8 @@ add_arguments = _shaped.add_arguments
 
 def run(args: argparse.Namespace) -> dict:
     shape = _shaped.shaped(args)
-    model, spec, history, device, dtype = shape.model, shape.spec, shape.history, shape.device, shape.dtype
-    loaded = LoadedModel(f"random:{args.shape}", model, spec, None)
+    loaded, history, device, dtype = shape.loaded, shape.history, shape.device, shape.dtype
+    model, spec = loaded.model, loaded.spec
     kv_bytes = history * spec.kv_bytes_per_token
     h_bytes = history * spec.num_layers * spec.hidden_bytes_per_token_layer
     prompt = torch.randint(0, spec.vocab_size, (history + 1,), generator=torch.Generator().manual_seed(0)).tolist()
