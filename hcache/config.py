@@ -243,12 +243,20 @@ class ResolvedConfig(BaseModel):
             )
 
 
-def engine_and_device(settings: HCacheConfig) -> tuple[EngineKind, str]:
+def engine_and_device(settings: HCacheConfig, model_type: str | None = None) -> tuple[EngineKind, str]:
     """The engine and device that ``settings`` run on, decided where they resolve (model servers read them
-    from :class:`ResolvedConfig`): ``"auto"`` is FastGen where torch sees a GPU, and the device is the
-    GPU if there is one."""
+    from :class:`ResolvedConfig`): ``"auto"`` is FastGen where torch sees a GPU and FastGen serves the
+    family of ``model_type`` (if given), else the reference engine; the device is the GPU if there is one.
+    ``"fastgen"`` for a family it does not serve is refused, naming why."""
+    from .engine.fastgen import SUPPORTED_MODEL_TYPES, check_model_type
+
     cuda = torch.cuda.is_available()
-    engine = settings.engine if settings.engine != AUTO else ("fastgen" if cuda else "reference")
+    if settings.engine == AUTO:
+        engine = "fastgen" if cuda and (model_type is None or model_type in SUPPORTED_MODEL_TYPES) else "reference"
+    else:
+        engine = settings.engine
+    if engine == "fastgen" and model_type is not None:
+        check_model_type(model_type)
     return engine, settings.device or ("cuda" if cuda else "cpu")
 
 

@@ -34,7 +34,7 @@ def resolve(
     ``measure`` returns if none is found and ``measure_profile`` allows, else none and the default plan
     after one warning."""
     settings = HCacheConfig.of(settings)
-    kind, device = engine_and_device(settings)
+    kind, device = engine_and_device(settings, spec.model_type)
     profile = None
     if settings.enabled:
         command = profile_command(model_name, spec)

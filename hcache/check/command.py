@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 def _with_progress(engines: list[str], keep) -> list[dict]:
     from tqdm import tqdm
 
-    from .correctness import FAMILIES, PLANS, check_restores
+    from .correctness import PLANS, check_restores, families_on
 
     done: list[dict] = []
 
@@ -91,7 +91,7 @@ def _with_progress(engines: list[str], keep) -> list[dict]:
         done.append(case)
         keep(done)
 
-    with tqdm(total=len(engines) * len(FAMILIES) * len(PLANS), desc="  correctness", unit="case", leave=False) as bar:
+    with tqdm(total=sum(len(families_on(kind)) for kind in engines) * len(PLANS), desc="  correctness", unit="case", leave=False) as bar:
         return check_restores(engines, progress=progress)
 
 

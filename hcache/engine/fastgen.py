@@ -34,14 +34,20 @@ from .restore_state import RestoreState
 
 # model_types whose FastGen implementation this adapter has read: dense, rotate-half RoPE, fused [q; k; v].
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2")
+# The model_types DeepSpeed 0.19's FastGen implements at all (its engine_factory; tests/engine checks it):
+# named in a refusal, so a user knows whether the gap is hcache's adapter or DeepSpeed.
+DEEPSPEED_MODEL_TYPES = ("exaone4", "exaone4_5", "falcon", "llama", "mistral", "mixtral", "opt", "phi", "phi3", "qwen", "qwen2", "qwen2_moe")
 TESTED_DEEPSPEED = (0, 19)  # the adapter wraps FastGen internals: accept 0.19.x only
 
 
 def check_model_type(model_type: str | None) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
+        where = "DeepSpeed's FastGen implements it, but " if model_type in DEEPSPEED_MODEL_TYPES else (
+            f"DeepSpeed 0.19's FastGen has no implementation of it (it implements {', '.join(DEEPSPEED_MODEL_TYPES)}), and "
+        )  # fmt: skip
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported by hcache's FastGen adapter; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model_type {model_type!r} cannot run on FastGen: {where}hcache's FastGen adapter serves "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}; engine='auto' or 'reference' serves it on the reference engine"
         )
 
 

@@ -196,6 +196,8 @@ class ReferenceEngine:
             if capture is not None:
                 capture.on_layer(i, h, functools.partial(read_kv, self.cache.layers[i], slots_t))
             q = F.linear(h, *self.q_rows[i]).view(-1, self.spec.num_heads, self.spec.head_size)
+            if self.spec.qk_norm:
+                q = layer.get_submodule(self.spec.qk_norm[0])(q)
             if cos_sin is not None:
                 q = apply_rope(q, *cos_sin)
             attn = self._attention(i, q, segments)

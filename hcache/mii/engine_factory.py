@@ -107,12 +107,12 @@ def _model_spec(path: str, settings: HCacheConfig) -> ModelSpec:
     float16 on a GPU and float32 on the CPU."""
     from transformers import AutoConfig
 
-    engine, device = engine_and_device(settings)
-    check_device(device)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot read the model config in {path!r}: {exc}") from exc
+    engine, device = engine_and_device(settings, getattr(config, "model_type", None))
+    check_device(device)
     dtype = model_dtype(settings.dtype, device)
     if settings.dtype is None and engine == "fastgen":  # FastGen runs the config's dtype
         checkpoint = getattr(config, "dtype", None)

@@ -18,11 +18,13 @@ from .spec import SUPPORTED_MODEL_TYPES
 RANDOM_PREFIX = "random:"  # a model name that asks for random weights: ``random:<shape>``
 
 
-# Small shapes for tests: every supported family, MHA and GQA, biases, fused QKV, partial rotary.
+# Small shapes for tests: every supported family, MHA and GQA, biases, fused QKV, partial rotary, Q/K norms.
 _TINY: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4),
     "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, sliding_window=48),
     "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    # Q/K norms, and heads wider than hidden_size / num_attention_heads, as Qwen3's are
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
     "phi3": dict(
         hidden_size=96,
         intermediate_size=128,

@@ -55,6 +55,7 @@ class _Family:
     o: str
     positions: str  # "rope" or "learned"
     windows: str = "none"  # which layers transformers' forward windows: "none", "uniform" (every layer) or "layer_types"
+    qk_norm: tuple[str, str] | None = None  # the RMS norms Q and K pass through, per head, before RoPE (Qwen3)
 
 
 _SEPARATE_QKV = dict(q=("self_attn.q_proj", ""), k=("self_attn.k_proj", ""), v=("self_attn.v_proj", ""))
@@ -65,6 +66,7 @@ _FAMILIES: dict[str, _Family] = {
     "llama": _LLAMA_LIKE,
     "mistral": dataclasses.replace(_LLAMA_LIKE, windows="uniform"),
     "qwen2": dataclasses.replace(_LLAMA_LIKE, windows="layer_types"),
+    "qwen3": dataclasses.replace(_LLAMA_LIKE, windows="layer_types", qk_norm=("self_attn.q_norm", "self_attn.k_norm")),
     "phi3": _Family(
         layers="model.layers",
         capture="input_layernorm",
@@ -110,6 +112,7 @@ class ModelSpec:
     rope: RopeSpec | None
     learned_position_offset: int | None  # OPT: position ids are shifted by this before the lookup
     sliding_windows: tuple[int | None, ...] = field(default=())
+    qk_norm: tuple[str, str] | None = None  # modules of the per-head norms of Q and K, applied before RoPE
 
     # ---- sizes: everything else in hcache sizes from these two -------------------------------------
     @property
@@ -170,7 +173,12 @@ class ModelSpec:
         return d
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        """The spec's identity (fingerprints and profiles are keyed by it). A fact a family lacks is left
+        out, so the families that lack it keep the identity they had before hcache knew of it."""
+        d = asdict(self)
+        if d["qk_norm"] is None:
+            del d["qk_norm"]
+        return json.dumps(d, sort_keys=True)
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
@@ -231,6 +239,7 @@ class ModelSpec:
             rope=_rope(config, head_size) if family.positions == "rope" else None,
             learned_position_offset=2 if family.positions == "learned" else None,
             sliding_windows=_sliding_windows(config, family.windows),
+            qk_norm=family.qk_norm,
         )
 
 

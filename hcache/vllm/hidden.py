@@ -6,7 +6,8 @@ nor the weights that rebuild K/V from it. hcache takes the model from the model 
 caches with the connector (:func:`registering_model`), and checks that it holds the very attention layers
 vLLM configured, so a vLLM that calls the connector from elsewhere is refused at start rather than served
 wrong. Each attention layer's parent module must project with a fused ``qkv_proj`` and rotate with a
-``rotary_emb``, as vLLM's Llama, Mistral and Qwen2 do. K/V are rebuilt by that ``qkv_proj`` module itself,
+``rotary_emb``, as vLLM's Llama, Mistral, Qwen2 and Qwen3 do (Qwen3 norms each K head with its ``k_norm`` first, and
+so does the rebuild). K/V are rebuilt by that ``qkv_proj`` module itself,
 Q's rows too: vLLM hands its weights to its own kernels in their layouts (on a CPU it packs them for
 oneDNN and drops the plain weight; quantized layers keep them quantized), so its module is the one GEMM
 that has them, and it rounds as the forward does.
@@ -65,6 +66,7 @@ class _Layer:
     qkv: nn.Module
     rotary: nn.Module
     split: tuple[int, int, int]  # Q's, K's and V's columns of the projection's output
+    k_norm: nn.Module | None  # the norm of each K head before RoPE, where the family has one (Qwen3's)
 
 
 class HiddenLayers:
@@ -88,7 +90,13 @@ class HiddenLayers:
                     f"hcache's vLLM connector rebuilds K/V from hidden states (H) with a fused qkv_proj and a rotary_emb "
                     f"beside the attention; vLLM's {type(parent).__name__} has not both. Give plan 'KV'"
                 )
-            self._layers[index] = _Layer(qkv, rotary, (spec.num_heads * spec.head_size, spec.kv_dim, spec.kv_dim))
+            k_norm = getattr(parent, "k_norm", None) if spec.qk_norm else None
+            if spec.qk_norm and k_norm is None:
+                raise InvalidRequestError(
+                    f"{spec.model_type} norms K before RoPE, and vLLM's {type(parent).__name__} has no k_norm beside its "
+                    "attention for hcache to rebuild K from hidden states (H) with. Give plan 'KV'"
+                )
+            self._layers[index] = _Layer(qkv, rotary, (spec.num_heads * spec.head_size, spec.kv_dim, spec.kv_dim), k_norm)
             if index in capture:
                 self._hooks.append(qkv.register_forward_pre_hook(self._hook(index)))
 
@@ -132,6 +140,8 @@ class HiddenLayers:
         part = self._layers[layer]
         out, _ = part.qkv.forward(hidden)  # not through __call__: the capture hook is for the forward's own rows
         _, k, v = out.split(part.split, dim=-1)
+        if part.k_norm is not None:  # by head, as the forward norms K
+            k = part.k_norm(k.unflatten(-1, (-1, self._head_size))).flatten(-2)
         k, _ = part.rotary(positions, k.contiguous(), None)  # K rotated as vLLM rotates a query: the same rule per head
         return torch.stack((k, v), dim=1).unflatten(-1, (-1, self._head_size))
 

@@ -295,8 +295,35 @@ def test_build_refuses_unsupported_model_type(tmp_path, no_build):
     LlamaConfig(model_type="llama").save_pretrained(tmp_path)
     cfg = (tmp_path / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "opt"')
     (tmp_path / "config.json").write_text(cfg)
-    with pytest.raises(UnsupportedModelError, match="'opt'.*supported: llama, mistral, phi3, qwen2"):
+    with pytest.raises(UnsupportedModelError, match="'opt' cannot run on FastGen: DeepSpeed's FastGen implements it, but "
+                       "hcache's FastGen adapter serves llama, mistral, phi3, qwen2; engine='auto'"):
         build_fastgen_engine(str(tmp_path))
+
+
+def test_the_families_deepspeed_implements_are_the_ones_named():
+    """A refusal names the families DeepSpeed's FastGen implements: the list read from its engine factory."""
+    import inspect
+    import re
+
+    from deepspeed.inference.v2 import engine_factory
+
+    from hcache.engine.fastgen import DEEPSPEED_MODEL_TYPES, SUPPORTED_MODEL_TYPES
+
+    assert sorted(set(re.findall(r'model_type == "(\w+)"', inspect.getsource(engine_factory)))) == sorted(DEEPSPEED_MODEL_TYPES)
+    assert set(SUPPORTED_MODEL_TYPES) <= set(DEEPSPEED_MODEL_TYPES)
+
+
+def test_a_family_fastgen_lacks_is_refused_on_fastgen_and_served_by_the_reference_engine_under_auto(monkeypatch):
+    """Qwen3: ``engine="fastgen"`` is refused where settings resolve, naming DeepSpeed's list; ``"auto"`` on a
+    GPU machine runs it on the reference engine, and a family FastGen serves on FastGen."""
+    from hcache.config import HCacheConfig, engine_and_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UnsupportedModelError, match="'qwen3' cannot run on FastGen: DeepSpeed 0.19's FastGen has no "
+                       "implementation of it \\(it implements exaone4, .*qwen2_moe\\)"):
+        engine_and_device(HCacheConfig(engine="fastgen"), "qwen3")
+    assert engine_and_device(HCacheConfig(), "qwen3") == ("reference", "cuda")
+    assert engine_and_device(HCacheConfig(), "llama") == ("fastgen", "cuda")
 
 
 @pytest.mark.parametrize("version", ["0.18.5", "0.20.0", "1.19.0"])

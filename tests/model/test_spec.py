@@ -96,3 +96,13 @@ def test_length_dependent_rope_is_rejected():
     config = AutoConfig.for_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(UnsupportedModelError, match="dynamic"):
         ModelSpec.from_config(config)
+
+
+def test_qwen3_norms_q_and_k_before_rope_and_other_families_keep_their_identity():
+    """Qwen3's per-head Q and K norms are named where the engines read weights; a family without them keeps
+    the spec identity it had before hcache knew of the fact (fingerprints and profiles are keyed by it)."""
+    qwen3 = ModelSpec.from_config(AutoConfig.for_model("qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32))
+    assert qwen3.qk_norm == ("self_attn.q_norm", "self_attn.k_norm") and qwen3.head_size == 32 and qwen3.kv_dim == 64
+    assert '"qk_norm": ["self_attn.q_norm", "self_attn.k_norm"]' in qwen3.to_json()
+    llama = ModelSpec.from_config(AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4))
+    assert llama.qk_norm is None and "qk_norm" not in llama.to_json()
