@@ -6,6 +6,16 @@ from hcache.errors import ModelNotFoundError
 from hcache.model.loader import LoadedModel
 from hcache.model.spec import SUPPORTED_MODEL_TYPES
 
+# A test that needs one of these servers is slow (pytest.ini's marker) wherever it is, without saying so.
+SERVER_FIXTURES = frozenset({"redis_url", "redis_cluster_url", "redis_server"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(params=SUPPORTED_MODEL_TYPES)
 def tiny(request) -> LoadedModel:

@@ -9,6 +9,7 @@ from hcache.errors import InvalidRequestError
 from hcache.machine.facts import source_commit
 
 
+@pytest.mark.slow
 def test_demo_restores_every_turn_by_every_method_with_identical_replies(smollm2, tmp_path, capsys):
     """The demo's default model is SmolLM2: skipped where it is not installed. Each method runs three times
     per turn by default (interleaved with the others); its TTFT is their median, shown with their range,

@@ -66,6 +66,7 @@ def test_every_subcommands_help_runs(tmp_path):
         assert result.returncode == 0 and "usage: hcache" in result.stdout, (sub, result.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_the_readme_main_command_runs_with_one_turn(tmp_path):
     [demo] = [argv for where, argv in COMMANDS if where.startswith("README.md") and argv[:1] == ["demo"]]
     assert not (tmp_path / "profiles").exists()

@@ -63,6 +63,7 @@ def test_bench_restore_reports_every_method_the_bound_and_the_regret(tmp_path):
     assert (tmp_path / "restore.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_bench_mii_compares_methods_through_mii(tmp_path):
     """Through MII's own pipeline: every method gives the same tokens, and kv and h restore the history."""
     out = tmp_path / "mii.json"
@@ -134,6 +135,7 @@ def test_bench_storage_measures_the_disk_store_against_raw_o_direct_io(tmp_path)
     assert not list((tmp_path / "store").glob("hcache-bench-*"))  # its files removed
 
 
+@pytest.mark.slow
 def test_bench_storage_measures_a_redis_tier_of_its_own_against_redis_py(tmp_path):
     from hcache.storage.redis_server import redis_missing
 

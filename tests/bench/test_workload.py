@@ -59,6 +59,7 @@ def test_bench_workload_refuses_bad_options(bad, capsys):
     assert "hcache: error:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_workload_replays_through_mii(tmp_path):
     out = tmp_path / "mii.json"
     args = ["bench", "workload", "--through", "mii", "--engine", "reference", "--model", "random:llama", "--sessions", "2",

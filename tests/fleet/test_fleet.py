@@ -25,7 +25,7 @@ from hcache.fleet import Fleet, chat, haproxy_missing
 from hcache.machine.ports import free_port
 from hcache.model.loader import model_dir as resolve_model_dir
 
-pytestmark = pytest.mark.skipif(bool(haproxy_missing() or redis_missing()), reason=f"{haproxy_missing() or redis_missing()}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(haproxy_missing() or redis_missing()), reason=f"{haproxy_missing() or redis_missing()}")]
 
 NEW_TOKENS = 12
 CONVERSATIONS = [

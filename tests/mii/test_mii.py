@@ -106,6 +106,7 @@ def _check_restored_and_identical(model_dir: str, replies: list[str], reference:
         assert turn["fallback"] is None
 
 
+@pytest.mark.slow
 def test_pipeline_restores_returning_conversation(model_dir, hcache_off, tmp_path):
     log = tmp_path / "requests.jsonl"
     replies = _pipeline_chat(model_dir, {"engine": "reference", "store_dirs": [str(tmp_path / "store")], "request_log": str(log)})
@@ -119,6 +120,7 @@ def _fault_token(model_dir: str) -> int:
     return AutoTokenizer.from_pretrained(model_dir).encode(FAULT_WORD)[0]
 
 
+@pytest.mark.slow
 def test_pipeline_call_that_fails_in_the_loop_fails_alone(model_dir, tmp_path, monkeypatch):
     """A forward that raises inside MII's loop fails its call with a clear error; the pipeline serves on."""
     from support.fault_injection.sitecustomize import faulty
@@ -138,6 +140,7 @@ def test_pipeline_call_that_fails_in_the_loop_fails_alone(model_dir, tmp_path, m
         pipe.destroy()
 
 
+@pytest.mark.slow
 def test_a_request_waiting_in_miis_buffer_prefetches_its_stored_chunks(model_dir, tmp_path):
     """With one sequence at a time, the second prompt of a call waits in MII's buffer while the first runs:
     its stored chunks (on disk, out of the host pool) start loading then, and the replies equal separate
@@ -215,6 +218,7 @@ BAD_REST_BODIES = [
 ]
 
 
+@pytest.mark.slow
 def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path):
     """Turns 1 and 2 through MII's REST gateway, turn 3 through hcache's OpenAI-compatible server (greedy:
     top_k=1), all against one hcache deployment with the GPU prefix cache, after bad requests that must each
@@ -282,6 +286,7 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
     assert adopted > 0 and f"hcache_gpu_cache_hit_tokens_total {float(adopted)}" in counters
 
 
+@pytest.mark.slow
 def test_serve_fails_a_request_alone_and_ctrl_c_stops_a_hung_deployment(model_dir, tmp_path):
     """``hcache serve`` with a fault injected in its engine's forward (tests/support/fault_injection): a request that
     hits it gets HTTP 500 and the reason; one batched with it is recomputed alone and answered as if alone;
@@ -335,6 +340,7 @@ def _tiny_model(model_dir: str, path) -> str:
     return str(save_checkpoint(random_model("llama", vocab_size=49152), path, model_dir))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_pipeline_equals_one_rank(model_dir, tmp_path):
     """``mii.pipeline(tensor_parallel=2)`` with hcache, as two rank processes joined over gloo: replies equal
     those of one rank with hcache off, and later turns restore. (A random llama with SmolLM2's tokenizer:
@@ -408,6 +414,7 @@ class _Started(Exception):
     """Raised where ``hcache.mii.serve`` would start MII's processes."""
 
 
+@pytest.mark.slow
 def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, tmp_path, monkeypatch, caplog, capsys):
     """The only cached profile was measured on another machine: ``mii.pipeline`` serves on the default plan, and
     so would ``hcache serve``, each with one warning; given explicitly, the profile is refused by both with

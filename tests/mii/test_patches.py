@@ -49,6 +49,7 @@ def untouched() -> dict[str, object]:
     return found
 
 
+@pytest.mark.slow
 def test_a_closed_pipeline_leaves_every_patched_attribute_as_it_found_it(tiny, tmp_path, untouched):
     pipe = hcache.mii.pipeline(tiny, hcache={"engine": "reference", "store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port())
     try:
@@ -64,6 +65,7 @@ def test_a_closed_pipeline_leaves_every_patched_attribute_as_it_found_it(tiny, t
     assert _changed(untouched) == set()
 
 
+@pytest.mark.slow
 def test_two_pipelines_share_the_namespaces_broadcast_until_both_are_destroyed(tiny, tmp_path, untouched):
     options = {"enabled": False, "engine": "reference"}
     first = hcache.mii.pipeline(tiny, hcache=options, zmq_port_number=_free_port())

@@ -30,6 +30,8 @@ from hcache.model.loader import model_dir as resolve_model_dir
 from hcache.restore.records import SequenceRecord
 from support import FAULT_DIR, REPO
 
+pytestmark = pytest.mark.slow
+
 MODEL = "smollm2"
 FAULT_PROMPT = "The animal with black and white stripes is the"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -58,6 +58,7 @@ def session(tmp_path_factory):
     return out["tokens"], out["logprobs"], records
 
 
+@pytest.mark.slow
 def test_the_second_turn_restores_by_hidden_states_from_the_host_pool_and_replies_as_computed_whole(session):
     tokens, logprobs, records = session
     _, reference, restored_reply = tokens[0]
@@ -70,6 +71,7 @@ def test_the_second_turn_restores_by_hidden_states_from_the_host_pool_and_replie
     assert second["bytes_read"] == restored * LAYERS * H_BYTES  # whole chunks: the restored tokens fill them
 
 
+@pytest.mark.slow
 def test_a_restarted_vllm_restores_half_by_hidden_states_half_by_kv_from_the_disk(session):
     tokens, logprobs, records = session
     assert tokens[1] == [tokens[0][1]] and logprobs_close([logprobs[1][0]], [logprobs[0][1]])

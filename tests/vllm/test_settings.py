@@ -128,6 +128,7 @@ def test_good_settings_pass_the_early_check_and_keep_layerwise_saves_out_of_full
     assert HCacheConnector.requires_piecewise_for_cudagraph({"store_dirs": [str(tmp_path)]}) is True
 
 
+@pytest.mark.slow
 def test_vllms_openai_server_refuses_a_misspelt_setting_before_its_engine_starts(tmp_path):
     """vLLM imports the connector only in its engine's processes, once the model loads; hcache's vLLM plugin
     (entry point ``vllm.general_plugins``, installed with hcache) checks the settings in the process that

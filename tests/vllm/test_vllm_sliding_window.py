@@ -79,6 +79,7 @@ def _first_read(length: int) -> int:
     return max(0, length - WINDOW) // BLOCK * BLOCK // 64
 
 
+@pytest.mark.slow
 def test_hybrid_replies_equal_vllm_alone(hybrid):
     tokens, logprobs, _, _ = hybrid
     reference = tokens[0]
@@ -86,6 +87,7 @@ def test_hybrid_replies_equal_vllm_alone(hybrid):
     assert logprobs_close(logprobs[1], logprobs[0]) and logprobs_close(logprobs[2], [logprobs[0][1]])
 
 
+@pytest.mark.slow
 def test_each_layer_type_reads_what_it_needs(hybrid, stored):
     """The returning turn, many windows long, restored: the full-attention layers every stored token, the
     sliding ones their window, by vLLM's blocks."""
@@ -99,6 +101,7 @@ def test_each_layer_type_reads_what_it_needs(hybrid, stored):
     assert sliding < full / 3
 
 
+@pytest.mark.slow
 def test_sliding_layers_store_their_window_only(hybrid, stored):
     _, _, _, store = hybrid
     files = sorted((store / "chunks").glob("*/*.safetensors"))
@@ -113,6 +116,7 @@ def test_sliding_layers_store_their_window_only(hybrid, stored):
     assert all(kept in ({1, 3}, {0, 1, 2, 3}) for kept in layers)
 
 
+@pytest.mark.slow
 def test_a_bad_chunk_is_recomputed_whole_with_two_groups(hybrid):
     """vLLM takes a hybrid model's failed load by request (a block id names no request across groups): the
     request is recomputed whole, its reply vLLM's."""
@@ -122,6 +126,7 @@ def test_a_bad_chunk_is_recomputed_whole_with_two_groups(hybrid):
     assert tokens[2] == [tokens[0][1]]
 
 
+@pytest.mark.slow
 def test_a_window_on_every_layer(tmp_path, stored):
     """Mistral's shape: one KV cache group, every layer sliding, the blocks before the window vLLM's null block."""
     tokens, logprobs, records, _ = _session(tmp_path, _model(tmp_path / "model", "mistral"), restarts=False)
