@@ -167,16 +167,16 @@ def test_a_chunk_lost_after_it_was_offered_is_recomputed_with_its_reason(session
     assert lost["restored_tokens"] == 0 and lost["miss_tokens"] == {"evicted": FULL_CHUNKS} and lost["computed_tokens"] > FULL_CHUNKS
 
 
-def test_a_chunk_offered_from_a_stopped_redis_is_recomputed_with_its_reason(session):
+def test_a_chunk_found_in_a_stopped_redis_is_not_offered_and_is_recomputed_with_its_reason(session):
     """The Redis phase's engine loaded the second turn under salt "a" from Redis into its six-chunk host
     pool, which the next conversation's saves then left it out of (in Redis alone). With Redis stopped,
-    the scheduler's index, which asks no store, still offered it; its load ran (``restore_s``), found the
-    tier down, and vLLM recomputed the blocks it reported: the reply of vLLM alone, and the reason in the
-    request log."""
+    the scheduler's index, which asks no store, still found it; the worker, asked to hold it for the load,
+    found the tier down, so nothing was offered and no load ran (``restore_s``): vLLM computed it, the reply
+    of vLLM alone, and the reason in the request log."""
     phases, logs, _ = session
     assert phases[3][3] == phases[0][1]
     down = logs["redis"][3]
-    assert down["restore_s"] > 0 and down["restored_tokens"] == 0 and down["tier_tokens"] == {}
+    assert down["restore_s"] == 0 and down["restored_tokens"] == 0 and down["tier_tokens"] == {}
     assert down["miss_tokens"] == {"tier_unavailable": FULL_CHUNKS} and down["computed_tokens"] > FULL_CHUNKS
 
 
