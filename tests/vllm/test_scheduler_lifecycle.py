@@ -1,0 +1,69 @@
+"""The scheduler's side of a stored prefix's lifecycle (hcache/vllm/scheduler.py), with two tensor-parallel
+ranks: found, held by every rank's worker, offered as far as the shortest holds, loaded, or let go where no
+load follows. The scheduler's side needs neither torch nor vLLM, and neither is used here."""
+from types import SimpleNamespace
+
+from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+from hcache.vllm.messages import Pinned, WorkerReport
+from hcache.vllm.scheduler import SchedulerSide
+
+RANKS = ["model|tp2.0", "model|tp2.1"]  # each rank's fingerprint, in which its keys are rooted
+PROMPT = list(range(3 * CHUNK_TOKENS + 1))  # three full chunks, and the token a load never covers
+NO_BATCH = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]))  # fmt: skip
+
+
+def _scheduler() -> SchedulerSide:
+    """Both ranks' workers have reported holding the prompt's three chunks; no store is asked beyond that."""
+    setup = SimpleNamespace(rank_fingerprints=RANKS, store_lookup=lambda: None, block_sizes=(32,),
+                            config=SimpleNamespace(stored=True, settings=SimpleNamespace(namespace=None)))  # fmt: skip
+    scheduler = SchedulerSide(setup)
+    held = [key for rank in RANKS for key in chunk_keys(PROMPT[: 3 * CHUNK_TOKENS], root_key(rank))]
+    scheduler.worker_output(WorkerReport(changes=[(key, None) for key in held]))
+    return scheduler
+
+
+def _request(req_id: str = "r") -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=PROMPT, all_token_ids=PROMPT, cache_salt=None)
+
+
+def test_a_prefix_is_offered_once_every_rank_holds_it_as_far_as_the_shortest_holds():
+    scheduler, request = _scheduler(), _request()
+    assert scheduler.matched_tokens(request, 0) is None  # found: the workers are asked to hold it first
+    step = scheduler.build(NO_BATCH)
+    assert [(ask.req_id, len(ask.tokens)) for ask in step.pins] == [("r", 3 * CHUNK_TOKENS)] and not step.loads
+    scheduler.worker_output(WorkerReport(pinned=[Pinned("r", 0, 3, None)]))
+    assert scheduler.matched_tokens(request, 0) is None  # rank 1 has not answered
+    scheduler.worker_output(WorkerReport(pinned=[Pinned("r", 1, 2, "evicted")]))  # its third chunk went since
+    assert scheduler.matched_tokens(request, CHUNK_TOKENS) == CHUNK_TOKENS  # two held, one of them vLLM's own hit
+    scheduler.after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7],)), CHUNK_TOKENS)
+    step = scheduler.build(NO_BATCH)
+    (job,) = step.loads
+    assert (job.start, job.end, job.block_ids) == (CHUNK_TOKENS, 2 * CHUNK_TOKENS, [[4, 5, 6, 7]]) and not step.pins and not step.unpins
+    computed = SimpleNamespace(req_id="r", block_ids=([4, 5, 6, 7],), num_computed_tokens=2 * CHUNK_TOKENS)  # loaded: the rest computed
+    (first,) = scheduler.build(SimpleNamespace(num_scheduled_tokens={"r": CHUNK_TOKENS + 1}, scheduled_new_reqs=[computed],
+                                               scheduled_cached_reqs=NO_BATCH.scheduled_cached_reqs)).requests  # fmt: skip
+    assert first.misses == {"evicted": CHUNK_TOKENS}  # the third chunk, for the request's record
+    assert scheduler.matched_tokens(request, 0) is None  # asked again after its load (preempted): a new lifecycle
+
+
+def test_a_held_prefix_is_let_go_where_no_load_follows():
+    scheduler = _scheduler()
+    ended, declined, covered = _request("ended"), _request("declined"), _request("covered")
+    for request in (ended, declined, covered):
+        assert scheduler.matched_tokens(request, 0) is None
+    scheduler.build(NO_BATCH)
+    scheduler.worker_output(WorkerReport(pinned=[Pinned(r.request_id, rank, 3, None) for r in (ended, declined, covered) for rank in (0, 1)]))
+    scheduler.finished(ended)  # aborted while it waited
+    assert scheduler.matched_tokens(declined, 0) == 3 * CHUNK_TOKENS
+    scheduler.after_alloc(declined, SimpleNamespace(get_block_ids=lambda: ([],)), 0)  # vLLM took none of it
+    assert scheduler.matched_tokens(covered, 3 * CHUNK_TOKENS) == 0  # vLLM's own hit covers what is held
+    step = scheduler.build(NO_BATCH)
+    assert sorted(step.unpins) == ["covered", "declined", "ended"] and not step.loads
+
+
+def test_nothing_past_vllms_own_hit_asks_nothing_of_the_workers():
+    scheduler = _scheduler()
+    assert scheduler.matched_tokens(_request(), 3 * CHUNK_TOKENS) == 0
+    step = scheduler.build(NO_BATCH)
+    assert not step.pins and not step.unpins
