@@ -58,7 +58,8 @@ class VllmSetup:
     @property
     def rank_fingerprints(self) -> list[str]:
         """Each tensor-parallel rank's fingerprint, in which its chunks' keys are rooted."""
-        return [TPGroup(r, self.config.tensor_parallel).fingerprint(self.fingerprint) for r in range(self.config.tensor_parallel)]
+        size = self.config.tensor_parallel
+        return [TPGroup(r, size).fingerprint(self.fingerprint) for r in range(size)]
 
     def store_lookup(self) -> StoreLookup:
         """The look-up of every rank's stores, for a process that does not own them (the scheduler's)."""

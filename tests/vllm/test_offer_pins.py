@@ -21,10 +21,11 @@ from hcache.vllm.settings import VllmSetup  # noqa: E402
 from hcache.vllm.worker import WorkerSide  # noqa: E402
 
 LAYERS, BLOCK, KERNEL_BLOCK = 2, 32, 16
-LLAMA = dict(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+LLAMA = dict(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1000)
 PROMPT = 2 * CHUNK_TOKENS + 1  # two full chunks, and the token a load never covers
-NO_BATCH = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
-                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]))  # fmt: skip
+NOTHING_CACHED = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+NO_BATCH = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=NOTHING_CACHED)
 
 
 def _rows(seed: int, length: int, layer: int, spec) -> torch.Tensor:
@@ -38,12 +39,13 @@ class _Engine:
     def __init__(self, tmp_path, quota_bytes: int | None = None):
         spec = self.spec = ModelSpec.from_config(LlamaConfig(**LLAMA), torch.float32)
         store = {"quota_bytes": quota_bytes} if quota_bytes else {}
-        config = resolve({"store_dirs": [str(tmp_path)], "plan": "KV", "store": store}, spec, "random-llama", engine="vllm")
+        settings = {"store_dirs": [str(tmp_path)], "plan": "KV", "store": store}
+        config = resolve(settings, spec, "random-llama", engine="vllm")
         setup = VllmSetup(config, "pin-test", (BLOCK,), (0,) * LAYERS)
         self.worker = WorkerSide(setup, torch.device("cpu"), {})
         self.scheduler = SchedulerSide(setup)
-        self.caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(64, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size).transpose(1, 2)
-                       for i in range(LAYERS)}  # fmt: skip
+        shape = (64, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size)  # vLLM's CPU layout
+        self.caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape).transpose(1, 2) for i in range(LAYERS)}
         self.worker.register(self.caches)
         self.layout = self.worker._layers["model.layers.0.self_attn.attn"].layout
 
@@ -101,7 +103,8 @@ def test_an_offered_prefix_is_held_until_it_is_loaded_and_the_quota_evicts_aroun
         engine.loaded("a2")
         assert engine.worker.load_errors() == set()
         for layer, cache in enumerate(engine.caches.values()):
-            assert torch.equal(engine.layout.read(cache, engine._places(blocks, 2 * CHUNK_TOKENS)), _rows(1, PROMPT, layer, engine.spec)[: 2 * CHUNK_TOKENS])
+            loaded = engine.layout.read(cache, engine._places(blocks, 2 * CHUNK_TOKENS))
+            assert torch.equal(loaded, _rows(1, PROMPT, layer, engine.spec)[: 2 * CHUNK_TOKENS])
         for seed in (3, 4):  # four more chunks
             engine.prefill(f"c{seed}", seed, _prompt(seed), [20, 21, 22, 23, 24])
         held = chunk_keys(_prompt(1)[: 2 * CHUNK_TOKENS], root_key(engine.worker.stack.fingerprint))

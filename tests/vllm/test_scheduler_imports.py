@@ -7,8 +7,9 @@ import sys
 # The scheduler's side: its connector half, the index, the messages both sides exchange, the load jobs.
 SCHEDULER_SIDE = ["hcache.vllm.scheduler", "hcache.vllm.index", "hcache.vllm.messages", "hcache.paged.load_job"]
 # What belongs to the worker's side (or to vLLM, which imports torch), none of which the scheduler's may load.
-DATA_PLANE = ["torch", "vllm", "hcache.paged.loader", "hcache.paged.layout", "hcache.paged.copy_process", "hcache.serving", "hcache.transfer",
-              "hcache.storage.host_tier", "hcache.storage.host_pool", "hcache.storage.chunk", "hcache.vllm.worker", "hcache.vllm.metadata"]  # fmt: skip
+DATA_PLANE = ["torch", "vllm", "hcache.paged.loader", "hcache.paged.layout", "hcache.paged.copy_process",
+              "hcache.serving", "hcache.transfer", "hcache.storage.host_tier", "hcache.storage.host_pool",
+              "hcache.storage.chunk", "hcache.vllm.worker", "hcache.vllm.metadata"]
 
 _PROBE = f"""
 import sys
@@ -33,5 +34,6 @@ def test_the_scheduler_side_imports_without_torch_and_loads_no_data_plane():
 
 def test_the_probe_does_block_torch():
     """The blocker itself: a module of the worker's side fails to import under it."""
-    run = subprocess.run([sys.executable, "-c", _PROBE.replace("hcache.vllm.index", "hcache.paged.loader", 1)], capture_output=True, text=True, timeout=120)
+    probe = _PROBE.replace("hcache.vllm.index", "hcache.paged.loader", 1)
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "torch is not installed here" in run.stderr

@@ -9,8 +9,8 @@ from hcache.vllm.scheduler import SchedulerSide
 
 RANKS = ["model|tp2.0", "model|tp2.1"]  # each rank's fingerprint, in which its keys are rooted
 PROMPT = list(range(3 * CHUNK_TOKENS + 1))  # three full chunks, and the token a load never covers
-NO_BATCH = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
-                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]))  # fmt: skip
+NOTHING_CACHED = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+NO_BATCH = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=NOTHING_CACHED)
 
 
 def _scheduler() -> SchedulerSide:
@@ -39,10 +39,12 @@ def test_a_prefix_is_offered_once_every_rank_holds_it_as_far_as_the_shortest_hol
     scheduler.after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7],)), CHUNK_TOKENS)
     step = scheduler.build(NO_BATCH)
     (job,) = step.loads
-    assert (job.start, job.end, job.block_ids) == (CHUNK_TOKENS, 2 * CHUNK_TOKENS, [[4, 5, 6, 7]]) and not step.pins and not step.unpins
-    computed = SimpleNamespace(req_id="r", block_ids=([4, 5, 6, 7],), num_computed_tokens=2 * CHUNK_TOKENS)  # loaded: the rest computed
-    (first,) = scheduler.build(SimpleNamespace(num_scheduled_tokens={"r": CHUNK_TOKENS + 1}, scheduled_new_reqs=[computed],
-                                               scheduled_cached_reqs=NO_BATCH.scheduled_cached_reqs)).requests  # fmt: skip
+    assert (job.start, job.end, job.block_ids) == (CHUNK_TOKENS, 2 * CHUNK_TOKENS, [[4, 5, 6, 7]])
+    assert not step.pins and not step.unpins
+    computed = SimpleNamespace(req_id="r", block_ids=([4, 5, 6, 7],), num_computed_tokens=2 * CHUNK_TOKENS)  # loaded
+    batch = SimpleNamespace(num_scheduled_tokens={"r": CHUNK_TOKENS + 1}, scheduled_new_reqs=[computed],
+                            scheduled_cached_reqs=NOTHING_CACHED)
+    (first,) = scheduler.build(batch).requests
     assert first.misses == {"evicted": CHUNK_TOKENS}  # the third chunk, for the request's record
     assert scheduler.matched_tokens(request, 0) is None  # asked again after its load (preempted): a new lifecycle
 
@@ -53,7 +55,8 @@ def test_a_held_prefix_is_let_go_where_no_load_follows():
     for request in (ended, declined, covered):
         assert scheduler.matched_tokens(request, 0) is None
     scheduler.build(NO_BATCH)
-    scheduler.worker_output(WorkerReport(pinned=[Pinned(r.request_id, rank, 3, None) for r in (ended, declined, covered) for rank in (0, 1)]))
+    answers = [Pinned(r.request_id, rank, 3, None) for r in (ended, declined, covered) for rank in (0, 1)]
+    scheduler.worker_output(WorkerReport(pinned=answers))
     scheduler.finished(ended)  # aborted while it waited
     assert scheduler.matched_tokens(declined, 0) == 3 * CHUNK_TOKENS
     scheduler.after_alloc(declined, SimpleNamespace(get_block_ids=lambda: ([],)), 0)  # vLLM took none of it
