@@ -26,7 +26,9 @@ import torch
 from ..ops.kv_projection import KVProjection
 from ..ops.rope import apply_rope, rope_cos_sin
 from ..paged.layout import PagedLayout
-from ..paged.loader import Loader, LoadJob, PagedLayer
+from ..paged.load_job import LoadJob
+from ..paged.loader import Loader
+from ..paged.target import PagedLayer
 from ..planning.plan import RestorePlan
 from ..restore.records import SequenceRecord
 from ..serving.runtime import HCacheRuntime

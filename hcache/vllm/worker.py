@@ -30,7 +30,8 @@ from ..model.spec import ModelSpec
 from ..model.tensor_parallel import TPGroup
 from ..ops.paged_kv import block_slots
 from ..paged.layout import PagedLayout, Places
-from ..paged.loader import Loader, PagedLayer
+from ..paged.loader import Loader
+from ..paged.target import PagedLayer
 from ..storage.stored_state import Format
 from ..restore.miss_reasons import first_chunk_miss, lookup_miss, store_miss
 from ..restore.records import PutRestore, SequenceRecord, log_requests

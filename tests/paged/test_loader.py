@@ -18,7 +18,9 @@ from hcache.model.spec import ModelSpec
 from hcache.paged import copy_process
 from hcache.ops.paged_kv import block_slots
 from hcache.paged.layout import PagedLayout
-from hcache.paged.loader import Loader, LoadJob, PagedLayer
+from hcache.paged.load_job import LoadJob
+from hcache.paged.loader import Loader
+from hcache.paged.target import PagedLayer
 from hcache.planning.plan import Method, RestorePlan
 from hcache.restore.records import SequenceRecord
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
