@@ -48,6 +48,7 @@ def test_source_commit_of_this_source():
     assert source_commit() in (head, head + "+dirty")
 
 
+@pytest.mark.slow
 def test_bench_restore_reports_every_method_the_bound_and_the_regret(tmp_path):
     out = tmp_path / "restore.json"
     args = ["bench", "restore", "--model", "random:llama", "--histories", "64,128", "--repeats", "1", "--json", str(out)]
@@ -102,6 +103,7 @@ def test_bench_paged_reports_the_vllm_connectors_core_against_its_floors(tmp_pat
     assert set(result["load_s"]) == {"KV", "H"} and result["history"] == 256 and result["layers"] == 2
 
 
+@pytest.mark.slow
 def test_bench_window_compares_the_window_rule_with_storing_every_token(tmp_path):
     """Sliding-window layers by Jenga's rule store and read fewer bytes a token than storing every token,
     and restore the same tokens."""
@@ -119,6 +121,7 @@ def test_bench_window_compares_the_window_rule_with_storing_every_token(tmp_path
         assert row["window_over_all"]["stored_bytes"] < 1 and window["median_ttft_s"] > 0
 
 
+@pytest.mark.slow
 def test_bench_storage_measures_the_disk_store_against_raw_o_direct_io(tmp_path):
     """The default path: the chunk store on a directory against raw sequential I/O of the same bytes, and the
     saver's cost on a decode loop (O_DIRECT where the file system allows it; the result says which)."""
@@ -151,6 +154,7 @@ def test_bench_storage_measures_a_redis_tier_of_its_own_against_redis_py(tmp_pat
     assert result["saver_chunks_published"] > 0 and "step_ms_on" in result
 
 
+@pytest.mark.slow
 def test_bench_quota_counts_the_tokens_a_quota_keeps_restorable_across_a_restart(tmp_path):
     out = tmp_path / "quota.json"
     assert main(["bench", "quota", "--json", str(out)]) == 0
@@ -161,6 +165,7 @@ def test_bench_quota_counts_the_tokens_a_quota_keeps_restorable_across_a_restart
     assert sorted(result["restored_tokens_per_prompt"]) == [64, 64, 64, 128, 128, 128]
 
 
+@pytest.mark.slow
 def test_bench_startup_times_start_ups_with_the_self_check_off_and_on_and_the_check_alone(tmp_path):
     out = tmp_path / "startup.json"
     assert main(["bench", "startup", "--model", "random:llama", "--repeats", "2", "--json", str(out)]) == 0
@@ -171,6 +176,7 @@ def test_bench_startup_times_start_ups_with_the_self_check_off_and_on_and_the_ch
     assert "stop_s" not in result  # a runtime is closed, not stopped by a signal
 
 
+@pytest.mark.slow
 def test_bench_cold_reads_a_quarter_of_the_bytes_from_each_tier_in_8_bits(tmp_path):
     """Cold restores (nothing in the host pool) of each plan from the disk store, lossless against 8-bit;
     every restore must be whole (the bench refuses a short one), and the 8-bit one reads about a quarter of a
@@ -186,6 +192,7 @@ def test_bench_cold_reads_a_quarter_of_the_bytes_from_each_tier_in_8_bits(tmp_pa
         assert 0.25 <= row["bytes_ratio"] <= 0.3 and row["bytes_read"]["8bit"] < row["bytes_read"]["lossless"]
 
 
+@pytest.mark.slow
 def test_bench_quality_scores_8_bit_restores_of_real_text_against_lossless(tmp_path):
     """A short run on SmolLM2 over the real text: the 8-bit restore is scored at every position after a
     restored history, agrees with the lossless one nearly everywhere without being identical, and the

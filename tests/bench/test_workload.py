@@ -7,6 +7,7 @@ import pytest
 from hcache.cli import main
 
 
+@pytest.mark.slow
 def test_bench_workload_reports_every_method(tmp_path):
     out = tmp_path / "workload.json"
     args = ["bench", "workload", "--model", "random:llama", "--sessions", "3", "--rates", "1,8", "--scale", "1",
@@ -35,6 +36,7 @@ def test_bench_workload_reports_every_method(tmp_path):
     assert (tmp_path / "workload.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_bench_workload_replays_each_eviction_policy_side_by_side(tmp_path, capsys):
     out = tmp_path / "eviction.json"
     args = ["bench", "workload", "--model", "random:llama", "--sessions", "3", "--rates", "2", "--scale", "1", "--max-output", "8",

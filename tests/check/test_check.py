@@ -1,6 +1,7 @@
 """``hcache check`` on the CPU: the reference-engine subset it runs there, and the failures it must catch."""
 import json
 
+import pytest
 import torch
 
 from hcache.check.correctness import FAMILIES, PLANS, check_restores
@@ -9,6 +10,7 @@ from hcache.engine import ReferenceEngine
 from hcache.machine.facts import source_commit
 
 
+@pytest.mark.slow
 def test_check_reports_the_machine_and_passes_every_restore_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "check"
     assert main(["check", "--quick", "--out", str(out), "--store-dir", str(tmp_path / "store")]) == 0
@@ -29,6 +31,7 @@ def test_check_reports_the_machine_and_passes_every_restore_on_the_cpu(tmp_path,
     assert "correctness: every case passed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_wrong_restore_fails_its_cases(monkeypatch):
     """Hidden states restored off by a small amount: the plans that use H fail, and only those."""
     restore = ReferenceEngine.restore_from_hidden
@@ -38,6 +41,7 @@ def test_a_wrong_restore_fails_its_cases(monkeypatch):
     assert cases["H"]["worst_excess"] > 0 and cases["KV"]["worst_excess"] <= 0
 
 
+@pytest.mark.slow
 def test_a_wrong_8_bit_restore_fails_its_case(monkeypatch):
     """KV dequantised with scales 20% too large: the 8-bit KV case fails, and the lossless ones pass."""
     import hcache.engine.restore_state as restore_state  # the KV restore's cache write, for both engines
@@ -91,6 +95,7 @@ def test_the_check_covers_families_fastgen_serves():
         check_model_type(family)  # raises for a family FastGen does not serve
 
 
+@pytest.mark.slow
 def test_a_family_that_cannot_run_fails_its_cases_and_the_others_still_run(monkeypatch):
     from hcache.check import correctness as module
 
@@ -112,6 +117,7 @@ def test_a_family_that_cannot_run_fails_its_cases_and_the_others_still_run(monke
     assert "| reference | qwen2 | | RE | could not run: `RuntimeError: no engine for qwen2` | | | **NO** |" in table
 
 
+@pytest.mark.slow
 def test_the_speed_step_runs_each_benchmark_as_its_command_and_keeps_its_figures():
     """``hcache bench transfer`` run in a child process, as the speed step runs it on a GPU: its figures come
     back without the record ``--json`` adds (the report has its own commit and machine)."""

@@ -159,6 +159,7 @@ def runs(tmp_path_factory):
     return ranks, ref, lm.spec
 
 
+@pytest.mark.slow
 def test_sharded_forward_equals_tp1(runs):
     ranks, ref, spec = runs
     for rank in ranks:
@@ -169,6 +170,7 @@ def test_sharded_forward_equals_tp1(runs):
 
 
 @pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.slow
 def test_restored_kv_is_the_rank_head_slice_of_tp1(runs, plan):
     ranks, ref, spec = runs
     heads = spec.num_kv_heads // TP
@@ -182,6 +184,7 @@ def test_restored_kv_is_the_rank_head_slice_of_tp1(runs, plan):
         assert got["output"] == ref["reference"], f"rank {r}, plan {plan}"
 
 
+@pytest.mark.slow
 def test_restore_in_steps(runs):
     ranks, ref, spec = runs
     heads = spec.num_kv_heads // TP
@@ -191,6 +194,7 @@ def test_restore_in_steps(runs):
             torch.testing.assert_close(got, want[:, :, r * heads : (r + 1) * heads], atol=KV_ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_restore_from_inside_a_chunk(runs):
     """Through the serving engine in puts of 100 tokens, by the H plan: 64 tokens, then 92 from the middle of
     chunk 1 (whose hidden states rank 1 holds); each rank's K/V is its slice of TP=1's, the logits TP=1's."""
@@ -204,6 +208,7 @@ def test_restore_from_inside_a_chunk(runs):
 
 
 @pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.slow
 def test_each_stored_byte_is_read_once(runs, plan):
     ranks, _, spec = runs
     parsed = RestorePlan.parse(plan, LAYERS)
@@ -218,6 +223,7 @@ def test_each_stored_byte_is_read_once(runs, plan):
         assert [sum(fmt == "H" for *_, fmt in tensors) for tensors in reads] == [2 * h_layers, h_layers]
 
 
+@pytest.mark.slow
 def test_bad_chunk_on_one_rank_ends_the_prefix_on_all(runs):
     ranks, ref, _ = runs
     corrupt, missing = [r["corrupt"] for r in ranks], [r["missing"] for r in ranks]
@@ -235,6 +241,7 @@ def test_bad_chunk_on_one_rank_ends_the_prefix_on_all(runs):
         assert case["output"] == ref["reference"]
 
 
+@pytest.mark.slow
 def test_saving_for_an_h_plan_stores_each_chunk_hidden_states_once(runs):
     ranks, ref, _ = runs
     assert [rank["plan_only"]["tensors"] for rank in ranks] == [[LAYERS, 0, LAYERS], [0, LAYERS, 0]]
@@ -249,6 +256,7 @@ def test_unsupported_shapes_are_refused():
         local_spec(loaded("random:phi3").spec, TPGroup(0, 2))
 
 
+@pytest.mark.slow
 def test_profile_measures_the_all_gather(runs, tmp_path):
     ranks, _, spec = runs
     for r, rank in enumerate(ranks):

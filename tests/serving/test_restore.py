@@ -57,6 +57,7 @@ def test_every_method_and_mixed_plan_on_every_family(tiny, tmp_path, rng):
 
 
 @pytest.mark.parametrize("plan", ["RE", "H", "KV", "6RE+12H+12KV", "10H+20KV", "5RE+25KV"])
+@pytest.mark.slow
 def test_smollm2_restore_is_exact(smollm2, tmp_path, plan):
     runtime = HCacheRuntime(smollm2, tmp_path, save="all")
     tok = smollm2.tokenizer
