@@ -65,7 +65,16 @@ def resolve(
             "ranks gather each H layer's rows chunk by chunk, and the rule stores only the last window's (set "
             "sliding_layers='all', serve it at tensor_parallel=1, or in vLLM)"
         )
-    return config.model_copy(update={"save_formats": _save_formats(config)})
+    config = config.model_copy(update={"save_formats": _save_formats(config)})
+    if not spec.restores_hidden and (
+        (config.plan is not None and Method.H in config.plan.layers) or any(Method.H.value in f for f in config.save_formats)
+    ):
+        raise UnsupportedModelError(
+            f"model_type {spec.model_type!r}: hcache does not know where its layer input and K/V projection live, which "
+            f"hidden states (H) need (plan {str(config.plan or settings.plan)!r}, save={settings.save!r}); give plan 'KV' "
+            "and save 'plan': its K/V rows are stored and loaded as the engine computes them"
+        )
+    return config
 
 
 def self_check_methods(config: ResolvedConfig) -> frozenset[Method]:

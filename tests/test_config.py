@@ -183,3 +183,20 @@ def test_a_deployment_is_resolved_for_the_dtype_its_engine_runs(tmp_path):
     assert resolve_deployment(HCacheConfig(engine="fastgen", dtype="float16"), str(tmp_path)).spec.dtype == "float16"
     if not torch.cuda.is_available():
         assert resolve_deployment(HCacheConfig(engine="reference"), str(tmp_path)).spec.dtype == "float32"
+
+
+def test_hidden_states_are_refused_for_a_family_whose_weights_hcache_does_not_know(tmp_path):
+    """A family described for KV alone (vLLM's, past hcache's engines): a plan or a save with H is refused
+    where the settings resolve, naming why and what serves; KV resolves."""
+    from transformers import AutoConfig
+
+    from hcache.errors import UnsupportedModelError
+    from hcache.model.spec import ModelSpec
+    from hcache.resolve import resolve
+
+    config = AutoConfig.for_model("gemma3_text", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+    spec = ModelSpec.from_config(config, any_family=True)
+    for settings in ({"plan": "H"}, {"plan": "1H+1KV"}, {"plan": "KV", "save": "all"}):
+        with pytest.raises(UnsupportedModelError, match="'gemma3_text': hcache does not know where its layer input"):
+            resolve({"store_dirs": [str(tmp_path)], **settings}, spec, "gemma", engine="vllm")
+    assert str(resolve({"store_dirs": [str(tmp_path)]}, spec, "gemma", engine="vllm").plan) == "2KV"

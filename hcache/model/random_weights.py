@@ -13,12 +13,12 @@ from typing import Any
 import torch
 
 from ..errors import ModelNotFoundError
-from .spec import SUPPORTED_MODEL_TYPES
 
 RANDOM_PREFIX = "random:"  # a model name that asks for random weights: ``random:<shape>``
 
 
-# Small shapes for tests: every supported family, MHA and GQA, biases, fused QKV, partial rotary, Q/K norms.
+# Small shapes for tests: every supported family, MHA and GQA, biases, fused QKV, partial rotary, Q/K norms; and
+# families vLLM serves that hcache's engines do not.
 _TINY: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4),
     "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, sliding_window=48),
@@ -36,6 +36,10 @@ _TINY: dict[str, dict[str, Any]] = {
         eos_token_id=2,
     ),
     "opt": dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, enable_bias=True),
+    # families hcache's own engines do not run, which vLLM serves and hcache stores by KV there
+    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -70,7 +74,7 @@ def random_model(
         fields.update(_TINY[shape])
     else:
         raise ModelNotFoundError(
-            f"no random shape {shape!r}; choose a model type ({', '.join(SUPPORTED_MODEL_TYPES)}) or a full "
+            f"no random shape {shape!r}; choose a model type ({', '.join(_TINY)}) or a full "
             f"shape ({', '.join(_FULL)})"
         )
     return _randomised(AutoConfig.for_model(model_type, **{**fields, **overrides}), dtype, seed, device)

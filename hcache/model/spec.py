@@ -104,11 +104,11 @@ class ModelSpec:
     dtype: str
     qkv_bias: bool
     layers_prefix: str
-    capture_module: str
-    q_weight: WeightRows
-    k_weight: WeightRows
-    v_weight: WeightRows
-    o_module: str
+    capture_module: str | None  # None: a family whose weights hcache does not know, described for KV alone
+    q_weight: WeightRows | None
+    k_weight: WeightRows | None
+    v_weight: WeightRows | None
+    o_module: str | None
     rope: RopeSpec | None
     learned_position_offset: int | None  # OPT: position ids are shifted by this before the lookup
     sliding_windows: tuple[int | None, ...] = field(default=())
@@ -140,6 +140,12 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         """A token's K/V over every layer: what a KV cache holding all of them takes a token."""
         return self.num_layers * self.kv_bytes_per_token_layer
+
+    @property
+    def restores_hidden(self) -> bool:
+        """Whether hcache knows where this family's layer input and K/V projection live, which H needs to
+        rebuild K/V; KV needs neither (:meth:`from_config` with ``any_family``)."""
+        return self.capture_module is not None
 
     def window(self, layer: int) -> int | None:
         """How many positions back a query of ``layer`` attends (itself included): ``None`` for full attention."""
@@ -182,8 +188,11 @@ class ModelSpec:
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: Any, dtype: torch.dtype | str | None = None) -> "ModelSpec":
-        """Describe the model behind a ``transformers`` config. Raises :class:`UnsupportedModelError`."""
+    def from_config(cls, config: Any, dtype: torch.dtype | str | None = None, any_family: bool = False) -> "ModelSpec":
+        """Describe the model behind a ``transformers`` config. ``any_family``: a family hcache does not know
+        is described by its attention's shape alone, for an engine that stores and loads its K/V rows as it
+        computes them (vLLM), and restores nothing by H (:attr:`restores_hidden`). Raises
+        :class:`UnsupportedModelError`."""
         model_type = getattr(config, "model_type", None)
         others = sorted(set(getattr(config, "layer_types", None) or ()) - set(STORED_LAYER_TYPES))
         if others:  # before the family: this is why such a model is not served, whatever its family
@@ -193,9 +202,15 @@ class ModelSpec:
                 "(a Mamba or linear-attention layer's recurrent state), and K/V restored without that state would be wrong"
             )
         family = _FAMILIES.get(model_type)
-        if family is None:
+        if family is None and getattr(config, "kv_lora_rank", None):
             raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported by hcache; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"model_type {model_type!r} caches attention as multi-head latent rows (MLA, kv_lora_rank="
+                f"{config.kv_lora_rank}), which hcache does not store yet; it stores K/V rows of attention heads"
+            )
+        if family is None and not any_family:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported by hcache's own engines; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+                "(in vLLM, hcache stores and loads any other family's K/V)"
             )
         if model_type == "opt" and not config.do_layer_norm_before:
             raise UnsupportedModelError(
@@ -209,7 +224,9 @@ class ModelSpec:
         q_dim, kv_dim = heads * head_size, kv_heads * head_size
         fused_rows = {"q": (0, q_dim), "k": (q_dim, q_dim + kv_dim), "v": (q_dim + kv_dim, q_dim + 2 * kv_dim)}
 
-        def rows(entry: tuple[str, str]) -> WeightRows:
+        def rows(entry: tuple[str, str]) -> WeightRows | None:
+            if family is None:
+                return None
             module, part = entry
             return WeightRows(module, *fused_rows[part]) if part else WeightRows(module)
 
@@ -230,16 +247,16 @@ class ModelSpec:
             max_positions=config.max_position_embeddings,
             dtype=dtype_name,
             qkv_bias=_qkv_bias(config, model_type),
-            layers_prefix=family.layers,
-            capture_module=family.capture,
-            q_weight=rows(family.q),
-            k_weight=rows(family.k),
-            v_weight=rows(family.v),
-            o_module=family.o,
-            rope=_rope(config, head_size) if family.positions == "rope" else None,
-            learned_position_offset=2 if family.positions == "learned" else None,
-            sliding_windows=_sliding_windows(config, family.windows),
-            qk_norm=family.qk_norm,
+            layers_prefix=family.layers if family else "",
+            capture_module=family.capture if family else None,
+            q_weight=rows(family.q) if family else None,
+            k_weight=rows(family.k) if family else None,
+            v_weight=rows(family.v) if family else None,
+            o_module=family.o if family else None,
+            rope=_rope(config, head_size) if family and family.positions == "rope" else None,
+            learned_position_offset=2 if family and family.positions == "learned" else None,
+            sliding_windows=_sliding_windows(config, family.windows if family else "layer_types"),
+            qk_norm=family.qk_norm if family else None,
         )
 
 

@@ -109,6 +109,7 @@ class RestorePlan:
 
 
 def default_plan(spec: ModelSpec) -> RestorePlan:
-    """The plan without a hardware profile: H where hidden states are the smaller transfer (MHA, r > 1),
-    KV otherwise (GQA: KV moves no more bytes and needs no compute)."""
-    return RestorePlan.uniform(spec.num_layers, Method.H if spec.kv_to_hidden_ratio > 1 else Method.KV)
+    """The plan without a hardware profile: H where hidden states are the smaller transfer (MHA, r > 1)
+    and the family's weights are known, KV otherwise (GQA: KV moves no more bytes and needs no compute)."""
+    hidden = spec.restores_hidden and spec.kv_to_hidden_ratio > 1
+    return RestorePlan.uniform(spec.num_layers, Method.H if hidden else Method.KV)

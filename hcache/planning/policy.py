@@ -77,7 +77,7 @@ class PlanPolicy:
         profile's, the best one without the disabled methods."""
         if plan is not None:
             return plan
-        allow = {m: m not in self.disabled for m in (Method.H, Method.KV)}
+        allow = {m: m not in self.disabled and (m is not Method.H or self.spec.restores_hidden) for m in (Method.H, Method.KV)}
         return self.profile.plan(
             self.spec, history, self.encodings, allow_h=allow[Method.H], allow_kv=allow[Method.KV], allow_re=self.recomputes_layers,
             window=self.window,

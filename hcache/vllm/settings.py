@@ -115,7 +115,7 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
             f"{parallel.pipeline_parallel_size}): each stage would store a part of the layers; tensor parallelism it does (docs/vllm.md)"
         )
     tp = parallel.tensor_parallel_size
-    spec = ModelSpec.from_config(model.hf_config, dtype=model.dtype)
+    spec = ModelSpec.from_config(model.hf_config, dtype=model.dtype, any_family=True)  # KV needs no family's facts
     block_sizes, groups, windows = _cache_groups(kv_cache_config, spec.num_layers, vllm_config.cache_config.block_size)
     spec = dataclasses.replace(spec, sliding_windows=windows or spec.sliding_windows)
     if not Path(model.model).is_dir():
@@ -146,8 +146,17 @@ def _cache_groups(kv_cache_config, num_layers: int, block_size: int) -> tuple[tu
         return (block_size,), (0,) * num_layers, None
     from vllm.model_executor.models.utils import extract_layer_index
 
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
     groups, windows = [0] * num_layers, [None] * num_layers
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        kind = group.kv_cache_spec
+        if not isinstance(kind, AttentionSpec) or isinstance(kind, MLAAttentionSpec):  # never a prefix without its state
+            raise InvalidRequestError(
+                f"hcache's vLLM connector stores attention K/V rows; vLLM keeps layers {', '.join(group.layer_names[:3])}"
+                f"{' ...' if len(group.layer_names) > 3 else ''} as {type(kind).__name__}, state hcache does not store yet, "
+                "and a prefix loaded without it would be wrong"
+            )
         for name in group.layer_names:
             layer = extract_layer_index(name)
             groups[layer], windows[layer] = g, getattr(group.kv_cache_spec, "sliding_window", None)

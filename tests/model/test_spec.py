@@ -106,3 +106,24 @@ def test_qwen3_norms_q_and_k_before_rope_and_other_families_keep_their_identity(
     assert '"qk_norm": ["self_attn.q_norm", "self_attn.k_norm"]' in qwen3.to_json()
     llama = ModelSpec.from_config(AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4))
     assert llama.qk_norm is None and "qk_norm" not in llama.to_json()
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_a_family_hcache_does_not_know_is_described_for_kv_alone(model_type):
+    """vLLM's families past hcache's own engines: refused where a family's weights are needed, described by
+    their attention's shape where KV alone is (``any_family``), restoring nothing by H and KV by default."""
+    from hcache.planning.plan import Method, default_plan
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+    with pytest.raises(UnsupportedModelError, match=f"'{model_type}' is not supported by hcache's own engines"):
+        ModelSpec.from_config(config)
+    spec = ModelSpec.from_config(config, any_family=True)
+    assert (spec.num_kv_heads, spec.head_size, spec.kv_bytes_per_token_layer) == (2, 64, 2 * 2 * 64 * 4)
+    assert not spec.restores_hidden and spec.k_weight is None and spec.rope is None
+    assert spec.kv_to_hidden_ratio > 1 and default_plan(spec).layers == (Method.KV, Method.KV)  # H would be the smaller
+
+
+def test_mla_is_refused_for_its_latent_rows_even_for_kv():
+    config = AutoConfig.for_model("deepseek_v2", num_hidden_layers=2, kv_lora_rank=64)
+    with pytest.raises(UnsupportedModelError, match="multi-head latent rows \\(MLA, kv_lora_rank=64\\)"):
+        ModelSpec.from_config(config, any_family=True)
