@@ -53,12 +53,6 @@ class RestoreOutcome:
         step.layer_tokens = {m.value: plan.count(m) * self.tokens for m in Method if plan.count(m)}
 
 
-def restorable(tokens: int) -> int:
-    """How many of a prompt's ``tokens`` a restore may load: all but the last, whose logits give the first
-    output token, so the engine computes it."""
-    return max(0, tokens - 1)
-
-
 class StoredPrefix:
     """The chunks of ``keys`` one restore reads (``keys[0]`` is chunk ``first`` of its sequence): fetched
     into ``tier``'s host pool on its reader threads (:meth:`fetch`), verified in order into ``images``

@@ -43,7 +43,7 @@ from ..restore.records import GPU_CACHE, PutRestore, SequenceRecord, log_request
 from .restore import restore_prefix
 from ..restore.session import Session
 from .store_stack import StoreStack
-from ..restore.stored_prefix import restorable
+from ..restore.restorable import restorable
 
 log = logging.getLogger(__name__)
 

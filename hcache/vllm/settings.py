@@ -129,6 +129,12 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
     if uses_hidden_states(config) and tp > 1:
         raise InvalidRequestError(f"plan {str(config.plan)!r} with save={settings.save!r} uses hidden states (H) at tensor_parallel_size={tp}: "
                                   f"{_H_UNDER_TP}. Give plan 'KV'")  # fmt: skip
+    if uses_hidden_states(config) and Method.H not in methods(spec):
+        raise InvalidRequestError(
+            f"plan {str(config.plan or 'auto')!r} with save={settings.save!r} uses hidden states (H), which vLLM's "
+            f"{spec.model_type} cannot be restored by: its K takes no RoPE, and hcache rebuilds K through the layer's "
+            "rotary_emb. Give plan 'KV'"
+        )
     if uses_hidden_states(config) and not eager:
         raise InvalidRequestError(
             f"plan {str(config.plan or 'auto')!r} with save={settings.save!r} restores or saves hidden states (H), which "
@@ -167,6 +173,14 @@ def _cache_groups(kv_cache_config, num_layers: int, block_size: int) -> tuple[tu
 # have each rank read the layer's whole input (hidden_size a token) where KV reads the rank's heads
 # (2 * kv_dim / size), never fewer bytes from size 2 on.
 _H_UNDER_TP = "each rank would read the whole hidden state, never fewer bytes than its own K/V heads (docs/vllm.md)"
+
+
+def methods(spec: ModelSpec) -> tuple[Method, ...]:
+    """The methods hcache's connector restores ``spec`` by in vLLM: KV, any family vLLM serves with attention
+    alone; H too where hcache knows the family's weights and its K rotates by RoPE (the rebuild runs the
+    layer's own ``qkv_proj`` and ``rotary_emb``); never RE (vLLM computes every layer of a token it does not
+    load). docs/models.md's table follows this."""
+    return (Method.H, Method.KV) if spec.restores_hidden and spec.rope is not None else (Method.KV,)
 
 
 def uses_hidden_states(config: ResolvedConfig) -> bool:
