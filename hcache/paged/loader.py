@@ -122,7 +122,7 @@ class Loader:
             n = len(prefix.images)
             end = reach(n)
             if end < job.end and prefix.why_short() in (MissReason.EVICTED, MissReason.TIER_UNAVAILABLE):
-                self.lost(keys[n], prefix.miss.value)
+                self.lost(keys[n], prefix.miss)
             jobs = layer_jobs(plan, self.stack.window, first, job.start, end, n)
             if end > job.start:
                 self._write(job, prefix.images, first, end, plan, jobs)

@@ -27,7 +27,7 @@ def _lost(tier: HostTier, key: str) -> MissReason | None:
     for store in tier.stores:
         why = store.gone(key)
         if why is not None:
-            return MissReason(why.value)
+            return MissReason.of(why)
     return None
 
 

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from ..storage.chunk_store import Loss
+
 GPU_CACHE = "gpu_cache"  # restored from the GPU prefix cache: the source above the host pool's (storage's ``Source``)
 
 
@@ -36,6 +38,15 @@ class MissReason(str, Enum):
     TIER_UNAVAILABLE = "tier_unavailable"  # a tier could not be read (an I/O error, Redis down)
     OTHER_RANK = "other_rank"
     PLAN_RECOMPUTE = "plan_recompute"  # the plan recomputes every layer: stored state was not used
+
+    @classmethod
+    def of(cls, loss: Loss) -> MissReason:
+        """The miss a store's loss of a chunk makes (the store knows why it let a chunk go; a restore names
+        the miss)."""
+        return _MISS_OF_LOSS[loss]
+
+
+_MISS_OF_LOSS = {Loss.EVICTED: MissReason.EVICTED, Loss.FAILED_VERIFICATION: MissReason.FAILED_VERIFICATION}
 
 
 @dataclass

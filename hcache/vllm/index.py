@@ -37,7 +37,7 @@ class StoredIndex:
         self._held: OrderedDict[str, None] = OrderedDict()  # least recently held or offered first
         self._gone: LossLog[MissReason] = LossLog(1 << 16)  # chunks reported gone: why a look-up ends at one
 
-    def apply(self, changes: Sequence[tuple[str, str | None]]) -> None:
+    def apply(self, changes: Sequence[tuple[str, MissReason | None]]) -> None:
         """The worker's changes, in the order they happened: (key, None) held, (key, reason) gone."""
         for key, reason in changes:
             if reason is None:
@@ -45,7 +45,7 @@ class StoredIndex:
                 self._gone.pop(key)
             else:
                 self._held.pop(key, None)
-                self._gone.add(key, MissReason(reason))
+                self._gone.add(key, reason)
 
     def _hold(self, key: str) -> None:
         self._held[key] = None

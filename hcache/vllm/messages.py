@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from ..paged.load_job import LoadJob
+from ..restore.records import MissReason
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Pinned:
     req_id: str
     rank: int
     chunks: int
-    why: str | None
+    why: MissReason | None
 
 
 @dataclass
@@ -68,7 +69,7 @@ class WorkerReport:
     index of what can be loaded follows it (:class:`~hcache.vllm.index.StoredIndex`). ``failed``: requests
     whose load fell short (vLLM recomputes the rest); ``pinned``: its answers to the step's pin requests."""
 
-    changes: list[tuple[str, str | None]] = field(default_factory=list)
+    changes: list[tuple[str, MissReason | None]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     pinned: list[Pinned] = field(default_factory=list)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..paged.load_job import LoadJob
+from ..restore.records import MissReason
 from ..restore.restorable import restorable
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from .index import StoredIndex
@@ -51,7 +52,7 @@ class _Tracked:
     failed: bool = False  # its load fell short: a later look-up is vLLM's retry, which recomputes
     usable: int = 0  # prompt tokens a load may cover: whole chunks, the last token left out
     pinning: int = 0  # chunks the workers were asked to hold for its load (0: none held for it)
-    why: str | None = None  # why the stored prefix found ends where it does
+    why: MissReason | None = None  # why the stored prefix found ends where it does
     answers: dict[int, Pinned] = field(default_factory=dict)  # by rank: how much each holds
 
 
@@ -82,7 +83,7 @@ class SchedulerSide:
         namespace = self.namespace(request)
         stored, why = min((self.index.stored_prefix(chunk_keys(prompt[: tracked.usable], root_key(fingerprint, namespace))) for fingerprint in self._fingerprints),
                           key=lambda found: found[0])  # a prefix every rank holds  # fmt: skip
-        tracked.why = why.value if why is not None else None
+        tracked.why = why
         if stored * CHUNK_TOKENS <= num_computed:  # nothing past vLLM's own hit: nothing to hold
             return self._offer(tracked, num_computed, stored)
         tracked.pinning = stored
@@ -99,7 +100,7 @@ class SchedulerSide:
         tracked.computed = num_computed
         end = stored * CHUNK_TOKENS
         if why is not None:
-            tracked.misses = {why: tracked.usable - max(end, num_computed)}
+            tracked.misses = {why.value: tracked.usable - max(end, num_computed)}
         offered = max(0, end - num_computed)
         if not offered:
             self._let_go(tracked)

@@ -34,7 +34,7 @@ from ..paged.loader import Loader
 from ..paged.target import PagedLayer
 from ..storage.stored_state import Format
 from ..restore.miss_reasons import first_chunk_miss, lookup_miss, store_miss
-from ..restore.records import PutRestore, SequenceRecord, log_requests
+from ..restore.records import MissReason, PutRestore, SequenceRecord, log_requests
 from ..restore.session import Session
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
@@ -132,11 +132,11 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._failed: list[str] = []  # requests whose load fell short, for the scheduler
         self._short: set[str] = set()  # those among the loads the last ``finished`` reported
-        self._changes: deque[tuple[str, str | None]] = deque()  # the tiers' gains and losses, for the scheduler's index
+        self._changes: deque[tuple[str, MissReason | None]] = deque()  # the tiers' gains and losses, for the scheduler's index
         self._pins: dict[str, PinnedPrefix] = {}  # by request: the stored prefix held for its load
         self._pinned: list[Pinned] = []  # how much of each, for the scheduler
         if self.stack.store is not None:
-            self.stack.store.watch(lambda key, loss: self._changes.append((key, None if loss is None else loss.value)))
+            self.stack.store.watch(lambda key, loss: self._changes.append((key, None if loss is None else MissReason.of(loss))))
         log_path = setup.config.settings.request_log
         self.request_log = Path(log_path) if log_path is not None else None
 
@@ -218,7 +218,7 @@ class WorkerSide:
         held = self._pins[ask.req_id] = PinnedPrefix(self.stack.store, keys)
         why = None
         if held.count < len(keys):
-            why = lookup_miss(self.stack.store, keys[held.count], seen=True).value
+            why = lookup_miss(self.stack.store, keys[held.count], seen=True)
             self._changes.append((keys[held.count], why))
         self._pinned.append(Pinned(ask.req_id, self.tp.rank, held.count, why))
 

@@ -88,11 +88,17 @@ def test_without_out_or_save_the_check_writes_nothing_and_prints_its_report(tmp_
     assert "correctness: every case passed (--out PATH or --save keeps this report)" in out
 
 
-def test_the_check_covers_families_fastgen_serves():
+def test_the_check_runs_on_fastgen_the_families_it_serves_and_the_rest_on_the_reference_engine():
+    from hcache.check.correctness import families_on
     from hcache.engine.fastgen import check_model_type
+    from hcache.errors import UnsupportedModelError
 
-    for family in FAMILIES:
+    assert families_on("reference") == tuple(FAMILIES) and "qwen3" in FAMILIES
+    for family in families_on("fastgen"):
         check_model_type(family)  # raises for a family FastGen does not serve
+    with pytest.raises(UnsupportedModelError):
+        check_model_type("qwen3")
+    assert set(families_on("fastgen")) == set(FAMILIES) - {"qwen3"}
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from hcache.paged.load_job import LoadJob
 from hcache.paged.loader import Loader
 from hcache.paged.target import PagedLayer
 from hcache.planning.plan import Method, RestorePlan
-from hcache.restore.records import SequenceRecord
+from hcache.restore.records import MissReason, SequenceRecord
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.storage.stored_state import decode_rows, stored_rows
 
@@ -217,7 +217,7 @@ def test_a_chunk_gone_since_the_look_up_ends_the_load_and_is_told_lost(model, tm
         errors, record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], [block_ids], 0, 4 * CHUNK_TOKENS))
         assert errors == {4, 5, 6, 7}  # from position 128: the blocks vLLM computes again
         assert record.restored_tokens == 2 * CHUNK_TOKENS and record.miss_tokens == {"evicted": 2 * CHUNK_TOKENS}
-        assert lost == [(keys[2], "evicted")]
+        assert lost == [(keys[2], MissReason.EVICTED)] and lost[0][1] is MissReason.EVICTED
     finally:
         loader.close()
         serving.close()

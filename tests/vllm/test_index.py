@@ -6,6 +6,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh in
 
 from support.storage_chunks import chunk_bytes  # noqa: E402
 
+from hcache.restore.records import MissReason  # noqa: E402
 from hcache.storage.disk_store import DiskChunkStore  # noqa: E402
 from hcache.storage.store_config import StoreConfig  # noqa: E402
 from hcache.vllm.index import StoredIndex  # noqa: E402
@@ -40,10 +41,10 @@ def test_past_the_reports_the_stores_are_asked_and_each_end_has_its_reason(tmp_p
         index = StoredIndex(StoreConfig().lookup([tmp_path]))
         index.apply([(KEYS[0], None)])
         assert index.stored_prefix(KEYS) == (2, "never_stored")
-        index.apply([(KEYS[0], "failed_verification")])  # discarded as bad
+        index.apply([(KEYS[0], MissReason.FAILED_VERIFICATION)])  # discarded as bad
         assert index.stored_prefix(KEYS) == (0, "failed_verification")
-        index.apply([(KEYS[0], None), (KEYS[1], "evicted")])  # saved again; the other found gone by a load
-        assert index.stored_prefix(KEYS) == (1, "evicted")
+        index.apply([(KEYS[0], None), (KEYS[1], MissReason.EVICTED)])  # saved again; the other found gone by a load
+        assert index.stored_prefix(KEYS) == (1, MissReason.EVICTED) and index.stored_prefix(KEYS)[1] is MissReason.EVICTED
     finally:
         owner.close()
 

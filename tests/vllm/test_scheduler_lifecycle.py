@@ -3,6 +3,7 @@ ranks: found, held by every rank's worker, offered as far as the shortest holds,
 load follows. The scheduler's side needs neither torch nor vLLM, and neither is used here."""
 from types import SimpleNamespace
 
+from hcache.restore.records import MissReason
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.vllm.messages import Pinned, WorkerReport
 from hcache.vllm.scheduler import SchedulerSide
@@ -34,7 +35,7 @@ def test_a_prefix_is_offered_once_every_rank_holds_it_as_far_as_the_shortest_hol
     assert [(ask.req_id, len(ask.tokens)) for ask in step.pins] == [("r", 3 * CHUNK_TOKENS)] and not step.loads
     scheduler.worker_output(WorkerReport(pinned=[Pinned("r", 0, 3, None)]))
     assert scheduler.matched_tokens(request, 0) is None  # rank 1 has not answered
-    scheduler.worker_output(WorkerReport(pinned=[Pinned("r", 1, 2, "evicted")]))  # its third chunk went since
+    scheduler.worker_output(WorkerReport(pinned=[Pinned("r", 1, 2, MissReason.EVICTED)]))  # its third chunk went since
     assert scheduler.matched_tokens(request, CHUNK_TOKENS) == CHUNK_TOKENS  # two held, one of them vLLM's own hit
     scheduler.after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7],)), CHUNK_TOKENS)
     step = scheduler.build(NO_BATCH)

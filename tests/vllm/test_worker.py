@@ -78,7 +78,7 @@ def _steps(worker, spec, caches, tokens, steps, around=lambda k, step: contextli
     """Drive ``worker`` as vLLM does through ``steps`` (request -> tokens computed in that step; a request
     starts with its prefill), each step's K/V written into ``caches`` as vLLM's forward would; ``around(k,
     step)``: a context each step's hand-over runs in."""
-    from hcache.paged.layout import block_slots
+    from hcache.ops.paged_kv import block_slots
     from hcache.vllm.messages import RequestStep, SchedulerStep
 
     layout = worker._layers["model.layers.0.self_attn.attn"].layout
