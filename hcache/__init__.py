@@ -3,6 +3,7 @@
 The names below are imported on first use (PEP 562): ``import hcache``, and with it the command line's
 ``--help``, does not import torch.
 """
+
 from .version import __version__
 
 __all__ = [

@@ -1,6 +1,7 @@
 """The ``hcache`` command: each subcommand is a module of its own, with ``add_parser(sub)`` and
 ``run(args) -> int`` (``args.command_line``: the command as typed, which results record); this builds the
 parser from them and dispatches. Command modules import the heavy libraries when run, so ``--help`` is quick."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,16 @@ from .storage import command as store_command
 from .version import __version__
 
 VERBOSE_HELP = "log restore decisions and fallbacks (and the libraries' own info messages)"
-COMMANDS = (demo_command, prepare_command, profile_command, bench_command, serve_command, fleet_command, store_command, check_command)
+COMMANDS = (
+    demo_command,
+    prepare_command,
+    profile_command,
+    bench_command,
+    serve_command,
+    fleet_command,
+    store_command,
+    check_command,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,13 +49,17 @@ def _verbose_after_subcommands(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for subparser in action.choices.values():
-                subparser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
+                subparser.add_argument(
+                    "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP
+                )
                 _verbose_after_subcommands(subparser)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     if not args.verbose:  # this process and those it starts (they inherit the environment)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bar
     args.command_line = " ".join(["hcache", *(sys.argv[1:] if argv is None else argv)])

@@ -7,6 +7,7 @@ store opens. :func:`~hcache.resolve.resolve` turns them and the model's shape in
 :class:`ResolvedConfig` (engine and device, plan policy, profile, formats and encodings to save) once, where
 serving starts; engines, the store stack and MII's model servers receive it and resolve nothing again.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -223,7 +224,14 @@ class ResolvedConfig(BaseModel):
         """The plan policy these settings serve by: which plan each restore follows (made on each call: a
         copy with other ``disabled`` methods must not share it)."""
         return PlanPolicy(
-            self.spec, self.plan, self.profile, self.encodings, self.engine != "vllm", self.disabled, self.verified, self.window_rule(self.spec)
+            self.spec,
+            self.plan,
+            self.profile,
+            self.encodings,
+            self.engine != "vllm",
+            self.disabled,
+            self.verified,
+            self.window_rule(self.spec),
         )
 
     def window_rule(self, spec: ModelSpec, block: int = 1) -> WindowRule:

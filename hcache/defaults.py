@@ -1,5 +1,6 @@
 """Defaults that the command line shows, kept in a module that imports nothing heavy: building the parser
 (``hcache --help``) must not import torch. The modules that use them re-export them."""
+
 from __future__ import annotations
 
 import os

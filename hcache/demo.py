@@ -10,6 +10,7 @@ recompute, RE, ...), every run after dropping the device KV and every reply chec
 the median of its runs, shown with their range, so that a moment of load on a shared machine moves one
 run of each method, not one method.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,12 +102,22 @@ def run_demo(
         encodings = runtime.config.encodings
         methods = _methods(runtime.spec.num_layers)
         report = {
-            "demo": {"model": model, "turns": turns, "max_new_tokens": max_new_tokens, "stored_dtype": stored_dtype,
-                     "repeats": repeats, "store": store_dir},
-            "commit": commit, "machine": machine_facts(), "model": model, "spec": runtime.spec.describe(),
-            "stored_dtype": stored_dtype, "ttft": f"median of {repeats} interleaved runs per method and turn",
+            "demo": {
+                "model": model,
+                "turns": turns,
+                "max_new_tokens": max_new_tokens,
+                "stored_dtype": stored_dtype,
+                "repeats": repeats,
+                "store": store_dir,
+            },
+            "commit": commit,
+            "machine": machine_facts(),
+            "model": model,
+            "spec": runtime.spec.describe(),
+            "stored_dtype": stored_dtype,
+            "ttft": f"median of {repeats} interleaved runs per method and turn",
             "turns": [],
-        }  # fmt: skip
+        }
         ids = tok.apply_chat_template(
             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}],
             add_generation_prompt=True,
@@ -136,8 +147,13 @@ def run_demo(
             reply = tok.decode(reference, skip_special_tokens=True).strip()
             tqdm.write(_table(turn + 1, len(ids), QUESTIONS[turn], reply, rows, repeats))
             report["turns"].append(
-                {"turn": turn + 1, "prompt_tokens": len(ids), "question": QUESTIONS[turn], "reply": reply,
-                 "methods": {name: asdict(row) for name, row in rows.items()}}
+                {
+                    "turn": turn + 1,
+                    "prompt_tokens": len(ids),
+                    "question": QUESTIONS[turn],
+                    "reply": reply,
+                    "methods": {name: asdict(row) for name, row in rows.items()},
+                }
             )
             if turn + 1 < turns:
                 end = [] if reference[-1] == tok.eos_token_id else tok.encode("<|im_end|>", add_special_tokens=False)
@@ -149,8 +165,10 @@ def run_demo(
         if all_ok and not lossy_differ:
             print("all restored replies identical to recompute")
         elif all_ok:
-            print(f"{lossy_differ} of {lossy_runs} replies restored from 8-bit stored state (stored_dtype={stored_dtype}) "
-                  "differ from recompute, as lossy state may make them; every other restored reply is identical")  # fmt: skip
+            print(
+                f"{lossy_differ} of {lossy_runs} replies restored from 8-bit stored state (stored_dtype={stored_dtype}) "
+                "differ from recompute, as lossy state may make them; every other restored reply is identical"
+            )
         else:
             print("MISMATCH: a restored reply differs")
         if json_path:
@@ -187,7 +205,13 @@ def _table(turn: int, prompt_tokens: int, question: str, reply: str, rows: dict[
         f"{'method':<22}{'restored':>9}{'TTFT ms':>10}{'min-max ms':>14}{'stored B/token':>16}{'read KiB':>10}  same reply",
     ]
     for name, r in rows.items():
-        same = "yes" if r.identical else f"no (8-bit state{f', {r.runs_differing} of {repeats}' if repeats > 1 else ''})" if r.lossy else "NO"
+        same = (
+            "yes"
+            if r.identical
+            else f"no (8-bit state{f', {r.runs_differing} of {repeats}' if repeats > 1 else ''})"
+            if r.lossy
+            else "NO"
+        )
         lines.append(
             f"{name:<22}{r.restored_tokens:>9}{r.ttft_s * 1e3:>10.1f}{_range(r):>14}{r.stored_bytes_per_token:>16}"
             f"{r.bytes_read / 1024:>10.0f}  {same}"

@@ -1,5 +1,6 @@
 """``hcache prepare``: the embedded default model converted once, so later loads are fast; with
 ``--fastgen``, DeepSpeed-FastGen's ops built once instead."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,11 @@ from .defaults import DEFAULT_MODEL
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     prepare = sub.add_parser("prepare", help="convert the embedded default model once, so later loads are fast")
-    prepare.add_argument("--fastgen", action="store_true",
-                         help="instead, build DeepSpeed-FastGen's ops once (a GPU and nvcc, or prebuilt ops)")
+    prepare.add_argument(
+        "--fastgen",
+        action="store_true",
+        help="instead, build DeepSpeed-FastGen's ops once (a GPU and nvcc, or prebuilt ops)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ serving runs: the runtime's constructor, or ``hcache.mii.pipeline``/``serve`` be
 It sits above the settings (:mod:`hcache.config`) and planning (:mod:`hcache.planning`), which knows no
 settings: ``plan="auto"`` may measure this machine's profile (:mod:`hcache.planning.auto_profile`), which
 runs an engine and a store."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
@@ -67,7 +68,8 @@ def resolve(
         )
     config = config.model_copy(update={"save_formats": _save_formats(config)})
     if not spec.restores_hidden and (
-        (config.plan is not None and Method.H in config.plan.layers) or any(Method.H.value in f for f in config.save_formats)
+        (config.plan is not None and Method.H in config.plan.layers)
+        or any(Method.H.value in f for f in config.save_formats)
     ):
         raise UnsupportedModelError(
             f"model_type {spec.model_type!r}: hcache does not know where its layer input and K/V projection live, which "
@@ -86,8 +88,9 @@ def self_check_methods(config: ResolvedConfig) -> frozenset[Method]:
     else:
         plans = [
             config.profile.plan(config.spec, n, config.encodings, allow_h=h, allow_kv=kv)
-            for n in _lengths(config) for h, kv in ((True, True), (False, True), (True, False))
-        ]  # fmt: skip
+            for n in _lengths(config)
+            for h, kv in ((True, True), (False, True), (True, False))
+        ]
     return frozenset(m for plan in plans for m in plan.layers) - {Method.RE}
 
 
@@ -95,7 +98,9 @@ def disable_methods(config: ResolvedConfig, failed: Iterable[Method], passed: It
     """``config`` after the self-check: the ``failed`` methods disabled for the process (their layers restore
     by a ``passed`` method, else by RE; see :meth:`ResolvedConfig.allowed`) and no longer saved."""
     checked = config.model_copy(update={"disabled": frozenset(failed), "verified": frozenset(passed)})
-    checked = checked.model_copy(update={"plan": checked.policy.allowed(config.plan) if config.plan is not None else None})
+    checked = checked.model_copy(
+        update={"plan": checked.policy.allowed(config.plan) if config.plan is not None else None}
+    )
     return checked.model_copy(update={"save_formats": _save_formats(checked)})
 
 

@@ -1,4 +1,5 @@
 """Settings are resolved once, at the top: refused there with one message each, and handed down whole."""
+
 import argparse
 import json
 
@@ -26,7 +27,10 @@ def test_the_former_name_of_the_shared_stores_is_taken_with_a_warning(tmp_path, 
         assert HCacheConfig(store={"tiers": [str(tmp_path)]}).store.shared == (str(tmp_path),)
     with pytest.raises(StorageError, match="not also as tiers"):
         HCacheConfig.of({"store": {"tiers": [str(tmp_path)], "shared": [str(tmp_path)]}})
-    assert _serve_settings("--tier", "redis://a:1/0", "--shared", "redis://b:1/0").store.shared == ("redis://b:1/0", "redis://a:1/0")
+    assert _serve_settings("--tier", "redis://a:1/0", "--shared", "redis://b:1/0").store.shared == (
+        "redis://b:1/0",
+        "redis://a:1/0",
+    )
     assert "--tier is now called --shared" in capsys.readouterr().err
 
 
@@ -70,7 +74,13 @@ def test_the_plan_is_checked_against_the_model_when_resolved():
 
 def test_a_profile_given_makes_auto_the_plan_and_saves_every_format_it_may_use():
     spec = loaded("random:llama").spec
-    seconds = {"c_token": [0.001, 0.4], "c_h": [0.0002, 0.003], "c_kv": [0.0, 0.0], "io_h": [0.0006, 0.001], "io_kv": [0.0012, 0.002]}
+    seconds = {
+        "c_token": [0.001, 0.4],
+        "c_h": [0.0002, 0.003],
+        "c_kv": [0.0, 0.0],
+        "io_h": [0.0006, 0.001],
+        "io_kv": [0.0012, 0.002],
+    }
     profile = Profile.new("random:llama", spec, [64, 256], seconds, {})
     resolved = resolve({"profile": profile}, spec, "random:llama")
     assert resolved.plan is None and resolved.profile is profile
@@ -78,7 +88,10 @@ def test_a_profile_given_makes_auto_the_plan_and_saves_every_format_it_may_use()
     assert short != long
     for layer, formats in enumerate(resolved.save_formats):
         assert formats >= {m.stored_format for m in (short.layers[layer], long.layers[layer])} - {None}
-    assert resolved.policy.request_plan("H") == RestorePlan.uniform(3, "H") and resolved.policy.request_plan("auto") is None
+    assert (
+        resolved.policy.request_plan("H") == RestorePlan.uniform(3, "H")
+        and resolved.policy.request_plan("auto") is None
+    )
 
 
 def test_the_resolved_config_travels_as_json_whole():
@@ -86,14 +99,20 @@ def test_the_resolved_config_travels_as_json_whole():
     spec = loaded("random:llama").spec
     seconds = {name: [0.001, 0.004] for name in ("c_token", "c_h", "c_kv", "io_h", "io_kv")}
     resolved = resolve(
-        {"profile": Profile.new("m", spec, [64, 256], seconds, {}), "store": {"shared": ["redis://localhost:1/0"]}, "namespace": "t1"},
+        {
+            "profile": Profile.new("m", spec, [64, 256], seconds, {}),
+            "store": {"shared": ["redis://localhost:1/0"]},
+            "namespace": "t1",
+        },
         spec,
         "m",
     )
     again = ResolvedConfig.model_validate_json(resolved.model_dump_json())
     assert again.model_dump_json() == resolved.model_dump_json()
     assert again.spec == spec and again.plan is None and again.save_formats == resolved.save_formats
-    assert again.profile.seconds == resolved.profile.seconds and again.policy.plan_for(None, 256) == resolved.policy.plan_for(None, 256)
+    assert again.profile.seconds == resolved.profile.seconds and again.policy.plan_for(
+        None, 256
+    ) == resolved.policy.plan_for(None, 256)
     assert again.store.shared == ("redis://localhost:1/0",)
 
 
@@ -107,7 +126,9 @@ def test_an_engine_of_another_model_is_refused():
 
 def test_tensor_parallel_ranks_store_in_directories_of_their_own(tmp_path):
     spec = local_spec(loaded("random:llama").spec, TPGroup(0, 2))
-    resolved = resolve({"store_dirs": [str(tmp_path / "a"), str(tmp_path / "b")]}, spec, "random:llama", tensor_parallel=2)
+    resolved = resolve(
+        {"store_dirs": [str(tmp_path / "a"), str(tmp_path / "b")]}, spec, "random:llama", tensor_parallel=2
+    )
     assert resolved.store_dirs(1) == [str(tmp_path / "a" / "tp2-rank1"), str(tmp_path / "b" / "tp2-rank1")]
     assert resolve({"enabled": False}, spec, "m", tensor_parallel=2).store_dirs(0) is None
 
@@ -121,12 +142,17 @@ def test_other_tensor_parallel_layouts_are_found_beside_the_ranks_directories(tm
         (base / d).mkdir(parents=True)
     settings = {"store_dirs": [str(base), str(tmp_path / "b")]}
     assert resolve(settings, spec, "random:llama", tensor_parallel=2).other_layouts() == [base, base / "tp4-rank0"]
-    assert resolve(settings, loaded("random:llama").spec, "random:llama").other_layouts() == [base / "tp2-rank0", base / "tp4-rank0"]
+    assert resolve(settings, loaded("random:llama").spec, "random:llama").other_layouts() == [
+        base / "tp2-rank0",
+        base / "tp4-rank0",
+    ]
 
 
 def test_serve_takes_a_config_file_and_its_flags_override_it(tmp_path):
     path = tmp_path / "hcache.json"
-    path.write_text(json.dumps({"plan": "KV", "namespace": "tenant", "store": {"quota_bytes": 1 << 30}, "metrics_port": 9500}))
+    path.write_text(
+        json.dumps({"plan": "KV", "namespace": "tenant", "store": {"quota_bytes": 1 << 30}, "metrics_port": 9500})
+    )
     settings = _serve_settings("--config", str(path), "--plan", "H", "--shared", "redis://localhost:6379/0")
     assert settings.plan == "H" and settings.namespace == "tenant" and settings.metrics_port == 9500
     assert settings.store.quota_bytes == 1 << 30 and settings.store.shared == ("redis://localhost:6379/0",)
@@ -146,8 +172,11 @@ def test_the_encodings_travel_to_model_servers_and_steer_the_auto_plan():
     choice for 8-bit bytes and the formats saved."""
     spec = loaded("random:llama").spec
     seconds = {
-        "c_token": [0.01, 0.04], "c_h": [0.001, 0.004], "c_kv": [0.0, 0.0],
-        "io_h": [0.004, 0.016], "io_kv": [0.008, 0.032],
+        "c_token": [0.01, 0.04],
+        "c_h": [0.001, 0.004],
+        "c_kv": [0.0, 0.0],
+        "io_h": [0.004, 0.016],
+        "io_kv": [0.008, 0.032],
     }
     settings = {"profile": Profile.new("m", spec, [64, 256], seconds, {}), "stored_dtype": "H=fp8"}
     resolved = resolve(settings, spec, "m")
@@ -194,7 +223,9 @@ def test_hidden_states_are_refused_for_a_family_whose_weights_hcache_does_not_kn
     from hcache.model.spec import ModelSpec
     from hcache.resolve import resolve
 
-    config = AutoConfig.for_model("gemma3_text", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+    config = AutoConfig.for_model(
+        "gemma3_text", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2
+    )
     spec = ModelSpec.from_config(config, any_family=True)
     for settings in ({"plan": "H"}, {"plan": "1H+1KV"}, {"plan": "KV", "save": "all"}):
         with pytest.raises(UnsupportedModelError, match="'gemma3_text': hcache does not know where its layer input"):

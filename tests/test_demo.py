@@ -24,7 +24,9 @@ def test_demo_restores_every_turn_by_every_method_with_identical_replies(smollm2
     assert {"recompute", "RE", "H", "KV"} <= set(last) and any(name.startswith("mixed") for name in last)
     for name, row in last.items():
         assert row["identical"] and row["fallback"] is None and row["runs_differing"] == 0
-        assert row["restored_tokens"] == (0 if name == "recompute" else (report["turns"][-1]["prompt_tokens"] - 1) // 64 * 64)
+        assert row["restored_tokens"] == (
+            0 if name == "recompute" else (report["turns"][-1]["prompt_tokens"] - 1) // 64 * 64
+        )
         runs = row["ttft_s_runs"]
         assert len(runs) == 3 and row["ttft_s"] == sorted(runs)[1]
         assert row["ttft_s_min"] == min(runs) and row["ttft_s_max"] == max(runs) and min(runs) > 0

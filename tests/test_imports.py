@@ -7,6 +7,7 @@ module happens to be imported first. Between packages, a loop is an arrow that r
 architecture stands on (the settings and planning, the model and storage, the OpenAI server and MII, once),
 even when no two modules import each other. The graph counts every import, those inside functions too.
 """
+
 import ast
 import json
 import subprocess
@@ -36,12 +37,18 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> tuple[set[str
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module
+            base = (
+                ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".")
+                if node.level
+                else node.module
+            )
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
         else:
             continue
         for name in names:
-            (ours if name.split(".")[0] == "hcache" else theirs).add(name.split(".")[0] if name.split(".")[0] != "hcache" else name)
+            (ours if name.split(".")[0] == "hcache" else theirs).add(
+                name.split(".")[0] if name.split(".")[0] != "hcache" else name
+            )
     ours = {m for m in ours if m in modules and m != module}
     return ours, theirs
 
@@ -77,7 +84,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_modules_import_each_other():
     modules = _modules()
     graph = {m: _imports(m, p, modules)[0] for m, p in modules.items()}
-    assert len(graph) > 40 and graph["hcache.serving.runtime"] >= {"hcache.config", "hcache.serving.engine"}  # the graph is read
+    assert len(graph) > 40 and graph["hcache.serving.runtime"] >= {
+        "hcache.config",
+        "hcache.serving.engine",
+    }  # the graph is read
     mutual = sorted((a, b) for a in graph for b in graph[a] if a < b and a in graph[b])
     assert not mutual, f"modules that import each other: {mutual}"
     assert not _cycles(graph), f"import cycles: {_cycles(graph)}"
@@ -102,7 +112,9 @@ def test_no_packages_import_each_other_round_a_loop():
         )
     for package in {p for targets in graph.values() for p in targets}:
         graph.setdefault(package, set())
-    assert {"storage", "model", "serving", "config", "planning"} <= graph.keys() and "storage" in graph["serving"]  # the graph is read
+    assert {"storage", "model", "serving", "config", "planning"} <= graph.keys() and "storage" in graph[
+        "serving"
+    ]  # the graph is read
     loops = {tuple(loop): sorted(f"{a} -> {b}" for a in loop for b in graph[a] if b in loop) for loop in _cycles(graph)}
     assert not loops, f"packages that import each other round a loop: {loops}"
 
@@ -113,7 +125,9 @@ def test_every_module_imports_in_a_fresh_interpreter():
     a child per core at once. A module that needs a package not installed here (``hcache.vllm`` without
     vLLM) raises ModuleNotFoundError naming it, and is counted apart."""
     modules = _modules()
-    third_party = sorted(set().union(*(_imports(m, p, modules)[1] for m, p in modules.items())) - set(sys.stdlib_module_names))
+    third_party = sorted(
+        set().union(*(_imports(m, p, modules)[1] for m, p in modules.items())) - set(sys.stdlib_module_names)
+    )
     script = f"""
 import importlib, json, os, sys, traceback
 missing = set()
@@ -181,8 +195,16 @@ def test_nothing_outside_the_benchmarks_imports_them():
 
     outside = {m: p for m, p in modules.items() if m != "hcache.bench" and not m.startswith("hcache.bench.")}
     imported = {m: sorted(benchmarks(graph[m]) - allowed.get(m, set())) for m in outside}
-    named = {m: sorted(benchmarks(n.value for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str)))
-             for m, p in outside.items()}  # fmt: skip
+    named = {
+        m: sorted(
+            benchmarks(
+                n.value
+                for n in ast.walk(ast.parse(p.read_text()))
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            )
+        )
+        for m, p in outside.items()
+    }
     imports, names = {m: b for m, b in imported.items() if b}, {m: b for m, b in named.items() if b}
     assert not imports, f"production modules that import hcache.bench: {imports}"
     assert not names, f"production modules that name a module of hcache.bench: {names}"

@@ -1,5 +1,6 @@
 """docs/models.md's support table against the code's rules: each family's methods on each engine, as
 ModelSpec, the FastGen adapter and the vLLM connector decide them."""
+
 from pathlib import Path
 
 import pytest

@@ -4,6 +4,7 @@ An editable install finds every module in the tree, so a package that the wheel 
 without ``__init__.py``, which ``packages.find`` skips) passes every other test and fails only on a user's
 ``import hcache``.
 """
+
 import subprocess
 import sys
 import zipfile
@@ -20,8 +21,23 @@ def test_every_package_directory_has_an_init():
 
 def test_the_wheel_holds_every_module_and_the_package_data(tmp_path):
     # No build isolation: the installed setuptools builds it, so this runs offline.
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                             "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     [wheel] = tmp_path.glob("hcache-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -41,7 +57,9 @@ def test_setup_py_reads_the_same_metadata_as_pyproject():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["dynamic"] == ["version"]  # read from hcache/version.py, as below
-    result = subprocess.run([sys.executable, "setup.py", "--name", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "setup.py", "--name", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     name, version = result.stdout.split()[-2:]
     assert name == project["name"]

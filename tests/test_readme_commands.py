@@ -5,6 +5,7 @@ line, so a subcommand or flag that does not exist fails here. The cheap ones the
 user would run them: each subcommand's ``--help``, and the README's main command, ``hcache demo``, with
 one turn, in a directory with no ``profiles/`` (so nothing depends on a profile committed for another CPU).
 """
+
 import re
 import shlex
 import subprocess
@@ -26,7 +27,9 @@ def _commands() -> list[tuple[str, list[str]]]:
         for block in re.findall(r"^```[a-z]*\n(.*?)^```", page.read_text(), flags=re.S | re.M):
             for line in block.splitlines():
                 command = line.split("  #")[0].strip()
-                if not command.startswith(("hcache", "python -m hcache")):  # another program's (vllm serve), or its JSON
+                if not command.startswith(
+                    ("hcache", "python -m hcache")
+                ):  # another program's (vllm serve), or its JSON
                     continue
                 words = shlex.split(command)
                 if words[:3] == ["python", "-m", "hcache"]:
@@ -70,6 +73,8 @@ def test_every_subcommands_help_runs(tmp_path):
 def test_the_readme_main_command_runs_with_one_turn(tmp_path):
     [demo] = [argv for where, argv in COMMANDS if where.startswith("README.md") and argv[:1] == ["demo"]]
     assert not (tmp_path / "profiles").exists()
-    result = _run([*demo, "--turns", "1", "--max-new-tokens", "8", "--repeats", "1"], tmp_path)  # the command runs; timing is the demo test's
+    result = _run(
+        [*demo, "--turns", "1", "--max-new-tokens", "8", "--repeats", "1"], tmp_path
+    )  # the command runs; timing is the demo test's
     assert result.returncode == 0, result.stderr[-3000:]
     assert "turn 1:" in result.stdout and "all restored replies identical to recompute" in result.stdout

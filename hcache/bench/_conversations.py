@@ -1,4 +1,5 @@
 """The conversations the serving benchmarks send: each opens with a document and goes on with questions."""
+
 from __future__ import annotations
 
 import numpy as np

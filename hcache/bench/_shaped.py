@@ -1,6 +1,7 @@
 """The data-path benchmarks' model (``bench transfer``, ``bench paged``): a named shape with a few layers and
 random weights (:func:`hcache.model.random_weights.random_model`). Only attention's shapes matter to their figures, so the MLP and vocabulary are shrunk to
 keep host memory small."""
+
 from __future__ import annotations
 
 import argparse
@@ -41,14 +42,20 @@ def shaped(args: argparse.Namespace) -> Shaped:
     history = args.history // CHUNK_TOKENS * CHUNK_TOKENS
     if history < CHUNK_TOKENS or args.layers < 1 or args.repeats < 1:
         raise ValueError("--history must be at least 64 tokens, --layers and --repeats at least 1")
-    model = random_model(args.shape, dtype, device=args.device, num_hidden_layers=args.layers, intermediate_size=256, vocab_size=1024)
+    model = random_model(
+        args.shape, dtype, device=args.device, num_hidden_layers=args.layers, intermediate_size=256, vocab_size=1024
+    )
     spec = ModelSpec.from_config(model.config, dtype)
     if history >= spec.max_positions:
         raise ValueError(f"--history must be below the model's {spec.max_positions} positions")
-    return Shaped(LoadedModel(f"{RANDOM_PREFIX}{args.shape}", model, spec, None), history, torch.device(args.device), dtype)
+    return Shaped(
+        LoadedModel(f"{RANDOM_PREFIX}{args.shape}", model, spec, None), history, torch.device(args.device), dtype
+    )
 
 
-def timed_rounds(measures: dict, repeats: int, device: torch.device, desc: str, after=lambda name: None) -> dict[str, float]:
+def timed_rounds(
+    measures: dict, repeats: int, device: torch.device, desc: str, after=lambda name: None
+) -> dict[str, float]:
     """Each of ``measures`` (name -> a call) timed once a round, in turn, for ``repeats`` rounds after one
     that warms up, the device synchronised around each call; ``after(name)`` runs untimed after each. The
     median seconds of each."""

@@ -30,6 +30,7 @@ step in which any of these requests computes is not counted. Where the loads wer
 (host pool or disk) is taken from the request log: a small host pool (``--host-mb``) sends the earlier
 conversations to the disk once the decoders' saves fill it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,10 +50,17 @@ CHUNK = 64  # hcache's chunk: a request saves one each 64 tokens
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,16", help="running requests per decode step, comma-separated")
     parser.add_argument("--histories", default="1024,4096", help="tokens of each request's history, comma-separated")
-    parser.add_argument("--steps", type=int, default=96, help="decode steps timed per round and engine (64 or more: every request saves a chunk)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=96,
+        help="decode steps timed per round and engine (64 or more: every request saves a chunk)",
+    )
     parser.add_argument("--block", type=int, default=8, help="decode steps an engine takes in its turn")
     parser.add_argument("--repeats", type=int, default=2, help="rounds, each with new requests")
-    parser.add_argument("--loads", type=int, default=2, help="returning conversations loaded mid-decode by the saving engine (0: none)")
+    parser.add_argument(
+        "--loads", type=int, default=2, help="returning conversations loaded mid-decode by the saving engine (0: none)"
+    )
     parser.add_argument("--host-mb", type=int, default=256, help="the connector's host pool, in MiB")
 
 
@@ -67,7 +75,9 @@ def run(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     histories = [int(h) for h in args.histories.split(",")]
     if min(batches) < 1 or min(histories) < CHUNK or args.steps < 2 or args.repeats < 1 or args.block < 2:
-        raise SystemExit(f"hcache bench vllm --decode: batches >= 1, histories >= {CHUNK}, --steps and --block >= 2, --repeats >= 1")
+        raise SystemExit(
+            f"hcache bench vllm --decode: batches >= 1, histories >= {CHUNK}, --steps and --block >= 2, --repeats >= 1"
+        )
     g = torch.Generator().manual_seed(0)
     tokens = lambda n: torch.randint(100, 40000, (n,), generator=g).tolist()  # noqa: E731
     max_len = max(histories) + CHUNK + 2 * args.steps + 64
@@ -84,21 +94,40 @@ def run(args: argparse.Namespace) -> dict:
         }
         engines = {}
         for name, connector in tqdm(connectors.items(), desc="vLLM engines", unit="engine"):
-            engines[name] = LLM(model=str(model_dir(args.model)), dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
-                                kv_cache_memory_bytes=budget * per_token * 2, enable_prefix_caching=False,
-                                disable_log_stats=True, kv_transfer_config=kv_transfer_config(connector) if connector else None)  # fmt: skip
+            engines[name] = LLM(
+                model=str(model_dir(args.model)),
+                dtype=args.dtype,
+                enforce_eager=True,
+                max_model_len=max_len,
+                kv_cache_memory_bytes=budget * per_token * 2,
+                enable_prefix_caching=False,
+                disable_log_stats=True,
+                kv_transfer_config=kv_transfer_config(connector) if connector else None,
+            )
         try:
-            for batch, history in tqdm([(b, h) for b in batches for h in histories], desc="batch x history", unit="case"):
+            for batch, history in tqdm(
+                [(b, h) for b in batches for h in histories], desc="batch x history", unit="case"
+            ):
                 steps: dict[str, list[float]] = {name: [] for name in engines}
                 loading: list[bool] = []  # per round of turns: the saving engine's loads were in flight in its turn
                 loaded_from: dict[str, int] = {}
                 for _ in range(args.repeats):
                     returning = [tokens(history) for _ in range(args.loads)]
                     if returning:  # saved now by the saving engine, loaded by it mid-decode
-                        engines["hcache_saving"].generate([{"prompt_token_ids": r} for r in returning], SamplingParams(max_tokens=1), use_tqdm=False)
+                        engines["hcache_saving"].generate(
+                            [{"prompt_token_ids": r} for r in returning], SamplingParams(max_tokens=1), use_tqdm=False
+                        )
                         log.unlink(missing_ok=True)
-                    prompts = [tokens(history + i * CHUNK // batch) for i in range(batch)]  # chunk fills spread over the steps
-                    timed, during = _interleaved({name: llm.llm_engine for name, llm in engines.items()}, prompts, returning, args.steps, args.block)
+                    prompts = [
+                        tokens(history + i * CHUNK // batch) for i in range(batch)
+                    ]  # chunk fills spread over the steps
+                    timed, during = _interleaved(
+                        {name: llm.llm_engine for name, llm in engines.items()},
+                        prompts,
+                        returning,
+                        args.steps,
+                        args.block,
+                    )
                     for name, times in timed.items():
                         steps[name] += times
                     loading += during
@@ -111,11 +140,21 @@ def run(args: argparse.Namespace) -> dict:
             for llm in engines.values():
                 llm.llm_engine.engine_core.shutdown()
     _print(results, args)
-    return {"model": args.model, "dtype": args.dtype, "steps": args.steps, "repeats": args.repeats, "loads": args.loads,
-            "host_mb": args.host_mb, "block": args.block, "decode": results}  # fmt: skip
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "loads": args.loads,
+        "host_mb": args.host_mb,
+        "block": args.block,
+        "decode": results,
+    }
 
 
-def _interleaved(engines: dict, prompts: list[list[int]], returning: list[list[int]], steps: int, block: int) -> tuple[dict[str, list[float]], list[bool]]:
+def _interleaved(
+    engines: dict, prompts: list[list[int]], returning: list[list[int]], steps: int, block: int
+) -> tuple[dict[str, list[float]], list[bool]]:
     """Every engine given ``prompts``, stepped to their first tokens and paused; then the engines take turns,
     ``block`` decode steps each, resumed for their turn and paused after it, until each has timed ``steps``.
     ``returning`` join the saving engine at every other turn, and their last token and question the others.
@@ -159,7 +198,9 @@ def _interleaved(engines: dict, prompts: list[list[int]], returning: list[list[i
                 joined = {_base(out.request_id) for out in outs} & waiting[name]
                 if not joined:
                     took.append(elapsed)
-                waiting[name] -= joined  # loaded (or, elsewhere, computed) and answered: the steps after are without loads again
+                waiting[name] -= (
+                    joined  # loaded (or, elsewhere, computed) and answered: the steps after are without loads again
+                )
             means[name].append(statistics.fmean(took) if took else float("nan"))
             _pause(engine)
         during.append(loads)
@@ -195,22 +236,35 @@ def _compare(steps: dict[str, list[float]], loading: list[bool], loaded_from: di
     out = {}
     for name, times in steps.items():
         overhead, ci = paired_overhead(times, base)
-        out[name] = {"turn_step_s": times, "median_step_s": statistics.median(times), "overhead": overhead, "overhead_ci": ci}
+        out[name] = {
+            "turn_step_s": times,
+            "median_step_s": statistics.median(times),
+            "overhead": overhead,
+            "overhead_ci": ci,
+        }
     if any(loading):
         saving = out["hcache_saving"]
         pick = lambda flag, xs: [x for x, f in zip(xs, loading) if f == flag]  # noqa: E731
         saving["loading"] = loading
-        saving["loading_overhead"], saving["loading_overhead_ci"] = paired_overhead(pick(True, steps["hcache_saving"]), pick(True, base))
-        saving["not_loading_overhead"], saving["not_loading_overhead_ci"] = paired_overhead(pick(False, steps["hcache_saving"]), pick(False, base))
+        saving["loading_overhead"], saving["loading_overhead_ci"] = paired_overhead(
+            pick(True, steps["hcache_saving"]), pick(True, base)
+        )
+        saving["not_loading_overhead"], saving["not_loading_overhead_ci"] = paired_overhead(
+            pick(False, steps["hcache_saving"]), pick(False, base)
+        )
         saving["loaded_tokens_by_tier"] = loaded_from
     return out
 
 
 def _print(results: dict, args: argparse.Namespace) -> None:
-    print(f"{args.model}, {args.dtype}: {args.steps} decode steps x {args.repeats} rounds, engines in turns of {args.block} steps;"
-          " overhead: the median of each turn's mean step over vLLM alone's in the same round of turns, less one (95% interval)")  # fmt: skip
-    print(f"{'case':>10} {'engine':18} {'step ms':>8} {'overhead':>22} {'while loading':>22}  loaded from"
-          "   (the saving engine's overhead: its turns without loads)")  # fmt: skip
+    print(
+        f"{args.model}, {args.dtype}: {args.steps} decode steps x {args.repeats} rounds, engines in turns of {args.block} steps;"
+        " overhead: the median of each turn's mean step over vLLM alone's in the same round of turns, less one (95% interval)"
+    )
+    print(
+        f"{'case':>10} {'engine':18} {'step ms':>8} {'overhead':>22} {'while loading':>22}  loaded from"
+        "   (the saving engine's overhead: its turns without loads)"
+    )
     for case, engines in results.items():
         for name, r in engines.items():
             cell = lambda o, ci: f"{100 * o:+6.1f}% [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"  # noqa: E731

@@ -1,5 +1,6 @@
 """What ``bench workload``'s options mean: the rates, the eviction policies, the profile's lengths, and the
 engine's and host pool's memory."""
+
 from __future__ import annotations
 
 import argparse

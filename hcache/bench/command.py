@@ -5,6 +5,7 @@ first line of its docstring is its help. ``--json PATH`` writes the returned fig
 command, the hcache commit it ran (:func:`~hcache.machine.facts.source_commit`) and the machine's facts, so a kept
 result says where it came from.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,11 @@ from ..machine.facts import machine_facts
 def available() -> dict[str, str]:
     """Benchmark name -> module name, for every benchmark module of the package."""
     here = Path(__file__).parent
-    return {m.name: f"{__package__}.{m.name}" for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_") and m.name != "command"}
+    return {
+        m.name: f"{__package__}.{m.name}"
+        for m in pkgutil.iter_modules([str(here)])
+        if not m.name.startswith("_") and m.name != "command"
+    }
 
 
 class _BenchmarkParser(argparse.ArgumentParser):
@@ -56,7 +61,9 @@ def _summary(name: str) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="benchmark", required=True, parser_class=_BenchmarkParser)
+    bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(
+        dest="benchmark", required=True, parser_class=_BenchmarkParser
+    )
     for name, module_name in sorted(available().items()):
         parser = bench.add_parser(name, help=_summary(name), module_name=module_name)
         parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this file")
@@ -68,7 +75,12 @@ def run(args: argparse.Namespace) -> int:
     commit = source_commit()  # before the run: the source it measures, whatever is committed meanwhile
     result = importlib.import_module(available()[args.benchmark]).run(args)
     if args.json_path:
-        record = {"benchmark": args.benchmark, "command": args.command_line, "commit": commit, "machine": machine_facts()}
+        record = {
+            "benchmark": args.benchmark,
+            "command": args.command_line,
+            "commit": commit,
+            "machine": machine_facts(),
+        }
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps({**record, **result}, indent=2) + "\n")
         print(f"wrote {args.json_path}")

@@ -10,6 +10,7 @@ time, and TTFT is the time to the first token at the client. Each request is sen
 namespace of its own (``cache_salt``, so nothing is stored under it) to the same node: the recompute of the
 same prompt, whose reply must be the same. Tokens restored come from the nodes' request logs, by source.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,12 +30,18 @@ from ._conversations import conversations_of
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="as for hcache serve")
+    parser.add_argument(
+        "--engine", default="auto", choices=["auto", "fastgen", "reference"], help="as for hcache serve"
+    )
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--redis", default=None, metavar="URL", help="a running Redis (default: the fleet starts one)")
     parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=4, help="turns per conversation; the kill comes after half of them")
-    parser.add_argument("--document-words", type=int, default=800, help="words of the document each conversation opens with")
+    parser.add_argument(
+        "--turns", type=int, default=4, help="turns per conversation; the kill comes after half of them"
+    )
+    parser.add_argument(
+        "--document-words", type=int, default=800, help="words of the document each conversation opens with"
+    )
     parser.add_argument("--max-tokens", type=int, default=16, help="reply length cap")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -70,10 +77,18 @@ def _replay(fleet: Fleet, model: str, conversations: list[list[str]], args) -> t
                 recomputed = chat(fleet.url, model, messages, session, args.max_tokens, stream=True, cache_salt=salt)
                 messages.append({"role": "assistant", "content": served.text})
                 moved = bool(killed) and turn == args.turns // 2 and c in killed["conversations"]
-                records.append({
-                    "conversation": c, "turn": turn + 1, "node": served.node, "after_kill": bool(killed), "moved": moved,
-                    "ttft_s": served.ttft_s, "recompute_ttft_s": recomputed.ttft_s, "same_reply": served.text == recomputed.text,
-                })  # fmt: skip
+                records.append(
+                    {
+                        "conversation": c,
+                        "turn": turn + 1,
+                        "node": served.node,
+                        "after_kill": bool(killed),
+                        "moved": moved,
+                        "ttft_s": served.ttft_s,
+                        "recompute_ttft_s": recomputed.ttft_s,
+                        "same_reply": served.text == recomputed.text,
+                    }
+                )
                 bar.update()
     return records, killed
 
@@ -103,13 +118,20 @@ def _restored_by_source(fleet: Fleet, kill_time: float) -> dict:
 
 
 def _percentiles(values: list[float]) -> dict:
-    return {"p50_s": float(np.percentile(values, 50)), "p99_s": float(np.percentile(values, 99)), "n": len(values)} if values else {}
+    return (
+        {"p50_s": float(np.percentile(values, 50)), "p99_s": float(np.percentile(values, 99)), "n": len(values)}
+        if values
+        else {}
+    )
 
 
 def _summary(records: list[dict], killed: dict, restored: dict, args) -> dict:
     def ttft(select) -> dict:
         chosen = [r for r in records if select(r)]
-        return {"served": _percentiles([r["ttft_s"] for r in chosen]), "recompute": _percentiles([r["recompute_ttft_s"] for r in chosen])}
+        return {
+            "served": _percentiles([r["ttft_s"] for r in chosen]),
+            "recompute": _percentiles([r["recompute_ttft_s"] for r in chosen]),
+        }
 
     returning = {  # turns after the first: the history is restored (or recomputed)
         "before_kill": ttft(lambda r: r["turn"] > 1 and not r["after_kill"]),
@@ -125,13 +147,20 @@ def _summary(records: list[dict], killed: dict, restored: dict, args) -> dict:
         "restored_tokens": restored,
         "killed": {k: v for k, v in killed.items() if k != "time"},
         "requests": records,
-        "workload": {k: getattr(args, k) for k in ("model", "engine", "nodes", "conversations", "turns", "document_words", "max_tokens", "seed")},
+        "workload": {
+            k: getattr(args, k)
+            for k in ("model", "engine", "nodes", "conversations", "turns", "document_words", "max_tokens", "seed")
+        },
     }
     for phase, figures in returning.items():
         if figures["served"]:
-            print(f"{phase:12s} TTFT p50 {figures['served']['p50_s']:.3f} s, p99 {figures['served']['p99_s']:.3f} s; "
-                  f"recompute p50 {figures['recompute']['p50_s']:.3f} s, p99 {figures['recompute']['p99_s']:.3f} s  ({figures['served']['n']} turns)")  # fmt: skip
-    print(f"killed {killed['node']} after turn {args.turns // 2}: {len(killed['conversations'])} conversation(s) moved; "
-          f"their TTFT p50 is {ratio:.2f}x recompute's; {result['replies_differing']} repl(ies) differ")  # fmt: skip
+            print(
+                f"{phase:12s} TTFT p50 {figures['served']['p50_s']:.3f} s, p99 {figures['served']['p99_s']:.3f} s; "
+                f"recompute p50 {figures['recompute']['p50_s']:.3f} s, p99 {figures['recompute']['p99_s']:.3f} s  ({figures['served']['n']} turns)"
+            )
+    print(
+        f"killed {killed['node']} after turn {args.turns // 2}: {len(killed['conversations'])} conversation(s) moved; "
+        f"their TTFT p50 is {ratio:.2f}x recompute's; {result['replies_differing']} repl(ies) differ"
+    )
     print(f"tokens restored by source: before the kill {restored['before_kill']}, after {restored['after_kill']}")
     return result

@@ -17,6 +17,7 @@ prefill): both medians, so one slow call does not make it negative.
 ``ttft_speedup`` is recompute's median TTFT over each method's; ``prefill_cost`` and ``decode_cost`` are
 each method's prefill and decode times over recompute's: the cost of saving, where hcache saves.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,13 @@ METHODS = {"recompute": {"enabled": False}, "kv": {"plan": "KV"}, "h": {"plan": 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
     parser.add_argument("--model", default="random:llama-2-7b" if gpu else "random:llama", help="a random:<shape>")
-    parser.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="auto: FastGen on a GPU")
+    parser.add_argument(
+        "--engine", default="auto", choices=["auto", "fastgen", "reference"], help="auto: FastGen on a GPU"
+    )
     parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: float16 on a GPU)")
-    parser.add_argument("--history", type=int, default=4096 if gpu else 384, help="tokens of history the conversation returns with")
+    parser.add_argument(
+        "--history", type=int, default=4096 if gpu else 384, help="tokens of history the conversation returns with"
+    )
     parser.add_argument("--turn", type=int, default=64, help="new tokens of each returning turn")
     parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens compared between methods")
     parser.add_argument("--repeats", type=int, default=3, help="timed returning turns per method, after one warm-up")
@@ -59,7 +64,9 @@ def run(args: argparse.Namespace) -> dict:
         methods["auto"] = {"plan": "auto", "profile": args.profile}
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="hcache-bench-mii-") as tmp:
-        model_dir = save_random_model(args.model, model_dtype(args.dtype, "cuda" if engine == "fastgen" else "cpu"), Path(tmp) / "model")
+        model_dir = save_random_model(
+            args.model, model_dtype(args.dtype, "cuda" if engine == "fastgen" else "cpu"), Path(tmp) / "model"
+        )
         config = json.loads((model_dir / "config.json").read_text())
         vocab, context = config["vocab_size"], config["max_position_embeddings"]
         if args.history + args.turn + args.new_tokens > context:
@@ -73,12 +80,21 @@ def run(args: argparse.Namespace) -> dict:
         results, reference = {}, None
         for name, options in tqdm(methods.items(), desc="methods", unit="method"):
             log = Path(tmp) / f"{name}.jsonl"
-            config = None if options is None else {"engine": engine, "store_dirs": [f"{tmp}/{name}"], "request_log": str(log), **options}
+            config = (
+                None
+                if options is None
+                else {"engine": engine, "store_dirs": [f"{tmp}/{name}"], "request_log": str(log), **options}
+            )
             pipe = pipeline_on_free_port(str(model_dir), config)
             try:
                 prefill = _timed(lambda: pipe([f"{history} {turns[0]}"], max_new_tokens=1, do_sample=False))[1]
-                ttft = [_timed(lambda: pipe([f"{history} {turn}"], max_new_tokens=1, do_sample=False))[1] for turn in timed]
-                answers = [_timed(lambda: pipe([f"{history} {turn}"], max_new_tokens=args.new_tokens, do_sample=False)) for turn in answered_turns]
+                ttft = [
+                    _timed(lambda: pipe([f"{history} {turn}"], max_new_tokens=1, do_sample=False))[1] for turn in timed
+                ]
+                answers = [
+                    _timed(lambda: pipe([f"{history} {turn}"], max_new_tokens=args.new_tokens, do_sample=False))
+                    for turn in answered_turns
+                ]
                 tokens = [out[0].generated_text for out, _ in answers]
                 reference = reference if reference is not None else tokens
             finally:
@@ -90,7 +106,8 @@ def run(args: argparse.Namespace) -> dict:
             results[name] = {
                 "ttft_s_median": ttft_median,
                 "prefill_s": prefill,
-                "decode_s_per_token": (statistics.median(t for _, t in answers) - ttft_median) / max(args.new_tokens - 1, 1),
+                "decode_s_per_token": (statistics.median(t for _, t in answers) - ttft_median)
+                / max(args.new_tokens - 1, 1),
                 "tokens_match": tokens == reference,
                 "restored_tokens": turns_logged[-1]["restored_tokens"] if turns_logged else 0,
             }
@@ -102,9 +119,17 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{args.model} on {engine}, history {args.history} + turn {args.turn} tokens, median of {args.repeats}")
     print(f"{'method':<10}{'TTFT s':>10}{'speedup':>9}{'restored':>10}{'prefill':>9}{'decode':>8}  tokens match")
     for name, r in results.items():
-        print(f"{name:<10}{r['ttft_s_median']:>10.3f}{r['ttft_speedup']:>8.2f}x{r['restored_tokens']:>10}"
-              f"{r['prefill_cost']:>8.2f}x{r['decode_cost']:>7.2f}x  {r['tokens_match']}")
-    return {"model": args.model, "engine": engine, "history_tokens": args.history, "turn_tokens": args.turn, "methods": results}
+        print(
+            f"{name:<10}{r['ttft_s_median']:>10.3f}{r['ttft_speedup']:>8.2f}x{r['restored_tokens']:>10}"
+            f"{r['prefill_cost']:>8.2f}x{r['decode_cost']:>7.2f}x  {r['tokens_match']}"
+        )
+    return {
+        "model": args.model,
+        "engine": engine,
+        "history_tokens": args.history,
+        "turn_tokens": args.turn,
+        "methods": results,
+    }
 
 
 def _timed(fn):

@@ -17,6 +17,7 @@ per head) by the dequantise-and-scatter kernel (:mod:`hcache.ops.dequant_scatter
 the codes and scales read and the cache written (``dequant`` in each case).
 Kernel timings need a GPU: on a CPU only the torch references are timed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,18 @@ from ..ops.quant import quantise
 # (n_kv_heads, head_size, rope parameters) of the shapes the paper and the mission name
 SHAPES: dict[str, tuple[int, int, dict]] = {
     "llama2-7b": (32, 128, {"rope_type": "default", "rope_theta": 10000.0}),
-    "llama3-8b": (8, 128, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama3-8b": (
+        8,
+        128,
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
 }
 COPY_BYTES = 1 << 30  # the copy-peak buffer: far larger than any cache level
 SEQUENCE_TOKENS = 2048  # the batch is a ragged set of sequences of up to this many tokens
@@ -46,14 +57,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement, median reported (50 on a GPU, 5 on a CPU)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed runs per measurement, median reported (50 on a GPU, 5 on a CPU)",
+    )
 
 
 def _rope(n_kv: int, head_size: int, params: dict) -> RopeSpec:
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model("llama", hidden_size=4 * n_kv * head_size, num_attention_heads=4 * n_kv,
-                                  num_key_value_heads=n_kv, rope_parameters=params, max_position_embeddings=131072)
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=4 * n_kv * head_size,
+        num_attention_heads=4 * n_kv,
+        num_key_value_heads=n_kv,
+        rope_parameters=params,
+        max_position_embeddings=131072,
+    )
     return ModelSpec.from_config(config).rope
 
 
@@ -100,21 +122,37 @@ def _restore_batch(tokens: int, block_size: int, device: torch.device) -> tuple[
     return torch.cat(slots), torch.cat(positions), num_blocks
 
 
-def _fastgen(n_kv: int, head_size: int, rope: RopeSpec, dtype: torch.dtype, tokens: int, block_size: int,
-             device: torch.device) -> Callable[[], None]:
+def _fastgen(
+    n_kv: int, head_size: int, rope: RopeSpec, dtype: torch.dtype, tokens: int, block_size: int, device: torch.device
+) -> Callable[[], None]:
     """FastGen's fused rotary + blocked-KV write over the same tokens, as one sequence (Q heads = KV heads),
     set up as FastGen's engine sets it up: a ``DSStateManager`` over one KV cache config (a tuple of them:
     one per allocation group), and a finalized ``RaggedBatchWrapper`` of the sequence."""
     from deepspeed.inference.v2.kernels.ragged_ops import BlockedRotaryEmbeddings
-    from deepspeed.inference.v2.ragged import (AllocationMode, DSStateManager, DSStateManagerConfig, KVCacheConfig,
-                                               MemoryConfig, RaggedBatchWrapper)
+    from deepspeed.inference.v2.ragged import (
+        AllocationMode,
+        DSStateManager,
+        DSStateManagerConfig,
+        KVCacheConfig,
+        MemoryConfig,
+        RaggedBatchWrapper,
+    )
 
     num_blocks = -(-tokens // block_size)
-    kv_config = KVCacheConfig(block_size=block_size, num_allocation_groups=1, cache_shape=(1, n_kv, head_size),
-                              cache_dtype=dtype, max_blocks_per_allocation_group=num_blocks)
-    config = DSStateManagerConfig(max_tracked_sequences=1, max_ragged_sequence_count=1, max_ragged_batch_size=tokens,
-                                  max_context=max(tokens, 8192),
-                                  memory_config=MemoryConfig(mode=AllocationMode.ALLOCATE, size=num_blocks))
+    kv_config = KVCacheConfig(
+        block_size=block_size,
+        num_allocation_groups=1,
+        cache_shape=(1, n_kv, head_size),
+        cache_dtype=dtype,
+        max_blocks_per_allocation_group=num_blocks,
+    )
+    config = DSStateManagerConfig(
+        max_tracked_sequences=1,
+        max_ragged_sequence_count=1,
+        max_ragged_batch_size=tokens,
+        max_context=max(tokens, 8192),
+        memory_config=MemoryConfig(mode=AllocationMode.ALLOCATE, size=num_blocks),
+    )
     batch, manager = RaggedBatchWrapper(config), DSStateManager(config, (kv_config,))
     seq = manager.get_or_create_sequence(0)
     seq.extend_kv_cache(manager.allocate_blocks(num_blocks))
@@ -135,41 +173,73 @@ def _case(name: str, tokens: int, args: argparse.Namespace, device: torch.device
     rope = _rope(n_kv, head_size, params)
     slots, positions, num_blocks = _restore_batch(tokens, args.block_size, device)
     kv_dim = n_kv * head_size
-    k, v = (x.view(tokens, n_kv, head_size) for x in torch.randn(tokens, 2 * kv_dim, device=device, dtype=dtype).split(kv_dim, -1))
+    k, v = (
+        x.view(tokens, n_kv, head_size)
+        for x in torch.randn(tokens, 2 * kv_dim, device=device, dtype=dtype).split(kv_dim, -1)
+    )
     rule = "fastgen" if rope.rope_type == "default" else "hf"  # FastGen's engine rule; it has no scaled RoPE
     cos_sin = rope_cos_sin(rope, positions, dtype, rule)  # once per restore, shared by every layer: not timed
-    caches = {b: torch.zeros(num_blocks, args.block_size, 2, n_kv, head_size, dtype=dtype, device=device) for b in ("torch", "triton")}
+    caches = {
+        b: torch.zeros(num_blocks, args.block_size, 2, n_kv, head_size, dtype=dtype, device=device)
+        for b in ("torch", "triton")
+    }
 
     def run(backend: str) -> Callable[[], None]:
         return lambda: rotate_and_write(caches[backend], slots, k, v, cos_sin, backend=backend)
 
     kv_bytes = 2 * 2 * tokens * kv_dim * itemsize  # K and V, read once and written once
-    result = {"shape": name, "n_kv_heads": n_kv, "head_size": head_size, "rope_type": rope.rope_type,
-              "dtype": args.dtype, "rope_rule": rule, "tokens": tokens}
+    result = {
+        "shape": name,
+        "n_kv_heads": n_kv,
+        "head_size": head_size,
+        "rope_type": rope.rope_type,
+        "dtype": args.dtype,
+        "rope_rule": rule,
+        "tokens": tokens,
+    }
     result["torch_ms"] = _median_ms(run("torch"), args.repeats, device)
-    result["dequant"] = _dequant_case(torch.stack((k, v), 1), slots, {b: torch.zeros_like(c) for b, c in caches.items()}, args.repeats, device, peak)
+    result["dequant"] = _dequant_case(
+        torch.stack((k, v), 1), slots, {b: torch.zeros_like(c) for b, c in caches.items()}, args.repeats, device, peak
+    )
     if device.type != "cuda":
-        return {**result, "kernel_ms": None, "kernel_gbps": None, "fraction_of_copy_peak": None,
-                "kernel_speedup_over_torch": None, "fastgen": "needs a GPU"}
+        return {
+            **result,
+            "kernel_ms": None,
+            "kernel_gbps": None,
+            "fraction_of_copy_peak": None,
+            "kernel_speedup_over_torch": None,
+            "fastgen": "needs a GPU",
+        }
 
     run("triton")()
     result["matches_reference"] = torch.equal(caches["triton"], caches["torch"])
-    kernel_bytes = kv_bytes + 2 * tokens * (rope.rotary_dim // 2) * cos_sin[0].element_size() + slots.numel() * slots.element_size()
+    kernel_bytes = (
+        kv_bytes
+        + 2 * tokens * (rope.rotary_dim // 2) * cos_sin[0].element_size()
+        + slots.numel() * slots.element_size()
+    )
     result["kernel_ms"] = _median_ms(run("triton"), args.repeats, device)
     result["kernel_gbps"] = kernel_bytes / result["kernel_ms"] / 1e6
     result["fraction_of_copy_peak"] = result["kernel_gbps"] / peak
     result["kernel_speedup_over_torch"] = result["torch_ms"] / result["kernel_ms"]
     try:
-        fastgen_ms = _median_ms(_fastgen(n_kv, head_size, rope, dtype, tokens, args.block_size, device), args.repeats, device)
+        fastgen_ms = _median_ms(
+            _fastgen(n_kv, head_size, rope, dtype, tokens, args.block_size, device), args.repeats, device
+        )
         q_bytes = 2 * tokens * kv_dim * itemsize
-        result["fastgen"] = {"ms": fastgen_ms, "gbps": (kv_bytes + q_bytes) / fastgen_ms / 1e6,
-                             "kernel_speedup": fastgen_ms / result["kernel_ms"]}
+        result["fastgen"] = {
+            "ms": fastgen_ms,
+            "gbps": (kv_bytes + q_bytes) / fastgen_ms / 1e6,
+            "kernel_speedup": fastgen_ms / result["kernel_ms"],
+        }
     except Exception as exc:  # DeepSpeed absent, or its ops do not build here
         result["fastgen"] = f"unavailable: {type(exc).__name__}: {exc}"
     return result
 
 
-def _dequant_case(kv: torch.Tensor, slots: torch.Tensor, caches: dict, repeats: int, device: torch.device, peak: float | None) -> dict:
+def _dequant_case(
+    kv: torch.Tensor, slots: torch.Tensor, caches: dict, repeats: int, device: torch.device, peak: float | None
+) -> dict:
     """The dequantise-and-scatter kernel against its torch reference, on int8 codes of ``kv``."""
     rows = quantise(kv, torch.int8)
 
@@ -181,7 +251,12 @@ def _dequant_case(kv: torch.Tensor, slots: torch.Tensor, caches: dict, repeats: 
         return {**result, "kernel_ms": None, "kernel_gbps": None, "fraction_of_copy_peak": None}
     run("triton")()
     result["matches_reference"] = torch.equal(caches["triton"], caches["torch"])
-    moved = rows.codes.numel() + rows.scale.numel() * rows.scale.element_size() + kv.numel() * kv.element_size() + slots.numel() * 8
+    moved = (
+        rows.codes.numel()
+        + rows.scale.numel() * rows.scale.element_size()
+        + kv.numel() * kv.element_size()
+        + slots.numel() * 8
+    )
     result["kernel_ms"] = _median_ms(run("triton"), repeats, device)
     result["kernel_gbps"] = moved / result["kernel_ms"] / 1e6
     result["fraction_of_copy_peak"] = result["kernel_gbps"] / peak
@@ -201,23 +276,37 @@ def run(args: argparse.Namespace) -> dict:
 
     if peak is not None:
         print(f"device copy peak: {peak:.0f} GB/s ({torch.cuda.get_device_name()})")
-    print(f"{'shape':<10} {'tokens':>6} {'kernel ms':>9} {'GB/s':>6} {'of peak':>7} {'torch ms':>9} {'speedup':>7}  fastgen (kernel vs FastGen)")
+    print(
+        f"{'shape':<10} {'tokens':>6} {'kernel ms':>9} {'GB/s':>6} {'of peak':>7} {'torch ms':>9} {'speedup':>7}  fastgen (kernel vs FastGen)"
+    )
     for c in cases:
         fastgen = c["fastgen"]
         if isinstance(fastgen, dict):
-            fastgen = f"{fastgen['ms']:.3f} ms, {fastgen['gbps']:.0f} GB/s, kernel {fastgen['kernel_speedup']:.2f}x faster"
-        print(f"{c['shape']:<10} {c['tokens']:>6} {_fmt(c['kernel_ms'], 9, '.3f')} {_fmt(c['kernel_gbps'], 6, '.0f')} "
-              f"{_fmt(c['fraction_of_copy_peak'], 7, '.0%')} {c['torch_ms']:>9.3f} {_fmt(c['kernel_speedup_over_torch'], 7, '.2f')}  {fastgen}")
+            fastgen = (
+                f"{fastgen['ms']:.3f} ms, {fastgen['gbps']:.0f} GB/s, kernel {fastgen['kernel_speedup']:.2f}x faster"
+            )
+        print(
+            f"{c['shape']:<10} {c['tokens']:>6} {_fmt(c['kernel_ms'], 9, '.3f')} {_fmt(c['kernel_gbps'], 6, '.0f')} "
+            f"{_fmt(c['fraction_of_copy_peak'], 7, '.0%')} {c['torch_ms']:>9.3f} {_fmt(c['kernel_speedup_over_torch'], 7, '.2f')}  {fastgen}"
+        )
         d = c["dequant"]
-        print(f"{'  int8 KV':<10} {c['tokens']:>6} {_fmt(d['kernel_ms'], 9, '.3f')} {_fmt(d['kernel_gbps'], 6, '.0f')} "
-              f"{_fmt(d['fraction_of_copy_peak'], 7, '.0%')} {d['torch_ms']:>9.3f}  (dequantise and scatter)")
+        print(
+            f"{'  int8 KV':<10} {c['tokens']:>6} {_fmt(d['kernel_ms'], 9, '.3f')} {_fmt(d['kernel_gbps'], 6, '.0f')} "
+            f"{_fmt(d['fraction_of_copy_peak'], 7, '.0%')} {d['torch_ms']:>9.3f}  (dequantise and scatter)"
+        )
     result = {"device": str(device), "copy_peak_gbps": peak, "target_fraction_of_copy_peak": 0.7, "cases": cases}
     if device.type != "cuda":
-        result["note"] = ("no GPU: kernel bandwidth, the copy peak and FastGen need one; only the torch reference "
-                          "was timed, on the CPU. Triton's interpreter checks the kernel's logic, not its speed.")
+        result["note"] = (
+            "no GPU: kernel bandwidth, the copy peak and FastGen need one; only the torch reference "
+            "was timed, on the CPU. Triton's interpreter checks the kernel's logic, not its speed."
+        )
         print(result["note"])
     else:
-        mismatched = [f"{c['shape']}/{c['tokens']}" for c in cases if not (c["matches_reference"] and c["dequant"]["matches_reference"])]
+        mismatched = [
+            f"{c['shape']}/{c['tokens']}"
+            for c in cases
+            if not (c["matches_reference"] and c["dequant"]["matches_reference"])
+        ]
         if mismatched:
             print(f"kernel output differs from the torch reference: {', '.join(mismatched)}")
     return result

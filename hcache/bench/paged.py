@@ -16,6 +16,7 @@ Each load is submitted to the loader's thread and waited for (``submit``, ``fini
 Each figure is the median over ``--repeats`` rounds, every round timing all of them in turn. The model:
 :mod:`hcache.bench._shaped`. Absolute times mean something only on a GPU; compare the ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,10 @@ def run(args: argparse.Namespace) -> dict:
     h_bytes = history * spec.num_layers * spec.hidden_bytes_per_token_layer
     prompt = torch.randint(0, spec.vocab_size, (history + 1,), generator=torch.Generator().manual_seed(0)).tolist()
     blocks = history // BLOCK
-    caches = [torch.zeros(blocks, BLOCK, spec.num_kv_heads, 2 * spec.head_size, dtype=dtype, device=device).transpose(1, 2)
-              for _ in range(spec.num_layers)]  # fmt: skip
+    caches = [
+        torch.zeros(blocks, BLOCK, spec.num_kv_heads, 2 * spec.head_size, dtype=dtype, device=device).transpose(1, 2)
+        for _ in range(spec.num_layers)
+    ]
     layout = PagedLayout.split_kv(caches[0])
     layers = [PagedLayer(i, cache, layout) for i, cache in enumerate(caches)]
     projections = [KVProjection.from_layer(spec, layer) for layer in model.model.layers]
@@ -63,17 +66,29 @@ def run(args: argparse.Namespace) -> dict:
 
     job = LoadJob("bench", None, prompt[:history], [list(range(blocks))], 0, history)
     host_bytes = kv_bytes + h_bytes + (64 << 20)
-    with tempfile.TemporaryDirectory(prefix="hcache-bench-paged-") as tmp, HCacheRuntime(
-        loaded, tmp, save="all", num_blocks=2 * history // CHUNK_TOKENS + 4,
-        device=args.device, store=StoreConfig(host_bytes=host_bytes, fsync=False),
-    ) as runtime:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="hcache-bench-paged-") as tmp,
+        HCacheRuntime(
+            loaded,
+            tmp,
+            save="all",
+            num_blocks=2 * history // CHUNK_TOKENS + 4,
+            device=args.device,
+            store=StoreConfig(host_bytes=host_bytes, fsync=False),
+        ) as runtime,
+    ):
         runtime.generate(prompt, 1, restore=False)  # the history's chunks, every format, now in the host pool
         runtime.store.flush()
-        loaders = {name: Loader(runtime.stack, (BLOCK,), BLOCK, layers, rebuild, plan=RestorePlan.parse(name, spec.num_layers)) for name in ("KV", "H")}
+        loaders = {
+            name: Loader(runtime.stack, (BLOCK,), BLOCK, layers, rebuild, plan=RestorePlan.parse(name, spec.num_layers))
+            for name in ("KV", "H")
+        }
         src = torch.empty(kv_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(1)
         dst = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
         gen = torch.Generator().manual_seed(1)
-        hidden = [torch.randn(history, spec.hidden_size, generator=gen).to(device, dtype) for _ in range(spec.num_layers)]
+        hidden = [
+            torch.randn(history, spec.hidden_size, generator=gen).to(device, dtype) for _ in range(spec.num_layers)
+        ]
         positions = torch.arange(history, device=device)
         elements = layout.elements(*(torch.arange(history) // BLOCK, torch.arange(history) % BLOCK))
 
@@ -89,7 +104,12 @@ def run(args: argparse.Namespace) -> dict:
             for layer, rows in zip(layers, hidden):
                 layout.write(layer.cache, elements, rebuild(layer.index, rows, positions))
 
-        measures = {"copy": lambda: dst.copy_(src, non_blocking=True), "KV": lambda: load("KV"), "H": lambda: load("H"), "rebuild": rebuild_alone}
+        measures = {
+            "copy": lambda: dst.copy_(src, non_blocking=True),
+            "KV": lambda: load("KV"),
+            "H": lambda: load("H"),
+            "rebuild": rebuild_alone,
+        }
         try:
             t = _shaped.timed_rounds(measures, args.repeats, device, "paged rounds")
         finally:
@@ -97,11 +117,19 @@ def run(args: argparse.Namespace) -> dict:
                 loader.close()
     copy_bw = kv_bytes / t["copy"]
     result = {
-        "shape": args.shape, "layers": spec.num_layers, "history": history, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-        "copy_gb_s": copy_bw / 1e9, "kv_load_gb_s": kv_bytes / t["KV"] / 1e9, "kv_load_vs_copy": t["copy"] / t["KV"],
-        "h_load_vs_bound": t["H"] / max(h_bytes / copy_bw, t["rebuild"]), "h_vs_kv": t["KV"] / t["H"],
-        "load_s": {"KV": t["KV"], "H": t["H"]}, "repeats": args.repeats,
-    }  # fmt: skip
+        "shape": args.shape,
+        "layers": spec.num_layers,
+        "history": history,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "copy_gb_s": copy_bw / 1e9,
+        "kv_load_gb_s": kv_bytes / t["KV"] / 1e9,
+        "kv_load_vs_copy": t["copy"] / t["KV"],
+        "h_load_vs_bound": t["H"] / max(h_bytes / copy_bw, t["rebuild"]),
+        "h_vs_kv": t["KV"] / t["H"],
+        "load_s": {"KV": t["KV"], "H": t["H"]},
+        "repeats": args.repeats,
+    }
     print(
         f"{args.shape} x {spec.num_layers} layers, {history}-token history into {BLOCK}-token FlashAttention-layout blocks, {device} {result['dtype']}\n"
         f"copy of the same bytes: {result['copy_gb_s']:.2f} GB/s\n"
@@ -110,4 +138,3 @@ def run(args: argparse.Namespace) -> dict:
         "absolute figures mean something only on a GPU; compare the ratios, measured side by side"
     )
     return result
-

@@ -19,6 +19,7 @@ median) and the relative RMS error of each encoding on the saved H and KV of the
 the stored bytes per token of each format in each encoding, scales and chunk headers included, over the
 lossless chunk, for the model's dtype and for bfloat16.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,13 +45,34 @@ LOSSLESS = "auto"
 ENCODINGS = ("8bit", "H=int8,KV=fp8")
 # (row, plan, stored_dtype): each format in each 8-bit encoding, and the mixed plan in the chosen one
 ROWS = (
-    ("H fp8", "H", "8bit"), ("H int8", "H", "H=int8,KV=fp8"), ("KV int8", "KV", "8bit"), ("KV fp8", "KV", "H=int8,KV=fp8"),
+    ("H fp8", "H", "8bit"),
+    ("H int8", "H", "H=int8,KV=fp8"),
+    ("KV int8", "KV", "8bit"),
+    ("KV fp8", "KV", "H=int8,KV=fp8"),
     ("mixed 8bit", "mixed", "8bit"),
-)  # fmt: skip
+)
 # (the document's topic, the topic the replies are read from, questions): one conversation each
 CONVERSATIONS = (
-    ("execmodel", "compound", ("What is a code block?", "How are names resolved?", "What are compound statements?", "And the with statement?")),
-    ("import", "assignment", ("What does the import system do?", "Where are modules looked up?", "How does assignment work?", "And augmented assignment?")),
+    (
+        "execmodel",
+        "compound",
+        (
+            "What is a code block?",
+            "How are names resolved?",
+            "What are compound statements?",
+            "And the with statement?",
+        ),
+    ),
+    (
+        "import",
+        "assignment",
+        (
+            "What does the import system do?",
+            "Where are modules looked up?",
+            "How does assignment work?",
+            "And augmented assignment?",
+        ),
+    ),
 )
 OUTLIER = 6.0  # a channel is an outlier when its absmax exceeds this many times the median channel's
 
@@ -58,9 +80,15 @@ OUTLIER = 6.0  # a channel is an outlier when its absmax exceeds this many times
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default=None, help="float32 (default on a CPU), bfloat16 or float16")
-    parser.add_argument("--document-tokens", type=int, default=2048, help="tokens of each conversation's opening document")
+    parser.add_argument(
+        "--document-tokens", type=int, default=2048, help="tokens of each conversation's opening document"
+    )
     parser.add_argument("--reply-tokens", type=int, default=352, help="tokens of each teacher-forced reply")
-    parser.add_argument("--rows", default=",".join(r for r, _, _ in ROWS), help="which of the rows to measure (fewer rows, fewer stores)")
+    parser.add_argument(
+        "--rows",
+        default=",".join(r for r, _, _ in ROWS),
+        help="which of the rows to measure (fewer rows, fewer stores)",
+    )
     parser.add_argument("--store", default=None, help="directory for the stores (default: a temporary one)")
 
 
@@ -73,14 +101,24 @@ def run(args: argparse.Namespace) -> dict:
     spec, tok = loaded.spec, loaded.tokenizer
     if tok is None:
         raise ValueError(f"bench quality scores real text and needs a model with a tokenizer; {args.model} has none")
-    convs = [_conversation(tok, doc, replies, questions, args.document_tokens, args.reply_tokens) for doc, replies, questions in CONVERSATIONS]
+    convs = [
+        _conversation(tok, doc, replies, questions, args.document_tokens, args.reply_tokens)
+        for doc, replies, questions in CONVERSATIONS
+    ]
     mixed = RestorePlan.split(spec.num_layers, re=spec.num_layers // 5, kv=2 * spec.num_layers // 5)
-    plans = {"H": RestorePlan.uniform(spec.num_layers, Method.H), "KV": RestorePlan.uniform(spec.num_layers, Method.KV), "mixed": mixed}
+    plans = {
+        "H": RestorePlan.uniform(spec.num_layers, Method.H),
+        "KV": RestorePlan.uniform(spec.num_layers, Method.KV),
+        "mixed": mixed,
+    }
     blocks = 2 * -(-max(len(ids) for ids, _ in convs) // CHUNK_TOKENS) + 4
     with tempfile.TemporaryDirectory(prefix="hcache-quality-", dir=args.store) as root:
         chosen = [r for r in ROWS if r[0] in args.rows.split(",")]
         stored = dict.fromkeys((LOSSLESS, *(e for _, _, e in chosen)))
-        runtimes = {e: HCacheRuntime(loaded, Path(root) / str(i), save="all", stored_dtype=e, num_blocks=blocks) for i, e in enumerate(stored)}
+        runtimes = {
+            e: HCacheRuntime(loaded, Path(root) / str(i), save="all", stored_dtype=e, num_blocks=blocks)
+            for i, e in enumerate(stored)
+        }
         try:
             for ids, _ in convs:
                 for rt in runtimes.values():  # saves the whole conversation in every format
@@ -88,7 +126,9 @@ def run(args: argparse.Namespace) -> dict:
             lossless = runtimes[LOSSLESS]
             channels, errors = _h_channels(lossless, convs[0][0]), _errors(lossless, convs[0][0])
             stats: dict[str, list] = {}
-            jobs = [(ids, s, e) for ids, starts in convs for s, e in zip(starts[1:], starts[2:])]  # turns after the first
+            jobs = [
+                (ids, s, e) for ids, starts in convs for s, e in zip(starts[1:], starts[2:])
+            ]  # turns after the first
             for ids, start, end in tqdm(jobs, desc="turns"):
                 target = torch.tensor(ids[start + 1 : end + 1])
                 reference = {name: _score(lossless, ids, plans[name], start, end) for name in {p for _, p, _ in chosen}}
@@ -106,7 +146,9 @@ def run(args: argparse.Namespace) -> dict:
         "conversations": [{"tokens": len(ids), "turn_starts": starts} for ids, starts in convs],
         "positions": next(iter(rows.values()))["positions"],
         "plans": {name: str(plan) for name, plan in plans.items()},
-        "encodings": {e: {fmt: str(d).removeprefix("torch.") for fmt, d in stored_encodings(e).items()} for e in ENCODINGS},
+        "encodings": {
+            e: {fmt: str(d).removeprefix("torch.") for fmt, d in stored_encodings(e).items()} for e in ENCODINGS
+        },
         "quality": rows,
         "stored_bytes_ratio": _bytes_ratios(spec),
         "h_channels": channels,
@@ -124,7 +166,9 @@ def _conversation(tok, doc: str, replies: str, questions: tuple[str, ...], doc_t
 
     document = tok.decode(tok.encode(topics[doc], add_special_tokens=False)[:doc_tokens])
     reply_ids = tok.encode(topics[replies], add_special_tokens=False)
-    ids = tok.apply_chat_template([{"role": "system", "content": "You answer questions about the document you are given."}], tokenize=True)
+    ids = tok.apply_chat_template(
+        [{"role": "system", "content": "You answer questions about the document you are given."}], tokenize=True
+    )
     if not isinstance(ids, list):
         ids = ids["input_ids"]
     starts = []
@@ -132,7 +176,11 @@ def _conversation(tok, doc: str, replies: str, questions: tuple[str, ...], doc_t
         starts.append(len(ids))
         user = f"{document}\n\n{question}" if i == 0 else question
         ids = ids + tok.encode(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-        ids = ids + reply_ids[i * reply_tokens : (i + 1) * reply_tokens] + tok.encode("<|im_end|>\n", add_special_tokens=False)
+        ids = (
+            ids
+            + reply_ids[i * reply_tokens : (i + 1) * reply_tokens]
+            + tok.encode("<|im_end|>\n", add_special_tokens=False)
+        )
     starts.append(len(ids) - 1)  # the last position has no next token to score
     return ids, starts
 
@@ -196,10 +244,16 @@ def _h_channels(rt: HCacheRuntime, ids: list[int]) -> list[dict]:
         absmax = h.abs().amax(0).float()
         median = absmax.median().item()
         top = absmax.topk(3)
-        out.append({
-            "layer": layer, "max_over_median": absmax.max().item() / median, "outlier_channels": int((absmax > OUTLIER * median).sum()),
-            "top_channels": top.indices.tolist(), "top_absmax": [round(v, 2) for v in top.values.tolist()], "median_absmax": median,
-        })  # fmt: skip
+        out.append(
+            {
+                "layer": layer,
+                "max_over_median": absmax.max().item() / median,
+                "outlier_channels": int((absmax > OUTLIER * median).sum()),
+                "top_channels": top.indices.tolist(),
+                "top_absmax": [round(v, 2) for v in top.values.tolist()],
+                "median_absmax": median,
+            }
+        )
     return out
 
 
@@ -224,7 +278,9 @@ def _bytes_ratios(spec) -> dict:
             formats = [frozenset({fmt})] * s.num_layers
 
             def size(encodings: dict) -> int:
-                return ChunkLayout.plan(stored_tensors(row_shapes(s), s.torch_dtype, formats, encodings), "f" * 32).nbytes
+                return ChunkLayout.plan(
+                    stored_tensors(row_shapes(s), s.torch_dtype, formats, encodings), "f" * 32
+                ).nbytes
 
             for name, d in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
                 out[f"{fmt} {name} vs {dtype}"] = size({fmt: d}) / size({})
@@ -232,13 +288,22 @@ def _bytes_ratios(spec) -> dict:
 
 
 def _print(result: dict) -> None:
-    print(f"quality against the lossless restore, {result['positions']} teacher-forced positions ({result['model']}, {result['dtype']})")
+    print(
+        f"quality against the lossless restore, {result['positions']} teacher-forced positions ({result['model']}, {result['dtype']})"
+    )
     print(f"{'plan / stored dtype':<18}{'top-1':>8}{'KL mean':>10}{'KL max':>9}{'ppl':>9}{'ppl +%':>8}")
     for name, r in result["quality"].items():
-        print(f"{name:<18}{r['top1'] * 100:>7.2f}%{r['kl_mean']:>10.5f}{r['kl_max']:>9.4f}{r['ppl']:>9.3f}{r['ppl_increase'] * 100:>+8.3f}")
-    print("stored bytes, 8-bit over lossless: " + ", ".join(f"{k} {v:.3f}" for k, v in result["stored_bytes_ratio"].items()))
-    print("hidden-state channels (layer: max/median absmax, outlier channels): "
-          + ", ".join(f"{c['layer']}: {c['max_over_median']:.0f}x/{c['outlier_channels']}" for c in result["h_channels"]))  # fmt: skip
+        print(
+            f"{name:<18}{r['top1'] * 100:>7.2f}%{r['kl_mean']:>10.5f}{r['kl_max']:>9.4f}{r['ppl']:>9.3f}{r['ppl_increase'] * 100:>+8.3f}"
+        )
+    print(
+        "stored bytes, 8-bit over lossless: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in result["stored_bytes_ratio"].items())
+    )
+    print(
+        "hidden-state channels (layer: max/median absmax, outlier channels): "
+        + ", ".join(f"{c['layer']}: {c['max_over_median']:.0f}x/{c['outlier_channels']}" for c in result["h_channels"])
+    )
     for fmt, by in result["relative_rms_error"].items():
         for name, errs in by.items():
             print(f"{fmt} {name} relative RMS error per layer: max {max(errs):.4f}, mean {sum(errs) / len(errs):.4f}")

@@ -7,6 +7,7 @@ closed and reopened on the same directory, and each prompt is served once more w
 what it restores is what the quota kept. A quota that keeps the most used chunks keeps the shared one,
 and every prompt restores at least the shared tokens.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -7,6 +7,7 @@ reads, compute), median over the repeats. ``auto_regret`` is the auto plan's tim
 plan's time, minus one, at the worst history length. The bound is what the profile predicts for the
 best plan: ``max(compute, io)`` with perfect overlap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--histories", default="1024,2048,4096", help="history lengths in tokens (1K–16K on a GPU)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--readers", type=int, default=DEFAULT_READERS)
-    parser.add_argument("--profile", default=None, help="a profile to plan with (default: measure one now, over the histories)")
-    parser.add_argument("--stored-dtype", default="auto", help="how the history is stored: auto (lossless), int8, fp8, 8bit or H=fp8,KV=int8")
+    parser.add_argument(
+        "--profile", default=None, help="a profile to plan with (default: measure one now, over the histories)"
+    )
+    parser.add_argument(
+        "--stored-dtype",
+        default="auto",
+        help="how the history is stored: auto (lossless), int8, fp8, 8bit or H=fp8,KV=int8",
+    )
     parser.add_argument("--plot", default=None, help="write a plot here (default: next to --json, as .png)")
 
 
@@ -55,9 +62,17 @@ def run(args: argparse.Namespace) -> dict:
     seconds: dict[str, list[float]] = {name: [] for name in names}
     plans: dict[str, list[str]] = {name: [] for name in names}
     gen = torch.Generator().manual_seed(0)
-    with tempfile.TemporaryDirectory(prefix="hcache-bench-") as store_dir, HCacheRuntime(
-        loaded, store_dir, save="all", readers=args.readers, num_blocks=2 * histories[-1] // 64 + 4, stored_dtype=args.stored_dtype
-    ) as runtime:
+    with (
+        tempfile.TemporaryDirectory(prefix="hcache-bench-") as store_dir,
+        HCacheRuntime(
+            loaded,
+            store_dir,
+            save="all",
+            readers=args.readers,
+            num_blocks=2 * histories[-1] // 64 + 4,
+            stored_dtype=args.stored_dtype,
+        ) as runtime,
+    ):
         encodings = runtime.config.encodings
         for n in tqdm(histories, desc="histories"):
             prompt = torch.randint(0, spec.vocab_size, (n + 1,), generator=gen).tolist()
@@ -129,9 +144,13 @@ def _print(result: dict) -> None:
     for i, n in enumerate(result["histories"]):
         row = " ".join(f"{result['methods'][m]['tokens_per_s'][i]:>10.0f}" for m in names)
         auto_plan = result["methods"]["auto"]["plans"][i]
-        print(f"{n:>8} {row} {result['bound_tokens_per_s'][i]:>10.0f} {auto_plan:>14} {result['auto_regret_by_history'][i]:>7.3f}")
+        print(
+            f"{n:>8} {row} {result['bound_tokens_per_s'][i]:>10.0f} {auto_plan:>14} {result['auto_regret_by_history'][i]:>7.3f}"
+        )
     h_over_kv = [h / k for h, k in zip(result["methods"]["H"]["tokens_per_s"], result["methods"]["KV"]["tokens_per_s"])]
-    auto_over_re = [a / r for a, r in zip(result["methods"]["auto"]["tokens_per_s"], result["methods"]["RE"]["tokens_per_s"])]
+    auto_over_re = [
+        a / r for a, r in zip(result["methods"]["auto"]["tokens_per_s"], result["methods"]["RE"]["tokens_per_s"])
+    ]
     print("H/KV " + " ".join(f"{x:.2f}" for x in h_over_kv) + "; auto/RE " + " ".join(f"{x:.2f}" for x in auto_over_re))
     print(f"auto_regret {result['auto_regret']:.3f}")
 
@@ -146,7 +165,9 @@ def _plot(result: dict, path: str) -> None:
     for name, m in result["methods"].items():
         ax.plot(result["histories"], m["tokens_per_s"], marker="o", label=name)
     ax.plot(result["histories"], result["bound_tokens_per_s"], linestyle="--", color="gray", label="bound")
-    ax.set(xscale="log", yscale="log", xlabel="history (tokens)", ylabel="restore speed (tokens/s)", title=result["model"])
+    ax.set(
+        xscale="log", yscale="log", xlabel="history (tokens)", ylabel="restore speed (tokens/s)", title=result["model"]
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -21,6 +21,7 @@ with hcache's connector (restoring and, under a fresh ``cache_salt``, recomputin
 plain ``vllm serve`` (its own prefix cache, and a fresh ``cache_salt`` for its recompute), on the same
 model in float32.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,14 +49,18 @@ from .vllm import reserve_cpus_alike
 
 
 VLLM_START_S = 600
-VLLM_MEMORY = 0.25  # of the machine's memory, for vLLM's CPU KV cache (its default, 0.92, leaves nothing to this process)
+VLLM_MEMORY = (
+    0.25  # of the machine's memory, for vLLM's CPU KV cache (its default, 0.92, leaves nothing to this process)
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--document-words", type=int, default=300, help="words of the document each conversation opens with")
+    parser.add_argument(
+        "--document-words", type=int, default=300, help="words of the document each conversation opens with"
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="reply length cap")
     parser.add_argument("--concurrency", default="1,8", help="clients at once, each level in turn (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)
@@ -65,13 +70,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     if min(levels) < 1 or args.turns < 1 or args.conversations < max(levels):
-        raise SystemExit(f"--concurrency must be positive and at most --conversations ({args.conversations}), not {args.concurrency}")
+        raise SystemExit(
+            f"--concurrency must be positive and at most --conversations ({args.conversations}), not {args.concurrency}"
+        )
     path = str(model_dir(args.model))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    result: dict = {"workload": {k: getattr(args, k) for k in ("model", "conversations", "turns", "document_words", "max_tokens", "concurrency", "seed")}}
+    result: dict = {
+        "workload": {
+            k: getattr(args, k)
+            for k in ("model", "conversations", "turns", "document_words", "max_tokens", "concurrency", "seed")
+        }
+    }
     with tempfile.TemporaryDirectory(prefix="hcache-bench-serve-") as tmp:
-        first_turns = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c[0]}], tokenize=False, add_generation_prompt=True))
-                       for c in conversations_of(tokenizer, max(levels), 1, args.document_words, args.seed)]  # fmt: skip
+        first_turns = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": c[0]}], tokenize=False, add_generation_prompt=True
+                )
+            )
+            for c in conversations_of(tokenizer, max(levels), 1, args.document_words, args.seed)
+        ]
         engine_before = _engine_step(path, Path(tmp) / "engine", first_turns, levels, args.max_tokens)
         node = Node(0, Path(tmp) / "serve", ["--model", path, "--engine", "reference"])
         node.start()
@@ -79,7 +97,9 @@ def run(args: argparse.Namespace) -> dict:
             node.wait_ready()
             for level in levels:
                 before = _steps(node.metrics_url)
-                result[f"c{level}"] = _traffic(f"{node.url}/v1", path, _conversations(tokenizer, args, level), level, args.max_tokens)
+                result[f"c{level}"] = _traffic(
+                    f"{node.url}/v1", path, _conversations(tokenizer, args, level), level, args.max_tokens
+                )
                 tokens, seconds = (after - then for after, then in zip(_steps(node.metrics_url), before))
                 result[f"c{level}"]["server_step_s"] = {"mean_per_token": seconds / tokens, "tokens": tokens}
         finally:
@@ -94,7 +114,9 @@ def run(args: argparse.Namespace) -> dict:
                 try:
                     with _vllm_serve(path, transfer, Path(tmp) / f"{name}.log") as url:
                         for level in levels:
-                            result[f"c{level}"][name] = _traffic(url, path, _conversations(tokenizer, args, level), level, args.max_tokens)
+                            result[f"c{level}"][name] = _traffic(
+                                url, path, _conversations(tokenizer, args, level), level, args.max_tokens
+                            )
                 except RuntimeError as exc:  # hcache serve's figures stand; say why vLLM's are missing
                     print(f"{name}: {exc}")
                     result[f"{name}_error"] = str(exc)
@@ -118,8 +140,22 @@ def _vllm_serve(path: str, transfer: dict | None, log: Path) -> Iterator[str]:
     """``vllm serve`` of ``path`` in float32 (with ``transfer`` as its KV transfer config) until the block
     ends; its OpenAI API's base URL."""
     port = free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port),
-               "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--gpu-memory-utilization", str(VLLM_MEMORY)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        path,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "4096",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        str(VLLM_MEMORY),
+    ]
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
     with open(log, "wb") as out:
@@ -159,7 +195,9 @@ def _steps(metrics_url: str) -> tuple[float, float]:
     return float(values[names[0]]), float(values[names[1]])
 
 
-def _engine_step(path: str, store: Path, prompts: list[list[int]], levels: list[int], new_tokens: int) -> dict[int, float]:
+def _engine_step(
+    path: str, store: Path, prompts: list[list[int]], levels: list[int], new_tokens: int
+) -> dict[int, float]:
     """The median time between two tokens of ``HCacheRuntime`` decoding a batch of ``level`` prompts, saving
     as the server does: for each level."""
     from ..serving.runtime import HCacheRuntime
@@ -182,8 +220,14 @@ def _traffic(url: str, model: str, conversations: list[list[str]], clients: int,
         messages: list[dict] = []
         for turn, question in enumerate(conversations[c]):
             messages.append({"role": "user", "content": question})
-            asked = {"base_url": url, "model": model, "messages": messages, "session": f"c{c}", "max_tokens": max_tokens,
-                     "stream": True}  # fmt: skip
+            asked = {
+                "base_url": url,
+                "model": model,
+                "messages": messages,
+                "session": f"c{c}",
+                "max_tokens": max_tokens,
+                "stream": True,
+            }
             start = time.perf_counter()
             served = chat(**asked)
             served_s = time.perf_counter() - start
@@ -191,20 +235,41 @@ def _traffic(url: str, model: str, conversations: list[list[str]], clients: int,
             recomputed = chat(**asked, cache_salt=f"recompute-{c}-{turn}-{time.time_ns()}")
             recomputed_s = time.perf_counter() - start
             messages.append({"role": "assistant", "content": served.text})
-            records.append({"conversation": c, "turn": turn + 1, "same_reply": served.text == recomputed.text,
-                            "restore": _timing(served, served_s), "recompute": _timing(recomputed, recomputed_s)})  # fmt: skip
+            records.append(
+                {
+                    "conversation": c,
+                    "turn": turn + 1,
+                    "same_reply": served.text == recomputed.text,
+                    "restore": _timing(served, served_s),
+                    "recompute": _timing(recomputed, recomputed_s),
+                }
+            )
             bar.update()
 
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(converse, range(len(conversations))))
     bar.close()
     turns = len(conversations[0])
-    out: dict = {"replies_differing": sum(not r["same_reply"] for r in records), "requests": len(records),
-                 "per_token_s_mean": float(np.mean([r[arm]["per_token_s"] for r in records for arm in ("restore", "recompute") if r[arm]["per_token_s"] is not None]))}  # fmt: skip
+    out: dict = {
+        "replies_differing": sum(not r["same_reply"] for r in records),
+        "requests": len(records),
+        "per_token_s_mean": float(
+            np.mean(
+                [
+                    r[arm]["per_token_s"]
+                    for r in records
+                    for arm in ("restore", "recompute")
+                    if r[arm]["per_token_s"] is not None
+                ]
+            )
+        ),
+    }
     for arm in ("restore", "recompute"):
         timings = [r[arm] for r in records]
         out[arm] = {
-            "ttft_s_by_turn": {t: _p50([r[arm]["ttft_s"] for r in records if r["turn"] == t]) for t in range(1, turns + 1)},
+            "ttft_s_by_turn": {
+                t: _p50([r[arm]["ttft_s"] for r in records if r["turn"] == t]) for t in range(1, turns + 1)
+            },
             "per_token_s": _spread([x["per_token_s"] for x in timings if x["per_token_s"] is not None]),
             "latency_s": _spread([x["latency_s"] for x in timings]),
         }
@@ -226,17 +291,21 @@ def _spread(values: list[float]) -> dict:
 
 def _print(level: int, figures: dict, step: float) -> None:
     restore, recompute = figures["restore"], figures["recompute"]
-    print(f"{level} client(s): engine step {step * 1e3:.0f} ms; per token at the client {restore['per_token_s']['p50'] * 1e3:.0f} ms restoring, "
-          f"{recompute['per_token_s']['p50'] * 1e3:.0f} ms recomputing ({figures['per_token_over_engine']:.2f}x the engine's step); "
-          f"the server's steps {figures['server_step_s']['mean_per_token'] * 1e3:.0f} ms a token, the clients' {figures['per_token_s_mean'] * 1e3:.0f} ms "
-          f"({figures['per_token_over_step']:.2f}x); "
-          f"latency p50 {restore['latency_s']['p50']:.2f} s vs {recompute['latency_s']['p50']:.2f} s; "
-          f"{figures['replies_differing']} of {figures['requests']} replies differ")  # fmt: skip
+    print(
+        f"{level} client(s): engine step {step * 1e3:.0f} ms; per token at the client {restore['per_token_s']['p50'] * 1e3:.0f} ms restoring, "
+        f"{recompute['per_token_s']['p50'] * 1e3:.0f} ms recomputing ({figures['per_token_over_engine']:.2f}x the engine's step); "
+        f"the server's steps {figures['server_step_s']['mean_per_token'] * 1e3:.0f} ms a token, the clients' {figures['per_token_s_mean'] * 1e3:.0f} ms "
+        f"({figures['per_token_over_step']:.2f}x); "
+        f"latency p50 {restore['latency_s']['p50']:.2f} s vs {recompute['latency_s']['p50']:.2f} s; "
+        f"{figures['replies_differing']} of {figures['requests']} replies differ"
+    )
     for turn, ttft in restore["ttft_s_by_turn"].items():
         print(f"  turn {turn}: TTFT p50 {ttft:.3f} s restoring, {recompute['ttft_s_by_turn'][turn]:.3f} s recomputing")
     for name in ("vllm_hcache", "vllm"):
         if name in figures:
             served, again = figures[name]["restore"], figures[name]["recompute"]
-            print(f"  {name}: per token {served['per_token_s']['p50'] * 1e3:.0f} ms ({again['per_token_s']['p50'] * 1e3:.0f} ms recomputing); "
-                  f"returning turns' TTFT p50 {_p50(list(served['ttft_s_by_turn'].values())[1:] or [0]):.3f} s vs "
-                  f"{_p50(list(again['ttft_s_by_turn'].values())[1:] or [0]):.3f} s recomputing")  # fmt: skip
+            print(
+                f"  {name}: per token {served['per_token_s']['p50'] * 1e3:.0f} ms ({again['per_token_s']['p50'] * 1e3:.0f} ms recomputing); "
+                f"returning turns' TTFT p50 {_p50(list(served['ttft_s_by_turn'].values())[1:] or [0]):.3f} s vs "
+                f"{_p50(list(again['ttft_s_by_turn'].values())[1:] or [0]):.3f} s recomputing"
+            )

@@ -11,6 +11,7 @@ rounds, so that drift in the machine hits both alike. The check's own time is me
 :func:`~hcache.serving.self_check.self_check` run again on the started engine. ``cost`` is the check's
 median time over the median start-up with it off.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,9 @@ def _start_runtime(args: argparse.Namespace, store: Path, mode: str) -> tuple[fl
     from ..serving.runtime import HCacheRuntime
 
     begin = time.perf_counter()
-    runtime = HCacheRuntime(load_model(args.model), store, self_check=mode, **({} if args.plan is None else {"plan": args.plan}))
+    runtime = HCacheRuntime(
+        load_model(args.model), store, self_check=mode, **({} if args.plan is None else {"plan": args.plan})
+    )
     took = time.perf_counter() - begin
     runtime.close()
     return took, None
@@ -53,8 +56,23 @@ def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> tuple[floa
     from ..machine.ports import free_port
 
     ports = {f"--{name}": str(free_port()) for name in ("rest-port", "port", "zmq-port", "dist-port")}
-    command = [sys.executable, "-m", "hcache", "serve", "--model", args.model, "--store-dir", str(store), "--self-check", mode,
-               "--metrics-port", "0", "--drain-s", "0", *[a for pair in ports.items() for a in pair]]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hcache",
+        "serve",
+        "--model",
+        args.model,
+        "--store-dir",
+        str(store),
+        "--self-check",
+        mode,
+        "--metrics-port",
+        "0",
+        "--drain-s",
+        "0",
+        *[a for pair in ports.items() for a in pair],
+    ]
     if args.plan is not None:
         command += ["--plan", args.plan]
     log = store.with_suffix(".log")
@@ -64,7 +82,9 @@ def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> tuple[floa
     try:
         while "serving; Ctrl-C stops" not in log.read_text():
             if serve.poll() is not None:
-                raise SystemExit(f"hcache bench startup: hcache serve exited with {serve.returncode} before serving:\n{log.read_text()[-3000:]}")
+                raise SystemExit(
+                    f"hcache bench startup: hcache serve exited with {serve.returncode} before serving:\n{log.read_text()[-3000:]}"
+                )
             time.sleep(0.05)
         started = time.perf_counter() - begin
     finally:
@@ -99,7 +119,9 @@ def run(args: argparse.Namespace) -> dict:
         settings = {} if args.plan is None else {"plan": args.plan}
         with HCacheRuntime(load_model(args.model), Path(tmp) / "check", self_check="on", **settings) as runtime:
             if runtime.config.disabled:
-                raise SystemExit(f"hcache bench startup: the self-check disabled {sorted(m.value for m in runtime.config.disabled)}")
+                raise SystemExit(
+                    f"hcache bench startup: the self-check disabled {sorted(m.value for m in runtime.config.disabled)}"
+                )
             methods = sorted(m.value for m in self_check_methods(runtime.config))
             for _ in range(args.repeats):
                 begin = time.perf_counter()
@@ -122,10 +144,18 @@ def run(args: argparse.Namespace) -> dict:
         "torch_threads": torch.get_num_threads(),
         **({"stop_s": stops, "median_stop_s": statistics.median(stops)} if stops else {}),
     }
-    print(f"{args.model} through {args.through}, self-check of {'+'.join(methods) or 'nothing'} ({args.repeats} start-ups each way, alternated):")
+    print(
+        f"{args.model} through {args.through}, self-check of {'+'.join(methods) or 'nothing'} ({args.repeats} start-ups each way, alternated):"
+    )
     print(f"  start-up, check off   median {off:.2f} s  ({min(starts['off']):.2f}-{max(starts['off']):.2f})")
-    print(f"  start-up, check on    median {on:.2f} s  ({min(starts['on']):.2f}-{max(starts['on']):.2f}), {on / off:.2f}x")
-    print(f"  the check alone       median {check:.3f} s  ({min(checks):.3f}-{max(checks):.3f}): {100 * check / off:.1f}% of start-up")
+    print(
+        f"  start-up, check on    median {on:.2f} s  ({min(starts['on']):.2f}-{max(starts['on']):.2f}), {on / off:.2f}x"
+    )
+    print(
+        f"  the check alone       median {check:.3f} s  ({min(checks):.3f}-{max(checks):.3f}): {100 * check / off:.1f}% of start-up"
+    )
     if stops:
-        print(f"  stop after SIGTERM    median {statistics.median(stops):.2f} s  ({min(stops):.2f}-{max(stops):.2f}), past a drain of 0 s")
+        print(
+            f"  stop after SIGTERM    median {statistics.median(stops):.2f} s  ({min(stops):.2f}-{max(stops):.2f}), past a drain of 0 s"
+        )
     return result

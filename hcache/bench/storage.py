@@ -20,6 +20,7 @@ that Redis tier alone, and the raw side is redis-py on the same bytes, with as m
   value per chunk: the other layout the store could have used.
 - ``save_overhead``: as above, saving to the Redis tier (no local disk).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,14 +49,22 @@ _BLOCK = 4 << 20  # raw I/O request size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dirs", nargs="+", default=None, help="directories to test, one per SSD (default: one temporary directory)")
-    parser.add_argument("--tier", default=None, help="measure a Redis tier instead: redis://host:port/db, or 'redis' for a server of its own")
+    parser.add_argument(
+        "--dirs", nargs="+", default=None, help="directories to test, one per SSD (default: one temporary directory)"
+    )
+    parser.add_argument(
+        "--tier",
+        default=None,
+        help="measure a Redis tier instead: redis://host:port/db, or 'redis' for a server of its own",
+    )
     parser.add_argument("--chunks", type=int, default=64, help="chunks written and read")
     parser.add_argument("--layers", type=int, default=30, help="layers per chunk")
     parser.add_argument("--width", type=int, default=576, help="values per token and layer (fp32)")
     parser.add_argument("--threads", type=int, default=8, help="store writers and readers")
     parser.add_argument("--repeats", type=int, default=3, help="alternating store/raw I/O repeats")
-    parser.add_argument("--model", default="smollm2", help="model for the saver overhead ('smollm2', 'random:llama', ...)")
+    parser.add_argument(
+        "--model", default="smollm2", help="model for the saver overhead ('smollm2', 'random:llama', ...)"
+    )
     parser.add_argument("--batch", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=48, help="decode steps per run")
@@ -92,7 +101,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def _run_redis(args: argparse.Namespace) -> dict:
     if args.tier != "redis" and not args.tier.startswith(("redis://", "rediss://")):
-        raise SystemExit(f"bench storage --tier measures one Redis server (redis://host:port/db or 'redis'), not {args.tier!r}")
+        raise SystemExit(
+            f"bench storage --tier measures one Redis server (redis://host:port/db or 'redis'), not {args.tier!r}"
+        )
     server = RedisServer().start() if args.tier == "redis" else None
     url = server.url if server else args.tier
     try:
@@ -140,10 +151,15 @@ def _io_benchmark(dirs: list[Path], args: argparse.Namespace) -> dict:
     raw_files = [d / "raw-sequential.bin" for d in dirs]
     share = -(-total // len(dirs))
     with ThreadPoolExecutor(len(dirs)) as raw_pool:
-        times = _alternate(tier, chunks, args, {
-            "raw_write": lambda: list(raw_pool.map(lambda p: _raw_write(p, share), raw_files)),
-            "raw_read": lambda: list(raw_pool.map(_raw_read, raw_files)),
-        })
+        times = _alternate(
+            tier,
+            chunks,
+            args,
+            {
+                "raw_write": lambda: list(raw_pool.map(lambda p: _raw_write(p, share), raw_files)),
+                "raw_read": lambda: list(raw_pool.map(_raw_read, raw_files)),
+            },
+        )
     tier.close()
     return {
         "bytes": total,
@@ -166,7 +182,9 @@ def _redis_benchmark(url: str, args: argparse.Namespace) -> dict:
     client = redis.Redis.from_url(url, max_connections=args.threads, socket_timeout=30)
     raw = {f"raw:{namespace}:{chunk.key}": data for chunk, data in chunks}
     layers = {  # the other layout: one value per (chunk, layer), read with one pipeline per chunk
-        f"raw:{namespace}:{chunk.key}": [(f"raw:{namespace}:{chunk.key}:{n}", t.numpy().tobytes()) for n, t in chunk.tensors.items()]
+        f"raw:{namespace}:{chunk.key}": [
+            (f"raw:{namespace}:{chunk.key}:{n}", t.numpy().tobytes()) for n, t in chunk.tensors.items()
+        ]
         for chunk, _ in chunks
     }
 
@@ -179,11 +197,16 @@ def _redis_benchmark(url: str, args: argparse.Namespace) -> dict:
     for name, values in layers.items():
         client.mset(dict(values))
     with ThreadPoolExecutor(args.threads) as pool:
-        times = _alternate(tier, chunks, args, {
-            "raw_write": lambda: list(pool.map(lambda kv: client.set(*kv), raw.items())),
-            "raw_read": lambda: list(pool.map(client.get, raw)),
-            "raw_layer_read": lambda: list(pool.map(get_layers, raw)),
-        })
+        times = _alternate(
+            tier,
+            chunks,
+            args,
+            {
+                "raw_write": lambda: list(pool.map(lambda kv: client.set(*kv), raw.items())),
+                "raw_read": lambda: list(pool.map(client.get, raw)),
+                "raw_layer_read": lambda: list(pool.map(get_layers, raw)),
+            },
+        )
     errors = tier.stores[0].stats()["errors"] + tier.write_errors
     tier.close()
     for name, values in layers.items():
@@ -289,12 +312,17 @@ def _save_overhead(args: argparse.Namespace, tiers: tuple[str, ...] = ()) -> dic
     g = torch.Generator().manual_seed(1)
 
     def batch() -> list[list[int]]:  # fresh prompts each round: repeated ones would be deduplicated, not saved
-        return [torch.randint(0, loaded.spec.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
+        return [
+            torch.randint(0, loaded.spec.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(args.batch)
+        ]
 
     with tempfile.TemporaryDirectory(prefix="hcache-bench-saver-") as tmp:
         runtimes = {
             on: HCacheRuntime(
-                loaded, None if on and tiers else Path(tmp) / str(on), save="plan" if on else "none", store=StoreConfig(shared=tiers if on else ())
+                loaded,
+                None if on and tiers else Path(tmp) / str(on),
+                save="plan" if on else "none",
+                store=StoreConfig(shared=tiers if on else ()),
             )
             for on in (True, False)
         }

@@ -11,6 +11,7 @@
 Each figure is the median over ``--repeats`` rounds, and every round times all of them in turn, so drift
 in the machine's speed touches them alike. The model: :mod:`hcache.bench._shaped`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,10 +45,17 @@ def run(args: argparse.Namespace) -> dict:
     prompt = torch.randint(0, spec.vocab_size, (history + 1,), generator=torch.Generator().manual_seed(0)).tolist()
     plans = {name: RestorePlan.parse(name, spec.num_layers) for name in ("KV", "H", "RE")}
     host_bytes = 2 * (kv_bytes + h_bytes) + (64 << 20)
-    with tempfile.TemporaryDirectory(prefix="hcache-bench-transfer-") as tmp, HCacheRuntime(
-        loaded, tmp, save="all", num_blocks=2 * history // CHUNK_TOKENS + 4, device=args.device,
-        store=StoreConfig(host_bytes=host_bytes, fsync=False),
-    ) as runtime:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="hcache-bench-transfer-") as tmp,
+        HCacheRuntime(
+            loaded,
+            tmp,
+            save="all",
+            num_blocks=2 * history // CHUNK_TOKENS + 4,
+            device=args.device,
+            store=StoreConfig(host_bytes=host_bytes, fsync=False),
+        ) as runtime,
+    ):
         runtime.generate(prompt, 1, restore=False)  # the history's chunks, every format, now in the host pool
         runtime.store.flush()
         engine, tier, copier = runtime.engine, runtime.store, runtime.stack.copier
@@ -55,8 +63,13 @@ def run(args: argparse.Namespace) -> dict:
         src = torch.empty(kv_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(1)
         dst = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
         gen = torch.Generator().manual_seed(1)
-        hidden = [torch.randn(history, spec.hidden_size, generator=gen).to(device, dtype) for _ in range(spec.num_layers)]
-        kv_rows = [torch.randn(history, *row_shapes(spec)["KV"], generator=gen).to(device, dtype) for _ in range(spec.num_layers)]
+        hidden = [
+            torch.randn(history, spec.hidden_size, generator=gen).to(device, dtype) for _ in range(spec.num_layers)
+        ]
+        kv_rows = [
+            torch.randn(history, *row_shapes(spec)["KV"], generator=gen).to(device, dtype)
+            for _ in range(spec.num_layers)
+        ]
 
         def restore(plan: RestorePlan) -> None:
             outcome = restore_prefix(engine, tier, 1, prompt, keys, runtime.fingerprint, plan, copier, limit=history)
@@ -73,6 +86,7 @@ def run(args: argparse.Namespace) -> dict:
             "rebuild": rebuild,
             "ingest": lambda: _ingest(tier, runtime.fingerprint, spec, hidden, kv_rows),
         }
+
         def after(name: str) -> None:
             engine.flush(1)
             if name == "ingest":
@@ -132,4 +146,3 @@ def _forget_ingested(tier, fingerprint: str, history: int) -> None:
     tier.flush()
     for key in chunk_keys(list(range(history)), root_key(fingerprint, _NAMESPACE)):
         tier.discard(key)
-

@@ -49,6 +49,7 @@ records it.
 ``--decode`` measures decode steps instead: with and without the connector, saving or not, and while
 other requests load (:mod:`hcache.bench._vllm_decode`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,14 +77,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=5, help="histories, each returning once per configuration")
     parser.add_argument("--question", type=int, default=16, help="tokens in each question")
     parser.add_argument("--redis", default=None, help="a Redis server's URL (default: start one on loopback)")
-    parser.add_argument("--plans", default="KV", help="hcache's plans, comma-separated (e.g. KV,H): each restores from every tier")
-    parser.add_argument("--mha", action="store_true", help="the model made MHA with random weights (as many K/V heads as query heads)")
+    parser.add_argument(
+        "--plans", default="KV", help="hcache's plans, comma-separated (e.g. KV,H): each restores from every tier"
+    )
+    parser.add_argument(
+        "--mha", action="store_true", help="the model made MHA with random weights (as many K/V heads as query heads)"
+    )
     parser.add_argument("--tp", type=int, default=1, help="vLLM's tensor_parallel_size for every engine")
-    parser.add_argument("--heads", default=None, help="Q,KV: the model reshaped to Q query and KV key/value heads of its head size, random weights")
-    parser.add_argument("--window", type=int, default=None, help="give the model (random weights) sliding-window layers of this many tokens")
-    parser.add_argument("--full-every", type=int, default=2, help="with --window: 1 in this many layers keeps full attention")
-    parser.add_argument("--sliding-layers", default="window", help="hcache's sliding_layers settings, comma-separated (window,all)")
-    parser.add_argument("--decode", action="store_true", help="time decode steps with and without the connector instead (the options below)")
+    parser.add_argument(
+        "--heads",
+        default=None,
+        help="Q,KV: the model reshaped to Q query and KV key/value heads of its head size, random weights",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="give the model (random weights) sliding-window layers of this many tokens",
+    )
+    parser.add_argument(
+        "--full-every", type=int, default=2, help="with --window: 1 in this many layers keeps full attention"
+    )
+    parser.add_argument(
+        "--sliding-layers", default="window", help="hcache's sliding_layers settings, comma-separated (window,all)"
+    )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="time decode steps with and without the connector instead (the options below)",
+    )
     decode.add_arguments(parser.add_argument_group("--decode"))
 
 
@@ -96,8 +118,17 @@ def _engine(args, model: str, prefix_cache: bool, connector: dict | None, memory
     kv = kv_transfer_config(connector) if connector is not None else None
     parallel = {"tensor_parallel_size": args.tp, "distributed_executor_backend": "mp"} if args.tp > 1 else {}
     with ranks_bound(args.tp):
-        return LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.history + 4 * args.question,
-                   kv_cache_memory_bytes=memory, enable_prefix_caching=prefix_cache, kv_transfer_config=kv, disable_log_stats=True, **parallel)  # fmt: skip
+        return LLM(
+            model=model,
+            dtype=args.dtype,
+            enforce_eager=True,
+            max_model_len=args.history + 4 * args.question,
+            kv_cache_memory_bytes=memory,
+            enable_prefix_caching=prefix_cache,
+            kv_transfer_config=kv,
+            disable_log_stats=True,
+            **parallel,
+        )
 
 
 def _timed(llm, prompt: list[int], params) -> tuple[float, int]:
@@ -120,7 +151,10 @@ def _shaped(args, directory: Path) -> tuple[Path, dict]:
 
     model = model_dir(args.model)
     config = json.loads((model / "config.json").read_text())
-    heads = {"num_attention_heads": config["num_attention_heads"], "num_key_value_heads": config.get("num_key_value_heads", config["num_attention_heads"])}
+    heads = {
+        "num_attention_heads": config["num_attention_heads"],
+        "num_key_value_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
+    }
     overrides = {}
     if args.heads:
         try:
@@ -133,13 +167,20 @@ def _shaped(args, directory: Path) -> tuple[Path, dict]:
         overrides["num_key_value_heads"] = overrides.get("num_attention_heads", heads["num_attention_heads"])
     if args.window:
         layers = config["num_hidden_layers"]
-        overrides.update(sliding_window=args.window, layer_types=[
-            "full_attention" if (i + 1) % args.full_every == 0 else "sliding_attention" for i in range(layers)
-        ])  # fmt: skip
+        overrides.update(
+            sliding_window=args.window,
+            layer_types=[
+                "full_attention" if (i + 1) % args.full_every == 0 else "sliding_attention" for i in range(layers)
+            ],
+        )
     heads.update({k: v for k, v in overrides.items() if k in heads})
-    if heads["num_attention_heads"] % args.tp or (heads["num_key_value_heads"] % args.tp and args.tp % heads["num_key_value_heads"]):
-        raise SystemExit(f"hcache bench vllm: {args.model}'s {heads['num_attention_heads']} query and {heads['num_key_value_heads']} "
-                         f"key/value heads do not divide among --tp {args.tp} ranks: reshape it with --heads Q,KV")  # fmt: skip
+    if heads["num_attention_heads"] % args.tp or (
+        heads["num_key_value_heads"] % args.tp and args.tp % heads["num_key_value_heads"]
+    ):
+        raise SystemExit(
+            f"hcache bench vllm: {args.model}'s {heads['num_attention_heads']} query and {heads['num_key_value_heads']} "
+            f"key/value heads do not divide among --tp {args.tp} ranks: reshape it with --heads Q,KV"
+        )
     if not overrides:
         return model, heads
     return save_checkpoint(random_like(model, **overrides), directory, args.model), heads
@@ -167,7 +208,9 @@ def ranks_bound(tp: int):
     if len(cpus) < tp:
         raise SystemExit(f"tensor_parallel_size={tp} needs a CPU a rank; this process may use {len(cpus)}")
     share = len(cpus) // tp
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpus[r * share : (r + 1) * share])) for r in range(tp))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(map(str, cpus[r * share : (r + 1) * share])) for r in range(tp)
+    )
     try:
         yield
     finally:
@@ -178,7 +221,9 @@ def run(args: argparse.Namespace) -> dict:
     reserved = reserve_cpus_alike()
     if args.decode:
         if args.tp > 1 or args.heads:
-            raise SystemExit("hcache bench vllm: --decode runs one rank of the model as it is; --tp and --heads are for the TTFT runs")
+            raise SystemExit(
+                "hcache bench vllm: --decode runs one rank of the model as it is; --tp and --heads are for the TTFT runs"
+            )
         return {**decode.run(args), **reserved}
     from transformers import AutoConfig
     from vllm import SamplingParams
@@ -212,31 +257,54 @@ def run(args: argparse.Namespace) -> dict:
         model, heads = _shaped(args, Path(tmp) / "shaped")  # before Redis starts: it may refuse the shape
         redis = RedisServer().start() if args.redis is None else None
         url = args.redis or redis.url
-        configs: dict[str, tuple[bool, dict | None, bool]] = {"recompute": (False, None, True), "prefix_cache": (True, None, True)}
+        configs: dict[str, tuple[bool, dict | None, bool]] = {
+            "recompute": (False, None, True),
+            "prefix_cache": (True, None, True),
+        }
         savers: dict[str, dict] = {}  # by rule: what saves the histories that the disk and Redis engines restore
         for plan in plans:
             for rule in rules:
                 suffix = (f"_{plan}" if len(plans) > 1 else "") + (f"_{rule}" if len(rules) > 1 else "")
-                common = {"plan": plan, "save": "all" if len(plans) > 1 else "plan", "sliding_layers": rule,
-                          "namespace": rule if len(rules) > 1 else None}  # each rule stores apart (Redis: by namespace)  # fmt: skip
+                common = {
+                    "plan": plan,
+                    "save": "all" if len(plans) > 1 else "plan",
+                    "sliding_layers": rule,
+                    "namespace": rule if len(rules) > 1 else None,
+                }  # each rule stores apart (Redis: by namespace)
                 store = [str(Path(tmp) / f"store-{rule}")]
                 savers.setdefault(rule, {**common, "store_dirs": store, "store": {"shared": [url]}})
-                configs["hcache_host" + suffix] = (False, {**common, "store_dirs": [str(Path(tmp) / f"host{suffix}")]}, True)
-                configs["hcache_disk" + suffix] = (False, {**common, "store_dirs": store, "store": {"shared": []}}, False)
-                configs["hcache_redis" + suffix] = (False, {**common, "store_dirs": None, "store": {"shared": [url]}}, False)
+                configs["hcache_host" + suffix] = (
+                    False,
+                    {**common, "store_dirs": [str(Path(tmp) / f"host{suffix}")]},
+                    True,
+                )
+                configs["hcache_disk" + suffix] = (
+                    False,
+                    {**common, "store_dirs": store, "store": {"shared": []}},
+                    False,
+                )
+                configs["hcache_redis" + suffix] = (
+                    False,
+                    {**common, "store_dirs": None, "store": {"shared": [url]}},
+                    False,
+                )
         configs["hcache_miss"] = (False, {"store_dirs": [str(Path(tmp) / "empty")]}, False)
         logs = {name: Path(tmp) / f"{name}.jsonl" for name in configs}
         per_token = ModelSpec.from_config(AutoConfig.from_pretrained(model), args.dtype).kv_bytes_per_token
         memory = 2 * args.conversations * (args.history + 4 * args.question) * per_token  # every history, twice over
         engines: dict = {}
         try:
-            for settings in tqdm(savers.values(), desc="saving the histories", unit="store"):  # closed before the disk engines open the store
+            for settings in tqdm(
+                savers.values(), desc="saving the histories", unit="store"
+            ):  # closed before the disk engines open the store
                 llm = _engine(args, str(model), False, settings, memory)
                 llm.generate([{"prompt_token_ids": h + q} for h, q in zip(histories, first)], one, use_tqdm=False)
                 llm.llm_engine.engine_core.shutdown()
                 del llm
             for name, (prefix_cache, connector, _) in tqdm(configs.items(), desc="vLLM engines", unit="engine"):
-                engines[name] = _engine(args, str(model), prefix_cache, connector and {**connector, "request_log": str(logs[name])}, memory)
+                engines[name] = _engine(
+                    args, str(model), prefix_cache, connector and {**connector, "request_log": str(logs[name])}, memory
+                )
             prefill_s: dict[str, list[float]] = {name: [] for name in configs}
             prefilling = [name for name, (_, _, prefill) in configs.items() if prefill]
             for i, (history, question) in enumerate(zip(histories, first)):
@@ -246,7 +314,9 @@ def run(args: argparse.Namespace) -> dict:
                 log.unlink(missing_ok=True)  # the records of the returning questions only
             ttft: dict[str, list[float]] = {name: [] for name in configs}
             first_tokens: dict[str, list[int]] = {name: [] for name in configs}
-            for i, (history, question) in enumerate(tqdm(list(zip(histories, returning)), desc="returning histories", unit="history")):
+            for i, (history, question) in enumerate(
+                tqdm(list(zip(histories, returning)), desc="returning histories", unit="history")
+            ):
                 for name in _rotated(list(configs), i):
                     took, token = _timed(engines[name], history + question, one)
                     ttft[name].append(took)
@@ -267,30 +337,63 @@ def run(args: argparse.Namespace) -> dict:
             stored_dirs = (connector or {}).get("store_dirs") or []
             stored_files = sum(p.stat().st_size for d in stored_dirs for p in Path(d).glob("**/chunks/*/*.safetensors"))
             results[name] = {
-                "stored_file_bytes_per_token": stored_files / (args.conversations * (args.history // 64 * 64)) if stored_dirs else 0,
-                "read_bytes_by_layer_type": {kind: sum(r.get("type_bytes", {}).get(kind, 0) for r in records) / max(1, restored)
-                                             for kind in {k for r in records for k in r.get("type_bytes", {})}},  # fmt: skip
-                "ttft_s": ttft[name], "median_ttft_s": statistics.median(ttft[name]), "prefill_s": prefill_s[name],
-                "restored_tokens": restored, "restored_by_tier": tiers, "first_tokens": first_tokens[name],
-                "stored_bytes_per_token": sum(r["bytes_read"] for r in records) / restored if restored else 0,  # every rank's
-            }  # fmt: skip
+                "stored_file_bytes_per_token": stored_files / (args.conversations * (args.history // 64 * 64))
+                if stored_dirs
+                else 0,
+                "read_bytes_by_layer_type": {
+                    kind: sum(r.get("type_bytes", {}).get(kind, 0) for r in records) / max(1, restored)
+                    for kind in {k for r in records for k in r.get("type_bytes", {})}
+                },
+                "ttft_s": ttft[name],
+                "median_ttft_s": statistics.median(ttft[name]),
+                "prefill_s": prefill_s[name],
+                "restored_tokens": restored,
+                "restored_by_tier": tiers,
+                "first_tokens": first_tokens[name],
+                "stored_bytes_per_token": sum(r["bytes_read"] for r in records) / restored
+                if restored
+                else 0,  # every rank's
+            }
     reference, miss = results["recompute"], results["hcache_miss"]
     for name, r in results.items():
         r["speedup"] = reference["median_ttft_s"] / r["median_ttft_s"]
         r["speedup_vs_miss"] = miss["median_ttft_s"] / r["median_ttft_s"]
         r["first_token_match"] = sum(a == b for a, b in zip(r["first_tokens"], reference["first_tokens"]))
-    shape = f" reshaped to {heads['num_attention_heads']}/{heads['num_key_value_heads']} heads" if args.heads or args.mha else ""
+    shape = (
+        f" reshaped to {heads['num_attention_heads']}/{heads['num_key_value_heads']} heads"
+        if args.heads or args.mha
+        else ""
+    )
     if args.window:
         shape += f" with {args.window}-token sliding windows (1 in {args.full_every} layers full attention)"
-    print(f"{args.model}{shape}, TP={args.tp}, {args.conversations} returning histories of {args.history} tokens (+{args.question}-token questions), {args.dtype}:")
-    print(f"{'configuration':20} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'vs miss':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} "
-          f"{'files B/token':>13} {'1st token same':>15}")  # fmt: skip
+    print(
+        f"{args.model}{shape}, TP={args.tp}, {args.conversations} returning histories of {args.history} tokens (+{args.question}-token questions), {args.dtype}:"
+    )
+    print(
+        f"{'configuration':20} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'vs miss':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} "
+        f"{'files B/token':>13} {'1st token same':>15}"
+    )
     for name, r in results.items():
         tiers = ",".join(f"{t}:{n}" for t, n in r["restored_by_tier"].items()) or "-"
-        print(f"{name:20} {1000 * r['median_ttft_s']:9.1f} {1000 * min(r['ttft_s']):6.0f}-{1000 * max(r['ttft_s']):<6.0f} "
-              f"{r['speedup']:7.2f}x {r['speedup_vs_miss']:7.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
-              f"{r['stored_file_bytes_per_token']:13.0f} "
-              f"{r['first_token_match']:>8d}/{args.conversations}")  # fmt: skip
-    return {"model": args.model, "mha": args.mha, "heads": heads, "tensor_parallel": args.tp, "plans": plans, "dtype": args.dtype, "history": args.history, "question": args.question,
-            "window": args.window, "full_every": args.full_every if args.window else None, "sliding_layers": rules,
-            "conversations": args.conversations, "configurations": results, **reserved}  # fmt: skip
+        print(
+            f"{name:20} {1000 * r['median_ttft_s']:9.1f} {1000 * min(r['ttft_s']):6.0f}-{1000 * max(r['ttft_s']):<6.0f} "
+            f"{r['speedup']:7.2f}x {r['speedup_vs_miss']:7.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
+            f"{r['stored_file_bytes_per_token']:13.0f} "
+            f"{r['first_token_match']:>8d}/{args.conversations}"
+        )
+    return {
+        "model": args.model,
+        "mha": args.mha,
+        "heads": heads,
+        "tensor_parallel": args.tp,
+        "plans": plans,
+        "dtype": args.dtype,
+        "history": args.history,
+        "question": args.question,
+        "window": args.window,
+        "full_every": args.full_every if args.window else None,
+        "sliding_layers": rules,
+        "conversations": args.conversations,
+        "configurations": results,
+        **reserved,
+    }

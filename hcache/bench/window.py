@@ -14,6 +14,7 @@ wrote, headers included, over the history's tokens; ``read_bytes_per_token``: wh
 reading, writing the cache), medians. ``recompute``: the same engine and store
 settings prefilling the whole prompt (``restore=False``), the like-for-like baseline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,14 @@ RULES = ("window", "all")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=256, help="the sliding layers' window, in tokens")
-    parser.add_argument("--full-every", type=int, default=2, help="every N-th layer is full attention (2: Gemma 2, 6: Gemma 3)")
+    parser.add_argument(
+        "--full-every", type=int, default=2, help="every N-th layer is full attention (2: Gemma 2, 6: Gemma 3)"
+    )
     parser.add_argument("--multiples", default="2,4,8", help="history lengths, in windows")
     parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=576, help="hidden size (SmolLM2's by default: 9 heads of 64, 3 KV heads)")
+    parser.add_argument(
+        "--hidden", type=int, default=576, help="hidden size (SmolLM2's by default: 9 heads of 64, 3 KV heads)"
+    )
     parser.add_argument("--question", type=int, default=16, help="tokens in each returning question")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
@@ -46,10 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _model(args) -> LoadedModel:
     kinds = ["full_attention" if (i + 1) % args.full_every == 0 else "sliding_attention" for i in range(args.layers)]
     heads = args.hidden // 64
-    model = random_model("qwen2", getattr(torch, args.dtype), hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 3), num_hidden_layers=args.layers,
-                         vocab_size=4096, max_position_embeddings=max(args.multiples) * args.window + 4 * args.question,
-                         use_sliding_window=True, sliding_window=args.window, layer_types=kinds)  # fmt: skip
+    model = random_model(
+        "qwen2",
+        getattr(torch, args.dtype),
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 3),
+        num_hidden_layers=args.layers,
+        vocab_size=4096,
+        max_position_embeddings=max(args.multiples) * args.window + 4 * args.question,
+        use_sliding_window=True,
+        sliding_window=args.window,
+        layer_types=kinds,
+    )
     spec = ModelSpec.from_config(model.config, getattr(torch, args.dtype))
     return LoadedModel("random:qwen2-windowed", model, spec, None)
 
@@ -60,35 +75,60 @@ def _stored_bytes(directory: Path) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     args.multiples = [int(m) for m in args.multiples.split(",") if m.strip()]
-    if args.window < 64 or args.full_every < 1 or not args.multiples or min(args.multiples) < 1 or args.repeats < 1 or args.hidden < 64 or args.hidden % 64:
-        raise SystemExit("hcache bench window: --window must be at least 64, --hidden a multiple of 64 (heads of 64), "
-                         "--full-every, --multiples and --repeats at least 1")  # fmt: skip
+    if (
+        args.window < 64
+        or args.full_every < 1
+        or not args.multiples
+        or min(args.multiples) < 1
+        or args.repeats < 1
+        or args.hidden < 64
+        or args.hidden % 64
+    ):
+        raise SystemExit(
+            "hcache bench window: --window must be at least 64, --hidden a multiple of 64 (heads of 64), "
+            "--full-every, --multiples and --repeats at least 1"
+        )
     loaded = _model(args)
     g = torch.Generator().manual_seed(0)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="hcache-bench-window-") as tmp:
-        runtimes = {rule: HCacheRuntime(loaded, Path(tmp) / rule, plan="KV", sliding_layers=rule, self_check="off") for rule in RULES}
+        runtimes = {
+            rule: HCacheRuntime(loaded, Path(tmp) / rule, plan="KV", sliding_layers=rule, self_check="off")
+            for rule in RULES
+        }
         try:
             for multiple in tqdm(args.multiples, desc="histories", unit="history"):
                 history = torch.randint(0, 4096, (multiple * args.window,), generator=g).tolist()
-                questions = [torch.randint(0, 4096, (args.question,), generator=g).tolist() for _ in range(args.repeats)]
+                questions = [
+                    torch.randint(0, 4096, (args.question,), generator=g).tolist() for _ in range(args.repeats)
+                ]
                 row: dict[str, dict] = {}
                 for rule, runtime in runtimes.items():
                     before = _stored_bytes(Path(tmp) / rule)  # the earlier histories'
                     runtime.generate(history + questions[0][:1], 1, restore=False)  # the first turn saves the history
                     runtime.store.flush()
                     stored = _stored_bytes(Path(tmp) / rule) - before
-                    row[rule] = {"stored_bytes_per_token": stored / len(history), "ttft_s": [], "restore_s": [], "recompute_s": []}
+                    row[rule] = {
+                        "stored_bytes_per_token": stored / len(history),
+                        "ttft_s": [],
+                        "restore_s": [],
+                        "recompute_s": [],
+                    }
                 for question in questions:  # the rules in turn, so that the machine's drift hits both alike
                     for rule, runtime in runtimes.items():
                         result = runtime.generate(history + question, 1)
                         row[rule]["ttft_s"].append(result.ttft_s)
                         row[rule]["restore_s"].append(result.restore_s)
-                        row[rule]["read_bytes_per_token"] = {kind: n / max(1, result.restored_tokens) for kind, n in result.type_bytes.items()}
+                        row[rule]["read_bytes_per_token"] = {
+                            kind: n / max(1, result.restored_tokens) for kind, n in result.type_bytes.items()
+                        }
                         row[rule]["restored_tokens"] = result.restored_tokens
                         row[rule]["recompute_s"].append(runtime.generate(history + question, 1, restore=False).ttft_s)
                 for r in row.values():
-                    r["median_ttft_s"], r["median_recompute_s"] = statistics.median(r["ttft_s"]), statistics.median(r["recompute_s"])
+                    r["median_ttft_s"], r["median_recompute_s"] = (
+                        statistics.median(r["ttft_s"]),
+                        statistics.median(r["recompute_s"]),
+                    )
                     r["median_restore_s"] = statistics.median(r["restore_s"])
                     r["speedup_vs_recompute"] = r["median_recompute_s"] / r["median_ttft_s"]
                 row["window_over_all"] = {
@@ -100,15 +140,31 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             for runtime in runtimes.values():
                 runtime.close()
-    print(f"random Qwen2, {args.layers} layers (1 in {args.full_every} full attention, the rest a {args.window}-token window), "
-          f"hidden {args.hidden}, {args.dtype}, plan KV, {args.repeats} returning turns each:")  # fmt: skip
-    print(f"{'history':>8} {'rule':>7} {'stored B/token':>15} {'read B/token':>13} {'restore ms':>11} {'TTFT ms':>9} {'recompute ms':>13} {'speedup':>8}")
+    print(
+        f"random Qwen2, {args.layers} layers (1 in {args.full_every} full attention, the rest a {args.window}-token window), "
+        f"hidden {args.hidden}, {args.dtype}, plan KV, {args.repeats} returning turns each:"
+    )
+    print(
+        f"{'history':>8} {'rule':>7} {'stored B/token':>15} {'read B/token':>13} {'restore ms':>11} {'TTFT ms':>9} {'recompute ms':>13} {'speedup':>8}"
+    )
     for history, row in results.items():
         for rule in RULES:
             r = row[rule]
-            print(f"{history:>8} {rule:>7} {r['stored_bytes_per_token']:15.0f} {sum(r['read_bytes_per_token'].values()):13.0f} "
-                  f"{1000 * r['median_restore_s']:11.1f} {1000 * r['median_ttft_s']:9.1f} {1000 * r['median_recompute_s']:13.1f} {r['speedup_vs_recompute']:7.2f}x")  # fmt: skip
+            print(
+                f"{history:>8} {rule:>7} {r['stored_bytes_per_token']:15.0f} {sum(r['read_bytes_per_token'].values()):13.0f} "
+                f"{1000 * r['median_restore_s']:11.1f} {1000 * r['median_ttft_s']:9.1f} {1000 * r['median_recompute_s']:13.1f} {r['speedup_vs_recompute']:7.2f}x"
+            )
         ratio = row["window_over_all"]
-        print(f"{history:>8} window/all: stored bytes {ratio['stored_bytes']:.2f}x, restore {ratio['restore']:.2f}x, TTFT {ratio['ttft']:.2f}x")
-    return {"model": loaded.spec.describe(), "window": args.window, "full_every": args.full_every, "layers": args.layers, "dtype": args.dtype,
-            "question": args.question, "repeats": args.repeats, "histories": results}  # fmt: skip
+        print(
+            f"{history:>8} window/all: stored bytes {ratio['stored_bytes']:.2f}x, restore {ratio['restore']:.2f}x, TTFT {ratio['ttft']:.2f}x"
+        )
+    return {
+        "model": loaded.spec.describe(),
+        "window": args.window,
+        "full_every": args.full_every,
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "question": args.question,
+        "repeats": args.repeats,
+        "histories": results,
+    }

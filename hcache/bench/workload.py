@@ -36,6 +36,7 @@ pool (:mod:`hcache.storage.eviction`), side by side in one run (``method:policy`
 tokens restored from each tier by policy, with cost's ratios to LRU. Eviction needs memory pressure:
 ``--kv-blocks`` small for the GPU cache, ``--host-mib`` for the host pool.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,22 +89,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zipf", type=float, default=None, help="L-Eval presets: Zipf exponent of document reuse")
     parser.add_argument("--scale", type=float, default=0.25, help="token lengths times this (1 = the published means)")
     parser.add_argument("--max-output", type=int, default=24, help="cap on reply lengths (decode is slow on a CPU)")
-    parser.add_argument("--max-tokens", type=int, default=1024, help="cap on a session's whole history (at most the model's context)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=1024, help="cap on a session's whole history (at most the model's context)"
+    )
     parser.add_argument("--max-turns", type=int, default=4, help="turns kept per session")
-    parser.add_argument("--think-scale", type=float, default=0.05, help="think times times this (1 = the published means)")
-    parser.add_argument("--kv-blocks", type=int, default=None,
-                        help="the engine's KV blocks of 64 tokens (FastGen's own blocks, as many tokens), for every method but ideal (default: 4 histories of --max-tokens)")
-    parser.add_argument("--through", default="runtime", choices=["runtime", "mii"], help="replay through hcache's runtime or mii.pipeline")
-    parser.add_argument("--engine", default="auto", choices=["auto", "fastgen", "reference"], help="--through mii: auto is FastGen on a GPU")
-    parser.add_argument("--methods", default=None,
-                        help=f"runtime: a subset of {','.join(METHODS)}; mii: of {','.join(MII_METHODS)} (mii on FastGen only)")
-    parser.add_argument("--eviction", default=None,
-                        help="comma-separated eviction policies (cost, lru): every method replayed under each, side by side (default: the runtime's)")
-    parser.add_argument("--host-mib", type=int, default=None, help="the host pool in MiB, for memory pressure (default: the runtime's)")
+    parser.add_argument(
+        "--think-scale", type=float, default=0.05, help="think times times this (1 = the published means)"
+    )
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="the engine's KV blocks of 64 tokens (FastGen's own blocks, as many tokens), for every method but ideal (default: 4 histories of --max-tokens)",
+    )
+    parser.add_argument(
+        "--through",
+        default="runtime",
+        choices=["runtime", "mii"],
+        help="replay through hcache's runtime or mii.pipeline",
+    )
+    parser.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "fastgen", "reference"],
+        help="--through mii: auto is FastGen on a GPU",
+    )
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help=f"runtime: a subset of {','.join(METHODS)}; mii: of {','.join(MII_METHODS)} (mii on FastGen only)",
+    )
+    parser.add_argument(
+        "--eviction",
+        default=None,
+        help="comma-separated eviction policies (cost, lru): every method replayed under each, side by side (default: the runtime's)",
+    )
+    parser.add_argument(
+        "--host-mib", type=int, default=None, help="the host pool in MiB, for memory pressure (default: the runtime's)"
+    )
     parser.add_argument("--profile", default=None, help="profile for the auto plan (default: measure one at start)")
     parser.add_argument("--readers", type=int, default=DEFAULT_READERS)
-    parser.add_argument("--csv", dest="csv_path", default=None, help="write one row per method and rate here (default: next to --json)")
-    parser.add_argument("--plot", default=None, help="write the TTFT-against-rate plot here (default: next to --json, as .png)")
+    parser.add_argument(
+        "--csv", dest="csv_path", default=None, help="write one row per method and rate here (default: next to --json)"
+    )
+    parser.add_argument(
+        "--plot", default=None, help="write the TTFT-against-rate plot here (default: next to --json, as .png)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -112,8 +143,10 @@ def run(args: argparse.Namespace) -> dict:
     offered = METHODS if engine is None else [m for m in MII_METHODS if m != "mii" or engine == "fastgen"]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else list(offered)
     if not methods or set(methods) - set(offered):
-        raise ValueError(f"--methods must name some of {', '.join(offered)} with --through {args.through}"
-                         f"{f' on {engine}' if engine else ''}, not {args.methods!r}")
+        raise ValueError(
+            f"--methods must name some of {', '.join(offered)} with --through {args.through}"
+            f"{f' on {engine}' if engine else ''}, not {args.methods!r}"
+        )
     if args.kv_blocks is not None and args.kv_blocks * CHUNK_TOKENS < args.max_tokens:
         least = -(-args.max_tokens // CHUNK_TOKENS)
         raise ValueError(f"--kv-blocks must hold a whole history of --max-tokens {args.max_tokens}: at least {least}")
@@ -126,18 +159,23 @@ def run(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model, dtype=model_dtype(args.dtype, args.device), device=args.device)
     spec = loaded.spec
     if not CHUNK_TOKENS <= args.max_tokens <= spec.max_positions:
-        raise ValueError(f"--max-tokens must lie in [{CHUNK_TOKENS}, {spec.max_positions}] for {loaded.name}, not {args.max_tokens}")
+        raise ValueError(
+            f"--max-tokens must lie in [{CHUNK_TOKENS}, {spec.max_positions}] for {loaded.name}, not {args.max_tokens}"
+        )
     traces = [_trace(args, loaded, rate) for rate in rates]
     profile = None
     if {"auto", "auto_gpu_cache"} & set(methods):
         profile = (
-            Profile.load(args.profile, spec) if args.profile
+            Profile.load(args.profile, spec)
+            if args.profile
             else measure_profile(loaded, profile_tokens(args.max_tokens), repeats=2, readers=args.readers)
         )
     requests = sum(len(s.turns) for s in traces[0].sessions)
     by_rate: dict[str, list[dict]] = {name: [] for *_, name in runs}
-    with tempfile.TemporaryDirectory(prefix="hcache-workload-") as tmp, \
-            tqdm(total=requests * len(rates) * len(runs), desc="replay", unit="req") as bar:
+    with (
+        tempfile.TemporaryDirectory(prefix="hcache-workload-") as tmp,
+        tqdm(total=requests * len(rates) * len(runs), desc="replay", unit="req") as bar,
+    ):
         if engine is None:
             serve, words = _runtime(loaded, profile, args, traces[0]), np.arange(spec.vocab_size)
         else:
@@ -145,20 +183,38 @@ def run(args: argparse.Namespace) -> dict:
         for rate, trace in zip(rates, traces):
             for method, policy, name in runs:
                 bar.set_postfix(rate=rate, method=name)
-                by_rate[name].append({"rate": rate, **replay(
-                    lambda d, m=method, p=policy: serve(m, d, p), words, trace, args.seed,
-                    prefetch=method not in ("ideal", "recompute"), on_device=method == "ideal", done=bar.update,
-                )})
+                by_rate[name].append(
+                    {
+                        "rate": rate,
+                        **replay(
+                            lambda d, m=method, p=policy: serve(m, d, p),
+                            words,
+                            trace,
+                            args.seed,
+                            prefetch=method not in ("ideal", "recompute"),
+                            on_device=method == "ideal",
+                            done=bar.update,
+                        ),
+                    }
+                )
     sessions = traces[0].sessions
     turns = [t for s in sessions for t in s.turns]
     result = {
         "model": loaded.name,
         "through": args.through if engine is None else f"mii ({engine})",
         "trace": {
-            "name": traces[0].name, "sessions": len(sessions), "requests": requests, "seed": args.seed,
-            "scale": args.scale, "max_output": args.max_output, "max_tokens": args.max_tokens,
-            "max_turns": args.max_turns, "think_scale": args.think_scale, "zipf": args.zipf,
-            "kv_blocks": kv_blocks(args), "host_mib": args.host_mib,
+            "name": traces[0].name,
+            "sessions": len(sessions),
+            "requests": requests,
+            "seed": args.seed,
+            "scale": args.scale,
+            "max_output": args.max_output,
+            "max_tokens": args.max_tokens,
+            "max_turns": args.max_turns,
+            "think_scale": args.think_scale,
+            "zipf": args.zipf,
+            "kv_blocks": kv_blocks(args),
+            "host_mib": args.host_mib,
             "mean_input_tokens": float(np.mean([t.input_tokens for t in turns])),
             "mean_output_tokens": float(np.mean([t.output_tokens for t in turns])),
             "mean_session_tokens": float(np.mean([s.total_tokens for s in sessions])),
@@ -201,11 +257,20 @@ def _runtime(loaded: LoadedModel, profile: Profile | None, args, trace: Trace):
 
     def serve(method: str, store_dir: str, eviction: str | None) -> RuntimeServer:
         plan, save, restore, gpu_cache = _RUNTIME[method]
-        return RuntimeServer(HCacheRuntime(
-            loaded, store_dir, plan=plan, save=save, profile=profile if plan == "auto" else None,
-            readers=args.readers, num_blocks=kv_blocks(args) + (every_history if method == "ideal" else 0),
-            gpu_cache=gpu_cache, **memory_settings(args, eviction),
-        ), restore)
+        return RuntimeServer(
+            HCacheRuntime(
+                loaded,
+                store_dir,
+                plan=plan,
+                save=save,
+                profile=profile if plan == "auto" else None,
+                readers=args.readers,
+                num_blocks=kv_blocks(args) + (every_history if method == "ideal" else 0),
+                gpu_cache=gpu_cache,
+                **memory_settings(args, eviction),
+            ),
+            restore,
+        )
 
     return serve
 
@@ -232,17 +297,29 @@ def _through_mii(loaded: LoadedModel, engine: str, profile: Profile | None, args
 
     # FastGen takes its cache's size from MII's engine config, in blocks of its own size; the reference
     # engine from hcache's config, with its device
-    mii_options = {"inference_engine_config": _fastgen_memory(args, loaded.spec.head_size)} if engine == "fastgen" else {}
+    mii_options = (
+        {"inference_engine_config": _fastgen_memory(args, loaded.spec.head_size)} if engine == "fastgen" else {}
+    )
     placed = {"device": args.device} if engine == "reference" else {}
 
     def serve(method: str, store_dir: str, eviction: str | None) -> MiiServer:
         options = _MII[method]
-        config = None if options is None else {
-            "engine": engine, "store_dirs": [store_dir], "request_log": f"{store_dir}/requests.jsonl",
-            "num_blocks": kv_blocks(args), "readers": args.readers, "dtype": args.dtype, **placed, **options,
-            **memory_settings(args, eviction),
-            **({"profile": str(tmp / "profile.json")} if options.get("plan") == "auto" else {}),
-        }
+        config = (
+            None
+            if options is None
+            else {
+                "engine": engine,
+                "store_dirs": [store_dir],
+                "request_log": f"{store_dir}/requests.jsonl",
+                "num_blocks": kv_blocks(args),
+                "readers": args.readers,
+                "dtype": args.dtype,
+                **placed,
+                **options,
+                **memory_settings(args, eviction),
+                **({"profile": str(tmp / "profile.json")} if options.get("plan") == "auto" else {}),
+            }
+        )
         return MiiServer(str(path), tokenizer, config, mii_options)
 
     return serve, words

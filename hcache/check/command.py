@@ -8,6 +8,7 @@ its JSON and a markdown table are written instead, rewritten after every step, s
 leaves what it measured. A step that fails is recorded with its error and the next one runs. The command
 exits 1 when a correctness case fails (or cannot run), 0 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,26 @@ RESULTS = Path("benchmarks/results")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", help="report this machine, measure its floors, check every restore against recompute, time restores (GPU)")
-    p.add_argument("--quick", action="store_true",
-                   help="skip the slow parts: 16K histories, the disk and MII benchmarks, and the larger floors")
-    p.add_argument("--out", default=None, help="write <out>.json and <out>.md after every step (default: write nothing, print the report)")
-    p.add_argument("--save", action="store_true",
-                   help=f"write them under {RESULTS}/ instead, named check-<GPU or CPU>-<date>")
-    p.add_argument("--store-dir", default=None, help="the store disk to describe and measure (default: a temporary directory)")
+    p = sub.add_parser(
+        "check",
+        help="report this machine, measure its floors, check every restore against recompute, time restores (GPU)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="skip the slow parts: 16K histories, the disk and MII benchmarks, and the larger floors",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="write <out>.json and <out>.md after every step (default: write nothing, print the report)",
+    )
+    p.add_argument(
+        "--save", action="store_true", help=f"write them under {RESULTS}/ instead, named check-<GPU or CPU>-<date>"
+    )
+    p.add_argument(
+        "--store-dir", default=None, help="the store disk to describe and measure (default: a temporary directory)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +55,11 @@ def run(args: argparse.Namespace) -> int:
     from .floors import measure_floors
     from .speed import measure_speed
 
-    out = RESULTS / f"check-{machine_name()}-{datetime.date.today().isoformat()}" if args.save else (Path(args.out) if args.out else None)
+    out = (
+        RESULTS / f"check-{machine_name()}-{datetime.date.today().isoformat()}"
+        if args.save
+        else (Path(args.out) if args.out else None)
+    )
     report = {"command": args.command_line, "commit": source_commit(), "machine": machine_facts(), "steps": {}}
     engines = ["reference", *(["fastgen"] if torch.cuda.is_available() else [])]
     with tempfile.TemporaryDirectory(prefix="hcache-check-store-") as tmp:
@@ -59,7 +77,11 @@ def run(args: argparse.Namespace) -> int:
             def keep(partial: dict) -> None:
                 """What a long step has so far, written now: a run cut off (a lent GPU's time running out)
                 still leaves it, marked unfinished."""
-                report["steps"][name] = {**partial, "unfinished": True, "seconds": round(time.perf_counter() - start, 1)}
+                report["steps"][name] = {
+                    **partial,
+                    "unfinished": True,
+                    "seconds": round(time.perf_counter() - start, 1),
+                }
                 if out:
                     _write(report, out)
 
@@ -75,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     if out:
         print(f"wrote {out}.json and {out}.md; correctness: {failed or 'every case passed'}")
     else:
-        print(f"\n{markdown(report)}\ncorrectness: {failed or 'every case passed'} (--out PATH or --save keeps this report)")
+        print(
+            f"\n{markdown(report)}\ncorrectness: {failed or 'every case passed'} (--out PATH or --save keeps this report)"
+        )
     return 1 if failed else 0
 
 
@@ -91,7 +115,12 @@ def _with_progress(engines: list[str], keep) -> list[dict]:
         done.append(case)
         keep(done)
 
-    with tqdm(total=sum(len(families_on(kind)) for kind in engines) * len(PLANS), desc="  correctness", unit="case", leave=False) as bar:
+    with tqdm(
+        total=sum(len(families_on(kind)) for kind in engines) * len(PLANS),
+        desc="  correctness",
+        unit="case",
+        leave=False,
+    ) as bar:
         return check_restores(engines, progress=progress)
 
 
@@ -109,18 +138,30 @@ def _write(report: dict, out: Path) -> None:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# hcache check: {report['machine']['gpu'] and report['machine']['gpu']['name'] or report['machine']['cpu']}",
-             "", f"`{report['command']}`, {report['machine']['date']}", ""]  # fmt: skip
+    lines = [
+        f"# hcache check: {report['machine']['gpu'] and report['machine']['gpu']['name'] or report['machine']['cpu']}",
+        "",
+        f"`{report['command']}`, {report['machine']['date']}",
+        "",
+    ]
     for name, step in report["steps"].items():
-        lines += [f"## {name} ({step['seconds']} s{', unfinished: the run was cut off here' if step.get('unfinished') else ''})", ""]
+        lines += [
+            f"## {name} ({step['seconds']} s{', unfinished: the run was cut off here' if step.get('unfinished') else ''})",
+            "",
+        ]
         if "error" in step:
             lines += [f"failed: `{step['error']}`", ""]
         elif name == "correctness":
-            lines += ["| engine | family | dtype | plan | restored | tokens equal | worst error less its bound (<= 0 passes) | ok |", "|---|---|---|---|---|---|---|---|"]
+            lines += [
+                "| engine | family | dtype | plan | restored | tokens equal | worst error less its bound (<= 0 passes) | ok |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
             lines += [_case_row(c) for c in step["cases"]]
         else:
             lines += ["| figure | value |", "|---|---|"]
-            lines += [f"| {key} | {_cell(value)} |" for key, value in _flat(step) if key not in ("seconds", "unfinished")]
+            lines += [
+                f"| {key} | {_cell(value)} |" for key, value in _flat(step) if key not in ("seconds", "unfinished")
+            ]
         lines.append("")
     return "\n".join(lines)
 
@@ -128,8 +169,10 @@ def markdown(report: dict) -> str:
 def _case_row(c: dict) -> str:
     if "error" in c:
         return f"| {c['engine']} | {c['family']} | | {c['plan']} | could not run: `{_cell(c['error'])}` | | | **NO** |"
-    return (f"| {c['engine']} | {c['family']} | {c['dtype']} | {c['plan']} | {c['restored_tokens']}/{c['expected_tokens']} | "
-            f"{c['tokens_equal']} | {c['worst_excess']:.3g} | {'yes' if c['ok'] else '**NO**'} |")
+    return (
+        f"| {c['engine']} | {c['family']} | {c['dtype']} | {c['plan']} | {c['restored_tokens']}/{c['expected_tokens']} | "
+        f"{c['tokens_equal']} | {c['worst_excess']:.3g} | {'yes' if c['ok'] else '**NO**'} |"
+    )
 
 
 def _flat(value, prefix: str = ""):

@@ -5,6 +5,7 @@ float rounding on the reference engine, bit for bit on FastGen but for H's K wit
 fast-math RoPE; state stored in 8 bits within ``LOSSY_BOUND`` relative RMS, reported lossy, its tokens free
 to differ).
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -73,10 +74,18 @@ def _family(kind: str, family: str) -> Iterator[dict]:
         history_tokens = 720 if kind == "fastgen" else 3 * CHUNK_TOKENS + 8
         returning = history_tokens // CHUNK_TOKENS * CHUNK_TOKENS  # the restore ends inside its last chunk
         spec = engine.spec
-        history = torch.randint(0, spec.vocab_size, (history_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+        history = torch.randint(
+            0, spec.vocab_size, (history_tokens,), generator=torch.Generator().manual_seed(0)
+        ).tolist()
         for i, case in enumerate(PLANS):
             plan, _, stored_dtype = case.partition(" ")
-            settings = {"store_dirs": [f"{tmp}/{i}"], "save": "all", "readers": 0, "plan": plan, "stored_dtype": stored_dtype or "auto"}
+            settings = {
+                "store_dirs": [f"{tmp}/{i}"],
+                "save": "all",
+                "readers": 0,
+                "plan": plan,
+                "stored_dtype": stored_dtype or "auto",
+            }
             config = resolve(settings, spec, f"random:{family}")
             with ServingEngine(engine, StoreStack(config, engine, fingerprint)) as serving:
                 saved, reference, restored = 10 * i + 1, 10 * i + 2, 10 * i + 3
@@ -87,16 +96,30 @@ def _family(kind: str, family: str) -> Iterator[dict]:
                 got = _greedy(serving, restored, serving.put([restored], [history[:returning]]))
                 record = serving.record(restored)
                 n = returning - 1
-                errors = tuple(layer_excess(kind, m, engine.kv(restored, layer, n), engine.kv(reference, layer, n), spec, bool(stored_dtype))
-                               for layer, m in enumerate(config.plan.layers))  # fmt: skip
+                errors = tuple(
+                    layer_excess(
+                        kind, m, engine.kv(restored, layer, n), engine.kv(reference, layer, n), spec, bool(stored_dtype)
+                    )
+                    for layer, m in enumerate(config.plan.layers)
+                )
                 serving.flush(restored)
                 serving.flush(reference)
-            c = Comparison(record.restored_tokens, n, record.fallback, got == want, record.lossy, bool(stored_dtype), errors)
+            c = Comparison(
+                record.restored_tokens, n, record.fallback, got == want, record.lossy, bool(stored_dtype), errors
+            )
             yield {
-                "engine": kind, "family": family, "dtype": spec.dtype, "plan": case, "restored_tokens": c.restored_tokens,
-                "expected_tokens": n, "fallback": c.fallback, "tokens_equal": c.tokens_equal, "lossy": c.lossy,
-                "worst_excess": c.worst_excess, "ok": c.ok,
-            }  # fmt: skip
+                "engine": kind,
+                "family": family,
+                "dtype": spec.dtype,
+                "plan": case,
+                "restored_tokens": c.restored_tokens,
+                "expected_tokens": n,
+                "fallback": c.fallback,
+                "tokens_equal": c.tokens_equal,
+                "lossy": c.lossy,
+                "worst_excess": c.worst_excess,
+                "ok": c.ok,
+            }
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -105,7 +128,13 @@ def _family(kind: str, family: str) -> Iterator[dict]:
 def _engine(kind: str, family: str, tmp: Path) -> tuple[Engine, str]:
     gpu = torch.cuda.is_available()
     dtype = torch.float16 if gpu else torch.float32
-    shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, max_position_embeddings=2048)
+    shape = dict(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=2048,
+    )
     model = random_model(family, dtype, device="cuda" if gpu else "cpu", **shape, **FAMILIES[family])
     if kind == "reference":
         spec = ModelSpec.from_config(model.config, dtype)
@@ -116,7 +145,9 @@ def _engine(kind: str, family: str, tmp: Path) -> tuple[Engine, str]:
     model.save_pretrained(tmp / "model")
     del model
     torch.cuda.empty_cache()
-    engine = build_fastgen_engine(str(tmp / "model"), {"state_manager": {"memory_config": {"mode": "allocate", "size": 512}}})
+    engine = build_fastgen_engine(
+        str(tmp / "model"), {"state_manager": {"memory_config": {"mode": "allocate", "size": 512}}}
+    )
     return engine, checkpoint_fingerprint(str(tmp / "model"), engine.spec)
 
 
@@ -125,4 +156,3 @@ def _greedy(serving: ServingEngine, uid: int, logits: torch.Tensor) -> list[int]
     for _ in range(NEW_TOKENS - 1):
         out.append(int(serving.put([uid], [[out[-1]]])[-1].argmax()))
     return out
-

@@ -1,5 +1,6 @@
 """What this machine has: the GPU and its driver, CUDA, torch, DeepSpeed and FastGen's ops, Triton, and the
 disk under the store. Like ``ds_report`` and vLLM's ``collect_env``: facts to read before any number."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -70,7 +71,11 @@ def _disk(directory: Path) -> dict:
         pass
     stat = os.statvfs(real)
     return {
-        "path": str(real), "device": device, "filesystem": fstype, "mount": mount,
-        "size_bytes": stat.f_frsize * stat.f_blocks, "free_bytes": stat.f_frsize * stat.f_bavail,
+        "path": str(real),
+        "device": device,
+        "filesystem": fstype,
+        "mount": mount,
+        "size_bytes": stat.f_frsize * stat.f_blocks,
+        "free_bytes": stat.f_frsize * stat.f_bavail,
         "o_direct": supports_direct(real),
-    }  # fmt: skip
+    }

@@ -1,6 +1,7 @@
 """The floors every restore stands on, measured here: host-to-device copy (pinned and pageable), the device's
 own copy peak, and the store disk's O_DIRECT read. A restore is judged against these, not against a
 datasheet. On a CPU the "device" is host memory, and only the memcpy and the disk are measured."""
+
 from __future__ import annotations
 
 import mmap
@@ -20,7 +21,9 @@ def measure_floors(store_dir: Path, quick: bool) -> dict:
     out: dict = {"bytes": size}
     if torch.cuda.is_available():
         device = torch.empty(size, dtype=torch.uint8, device="cuda")
-        out["h2d_pinned_gbps"] = _gbps(size, device.copy_, torch.empty(size, dtype=torch.uint8, pin_memory=True), cuda=True)
+        out["h2d_pinned_gbps"] = _gbps(
+            size, device.copy_, torch.empty(size, dtype=torch.uint8, pin_memory=True), cuda=True
+        )
         out["h2d_pageable_gbps"] = _gbps(size, device.copy_, torch.empty(size, dtype=torch.uint8), cuda=True)
         out["device_copy_gbps"] = _gbps(size, device.copy_, torch.empty_like(device), cuda=True)
     else:

@@ -11,6 +11,7 @@ Each benchmark runs as the command a user would type, ``hcache bench <name> ... 
 its own: the check depends on that command and its JSON, not on the benchmarks' code (nothing outside
 ``hcache.bench`` imports it), and one benchmark's failure or device memory does not reach the next.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,6 +56,8 @@ def _bench(name: str, argv: list[str]) -> dict:
         out = Path(tmp) / f"{name}.json"
         done = subprocess.run([sys.executable, "-m", "hcache", "bench", name, *argv, "--json", str(out)])
         if done.returncode != 0:
-            raise RuntimeError(f"hcache bench {name} {' '.join(argv)} exited with status {done.returncode} (its output is above)")
+            raise RuntimeError(
+                f"hcache bench {name} {' '.join(argv)} exited with status {done.returncode} (its output is above)"
+            )
         record = json.loads(out.read_text())
     return {key: value for key, value in record.items() if key not in RECORD}

@@ -1,4 +1,5 @@
 """A paged KV cache in DeepSpeed-FastGen's block layout, with a free-list block allocator."""
+
 from __future__ import annotations
 
 import torch

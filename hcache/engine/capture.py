@@ -1,4 +1,5 @@
 """The contract between an engine's forward pass and whoever saves its per-layer state."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -14,6 +14,7 @@ FastGen runs the model; this adapter adds what hcache needs around it, without e
 
 FastGen's kernels are CUDA-only: :func:`build_fastgen_engine` refuses to start without a GPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,15 +37,32 @@ from .restore_state import RestoreState
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2")
 # The model_types DeepSpeed 0.19's FastGen implements at all (its engine_factory; tests/engine checks it):
 # named in a refusal, so a user knows whether the gap is hcache's adapter or DeepSpeed.
-DEEPSPEED_MODEL_TYPES = ("exaone4", "exaone4_5", "falcon", "llama", "mistral", "mixtral", "opt", "phi", "phi3", "qwen", "qwen2", "qwen2_moe")
+DEEPSPEED_MODEL_TYPES = (
+    "exaone4",
+    "exaone4_5",
+    "falcon",
+    "llama",
+    "mistral",
+    "mixtral",
+    "opt",
+    "phi",
+    "phi3",
+    "qwen",
+    "qwen2",
+    "qwen2_moe",
+)
 TESTED_DEEPSPEED = (0, 19)  # the adapter wraps FastGen internals: accept 0.19.x only
 
 
 def check_model_type(model_type: str | None) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
-        where = "DeepSpeed's FastGen implements it, but " if model_type in DEEPSPEED_MODEL_TYPES else (
-            f"DeepSpeed 0.19's FastGen has no implementation of it (it implements {', '.join(DEEPSPEED_MODEL_TYPES)}), and "
-        )  # fmt: skip
+        where = (
+            "DeepSpeed's FastGen implements it, but "
+            if model_type in DEEPSPEED_MODEL_TYPES
+            else (
+                f"DeepSpeed 0.19's FastGen has no implementation of it (it implements {', '.join(DEEPSPEED_MODEL_TYPES)}), and "
+            )
+        )
         raise UnsupportedModelError(
             f"model_type {model_type!r} cannot run on FastGen: {where}hcache's FastGen adapter serves "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}; engine='auto' or 'reference' serves it on the reference engine"
@@ -164,7 +182,12 @@ class FastGenEngine:
                 f"{tuple(cache.shape)}, disagree with the HF config's {ours}"
             )
         rope = spec.rope
-        if rope is None or rope.rope_type != "default" or rope.rotary_dim != rotary_dim or rope.theta != float(pos.theta_base):
+        if (
+            rope is None
+            or rope.rope_type != "default"
+            or rope.rotary_dim != rotary_dim
+            or rope.theta != float(pos.theta_base)
+        ):
             raise UnsupportedModelError(
                 f"FastGen rotates {rotary_dim} channels with theta {getattr(pos, 'theta_base', None)}; the HF "
                 f"config asks for {rope}: a restore would not match FastGen's forward"
@@ -267,7 +290,9 @@ class FastGenEngine:
 
         def attn(q_k_v, kv_cache, *args, **kwargs):
             out = attn_fn(q_k_v, kv_cache, *args, **kwargs)
-            capture.on_layer(current["layer"], current["hidden"], functools.partial(self._read_batch_kv, kv_cache, segments, current))
+            capture.on_layer(
+                current["layer"], current["hidden"], functools.partial(self._read_batch_kv, kv_cache, segments, current)
+            )
             return out
 
         setattr(model, self._layer_method, layer)
@@ -312,7 +337,9 @@ class FastGenEngine:
         self._restoring[uid].write_projected(self._state.get_cache(layer), k, v, start)
 
     @torch.no_grad()
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | QuantRows | Sequence[torch.Tensor | QuantRows], start: int = 0) -> None:
+    def restore_kv(
+        self, uid: int, layer: int, kv: torch.Tensor | QuantRows | Sequence[torch.Tensor | QuantRows], start: int = 0
+    ) -> None:
         self._restoring[uid].write_kv(self._state.get_cache(layer), kv, start)
 
     @torch.no_grad()
@@ -333,7 +360,9 @@ class FastGenEngine:
 
         r = self._restoring[uid]
         if len(tokens) > r.num_tokens:
-            raise InvalidRequestError(f"sequence {uid}: {len(tokens)} tokens to recompute, {r.num_tokens} being restored")
+            raise InvalidRequestError(
+                f"sequence {uid}: {len(tokens)} tokens to recompute, {r.num_tokens} being restored"
+            )
         if num_layers == 0:
             return
         model, batch, desc = self._model, self._engine._batch, self._state.get_sequence(uid)
@@ -368,7 +397,9 @@ class FastGenEngine:
         prefill that follows overwrites what was written there."""
         r = self._restoring.pop(uid)
         if len(tokens) > r.num_tokens:
-            raise InvalidRequestError(f"sequence {uid}: restore began for {r.num_tokens} tokens, ended with {len(tokens)}")
+            raise InvalidRequestError(
+                f"sequence {uid}: restore began for {r.num_tokens} tokens, ended with {len(tokens)}"
+            )
         desc = self._state.get_sequence(uid)
         desc.pre_forward(len(tokens))
         desc.post_forward()
@@ -395,7 +426,11 @@ class FastGenEngine:
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks (for checks, not the serving path)."""
         desc = self._state.get_sequence(uid)
-        return gather_kv(self._state.get_cache(layer), desc.all_block_ids().to(self.device, torch.long), desc.seen_tokens if length is None else length)
+        return gather_kv(
+            self._state.get_cache(layer),
+            desc.all_block_ids().to(self.device, torch.long),
+            desc.seen_tokens if length is None else length,
+        )
 
     def _caches(self) -> list[torch.Tensor]:
         return [self._state.get_cache(layer) for layer in range(self.spec.num_layers)]

@@ -3,6 +3,7 @@ DeepSpeed-FastGen adapter (CUDA), split by role. hcache's serving layer drives e
 batching loop drives the serving layer through its scheduling part (``put``/``query``/``flush``/
 ``free_blocks``), and the restore core writes through its restore primitives.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -70,7 +71,9 @@ class RestorePrimitives(Protocol):
         """H: rows ``[start, start + len(hidden))`` of the restore from saved normalised layer inputs."""
         ...
 
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | QuantRows | Sequence[torch.Tensor | QuantRows], start: int = 0) -> None:
+    def restore_kv(
+        self, uid: int, layer: int, kv: torch.Tensor | QuantRows | Sequence[torch.Tensor | QuantRows], start: int = 0
+    ) -> None:
         """KV: rows ``[start, start + T)`` of the restore from saved ``[T, 2, n_kv_heads, head_size]`` rows (K
         rotated), one tensor or consecutive parts (a chunk's rows each, so a layer is one call however many
         chunks it spans), which may be in pinned host memory: the copies run on the caller's current stream.

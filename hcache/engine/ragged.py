@@ -1,4 +1,5 @@
 """How a ragged batch maps rows to sequences; shared by engines (which produce rows) and the saver."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,6 +6,7 @@ with the same ops the restore path uses (:mod:`hcache.ops`). A restore fills the
 with three primitives: :meth:`recompute_layers` (RE), :meth:`restore_from_hidden` (H) and
 :meth:`restore_kv` (KV).
 """
+
 from __future__ import annotations
 
 import functools
@@ -88,7 +89,9 @@ class ReferenceEngine:
         self.block_size = block_size
         self.decoder = _Decoder(model, spec)
         self.kv_proj = [KVProjection.from_layer(spec, layer) for layer in self.decoder.layers]
-        self.q_rows = [linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for layer in self.decoder.layers]
+        self.q_rows = [
+            linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for layer in self.decoder.layers
+        ]
         self.sequences: dict[int, Sequence] = {}
         self._restoring: dict[int, RestoreState] = {}
 
@@ -269,7 +272,13 @@ class ReferenceEngine:
         self._restoring[uid].write_projected(self.cache.layers[layer], k, v, start)
 
     @torch.no_grad()
-    def restore_kv(self, uid: int, layer: int, kv: torch.Tensor | QuantRows | abc.Sequence[torch.Tensor | QuantRows], start: int = 0) -> None:
+    def restore_kv(
+        self,
+        uid: int,
+        layer: int,
+        kv: torch.Tensor | QuantRows | abc.Sequence[torch.Tensor | QuantRows],
+        start: int = 0,
+    ) -> None:
         self._restoring[uid].write_kv(self.cache.layers[layer], kv, start)
 
     # ---- blocks held for no sequence (the GPU prefix cache's) --------------------------------------

@@ -1,6 +1,7 @@
 """A restore in progress, shared by both engines: what ``begin_restore`` computes once so that every
 layer's primitive reuses it, and the cache writes of the KV, H and slot-copy paths, so each is written
 once whichever engine owns the cache."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,7 +29,9 @@ class RestoreState:
         cos_sin = None if self.cos_sin is None else (self.cos_sin[0][rows], self.cos_sin[1][rows])
         rotate_and_write(cache, self.slots[rows], k, v, cos_sin)
 
-    def write_kv(self, cache: torch.Tensor, kv: torch.Tensor | QuantRows | Sequence[torch.Tensor | QuantRows], start: int) -> None:
+    def write_kv(
+        self, cache: torch.Tensor, kv: torch.Tensor | QuantRows | Sequence[torch.Tensor | QuantRows], start: int
+    ) -> None:
         """KV: saved rows (K rotated), one part or consecutive parts, into ``cache`` in one batched copy."""
         write_rows(cache, self.runs, self.slots, [kv] if isinstance(kv, (torch.Tensor, QuantRows)) else kv, start)
 

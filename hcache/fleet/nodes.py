@@ -8,6 +8,7 @@ GPU cache; when that node is gone, the next node on the hash ring restores the h
 by ``hcache fleet``, ``hcache bench fleet`` and the tests; on several machines, the same pieces by hand
 (docs/fleet.md).
 """
+
 from __future__ import annotations
 
 import csv
@@ -83,17 +84,37 @@ class Node:
     def command(self) -> list[str]:
         p = self.ports
         return [
-            sys.executable, "-m", "hcache", "serve", *self.serve_args, "--host", self.host,
-            "--openai-port", str(p["openai"]), "--no-rest", "--port", str(p["balancer"]),
-            "--zmq-port", str(p["zmq"]), "--dist-port", str(p["dist"]), "--metrics-port", str(p["metrics"]),
-            "--store-dir", str(self.directory / "store"), "--request-log", str(self.request_log),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "hcache",
+            "serve",
+            *self.serve_args,
+            "--host",
+            self.host,
+            "--openai-port",
+            str(p["openai"]),
+            "--no-rest",
+            "--port",
+            str(p["balancer"]),
+            "--zmq-port",
+            str(p["zmq"]),
+            "--dist-port",
+            str(p["dist"]),
+            "--metrics-port",
+            str(p["metrics"]),
+            "--store-dir",
+            str(self.directory / "store"),
+            "--request-log",
+            str(self.request_log),
+        ]
 
     def start(self) -> None:
         """Start the node (its own session: a Ctrl-C meant for the fleet reaches the fleet, which drains it)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self.output, "ab") as out:
-            self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def wait_ready(self, seconds: float = START_S) -> None:
         """Wait until the node's ``/health`` answers 200; raise with the end of its output if it exits or
@@ -150,16 +171,24 @@ class Reply:
 
 
 def chat(
-    base_url: str, model: str, messages: list[dict], session: str, max_tokens: int, *, cache_salt: str | None = None,
+    base_url: str,
+    model: str,
+    messages: list[dict],
+    session: str,
+    max_tokens: int,
+    *,
+    cache_salt: str | None = None,
     stream: bool = False,
-) -> Reply:  # fmt: skip
+) -> Reply:
     """One greedy chat completion through an OpenAI API at ``base_url`` with the conversation's
     ``session`` header (and cache namespace, if given); ``stream``: streamed, to time its first token."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "top_k": 1, "stream": stream}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
     request = urllib.request.Request(
-        f"{base_url}/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json", SESSION_HEADER: session}
+        f"{base_url}/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", SESSION_HEADER: session},
     )
     start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
@@ -185,9 +214,15 @@ class Fleet:
     stops what it started before it raises; :meth:`stop` drains the nodes, then stops the balancer and Redis."""
 
     def __init__(
-        self, nodes: int, directory: str | Path, *, redis_url: str | None = None, host: str = "127.0.0.1",
-        port: int = 8080, serve_args: list[str] | None = None,
-    ):  # fmt: skip
+        self,
+        nodes: int,
+        directory: str | Path,
+        *,
+        redis_url: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        serve_args: list[str] | None = None,
+    ):
         if nodes < 1:
             raise InvalidRequestError(f"a fleet needs at least one node, not {nodes}")
         self.directory, self.host, self.port = Path(directory), host, port
@@ -251,15 +286,23 @@ class Fleet:
     def _start_haproxy(self) -> None:
         servers = "\n".join(f"    server {n.name} {n.host}:{n.ports['openai']}" for n in self.nodes)
         template = Template((Path(__file__).parent / "haproxy.cfg").read_text())
-        self.config_path.write_text(template.substitute(
-            bind=f"{self.host}:{self.port}", servers=servers, timeout_s=TIMEOUT_S, stats_socket=self.stats_socket.resolve()
-        ))  # fmt: skip
+        self.config_path.write_text(
+            template.substitute(
+                bind=f"{self.host}:{self.port}",
+                servers=servers,
+                timeout_s=TIMEOUT_S,
+                stats_socket=self.stats_socket.resolve(),
+            )
+        )
         check = subprocess.run(["haproxy", "-c", "-q", "-f", str(self.config_path)], capture_output=True, text=True)
         if check.returncode:
             raise InvalidRequestError(f"HAProxy refused {self.config_path}: {check.stdout}{check.stderr}")
         with open(self.directory / "haproxy.log", "ab") as log:
             self.haproxy = subprocess.Popen(  # its own session, as the nodes': the fleet stops it after they drain
-                ["haproxy", "-db", "-f", str(self.config_path)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                ["haproxy", "-db", "-f", str(self.config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         deadline = time.monotonic() + 30
         while not self._routes():
@@ -300,9 +343,13 @@ class Fleet:
         """Where everything is, for the operator."""
         lines = [f"redis: {self.redis_url}" + (" (started by the fleet, kept in memory only)" if self.redis else "")]
         for n in self.nodes:
-            lines.append(f"{n.name}: OpenAI API {n.url}/v1  metrics {n.metrics_url}  log {n.output}  requests {n.request_log}")
-        lines.append(f"balancer: {self.url}/chat/completions  (HAProxy, {self.config_path}); "
-                     f"send the header {SESSION_HEADER}: <conversation id> to keep a conversation on one node")  # fmt: skip
+            lines.append(
+                f"{n.name}: OpenAI API {n.url}/v1  metrics {n.metrics_url}  log {n.output}  requests {n.request_log}"
+            )
+        lines.append(
+            f"balancer: {self.url}/chat/completions  (HAProxy, {self.config_path}); "
+            f"send the header {SESSION_HEADER}: <conversation id> to keep a conversation on one node"
+        )
         return "\n".join(lines)
 
     def stop(self) -> None:

@@ -3,6 +3,7 @@
 GPU facts come from NVML (nvidia-ml-py) when a GPU is present; on a CPU-only machine the GPU fields are
 None rather than guessed. :func:`source_commit` names the hcache source that produced a result.
 """
+
 from __future__ import annotations
 
 import datetime

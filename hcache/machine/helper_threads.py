@@ -7,6 +7,7 @@ at its barriers on any core that is taken. The cores left over are where the eng
 run (vLLM's scheduler and its API process), and each step waits on them too: so the helpers there run at
 the lowest priority (``nice`` 19), taking what those leave, as a background load should.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Ports for the servers hcache starts: a free one to pick, and a clear refusal of one that is taken, before
 anything starts (MII's servers would log the failure and carry on as if they served)."""
+
 from __future__ import annotations
 
 import random
@@ -49,4 +50,6 @@ def check_free(host: str, port: int, what: str) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise InvalidRequestError(f"{what}: cannot listen on {host}:{port} ({exc.strerror}); is another server there?") from None
+            raise InvalidRequestError(
+                f"{what}: cannot listen on {host}:{port} ({exc.strerror}); is another server there?"
+            ) from None

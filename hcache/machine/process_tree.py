@@ -4,6 +4,7 @@ MII's server processes each lead a session of their own (so that Ctrl-C reaches 
 and DeepSpeed's launcher starts the model server under itself: ending the process hcache started ends
 neither. Zombies never count as running: a container's init may reap them late.
 """
+
 from __future__ import annotations
 
 import os

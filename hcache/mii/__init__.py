@@ -7,12 +7,18 @@
 
 Both take MII's own arguments too, and return MII's own pipeline and client.
 """
+
 from __future__ import annotations
 
 import importlib
 
 # Handed on when first asked for: they import torch, and `hcache serve --help` imports this package.
-_HANDED_ON = {"pipeline": ".deployment", "serve": ".deployment", "HCacheConfig": "..config", "build_engine": ".engine_factory"}
+_HANDED_ON = {
+    "pipeline": ".deployment",
+    "serve": ".deployment",
+    "HCacheConfig": "..config",
+    "build_engine": ".engine_factory",
+}
 __all__ = list(_HANDED_ON)
 
 

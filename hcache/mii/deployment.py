@@ -1,5 +1,6 @@
 """``mii.pipeline`` and ``mii.serve`` with hcache's restore and save: a deployment's settings resolved and
 checked before MII starts anything, MII's processes started with hcache's backend, and stopped whole."""
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,13 @@ def pipeline(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None
         return pipe
 
 
-def serve(model_name_or_path: str = "", *, hcache: HCacheConfig | dict | None = None, checked: Callable[[ResolvedConfig], None] | None = None, **kwargs: Any):
+def serve(
+    model_name_or_path: str = "",
+    *,
+    hcache: HCacheConfig | dict | None = None,
+    checked: Callable[[ResolvedConfig], None] | None = None,
+    **kwargs: Any,
+):
     """``mii.serve`` (same arguments: ``enable_restful_api``, ``deployment_name``, ports, ...) whose replicas
     restore and save through hcache. Returns MII's client; its ``terminate_server()`` stops the deployment
     and waits until every process it started has exited (ending those that do not exit).

@@ -6,6 +6,7 @@ decoded previous window from it, which a tokenizer's clean-up of spaces can brea
 :mod:`hcache.mii.patches` installed, its tokenizer decodes without special tokens, and a stream is decoded by
 the tokenizers library's own incremental decoder (``DecodeStream``), which holds back bytes until they form
 whole characters."""
+
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream

@@ -3,6 +3,7 @@
 :class:`~hcache.serving.engine.ServingEngine` exactly as it drives ``InferenceEngineV2``. The deployment's
 settings are resolved once, where it starts (:func:`resolve_deployment`), and checked before any process
 starts (:func:`check_deployment`); model servers read the result."""
+
 from __future__ import annotations
 
 import os
@@ -71,7 +72,11 @@ def resolve_deployment(settings: HCacheConfig, path: str, tensor_parallel: int =
         spec = local_spec(spec, TPGroup(0, tensor_parallel))
     _, device = engine_and_device(settings)
     return resolve(
-        settings, spec, path, tensor_parallel=tensor_parallel, measure=lambda: load_model(path, spec.torch_dtype, device)
+        settings,
+        spec,
+        path,
+        tensor_parallel=tensor_parallel,
+        measure=lambda: load_model(path, spec.torch_dtype, device),
     )
 
 
@@ -98,7 +103,9 @@ def check_deployment(hcache: ResolvedConfig) -> None:
         for rank in range(hcache.tensor_parallel):
             settings.store.check_dirs(hcache.store_dirs(rank))
     if settings.request_log is not None and not os.access(Path(settings.request_log).parent, os.W_OK):
-        raise StorageError(f"cannot write the request log {settings.request_log}: its directory is missing or read-only")
+        raise StorageError(
+            f"cannot write the request log {settings.request_log}: its directory is missing or read-only"
+        )
 
 
 def _model_spec(path: str, settings: HCacheConfig) -> ModelSpec:

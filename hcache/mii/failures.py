@@ -20,6 +20,7 @@ MII's methods (installed by :mod:`hcache.mii.patches`) change that:
 With tensor parallelism above 1 every rank must make the same puts, which a retry on one rank would break:
 there a failure stops the loop, as in MII.
 """
+
 from __future__ import annotations
 
 import logging
@@ -138,7 +139,9 @@ def failing_the_batch(generate):
             log.exception("a step of MII's generation loop failed; its unfinished requests fail")
             from mii.constants import GenerationFinishReason
 
-            unfinished = [r for r in batch.requests if not r.is_flush_request and r.finish_reason == GenerationFinishReason.NONE]
+            unfinished = [
+                r for r in batch.requests if not r.is_flush_request and r.finish_reason == GenerationFinishReason.NONE
+            ]
             _fail(self, unfinished, exc)
             self._reset_scheduler_bookkeeping()
 
@@ -181,7 +184,9 @@ def _put_alone(pipeline, put, r) -> torch.Tensor:
     pipeline.inference_engine.flush(r.uid)
     generated = [t.reshape(1).to(r.prompt_tokens.dtype) for t in r.generated_tokens]
     tokens = torch.cat([torch.cat([r.prompt_tokens, *generated])[: r.seq_length], r.input_tokens])
-    size = pipeline.model_config.inference_engine_config.state_manager.max_ragged_batch_size  # what the engine was built with
+    size = (
+        pipeline.model_config.inference_engine_config.state_manager.max_ragged_batch_size
+    )  # what the engine was built with
     for start in range(0, len(tokens), size):
         logits = put(pipeline, [r.uid], [tokens[start : start + size]])
     return logits
@@ -375,6 +380,9 @@ def _replica_channel(invoker) -> grpc.Channel:
         if channel is None:
             from mii.constants import GRPC_MAX_MSG_SIZE
 
-            options = [("grpc.max_send_message_length", GRPC_MAX_MSG_SIZE), ("grpc.max_receive_message_length", GRPC_MAX_MSG_SIZE)]
+            options = [
+                ("grpc.max_send_message_length", GRPC_MAX_MSG_SIZE),
+                ("grpc.max_receive_message_length", GRPC_MAX_MSG_SIZE),
+            ]
             channel = invoker.hcache_channel = grpc.insecure_channel(invoker.hcache_address, options=options)
         return channel

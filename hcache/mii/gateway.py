@@ -1,6 +1,7 @@
 """What MII's servers listen on and answer: its REST gateway refuses a bad request with its reason and
 answers a failed one with its status, and its internal ports listen on loopback only. Replacements for
 MII's, grpc's and zmq's attributes, installed by :mod:`hcache.mii.patches`."""
+
 from __future__ import annotations
 
 import grpc
@@ -29,7 +30,9 @@ def checked_rest_gateway(create_app, model_config):
 
     path = model_config.model_name_or_path
     tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer or path)
-    max_length = model_config.max_length or ModelSpec.from_config(AutoConfig.from_pretrained(path), torch.float32).max_positions
+    max_length = (
+        model_config.max_length or ModelSpec.from_config(AutoConfig.from_pretrained(path), torch.float32).max_positions
+    )
 
     def create_checked_app(deployment_name, server_thread):
         app = create_app(deployment_name, server_thread)

@@ -5,6 +5,7 @@ not on the command line, where every local user could read the store paths and n
 at the level of ``HCACHE_LOG_LEVEL`` (hcache's, where it was started: INFO with ``hcache -v``), so that
 ``hcache serve -v`` shows the model server's restores; below INFO, MII's and the REST gateway's (werkzeug's)
 INFO messages and MII's printed progress are not shown."""
+
 from __future__ import annotations
 
 import argparse

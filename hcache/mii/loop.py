@@ -1,6 +1,7 @@
 """MII's batching loop where MII did not expect to run it: on a CPU, idle beside other nodes, and stopping
 with state to store. Replacements for MII's and DeepSpeed's attributes, installed by
 :mod:`hcache.mii.patches`."""
+
 from __future__ import annotations
 
 import os

@@ -17,6 +17,7 @@ When each group is in effect:
 - in the process calling ``hcache.mii.serve``, while MII starts its processes
   (:func:`launching_with_hcache`).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -109,7 +110,18 @@ LAUNCHING = (  # context: a processes.Launch
     Patch("mii.backend.server:MIIServer", "_launch_server_process", processes.through_hcache_launch),
     Patch("mii.backend.server:MIIServer", "_wait_until_server_is_live", processes.waiting_briefly),
 )
-EVERY = (*ENGINE, *ON_CPU, *CHECKS, *DETOKENIZING, *FAILURES, *LOOPBACK, *REQUEST_CLASSES, *MODEL_SERVER, *REST_GATEWAY, *LAUNCHING)
+EVERY = (
+    *ENGINE,
+    *ON_CPU,
+    *CHECKS,
+    *DETOKENIZING,
+    *FAILURES,
+    *LOOPBACK,
+    *REQUEST_CLASSES,
+    *MODEL_SERVER,
+    *REST_GATEWAY,
+    *LAUNCHING,
+)
 
 
 class Patches:
@@ -196,7 +208,9 @@ def check_mii_version() -> None:
     version = tuple(int(p) for p in mii.__version__.strip().split(".")[:2])
     if not TESTED_MII[0] <= version < TESTED_MII[1]:
         lo, hi = (".".join(map(str, v)) for v in TESTED_MII)
-        raise InvalidRequestError(f"the hcache MII backend is tested with deepspeed-mii >={lo},<{hi}; found {mii.__version__}")
+        raise InvalidRequestError(
+            f"the hcache MII backend is tested with deepspeed-mii >={lo},<{hi}; found {mii.__version__}"
+        )
 
 
 def install(hcache: ResolvedConfig) -> Patches:

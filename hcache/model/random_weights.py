@@ -5,6 +5,7 @@ GPU benchmarks, a model shaped as a checkpoint, and a random model saved as a ch
 tokenizer, for the engines that load checkpoints themselves (MII, vLLM). Weights are seeded: a shape and a
 seed give the same model everywhere.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +22,9 @@ RANDOM_PREFIX = "random:"  # a model name that asks for random weights: ``random
 # families vLLM serves that hcache's engines do not.
 _TINY: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4),
-    "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, sliding_window=48),
+    "mistral": dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, sliding_window=48
+    ),
     "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     # Q/K norms, and heads wider than hidden_size / num_attention_heads, as Qwen3's are
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
@@ -37,25 +40,56 @@ _TINY: dict[str, dict[str, Any]] = {
     ),
     "opt": dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, enable_bias=True),
     # families hcache's own engines do not run, which vLLM serves and hcache stores by KV there
-    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                    num_local_experts=4, num_experts_per_tok=2),
+    "gemma3_text": dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64
+    ),
+    "gpt_oss": dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
 }
 
 
 # Full-size shapes for GPU benchmarks: restore speed depends on the shape, not on the weights. The context is
 # widened to 32K so that histories up to 16K fit.
 _FULL: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-2-7b": ("llama", dict(
-        hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
-        num_hidden_layers=32, vocab_size=32000, max_position_embeddings=32768,
-    )),
-    "llama-3-8b": ("llama", dict(
-        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-        num_hidden_layers=32, vocab_size=128256, max_position_embeddings=32768,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    )),
+    "llama-2-7b": (
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            num_hidden_layers=32,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+        ),
+    ),
+    "llama-3-8b": (
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_hidden_layers=32,
+            vocab_size=128256,
+            max_position_embeddings=32768,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
 }
 
 
@@ -74,8 +108,7 @@ def random_model(
         fields.update(_TINY[shape])
     else:
         raise ModelNotFoundError(
-            f"no random shape {shape!r}; choose a model type ({', '.join(_TINY)}) or a full "
-            f"shape ({', '.join(_FULL)})"
+            f"no random shape {shape!r}; choose a model type ({', '.join(_TINY)}) or a full shape ({', '.join(_FULL)})"
         )
     return _randomised(AutoConfig.for_model(model_type, **{**fields, **overrides}), dtype, seed, device)
 

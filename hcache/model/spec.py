@@ -5,6 +5,7 @@ hidden states and of KV, the positional scheme the restore must re-apply, and wh
 projection rows live. Engine adapters (the reference engine, FastGen) read weights by these names, so a
 family is described once, here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,7 +55,9 @@ class _Family:
     v: tuple[str, str]
     o: str
     positions: str  # "rope" or "learned"
-    windows: str = "none"  # which layers transformers' forward windows: "none", "uniform" (every layer) or "layer_types"
+    windows: str = (
+        "none"  # which layers transformers' forward windows: "none", "uniform" (every layer) or "layer_types"
+    )
     qk_norm: tuple[str, str] | None = None  # the RMS norms Q and K pass through, per head, before RoPE (Qwen3)
 
 

@@ -7,6 +7,7 @@ down (OPT: fc2) are split by input columns (row-parallel) and their partial outp
 caches only the rank's KV heads, and its forward gives TP=1's logits. Which rank stores which rows is the
 storage layer's rule (:mod:`hcache.storage.tp_ownership`); :meth:`TPGroup.gather_in_turn` is its collective.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -124,7 +125,9 @@ def shard_heads(spec: ModelSpec, size: int) -> ModelSpec:
 def local_spec(spec: ModelSpec, tp: TPGroup) -> ModelSpec:
     """The spec of one rank's shard made by :func:`shard_model`, which splits the KV heads, never replicates them."""
     if spec.num_kv_heads % tp.world_size:
-        raise UnsupportedModelError(f"tensor parallelism of degree {tp.world_size} needs the {spec.num_kv_heads} KV heads to divide by it")
+        raise UnsupportedModelError(
+            f"tensor parallelism of degree {tp.world_size} needs the {spec.num_kv_heads} KV heads to divide by it"
+        )
     if spec.model_type not in _MLP or spec.k_weight.module == spec.v_weight.module:
         raise UnsupportedModelError(
             f"tensor-parallel restore supports {', '.join(sorted(_MLP))} (separate q/k/v), not {spec.model_type}"
@@ -149,7 +152,9 @@ def shard_model(model: nn.Module, spec: ModelSpec, tp: TPGroup) -> tuple[nn.Modu
             module = layer.get_submodule(name)
             size, rest = divmod(module.out_features, tp.world_size)
             if rest:
-                raise UnsupportedModelError(f"{name} has {module.out_features} outputs, not divisible by {tp.world_size}")
+                raise UnsupportedModelError(
+                    f"{name} has {module.out_features} outputs, not divisible by {tp.world_size}"
+                )
             _split_rows(module, size * tp.rank, size)
         for name in (spec.o_module, row):
             _make_row_parallel(layer, name, tp)

@@ -5,6 +5,7 @@ Signals from ``hcache serve``: with ``--starting`` ``/health`` answers 503 until
 deployment is up); DRAIN_SIGNAL makes it answer 503 again (the node is stopping) while requests are still
 served; SIGTERM then shuts it down (:mod:`.shutdown`): new requests are answered 503, those in flight get
 ``--shutdown-grace`` to finish and are then ended with an error, and it exits."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,14 +19,31 @@ from ..mii.processes import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, RE
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m hcache.openai", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="the model directory (its tokenizer and config)")
-    p.add_argument("--served-model-name", action="append", default=None, help="a name clients use for the model (repeat; the first is listed; default: --model)")
-    p.add_argument("--max-model-len", type=int, default=None, help="the deployment's longest sequence (default: the model's max positions)")
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="a name clients use for the model (repeat; the first is listed; default: --model)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the deployment's longest sequence (default: the model's max positions)",
+    )
     p.add_argument("--load-balancer", required=True, metavar="HOST:PORT", help="the deployment's gRPC load balancer")
     p.add_argument("--host", default="localhost")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--starting", action="store_true", help="the deployment is starting: /health answers 503 until READY_SIGNAL")
-    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S, metavar="SECONDS",
-                   help=f"on SIGTERM, how long requests in flight may take to finish (default {DEFAULT_SHUTDOWN_GRACE_S:g})")
+    p.add_argument(
+        "--starting", action="store_true", help="the deployment is starting: /health answers 503 until READY_SIGNAL"
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE_S,
+        metavar="SECONDS",
+        help=f"on SIGTERM, how long requests in flight may take to finish (default {DEFAULT_SHUTDOWN_GRACE_S:g})",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log each request")
     args = p.parse_args(argv)
 
@@ -35,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     from .app import Health, Served, create_app
     from .shutdown import InFlight, shut_down
 
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     health = Health()
     signal.signal(READY_SIGNAL, lambda *_: health.ready.set())
     signal.signal(DRAIN_SIGNAL, lambda *_: health.draining.set())
@@ -54,10 +74,18 @@ def main(argv: list[str] | None = None) -> None:
                 return super().handle_exit(sig, frame)  # Ctrl-C, or a second signal: uvicorn's own stop
             self.started_shutdown = True
             loop = asyncio.get_event_loop()
-            loop.call_soon_threadsafe(loop.create_task, shut_down(self, in_flight, app.state.deployment, args.shutdown_grace, FINISH_S))
+            loop.call_soon_threadsafe(
+                loop.create_task, shut_down(self, in_flight, app.state.deployment, args.shutdown_grace, FINISH_S)
+            )
 
-    config = uvicorn.Config(in_flight, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                            access_log=args.verbose, timeout_graceful_shutdown=FINISH_S)  # fmt: skip
+    config = uvicorn.Config(
+        in_flight,
+        host=args.host,
+        port=args.port,
+        log_level="info" if args.verbose else "warning",
+        access_log=args.verbose,
+        timeout_graceful_shutdown=FINISH_S,
+    )
     Server(config).run()
 
 

@@ -1,4 +1,5 @@
 """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, with its HTTP status."""
+
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse

@@ -6,6 +6,7 @@ the deployment refuses is answered with its error and status, never with a strea
 failure during a stream is sent as an error event, then ``[DONE]``. Errors have OpenAI's shape
 (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad request, 404 for an unknown model
 or path, 503 while the deployment cannot be reached, 500 only for a fault of the server."""
+
 from __future__ import annotations
 
 import abc
@@ -92,7 +93,9 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         if first["type"] == "json_invalid":
-            return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}").response()
+            return APIError(
+                400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+            ).response()
         where = ".".join(str(p) for p in first["loc"] if p != "body")
         message = f"{where}: {first['msg']}" if where else first["msg"]
         return APIError(400, message, param=where or None).response()
@@ -141,10 +144,16 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            raise APIError(400, "prompt must be one string: token ids and lists of prompts are not supported", param="prompt")
-        return await _answer(request, prompt, "prompt", _CompletionFormat(request.model, prompt if request.echo else ""), http)
+            raise APIError(
+                400, "prompt must be one string: token ids and lists of prompts are not supported", param="prompt"
+            )
+        return await _answer(
+            request, prompt, "prompt", _CompletionFormat(request.model, prompt if request.echo else ""), http
+        )
 
-    async def _answer(request: ChatCompletionRequest | CompletionRequest, prompt: str, prompt_param: str, form: _Format, http: Request):
+    async def _answer(
+        request: ChatCompletionRequest | CompletionRequest, prompt: str, prompt_param: str, form: _Format, http: Request
+    ):
         problem = unsupported(request)
         if problem is not None:
             raise APIError(400, problem[1], param=problem[0])
@@ -210,18 +219,28 @@ def _options(request, prompt_tokens: int, max_model_len: int, prompt_param: str)
         raise APIError(400, "the prompt is empty", param=prompt_param)
     room = max_model_len - prompt_tokens
     if room < 1:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                       f"prompt has {prompt_tokens} tokens, which leaves none to generate.", param=prompt_param)  # fmt: skip
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_tokens} tokens, which leaves none to generate.",
+            param=prompt_param,
+        )
     new_tokens = request.new_tokens if request.new_tokens is not None else room
     param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"
     if new_tokens < 1:
         raise APIError(400, f"{param} must be at least 1, not {new_tokens}", param=param)
     if new_tokens > room:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                       f"{prompt_tokens + new_tokens} tokens ({prompt_tokens} in the prompt, {new_tokens} for the "
-                       f"completion). Please reduce the prompt or {param}.", param=param)  # fmt: skip
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + new_tokens} tokens ({prompt_tokens} in the prompt, {new_tokens} for the "
+            f"completion). Please reduce the prompt or {param}.",
+            param=param,
+        )
     if request.min_tokens > new_tokens:
-        raise APIError(400, f"min_tokens ({request.min_tokens}) must be at most {param} ({new_tokens})", param="min_tokens")
+        raise APIError(
+            400, f"min_tokens ({request.min_tokens}) must be at most {param} ({new_tokens})", param="min_tokens"
+        )
     options: dict = {"max_new_tokens": new_tokens}
     if request.min_tokens:
         options["min_new_tokens"] = request.min_tokens
@@ -255,8 +274,11 @@ class _Format(abc.ABC):
         self.model, self.prefix, self.id = model, prefix, response_id(self.id_prefix)
 
     def usage(self, last: Piece) -> Usage:
-        return Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-                     total_tokens=last.prompt_tokens + last.completion_tokens)  # fmt: skip
+        return Usage(
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            total_tokens=last.prompt_tokens + last.completion_tokens,
+        )
 
     @staticmethod
     def report(last: Piece) -> HCacheReport | None:
@@ -270,7 +292,9 @@ class _Format(abc.ABC):
         """The stream's first chunk, before any text: a chat's role, a completion's echoed prompt."""
 
     @abc.abstractmethod
-    def chunk(self, text: str, last: Piece | None = None, usage: Usage | None = None) -> ChatCompletionChunk | Completion:
+    def chunk(
+        self, text: str, last: Piece | None = None, usage: Usage | None = None
+    ) -> ChatCompletionChunk | Completion:
         """A chunk of ``text`` (the last, with ``last``'s finish reason and restore report), or with
         ``usage``, the chunk of usage alone."""
 
@@ -280,10 +304,14 @@ class _ChatFormat(_Format):
 
     def whole(self, text: str, last: Piece) -> ChatCompletion:
         choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)
-        return ChatCompletion(id=self.id, model=self.model, choices=[choice], usage=self.usage(last), hcache=self.report(last))
+        return ChatCompletion(
+            id=self.id, model=self.model, choices=[choice], usage=self.usage(last), hcache=self.report(last)
+        )
 
     def opening(self) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, model=self.model, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+        return ChatCompletionChunk(
+            id=self.id, model=self.model, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))]
+        )
 
     def chunk(self, text: str, last: Piece | None = None, usage: Usage | None = None) -> ChatCompletionChunk:
         reason, report = (last.finish_reason, self.report(last)) if last is not None else (None, None)
@@ -296,7 +324,9 @@ class _CompletionFormat(_Format):
 
     def whole(self, text: str, last: Piece) -> Completion:
         choice = CompletionChoice(text=self.prefix + text, finish_reason=last.finish_reason)
-        return Completion(id=self.id, model=self.model, choices=[choice], usage=self.usage(last), hcache=self.report(last))
+        return Completion(
+            id=self.id, model=self.model, choices=[choice], usage=self.usage(last), hcache=self.report(last)
+        )
 
     def opening(self) -> Completion | None:
         return self.chunk(self.prefix) if self.prefix else None

@@ -1,6 +1,7 @@
 """Generation through a deployment's gRPC load balancer: every request is one streamed call, so that a stop
 string or a client that goes away ends it at once (the call is cancelled, and the model server drops the
 request: :mod:`hcache.mii.failures`), and a non-streamed answer is the streamed one joined."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,7 +44,10 @@ class Deployment:
     """A deployment's load balancer, reached over one channel for the life of the server."""
 
     def __init__(self, address: str):
-        options = [("grpc.max_send_message_length", GRPC_MAX_MSG_SIZE), ("grpc.max_receive_message_length", GRPC_MAX_MSG_SIZE)]
+        options = [
+            ("grpc.max_send_message_length", GRPC_MAX_MSG_SIZE),
+            ("grpc.max_receive_message_length", GRPC_MAX_MSG_SIZE),
+        ]
         self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = ModelResponseStub(self._channel)
         self._calls: set = set()
@@ -63,8 +67,12 @@ class Deployment:
                 reason = None if r.finish_reason == "none" else r.finish_reason
                 yield Piece(r.response, reason, r.prompt_tokens, r.generated_tokens, record)
         except grpc.aio.AioRpcError as exc:
-            raise DeploymentError(http_status(exc.code()), exc.details() or f"the deployment answered {exc.code().name}") from None
-        except asyncio.CancelledError:  # the call's reading, cancelled by end_all (or the task's, by its client leaving)
+            raise DeploymentError(
+                http_status(exc.code()), exc.details() or f"the deployment answered {exc.code().name}"
+            ) from None
+        except (
+            asyncio.CancelledError
+        ):  # the call's reading, cancelled by end_all (or the task's, by its client leaving)
             if self._ended is None:
                 raise
             raise DeploymentError(503, self._ended) from None

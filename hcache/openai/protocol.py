@@ -1,6 +1,7 @@
 """OpenAI's request and response schema, as far as hcache serves it. Requests allow unknown fields (OpenAI's
 clients add new ones faster than servers learn them; vLLM ignores them too); fields OpenAI documents that
 this server cannot honour are refused by :func:`unsupported`, never silently ignored."""
+
 from __future__ import annotations
 
 import time
@@ -116,7 +117,7 @@ def unsupported(request: _Request) -> Optional[tuple[str, str]]:
         if request.tools:
             return "tools", "tools are not supported"
         if request.response_format and request.response_format.get("type") != "text":
-            return "response_format", "only response_format {\"type\": \"text\"} is supported"
+            return "response_format", 'only response_format {"type": "text"} is supported'
     if isinstance(request, CompletionRequest):
         if request.logprobs is not None:
             return "logprobs", "logprobs are not supported"
@@ -223,4 +224,3 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
-

@@ -3,6 +3,7 @@ OpenAI's error shape with ``Connection: close`` at once (a kept-alive connection
 answer, not under a client's next request); requests in flight finish, for up to the grace; those still
 running then end with an error, an error event and ``[DONE]`` when streamed or a 503 when not; and only
 then does uvicorn stop listening. An idle server stops at once."""
+
 from __future__ import annotations
 
 import asyncio

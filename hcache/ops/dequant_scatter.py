@@ -5,6 +5,7 @@ Two backends compute the same bits, chosen as :func:`hcache.ops.rope_scatter.res
 (:mod:`hcache.ops.dequant_scatter_kernel`). The codes cross to the device as they are stored (half the
 bytes of the model's dtype, in one copy per part, as lossless rows do) and are dequantised there.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,7 +30,11 @@ def write_dequantised(cache: torch.Tensor, slots: torch.Tensor, rows: QuantRows,
 
 
 def write_rows(
-    cache: torch.Tensor, runs: list[tuple[int, int, int]], slots: torch.Tensor, parts: Sequence[torch.Tensor | QuantRows], start: int
+    cache: torch.Tensor,
+    runs: list[tuple[int, int, int]],
+    slots: torch.Tensor,
+    parts: Sequence[torch.Tensor | QuantRows],
+    start: int,
 ) -> None:
     """:func:`~hcache.ops.paged_kv.write_kv_rows` for parts of which some may be :class:`QuantRows` (a
     restore over chunks saved lossless and in 8 bits). ``slots``: the restore's flat cache slots, row by
@@ -51,14 +56,18 @@ def write_rows(
         if not isinstance(group[0], QuantRows):
             write_kv_rows(cache, runs, group, row)
         elif kernel:
-            rows = QuantRows(gather([p.codes for p in group], cache.device), gather([p.scale for p in group], cache.device))
+            rows = QuantRows(
+                gather([p.codes for p in group], cache.device), gather([p.scale for p in group], cache.device)
+            )
             write_dequantised(cache, slots[row : row + n], rows)
         else:
             _dequantise_in_place(cache, runs, group, row)
         row += n
 
 
-def _dequantise_in_place(cache: torch.Tensor, runs: list[tuple[int, int, int]], parts: list[QuantRows], start: int) -> None:
+def _dequantise_in_place(
+    cache: torch.Tensor, runs: list[tuple[int, int, int]], parts: list[QuantRows], start: int
+) -> None:
     codes = [p.codes for p in parts]
     if codes[0].dtype == torch.float8_e4m3fn:  # torch's copy converts float8 one element at a time on a CPU
         codes = [codes_as_float(gather(codes, cache.device))]

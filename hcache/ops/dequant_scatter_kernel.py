@@ -9,6 +9,7 @@ rounded once to the cache's dtype (to nearest even, also on the interpreter, whi
 float8 codes are decoded from their bits, so the interpreter, which has no float8 type, computes the same
 values as a GPU. The tests check every case bit for bit against the torch reference under the interpreter.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,10 +22,19 @@ _TILE_ELEMENTS = 4096
 
 
 def _dequant_scatter(
-    cache_ptr, code_ptr, scale_ptr, slot_ptr,
-    n_tokens, n_rows, stride_slot,
-    HEAD_SIZE: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    cache_ptr,
+    code_ptr,
+    scale_ptr,
+    slot_ptr,
+    n_tokens,
+    n_rows,
+    stride_slot,
+    HEAD_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+    ROUND: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -55,13 +65,19 @@ def launch(cache: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale:
     ``[T, 2, n_kv_heads]`` into flat ``slots`` ``[T]`` of one layer's contiguous cache, all on one device."""
     n_tokens = codes.shape[0]
     if (
-        cache.shape[2:] != codes.shape[1:] or scale.shape != codes.shape[:-1] or slots.shape != (n_tokens,)
+        cache.shape[2:] != codes.shape[1:]
+        or scale.shape != codes.shape[:-1]
+        or slots.shape != (n_tokens,)
         or not cache.is_contiguous()
-    ):  # fmt: skip
-        raise ValueError(f"shapes disagree: cache {tuple(cache.shape)}, slots {tuple(slots.shape)}, "
-                         f"codes {tuple(codes.shape)}, scale {tuple(scale.shape)}")
+    ):
+        raise ValueError(
+            f"shapes disagree: cache {tuple(cache.shape)}, slots {tuple(slots.shape)}, "
+            f"codes {tuple(codes.shape)}, scale {tuple(scale.shape)}"
+        )
     if codes.dtype not in (torch.int8, torch.float8_e4m3fn) or cache.dtype not in _ROUND:
-        raise ValueError(f"the kernel takes int8 or float8 e4m3 codes into a float cache; got {codes.dtype}, {cache.dtype}")
+        raise ValueError(
+            f"the kernel takes int8 or float8 e4m3 codes into a float cache; got {codes.dtype}, {cache.dtype}"
+        )
     if n_tokens == 0:
         return
     head_size = codes.shape[-1]
@@ -76,9 +92,18 @@ def launch(cache: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale:
     grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(n_rows, block_r))
     interpret = interpreting()
     _jit(_dequant_scatter, interpret)[grid](
-        cache_rows, codes, scale, slots,
-        n_tokens, n_rows, cache_rows.stride(0),
-        HEAD_SIZE=head_size, FP8=fp8, ROUND=_jit(_ROUND[cache.dtype], interpret),
-        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_D=block_d,
+        cache_rows,
+        codes,
+        scale,
+        slots,
+        n_tokens,
+        n_rows,
+        cache_rows.stride(0),
+        HEAD_SIZE=head_size,
+        FP8=fp8,
+        ROUND=_jit(_ROUND[cache.dtype], interpret),
+        BLOCK_T=block_t,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
         **COMPILE_OPTIONS,
     )

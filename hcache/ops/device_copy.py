@@ -1,6 +1,7 @@
 """The two device-copy primitives every copy path shares: whether a device orders copies by streams and
 events, and one batched gather of rows onto a device. In one module, so the CPU suite can make every path
 take its GPU branch by replacing :func:`uses_streams` here."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

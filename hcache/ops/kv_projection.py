@@ -4,6 +4,7 @@ Only the K and V rows of the QKV weight are multiplied, so no Q is computed. The
 into one ``[2·kv_dim, D]`` matrix per layer (a view when the model fuses QKV with K and V adjacent), so a
 restore is a single GEMM per layer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,9 @@ class KVProjection:
     the layer's own norm of each K head, before RoPE, where the family has one (Qwen3's ``k_norm``), so
     that K rebuilt from H is K as the forward made it."""
 
-    def __init__(self, spec: ModelSpec, weight: torch.Tensor, bias: torch.Tensor | None, k_norm: nn.Module | None = None):
+    def __init__(
+        self, spec: ModelSpec, weight: torch.Tensor, bias: torch.Tensor | None, k_norm: nn.Module | None = None
+    ):
         self.weight, self.bias, self.k_norm = weight, bias, k_norm
         self.kv_dim = spec.kv_dim
         self.head_shape = (spec.num_kv_heads, spec.head_size)

@@ -4,6 +4,7 @@ One layer's cache is ``[num_blocks, block_size, 2, n_kv_heads, head_size]``; ind
 A sequence owns a list of blocks (its block table); token ``p`` of it lives in slot
 ``table[p // block_size] * block_size + p % block_size``.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -44,7 +45,9 @@ def flat_slots(blocks: list[int], lo: int, hi: int, block_size: int, device: tor
     return (blocks_of * block_size + offsets).to(device)
 
 
-def block_slots(spans: list[tuple[list[int], int, int]], block_size: int, kernel_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_slots(
+    spans: list[tuple[list[int], int, int]], block_size: int, kernel_block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache blocks and offsets in them of positions ``[start, end)`` of each request in ``spans``
     (``(block_ids, start, end)``: it holds ``block_ids``, blocks of ``block_size`` tokens), one request after
     another: vLLM may split its blocks into smaller kernel blocks of ``kernel_block`` tokens, which the cache
@@ -64,7 +67,9 @@ def block_slots(spans: list[tuple[list[int], int, int]], block_size: int, kernel
     positions = index - row_of[request] + np.array(first, dtype=np.int64)[request]
     blocks = np.array(ids, dtype=np.int64)[positions // block_size + np.array(first_block, dtype=np.int64)[request]]
     within = positions % block_size
-    return torch.from_numpy(blocks * (block_size // kernel_block) + within // kernel_block), torch.from_numpy(within % kernel_block)
+    return torch.from_numpy(blocks * (block_size // kernel_block) + within // kernel_block), torch.from_numpy(
+        within % kernel_block
+    )
 
 
 def block_runs(blocks: list[int], start: int, length: int, block_size: int) -> list[tuple[int, int, int]]:

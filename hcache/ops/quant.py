@@ -9,6 +9,7 @@ relative precision beside an outlier channel (hidden states; ``hcache bench qual
 :func:`dequantise` is the reference arithmetic (one float32 product, one rounding to the target dtype) that
 the fused Triton kernel (:mod:`hcache.ops.dequant_scatter_kernel`) matches bit for bit.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

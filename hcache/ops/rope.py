@@ -15,6 +15,7 @@ the engine and carried by the cos/sin tables:
 :func:`apply_rope` and the Triton kernel follow the tables: tables in K's dtype round per operation
 ("hf"), fp32 tables round once ("fastgen").
 """
+
 from __future__ import annotations
 
 from typing import Literal

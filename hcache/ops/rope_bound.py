@@ -4,6 +4,7 @@ H restores rotate K with hcache's copy of FastGen's RoPE rule; FastGen's CUDA ke
 ``__cosf``/``__sinf`` and an FMA. The two agree bit for bit on V and within this bound on K, which is what
 ``hcache check`` and the GPU tests hold H's K to.
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ Two backends compute the same bits:
 CPU); otherwise torch. The reference engine's forward and its restores all go through here with the same
 backend, so a restored K is bit-identical to the K the forward wrote.
 """
+
 from __future__ import annotations
 
 from typing import Literal

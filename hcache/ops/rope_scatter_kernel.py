@@ -10,6 +10,7 @@ float32 cos/sin only the result), and FMA contraction is off, so the kernel writ
 ``hcache bench ops`` on a GPU before timing. Only the first half of each cos/sin row is read: in the
 half-split layout both halves hold the same values.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,12 +27,31 @@ COMPILE_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 
 
 def _rope_scatter(
-    cache_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr,
-    n_tokens, n_heads,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
-    stride_slot, stride_kv, stride_head,
-    HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, ROUND_OP: tl.constexpr, ROUND: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    cache_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    n_tokens,
+    n_heads,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos,
+    stride_sin,
+    stride_slot,
+    stride_kv,
+    stride_head,
+    HEAD_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    ROUND_OP: tl.constexpr,
+    ROUND: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -111,8 +131,10 @@ def launch(
     # The kernel indexes raw pointers: a shape the torch path would reject must not reach it.
     n_tokens, n_heads, head_size = k.shape
     if v.shape != k.shape or cache.shape[3:] != k.shape[1:] or slots.shape != (n_tokens,):
-        raise ValueError(f"shapes disagree: cache {tuple(cache.shape)}, slots {tuple(slots.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"shapes disagree: cache {tuple(cache.shape)}, slots {tuple(slots.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if k.dtype not in _ROUND:
         raise ValueError(f"the kernel takes float32, float16 or bfloat16 K; got {k.dtype}")
     if cos_sin is not None:
@@ -120,7 +142,9 @@ def launch(
         if cos_sin[1].shape != (rows, rotary_dim) or rows != n_tokens or rotary_dim % 2 or rotary_dim > head_size:
             raise ValueError(f"cos/sin {tuple(cos_sin[0].shape)} do not fit k {tuple(k.shape)}")
         if cos_sin[0].dtype not in (k.dtype, torch.float32) or cos_sin[1].dtype != cos_sin[0].dtype:
-            raise ValueError(f"cos/sin must be float32 or K's dtype ({k.dtype}); got {cos_sin[0].dtype}, {cos_sin[1].dtype}")
+            raise ValueError(
+                f"cos/sin must be float32 or K's dtype ({k.dtype}); got {cos_sin[0].dtype}, {cos_sin[1].dtype}"
+            )
     if n_tokens == 0:
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -140,11 +164,30 @@ def launch(
     grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(n_heads, block_h))
     interpret = interpreting()
     _jit(_rope_scatter, interpret)[grid](
-        cache_rows, k, v, cos, sin, slots,
-        n_tokens, n_heads,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        cache_rows.stride(0), cache_rows.stride(1), cache_rows.stride(2),
-        HEAD_SIZE=head_size, HALF=half, ROUND_OP=_jit(round_op, interpret), ROUND=_jit(_ROUND[k.dtype], interpret),
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
+        cache_rows,
+        k,
+        v,
+        cos,
+        sin,
+        slots,
+        n_tokens,
+        n_heads,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        cache_rows.stride(0),
+        cache_rows.stride(1),
+        cache_rows.stride(2),
+        HEAD_SIZE=head_size,
+        HALF=half,
+        ROUND_OP=_jit(round_op, interpret),
+        ROUND=_jit(_ROUND[k.dtype], interpret),
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         **COMPILE_OPTIONS,
     )

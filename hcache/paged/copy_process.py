@@ -14,6 +14,7 @@ rebuilds the load's H layers itself (they need the model's weights). The process
 them, that a forked child would inherit in whatever state they were. It ends when the engine closes the
 socket, or dies with it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -99,7 +100,10 @@ def share(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, int]], list[tupl
 
 def _tensors(storages: list[tuple[int, int]], views: list[tuple]) -> list[torch.Tensor]:
     maps = [mapped(fd, nbytes) for fd, nbytes in storages]
-    return [torch.empty(0, dtype=dtype).set_(maps[index].untyped_storage(), offset, shape, stride) for index, offset, shape, stride, dtype in views]
+    return [
+        torch.empty(0, dtype=dtype).set_(maps[index].untyped_storage(), offset, shape, stride)
+        for index, offset, shape, stride, dtype in views
+    ]
 
 
 class CopyProcess:
@@ -117,13 +121,28 @@ class CopyProcess:
                 fds = [theirs.fileno(), pool_fd, *(fd for fd, _ in storages)]
                 # one thread, bound by :func:`helper_threads.bind_process` alone: not by the engine's OpenMP binding, which vLLM passes its worker
                 env = {**{k: v for k, v in os.environ.items() if k not in _OPENMP_BINDINGS}, "OMP_NUM_THREADS": "1"}
-                self._child = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
+                self._child = subprocess.Popen(
+                    [sys.executable, "-m", __name__, str(theirs.fileno())],
+                    pass_fds=fds,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                )
             finally:
                 theirs.close()
             helper_threads.bind_process(self._child.pid)
             layouts = {id(layer.layout): (layer.layout.offsets.numpy(), layer.layout.block_stride) for layer in layers}
-            self._send({"pool": (pool_fd, pool_bytes), "storages": storages, "kernel_block": kernel_block, "depth": depth, "layouts": layouts,
-                        "layers": [(layer.index, view, id(layer.layout), layer.group) for layer, view in zip(layers, views)]})  # fmt: skip
+            self._send(
+                {
+                    "pool": (pool_fd, pool_bytes),
+                    "storages": storages,
+                    "kernel_block": kernel_block,
+                    "depth": depth,
+                    "layouts": layouts,
+                    "layers": [
+                        (layer.index, view, id(layer.layout), layer.group) for layer, view in zip(layers, views)
+                    ],
+                }
+            )
             self.wait(START_S)  # mapped and ready, or why not
         except BaseException:
             self.close()
@@ -176,7 +195,9 @@ def _serve(conn: Connection) -> None:
     from .layout import PagedLayout
     from .target import PagedLayer, PagedTarget
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the engine's process group: the engine ends it, after its load
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # a Ctrl-C to the engine's process group: the engine ends it, after its load
     torch.set_num_threads(1)
     setup = conn.recv()
     try:
@@ -184,8 +205,13 @@ def _serve(conn: Connection) -> None:
         caches = _tensors(setup["storages"], [view for _, view, _, _ in setup["layers"]])
         for fd in [setup["pool"][0], *(fd for fd, _ in setup["storages"])]:
             os.close(fd)  # the mappings keep the memory
-        layouts = {key: PagedLayout(torch.from_numpy(offsets), stride) for key, (offsets, stride) in setup["layouts"].items()}
-        layers = {index: PagedLayer(index, cache, layouts[layout], group) for (index, _, layout, group), cache in zip(setup["layers"], caches)}
+        layouts = {
+            key: PagedLayout(torch.from_numpy(offsets), stride) for key, (offsets, stride) in setup["layouts"].items()
+        }
+        layers = {
+            index: PagedLayer(index, cache, layouts[layout], group)
+            for (index, _, layout, group), cache in zip(setup["layers"], caches)
+        }
         scratch, kernel_block = Scratch(setup["depth"]), setup["kernel_block"]
     except Exception as e:  # noqa: BLE001  told to the engine, which loads on its own thread then
         conn.send(f"{type(e).__name__}: {e}")

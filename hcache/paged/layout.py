@@ -17,6 +17,7 @@ several times the bytes moved. A step's tokens take the same places in every lay
 indices (:meth:`PagedLayout.elements`) are made once a step, on the cache's device, and every layer reads
 or writes through them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -44,7 +45,9 @@ class PagedLayout:
         self.offsets, self.block_stride = offsets.to(torch.int64), block_stride
         self.block_size, _, self.num_heads, self.head_size = offsets.shape
         self.parts = _strided_parts(self.offsets)
-        self._views: dict[tuple, list[torch.Tensor]] = {}  # each cache's views, made once: a view costs as much as a decode step's gather
+        self._views: dict[
+            tuple, list[torch.Tensor]
+        ] = {}  # each cache's views, made once: a view costs as much as a decode step's gather
         self._flat: dict[tuple, torch.Tensor] = {}  # each cache's storage, flat, made once, likewise
 
     @classmethod
@@ -90,9 +93,16 @@ class PagedLayout:
         half = scratch.numel() // 2
         first = written[:half].nonzero().squeeze(1)
         where[found[first]] = first
-        second = (written[half:].nonzero().squeeze(1) + half)
-        if (where < 0).any() or len(first) != per_block or len(second) != per_block or not torch.equal(where[found[second]], second - half):
-            raise LayoutError(f"the backend's cache write does not lay out every block of a {tuple(cache.shape)} cache alike")
+        second = written[half:].nonzero().squeeze(1) + half
+        if (
+            (where < 0).any()
+            or len(first) != per_block
+            or len(second) != per_block
+            or not torch.equal(where[found[second]], second - half)
+        ):
+            raise LayoutError(
+                f"the backend's cache write does not lay out every block of a {tuple(cache.shape)} cache alike"
+            )
         return cls(where.reshape(block_size, 2, heads, head_size), half)
 
     @property
@@ -109,7 +119,7 @@ class PagedLayout:
         if self.strided:
             lead = whole * self.block_size
             rest = torch.stack((blocks[lead:], offsets[lead:])).to(device, torch.int64)  # one copy to the device
-            return blocks[:lead:self.block_size].to(device, torch.int64), *rest.unbind()
+            return blocks[: lead : self.block_size].to(device, torch.int64), *rest.unbind()
         base = blocks.to(device, torch.int64) * self.block_stride
         return (base.view(-1, 1, 1, 1) + self.offsets[offsets.to(device, torch.int64)],)
 
@@ -120,10 +130,14 @@ class PagedLayout:
         if views is None:
             start = cache.storage_offset()
             views = self._views[key] = [
-                torch.as_strided(cache, (cache.shape[0], self.block_size, kv.stop - kv.start, self.num_heads, self.head_size),
-                                 (self.block_stride, *strides), start + first)
+                torch.as_strided(
+                    cache,
+                    (cache.shape[0], self.block_size, kv.stop - kv.start, self.num_heads, self.head_size),
+                    (self.block_stride, *strides),
+                    start + first,
+                )
                 for kv, first, strides in self.parts
-            ]  # fmt: skip
+            ]
         return views
 
     def _storage(self, cache: torch.Tensor) -> torch.Tensor:
@@ -132,7 +146,9 @@ class PagedLayout:
         flat = self._flat.get(key)
         if flat is None:
             start = cache.storage_offset()
-            flat = self._flat[key] = torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size() - start,), (1,), start)
+            flat = self._flat[key] = torch.as_strided(
+                cache, (cache.untyped_storage().nbytes() // cache.element_size() - start,), (1,), start
+            )
         return flat
 
     def read(self, cache: torch.Tensor, places: Places) -> torch.Tensor:

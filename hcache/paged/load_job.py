@@ -1,5 +1,6 @@
 """What a paged load is asked to do: plain values, which the engine's scheduler builds (vLLM's, in a process
 that needs neither torch nor the store) and the worker's loader (:mod:`hcache.paged.loader`) carries out."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

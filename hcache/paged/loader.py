@@ -14,6 +14,7 @@ run on a stream of the loader's own after each copy's event (as every restore is
 finished, so the request's first forward reads complete blocks; the step's stream is never synchronised. The blocks of what fell short (a chunk gone, unreadable or bad) are load
 errors, which the engine recomputes: nothing unverified is written.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,17 +59,30 @@ class Loader:
     whether the caches may be moved onto memory a load process maps (the engine's layers hold the very
     tensors in ``layers``, which are moved in place), else a CPU's loads run on the loader's thread."""
 
-    def __init__(self, stack: StoreStack, block_sizes: tuple[int, ...], kernel_block: int, layers: list[PagedLayer], rebuild: Callable | None = None,
-                 lost: Callable = lambda key, reason: None, plan: RestorePlan | None = None, movable: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        stack: StoreStack,
+        block_sizes: tuple[int, ...],
+        kernel_block: int,
+        layers: list[PagedLayer],
+        rebuild: Callable | None = None,
+        lost: Callable = lambda key, reason: None,
+        plan: RestorePlan | None = None,
+        movable: bool = True,
+    ):
         self.stack, self.config, self.block_sizes, self.kernel_block = stack, stack.config, block_sizes, kernel_block
         self.layers, self.rebuild, self.lost, self.plan = layers, rebuild, lost, plan
         self._thread = helper_threads.executor(1, "hcache-paged-load")
         copier = stack.copier
-        self._stream = torch.cuda.Stream(copier.device) if copier is not None and copier.cuda else None  # H's rebuilds, off the step's stream
+        self._stream = (
+            torch.cuda.Stream(copier.device) if copier is not None and copier.cuda else None
+        )  # H's rebuilds, off the step's stream
         # a CPU's staged rows, in buffers kept from load to load (:mod:`~hcache.transfer.scratch`); a GPU's come from torch's caching allocator
         self._scratch = Scratch(copier.depth) if copier is not None and not copier.cuda else None
         self._inflight: dict[str, tuple[LoadJob, Future]] = {}
-        self._process: CopyProcess | None = None  # a CPU's KV writes, out of the engine's GIL, where the host pool is shareable
+        self._process: CopyProcess | None = (
+            None  # a CPU's KV writes, out of the engine's GIL, where the host pool is shareable
+        )
         pool = stack.store.pool if stack.store is not None else None
         if movable and self._scratch is not None and pool is not None and pool.fd is not None:
             try:
@@ -86,7 +100,9 @@ class Loader:
         """The loads done since the last call, each with the blocks it could not load (empty: all loaded).
         ``wait``: seconds to wait for one to finish, if none has (0: do not wait)."""
         if wait > 0 and self._inflight:
-            futures.wait([future for _, future in self._inflight.values()], timeout=wait, return_when=futures.FIRST_COMPLETED)
+            futures.wait(
+                [future for _, future in self._inflight.values()], timeout=wait, return_when=futures.FIRST_COMPLETED
+            )
         done: dict[str, set[int]] = {}
         for req_id, (job, future) in list(self._inflight.items()):
             if not future.done():
@@ -145,7 +161,9 @@ class Loader:
         meanwhile (:mod:`~hcache.paged.copy_process`), and this thread waits for it too."""
         copier = self.stack.copier
         slots = {}  # by group: the first position held in a real block, and the blocks and offsets from there to ``end``
-        windowed = {layer.group for layer in self.layers if self.config.spec.window(layer.index) is not None}  # groups holding null blocks
+        windowed = {
+            layer.group for layer in self.layers if self.config.spec.window(layer.index) is not None
+        }  # groups holding null blocks
         for g in {layer.group for layer in self.layers}:
             size = self.block_sizes[g]
             real = range(job.start // size, -(-end // size))
@@ -153,7 +171,13 @@ class Loader:
             held = end if held is None else max(job.start, held * size)
             slots[g] = held, *block_slots([(job.block_ids[g], held, end)], size, self.kernel_block)
         layers = {layer.index: layer for layer in self.layers}
-        jobs = [j for j in (replace(j, begin=max(j.begin, slots[layers[j.layer].group][0])) for j in jobs if j.layer in layers) if j.begin < end]
+        jobs = [
+            j
+            for j in (
+                replace(j, begin=max(j.begin, slots[layers[j.layer].group][0])) for j in jobs if j.layer in layers
+            )
+            if j.begin < end
+        ]
         shared = ImageRows.of(images) if self._scratch is not None else None
         kv = [j for j in jobs if j.method is not Method.H]
         process = self._process if kv and shared is not None and self._in_pool(shared) else None
@@ -200,7 +224,10 @@ class Loader:
             raise
 
     def _lose_process(self) -> None:
-        log.warning("hcache: the load process ended (exit code %s); loads run on a thread of the worker from now on", self._process.returncode())
+        log.warning(
+            "hcache: the load process ended (exit code %s); loads run on a thread of the worker from now on",
+            self._process.returncode(),
+        )
         self._process.close()
         self._process = None
 
@@ -208,4 +235,3 @@ class Loader:
         self._thread.shutdown(wait=True)
         if self._process is not None:
             self._process.close()
-

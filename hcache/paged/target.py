@@ -2,6 +2,7 @@
 one load's layer writes, made by the loader's thread (:mod:`hcache.paged.loader`) and, on a CPU, by its
 load process for the KV layers (:mod:`hcache.paged.copy_process`), which it is sent as plain data
 (:meth:`PagedTarget.message`, :meth:`PagedTarget.received`)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,8 +35,17 @@ class PagedTarget:
     found here, once, before the first write; ``rebuild(layer, hidden, positions)``: K/V rows from hidden
     states, for the H layers, whose ``positions`` are ``[start, end)``'s."""
 
-    def __init__(self, layers: dict[int, PagedLayer], slots: dict, jobs: list[LayerJob], end: int, kernel_block: int,
-                 rebuild: Callable | None = None, positions: torch.Tensor | None = None, start: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        layers: dict[int, PagedLayer],
+        slots: dict,
+        jobs: list[LayerJob],
+        end: int,
+        kernel_block: int,
+        rebuild: Callable | None = None,
+        positions: torch.Tensor | None = None,
+        start: int = 0,
+    ):
         self.layers, self.rebuild, self.positions, self.start = layers, rebuild, positions, start
         self._places: dict[tuple, Places] = {}
         for job in jobs:
@@ -43,8 +53,12 @@ class PagedTarget:
             held, blocks, offsets = slots[layer.group]
             key = self._key(job)
             if key not in self._places:
-                whole = (end - job.begin) // kernel_block if job.begin % kernel_block == 0 else 0  # kernel blocks, from a block's start on
-                self._places[key] = layer.layout.elements(blocks[job.begin - held :], offsets[job.begin - held :], whole)
+                whole = (
+                    (end - job.begin) // kernel_block if job.begin % kernel_block == 0 else 0
+                )  # kernel blocks, from a block's start on
+                self._places[key] = layer.layout.elements(
+                    blocks[job.begin - held :], offsets[job.begin - held :], whole
+                )
 
     def _key(self, job: LayerJob) -> tuple:
         layer = self.layers[job.layer]
@@ -63,17 +77,29 @@ class PagedTarget:
     def message(shared: ImageRows, slots: dict, first: int, end: int, jobs: list[LayerJob]) -> dict:
         """What the load process needs to write ``jobs``: plain data (numpy, not tensors: a pickled tensor
         would travel as a shared-memory handle the process cannot open)."""
-        return {"starts": shared.starts, "entries": shared.entries, "first": first, "end": end,
-                "slots": {g: (held, blocks.numpy(), offsets.numpy()) for g, (held, blocks, offsets) in slots.items()},
-                "jobs": [(job.layer, job.method.value, job.chunks.start, job.chunks.stop, job.begin) for job in jobs]}  # fmt: skip
+        return {
+            "starts": shared.starts,
+            "entries": shared.entries,
+            "first": first,
+            "end": end,
+            "slots": {g: (held, blocks.numpy(), offsets.numpy()) for g, (held, blocks, offsets) in slots.items()},
+            "jobs": [(job.layer, job.method.value, job.chunks.start, job.chunks.stop, job.begin) for job in jobs],
+        }
 
     @classmethod
-    def received(cls, message: dict, arena: torch.Tensor, layers: dict[int, PagedLayer], kernel_block: int,
-                 scratch: Scratch) -> tuple[PagedTarget, StoredRows, list[LayerJob]]:  # fmt: skip
+    def received(
+        cls, message: dict, arena: torch.Tensor, layers: dict[int, PagedLayer], kernel_block: int, scratch: Scratch
+    ) -> tuple[PagedTarget, StoredRows, list[LayerJob]]:
         """The load process's side of :meth:`message`: its target over ``layers``, its rows over ``arena``,
         and its jobs."""
-        slots = {g: (held, torch.from_numpy(blocks), torch.from_numpy(offsets)) for g, (held, blocks, offsets) in message["slots"].items()}
-        jobs = [LayerJob(index, Method(method), range(start, stop), begin) for index, method, start, stop, begin in message["jobs"]]
+        slots = {
+            g: (held, torch.from_numpy(blocks), torch.from_numpy(offsets))
+            for g, (held, blocks, offsets) in message["slots"].items()
+        }
+        jobs = [
+            LayerJob(index, Method(method), range(start, stop), begin)
+            for index, method, start, stop, begin in message["jobs"]
+        ]
         end = message["end"]
         shared = ImageRows(arena, message["starts"], message["entries"])
         dtype = next(iter(layers.values())).cache.dtype

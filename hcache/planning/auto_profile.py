@@ -9,6 +9,7 @@ A file there that does not fit (measured elsewhere, by an older hcache, for anot
 none fits and measuring is allowed, a short profile is measured now, with a progress bar, and saved in the
 cache for the next start. Otherwise the default plan serves, and one warning says how to profile.
 """
+
 from __future__ import annotations
 
 import logging

@@ -4,6 +4,7 @@ A plan is layer-wise (§4.1.1 of the paper): the first layers by token recompute
 hidden states (H), the last ones from offloaded KV (KV). Any plan of that shape is valid; the scheduler
 chooses among them.
 """
+
 from __future__ import annotations
 
 import math

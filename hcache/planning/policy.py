@@ -2,6 +2,7 @@
 plan string, a :class:`~.plan.RestorePlan`, or none) made fixed for a model, a request's own plan, the plan
 for a history of given length (a fixed one, or the profile's best), and what the engine and the start-up
 self-check allow. It knows no settings: :mod:`hcache.resolve` builds a :class:`PlanPolicy` from them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from ..model.spec import ModelSpec
 from .plan import Method, RestorePlan, default_plan
 from .profile import Profile
 from .window import WindowRule
+
 
 def is_auto(plan: object) -> bool:
     """Whether ``plan`` is ``"auto"``: the profile's plan per history length."""
@@ -77,9 +79,17 @@ class PlanPolicy:
         profile's, the best one without the disabled methods."""
         if plan is not None:
             return plan
-        allow = {m: m not in self.disabled and (m is not Method.H or self.spec.restores_hidden) for m in (Method.H, Method.KV)}
+        allow = {
+            m: m not in self.disabled and (m is not Method.H or self.spec.restores_hidden)
+            for m in (Method.H, Method.KV)
+        }
         return self.profile.plan(
-            self.spec, history, self.encodings, allow_h=allow[Method.H], allow_kv=allow[Method.KV], allow_re=self.recomputes_layers,
+            self.spec,
+            history,
+            self.encodings,
+            allow_h=allow[Method.H],
+            allow_kv=allow[Method.KV],
+            allow_re=self.recomputes_layers,
             window=self.window,
         )
 

@@ -10,6 +10,7 @@ procedure; :meth:`Profile.check` refuses anything else with a message that says 
 that measures a fitting one. ``hcache profile`` saves to a per-machine cache under ``HCACHE_HOME``, where
 ``plan="auto"`` looks first (:mod:`hcache.planning.auto_profile`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,8 +89,14 @@ class Profile:
         return LayerCosts(**costs)
 
     def plan(
-        self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None = None, allow_h: bool = True,
-        allow_kv: bool = True, allow_re: bool = True, window: WindowRule | None = None,
+        self,
+        spec: ModelSpec,
+        history: int,
+        encodings: dict[str, torch.dtype] | None = None,
+        allow_h: bool = True,
+        allow_kv: bool = True,
+        allow_re: bool = True,
+        window: WindowRule | None = None,
     ) -> RestorePlan:
         """``spec``: the model, or with TP the rank's shard (whose hidden states it stores 1/TP of).
         ``encodings``: the formats stored in 8 bits (``stored_dtype``), whose real bytes and dequantisation
@@ -144,8 +151,7 @@ class Profile:
         here = machine_name()
         if self.machine_name != here:
             raise ProfileMismatch(
-                f"profile was measured on {self.machine_name!r}, this machine is {here!r}; "
-                f"run `{command}` here"
+                f"profile was measured on {self.machine_name!r}, this machine is {here!r}; run `{command}` here"
             )
 
     def save(self, path: str | Path) -> None:
@@ -158,13 +164,19 @@ class Profile:
 
     @classmethod
     def load(
-        cls, path: str | Path, spec: ModelSpec | None = None, tensor_parallel: int = 1, command: str = "hcache profile --model ..."
+        cls,
+        path: str | Path,
+        spec: ModelSpec | None = None,
+        tensor_parallel: int = 1,
+        command: str = "hcache profile --model ...",
     ) -> "Profile":
         try:
             data = json.loads(Path(path).read_text())
             profile = cls(**data)
             expected = set(COST_NAMES) | (set(TP_COST_NAMES) if profile.tensor_parallel > 1 else set())
-            if set(profile.seconds) - set(ENCODED_COST_NAMES) != expected or any(len(v) != len(profile.tokens) for v in profile.seconds.values()):
+            if set(profile.seconds) - set(ENCODED_COST_NAMES) != expected or any(
+                len(v) != len(profile.tokens) for v in profile.seconds.values()
+            ):
                 raise ValueError(f"expected costs {sorted(expected)} at each of {len(profile.tokens)} lengths")
         except FileNotFoundError:
             raise ProfileMismatch(f"no profile at {path}; run `{command}` to measure one") from None
@@ -176,11 +188,26 @@ class Profile:
 
     @classmethod
     def new(
-        cls, model_name: str, spec: ModelSpec, tokens: list[int], seconds: dict, bandwidth: dict, tensor_parallel: int = 1
+        cls,
+        model_name: str,
+        spec: ModelSpec,
+        tokens: list[int],
+        seconds: dict,
+        bandwidth: dict,
+        tensor_parallel: int = 1,
     ) -> "Profile":
         return cls(
-            model_name, model_shape_key(spec), spec.describe(), machine_name(), machine_facts(),
-            list(tokens), seconds, bandwidth, PROFILE_VERSION, __version__, tensor_parallel=tensor_parallel,
+            model_name,
+            model_shape_key(spec),
+            spec.describe(),
+            machine_name(),
+            machine_facts(),
+            list(tokens),
+            seconds,
+            bandwidth,
+            PROFILE_VERSION,
+            __version__,
+            tensor_parallel=tensor_parallel,
         )
 
 

@@ -16,6 +16,7 @@ With tensor parallelism every rank runs the profiler at once on its shard, and m
 its heads' GEMMs, the TP forward, its share of the hidden-state reads (one chunk in TP), and
 - ``ag_h``: the all-gather that assembles a layer's hidden states from the ranks.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -108,7 +109,9 @@ def measure_engine(
             hidden = torch.randn(n, spec.hidden_size, generator=gen).to(engine.device, dtype)
             kv = torch.randn(n, 2, spec.num_kv_heads, spec.head_size, generator=gen).to(engine.device, dtype)
             ids = torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
-            own_hidden = hidden[: len(shared_chunks(tp.rank, tp.world_size, n // CHUNK_TOKENS)) * CHUNK_TOKENS]  # this rank's rows
+            own_hidden = hidden[
+                : len(shared_chunks(tp.rank, tp.world_size, n // CHUNK_TOKENS)) * CHUNK_TOKENS
+            ]  # this rank's rows
             hidden8, kv8 = quantise(hidden, encodings[Method.H.value]), quantise(kv, encodings[Method.KV.value])
             measures: dict[str, Callable[[], object]] = {
                 "c_token": lambda: engine.recompute_layers(0, ids, 1),
@@ -155,7 +158,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _io_time(fmt: str, rows: torch.Tensor, readers: int, copier: Copier, repeats: int, store_dirs: list[str] | None) -> float:
+def _io_time(
+    fmt: str, rows: torch.Tensor, readers: int, copier: Copier, repeats: int, store_dirs: list[str] | None
+) -> float:
     """Seconds per layer to bring ``rows`` (one layer's worth) from chunk files to the device, through the
     host pool, as a restore of chunks not in memory does."""
     with ExitStack() as scratch:
@@ -168,7 +173,9 @@ def _io_time(fmt: str, rows: torch.Tensor, readers: int, copier: Copier, repeats
         for j in range(rows.shape[0] // CHUNK_TOKENS):
             key = f"{j:032x}"
             part = rows[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS].cpu()
-            data = encode(Chunk(key, [0] * CHUNK_TOKENS, _FINGERPRINT, {(layer, fmt): part for layer in range(_IO_LAYERS)}))
+            data = encode(
+                Chunk(key, [0] * CHUNK_TOKENS, _FINGERPRINT, {(layer, fmt): part for layer in range(_IO_LAYERS)})
+            )
             disk.put(key, data)
             keys.append(key)
         tier = HostTier([disk], HostPool(disk.used_bytes + (len(keys) + 1) * PAGE, pin=copier.cuda), readers=readers)

@@ -17,6 +17,7 @@ RE+KV and three-way plans. Layers may cost differently: a sliding-window layer's
 window, not the history (:mod:`hcache.planning.window`), so the sums run over each layer's own costs, from
 prefix sums, for every split: O(layers²) candidates of O(1) each.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -70,8 +71,13 @@ class _Sums:
 
 
 def partition(
-    costs: LayerCosts | Sequence[LayerCosts], num_layers: int, bytes_h: int = 0, bytes_kv: int = 0, allow_h: bool = True,
-    allow_kv: bool = True, allow_re: bool = True,
+    costs: LayerCosts | Sequence[LayerCosts],
+    num_layers: int,
+    bytes_h: int = 0,
+    bytes_kv: int = 0,
+    allow_h: bool = True,
+    allow_kv: bool = True,
+    allow_re: bool = True,
 ) -> RestorePlan:
     """The plan with the least ``max(compute, io)``; among times equal within a relative 1e-9, the one
     storing fewest bytes (``bytes_h``, ``bytes_kv``: stored bytes per token per layer of each format), then

@@ -18,6 +18,7 @@ sliding-window layer attends to its last ``window`` positions only (:meth:`Model
 full-attention layers (:attr:`WindowRule.every_token`). The saver, the restore (both engines), the plan's
 costs and the accounting ask one :class:`WindowRule`, and only it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -54,7 +55,9 @@ class WindowRule:
         its first read on, as stored)."""
         return max(0, length - max(start, self.first_read(layer, length) * CHUNK_TOKENS))
 
-    def usable(self, layers: list[int], first: int, n: int, end: Callable[[int], int], holds: Callable[[int, int], bool]) -> int:
+    def usable(
+        self, layers: list[int], first: int, n: int, end: Callable[[int], int], holds: Callable[[int, int], bool]
+    ) -> int:
         """How many of ``n`` verified chunks (from the sequence's chunk ``first`` on) a restore may use: the
         most whose every sliding layer among ``layers`` finds its window stored. ``end(m)``: the length,
         from the sequence's start, a restore of ``m`` chunks reaches; ``holds(j, layer)``: whether chunk
@@ -62,7 +65,9 @@ class WindowRule:
         cache already."""
         sliding = [layer for layer in layers if self.window(layer) is not None]
         for m in range(n, 0, -1):
-            if all(holds(j, layer) for layer in sliding for j in range(max(0, self.first_read(layer, end(m)) - first), m)):
+            if all(
+                holds(j, layer) for layer in sliding for j in range(max(0, self.first_read(layer, end(m)) - first), m)
+            ):
                 return m
         return 0
 

@@ -5,6 +5,7 @@ engine's paged cache, FastGen's or the reference engine's, and vLLM's), pipeline
 few layers ahead of the compute that consumes them. KV rows are written where they are copied; H rows are
 decoded, gathered across tensor-parallel ranks where the layer is, and handed to the target to rebuild
 K/V, on the caller's stream after their copy's event."""
+
 from __future__ import annotations
 
 import itertools
@@ -48,8 +49,17 @@ class StoredRows:
     ``filler``: the rows of a chunk this rank lacks but the tensor-parallel agreement holds (past its own
     bad chunk: garbage the agreement cuts off)."""
 
-    def __init__(self, images: list[ChunkImage], first: int, end: int, copier: Copier | None, dtype: torch.dtype,
-                 scratch: Scratch | None = None, shared: ImageRows | None = None, filler: torch.Tensor | None = None):  # fmt: skip
+    def __init__(
+        self,
+        images: list[ChunkImage],
+        first: int,
+        end: int,
+        copier: Copier | None,
+        dtype: torch.dtype,
+        scratch: Scratch | None = None,
+        shared: ImageRows | None = None,
+        filler: torch.Tensor | None = None,
+    ):
         self.images, self.first, self.end, self.copier, self.dtype = images, first, end, copier, dtype
         self.scratch, self.shared, self.filler = scratch, shared, filler
 
@@ -82,9 +92,13 @@ class StoredRows:
             return pieces[0]
         if pieces:
             return torch.cat(pieces)
-        return torch.empty(0, *self.filler.shape[1:], dtype=self.dtype, device=self.copier.device)  # a rank with no chunk of it
+        return torch.empty(
+            0, *self.filler.shape[1:], dtype=self.dtype, device=self.copier.device
+        )  # a rank with no chunk of it
 
-    def rows(self, job: LayerJob, runs: list[torch.Tensor | QuantRows], tp: TPGroup = SINGLE, agreed: int = 0) -> torch.Tensor:
+    def rows(
+        self, job: LayerJob, runs: list[torch.Tensor | QuantRows], tp: TPGroup = SINGLE, agreed: int = 0
+    ) -> torch.Tensor:
         """The layer's rows of positions ``[job.begin, end)``, decoded from :meth:`gather`'s runs; a gathered
         layer's assembled from every rank's first (a collective: every rank calls it)."""
         rows = self.decode(runs)
@@ -93,11 +107,16 @@ class StoredRows:
         else:
             origin = self.first + job.chunks.start
         origin *= CHUNK_TOKENS
-        return rows if (job.begin, self.end) == (origin, origin + rows.shape[0]) else rows[job.begin - origin : self.end - origin]
+        return (
+            rows
+            if (job.begin, self.end) == (origin, origin + rows.shape[0])
+            else rows[job.begin - origin : self.end - origin]
+        )
 
 
-def restore_layers(jobs: list[LayerJob], rows: StoredRows, target: RestoreTarget, copier: Copier,
-                   tp: TPGroup = SINGLE, agreed: int = 0) -> None:  # fmt: skip
+def restore_layers(
+    jobs: list[LayerJob], rows: StoredRows, target: RestoreTarget, copier: Copier, tp: TPGroup = SINGLE, agreed: int = 0
+) -> None:
     """Write each job's layer into ``target``: KV on the copier's side stream as its rows are read, H rebuilt
     on this stream after its copy, ``copier.depth`` layers behind. Returns once the last copy has been
     ordered before anything this stream runs next. ``agreed``: the chunks every tensor-parallel rank holds,
@@ -121,16 +140,19 @@ def restore_layers(jobs: list[LayerJob], rows: StoredRows, target: RestoreTarget
     copier.wait(copier.pipeline(jobs, stage, finish))
 
 
-def gather_runs(copier: Copier, parts: list[torch.Tensor | QuantRows], scratch: Scratch | None = None) -> list[torch.Tensor | QuantRows]:
+def gather_runs(
+    copier: Copier, parts: list[torch.Tensor | QuantRows], scratch: Scratch | None = None
+) -> list[torch.Tensor | QuantRows]:
     """Rows of consecutive chunks on the device, one gather per run of chunks stored alike (one run,
     unless the chunks were saved in different encodings): lossless rows, or codes and scales (in
     ``scratch``'s buffers, if given: :meth:`Copier.gather`)."""
     runs = [list(run) for _, run in itertools.groupby(parts, _encoding)]
     return [
         QuantRows(copier.gather([p.codes for p in run], scratch), copier.gather([p.scale for p in run], scratch))
-        if isinstance(run[0], QuantRows) else copier.gather(run, scratch)
+        if isinstance(run[0], QuantRows)
+        else copier.gather(run, scratch)
         for run in runs
-    ]  # fmt: skip
+    ]
 
 
 def run_tensors(runs: list[torch.Tensor | QuantRows]) -> list[torch.Tensor]:

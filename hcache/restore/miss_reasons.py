@@ -1,6 +1,7 @@
 """Why stored tokens were computed instead of restored: the one set of rules every engine's restore asks
 (the DeepSpeed path's, vLLM's scheduler and loads), so a miss reads the same in every request log
 (:class:`~hcache.restore.records.MissReason`)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -37,7 +38,9 @@ def anchor_label(fingerprint: str, namespace: str | None) -> str:
     return f"{fingerprint}/{hashlib.blake2b((namespace or '').encode(), digest_size=8).hexdigest()}"
 
 
-def first_chunk_miss(anchors: AnchorLog | None, label: str, chain: KeyChain, tokens: list[int], misses: dict[str, int]) -> dict[str, int]:
+def first_chunk_miss(
+    anchors: AnchorLog | None, label: str, chain: KeyChain, tokens: list[int], misses: dict[str, int]
+) -> dict[str, int]:
     """``misses``, where a conversation's first chunk (``tokens`` from the first, ``chain`` holding no full
     chunk yet) was never stored under the root ``label`` names: told apart if the anchor log says it was
     stored in this namespace at another tensor-parallel layout, or under another namespace or model."""

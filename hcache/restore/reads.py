@@ -5,6 +5,7 @@ A layer reads every chunk of the prefix, but for two rules: a sliding-window lay
 only (:class:`~hcache.planning.window.WindowRule`, the rule its rows were saved by), and with tensor
 parallelism an H layer reads the chunks whose hidden states this rank stores (:func:`shared_chunks`), the
 rest gathered from the other ranks."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,16 @@ class LayerJob:
     gathered: bool = False
 
 
-def layer_jobs(plan: RestorePlan, rule: WindowRule, first: int, start: int, end: int, n: int,
-               tp: TPGroup = SINGLE, agreed: int | None = None) -> list[LayerJob]:  # fmt: skip
+def layer_jobs(
+    plan: RestorePlan,
+    rule: WindowRule,
+    first: int,
+    start: int,
+    end: int,
+    n: int,
+    tp: TPGroup = SINGLE,
+    agreed: int | None = None,
+) -> list[LayerJob]:
     """The stored layers of ``plan`` for a restore of positions ``[start, end)`` from ``n`` verified chunks,
     the first of them chunk ``first`` of the sequence; none when no chunk is restored (``agreed``: how many
     every tensor-parallel rank holds, by default ``n``)."""

@@ -1,6 +1,7 @@
 """What restores cost, per put and per sequence. A put's :class:`PutRestore` is filled once, then added to
 its sequence's :class:`SequenceRecord` and to the counters (:meth:`~hcache.serving.metrics.ServingMetrics.add`),
 so the two can never disagree."""
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,9 @@ class MissReason(str, Enum):
     FAILED_VERIFICATION = "failed_verification"  # checksum, length, key, tokens or fingerprint: discarded
     OTHER_VERSION = "other_version"  # another layout version's chunk (another hcache's): left alone
     OTHER_SETTINGS = "other_settings"  # saved without a format the plan restores from
-    OUTSIDE_WINDOW = "outside_window"  # a sliding-window layer's rows of the prefix's last window were not kept (planning/window.py)
+    OUTSIDE_WINDOW = (
+        "outside_window"  # a sliding-window layer's rows of the prefix's last window were not kept (planning/window.py)
+    )
     OTHER_MODEL = "other_model"
     OTHER_CACHE_SALT = "other_cache_salt"
     OTHER_LAYOUT = "other_layout"
@@ -72,7 +75,9 @@ class PutRestore:
     hidden_s: float = 0.0  # seconds of its disk reads that prefetch ran ahead of it
     sources: dict[str, int] = field(default_factory=dict)  # of ``tokens``, by the tier their chunk was read from
     bytes_read: int = 0  # stored bytes copied from the host pool
-    type_bytes: dict[str, int] = field(default_factory=dict)  # of ``bytes_read``, by layer type (full_attention, sliding_attention)
+    type_bytes: dict[str, int] = field(
+        default_factory=dict
+    )  # of ``bytes_read``, by layer type (full_attention, sliding_attention)
     gpu_bytes: int = 0  # KV bytes copied from the GPU prefix cache
     layer_tokens: dict[str, int] = field(default_factory=dict)  # tokens x layers, by method
     restore_s: float = 0.0
@@ -88,7 +93,9 @@ class SequenceRecord:
 
     restored_tokens: int = 0
     gpu_tokens: int = 0  # of restored_tokens, adopted from the GPU prefix cache
-    tier_tokens: dict[str, int] = field(default_factory=dict)  # of restored_tokens, read from the host pool and stores, by tier
+    tier_tokens: dict[str, int] = field(
+        default_factory=dict
+    )  # of restored_tokens, read from the host pool and stores, by tier
     computed_tokens: int = 0
     bytes_read: int = 0
     type_bytes: dict[str, int] = field(default_factory=dict)  # of bytes_read, by layer type
@@ -98,7 +105,9 @@ class SequenceRecord:
     fallback: str | None = None  # why stored state was used only in part, if it was
     lossy: bool = False  # restored state stored in 8 bits, or adopted from a sequence that restored such: not bit-identical to recompute
     restores: list[RestoreStep] = field(default_factory=list)  # one per put that restored tokens
-    miss_tokens: dict[str, int] = field(default_factory=dict)  # full-chunk tokens computed instead of restored, by MissReason
+    miss_tokens: dict[str, int] = field(
+        default_factory=dict
+    )  # full-chunk tokens computed instead of restored, by MissReason
 
     def add(self, step: PutRestore) -> None:
         self.restored_tokens += step.gpu_tokens + step.tokens
@@ -126,12 +135,18 @@ class SequenceRecord:
             misses[_REPLIED.get(reason, reason)] += tokens
         tiers = {GPU_CACHE: self.gpu_tokens, **self.tier_tokens} if self.gpu_tokens else dict(self.tier_tokens)
         return {
-            "restored_tokens": self.restored_tokens, "tier_tokens": tiers, "miss_tokens": dict(misses), "plan": self.plan,
+            "restored_tokens": self.restored_tokens,
+            "tier_tokens": tiers,
+            "miss_tokens": dict(misses),
+            "plan": self.plan,
             "lossy": self.lossy,
-        }  # fmt: skip
+        }
 
 
-_REPLIED = {reason.value: MissReason.NEVER_STORED.value for reason in (MissReason.OTHER_MODEL, MissReason.OTHER_CACHE_SALT, MissReason.OTHER_LAYOUT)}
+_REPLIED = {
+    reason.value: MissReason.NEVER_STORED.value
+    for reason in (MissReason.OTHER_MODEL, MissReason.OTHER_CACHE_SALT, MissReason.OTHER_LAYOUT)
+}
 
 
 def log_requests(path: Path, records: Iterable[tuple[dict, SequenceRecord]]) -> None:

@@ -1,5 +1,6 @@
 """How much of a prompt a restore may load: a rule of its own, free of torch, for vLLM's scheduler, which
 decides what to offer without the data plane."""
+
 from __future__ import annotations
 
 

@@ -2,6 +2,7 @@
 reference engine, vLLM's worker): one :class:`Session` each, opened and closed by the same rules, so a
 conversation is keyed, saved and anchored alike wherever it ran, and its record is the one its request-log
 line writes out (:func:`~hcache.restore.records.log_requests`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,7 +38,9 @@ class Session:
     record: SequenceRecord = field(default_factory=SequenceRecord)
 
     @classmethod
-    def open(cls, stack: SessionStack, uid: int, namespace: str | None, record: SequenceRecord | None = None, **more) -> Session:
+    def open(
+        cls, stack: SessionStack, uid: int, namespace: str | None, record: SequenceRecord | None = None, **more
+    ) -> Session:
         """Open ``uid``, its chunks keyed under ``namespace`` (None: the chunks every sequence without one
         shares), and known to ``stack``'s saver if it has one (which saves what the engine hands it: nothing
         where no format is saved). ``record``: one kept from before (vLLM's record of a request

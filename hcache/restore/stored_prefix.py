@@ -5,6 +5,7 @@ and vLLM's loads into its paged cache (:mod:`hcache.paged.loader`) each hold a :
 Stored state is never trusted: a chunk that is missing, unreadable, saved by another model, for other
 tokens, or that fails its checksum ends the usable prefix there, and the engine computes the rest.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,16 +37,25 @@ class RestoreOutcome:
     tokens: int  # tokens whose KV is now in the cache, after those the sequence held
     bytes_read: int  # bytes of the stored tensors the restore copied from (whole 64-row tensors)
     fallback: str | None  # why stored state stopped short of what the lookup found, if it did
-    sources: dict[str, int] = field(default_factory=dict)  # tokens by where their chunk was read from (HostTier.take_source)
+    sources: dict[str, int] = field(
+        default_factory=dict
+    )  # tokens by where their chunk was read from (HostTier.take_source)
     lossy: bool = False  # some of it was stored in an 8-bit encoding
     misses: dict[str, int] = field(default_factory=dict)  # full-chunk tokens wanted but not restored, by MissReason
     type_bytes: dict[str, int] = field(default_factory=dict)  # ``bytes_read`` by layer type (restore_accounting)
-    windowed: bool = False  # sliding-window layers were written from their window on only: the cache before it is not theirs
+    windowed: bool = (
+        False  # sliding-window layers were written from their window on only: the cache before it is not theirs
+    )
 
     def record(self, step: PutRestore, plan: RestorePlan) -> None:
         """Fill ``step``, a put's record, with this restore from the store by ``plan``: the one accounting
         of every engine's restore (the DeepSpeed path's and vLLM's loader)."""
-        step.plan, step.tokens, step.sources, step.bytes_read = str(plan), self.tokens, dict(self.sources), self.bytes_read
+        step.plan, step.tokens, step.sources, step.bytes_read = (
+            str(plan),
+            self.tokens,
+            dict(self.sources),
+            self.bytes_read,
+        )
         step.fallback, step.lossy, step.misses = self.fallback, step.lossy or self.lossy, dict(self.misses)
         step.type_bytes = dict(self.type_bytes)
         if plan.count(Method.RE) == len(plan.layers) and self.tokens:  # recomputed, not restored
@@ -96,8 +106,16 @@ class StoredPrefix:
             self.miss = lookup_miss(self.tier, self.keys[len(self.images)])
         return self.miss
 
-    def outcome(self, spec: ModelSpec, reads: dict[tuple[int, str], range], restored: int, start: int, stop: int, missed: int,
-                windowed: bool = False) -> RestoreOutcome:  # fmt: skip
+    def outcome(
+        self,
+        spec: ModelSpec,
+        reads: dict[tuple[int, str], range],
+        restored: int,
+        start: int,
+        stop: int,
+        missed: int,
+        windowed: bool = False,
+    ) -> RestoreOutcome:
         """The restore's outcome: the first ``restored`` of ``images`` gave positions ``[start, stop)`` of the
         sequence, by the chunks each ``(layer, format)`` ``reads``; ``missed``: the full-chunk tokens wanted
         past ``stop``."""
@@ -106,8 +124,17 @@ class StoredPrefix:
         misses = {self.why_short().value: missed} if missed else {}
         return RestoreOutcome(stop - start, sum(read.values()), self.fallback, sources, lossy, misses, read, windowed)
 
-    def verify(self, tokens: list[int], fingerprint: str, plan: RestorePlan, spec: ModelSpec, rule: WindowRule, end: Callable[[int], int],
-               tp: TPGroup = SINGLE, count: int | None = None) -> None:  # fmt: skip
+    def verify(
+        self,
+        tokens: list[int],
+        fingerprint: str,
+        plan: RestorePlan,
+        spec: ModelSpec,
+        rule: WindowRule,
+        end: Callable[[int], int],
+        tp: TPGroup = SINGLE,
+        count: int | None = None,
+    ) -> None:
         """Take into ``images`` the fetched chunks (the first ``count``, by default all), in order, up to the
         first that is missing, bad, or short of a format ``plan`` restores from, and then no further than the
         last whose sliding-window layers find their window stored by ``rule``
@@ -116,13 +143,25 @@ class StoredPrefix:
         first chunk's first on; ``tp``: the rank whose share of each chunk is checked."""
         self.short(*self._verified(tokens, fingerprint, plan, spec, rule, end, tp, count))
 
-    def _verified(self, tokens: list[int], fingerprint: str, plan: RestorePlan, spec: ModelSpec, rule: WindowRule, end: Callable[[int], int],
-                  tp: TPGroup, count: int | None) -> tuple[str | None, MissReason | None]:  # fmt: skip
+    def _verified(
+        self,
+        tokens: list[int],
+        fingerprint: str,
+        plan: RestorePlan,
+        spec: ModelSpec,
+        rule: WindowRule,
+        end: Callable[[int], int],
+        tp: TPGroup,
+        count: int | None,
+    ) -> tuple[str | None, MissReason | None]:
         stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
         shapes, dtype = row_shapes(spec), spec.torch_dtype
         # The tensors a chunk must hold, by which TP rank owns its H; chunks share a few layouts, each checked once.
         # A sliding-window layer's are checked if present, and wanted only in the window (below).
-        needs = [{(layer, fmt) for layer, fmt in stored if stores(tp.rank, tp.world_size, r, fmt)} for r in range(tp.world_size)]
+        needs = [
+            {(layer, fmt) for layer, fmt in stored if stores(tp.rank, tp.world_size, r, fmt)}
+            for r in range(tp.world_size)
+        ]
         optional = {(layer, fmt) for layer, fmt in stored if rule.window(layer) is not None}
         checked: dict[tuple, tuple[str | None, list[str]]] = {}
         for j, (key, f) in enumerate(zip(self.keys, self._fetches[:count])):
@@ -134,7 +173,9 @@ class StoredPrefix:
                 image.check(tokens[j * CHUNK_TOKENS : (j + 1) * CHUNK_TOKENS], fingerprint)
                 r = (self.first + j) % tp.world_size
                 if (image.layout.signature, r) not in checked:
-                    checked[(image.layout.signature, r)] = _layout_problems(image.layout, needs[r], optional, shapes, dtype)
+                    checked[(image.layout.signature, r)] = _layout_problems(
+                        image.layout, needs[r], optional, shapes, dtype
+                    )
                 wrong, missing = checked[(image.layout.signature, r)]
                 if wrong is not None:
                     raise ChunkInvalid(f"chunk {key}: {wrong}")
@@ -147,12 +188,20 @@ class StoredPrefix:
             self.images.append(image)
         verified = len(self.images)
         layer_format = dict(stored)
-        usable = rule.usable(sorted(layer_format), self.first, verified, end, lambda j, layer: self.images[j].has(layer, layer_format[layer]))
+        usable = rule.usable(
+            sorted(layer_format),
+            self.first,
+            verified,
+            end,
+            lambda j, layer: self.images[j].has(layer, layer_format[layer]),
+        )
         if usable == verified:
             return None, None
         del self.images[usable:]  # still fetched: released with the rest
-        reason = (f"the sliding-window layers' rows before token {end(verified)} were not kept (saved more than a window before "
-                  f"where their conversation was saved); restoring {end(usable)} tokens")  # fmt: skip
+        reason = (
+            f"the sliding-window layers' rows before token {end(verified)} were not kept (saved more than a window before "
+            f"where their conversation was saved); restoring {end(usable)} tokens"
+        )
         log.info("%s", reason)
         return reason, MissReason.OUTSIDE_WINDOW
 
@@ -207,7 +256,9 @@ def _layout_problems(
             want = [CHUNK_TOKENS, *shapes[fmt]]
             return f"L{layer}.{fmt} is {list(entry.shape)} {entry.dtype}, the model's is {want} {dtype}", []
         scale = layout.entries.get((layer, scale_format(fmt)))
-        if is_encoded(entry.dtype) and (scale is None or (scale.shape, scale.dtype) != ((CHUNK_TOKENS, *scale_shape(shapes[fmt])), SCALE_DTYPE)):
+        if is_encoded(entry.dtype) and (
+            scale is None or (scale.shape, scale.dtype) != ((CHUNK_TOKENS, *scale_shape(shapes[fmt])), SCALE_DTYPE)
+        ):
             return f"L{layer}.{fmt} is stored in {entry.dtype} without fitting scales", []
     return None, sorted({str(fmt) for _, fmt in need - optional - set(layout.entries)})
 

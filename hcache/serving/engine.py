@@ -22,6 +22,7 @@ Requests known before they run can :meth:`ServingEngine.prefetch` their stored c
 (:mod:`hcache.storage.prefetch`); a put of several sequences does so for all of them before restoring the first.
 Counters are in ``metrics`` (:mod:`hcache.serving.metrics`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,7 +58,9 @@ class _Sequence(Session):
     adopt: bool  # from the GPU prefix cache (there may be one without a store)
     prompt_tokens: int = 0  # the prompt's length if announced before the first put (see the module doc)
     failed: bool = False  # a put raised part-way: the engine, the chain and the saver may disagree
-    windowed: bool = False  # a restore wrote sliding-window layers from their window on: its blocks are not every prefix's state
+    windowed: bool = (
+        False  # a restore wrote sliding-window layers from their window on: its blocks are not every prefix's state
+    )
 
 
 def _log_restore(uid: int, tokens: int, step: PutRestore) -> None:
@@ -67,8 +70,17 @@ def _log_restore(uid: int, tokens: int, step: PutRestore) -> None:
     where = ", ".join(f"{name} {n}" for name, n in {GPU_CACHE: step.gpu_tokens, **step.sources}.items() if n)
     fallback = f"; fell back to recompute: {step.fallback}" if step.fallback else ""
     missed = "".join(f"; {n} stored-prefix tokens missed: {reason}" for reason, n in step.misses.items())
-    log.info("sequence %d: restored %d of %d tokens (%s; plan %s), computing %d%s%s", uid, restored, tokens, where,
-             step.plan or "none", tokens - restored, fallback, missed)
+    log.info(
+        "sequence %d: restored %d of %d tokens (%s; plan %s), computing %d%s%s",
+        uid,
+        restored,
+        tokens,
+        where,
+        step.plan or "none",
+        tokens - restored,
+        fallback,
+        missed,
+    )
 
 
 def _restores(allowed: bool, tokens: list[int]) -> bool:
@@ -116,9 +128,14 @@ class ServingEngine:
         resolved = self.config.policy.request_plan(plan)
         stack = self.stack
         self._seqs[uid] = _Sequence.open(
-            stack, uid, namespace, plan=resolved, restore=restore and stack.store is not None, adopt=restore and stack.gpu_cache is not None,
+            stack,
+            uid,
+            namespace,
+            plan=resolved,
+            restore=restore and stack.store is not None,
+            adopt=restore and stack.gpu_cache is not None,
             prompt_tokens=self._announced.pop(uid, 0),
-        )  # fmt: skip
+        )
 
     def _namespace(self, namespace: object) -> str | None:
         """A request's namespace, checked (a non-empty string: "" is refused, not read as none); None: the
@@ -126,7 +143,9 @@ class ServingEngine:
         return self.namespace if namespace is None else check_namespace(namespace, "namespace")
 
     @torch.no_grad()
-    def put(self, batch_uids: Sequence[int], batch_tokens: Sequence[Sequence[int] | torch.Tensor], do_checks: bool = True) -> torch.Tensor:
+    def put(
+        self, batch_uids: Sequence[int], batch_tokens: Sequence[Sequence[int] | torch.Tensor], do_checks: bool = True
+    ) -> torch.Tensor:
         """Append tokens to sequences; next-token logits ``[len(batch_uids), vocab]``. The stored prefix of each
         sequence's new tokens is restored first, and only the rest is run (and saved). Capacity is checked
         by the engine's block allocation whatever ``do_checks`` says.
@@ -157,7 +176,9 @@ class ServingEngine:
 
     def _put(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
         keys = {uid: self._keys(uid, tokens) for uid, tokens in batch}  # hashed once per put
-        if len(batch) > 1 and self.stack.prefetcher is not None:  # later sequences' reads run while earlier ones restore
+        if (
+            len(batch) > 1 and self.stack.prefetcher is not None
+        ):  # later sequences' reads run while earlier ones restore
             for uid, tokens in batch:
                 if _restores(self._seqs[uid].restore, tokens):
                     self.stack.prefetcher.prefetch(keys[uid])
@@ -204,7 +225,9 @@ class ServingEngine:
             aligned = seq.chain.tail + tokens
             found = None
             if _restores(seq.adopt, tokens):
-                found = self.stack.gpu_cache.match(aligned, keys[uid], seq.chain.key, len(seq.chain.tail), restorable(len(aligned)))
+                found = self.stack.gpu_cache.match(
+                    aligned, keys[uid], seq.chain.key, len(seq.chain.tail), restorable(len(aligned))
+                )
             adoptions.append(found)
         needed = sum(self.engine.query(uid, len(tokens), 1 << 30)[1] for uid, tokens in batch)
         if not self.stack.gpu_cache.make_room(needed):
@@ -248,15 +271,31 @@ class ServingEngine:
             history = self._history(uid, seq, keys)
             if not history:  # nothing stored of it: every full chunk is a miss
                 missed = min(len(keys) * CHUNK_TOKENS, restorable(len(aligned))) - len(held)
-                step.misses = first_chunk_miss(self.stack.anchors, seq.label, seq.chain, aligned, {lookup_miss(self.stack.store, keys[0]).value: missed})
+                step.misses = first_chunk_miss(
+                    self.stack.anchors,
+                    seq.label,
+                    seq.chain,
+                    aligned,
+                    {lookup_miss(self.stack.store, keys[0]).value: missed},
+                )
                 return 0
             seq.plan = self.config.policy.plan_for(None, history)
         plan = seq.plan
         hidden = self.stack.prefetcher.hidden(keys)
         outcome = restore_prefix(
-            self.engine, self.stack.store, uid, aligned, keys, self.fingerprint, plan, self.stack.copier, self.tp,
-            held=len(held), limit=restorable(len(aligned)), window=self.stack.window,
-        )  # fmt: skip
+            self.engine,
+            self.stack.store,
+            uid,
+            aligned,
+            keys,
+            self.fingerprint,
+            plan,
+            self.stack.copier,
+            self.tp,
+            held=len(held),
+            limit=restorable(len(aligned)),
+            window=self.stack.window,
+        )
         outcome.record(step, plan)
         seq.windowed = seq.windowed or outcome.windowed
         step.hidden_s = hidden
@@ -347,4 +386,3 @@ class ServingEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-

@@ -1,4 +1,5 @@
 """The one way every entry point that serves (the runtime, MII's model servers) builds its serving engine."""
+
 from __future__ import annotations
 
 from ..config import ResolvedConfig

@@ -26,6 +26,7 @@ restored (HCache §6.4; SGLang's radix cache and vLLM's prefix caching do the sa
   is pinned and never evicted; running sequences own their own blocks, so eviction never touches them.
   Evicting costs no state: the chunk is in the store too.
 """
+
 from __future__ import annotations
 
 import time
@@ -50,7 +51,9 @@ class _Entry:
     offset: int  # the entry's first row in its first block
     parent: str | None  # the key of the entry it continues (None: the chain's first)
     value: float  # what keeping it saves (cost-aware eviction)
-    partial: PartialChunk | None = None  # a partial chunk's saver state (ChunkSaver.close), resumed by its first adopter
+    partial: PartialChunk | None = (
+        None  # a partial chunk's saver state (ChunkSaver.close), resumed by its first adopter
+    )
     pins: int = 0
     lossy: bool = False  # kept from a sequence that restored state stored in 8 bits
     last_used: float = 0.0
@@ -90,8 +93,13 @@ class GpuPrefixCache:
     ``hit_tokens`` and ``miss_tokens`` of the tokens looked up, ``evictions`` of entries."""
 
     def __init__(
-        self, engine: Engine, drop_partial: Callable[[PartialChunk], None] = lambda partial: None, *, eviction: str = "lru",
-        value: Callable[[int, int], float] = lambda start, tokens: float(tokens), clock: Callable[[], float] = time.monotonic,
+        self,
+        engine: Engine,
+        drop_partial: Callable[[PartialChunk], None] = lambda partial: None,
+        *,
+        eviction: str = "lru",
+        value: Callable[[int, int], float] = lambda start, tokens: float(tokens),
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.engine, self._drop_partial = engine, drop_partial
         self.eviction, self._value, self._clock = check_policy(eviction), value, clock
@@ -136,7 +144,13 @@ class GpuPrefixCache:
                         self._evict(key)
                     first, end = start // size, -(-(start + len(tokens)) // size)
                     entry = self._entries[key] = _Entry(
-                        key, list(tokens), blocks[first:end], start - first * size, parent, self._value(start, len(tokens)), lossy=lossy
+                        key,
+                        list(tokens),
+                        blocks[first:end],
+                        start - first * size,
+                        parent,
+                        self._value(start, len(tokens)),
+                        lossy=lossy,
                     )
                     self._refs.update(entry.blocks)
                     if parent is not None:
@@ -197,7 +211,10 @@ class GpuPrefixCache:
         engine = self.engine
         engine.begin_restore(uid, len(tokens))
         # the slots on the host, then one transfer: no per-chunk copies or kernels on the device
-        slots = [flat_slots(e.blocks, e.offset + lo, e.offset + hi, engine.block_size, "cpu") for e, lo, hi in adoption.pieces]
+        slots = [
+            flat_slots(e.blocks, e.offset + lo, e.offset + hi, engine.block_size, "cpu")
+            for e, lo, hi in adoption.pieces
+        ]
         engine.restore_from_slots(uid, torch.cat(slots).to(engine.device))
         engine.end_restore(uid, tokens)
         self._touch([entry for entry, _, _ in adoption.pieces])

@@ -13,6 +13,7 @@ beside them (:mod:`hcache.storage.stored_state`), whatever this runtime saves; a
 cross to the device as stored and are dequantised there: KV inside the copy into the paged cache, H just
 before its K/V GEMM.
 """
+
 from __future__ import annotations
 
 import logging
@@ -88,7 +89,11 @@ def restore_prefix(
             n = len(prefix.images)
             jobs = layer_jobs(plan, rule, first, base + held, base + end(n), n, tp, agreed)
             if n or tp.world_size > 1:  # with TP, the other ranks still gather this rank's rows of the H layers
-                filler = torch.zeros(CHUNK_TOKENS, engine.spec.hidden_size, dtype=engine.spec.torch_dtype) if tp.world_size > 1 else None
+                filler = (
+                    torch.zeros(CHUNK_TOKENS, engine.spec.hidden_size, dtype=engine.spec.torch_dtype)
+                    if tp.world_size > 1
+                    else None
+                )
                 rows = StoredRows(prefix.images, first, base + end(n), copier, engine.spec.torch_dtype, filler=filler)
                 restore_layers(jobs, rows, EngineTarget(engine, uid, base + held), copier, tp, agreed)
             restored = tp.min(n)
@@ -96,7 +101,15 @@ def restore_prefix(
                 prefix.short(_elsewhere(restored), MissReason.OTHER_RANK)
             engine.end_restore(uid, tokens[held : end(restored)])
             windowed = any(job.chunks.start for job in jobs if rule.window(job.layer) is not None)
-            return prefix.outcome(engine.spec, reads(jobs), restored, base + held, base + end(restored), end(len(keys)) - end(restored), windowed)
+            return prefix.outcome(
+                engine.spec,
+                reads(jobs),
+                restored,
+                base + held,
+                base + end(restored),
+                end(len(keys)) - end(restored),
+                windowed,
+            )
         finally:
             copier.drain()  # no copy may still read a slot the prefix gives back
 

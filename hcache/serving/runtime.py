@@ -6,6 +6,7 @@ Like the paper's design, by default no KV stays on the device between requests: 
 store, and every request restores it. With ``gpu_cache=True`` finished requests' KV stays in spare blocks
 of the engine's cache, and a returning prefix is copied from there (:mod:`hcache.serving.gpu_prefix_cache`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -70,11 +71,17 @@ class HCacheRuntime:
         fingerprint = model_fingerprint(self.loaded.model, self.loaded.spec)  # of the whole model, on every rank
         model_shard, self.spec = shard_model(self.loaded.model, self.loaded.spec, tensor_parallel)
         config = resolve(
-            settings, self.spec, self.loaded.name, tensor_parallel=tensor_parallel.world_size, measure=lambda: self.loaded,
+            settings,
+            self.spec,
+            self.loaded.name,
+            tensor_parallel=tensor_parallel.world_size,
+            measure=lambda: self.loaded,
             engine="reference",
         )
         self.engine = ReferenceEngine(model_shard, self.spec, num_blocks=settings.num_blocks)
-        self.serving: ServingEngine = serving_engine(config, self.engine, fingerprint, tensor_parallel)  # after the self-check
+        self.serving: ServingEngine = serving_engine(
+            config, self.engine, fingerprint, tensor_parallel
+        )  # after the self-check
         self.config, self.stack = self.serving.config, self.serving.stack
         self.metrics = self.serving.metrics
         self._uids = itertools.count()
@@ -232,7 +239,9 @@ def _token_set(ids: object) -> frozenset[int]:
         raise InvalidRequestError(f"stop_token_ids is a set of token ids, not {type(ids).__name__}")
     ints = [_integer(t) for t in ids]
     if any(i is None or i < 0 for i in ints):
-        raise InvalidRequestError(f"stop_token_ids holds token ids (integers of at least 0), not {sorted(ids, key=repr)!r:.80}")
+        raise InvalidRequestError(
+            f"stop_token_ids holds token ids (integers of at least 0), not {sorted(ids, key=repr)!r:.80}"
+        )
     return frozenset(ints)
 
 

@@ -17,6 +17,7 @@ fast-math RoPE (:mod:`hcache.ops.rope_bound`); and the greedy next token equal. 
 (``stored_dtype``) is lossy: each layer's K and V within a relative RMS error of :data:`LOSSY_BOUND` of the
 forward's, the restore reported lossy, and its tokens may differ.
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,9 +71,11 @@ class Comparison:
     @property
     def ok(self) -> bool:
         return (
-            self.restored_tokens == self.expected_tokens and (self.tokens_equal or self.stored_lossy)
-            and self.lossy == self.stored_lossy and self.worst_excess <= 0
-        )  # fmt: skip
+            self.restored_tokens == self.expected_tokens
+            and (self.tokens_equal or self.stored_lossy)
+            and self.lossy == self.stored_lossy
+            and self.worst_excess <= 0
+        )
 
     def why(self) -> str:
         """What is wrong, for a log line ("" when :attr:`ok`)."""
@@ -91,14 +94,25 @@ def layer_excess(kind: str, method: Method | str, got: KV, want: KV, spec: Model
     rule of the module doc: <= 0 within it, inf where it must be bit for bit and is not."""
     (k, v), (want_k, want_v) = (tuple(t.cpu() for t in pair) for pair in (got, want))
     if lossy:
-        return max(((g.float() - w.float()).norm() / w.float().norm()).item() - LOSSY_BOUND for g, w in ((k, want_k), (v, want_v)))
+        return max(
+            ((g.float() - w.float()).norm() / w.float().norm()).item() - LOSSY_BOUND
+            for g, w in ((k, want_k), (v, want_v))
+        )
     if kind == "fastgen":
         if not torch.equal(v, want_v) or (Method(method) is not Method.H and not torch.equal(k, want_k)):
             return math.inf
         if Method(method) is not Method.H:
             return 0.0
-        return ((k.float() - want_k.float()).abs() - rope_bound(want_k, torch.arange(len(k)), spec.rope.rotary_dim)).max().item()
-    tolerance = (lambda want: 1e-5) if spec.dtype == "float32" else (lambda want: 2 * torch.finfo(want.dtype).eps * want.float().abs())
+        return (
+            ((k.float() - want_k.float()).abs() - rope_bound(want_k, torch.arange(len(k)), spec.rope.rotary_dim))
+            .max()
+            .item()
+        )
+    tolerance = (
+        (lambda want: 1e-5)
+        if spec.dtype == "float32"
+        else (lambda want: 2 * torch.finfo(want.dtype).eps * want.float().abs())
+    )
     return max(((g.float() - w.float()).abs() - tolerance(w)).max().item() for g, w in ((k, want_k), (v, want_v)))
 
 
@@ -114,18 +128,33 @@ def self_check(config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPG
     failed = {m: results[m].why() or "it failed on another tensor-parallel rank" for m in methods if not ok[m]}
     if failed and mode == "strict":
         raise SelfCheckFailed(
-            "hcache self-check: " + "; ".join(f"restores by {m.value} do not match recompute on this engine ({why})" for m, why in failed.items())
+            "hcache self-check: "
+            + "; ".join(
+                f"restores by {m.value} do not match recompute on this engine ({why})" for m, why in failed.items()
+            )
             + "; refusing to start (self_check='on' would serve without them, 'off' skips the check)"
         )
     checked = disable_methods(config, failed, [m for m in methods if ok[m]])
     for m, why in failed.items():
-        log.warning("hcache self-check: restores by %s do not match recompute on this engine (%s); %s is disabled for this "
-                    "process, plan now %s", m.value, why, m.value, checked.plan or "the profile's without it")  # fmt: skip
-    log.info("hcache self-check: %s checked against recompute in %.2f s", "+".join(m.value for m in methods), time.perf_counter() - start)
+        log.warning(
+            "hcache self-check: restores by %s do not match recompute on this engine (%s); %s is disabled for this "
+            "process, plan now %s",
+            m.value,
+            why,
+            m.value,
+            checked.plan or "the profile's without it",
+        )
+    log.info(
+        "hcache self-check: %s checked against recompute in %.2f s",
+        "+".join(m.value for m in methods),
+        time.perf_counter() - start,
+    )
     return checked
 
 
-def _compare(config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup, methods: list[Method]) -> dict[Method, Comparison]:
+def _compare(
+    config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup, methods: list[Method]
+) -> dict[Method, Comparison]:
     """Save :data:`HISTORY_TOKENS` random tokens on ``engine`` into a throwaway store, keep the cache the
     forward built, and restore the history by each method in turn."""
     spec, kind, lossy = engine.spec, config.engine, config.encodings
@@ -136,9 +165,18 @@ def _compare(config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGro
     with tempfile.TemporaryDirectory(prefix="hcache-self-check-") as tmp:
         # its own store, saving every format, with none of the served store's tiers, logs or metrics
         settings = HCacheConfig.of(
-            config.settings, store_dirs=[tmp], save="all", plan=None, profile=None, readers=0, gpu_cache=False, namespace=None,
-            request_log=None, metrics_port=None, store=StoreConfig(host_bytes=8 * chunk_bytes, direct_io=False, fsync=False, writers=1),
-        )  # fmt: skip
+            config.settings,
+            store_dirs=[tmp],
+            save="all",
+            plan=None,
+            profile=None,
+            readers=0,
+            gpu_cache=False,
+            namespace=None,
+            request_log=None,
+            metrics_port=None,
+            store=StoreConfig(host_bytes=8 * chunk_bytes, direct_io=False, fsync=False, writers=1),
+        )
         check = resolve(settings, config.spec, config.model_name, tensor_parallel=config.tensor_parallel, engine=kind)
         with ServingEngine(engine, StoreStack(check, engine, fingerprint, tp)) as serving:
             serving.open(0, restore=False)
@@ -151,9 +189,19 @@ def _compare(config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGro
                     token = int(serving.put([uid], [tokens])[0].argmax())
                     record = serving.record(uid)
                     stored_lossy = method.value in lossy
-                    errors = tuple(layer_excess(kind, method, engine.kv(uid, layer, n), want[layer], spec, stored_lossy)
-                                   for layer in range(spec.num_layers))  # fmt: skip
-                    results[method] = Comparison(record.restored_tokens, n, record.fallback, token == want_token, record.lossy, stored_lossy, errors)
+                    errors = tuple(
+                        layer_excess(kind, method, engine.kv(uid, layer, n), want[layer], spec, stored_lossy)
+                        for layer in range(spec.num_layers)
+                    )
+                    results[method] = Comparison(
+                        record.restored_tokens,
+                        n,
+                        record.fallback,
+                        token == want_token,
+                        record.lossy,
+                        stored_lossy,
+                        errors,
+                    )
                 except Exception as exc:  # a restore that raises fails its method
                     results[method] = Comparison(0, n, f"{type(exc).__name__}: {exc}", False, False, False, (math.inf,))
                 finally:

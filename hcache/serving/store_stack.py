@@ -8,6 +8,7 @@ the same stack without it. ``enabled=False`` builds the stack with no store (the
 GPU prefix cache needs no store. The host pool and the GPU prefix cache evict by the ``eviction`` setting,
 valuing each chunk at what recomputing it would cost (:func:`recompute_cost`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -41,6 +42,7 @@ def recompute_cost(config: ResolvedConfig) -> Callable[[int, int], float]:
     and ``4·D`` per token it attends to."""
     profile, spec = config.profile, config.spec
     if profile is not None:
+
         def seconds(start: int, tokens: int) -> float:
             grown = profile.costs(start + tokens).c_token - profile.costs(start).c_token
             return spec.num_layers * max(grown, 0.0)
@@ -49,7 +51,9 @@ def recompute_cost(config: ResolvedConfig) -> Callable[[int, int], float]:
     d = spec.hidden_size
 
     def flops(start: int, tokens: int) -> float:
-        attended = tokens * start + tokens * (tokens + 1) / 2  # causal: token ``start + i`` attends to ``start + i + 1``
+        attended = (
+            tokens * start + tokens * (tokens + 1) / 2
+        )  # causal: token ``start + i`` attends to ``start + i + 1``
         return spec.num_layers * (24.0 * d * d * tokens + 4.0 * d * attended)
 
     return flops
@@ -66,7 +70,9 @@ class SaveCapture:
         self._kv_names = stored_names(Method.KV.value, encodings)
         self._read_kv: Callable[[list[Segment], list[int]], torch.Tensor] | None = None
 
-    def begin_batch(self, segments: list[Segment], read_kv: Callable[[list[Segment], list[int]], torch.Tensor] | None = None) -> None:
+    def begin_batch(
+        self, segments: list[Segment], read_kv: Callable[[list[Segment], list[int]], torch.Tensor] | None = None
+    ) -> None:
         """``read_kv(segments, layers)``: the K/V rows of ``segments`` of ``layers``, ``[layers, T, 2, n_kv,
         head]``, which the engine still holds when this batch ends: then K/V are read once a chunk fills, not
         handed over by layer."""
@@ -81,7 +87,9 @@ class SaveCapture:
         if Method.KV.value in self.formats[layer] and self._read_kv is None:
             rows[Method.KV.value] = kv()  # [T, 2, n_kv, head]: the stored KV layout
         encoded = encode_rows(rows, self.encodings)
-        self.saver.on_layer(layer, encoded, keep=[fmt for fmt, t in encoded.items() if t is not hidden])  # all made here but the engine's hidden
+        self.saver.on_layer(
+            layer, encoded, keep=[fmt for fmt, t in encoded.items() if t is not hidden]
+        )  # all made here but the engine's hidden
 
     def end_batch(self) -> None:
         try:
@@ -102,7 +110,14 @@ class StoreStack:
     ``shareable_pool``: the host pool on memory another process may map (a CPU's load process,
     :mod:`hcache.paged.copy_process`)."""
 
-    def __init__(self, config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup = SINGLE, shareable_pool: bool = False):
+    def __init__(
+        self,
+        config: ResolvedConfig,
+        engine: Engine,
+        fingerprint: str,
+        tp: TPGroup = SINGLE,
+        shareable_pool: bool = False,
+    ):
         config.check_engine(engine.spec)
         self.config, self.tp = config, tp
         self.fingerprint = tp.fingerprint(fingerprint)
@@ -112,7 +127,9 @@ class StoreStack:
         self.copier: Copier | None = None
         self.prefetcher: Prefetcher | None = None
         self.anchors: AnchorLog | None = None
-        self.window = config.window_rule(engine.spec, engine.block_size)  # which chunks a sliding-window layer saves and restores
+        self.window = config.window_rule(
+            engine.spec, engine.block_size
+        )  # which chunks a sliding-window layer saves and restores
         eviction, cost = config.settings.eviction, recompute_cost(config)
         if config.stored:
             formats = list(config.save_formats)
@@ -128,18 +145,26 @@ class StoreStack:
                 eviction=eviction,
             )
             self.saver = ChunkSaver(
-                self.store, self.fingerprint, tensors,
-                stores=lambda c, layer, f, end: stores(tp.rank, tp.world_size, c, base_format(f)) and self.window.saves(layer, c, end),
+                self.store,
+                self.fingerprint,
+                tensors,
+                stores=lambda c, layer, f, end: (
+                    stores(tp.rank, tp.world_size, c, base_format(f)) and self.window.saves(layer, c, end)
+                ),
                 value=lambda chunk: cost(chunk * CHUNK_TOKENS, CHUNK_TOKENS),
             )
             if any(formats):
                 self.capture = SaveCapture(self.saver, formats, config.encodings)
             self.prefetcher = Prefetcher(self.store)
             dirs = config.store_dirs(tp.rank)
-            others = [d / ANCHORS_FILE for d in config.other_layouts()]  # to tell a store of another tensor-parallel size
+            others = [
+                d / ANCHORS_FILE for d in config.other_layouts()
+            ]  # to tell a store of another tensor-parallel size
             self.anchors = AnchorLog(Path(dirs[0]) / ANCHORS_FILE if dirs else None, consult=others)
         drop = self.saver.drop_partial if self.saver is not None else (lambda partial: None)
-        self.gpu_cache = GpuPrefixCache(engine, drop, eviction=eviction, value=cost) if config.settings.gpu_cache else None
+        self.gpu_cache = (
+            GpuPrefixCache(engine, drop, eviction=eviction, value=cost) if config.settings.gpu_cache else None
+        )
 
     def close(self) -> None:
         """Drain the saver, write every saved chunk back to its stores and stop the store's threads."""

@@ -9,6 +9,7 @@ and, where the store has a local directory, appended to a file there, so a resta
 model or settings change) can still say why its first look-ups miss. The file is advisory: a torn or
 foreign line is skipped, and it is compacted to the kept entries when it grows past twice their number.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,7 +30,9 @@ class AnchorLog:
     log file (None: memory only). ``consult``: other stores' logs (another layout's, beside this one), read
     once now and never written: their labels are answered too."""
 
-    def __init__(self, path: str | os.PathLike | None, kept: int = ANCHORS_KEPT, consult: Iterable[str | os.PathLike] = ()):
+    def __init__(
+        self, path: str | os.PathLike | None, kept: int = ANCHORS_KEPT, consult: Iterable[str | os.PathLike] = ()
+    ):
         self.path, self.kept = (Path(path) if path is not None else None), kept
         self._labels: OrderedDict[str, set[str]] = OrderedDict()
         self._lines = 0

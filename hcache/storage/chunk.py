@@ -11,6 +11,7 @@ The metadata is the header's last entry, so the headers of chunks laid out alike
 bytes, and a reader parses that part once per layout (:func:`_layout`). The storage layer treats formats
 and fingerprints as opaque.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,9 +29,13 @@ _ALIGN = 64
 # safetensors' names. The 8-bit ones hold compressed state's codes; what they encode (their scales are
 # tensors of their own, under the same checksums) is for the layer above to know.
 _DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-    "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
-}  # fmt: skip
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _MAX_HEADER = 1 << 24
 _METADATA = b'"__metadata__":'
@@ -116,7 +121,9 @@ class ChunkLayout:
         return cls({k: TensorEntry(data_start + e.offset, e.shape, e.dtype) for k, e in entries.items()}, data_start)
 
 
-def _header(entries: dict, data_start: int, key: str, parent: str, tokens: list[int], fingerprint: str, sums: dict[str, str]) -> bytes:
+def _header(
+    entries: dict, data_start: int, key: str, parent: str, tokens: list[int], fingerprint: str, sums: dict[str, str]
+) -> bytes:
     header = {
         _name(*k): {
             "dtype": _NAMES[e.dtype],
@@ -143,9 +150,14 @@ class ChunkImage:
     that holds it, if one does."""
 
     def __init__(
-        self, data: torch.Tensor, layout: ChunkLayout, fingerprint: str, key: str = "", tokens: list[int] | None = None,
+        self,
+        data: torch.Tensor,
+        layout: ChunkLayout,
+        fingerprint: str,
+        key: str = "",
+        tokens: list[int] | None = None,
         slot: object = None,
-    ):  # fmt: skip
+    ):
         if len(data) < layout.nbytes:
             raise ValueError(f"a chunk image of {layout.nbytes} bytes does not fit in {len(data)}")
         self.data, self.layout, self.fingerprint = data, layout, fingerprint
@@ -196,13 +208,27 @@ class ChunkImage:
                     i += 1
                     continue
                 j, step = i + 1, first.nbytes
-                while j < len(layers) and (e := entries.get((layers[j], fmt))) is not None and (e.shape, e.dtype) == (first.shape, first.dtype):
+                while (
+                    j < len(layers)
+                    and (e := entries.get((layers[j], fmt))) is not None
+                    and (e.shape, e.dtype) == (first.shape, first.dtype)
+                ):
                     gap = e.offset - entries[(layers[j - 1], fmt)].offset
                     if gap <= 0 or (j > i + 1 and gap != step):
                         break
                     step, j = gap, j + 1
-                view = self.tensor(layers[i], fmt)  # offsets are 64-byte aligned: ``step`` is a whole number of elements
-                spans.append((i, j, view.as_strided((j - i, *first.shape), (step // first.dtype.itemsize, *first.strides), view.storage_offset())))
+                view = self.tensor(
+                    layers[i], fmt
+                )  # offsets are 64-byte aligned: ``step`` is a whole number of elements
+                spans.append(
+                    (
+                        i,
+                        j,
+                        view.as_strided(
+                            (j - i, *first.shape), (step // first.dtype.itemsize, *first.strides), view.storage_offset()
+                        ),
+                    )
+                )
                 i = j
             self._spans[(layers, fmt)] = spans
         return spans
@@ -213,8 +239,12 @@ class ChunkImage:
         if key is not None:
             self.key, self.tokens, self.parent = key, list(tokens), parent
         data = self.data.numpy()
-        self.sums = sums = {name: _checksum(name, data[e.offset : e.offset + e.nbytes]) for name, e in self._named_entries()}
-        header = _header(self.layout.entries, self.layout.data_start, self.key, self.parent, self.tokens, self.fingerprint, sums)
+        self.sums = sums = {
+            name: _checksum(name, data[e.offset : e.offset + e.nbytes]) for name, e in self._named_entries()
+        }
+        header = _header(
+            self.layout.entries, self.layout.data_start, self.key, self.parent, self.tokens, self.fingerprint, sums
+        )
         room = self.layout.data_start - 8
         if len(header) > room:
             raise ValueError(f"chunk header of {len(header)} bytes exceeds its {room} reserved")
@@ -240,10 +270,11 @@ class ChunkImage:
         if layout.name_set == self.names and layout.entries != self.layout.entries:
             return False
         return all(
-            (other := layout.entries.get(k)) is not None and (other.shape, other.dtype) == (e.shape, e.dtype)
+            (other := layout.entries.get(k)) is not None
+            and (other.shape, other.dtype) == (e.shape, e.dtype)
             and sums.get(self.layout.names[k]) == self.sums.get(self.layout.names[k])
             for k, e in self.layout.entries.items()
-        )  # fmt: skip
+        )
 
     def _named_entries(self):
         return ((self.layout.names[k], e) for k, e in self.layout.entries.items())

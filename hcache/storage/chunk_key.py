@@ -5,6 +5,7 @@ fingerprint, the layout version and an optional namespace. So any client that re
 longest stored prefix without a session id, and two tenants with different namespaces never share a chunk.
 BLAKE2b (not a fast non-cryptographic hash) because a key collision would serve one user another's state.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,12 @@ def check_namespace(namespace: object, name: str = "namespace") -> str | None:
     characters."""
     if namespace is None:
         return None
-    if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAMESPACE_CHARS or not namespace.isprintable():
+    if (
+        not isinstance(namespace, str)
+        or not namespace
+        or len(namespace) > MAX_NAMESPACE_CHARS
+        or not namespace.isprintable()
+    ):
         raise InvalidRequestError(
             f"{name} must be a non-empty string of at most {MAX_NAMESPACE_CHARS} printable characters, not {namespace!r:.80}"
         )

@@ -5,6 +5,7 @@ A store moves whole chunk images between itself and host-pool slots: one request
 process or shared by nodes over one filesystem) and :class:`~hcache.storage.redis_store.RedisChunkStore`
 (a Redis server or cluster shared by nodes).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -20,7 +21,9 @@ class Loss(str, Enum):
     """Why a store no longer holds a chunk it held, as far as it knows (a look-up's miss reason)."""
 
     EVICTED = "evicted"  # by its quota, TTL or LRU, or deleted by someone else
-    FAILED_VERIFICATION = "failed_verification"  # its file failed a check: at start-up, on a read, or its length changed
+    FAILED_VERIFICATION = (
+        "failed_verification"  # its file failed a check: at start-up, on a read, or its length changed
+    )
 
 
 Why = TypeVar("Why")

@@ -10,6 +10,7 @@ in a rolling upgrade sharing the store) is reported and never deleted.
 
 The parser is built without importing torch: the chunk code is imported when a command runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,9 @@ class _BadArguments(Exception):
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("store", help="inspect, verify or evict the chunks of a store directory (also while a server holds it)")
+    p = sub.add_parser(
+        "store", help="inspect, verify or evict the chunks of a store directory (also while a server holds it)"
+    )
     ops = p.add_subparsers(dest="store_command", required=True)
     inspect = ops.add_parser("inspect", help="chunks, bytes, formats and encodings, layers, models, ages (read-only)")
     inspect.add_argument("dir", metavar="DIR", help="a store directory (hcache serve --store-dir)")
@@ -37,8 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     verify.add_argument("--repair", action="store_true", help="remove the chunks that fail verification")
     evict = ops.add_parser("evict", help="remove the chunks that match every filter given")
     evict.add_argument("dir", metavar="DIR", help="a store directory")
-    evict.add_argument("--older-than", type=float, default=None, metavar="SECONDS", help="not used (file time) for this long")
-    evict.add_argument("--namespace", default=None, metavar="NS", help="saved under this namespace (found by walking key chains)")
+    evict.add_argument(
+        "--older-than", type=float, default=None, metavar="SECONDS", help="not used (file time) for this long"
+    )
+    evict.add_argument(
+        "--namespace", default=None, metavar="NS", help="saved under this namespace (found by walking key chains)"
+    )
     evict.add_argument("--model", default=None, metavar="FINGERPRINT", help="saved by the model of this fingerprint")
 
 
@@ -141,7 +148,9 @@ def inspect(d: Path) -> dict:
         "other_version": status["other version"],
         "bad_header": status["bad"],
         "formats": {fmt: dict(sorted(c.items())) for fmt, c in sorted(formats.items())},  # chunks holding each
-        "layers": dict(sorted(layers.items())),  # chunks holding each layer: a sliding-window layer's, only near each save's end
+        "layers": dict(
+            sorted(layers.items())
+        ),  # chunks holding each layer: a sliding-window layer's, only near each save's end
         "models": dict(models.most_common()),
         "namespaces": None,
         "namespaces_note": "not recorded in chunk metadata (a namespace is hashed into the chain's keys); evict --namespace finds its chunks by walking the key chains",
@@ -210,8 +219,10 @@ def verify(d: Path, repair: bool) -> int:
         print(f"bad: {f.path}: {why}")
     for f, why in other:
         print(f"other version (left alone): {f.path}: {why}")
-    print(f"verified {len(files)} chunks in {d}: {good} good, {len(bad)} bad, {len(other)} of another layout version"
-          + (f"; removed {removed} bad" if repair else ""))  # fmt: skip
+    print(
+        f"verified {len(files)} chunks in {d}: {good} good, {len(bad)} bad, {len(other)} of another layout version"
+        + (f"; removed {removed} bad" if repair else "")
+    )
     return 1 if bad else 0
 
 
@@ -225,7 +236,9 @@ def _namespace_keys(files: list[_File], namespace: str, headers: dict) -> set[st
         status, _, meta = headers[f.key]
         if status == "ok":
             try:
-                by_model.setdefault(meta.get("fingerprint", ""), []).append((f.key, json.loads(meta.get("tokens", "null"))))
+                by_model.setdefault(meta.get("fingerprint", ""), []).append(
+                    (f.key, json.loads(meta.get("tokens", "null")))
+                )
             except ValueError:
                 continue
     found: set[str] = set()
@@ -266,7 +279,10 @@ def evict(d: Path, older_than: float | None, namespace: str | None, model: str |
             continue
         removed += 1
         freed += f.size
-    print(f"evicted {removed} chunks, {freed} bytes from {d}" + (f" ({kept_other} of another layout version left alone)" if kept_other else ""))
+    print(
+        f"evicted {removed} chunks, {freed} bytes from {d}"
+        + (f" ({kept_other} of another layout version left alone)" if kept_other else "")
+    )
     return 0
 
 
@@ -274,7 +290,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.store_command == "evict":
             if args.older_than is None and args.namespace is None and args.model is None:
-                raise _BadArguments("store evict needs a filter: --older-than SECONDS, --namespace NS or --model FINGERPRINT")
+                raise _BadArguments(
+                    "store evict needs a filter: --older-than SECONDS, --namespace NS or --model FINGERPRINT"
+                )
             if args.older_than is not None and not args.older_than >= 0:
                 raise _BadArguments(f"--older-than must be a number of seconds >= 0, not {args.older_than}")
             if args.namespace is not None:

@@ -9,6 +9,7 @@ any number of shared openers, and no private one while they hold it. Store objec
 share the lock (in one mode), so only the first of them may delete temporary files at start-up: the others'
 writes may be in flight. A forked child does not inherit its parent's lock.
 """
+
 from __future__ import annotations
 
 import errno
@@ -51,7 +52,9 @@ def acquire(directory: Path, shared: bool = False) -> tuple[Callable[[], None], 
                 os.pwrite(fd, str(os.getpid()).encode(), 0)
             entry = _held[key] = [fd, 0, shared]
         elif entry[2] != shared:
-            raise StorageError(f"the store directory {directory} is open here as {'shared' if entry[2] else 'private'} already")
+            raise StorageError(
+                f"the store directory {directory} is open here as {'shared' if entry[2] else 'private'} already"
+            )
         entry[1] += 1
         return functools.partial(_release, key), entry[1] == 1
 

@@ -3,6 +3,7 @@ rebuilt. Temporary files are writes that never got published: deleted, unless an
 writing them (a shared directory, or one another object of the process has open), and then only a day old.
 A bad file is deleted; a file of another layout version is another hcache's, left alone; a chunk in two
 directories keeps its newer copy. Each file's time is its last use, and its header names its parent."""
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,9 @@ STALE_TMP_S = 86400.0  # a temporary file this old is an abandoned write, whoeve
 
 @dataclass
 class Scan:
-    chunks: dict[str, tuple[Path, Entry]] = field(default_factory=dict)  # good ones: entries' ``where`` is the directory's index
+    chunks: dict[str, tuple[Path, Entry]] = field(
+        default_factory=dict
+    )  # good ones: entries' ``where`` is the directory's index
     dropped: list[str] = field(default_factory=list)  # keys of the files found bad, deleted
     other_version: int = 0  # files of another layout version, left alone
 

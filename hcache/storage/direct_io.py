@@ -8,6 +8,7 @@ request and no bounce buffer; a buffer that is not aligned goes through a privat
 Filesystems without O_DIRECT (tmpfs on older kernels, some network filesystems) answer EINVAL; those use
 plain buffered I/O. Files are created 0600 whatever the umask: a chunk holds a conversation's token ids.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -113,7 +114,9 @@ def read_file(path: Path, out: memoryview, length: int, direct: bool) -> None:
     ``length`` rounded up to a block); raises FileNotFoundError if it is gone, :class:`LengthChanged` if it
     is no longer that long, OSError if it cannot be read."""
     out = memoryview(out).cast("B")
-    fd, direct = open_fd(path, os.O_RDONLY, direct and len(out) >= _round_up(length) and _aligned(out[: _round_up(length)]))
+    fd, direct = open_fd(
+        path, os.O_RDONLY, direct and len(out) >= _round_up(length) and _aligned(out[: _round_up(length)])
+    )
     try:
         actual = os.fstat(fd).st_size
         if actual != length:  # not the file asked for

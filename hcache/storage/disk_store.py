@@ -38,6 +38,7 @@ by the chunk's checksums. Start-up deletes only temporary files older than a day
 be another node's write in flight; so does a private store's start-up when another store object of the
 process has the directory open already (its writes may be in flight).
 """
+
 from __future__ import annotations
 
 import errno
@@ -183,8 +184,13 @@ class DiskChunkStore:
         with self._lock:
             victims = self._index.make_room(0) or []
             if victims:  # a quota below what the directories hold: the oldest go now
-                log.warning("store %s holds more than its quota of %d bytes: evicting its %d least recently used chunks (%d bytes)",
-                            self.root, self.quota_bytes, len(victims), sum(e.size for _, e in victims))  # fmt: skip
+                log.warning(
+                    "store %s holds more than its quota of %d bytes: evicting its %d least recently used chunks (%d bytes)",
+                    self.root,
+                    self.quota_bytes,
+                    len(victims),
+                    sum(e.size for _, e in victims),
+                )
             self._evict(victims)
 
     # ---- the ChunkStore protocol ------------------------------------------------------------------
@@ -295,7 +301,9 @@ class DiskChunkStore:
             victims = self._index.make_room(size, replacing=key, parent=parent)
             if victims is None:
                 self._gone.add(key, Loss.EVICTED)  # the quota refused it: a look-up's miss is the quota's
-                raise StoreFull(f"quota of {self.quota_bytes} bytes is held by chunks being read or written, and by the chain this chunk continues")
+                raise StoreFull(
+                    f"quota of {self.quota_bytes} bytes is held by chunks being read or written, and by the chain this chunk continues"
+                )
             self._evict(victims)
             old = self._index.entries.get(key)
             where = old.where if old is not None else self._next_dir
@@ -426,4 +434,3 @@ class DiskChunkStore:
     def _unpin(self, entry: Entry) -> None:
         with self._lock:
             entry.pins -= 1
-

@@ -10,6 +10,7 @@
 Mechanism stays with the caches: they say which entries may go (not pinned, and for the GPU prefix cache
 not the prefix of another cached entry) and in what recency order; this module only picks among them.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -7,6 +7,7 @@ coalesced on free; the chunks of one runtime all have one size, so the arena doe
 practice. Who may free a slot (and when) is the owner's policy: the pool only refuses to free a slot
 that is still referenced.
 """
+
 from __future__ import annotations
 
 import bisect

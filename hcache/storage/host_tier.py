@@ -22,6 +22,7 @@ shared server or filesystem), which are tried in order.
   a chunk being saved is not saved and one being loaded is not loaded (the restore ends there), both
   counted, and serving goes on. The recency order is the stores' own :class:`~.lru_index.LruIndex`.
 """
+
 from __future__ import annotations
 
 import errno
@@ -50,8 +51,6 @@ class HostPoolFull(OSError):
         super().__init__(errno.ENOMEM, message)
 
 
-
-
 @dataclass
 class Stalls:
     """Waits for room in the pool by one kind of caller: how many, and how long in all."""
@@ -70,7 +69,12 @@ class HostTier:
     the :mod:`.eviction` policy that makes room in the pool."""
 
     def __init__(
-        self, stores: Sequence[ChunkStore], pool: HostPool, *, readers: int = DEFAULT_READERS, writers: int = DEFAULT_WRITERS,
+        self,
+        stores: Sequence[ChunkStore],
+        pool: HostPool,
+        *,
+        readers: int = DEFAULT_READERS,
+        writers: int = DEFAULT_WRITERS,
         eviction: str = "lru",
     ):
         if readers < 0 or writers < 1:
@@ -206,7 +210,9 @@ class HostTier:
         def take(size: int) -> memoryview:
             slot = self._alloc(size, self.loader_stalls)
             if slot is None:
-                raise HostPoolFull(f"the host pool ({self.pool.capacity} bytes) is held by chunks in use; raise host_bytes")
+                raise HostPoolFull(
+                    f"the host pool ({self.pool.capacity} bytes) is held by chunks in use; raise host_bytes"
+                )
             taken.append(slot)
             return self.pool.buffer(slot)
 
@@ -285,7 +291,9 @@ class HostTier:
         """Give back an image that will not be published."""
         self._free_unpublished([image.slot])
 
-    def publish(self, image: ChunkImage, key: str, tokens: list[int], value: float | None = None, parent: str = "") -> None:
+    def publish(
+        self, image: ChunkImage, key: str, tokens: list[int], value: float | None = None, parent: str = ""
+    ) -> None:
         """Name a complete chunk and make it restorable now; write it back to the stores in the background.
         ``value``: what keeping it in the pool saves (``eviction="cost"``), remembered for when it is loaded again;
         ``parent``: the key of the chunk before it in its chain (its stores keep that one at least as long).

@@ -8,6 +8,7 @@ asks the Redis tiers, taking no lock and changing nothing, and stops at the firs
 chunk seen here may be gone or bad when the owner reads it: the owner verifies every chunk it loads, and
 the asker must accept that a load can fall short.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -8,6 +8,7 @@ its pins counted in :attr:`Entry.pins` (a read or a write in flight); the host t
 no room (:meth:`LruIndex.pop_victim`, by the index's :mod:`~.eviction` policy), a chunk pinned while its slot
 is referenced (``pinned``). Not thread-safe by itself: its owner holds a lock around every call.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,8 +39,15 @@ class LruIndex:
     """``quota_bytes``, ``ttl_s``: None for none. ``pinned``: whether an entry may not be evicted now (by
     default, whether it has pins). ``policy``: what :meth:`pop_victim` gives up first (:mod:`.eviction`)."""
 
-    def __init__(self, quota_bytes: int | None = None, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 *, pinned: Callable[[Entry], bool] = _has_pins, policy: str = "lru"):
+    def __init__(
+        self,
+        quota_bytes: int | None = None,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        pinned: Callable[[Entry], bool] = _has_pins,
+        policy: str = "lru",
+    ):
         self.quota_bytes, self.ttl_s, self.clock, self.pinned = quota_bytes, ttl_s, clock, pinned
         self.policy = check_policy(policy)
         self.entries: OrderedDict[str, Entry] = OrderedDict()

@@ -7,6 +7,7 @@ in a tier others evict from cannot be held: Redis evicts by the server's policy,
 over a shared directory by its own quota. It is counted all the same, as found; a load that then misses it
 falls short, as it would have without a pin.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -7,6 +7,7 @@ a running restore needs (a chunk evicted again before its restore is simply read
 and end times are kept until a restore reads the chunk: the part of its read that ran before the restore
 began is the time prefetch hid, reported per restore.
 """
+
 from __future__ import annotations
 
 import threading

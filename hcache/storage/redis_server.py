@@ -3,6 +3,7 @@ given no server, and the one the tests and benchmarks run against.
 
 Each server keeps nothing on disk (no RDB, no AOF) and is stopped by its process id.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -24,7 +25,9 @@ def redis_missing() -> str | None:
     missing = [tool for tool in ("redis-server", "redis-cli") if shutil.which(tool) is None]
     if not missing:
         return None
-    return f"{' and '.join(missing)} not installed (Debian package redis-server; scripts/install.sh installs it as root)"
+    return (
+        f"{' and '.join(missing)} not installed (Debian package redis-server; scripts/install.sh installs it as root)"
+    )
 
 
 class RedisServer:
@@ -48,12 +51,21 @@ class RedisServer:
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", self._dir, "--logfile", str(log)]
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]
+            args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+            ]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
         # A session of its own: a Ctrl-C meant for its owner (``hcache fleet``) must not end it before the nodes
         # have drained into it.
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         client = redis.Redis(port=self.port, socket_timeout=1)
         deadline = time.monotonic() + _START_S
         while True:
@@ -104,7 +116,10 @@ class RedisCluster:
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
             subprocess.run(
                 ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=_START_S,
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=_START_S,
             )
             deadline = time.monotonic() + _START_S
             clients = [redis.Redis(port=n.port, socket_timeout=1) for n in self.nodes]

@@ -16,6 +16,7 @@ leaves the server alone for ``backoff_s`` so that a slow server costs one timeou
 A value of another type under a chunk's key (a list, say) is no failure of the server: it is a bad chunk,
 discarded when read and replaced when written.
 """
+
 from __future__ import annotations
 
 import io
@@ -86,7 +87,9 @@ class RedisChunkStore:
         ``redis+cluster://host:port,host:port``, with options ``?prefix=&namespace=&ttl=&timeout=&backoff=``."""
         parts = urlsplit(url)
         if parts.scheme not in SCHEMES or not parts.hostname:
-            raise StorageError(f"not a Redis tier: {url!r} (expected redis://host:port/db or redis+cluster://host:port,...)")
+            raise StorageError(
+                f"not a Redis tier: {url!r} (expected redis://host:port/db or redis+cluster://host:port,...)"
+            )
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         unknown = set(query) - {"prefix", "namespace", "ttl", "timeout", "backoff"}
         if unknown:
@@ -207,7 +210,7 @@ class RedisChunkStore:
     def put(self, key: str, data: memoryview, length: int | None = None, parent: str = "") -> None:
         """SET the chunk (atomic on the server); raises OSError when the server cannot take it. Redis evicts
         by its own policy, which knows no ``parent``."""
-        value = memoryview(data).cast("B")[: length]
+        value = memoryview(data).cast("B")[:length]
 
         def call(client):
             ttl = None if self.ttl_s is None else int(self.ttl_s * 1000)
@@ -281,7 +284,13 @@ class RedisChunkStore:
                 errors = self.errors
                 self._down_until = time.monotonic() + self.backoff_s
             if not quiet and (errors == 1 or errors % 100 == 0):
-                log.warning("%s: could not %s (%s); %d failure(s) so far, serving goes on without it", self.name, what, exc, errors)
+                log.warning(
+                    "%s: could not %s (%s); %d failure(s) so far, serving goes on without it",
+                    self.name,
+                    what,
+                    exc,
+                    errors,
+                )
             return default
 
     def _get_client(self):
@@ -292,4 +301,3 @@ class RedisChunkStore:
             if self._client is None:
                 self._client = self._connect()
             return self._client
-

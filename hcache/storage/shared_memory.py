@@ -1,5 +1,6 @@
 """Memory another process can map: a memfd, mapped shared. Its pages come on first touch, as anonymous
 memory's do, and /dev/shm's size does not bound them."""
+
 from __future__ import annotations
 
 import mmap

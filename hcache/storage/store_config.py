@@ -1,6 +1,7 @@
 """How a runtime's store is built: the host pool in front, the local disk store under it, and stores shared
 with other nodes below, each built by the kind its URL's scheme names (:data:`SHARED_KINDS`). A "tier" is
 a level of this stack; a "shared store" is one of the levels below the local disk."""
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,11 @@ class StoreConfig:
         if tiers is not None:
             if self.shared:
                 raise StorageError("give the shared stores as shared, not also as tiers (its former name)")
-            warnings.warn("StoreConfig's tiers is now called shared; tiers will be refused in a later release", FutureWarning, stacklevel=3)
+            warnings.warn(
+                "StoreConfig's tiers is now called shared; tiers will be refused in a later release",
+                FutureWarning,
+                stacklevel=3,
+            )
             object.__setattr__(self, "shared", tiers)
         if isinstance(self.shared, str):
             raise StorageError(f"shared is a list of store URLs, not the string {self.shared!r}")
@@ -103,15 +108,23 @@ class StoreConfig:
             for store in stores:
                 store.close()
             raise
-        return HostTier(stores, HostPool(self.host_bytes, pin=pin, shareable=shareable), readers=readers, writers=self.writers, eviction=eviction)
+        return HostTier(
+            stores,
+            HostPool(self.host_bytes, pin=pin, shareable=shareable),
+            readers=readers,
+            writers=self.writers,
+            eviction=eviction,
+        )
 
     def lookup(self, dirs: str | os.PathLike | Sequence[str | os.PathLike] | None) -> StoreLookup:
         """A look-up of what the store over ``dirs`` and the shared stores holds, for a process that does not
         open it (:class:`~hcache.storage.lookup.StoreLookup`)."""
         shared = self._shared()
         local = directories(dirs) if dirs is not None else []
-        return StoreLookup(local + [t.path for t in shared if isinstance(t, SharedDirectory)],
-                           [t.open(self, None) for t in shared if isinstance(t, SharedRedis)])  # fmt: skip
+        return StoreLookup(
+            local + [t.path for t in shared if isinstance(t, SharedDirectory)],
+            [t.open(self, None) for t in shared if isinstance(t, SharedRedis)],
+        )
 
     def _shared(self) -> list[SharedStore]:
         return [shared_store(url) for url in self.shared]
@@ -159,7 +172,11 @@ class SharedDirectory:
 
 
 SharedStore = SharedRedis | SharedDirectory
-SHARED_KINDS: dict[str, type[SharedStore]] = {**dict.fromkeys(REDIS_SCHEMES, SharedRedis), "file": SharedDirectory, "": SharedDirectory}
+SHARED_KINDS: dict[str, type[SharedStore]] = {
+    **dict.fromkeys(REDIS_SCHEMES, SharedRedis),
+    "file": SharedDirectory,
+    "": SharedDirectory,
+}
 
 
 def shared_store(url: str) -> SharedStore:

@@ -6,6 +6,7 @@ which a store of another version refuses, and the labels (for the runtime: model
 everyone who has saved there. Labels are opaque here. Directories are 0700 whatever the umask: the chunk
 files hold token ids in clear. Opening one takes its lock (:mod:`.dir_lock`) before reading the manifest.
 """
+
 from __future__ import annotations
 
 import json

@@ -8,6 +8,7 @@ with :func:`encode_rows`, the restoring side reads with :func:`stored_rows` and 
 holds both directions, so they cannot drift apart. A chunk's own tensors say how it was encoded, so chunks
 of every encoding restore on any runtime.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..ops.quant import ENCODINGS, SCALE_DTYPE, QuantRows, dequantise, quantise
+
 
 class Format(str, Enum):
     """A stored format: what a layer's rows are. A ``str`` that prints as its value (as 3.11's ``StrEnum``),
@@ -81,7 +83,9 @@ def parse_stored_dtype(stored_dtype: str) -> dict[Format, Encoding]:
             names[fmt] = _BEST_8BIT[fmt] if value == "8bit" else value
     bad = sorted(set(names.values()) - {e.value for e in Encoding} - {"auto"})
     if bad:
-        raise ValueError(f"unknown stored dtype {bad[0]!r}: expected auto, int8, fp8, 8bit, or per format as H=fp8,KV=int8")
+        raise ValueError(
+            f"unknown stored dtype {bad[0]!r}: expected auto, int8, fp8, 8bit, or per format as H=fp8,KV=int8"
+        )
     return {fmt: Encoding(name) for fmt, name in names.items() if name != "auto"}
 
 

@@ -2,6 +2,7 @@
 its own K/V heads of every chunk, and the rows every rank holds alike (``Format.H``, the hidden states)
 once, chunk ``j`` by rank ``j % size``. Nothing is stored twice, and a restore reads every stored byte once:
 an H layer reads the rank's chunks and the ranks gather the rest; a KV layer reads the rank's heads."""
+
 from __future__ import annotations
 
 from .stored_state import Format

@@ -1,6 +1,7 @@
 """A disk store's uses, recorded in its chunk files' times, from which a restart rebuilds the LRU order and
 the TTL. A look-up must not wait for a file-system call per chunk, so the times are set by a thread of the
 store's own: a use is noted (the latest per chunk), and the thread sets every noted time, until none is left."""
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ most used chunks first (a system prompt every conversation shares). So the hits 
 here and passed down in batches on a writer thread: off the restore's path, yet before the puts of any
 write-back queued after them (a write-back calls :meth:`Uses.pass_down` first).
 """
+
 from __future__ import annotations
 
 import threading

@@ -7,6 +7,7 @@ continues. A store that has the chunk already, with as many formats and a header
 one that refuses it (ENOSPC, EIO, a full quota, a server down) is counted and logged, and serving goes on:
 the chunk stays in the pool. Uses noted before a write-back are passed down before its puts (:mod:`.uses`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,15 @@ class WriteBacks:
     ``cond`` held, give back the reference a write-back held. ``in_flight``: write-backs not ended yet;
     ``errors``: writes a store refused."""
 
-    def __init__(self, pool: HostPool, writers: Executor, cond: threading.Condition, uses: Uses,
-                 current: Callable[[ChunkImage], bool], release: Callable[[ChunkImage], None]):
+    def __init__(
+        self,
+        pool: HostPool,
+        writers: Executor,
+        cond: threading.Condition,
+        uses: Uses,
+        current: Callable[[ChunkImage], bool],
+        release: Callable[[ChunkImage], None],
+    ):
         self.pool, self.writers, self.cond, self.uses = pool, writers, cond, uses
         self.current, self.release = current, release
         self.in_flight = self.errors = 0
@@ -94,8 +102,13 @@ class WriteBacks:
                         self.errors += 1
                         errors = self.errors
                     if errors == 1 or errors % 100 == 0:
-                        log.warning("could not write chunk %s to %s (%s); %d write(s) failed so far",
-                                    image.key, _label(store), exc, errors)
+                        log.warning(
+                            "could not write chunk %s to %s (%s); %d write(s) failed so far",
+                            image.key,
+                            _label(store),
+                            exc,
+                            errors,
+                        )
         finally:
             with self.cond:
                 self._submit(self._ended(image))

@@ -6,6 +6,7 @@ decode step, where each sequence computes a row, a copy per sequence and layer w
 in bytes. A staged chunk (on a GPU) is filled on the rows' device and crosses to its slot once, whole
 (:func:`unstage`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -61,8 +62,9 @@ def split(pos: int, row: int, length: int):
         pos, row, length = pos + n, row + n, length - n
 
 
-def copy_rows(pieces: list[Piece], layers: tuple[int, ...], fmt: str, src: torch.Tensor, *, stage: bool,
-              fingerprint: str) -> None:
+def copy_rows(
+    pieces: list[Piece], layers: tuple[int, ...], fmt: str, src: torch.Tensor, *, stage: bool, fingerprint: str
+) -> None:
     """The rows of ``layers`` (``src[k]``: ``layers[k]``'s) into each piece's chunk: with ``stage``, its staged
     image on the rows' device (made on the first rows), else its slot; a piece's rows of layers evenly spaced in
     its chunk in one copy, and every piece's in one call."""
@@ -96,7 +98,10 @@ def unstage(chunks: list[Chunk]) -> None:
     if not chunks:
         return
     spans = [slice(c.image.layout.data_start, c.image.layout.nbytes) for c in chunks]
-    torch._foreach_copy_([c.image.data[b] for c, b in zip(chunks, spans)],
-                         [c.staged.data[b] for c, b in zip(chunks, spans)], non_blocking=True)  # fmt: skip
+    torch._foreach_copy_(
+        [c.image.data[b] for c, b in zip(chunks, spans)],
+        [c.staged.data[b] for c, b in zip(chunks, spans)],
+        non_blocking=True,
+    )
     for c in chunks:
         c.staged = None

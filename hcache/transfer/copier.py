@@ -6,6 +6,7 @@ layers in flight and ``depth + 1`` events, an event is re-recorded only after th
 told to wait on it, if it is ever waited on (CUDA captures an event's state when the wait is enqueued). On
 a CPU the copies run inline and there are no events.
 """
+
 from __future__ import annotations
 
 from collections import deque

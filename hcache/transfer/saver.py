@@ -26,6 +26,7 @@ fills (it is stored already): its slot goes back as soon as that is known. A sto
 
 A chunk's key comes from the sequence's key chain, which the serving engine owns: the saver reads it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -100,7 +101,9 @@ class ChunkSaver:
         self._tensors = [TensorSpec(*t) for t in tensors]
         self._layouts: dict[frozenset[tuple[int, str]], ChunkLayout] = {}
         self._names = {(layer, fmt) for layer, fmt, *_ in tensors}
-        self._layers = {fmt: sorted(layer for layer, f in self._names if f == fmt) for _, fmt in self._names}  # storing each format
+        self._layers = {
+            fmt: sorted(layer for layer, f in self._names if f == fmt) for _, fmt in self._names
+        }  # storing each format
         self._seqs: dict[int, SavedSequence] = {}
         self._batch: _Batch | None = None
         self._lock = threading.Lock()
@@ -192,7 +195,11 @@ class ChunkSaver:
                     dead.append(seq.chunks.pop(index))
                     chunk = None
                 if chunk is None:
-                    image = self.tier.create(self._layout(index, s.start + s.length), self.fingerprint) if offset == 0 else None
+                    image = (
+                        self.tier.create(self._layout(index, s.start + s.length), self.fingerprint)
+                        if offset == 0
+                        else None
+                    )
                     chunk = seq.chunks[index] = Chunk(index, image, expected=offset)
                 chunk.expected = offset + n
                 pieces.append(Piece(seq, chunk, offset, row, n))
@@ -210,19 +217,26 @@ class ChunkSaver:
         for fmt, t in rows.items():
             batch.delivered.add((layer, fmt))
             run, kept = batch.runs.get(fmt), fmt in keep
-            if run is not None and (len(run.layers) == len(run.rows) or (run.kept is not None) != kept
-                                    or (run.rows.shape[1:], run.rows.dtype, run.rows.device) != (t.shape, t.dtype, t.device)):  # fmt: skip
+            if run is not None and (
+                len(run.layers) == len(run.rows)
+                or (run.kept is not None) != kept
+                or (run.rows.shape[1:], run.rows.dtype, run.rows.device) != (t.shape, t.dtype, t.device)
+            ):
                 self._flush(batch, fmt)
                 run = None
             if run is None:
-                room = min(RUN_BYTES // max(t.nbytes, 1), len(self._layers.get(fmt, ())))  # a run never holds more layers
+                room = min(
+                    RUN_BYTES // max(t.nbytes, 1), len(self._layers.get(fmt, ()))
+                )  # a run never holds more layers
                 if room < 2:
                     self._copy(batch.pieces, (layer,), fmt, t[None])
                     continue
                 buffer = self._buffers.get((fmt, t.device))
                 if buffer is None:
                     buffer = self._buffers[(fmt, t.device)] = torch.empty(RUN_BYTES, dtype=torch.uint8, device=t.device)
-                run = batch.runs[fmt] = _Run([], buffer[: room * t.nbytes].view(t.dtype).view(room, *t.shape), [] if kept else None)
+                run = batch.runs[fmt] = _Run(
+                    [], buffer[: room * t.nbytes].view(t.dtype).view(room, *t.shape), [] if kept else None
+                )
             if kept:
                 run.kept.append(t)
             else:
@@ -256,8 +270,11 @@ class ChunkSaver:
             self._flush(batch, fmt)
         names = {name for name in self._names if name[1] not in batch.later}
         if batch.pieces and batch.delivered != names:  # a capture that skipped a layer: its rows are not all there
-            log.error("saver: a forward pass handed over %d of %d layer tensors; its chunks are not saved",
-                      len(batch.delivered & names), len(names))  # fmt: skip
+            log.error(
+                "saver: a forward pass handed over %d of %d layer tensors; its chunks are not saved",
+                len(batch.delivered & names),
+                len(names),
+            )
             for p in batch.pieces:
                 p.seq.broken = True
         if batch.later:
@@ -265,7 +282,9 @@ class ChunkSaver:
         if batch.vouchers:  # only where the engine vouches (vLLM's H): no work a step otherwise
             for chunk in {id(p.chunk): p.chunk for p in batch.pieces}.values():
                 chunk.vouchers += batch.vouchers
-        filled = {id(p.chunk): p for p in batch.pieces if p.chunk.expected == CHUNK_TOKENS and not p.seq.broken}.values()
+        filled = {
+            id(p.chunk): p for p in batch.pieces if p.chunk.expected == CHUNK_TOKENS and not p.seq.broken
+        }.values()
         full = [p.chunk for p in filled if p.chunk.staged is not None]
         checks = list({id(v): v for p in filled for v in p.chunk.vouchers}.values())
         if not full and not checks:
@@ -289,7 +308,11 @@ class ChunkSaver:
                 c.staged.data.record_stream(self._save_stream)  # its memory is reused only once the copy is done
             unstage(full)
             if checks:  # read by stage 2 once landed: no wait for the forward here
-                flag = self._flags.pop() if self._flags else torch.empty((), dtype=torch.bool, pin_memory=device.type == "cuda")
+                flag = (
+                    self._flags.pop()
+                    if self._flags
+                    else torch.empty((), dtype=torch.bool, pin_memory=device.type == "cuda")
+                )
                 flag.copy_(torch.stack(checks).all(), non_blocking=True)
         landed = self._events.pop() if self._events else torch.cuda.Event()
         landed.record(self._save_stream)
@@ -299,7 +322,9 @@ class ChunkSaver:
 
     def _read_later(self, batch: _Batch, read: Callable[[list[Segment]], dict[str, torch.Tensor]]) -> None:
         """The ``later`` rows of each chunk this batch filled, read in one call and copied in like a run."""
-        filled = [p for p in batch.pieces if p.offset + p.n == CHUNK_TOKENS and p.chunk.image is not None and not p.seq.broken]
+        filled = [
+            p for p in batch.pieces if p.offset + p.n == CHUNK_TOKENS and p.chunk.image is not None and not p.seq.broken
+        ]
         if not filled:
             return
         pieces = [Piece(p.seq, p.chunk, 0, k * CHUNK_TOKENS, CHUNK_TOKENS) for k, p in enumerate(filled)]
@@ -320,7 +345,9 @@ class ChunkSaver:
         stage = device_copy.uses_streams(src.device) if self.stage is None else self.stage
         copy_rows(pieces, layers, fmt, src, stage=stage, fingerprint=self.fingerprint)
 
-    def _land_when(self, landed: torch.cuda.Event, batch: _Batch, flag: torch.Tensor | None, filled: list[Piece]) -> None:
+    def _land_when(
+        self, landed: torch.cuda.Event, batch: _Batch, flag: torch.Tensor | None, filled: list[Piece]
+    ) -> None:
         try:
             landed.synchronize()
             self._events.append(landed)  # reused by a later batch: it has fired
@@ -355,7 +382,9 @@ class ChunkSaver:
                 del p.seq.chunks[chunk.index]
                 if chunk.image is not None:
                     key, tokens = p.seq.chain.chunk(chunk.index)  # keyed before the forward
-                    self.tier.publish(chunk.image, key, tokens, self.value(chunk.index), p.seq.chain.parent(chunk.index))
+                    self.tier.publish(
+                        chunk.image, key, tokens, self.value(chunk.index), p.seq.chain.parent(chunk.index)
+                    )
                     self.chunks_published += 1
         self._give_back(batch.dead)
 

@@ -3,6 +3,7 @@ own threads too, not only the one that made it (a spot check: far more from a th
 process than from a process apart), likely because glibc hands a freed block of megabytes back to the
 kernel, the next layer's faults it in again, and each unmapping interrupts the process's other cores. So
 rows staged on a CPU go into buffers kept from one load to the next."""
+
 from __future__ import annotations
 
 import math

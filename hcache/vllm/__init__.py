@@ -3,6 +3,7 @@ store. Load it with ``--kv-transfer-config '{"kv_connector": "HCacheConnector", 
 "hcache.vllm", "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config":
 {...hcache settings...}}'`` (``docs/vllm.md``), or from Python ``kv_transfer_config(settings)``. Asking for
 either imports vLLM."""
+
 from __future__ import annotations
 
 import importlib

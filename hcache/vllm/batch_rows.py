@@ -4,6 +4,7 @@ slot each row is written to (its slot mapping). Matching the two by slot finds t
 and tells whether the mapping holds every token (it may not: a forward split into micro-batches). That is
 told on the device, not read here: on a GPU reading it would wait for the forward, in every step that saves
 hidden states; the saver reads it once the rows it guards have landed (:meth:`ChunkSaver.vouch`)."""
+
 from __future__ import annotations
 
 import torch
@@ -17,4 +18,3 @@ def batch_rows(mapping: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor
     order = torch.argsort(mapping)
     rows = order[torch.searchsorted(mapping[order], ours).clamp(max=len(mapping) - 1)]
     return rows, (mapping[rows] == ours).all()
-

@@ -10,6 +10,7 @@ saves). Stored
 prefixes load asynchronously: vLLM holds a request back (``WAITING_FOR_REMOTE_KVS``) until the worker
 reports its load done, and steps the others meanwhile.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -44,7 +45,9 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             device = torch.device(vllm_config.device_config.device)
-            self._worker = WorkerSide(setup, device, vllm_config.compilation_config.static_forward_context, get_tensor_model_parallel_rank())
+            self._worker = WorkerSide(
+                setup, device, vllm_config.compilation_config.static_forward_context, get_tensor_model_parallel_rank()
+            )
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -77,7 +80,9 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.finished(request)
         return False, None  # saves are copied out during the forward; vLLM keeps a loading request's blocks itself
 
-    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, [])
 
     # ---- worker side --------------------------------------------------------------------------------------

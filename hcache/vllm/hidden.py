@@ -18,6 +18,7 @@ batch order does not matter; whether they were all found (:attr:`HiddenLayers.he
 with them, which saves nothing of a step where they were not. Hooks run only in eager mode: with
 torch.compile or CUDA graphs they would not, so the settings refuse H there (:mod:`hcache.vllm.settings`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,7 +46,9 @@ def registering_model(attention_layers: dict, depth: int = 6) -> nn.Module:
         get_model = getattr(frame.f_locals.get("self"), "get_model", None)
         if callable(get_model):
             model = get_model()
-            if isinstance(model, nn.Module) and all(_holds(model, name, module) for name, module in attention_layers.items()):
+            if isinstance(model, nn.Module) and all(
+                _holds(model, name, module) for name, module in attention_layers.items()
+            ):
                 return model
         frame = frame.f_back
     raise InvalidRequestError(
@@ -96,7 +99,9 @@ class HiddenLayers:
                     f"{spec.model_type} norms K before RoPE, and vLLM's {type(parent).__name__} has no k_norm beside its "
                     "attention for hcache to rebuild K from hidden states (H) with. Give plan 'KV'"
                 )
-            self._layers[index] = _Layer(qkv, rotary, (spec.num_heads * spec.head_size, spec.kv_dim, spec.kv_dim), k_norm)
+            self._layers[index] = _Layer(
+                qkv, rotary, (spec.num_heads * spec.head_size, spec.kv_dim, spec.kv_dim), k_norm
+            )
             if index in capture:
                 self._hooks.append(qkv.register_forward_pre_hook(self._hook(index)))
 
@@ -124,7 +129,9 @@ class HiddenLayers:
         mapping = get_forward_context().slot_mapping
         slots = mapping.get(self._slot_layer) if isinstance(mapping, dict) else None
         if slots is None:  # a micro-batched forward: the saver finds its H layers missing and saves none of it
-            log.warning("hcache: this forward has no slot mapping for %s; its hidden states are not saved", self._slot_layer)
+            log.warning(
+                "hcache: this forward has no slot mapping for %s; its hidden states are not saved", self._slot_layer
+            )
             return None
         rows, self.held = batch_rows(slots, self._slots)
         return rows.to(device)

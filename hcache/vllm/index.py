@@ -13,6 +13,7 @@ chunk no tier holds. The index is where a request's lifecycle starts (its ``look
 and the scheduler offers what they hold. It holds the latest ``HELD_KEPT`` chunks held, in bounded memory; one
 it has forgotten is asked of the stores, as one it never saw.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -1,6 +1,7 @@
 """What hcache's two sides of a vLLM engine tell each other each step: plain values, free of torch and of
 vLLM, so that the scheduler's side imports neither; :mod:`hcache.vllm.metadata` gives them vLLM's types,
 under which they cross between the scheduler's process and the workers'."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields

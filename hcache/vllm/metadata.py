@@ -1,5 +1,6 @@
 """hcache's messages between the two sides of a vLLM engine (:mod:`hcache.vllm.messages`) under vLLM's types,
 as vLLM sends them: this module imports vLLM, and so torch; the scheduler's side does not."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -10,6 +10,7 @@ checked (:func:`~hcache.vllm.settings.connector_settings`) before the config is 
 directories: a config built again in a process that holds them (speculative decoding rebuilds one in the
 worker) would find them held. It imports nothing of the connector's until it sees such a config.
 """
+
 from __future__ import annotations
 
 import functools

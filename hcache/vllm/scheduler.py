@@ -26,6 +26,7 @@ evicted before it is loaded:
 The last prompt token is never offered (:func:`~hcache.restore.restorable.restorable`). Stored-prefix
 tokens not offered are told to the worker with their reason, for the request's record.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -74,15 +75,22 @@ class SchedulerSide:
             return self._offer(previous, num_computed) if len(previous.answers) == len(self._fingerprints) else None
         retry = previous is not None and previous.failed
         tracked = self._requests[request.request_id] = _Tracked(request, num_computed, failed=retry)
-        if self.index is None or retry:  # a load of it fell short: vLLM recomputes what it lacks, nothing is offered twice
+        if (
+            self.index is None or retry
+        ):  # a load of it fell short: vLLM recomputes what it lacks, nothing is offered twice
             return 0
         prompt = list(request.prompt_token_ids or [])
         tracked.usable = restorable(len(prompt)) // CHUNK_TOKENS * CHUNK_TOKENS
         if tracked.usable <= num_computed:
             return 0
         namespace = self.namespace(request)
-        stored, why = min((self.index.stored_prefix(chunk_keys(prompt[: tracked.usable], root_key(fingerprint, namespace))) for fingerprint in self._fingerprints),
-                          key=lambda found: found[0])  # a prefix every rank holds  # fmt: skip
+        stored, why = min(
+            (
+                self.index.stored_prefix(chunk_keys(prompt[: tracked.usable], root_key(fingerprint, namespace)))
+                for fingerprint in self._fingerprints
+            ),
+            key=lambda found: found[0],
+        )  # a prefix every rank holds
         tracked.why = why
         if stored * CHUNK_TOKENS <= num_computed:  # nothing past vLLM's own hit: nothing to hold
             return self._offer(tracked, num_computed, stored)
@@ -126,10 +134,16 @@ class SchedulerSide:
             self._let_go(tracked)
             return
         end = tracked.computed + num_external
-        self._loads.append(LoadJob(
-            request.request_id, self.namespace(request), list(request.prompt_token_ids[:end]), [list(g) for g in blocks.get_block_ids()],
-            tracked.computed, end,
-        ))  # fmt: skip
+        self._loads.append(
+            LoadJob(
+                request.request_id,
+                self.namespace(request),
+                list(request.prompt_token_ids[:end]),
+                [list(g) for g in blocks.get_block_ids()],
+                tracked.computed,
+                end,
+            )
+        )
         tracked.pinning, tracked.answers = 0, {}
 
     def build(self, scheduler_output) -> SchedulerStep:
@@ -139,7 +153,11 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is not None:
-                step.requests.append(self._step(new.req_id, tracked, [list(g) for g in new.block_ids], True, new.num_computed_tokens, scheduled))
+                step.requests.append(
+                    self._step(
+                        new.req_id, tracked, [list(g) for g in new.block_ids], True, new.num_computed_tokens, scheduled
+                    )
+                )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._requests.get(req_id)
@@ -150,17 +168,37 @@ class SchedulerSide:
             if not resumed:
                 for held, more in zip(tracked.block_ids, added):
                     held.extend(more)
-            step.requests.append(self._step(req_id, tracked, added if resumed else tracked.block_ids, resumed, cached.num_computed_tokens[i], scheduled))
+            step.requests.append(
+                self._step(
+                    req_id,
+                    tracked,
+                    added if resumed else tracked.block_ids,
+                    resumed,
+                    cached.num_computed_tokens[i],
+                    scheduled,
+                )
+            )
         return step
 
-    def _step(self, req_id: str, tracked: _Tracked, block_ids: list[list[int]], new: bool, computed: int, scheduled: dict[str, int]) -> RequestStep:
+    def _step(
+        self,
+        req_id: str,
+        tracked: _Tracked,
+        block_ids: list[list[int]],
+        new: bool,
+        computed: int,
+        scheduled: dict[str, int],
+    ) -> RequestStep:
         """``computed``: the request's tokens held before this step, loaded ones included."""
         length = scheduled.get(req_id, 0)
         if new:
             tracked.sent = 0
         tracked.block_ids = block_ids
         tokens = list(tracked.request.all_token_ids[tracked.sent : computed + length])
-        held = [ids[computed // size : -(-(computed + length) // size)] for ids, size in zip(block_ids, self.setup.block_sizes)]
+        held = [
+            ids[computed // size : -(-(computed + length) // size)]
+            for ids, size in zip(block_ids, self.setup.block_sizes)
+        ]
         step = RequestStep(req_id, self.namespace(tracked.request), new, tokens, held, computed, length, tracked.misses)
         tracked.sent += len(tokens)
         tracked.misses = {}

@@ -5,6 +5,7 @@ The connector's settings are ``kv_connector_extra_config``: the same keys as eve
 fingerprint from the checkpoint vLLM loads, marked as vLLM's: another engine rounds differently, so it
 does not share stored state with vLLM.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,15 +30,31 @@ from .registration import CONNECTOR, MODULE
 log = logging.getLogger(__name__)
 
 # Settings of the engine hcache runs elsewhere, which vLLM decides here: refused rather than ignored.
-VLLMS_OWN = ("engine", "device", "dtype", "num_blocks", "gpu_cache", "profile", "measure_profile", "self_check", "metrics_port", "metrics_host")
+VLLMS_OWN = (
+    "engine",
+    "device",
+    "dtype",
+    "num_blocks",
+    "gpu_cache",
+    "profile",
+    "measure_profile",
+    "self_check",
+    "metrics_port",
+    "metrics_host",
+)
 
 
 def kv_transfer_config(settings: dict) -> dict:
     """vLLM's ``kv_transfer_config`` that loads hcache's connector with ``settings`` (hcache's, as a dict),
     checked now (:func:`check_settings`), before vLLM starts."""
     check_settings(settings)
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": settings}  # fmt: skip
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": settings,
+    }
 
 
 @dataclass(frozen=True)
@@ -73,7 +90,9 @@ def connector_settings(extra: dict | None) -> HCacheConfig:
     settings = HCacheConfig.of(extra)
     own = sorted(set(VLLMS_OWN) & settings.model_fields_set)
     if own:
-        raise InvalidRequestError(f"hcache's vLLM connector does not take {', '.join(own)}: vLLM decides these (docs/vllm.md)")
+        raise InvalidRequestError(
+            f"hcache's vLLM connector does not take {', '.join(own)}: vLLM decides these (docs/vllm.md)"
+        )
     return settings
 
 
@@ -120,15 +139,23 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
     spec = dataclasses.replace(spec, sliding_windows=windows or spec.sliding_windows)
     if not Path(model.model).is_dir():
         raise InvalidRequestError(f"hcache's vLLM connector needs the model as a local directory, not {model.model!r}")
-    fingerprint = hashlib.blake2b(f"vllm|{checkpoint_fingerprint(model.model, spec)}".encode(), digest_size=16).hexdigest()
+    fingerprint = hashlib.blake2b(
+        f"vllm|{checkpoint_fingerprint(model.model, spec)}".encode(), digest_size=16
+    ).hexdigest()
     eager = _eager(vllm_config.compilation_config)
     if (not eager or tp > 1) and (settings.plan is None or is_auto(settings.plan)):
         settings = HCacheConfig.of(settings, plan=Method.KV.value)  # H needs the layer inputs a compiled model hides
-        log.info("hcache's vLLM connector restores by KV: %s", "H needs enforce_eager=True" if not eager else _H_UNDER_TP)
-    config = resolve(settings, shard_heads(spec, tp), model.model, engine="vllm", tensor_parallel=tp)  # refuses a plan of RE layers
+        log.info(
+            "hcache's vLLM connector restores by KV: %s", "H needs enforce_eager=True" if not eager else _H_UNDER_TP
+        )
+    config = resolve(
+        settings, shard_heads(spec, tp), model.model, engine="vllm", tensor_parallel=tp
+    )  # refuses a plan of RE layers
     if uses_hidden_states(config) and tp > 1:
-        raise InvalidRequestError(f"plan {str(config.plan)!r} with save={settings.save!r} uses hidden states (H) at tensor_parallel_size={tp}: "
-                                  f"{_H_UNDER_TP}. Give plan 'KV'")  # fmt: skip
+        raise InvalidRequestError(
+            f"plan {str(config.plan)!r} with save={settings.save!r} uses hidden states (H) at tensor_parallel_size={tp}: "
+            f"{_H_UNDER_TP}. Give plan 'KV'"
+        )
     if uses_hidden_states(config) and Method.H not in methods(spec):
         raise InvalidRequestError(
             f"plan {str(config.plan or 'auto')!r} with save={settings.save!r} uses hidden states (H), which vLLM's "
@@ -144,7 +171,9 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
     return VllmSetup(config, fingerprint, block_sizes, groups)
 
 
-def _cache_groups(kv_cache_config, num_layers: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int | None, ...] | None]:
+def _cache_groups(
+    kv_cache_config, num_layers: int, block_size: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int | None, ...] | None]:
     """Each KV cache group's block size, each layer's group, and each layer's window as vLLM runs it, which
     may not be transformers' (a Qwen2 with mixed ``layer_types`` is windowed there, not in vLLM; a Llama
     with them, in vLLM only): vLLM's groups say. Without them (None), one group of ``block_size``."""
@@ -157,7 +186,9 @@ def _cache_groups(kv_cache_config, num_layers: int, block_size: int) -> tuple[tu
     groups, windows = [0] * num_layers, [None] * num_layers
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         kind = group.kv_cache_spec
-        if not isinstance(kind, AttentionSpec) or isinstance(kind, MLAAttentionSpec):  # never a prefix without its state
+        if not isinstance(kind, AttentionSpec) or isinstance(
+            kind, MLAAttentionSpec
+        ):  # never a prefix without its state
             raise InvalidRequestError(
                 f"hcache's vLLM connector stores attention K/V rows; vLLM keeps layers {', '.join(group.layer_names[:3])}"
                 f"{' ...' if len(group.layer_names) > 3 else ''} as {type(kind).__name__}, state hcache does not store yet, "
@@ -166,7 +197,11 @@ def _cache_groups(kv_cache_config, num_layers: int, block_size: int) -> tuple[tu
         for name in group.layer_names:
             layer = extract_layer_index(name)
             groups[layer], windows[layer] = g, getattr(group.kv_cache_spec, "sliding_window", None)
-    return tuple(group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups), tuple(groups), tuple(windows)
+    return (
+        tuple(group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups),
+        tuple(groups),
+        tuple(windows),
+    )
 
 
 # Each rank of vLLM's tensor parallelism reads its store alone, with no collective off vLLM's step: H would

@@ -12,6 +12,7 @@ to the stores in the background. After the forward, the loads finished meanwhile
 the blocks they could not load, which vLLM recomputes), and the chunks the tiers gained or lost since the
 last step to the scheduler's index.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -64,7 +65,9 @@ class VllmModel:
 
 @dataclass(kw_only=True)
 class _Sequence(Session):
-    blocks: list[dict[int, int]] = field(default_factory=list)  # by KV cache group: block index in the request -> id, for the chunk being filled
+    blocks: list[dict[int, int]] = field(
+        default_factory=list
+    )  # by KV cache group: block index in the request -> id, for the chunk being filled
 
     def track(self, step: RequestStep, sizes: list[int]) -> None:
         """Note the blocks of ``step``'s tokens, forgetting those before the chunk it begins in: the blocks of
@@ -89,7 +92,11 @@ def spare_cpus() -> set[int]:
     threads are bound to (vLLM passes a worker its own binding as ``OMP_PLACES``, ``GOMP_CPU_AFFINITY`` or
     ``KMP_AFFINITY``; every rank's is in ``VLLM_CPU_OMP_THREADS_BIND`` where the user gives it, ``|``
     between ranks). Empty where nothing is bound (a GPU worker) or every CPU is."""
-    bound = os.environ.get("OMP_PLACES") or os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("KMP_AFFINITY", "").partition("proclist=")[2]
+    bound = (
+        os.environ.get("OMP_PLACES")
+        or os.environ.get("GOMP_CPU_AFFINITY")
+        or os.environ.get("KMP_AFFINITY", "").partition("proclist=")[2]
+    )
     if not bound:
         return set()
     allowed = os.sched_getaffinity(os.getppid())  # the engine process's, which vLLM does not bind
@@ -98,7 +105,11 @@ def spare_cpus() -> set[int]:
 
 def _cpus(listed: str) -> set[int]:
     """The CPUs a binding names, singly or as ranges: ``{0},{1}``, ``0-3,8|4-7``."""
-    return {cpu for first, last in re.findall(r"(\d+)(?:-(\d+))?", listed) for cpu in range(int(first), int(last or first) + 1)}
+    return {
+        cpu
+        for first, last in re.findall(r"(\d+)(?:-(\d+))?", listed)
+        for cpu in range(int(first), int(last or first) + 1)
+    }
 
 
 class WorkerSide:
@@ -107,14 +118,21 @@ class WorkerSide:
 
     def __init__(self, setup: VllmSetup, device: torch.device, attention_layers: dict, rank: int = 0):
         self.setup, self.config = setup, setup.config
-        self.tp = TPGroup(rank, setup.config.tensor_parallel)  # no process group: the ranks never talk, vLLM's scheduler decides for them
+        self.tp = TPGroup(
+            rank, setup.config.tensor_parallel
+        )  # no process group: the ranks never talk, vLLM's scheduler decides for them
         spare = spare_cpus() if device.type == "cpu" else set()
         helper_threads.run_on(spare)  # before the store stack starts its threads
         if spare:
             log.info("hcache's threads run on CPUs %s, apart from vLLM's OpenMP threads", sorted(spare))
         # a CPU's loads write their KV from a process of their own, which maps the host pool (:mod:`hcache.paged.copy_process`)
-        self.stack = StoreStack(setup.config, VllmModel(setup.config.spec, device, setup.window_block), setup.fingerprint, self.tp,
-                                shareable_pool=device.type == "cpu")  # fmt: skip
+        self.stack = StoreStack(
+            setup.config,
+            VllmModel(setup.config.spec, device, setup.window_block),
+            setup.fingerprint,
+            self.tp,
+            shareable_pool=device.type == "cpu",
+        )
         self._attention = attention_layers  # layer name -> vLLM's Attention module (its backend's cache write)
         self._layers: dict[str, PagedLayer] = {}
         self._seqs: dict[str, _Sequence] = {}
@@ -132,11 +150,15 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._failed: list[str] = []  # requests whose load fell short, for the scheduler
         self._short: set[str] = set()  # those among the loads the last ``finished`` reported
-        self._changes: deque[tuple[str, MissReason | None]] = deque()  # the tiers' gains and losses, for the scheduler's index
+        self._changes: deque[tuple[str, MissReason | None]] = (
+            deque()
+        )  # the tiers' gains and losses, for the scheduler's index
         self._pins: dict[str, PinnedPrefix] = {}  # by request: the stored prefix held for its load
         self._pinned: list[Pinned] = []  # how much of each, for the scheduler
         if self.stack.store is not None:
-            self.stack.store.watch(lambda key, loss: self._changes.append((key, None if loss is None else MissReason.of(loss))))
+            self.stack.store.watch(
+                lambda key, loss: self._changes.append((key, None if loss is None else MissReason.of(loss)))
+            )
         log_path = setup.config.settings.request_log
         self.request_log = Path(log_path) if log_path is not None else None
 
@@ -150,34 +172,62 @@ class WorkerSide:
         for name, cache in kv_caches.items():
             module = self._attention.get(name)
             write = getattr(getattr(module, "impl", None), "do_kv_cache_update", None)
-            signature = (tuple(cache.shape[1:]), cache.stride(), cache.dtype, getattr(module, "isa", None), write is None)
+            signature = (
+                tuple(cache.shape[1:]),
+                cache.stride(),
+                cache.dtype,
+                getattr(module, "isa", None),
+                write is None,
+            )
             if signature not in layouts:
                 layouts[signature] = (
-                    PagedLayout.probe(lambda k, v, c, s: write(module, k, v, c, s), cache) if write is not None else PagedLayout.split_kv(cache)
+                    PagedLayout.probe(lambda k, v, c, s: write(module, k, v, c, s), cache)
+                    if write is not None
+                    else PagedLayout.split_kv(cache)
                 )
             index = extract_layer_index(name)
-            self._layers[name] = self._by_index[index] = PagedLayer(index, cache, layouts[signature], self.setup.groups[index])
+            self._layers[name] = self._by_index[index] = PagedLayer(
+                index, cache, layouts[signature], self.setup.groups[index]
+            )
             self._kernel_block = cache.shape[2]
         spec = self.config.spec
         layout = next(iter(layouts.values()))
         if (layout.num_heads, layout.head_size) != (spec.num_kv_heads, spec.head_size):
-            raise RuntimeError(f"vLLM's cache holds {layout.num_heads} heads of {layout.head_size}; the model has "
-                               f"{spec.num_kv_heads} KV heads of {spec.head_size}")  # fmt: skip
+            raise RuntimeError(
+                f"vLLM's cache holds {layout.num_heads} heads of {layout.head_size}; the model has "
+                f"{spec.num_kv_heads} KV heads of {spec.head_size}"
+            )
         if uses_hidden_states(self.config):
             saved = frozenset(layer for layer, formats in enumerate(self.config.save_formats) if Format.H in formats)
             layers = {layer.index: name for name, layer in self._layers.items()}
-            self._hidden = HiddenLayers(spec, registering_model(self._attention), layers, saved if self.stack.saver else frozenset())
-            self._hidden_group = self.setup.groups[next(iter(layers))]  # HiddenLayers finds rows by its first layer's slots
+            self._hidden = HiddenLayers(
+                spec, registering_model(self._attention), layers, saved if self.stack.saver else frozenset()
+            )
+            self._hidden_group = self.setup.groups[
+                next(iter(layers))
+            ]  # HiddenLayers finds rows by its first layer's slots
             if self.stack.capture is not None:
                 self._saves_hidden = {layers[index] for index in saved}
         if self.stack.store is not None:
             rebuild = self._hidden.rebuild if self._hidden is not None else None
             lost = lambda key, reason: self._changes.append((key, reason))  # noqa: E731
             # a load process needs the caches moved in place: only where the layers hold the tensors registered (not views of them)
-            movable = all(getattr(self._attention.get(name), "kv_cache", None) is cache for name, cache in kv_caches.items())
+            movable = all(
+                getattr(self._attention.get(name), "kv_cache", None) is cache for name, cache in kv_caches.items()
+            )
             if not movable and self.stack.store.pool.fd is not None:
-                log.info("hcache: vLLM's layers hold views of their caches, not the caches registered; loads run on a thread of the worker")
-            self._loader = Loader(self.stack, self.setup.block_sizes, self._kernel_block, list(self._layers.values()), rebuild, lost, movable=movable)
+                log.info(
+                    "hcache: vLLM's layers hold views of their caches, not the caches registered; loads run on a thread of the worker"
+                )
+            self._loader = Loader(
+                self.stack,
+                self.setup.block_sizes,
+                self._kernel_block,
+                list(self._layers.values()),
+                rebuild,
+                lost,
+                movable=movable,
+            )
 
     # ---- each step --------------------------------------------------------------------------------------
     def begin_step(self, metadata: SchedulerStep) -> None:
@@ -197,7 +247,9 @@ class WorkerSide:
         if self._hidden is not None:
             g = self._hidden_group
             size = self.setup.block_sizes[g]
-            spans = [(step.block_ids[g], step.start % size, step.start % size + step.length) for step, _ in self._computing]
+            spans = [
+                (step.block_ids[g], step.start % size, step.start % size + step.length) for step, _ in self._computing
+            ]
             blocks, offsets = block_slots(spans, size, self._kernel_block)
             self._hidden.select(blocks * self._kernel_block + offsets)
         starts = itertools.accumulate((step.length for step, _ in self._computing), initial=0)
@@ -261,8 +313,12 @@ class WorkerSide:
         number of chunks."""
         seqs = {seq.uid: seq for _, seq in self._computing}
         elements: dict[tuple[int, int], Places] = {}  # shared by the layers of a layout and group
-        k = self._kernel_block  # segments of whole kernel blocks (a GPU's 16 tokens in a 64-token chunk) are read a block at a time
-        whole = sum(s.length for s in segments) // k if all(s.start % k == 0 and s.length % k == 0 for s in segments) else 0
+        k = (
+            self._kernel_block
+        )  # segments of whole kernel blocks (a GPU's 16 tokens in a 64-token chunk) are read a block at a time
+        whole = (
+            sum(s.length for s in segments) // k if all(s.start % k == 0 and s.length % k == 0 for s in segments) else 0
+        )
         rows = []
         for index in layers:
             layer = self._by_index[index]
@@ -316,7 +372,9 @@ class WorkerSide:
             if seq is not None:
                 seq.close(self.stack)
             if record is not None:
-                finished.append(({"request_id": req_id, **({"tp_rank": self.tp.rank} if self.tp.world_size > 1 else {})}, record))
+                finished.append(
+                    ({"request_id": req_id, **({"tp_rank": self.tp.rank} if self.tp.world_size > 1 else {})}, record)
+                )
         if self.request_log is not None:
             log_requests(self.request_log, finished)
 

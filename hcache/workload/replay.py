@@ -10,6 +10,7 @@ token). Throughput is output tokens over the replay's span (first arrival to las
 is the share of the server's busy time spent restoring; ``bytes_per_token`` is the store's bytes over the
 tokens it holds, chunk headers included.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -32,8 +33,16 @@ def prompt_ids(seed: int, key: tuple[int, ...], n: int, words: np.ndarray) -> li
     return words[np.random.default_rng([seed, *key]).integers(0, len(words), n)].tolist()
 
 
-def replay(open_server: Callable[[str], AbstractContextManager[Server]], words: np.ndarray, trace: Trace, seed: int,
-           *, prefetch: bool = True, on_device: bool = False, done: Callable[[], None] = lambda: None) -> dict:
+def replay(
+    open_server: Callable[[str], AbstractContextManager[Server]],
+    words: np.ndarray,
+    trace: Trace,
+    seed: int,
+    *,
+    prefetch: bool = True,
+    on_device: bool = False,
+    done: Callable[[], None] = lambda: None,
+) -> dict:
     """``trace`` replayed against ``open_server(store_dir)``, a server over a store of its own (a fresh
     directory). ``prefetch``: before a request runs, each request already waiting behind it starts reading its
     stored chunks (look-ahead; ``prefetch_hidden_s`` is the read time that ran ahead of the restores).

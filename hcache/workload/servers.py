@@ -1,5 +1,6 @@
 """The servers a trace is replayed against, one view of both: hcache's runtime, and DeepSpeed-MII's own
 ``mii.pipeline`` (with hcache's backend, or plain), one call per request."""
+
 from __future__ import annotations
 
 import json
@@ -84,16 +85,23 @@ class MiiServer:
     def generate(self, prompt: list[int], max_new_tokens: int) -> RequestResult:
         self.steps.clear()
         start = time.perf_counter()
-        reply = self.pipe([self.tokenizer.decode(prompt)], max_new_tokens=max_new_tokens, ignore_eos=True, do_sample=False)[0]
+        reply = self.pipe(
+            [self.tokenizer.decode(prompt)], max_new_tokens=max_new_tokens, ignore_eos=True, do_sample=False
+        )[0]
         if reply.generated_length != max_new_tokens or len(self.steps) < max_new_tokens:
-            raise RuntimeError(f"MII answered {reply.generated_length} tokens in {len(self.steps)} steps, not {max_new_tokens}")
+            raise RuntimeError(
+                f"MII answered {reply.generated_length} tokens in {len(self.steps)} steps, not {max_new_tokens}"
+            )
         times = self.steps[-max_new_tokens:]  # the first ended the prefill
         record = json.loads(Path(self.config["request_log"]).read_text().splitlines()[-1]) if self.config else {}
         cost = {f.name: record[f.name] for f in fields(SequenceRecord) if f.name in record}
         cost["restores"] = [RestoreStep(**step) for step in cost.get("restores", [])]
         return RequestResult(
             output_ids=self.tokenizer.encode(reply.generated_text, add_special_tokens=False),
-            prompt_tokens=reply.prompt_length, ttft_s=times[0] - start, tbt_s=np.diff(times).tolist(), **cost,
+            prompt_tokens=reply.prompt_length,
+            ttft_s=times[0] - start,
+            tbt_s=np.diff(times).tolist(),
+            **cost,
         )
 
     def __enter__(self) -> "MiiServer":

@@ -15,6 +15,7 @@ with the gaps divided by the rate: a rate sweep changes the load and nothing els
 
 A real ShareGPT JSON file loads through :func:`load_sharegpt` into the same :class:`Trace`.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,14 @@ class Trace:
     name: str
     sessions: tuple[Session, ...]
 
-    def scaled(self, scale: float = 1.0, max_output: int | None = None, max_tokens: int | None = None,
-               max_turns: int | None = None, think_scale: float = 1.0) -> "Trace":
+    def scaled(
+        self,
+        scale: float = 1.0,
+        max_output: int | None = None,
+        max_tokens: int | None = None,
+        max_turns: int | None = None,
+        think_scale: float = 1.0,
+    ) -> "Trace":
         """A smaller copy for a slow machine: lengths times ``scale`` (at least 1 token), outputs capped at
         ``max_output``, think times times ``think_scale``, and each session cut to its first ``max_turns``
         turns and to the turns whose whole history fits in ``max_tokens`` (as HCache caps ShareGPT at 16K).
@@ -133,7 +140,9 @@ def _turns(rng: np.random.Generator, count: int, stats: ChatStats | DocStats) ->
     inputs = _lognormal(rng, stats.input_tokens, count)
     outputs = _lognormal(rng, stats.output_tokens, count)
     think = rng.exponential(stats.think_s, count)
-    return tuple(Turn(int(i), int(o), 0.0 if k == 0 else float(w)) for k, (i, o, w) in enumerate(zip(inputs, outputs, think)))
+    return tuple(
+        Turn(int(i), int(o), 0.0 if k == 0 else float(w)) for k, (i, o, w) in enumerate(zip(inputs, outputs, think))
+    )
 
 
 def chat_trace(preset: str = "sharegpt", sessions: int = 100, rate: float = 1.0, seed: int = 0) -> Trace:
@@ -146,8 +155,14 @@ def chat_trace(preset: str = "sharegpt", sessions: int = 100, rate: float = 1.0,
     return Trace(preset, tuple(Session(float(a), _turns(rng, int(n), stats)) for a, n in zip(arrivals, counts)))
 
 
-def leval_trace(preset: str = "leval-quality", sessions: int = 100, rate: float = 1.0, seed: int = 0,
-                documents: int | None = None, zipf: float | None = None) -> Trace:
+def leval_trace(
+    preset: str = "leval-quality",
+    sessions: int = 100,
+    rate: float = 1.0,
+    seed: int = 0,
+    documents: int | None = None,
+    zipf: float | None = None,
+) -> Trace:
     """Each session reads a document, then asks questions on it, with ``preset``'s statistics (a key of
     :data:`LEVAL`). With ``zipf`` (an exponent > 0), sessions draw their document from a pool of
     ``documents`` (default: ``sessions``) with Zipf popularity, so popular documents are reused; without
@@ -166,9 +181,13 @@ def leval_trace(preset: str = "leval-quality", sessions: int = 100, rate: float 
     lengths = _lognormal(rng, stats.context_tokens, int(docs.max()) + 1)
     counts = rng.geometric(1 / stats.questions, sessions)
     arrivals = _arrivals(seed, sessions, rate)
-    return Trace(preset, tuple(
-        Session(float(a), _turns(rng, int(n), stats), int(d), int(lengths[d])) for a, n, d in zip(arrivals, counts, docs)
-    ))
+    return Trace(
+        preset,
+        tuple(
+            Session(float(a), _turns(rng, int(n), stats), int(d), int(lengths[d]))
+            for a, n, d in zip(arrivals, counts, docs)
+        ),
+    )
 
 
 def make_trace(preset: str, sessions: int, rate: float, seed: int = 0, zipf: float | None = None) -> Trace:
@@ -179,8 +198,14 @@ def make_trace(preset: str, sessions: int, rate: float, seed: int = 0, zipf: flo
     return leval_trace(preset, sessions, rate, seed, zipf=zipf)
 
 
-def load_sharegpt(path: str | Path, count_tokens: Callable[[str], int] | None = None, rate: float = 1.0,
-                  think_s: float = CHAT["sharegpt"].think_s, seed: int = 0, limit: int | None = None) -> Trace:
+def load_sharegpt(
+    path: str | Path,
+    count_tokens: Callable[[str], int] | None = None,
+    rate: float = 1.0,
+    think_s: float = CHAT["sharegpt"].think_s,
+    seed: int = 0,
+    limit: int | None = None,
+) -> Trace:
     """A ShareGPT JSON file (a list of ``{"conversations": [{"from": "human"|"gpt", "value": ...}, ...]}``)
     as a trace: each human message with the reply after it is a turn, counted with ``count_tokens`` (the
     model's tokenizer; default: about 4 characters a token). Arrivals and think times are drawn as in

@@ -1,4 +1,5 @@
 """Benchmarks run end to end on a tiny model and report the figures their issues name."""
+
 import json
 import shutil
 import subprocess
@@ -51,7 +52,18 @@ def test_source_commit_of_this_source():
 @pytest.mark.slow
 def test_bench_restore_reports_every_method_the_bound_and_the_regret(tmp_path):
     out = tmp_path / "restore.json"
-    args = ["bench", "restore", "--model", "random:llama", "--histories", "64,128", "--repeats", "1", "--json", str(out)]
+    args = [
+        "bench",
+        "restore",
+        "--model",
+        "random:llama",
+        "--histories",
+        "64,128",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert set(result["methods"]) == {"RE", "H", "KV", "RE+KV", "auto"}
@@ -68,8 +80,24 @@ def test_bench_restore_reports_every_method_the_bound_and_the_regret(tmp_path):
 def test_bench_mii_compares_methods_through_mii(tmp_path):
     """Through MII's own pipeline: every method gives the same tokens, and kv and h restore the history."""
     out = tmp_path / "mii.json"
-    args = ["bench", "mii", "--engine", "reference", "--model", "random:llama", "--history", "192", "--turn", "16",
-            "--new-tokens", "16", "--repeats", "1", "--json", str(out)]  # decode time well above the calls' noise
+    args = [
+        "bench",
+        "mii",
+        "--engine",
+        "reference",
+        "--model",
+        "random:llama",
+        "--history",
+        "192",
+        "--turn",
+        "16",
+        "--new-tokens",
+        "16",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]  # decode time well above the calls' noise
     assert main(args) == 0
     result = json.loads(out.read_text())
     methods = result["methods"]
@@ -83,7 +111,20 @@ def test_bench_mii_compares_methods_through_mii(tmp_path):
 
 def test_bench_transfer_reports_the_data_path_against_a_copy(tmp_path):
     out = tmp_path / "transfer.json"
-    args = ["bench", "transfer", "--shape", "llama", "--layers", "2", "--history", "256", "--repeats", "1", "--json", str(out)]
+    args = [
+        "bench",
+        "transfer",
+        "--shape",
+        "llama",
+        "--layers",
+        "2",
+        "--history",
+        "256",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     for name in ("kv_restore_vs_copy", "saver_ingest_vs_copy", "h_vs_kv", "h_vs_recompute", "h_vs_bound", "copy_gb_s"):
@@ -95,7 +136,20 @@ def test_bench_paged_reports_the_vllm_connectors_core_against_its_floors(tmp_pat
     """``hcache check``'s section for vLLM's connector, at CI's size: the paged loader's KV and H loads into a
     FlashAttention-layout cache, without vLLM, against the copy of the same bytes and H's bound."""
     out = tmp_path / "paged.json"
-    args = ["bench", "paged", "--shape", "llama", "--layers", "2", "--history", "256", "--repeats", "1", "--json", str(out)]
+    args = [
+        "bench",
+        "paged",
+        "--shape",
+        "llama",
+        "--layers",
+        "2",
+        "--history",
+        "256",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     for name in ("kv_load_vs_copy", "h_load_vs_bound", "h_vs_kv", "copy_gb_s", "kv_load_gb_s"):
@@ -108,7 +162,22 @@ def test_bench_window_compares_the_window_rule_with_storing_every_token(tmp_path
     """Sliding-window layers by Jenga's rule store and read fewer bytes a token than storing every token,
     and restore the same tokens."""
     out = tmp_path / "window.json"
-    args = ["bench", "window", "--window", "128", "--multiples", "2,4", "--layers", "4", "--hidden", "128", "--repeats", "1", "--json", str(out)]
+    args = [
+        "bench",
+        "window",
+        "--window",
+        "128",
+        "--multiples",
+        "2,4",
+        "--layers",
+        "4",
+        "--hidden",
+        "128",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert set(result["histories"]) == {"256", "512"}
@@ -116,8 +185,12 @@ def test_bench_window_compares_the_window_rule_with_storing_every_token(tmp_path
         window, every = row["window"], row["all"]
         assert window["restored_tokens"] == every["restored_tokens"] == int(history)
         assert window["stored_bytes_per_token"] < every["stored_bytes_per_token"], history
-        assert window["read_bytes_per_token"]["sliding_attention"] < every["read_bytes_per_token"]["sliding_attention"], history
-        assert window["read_bytes_per_token"]["full_attention"] == every["read_bytes_per_token"]["full_attention"], history
+        assert (
+            window["read_bytes_per_token"]["sliding_attention"] < every["read_bytes_per_token"]["sliding_attention"]
+        ), history
+        assert window["read_bytes_per_token"]["full_attention"] == every["read_bytes_per_token"]["full_attention"], (
+            history
+        )
         assert row["window_over_all"]["stored_bytes"] < 1 and window["median_ttft_s"] > 0
 
 
@@ -126,8 +199,28 @@ def test_bench_storage_measures_the_disk_store_against_raw_o_direct_io(tmp_path)
     """The default path: the chunk store on a directory against raw sequential I/O of the same bytes, and the
     saver's cost on a decode loop (O_DIRECT where the file system allows it; the result says which)."""
     out = tmp_path / "storage.json"
-    args = ["bench", "storage", "--dirs", str(tmp_path / "store"), "--chunks", "4", "--layers", "2", "--repeats", "1",
-            "--model", "random:llama", "--batch", "2", "--steps", "3", "--rounds", "1", "--json", str(out)]
+    args = [
+        "bench",
+        "storage",
+        "--dirs",
+        str(tmp_path / "store"),
+        "--chunks",
+        "4",
+        "--layers",
+        "2",
+        "--repeats",
+        "1",
+        "--model",
+        "random:llama",
+        "--batch",
+        "2",
+        "--steps",
+        "3",
+        "--rounds",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     for name in ("write_ratio", "read_ratio", "store_write_mb_s", "raw_write_mb_s", "store_read_mb_s", "raw_read_mb_s"):
@@ -145,11 +238,37 @@ def test_bench_storage_measures_a_redis_tier_of_its_own_against_redis_py(tmp_pat
     if why := redis_missing():
         pytest.skip(why)
     out = tmp_path / "storage.json"
-    args = ["bench", "storage", "--tier", "redis", "--chunks", "4", "--layers", "2", "--repeats", "1", "--model", "random:llama",
-            "--batch", "2", "--steps", "3", "--rounds", "1", "--json", str(out)]
+    args = [
+        "bench",
+        "storage",
+        "--tier",
+        "redis",
+        "--chunks",
+        "4",
+        "--layers",
+        "2",
+        "--repeats",
+        "1",
+        "--model",
+        "random:llama",
+        "--batch",
+        "2",
+        "--steps",
+        "3",
+        "--rounds",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
-    for name in ("redis_read_ratio", "redis_write_ratio", "redis_layer_values_ratio", "store_read_mb_s", "raw_read_mb_s"):
+    for name in (
+        "redis_read_ratio",
+        "redis_write_ratio",
+        "redis_layer_values_ratio",
+        "store_read_mb_s",
+        "raw_read_mb_s",
+    ):
         assert result[name] > 0, name
     assert result["saver_chunks_published"] > 0 and "step_ms_on" in result
 
@@ -182,7 +301,20 @@ def test_bench_cold_reads_a_quarter_of_the_bytes_from_each_tier_in_8_bits(tmp_pa
     every restore must be whole (the bench refuses a short one), and the 8-bit one reads about a quarter of a
     float32 model's bytes, scales and headers included."""
     out = tmp_path / "cold.json"
-    args = ["bench", "cold", "--model", "random:llama", "--history", "128", "--tiers", "disk", "--repeats", "2", "--json", str(out)]
+    args = [
+        "bench",
+        "cold",
+        "--model",
+        "random:llama",
+        "--history",
+        "128",
+        "--tiers",
+        "disk",
+        "--repeats",
+        "2",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert result["history"] == 128 and result["stored_dtype"] == "8bit"
@@ -199,7 +331,18 @@ def test_bench_quality_scores_8_bit_restores_of_real_text_against_lossless(tmp_p
     measurements behind the choice of encodings are there (fp8 H closer than int8 H; a quarter of float32's
     bytes, about half of bfloat16's)."""
     out = tmp_path / "quality.json"
-    args = ["bench", "quality", "--document-tokens", "128", "--reply-tokens", "32", "--rows", "H fp8", "--json", str(out)]
+    args = [
+        "bench",
+        "quality",
+        "--document-tokens",
+        "128",
+        "--reply-tokens",
+        "32",
+        "--rows",
+        "H fp8",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     row = result["quality"]["H fp8"]

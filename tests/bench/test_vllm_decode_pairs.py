@@ -1,5 +1,6 @@
 """The decode benchmark's comparison (``hcache bench vllm --decode``), without vLLM: paired steps see a small
 cost through a drift many times larger."""
+
 import argparse
 import time
 import types
@@ -27,7 +28,9 @@ def test_the_steps_while_loading_are_compared_apart(capsys):
     loading = [False] * 4 + [True] * 4
     out = _compare({"vllm": base, "hcache_saving": saving}, loading, {"host_pool": 128})
     assert out["vllm"]["overhead"] == 0 and out["hcache_saving"]["not_loading_overhead"] == 0
-    assert abs(out["hcache_saving"]["loading_overhead"] - 0.5) < 1e-9 and out["hcache_saving"]["loaded_tokens_by_tier"] == {"host_pool": 128}
+    assert abs(out["hcache_saving"]["loading_overhead"] - 0.5) < 1e-9 and out["hcache_saving"][
+        "loaded_tokens_by_tier"
+    ] == {"host_pool": 128}
     assert "loading" not in _compare({"vllm": base, "hcache_saving": base}, [False] * 8, {})["hcache_saving"]
     _print({"1x1024": out}, argparse.Namespace(model="m", dtype="bfloat16", steps=8, repeats=1, block=4))
     saving = next(line for line in capsys.readouterr().out.splitlines() if "hcache_saving" in line)
@@ -67,7 +70,9 @@ class _Engine:
         return bool(self.decoding or self.left)
 
 
-def test_every_engine_gets_the_returning_requests_at_the_same_turns_and_their_answering_steps_are_not_timed(monkeypatch):
+def test_every_engine_gets_the_returning_requests_at_the_same_turns_and_their_answering_steps_are_not_timed(
+    monkeypatch,
+):
     """The saving engine loads their histories; the others are asked the question alone, so that a loading
     turn differs from theirs by the loads only. Steps take the time of a clock the engines advance."""
     clock = [0.0]

@@ -1,4 +1,5 @@
 """``hcache bench workload`` reports every method, through the runtime and through MII."""
+
 import argparse
 import json
 
@@ -10,8 +11,26 @@ from hcache.cli import main
 @pytest.mark.slow
 def test_bench_workload_reports_every_method(tmp_path):
     out = tmp_path / "workload.json"
-    args = ["bench", "workload", "--model", "random:llama", "--sessions", "3", "--rates", "1,8", "--scale", "1",
-            "--max-output", "8", "--max-tokens", "384", "--max-turns", "4", "--json", str(out)]
+    args = [
+        "bench",
+        "workload",
+        "--model",
+        "random:llama",
+        "--sessions",
+        "3",
+        "--rates",
+        "1,8",
+        "--scale",
+        "1",
+        "--max-output",
+        "8",
+        "--max-tokens",
+        "384",
+        "--max-turns",
+        "4",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     methods = result["methods"]
@@ -39,9 +58,34 @@ def test_bench_workload_reports_every_method(tmp_path):
 @pytest.mark.slow
 def test_bench_workload_replays_each_eviction_policy_side_by_side(tmp_path, capsys):
     out = tmp_path / "eviction.json"
-    args = ["bench", "workload", "--model", "random:llama", "--sessions", "3", "--rates", "2", "--scale", "1", "--max-output", "8",
-            "--max-tokens", "384", "--max-turns", "4", "--methods", "auto_gpu_cache", "--eviction", "cost,lru", "--kv-blocks", "6",
-            "--host-mib", "1", "--json", str(out)]
+    args = [
+        "bench",
+        "workload",
+        "--model",
+        "random:llama",
+        "--sessions",
+        "3",
+        "--rates",
+        "2",
+        "--scale",
+        "1",
+        "--max-output",
+        "8",
+        "--max-tokens",
+        "384",
+        "--max-turns",
+        "4",
+        "--methods",
+        "auto_gpu_cache",
+        "--eviction",
+        "cost,lru",
+        "--kv-blocks",
+        "6",
+        "--host-mib",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert result["eviction"] == ["cost", "lru"] and result["trace"]["host_mib"] == 1
@@ -54,8 +98,18 @@ def test_bench_workload_replays_each_eviction_policy_side_by_side(tmp_path, caps
     assert "cost/lru: TTFT p50" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bad", [["--rates", "0,1"], ["--rates", "fast"], ["--max-tokens", "4096"], ["--methods", "kv,magic"], ["--kv-blocks", "3"],
-                                 ["--eviction", "lfu"], ["--host-mib", "0"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--rates", "0,1"],
+        ["--rates", "fast"],
+        ["--max-tokens", "4096"],
+        ["--methods", "kv,magic"],
+        ["--kv-blocks", "3"],
+        ["--eviction", "lfu"],
+        ["--host-mib", "0"],
+    ],
+)
 def test_bench_workload_refuses_bad_options(bad, capsys):
     assert main(["bench", "workload", "--model", "random:llama", "--sessions", "2", *bad]) == 2
     assert "hcache: error:" in capsys.readouterr().err
@@ -64,8 +118,30 @@ def test_bench_workload_refuses_bad_options(bad, capsys):
 @pytest.mark.slow
 def test_bench_workload_replays_through_mii(tmp_path):
     out = tmp_path / "mii.json"
-    args = ["bench", "workload", "--through", "mii", "--engine", "reference", "--model", "random:llama", "--sessions", "2",
-            "--rates", "4", "--scale", "1", "--max-output", "4", "--max-tokens", "384", "--max-turns", "3", "--json", str(out)]
+    args = [
+        "bench",
+        "workload",
+        "--through",
+        "mii",
+        "--engine",
+        "reference",
+        "--model",
+        "random:llama",
+        "--sessions",
+        "2",
+        "--rates",
+        "4",
+        "--scale",
+        "1",
+        "--max-output",
+        "4",
+        "--max-tokens",
+        "384",
+        "--max-turns",
+        "3",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     methods = result["methods"]
@@ -73,7 +149,9 @@ def test_bench_workload_replays_through_mii(tmp_path):
     for m in methods.values():
         assert m["ttft_p50_s"] > 0 and m["tbt_mean_s"] > 0 and m["requests"] == result["trace"]["requests"]
     runs = {name: m["by_rate"][0] for name, m in methods.items()}
-    assert len({json.dumps(r["replies"], sort_keys=True) for r in runs.values()}) == 1  # greedy: restoring changes no reply
+    assert (
+        len({json.dumps(r["replies"], sort_keys=True) for r in runs.values()}) == 1
+    )  # greedy: restoring changes no reply
     assert runs["recompute"]["restored_tokens"] == 0 and methods["recompute"]["bytes_per_token"] == 0
     assert runs["kv"]["restored_tokens"] > 0 and runs["auto"]["restored_tokens"] > 0
     assert runs["auto_gpu_cache"]["gpu_cache_hit_rate"] > 0 and runs["auto_gpu_cache"]["gpu_tokens"] > 0

@@ -1,4 +1,5 @@
 """``hcache check`` on the CPU: the reference-engine subset it runs there, and the failures it must catch."""
+
 import json
 
 import pytest
@@ -16,7 +17,12 @@ def test_check_reports_the_machine_and_passes_every_restore_on_the_cpu(tmp_path,
     assert main(["check", "--quick", "--out", str(out), "--store-dir", str(tmp_path / "store")]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     steps = report["steps"]
-    assert report["command"].startswith("hcache check --quick") and list(steps) == ["environment", "floors", "correctness", "speed"]
+    assert report["command"].startswith("hcache check --quick") and list(steps) == [
+        "environment",
+        "floors",
+        "correctness",
+        "speed",
+    ]
     assert report["commit"] == source_commit()  # the source the report speaks for
     assert steps["environment"]["torch"] == torch.__version__ and steps["environment"]["store"]["free_bytes"] > 0
     assert steps["floors"]["host_copy_gbps"] > 0 and steps["floors"]["disk_read_gbps"] > 0
@@ -35,7 +41,11 @@ def test_check_reports_the_machine_and_passes_every_restore_on_the_cpu(tmp_path,
 def test_a_wrong_restore_fails_its_cases(monkeypatch):
     """Hidden states restored off by a small amount: the plans that use H fail, and only those."""
     restore = ReferenceEngine.restore_from_hidden
-    monkeypatch.setattr(ReferenceEngine, "restore_from_hidden", lambda self, uid, layer, hidden, start=0: restore(self, uid, layer, hidden * 1.001, start))
+    monkeypatch.setattr(
+        ReferenceEngine,
+        "restore_from_hidden",
+        lambda self, uid, layer, hidden, start=0: restore(self, uid, layer, hidden * 1.001, start),
+    )
     cases = {c["plan"]: c for c in check_restores(["reference"], ("llama",))}
     assert [plan for plan, c in cases.items() if not c["ok"]] == ["H", "1RE+1H+1KV"]
     assert cases["H"]["worst_excess"] > 0 and cases["KV"]["worst_excess"] <= 0
@@ -50,7 +60,13 @@ def test_a_wrong_8_bit_restore_fails_its_case(monkeypatch):
     write = restore_state.write_rows
 
     def skewed(cache, runs, slots, parts, start):
-        write(cache, runs, slots, [QuantRows(p.codes, p.scale * 1.2) if isinstance(p, QuantRows) else p for p in parts], start)
+        write(
+            cache,
+            runs,
+            slots,
+            [QuantRows(p.codes, p.scale * 1.2) if isinstance(p, QuantRows) else p for p in parts],
+            start,
+        )
 
     monkeypatch.setattr(restore_state, "write_rows", skewed)
     cases = {c["plan"]: c for c in check_restores(["reference"], ("llama",))}
@@ -59,8 +75,18 @@ def test_a_wrong_8_bit_restore_fails_its_case(monkeypatch):
 
 
 def test_a_failed_case_or_step_is_recorded_and_the_command_exits_1(tmp_path, monkeypatch, capsys):
-    failing = {"engine": "reference", "family": "llama", "dtype": "float32", "plan": "H", "restored_tokens": 191,
-               "expected_tokens": 191, "fallback": None, "tokens_equal": False, "worst_excess": 0.5, "ok": False}  # fmt: skip
+    failing = {
+        "engine": "reference",
+        "family": "llama",
+        "dtype": "float32",
+        "plan": "H",
+        "restored_tokens": 191,
+        "expected_tokens": 191,
+        "fallback": None,
+        "tokens_equal": False,
+        "worst_excess": 0.5,
+        "ok": False,
+    }
     monkeypatch.setattr("hcache.check.correctness.check_restores", lambda engines, progress=None: [failing])
 
     def no_disk(*args):
@@ -70,14 +96,28 @@ def test_a_failed_case_or_step_is_recorded_and_the_command_exits_1(tmp_path, mon
     out = tmp_path / "check"
     assert main(["check", "--quick", "--out", str(out)]) == 1
     steps = json.loads(out.with_suffix(".json").read_text())["steps"]
-    assert steps["floors"]["error"] == "OSError: disk gone" and steps["correctness"]["cases"] == [failing] and "speed" in steps
+    assert (
+        steps["floors"]["error"] == "OSError: disk gone"
+        and steps["correctness"]["cases"] == [failing]
+        and "speed" in steps
+    )
     assert "| reference | llama | float32 | H | 191/191 | False | 0.5 | **NO** |" in out.with_suffix(".md").read_text()
     assert "1 case(s) failed: reference llama H" in capsys.readouterr().out
 
 
 def test_without_out_or_save_the_check_writes_nothing_and_prints_its_report(tmp_path, monkeypatch, capsys):
-    case = {"engine": "reference", "family": "llama", "dtype": "float32", "plan": "KV", "restored_tokens": 191,
-            "expected_tokens": 191, "fallback": None, "tokens_equal": True, "worst_excess": -1e-6, "ok": True}  # fmt: skip
+    case = {
+        "engine": "reference",
+        "family": "llama",
+        "dtype": "float32",
+        "plan": "KV",
+        "restored_tokens": 191,
+        "expected_tokens": 191,
+        "fallback": None,
+        "tokens_equal": True,
+        "worst_excess": -1e-6,
+        "ok": True,
+    }
     monkeypatch.setattr("hcache.check.correctness.check_restores", lambda engines, progress=None: [case])
     monkeypatch.setattr("hcache.check.floors.measure_floors", lambda store, quick: {"host_copy_gbps": 1.0})
     monkeypatch.chdir(tmp_path)
@@ -118,8 +158,13 @@ def test_a_family_that_cannot_run_fails_its_cases_and_the_others_still_run(monke
     assert cases[0]["error"] == "RuntimeError: no engine for qwen2"
     from hcache.check.command import markdown
 
-    table = markdown({"machine": {"gpu": None, "cpu": "x", "date": "d"}, "command": "c",
-                      "steps": {"correctness": {"cases": cases, "seconds": 1}}})  # fmt: skip
+    table = markdown(
+        {
+            "machine": {"gpu": None, "cpu": "x", "date": "d"},
+            "command": "c",
+            "steps": {"correctness": {"cases": cases, "seconds": 1}},
+        }
+    )
     assert "| reference | qwen2 | | RE | could not run: `RuntimeError: no engine for qwen2` | | | **NO** |" in table
 
 
@@ -129,7 +174,9 @@ def test_the_speed_step_runs_each_benchmark_as_its_command_and_keeps_its_figures
     back without the record ``--json`` adds (the report has its own commit and machine)."""
     from hcache.check.speed import RECORD, _bench
 
-    result = _bench("transfer", ["--shape", "llama", "--layers", "2", "--history", "128", "--repeats", "1", "--device", "cpu"])
+    result = _bench(
+        "transfer", ["--shape", "llama", "--layers", "2", "--history", "128", "--repeats", "1", "--device", "cpu"]
+    )
     assert result["history"] == 128 and result["layers"] == 2 and result["kv_restore_vs_copy"] > 0
     assert not set(RECORD) & set(result)
 
@@ -150,14 +197,33 @@ def test_on_a_gpu_the_speed_step_runs_the_benchmarks_the_targets_name(monkeypatc
     monkeypatch.setattr(speed.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(speed, "_bench", lambda name, argv: ran.append((name, argv)) or {"figure": len(ran)})
     results = speed.measure_speed(quick=True, progress=lambda name: None)
-    assert ran == [("transfer", ["--history", "1024"]), ("transfer", ["--history", "4096"]),
-                   ("paged", ["--history", "1024"]), ("paged", ["--history", "4096"]), ("ops", ["--tokens", "4096"])]  # fmt: skip
-    assert results == {"transfer_1024": {"figure": 1}, "transfer_4096": {"figure": 2}, "vllm_paged_1024": {"figure": 3},
-                       "vllm_paged_4096": {"figure": 4}, "ops": {"figure": 5}}  # fmt: skip
+    assert ran == [
+        ("transfer", ["--history", "1024"]),
+        ("transfer", ["--history", "4096"]),
+        ("paged", ["--history", "1024"]),
+        ("paged", ["--history", "4096"]),
+        ("ops", ["--tokens", "4096"]),
+    ]
+    assert results == {
+        "transfer_1024": {"figure": 1},
+        "transfer_4096": {"figure": 2},
+        "vllm_paged_1024": {"figure": 3},
+        "vllm_paged_4096": {"figure": 4},
+        "ops": {"figure": 5},
+    }
     ran.clear()
     assert list(speed.measure_speed(quick=False, progress=lambda name: None)) == [
-        "transfer_1024", "transfer_4096", "transfer_16384", "vllm_paged_1024", "vllm_paged_4096", "vllm_paged_16384",
-        "ops", "storage", "mii_2048", "mii_4096"]
+        "transfer_1024",
+        "transfer_4096",
+        "transfer_16384",
+        "vllm_paged_1024",
+        "vllm_paged_4096",
+        "vllm_paged_16384",
+        "ops",
+        "storage",
+        "mii_2048",
+        "mii_4096",
+    ]
 
 
 def test_a_failing_benchmark_is_recorded_and_the_figures_so_far_are_kept_as_they_come(monkeypatch):
@@ -187,8 +253,18 @@ def test_a_check_cut_off_mid_step_leaves_the_cases_it_finished(tmp_path, monkeyp
     seen = []
 
     def cut_off(engines, progress=None):
-        case = {"engine": "reference", "family": "llama", "dtype": "float32", "plan": "RE", "restored_tokens": 191,
-                "expected_tokens": 191, "fallback": None, "tokens_equal": True, "worst_excess": -1e-6, "ok": True}  # fmt: skip
+        case = {
+            "engine": "reference",
+            "family": "llama",
+            "dtype": "float32",
+            "plan": "RE",
+            "restored_tokens": 191,
+            "expected_tokens": 191,
+            "fallback": None,
+            "tokens_equal": True,
+            "worst_excess": -1e-6,
+            "ok": True,
+        }
         progress(case)
         seen.append(json.loads(out.with_suffix(".json").read_text())["steps"]["correctness"])
         raise KeyboardInterrupt  # the lease's end: nothing after this runs
@@ -200,4 +276,7 @@ def test_a_check_cut_off_mid_step_leaves_the_cases_it_finished(tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         main(["check", "--quick", "--out", str(out)])
     assert seen[0]["unfinished"] and seen[0]["cases"][0]["plan"] == "RE"
-    assert "## correctness (" in out.with_suffix(".md").read_text() and "unfinished: the run was cut off here" in out.with_suffix(".md").read_text()
+    assert (
+        "## correctness (" in out.with_suffix(".md").read_text()
+        and "unfinished: the run was cut off here" in out.with_suffix(".md").read_text()
+    )

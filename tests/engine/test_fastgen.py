@@ -8,6 +8,7 @@ layout of ``BlockedKVCache``, and Llama's own ``forward``/``_forward_transformer
 finds each sequence's blocks through the batch's ``kv_ptrs``, as the CUDA kernel does, and applies its own
 RoPE (not hcache's), so restore results are checked against an independent forward.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,8 +37,14 @@ MAX_BATCH = 16  # FastGen's max_ragged_batch_size: recompute must split longer r
 
 def hf_config(**overrides) -> LlamaConfig:
     args = dict(
-        hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS,
-        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=256, rope_theta=10000.0,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        num_hidden_layers=LAYERS,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
     )
     return LlamaConfig(**{**args, **overrides})
 
@@ -126,7 +133,9 @@ class FakeAttention(torch.nn.Module):
         out = self._output[: q_k_v.shape[0]]
         q_dim, kv_dim = HEADS * HEAD, KV_HEADS * HEAD
         for (start, n, seen, _), ptr in zip(batch.inflight_seq_descriptors().tolist(), batch.kv_ptrs().tolist()):
-            table = ids[(ptr - ids.data_ptr()) // (ids.stride(0) * ids.element_size()), 0].long()  # what the kernel dereferences
+            table = ids[
+                (ptr - ids.data_ptr()) // (ids.stride(0) * ids.element_size()), 0
+            ].long()  # what the kernel dereferences
             pos = torch.arange(seen, seen + n)
             rows = q_k_v[start : start + n]
             q = fake_rope(rows[:, :q_dim].view(n, HEADS, HEAD), pos)
@@ -137,8 +146,11 @@ class FakeAttention(torch.nn.Module):
             ctx = torch.arange(seen + n)
             keys, values = kv_cache[table[ctx // BLOCK], ctx % BLOCK].unbind(1)
             o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=ctx[None, :] <= pos[:, None], enable_gqa=True,
+                q.transpose(0, 1),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=ctx[None, :] <= pos[:, None],
+                enable_gqa=True,
             )
             out[start : start + n] = o.transpose(0, 1).reshape(n, -1)
         return out
@@ -197,19 +209,33 @@ class FakeLlama(torch.nn.Module):
         self.attn, self.norm = FakeAttention(state_manager), FakePreRMSNorm()
         self.embed, self.unembed = FakeEmbed(), FakeUnembed()
         self._transformer = [
-            Params(qkv_w=w((HEADS + 2 * KV_HEADS) * HEAD, HIDDEN), attn_out_w=w(HIDDEN, HEADS * HEAD),
-                   mlp_1_w=w(64, HIDDEN), mlp_2_w=w(HIDDEN, 64),
-                   attn_norm_gamma=1 + w(HIDDEN), mlp_norm_gamma=1 + w(HIDDEN))
+            Params(
+                qkv_w=w((HEADS + 2 * KV_HEADS) * HEAD, HIDDEN),
+                attn_out_w=w(HIDDEN, HEADS * HEAD),
+                mlp_1_w=w(64, HIDDEN),
+                mlp_2_w=w(HIDDEN, 64),
+                attn_norm_gamma=1 + w(HIDDEN),
+                mlp_norm_gamma=1 + w(HIDDEN),
+            )
             for _ in range(LAYERS)
         ]
-        self._non_transformer = Params(word_emb=w(VOCAB, HIDDEN), word_unembed=w(VOCAB, HIDDEN), final_norm=1 + w(HIDDEN))
+        self._non_transformer = Params(
+            word_emb=w(VOCAB, HIDDEN), word_unembed=w(VOCAB, HIDDEN), final_norm=1 + w(HIDDEN)
+        )
 
 
 def fake_inference_engine(num_blocks: int = 32, seed: int = 0) -> InferenceEngineV2:
     """A real ``InferenceEngineV2`` (its ``put``, ``query``, ``flush``...) over CPU state and a fake model."""
-    config = RaggedInferenceEngineConfig(state_manager=dict(max_ragged_batch_size=MAX_BATCH, max_tracked_sequences=8, max_ragged_sequence_count=4))
+    config = RaggedInferenceEngineConfig(
+        state_manager=dict(max_ragged_batch_size=MAX_BATCH, max_tracked_sequences=8, max_ragged_sequence_count=4)
+    )
     sm_config = config.state_manager
-    kv_config = KVCacheConfig(block_size=BLOCK, cache_shape=(LAYERS, KV_HEADS, HEAD), cache_dtype=torch.float32, max_blocks_per_allocation_group=32)
+    kv_config = KVCacheConfig(
+        block_size=BLOCK,
+        cache_shape=(LAYERS, KV_HEADS, HEAD),
+        cache_dtype=torch.float32,
+        max_blocks_per_allocation_group=32,
+    )
 
     kv_cache = BlockedKVCache.__new__(BlockedKVCache)  # its __init__ sizes from GPU memory
     kv_cache._configs, kv_cache._allocators = (kv_config,), (FakeAllocator(num_blocks),)
@@ -222,10 +248,13 @@ def fake_inference_engine(num_blocks: int = 32, seed: int = 0) -> InferenceEngin
 
     batch = RaggedBatchWrapper.__new__(RaggedBatchWrapper)  # same buffers as its __init__, on the host
     batch._config, batch._is_padded = sm_config, False
-    for name, shape, dtype in [("_input_ids", (MAX_BATCH,), torch.int64), ("_batch_metadata_storage", (2,), torch.int32),
-                               ("_token_to_seq_storage", (MAX_BATCH,), torch.int32),
-                               ("_inflight_seq_descriptors", (sm_config.max_ragged_sequence_count, 4), torch.int32),
-                               ("_kv_ptrs", (sm_config.max_ragged_sequence_count,), torch.int64)]:
+    for name, shape, dtype in [
+        ("_input_ids", (MAX_BATCH,), torch.int64),
+        ("_batch_metadata_storage", (2,), torch.int32),
+        ("_token_to_seq_storage", (MAX_BATCH,), torch.int32),
+        ("_inflight_seq_descriptors", (sm_config.max_ragged_sequence_count, 4), torch.int32),
+        ("_kv_ptrs", (sm_config.max_ragged_sequence_count,), torch.int64),
+    ]:
         setattr(batch, name, torch.zeros(shape, dtype=dtype))
         setattr(batch, name + "_shadow", torch.zeros(shape, dtype=dtype))
     batch.clear()
@@ -288,15 +317,20 @@ def no_build(monkeypatch):
     """Fail loudly if a check lets the build through."""
     import deepspeed.inference.v2 as v2
 
-    monkeypatch.setattr(v2, "build_hf_engine", lambda *a, **k: pytest.fail("build_hf_engine called past a failed check"))
+    monkeypatch.setattr(
+        v2, "build_hf_engine", lambda *a, **k: pytest.fail("build_hf_engine called past a failed check")
+    )
 
 
 def test_build_refuses_unsupported_model_type(tmp_path, no_build):
     LlamaConfig(model_type="llama").save_pretrained(tmp_path)
     cfg = (tmp_path / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "opt"')
     (tmp_path / "config.json").write_text(cfg)
-    with pytest.raises(UnsupportedModelError, match="'opt' cannot run on FastGen: DeepSpeed's FastGen implements it, but "
-                       "hcache's FastGen adapter serves llama, mistral, phi3, qwen2; engine='auto'"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match="'opt' cannot run on FastGen: DeepSpeed's FastGen implements it, but "
+        "hcache's FastGen adapter serves llama, mistral, phi3, qwen2; engine='auto'",
+    ):
         build_fastgen_engine(str(tmp_path))
 
 
@@ -309,7 +343,9 @@ def test_the_families_deepspeed_implements_are_the_ones_named():
 
     from hcache.engine.fastgen import DEEPSPEED_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 
-    assert sorted(set(re.findall(r'model_type == "(\w+)"', inspect.getsource(engine_factory)))) == sorted(DEEPSPEED_MODEL_TYPES)
+    assert sorted(set(re.findall(r'model_type == "(\w+)"', inspect.getsource(engine_factory)))) == sorted(
+        DEEPSPEED_MODEL_TYPES
+    )
     assert set(SUPPORTED_MODEL_TYPES) <= set(DEEPSPEED_MODEL_TYPES)
 
 
@@ -319,8 +355,11 @@ def test_a_family_fastgen_lacks_is_refused_on_fastgen_and_served_by_the_referenc
     from hcache.config import HCacheConfig, engine_and_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(UnsupportedModelError, match="'qwen3' cannot run on FastGen: DeepSpeed 0.19's FastGen has no "
-                       "implementation of it \\(it implements exaone4, .*qwen2_moe\\)"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match="'qwen3' cannot run on FastGen: DeepSpeed 0.19's FastGen has no "
+        "implementation of it \\(it implements exaone4, .*qwen2_moe\\)",
+    ):
         engine_and_device(HCacheConfig(engine="fastgen"), "qwen3")
     assert engine_and_device(HCacheConfig(), "qwen3") == ("reference", "cuda")
     assert engine_and_device(HCacheConfig(), "llama") == ("fastgen", "cuda")
@@ -468,7 +507,9 @@ def test_recompute_batches_wait_for_the_previous_batchs_uploads_before_rewriting
 
     engine._uploaded = Event()
     finalize = engine._engine._batch.finalize
-    monkeypatch.setattr(engine._engine._batch, "finalize", lambda *a, **k: (calls.append("finalize"), finalize(*a, **k))[1])
+    monkeypatch.setattr(
+        engine._engine._batch, "finalize", lambda *a, **k: (calls.append("finalize"), finalize(*a, **k))[1]
+    )
     engine.begin_restore(1, len(TOKENS))  # 40 tokens: batches of 16, 16 and 8
     engine.recompute_layers(1, TOKENS, LAYERS)
     engine.end_restore(1, TOKENS)
@@ -484,7 +525,9 @@ def test_begin_restore_without_room_raises_and_allocates_nothing():
 
 
 # ---- the real engine (needs FastGen's CUDA kernels) ----------------------------------------------------
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="FastGen's kernels need a CUDA GPU; the fakes above cover the logic")
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="FastGen's kernels need a CUDA GPU; the fakes above cover the logic"
+)
 
 
 @needs_gpu
@@ -492,8 +535,15 @@ def test_real_fastgen_restore_equals_recompute(tmp_path):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = hf_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
-                    num_hidden_layers=4, vocab_size=1000, max_position_embeddings=2048)
+    cfg = hf_config(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        vocab_size=1000,
+        max_position_embeddings=2048,
+    )
     LlamaForCausalLM(cfg).half().save_pretrained(tmp_path)
     engine = build_fastgen_engine(str(tmp_path))
     prompt = [int(t) for t in torch.randint(0, 1000, (700,))]
@@ -537,10 +587,20 @@ def test_real_fastgen_recompute_over_many_batches_equals_prefill(tmp_path):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = hf_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
-                    num_hidden_layers=4, vocab_size=1000, max_position_embeddings=2048)
+    cfg = hf_config(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        vocab_size=1000,
+        max_position_embeddings=2048,
+    )
     LlamaForCausalLM(cfg).half().save_pretrained(tmp_path)
-    engine = build_fastgen_engine(str(tmp_path), {"state_manager": {"max_ragged_batch_size": 64, "memory_config": {"mode": "allocate", "size": 64}}})
+    engine = build_fastgen_engine(
+        str(tmp_path),
+        {"state_manager": {"max_ragged_batch_size": 64, "memory_config": {"mode": "allocate", "size": 64}}},
+    )
     prompt = [int(t) for t in torch.randint(0, 1000, (700,))]
     for off in range(0, len(prompt), 64):
         engine.step([(1, prompt[off : off + 64])])
@@ -575,8 +635,16 @@ def real_fastgen(request, tmp_path_factory):
 
     family = request.param
     path = tmp_path_factory.mktemp(family)
-    model = random_model(family, dtype=torch.float16, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=512, max_position_embeddings=2048, **FAMILY_OVERRIDES[family])
+    model = random_model(
+        family,
+        dtype=torch.float16,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=2048,
+        **FAMILY_OVERRIDES[family],
+    )
     model.save_pretrained(path)
     engine = build_fastgen_engine(str(path), {"state_manager": {"memory_config": {"mode": "allocate", "size": 512}}})
     yield family, engine
@@ -614,13 +682,18 @@ def test_real_fastgen_restores_each_family_by_each_method_ending_inside_a_chunk(
     from support.helpers import serving_engine
 
     family, engine = real_fastgen
-    history = [int(t) for t in torch.randint(0, engine.spec.vocab_size, (GPU_FORWARD,), generator=torch.Generator().manual_seed(3))]
+    history = [
+        int(t)
+        for t in torch.randint(0, engine.spec.vocab_size, (GPU_FORWARD,), generator=torch.Generator().manual_seed(3))
+    ]
     reference_logits = engine.step([(900, history[:RETURNING])])
     reference = _greedy(engine, 900, reference_logits)
     engine.flush(900)
     engine.step([(901, history)])  # FastGen's own cache of the saved forward
     for i, (plan, methods) in enumerate(PLANS.items()):
-        serving = serving_engine(engine, f"fp-{family}", tmp_path / plan, model_name=family, plan=plan, save="all", readers=0)
+        serving = serving_engine(
+            engine, f"fp-{family}", tmp_path / plan, model_name=family, plan=plan, save="all", readers=0
+        )
         saved, returning = 10 * i + 1, 10 * i + 2
         serving.put([saved], [history])
         serving.flush(saved)
@@ -643,10 +716,15 @@ def test_real_fastgen_falls_back_past_a_corrupt_chunk(real_fastgen, tmp_path):
     from hcache.storage.chunk_key import chunk_keys, root_key
 
     family, engine = real_fastgen
-    history = [int(t) for t in torch.randint(0, engine.spec.vocab_size, (GPU_FORWARD,), generator=torch.Generator().manual_seed(4))]
+    history = [
+        int(t)
+        for t in torch.randint(0, engine.spec.vocab_size, (GPU_FORWARD,), generator=torch.Generator().manual_seed(4))
+    ]
     reference = _greedy(engine, 900, engine.step([(900, history)]))
     engine.flush(900)
-    serving = serving_engine(engine, f"fp-{family}", tmp_path, model_name=family, plan="1RE+1H+1KV", save="all", readers=0)
+    serving = serving_engine(
+        engine, f"fp-{family}", tmp_path, model_name=family, plan="1RE+1H+1KV", save="all", readers=0
+    )
     serving.put([1], [history])
     serving.flush(1)
     corrupt_tensor(serving.stack.store, chunk_keys(history, root_key(serving.fingerprint))[3], 1, "H")
@@ -713,16 +791,22 @@ def test_bench_ops_sets_up_fastgens_rotary_kernel_as_fastgen_does(monkeypatch):
         monkeypatch.setattr(module, "BlockedAllocator", FakeAllocator)
     calls = []
 
-    def kv_rotary_embeddings(kv_cache, q, k, v, rotary_dim, theta_base, batch_metadata, seq_metadata, tokens_to_seq, kv_ptrs):
+    def kv_rotary_embeddings(
+        kv_cache, q, k, v, rotary_dim, theta_base, batch_metadata, seq_metadata, tokens_to_seq, kv_ptrs
+    ):
         n_tokens = int(batch_metadata[0])
-        (start, n, seen, _), = seq_metadata[: int(batch_metadata[1])].tolist()
+        ((start, n, seen, _),) = seq_metadata[: int(batch_metadata[1])].tolist()
         blocks = -(-n // kv_cache.shape[1])
-        table = torch.tensor(list((ctypes.c_int32 * blocks).from_address(int(kv_ptrs[0]))))  # what the kernel dereferences
+        table = torch.tensor(
+            list((ctypes.c_int32 * blocks).from_address(int(kv_ptrs[0])))
+        )  # what the kernel dereferences
         pos = torch.arange(seen, seen + n)
         heads, head = kv_cache.shape[3:]
         rows = slice(start, start + n)
         rotated = fastgen_kernel.kv_rotary(k[rows].view(n, heads, head), pos, rotary_dim, theta_base)
-        kv_cache[table[pos // kv_cache.shape[1]], pos % kv_cache.shape[1]] = torch.stack((rotated, v[rows].view(n, heads, head)), 1)
+        kv_cache[table[pos // kv_cache.shape[1]], pos % kv_cache.shape[1]] = torch.stack(
+            (rotated, v[rows].view(n, heads, head)), 1
+        )
         calls.append((n_tokens, tokens_to_seq[:n_tokens].tolist(), k, v, kv_cache))
 
     kernels = SimpleNamespace(kv_rotary_embeddings=kv_rotary_embeddings)
@@ -732,7 +816,7 @@ def test_bench_ops_sets_up_fastgens_rotary_kernel_as_fastgen_does(monkeypatch):
     rope = bench_ops._rope(2, 64, {"rope_type": "default", "rope_theta": 10000.0})
     run = bench_ops._fastgen(2, 64, rope, torch.float16, tokens, block, torch.device("cpu"))
     run()
-    (n_tokens, token_seq, k, v, cache), = calls
+    ((n_tokens, token_seq, k, v, cache),) = calls
     assert n_tokens == tokens and token_seq == [0] * tokens and cache.shape == (75, block, 2, 2, 64)
     assert k.shape == v.shape == (tokens, 128) and k.stride(0) == 3 * 128  # views of one fused qkv row
     flat = cache.flatten(0, 1)[:tokens]  # one sequence, blocks allocated in order
@@ -761,9 +845,14 @@ def test_prepare_fastgen_builds_fastgens_three_ops_or_says_what_is_missing(monke
 
     loaded = []
     # the CUDA builders' names (on a machine without CUDA, op_builder exports placeholders)
-    for name, op in [("InferenceCoreBuilder", "inference_core_ops"), ("RaggedOpsBuilder", "ragged_device_ops"),
-                     ("RaggedUtilsBuilder", "ragged_ops")]:
-        monkeypatch.setattr(op_builder, name, type(name, (), {"name": op, "load": lambda self: loaded.append(self.name)}))
+    for name, op in [
+        ("InferenceCoreBuilder", "inference_core_ops"),
+        ("RaggedOpsBuilder", "ragged_device_ops"),
+        ("RaggedUtilsBuilder", "ragged_ops"),
+    ]:
+        monkeypatch.setattr(
+            op_builder, name, type(name, (), {"name": op, "load": lambda self: loaded.append(self.name)})
+        )
     monkeypatch.setattr(deepspeed, "__version__", "0.19.8")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.utils.cpp_extension, "CUDA_HOME", None)
@@ -802,7 +891,9 @@ def test_serving_engine_over_fastgen_adopts_from_the_gpu_prefix_cache(tmp_path):
     from support.helpers import serving_engine
 
     prompt = [int(t) for t in torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(3))]
-    serving = serving_engine(fastgen(num_blocks=64), "fp", tmp_path, model_name="fake", plan="KV", readers=0, gpu_cache=True)
+    serving = serving_engine(
+        fastgen(num_blocks=64), "fp", tmp_path, model_name="fake", plan="KV", readers=0, gpu_cache=True
+    )
     fresh = fastgen(num_blocks=64)
     for off in range(0, 195, MAX_BATCH):  # 3 chunks and 3 tokens of a 4th
         serving.put([0], [prompt[off : min(off + MAX_BATCH, 195)]])
@@ -817,7 +908,9 @@ def test_serving_engine_over_fastgen_adopts_from_the_gpu_prefix_cache(tmp_path):
     # token; the last put adopts the 3 cached rows of the partial chunk
     assert serving.record(1).gpu_tokens == 3 * 15 + 3
     for layer in range(LAYERS):
-        torch.testing.assert_close(cached_kv(serving.engine, 1, layer), cached_kv(fresh, 1, layer), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            cached_kv(serving.engine, 1, layer), cached_kv(fresh, 1, layer), rtol=1e-5, atol=1e-5
+        )
     serving.flush(1)
     serving.stack.gpu_cache.clear()
     assert serving.engine.free_blocks == [64]

@@ -1,4 +1,5 @@
 """The reference engine against transformers' own forward: the ground truth everything else is checked on."""
+
 import pytest
 import torch
 

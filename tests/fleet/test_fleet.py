@@ -3,6 +3,7 @@
 below them. Conversations keep to a node, move when it is gone and are restored from Redis there, and
 every reply equals the recompute of the same conversation (greedy). One fleet serves the tests in file
 order; the last one kills a node."""
+
 import json
 import os
 import socket
@@ -25,23 +26,42 @@ from hcache.fleet import Fleet, chat, haproxy_missing
 from hcache.machine.ports import free_port
 from hcache.model.loader import model_dir as resolve_model_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(haproxy_missing() or redis_missing()), reason=f"{haproxy_missing() or redis_missing()}")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(haproxy_missing() or redis_missing()), reason=f"{haproxy_missing() or redis_missing()}"),
+]
 
 NEW_TOKENS = 12
 CONVERSATIONS = [
-    ["The Loire is the longest river of France. It rises in the Massif Central, flows north to Orléans, then west "
-     "through Tours and Nantes, and reaches the Atlantic at Saint-Nazaire after about a thousand kilometres. "
-     "Which is the longest river of France?", "Where does it reach the sea?", "Name a city on it."],
-    ["Mount Everest, on the border of Nepal and China, is the highest mountain above sea level, at 8849 metres. "
-     "It was first climbed in 1953 by Edmund Hillary and Tenzing Norgay, by the south-east ridge from Nepal. "
-     "How high is Mount Everest?", "Who climbed it first?", "In which year?"],
-    ["Photosynthesis is how plants, algae and some bacteria turn light into chemical energy: in their "
-     "chloroplasts, carbon dioxide and water become glucose, and oxygen is released into the air as a by-product. "
-     "What does photosynthesis release?", "Where in the cell does it happen?", "What does it make?"],
-    ["The violin has four strings tuned in fifths, G, D, A and E, and is played with a bow of horsehair. It is the "
-     "smallest and highest-pitched member of the string family, which also has the viola, the cello and the bass. "
-     "How many strings does a violin have?", "What is the bow made of?", "Which instrument is bigger?"],
-]  # fmt: skip
+    [
+        "The Loire is the longest river of France. It rises in the Massif Central, flows north to Orléans, then west "
+        "through Tours and Nantes, and reaches the Atlantic at Saint-Nazaire after about a thousand kilometres. "
+        "Which is the longest river of France?",
+        "Where does it reach the sea?",
+        "Name a city on it.",
+    ],
+    [
+        "Mount Everest, on the border of Nepal and China, is the highest mountain above sea level, at 8849 metres. "
+        "It was first climbed in 1953 by Edmund Hillary and Tenzing Norgay, by the south-east ridge from Nepal. "
+        "How high is Mount Everest?",
+        "Who climbed it first?",
+        "In which year?",
+    ],
+    [
+        "Photosynthesis is how plants, algae and some bacteria turn light into chemical energy: in their "
+        "chloroplasts, carbon dioxide and water become glucose, and oxygen is released into the air as a by-product. "
+        "What does photosynthesis release?",
+        "Where in the cell does it happen?",
+        "What does it make?",
+    ],
+    [
+        "The violin has four strings tuned in fifths, G, D, A and E, and is played with a bow of horsehair. It is the "
+        "smallest and highest-pitched member of the string family, which also has the viola, the cello and the bass. "
+        "How many strings does a violin have?",
+        "What is the bow made of?",
+        "Which instrument is bigger?",
+    ],
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +71,12 @@ def model_path(smollm2) -> str:
 
 @pytest.fixture(scope="module")
 def fleet(model_path, tmp_path_factory):
-    with Fleet(2, tmp_path_factory.mktemp("fleet"), port=free_port(), serve_args=["--model", model_path, "--engine", "reference"]) as f:
+    with Fleet(
+        2,
+        tmp_path_factory.mktemp("fleet"),
+        port=free_port(),
+        serve_args=["--model", model_path, "--engine", "reference"],
+    ) as f:
         yield f
 
 
@@ -65,7 +90,9 @@ def reference(fleet, model_path) -> list[list[str]]:
         messages, replies = [], []
         for question in questions:
             messages.append({"role": "user", "content": question})
-            replies.append(chat(fleet.url, model_path, messages, f"reference-{c}", NEW_TOKENS, cache_salt=uuid.uuid4().hex).text)
+            replies.append(
+                chat(fleet.url, model_path, messages, f"reference-{c}", NEW_TOKENS, cache_salt=uuid.uuid4().hex).text
+            )
             messages.append({"role": "assistant", "content": replies[-1]})
         out.append(replies)
     return out
@@ -85,7 +112,11 @@ class Client:
         question = CONVERSATIONS[self.conversation][len(self.messages) // 2]
         self.messages.append({"role": "user", "content": question})
         reply = chat(self.fleet.url, self.model, self.messages, session, NEW_TOKENS, cache_salt=self.salt)
-        assert reply.text == self.expected[len(self.messages) // 2], (self.conversation, len(self.messages) // 2, reply.node)
+        assert reply.text == self.expected[len(self.messages) // 2], (
+            self.conversation,
+            len(self.messages) // 2,
+            reply.node,
+        )
         self.messages.append({"role": "assistant", "content": reply.text})
         return reply.node
 
@@ -210,7 +241,9 @@ def test_a_killed_nodes_conversation_moves_and_is_restored_from_redis(fleet, mod
     other = next(n for n in fleet.nodes if n is not owner)
     assert {client.turn("moved"), client.turn("moved")} == {owner.name}
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    first_prompt = len(tokenizer.encode(tokenizer.apply_chat_template(client.messages[:1], tokenize=False, add_generation_prompt=True)))
+    first_prompt = len(
+        tokenizer.encode(tokenizer.apply_chat_template(client.messages[:1], tokenize=False, add_generation_prompt=True))
+    )
     time.sleep(0.5)  # the write-backs of the last turn's chunks to Redis (milliseconds)
     owner.kill()
     before, restored = _logged(other), _restored(other)
@@ -226,7 +259,9 @@ def test_a_killed_nodes_conversation_moves_and_is_restored_from_redis(fleet, mod
 
 def _fleet_command(*args: str, marker: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HCACHE_FLEET_TEST": marker}  # inherited by everything the command starts
-    return subprocess.run([sys.executable, "-m", "hcache", "fleet", *args], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "hcache", "fleet", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def _processes_with(marker: str) -> list[int]:
@@ -252,12 +287,21 @@ def test_bad_configuration_is_refused_clearly_and_leaves_nothing_running(tmp_pat
         cases = [
             (["--nodes", "0"], "at least one node, not 0"),
             (["--nodes", "2", "--port", str(busy)], f"the balancer: cannot listen on 127.0.0.1:{busy}"),
-            (["--nodes", "2", "--port", str(free_port()), "--redis", f"redis://127.0.0.1:{closed}/0"], "the Redis server cannot be reached"),
+            (
+                ["--nodes", "2", "--port", str(free_port()), "--redis", f"redis://127.0.0.1:{closed}/0"],
+                "the Redis server cannot be reached",
+            ),
             # the Redis server is started, then the nodes refuse their settings: all of it is stopped
-            (["--nodes", "2", "--port", str(free_port()), "--model", model_path, "--config", str(bad_config)], "not a readable JSON file"),
-        ]  # fmt: skip
+            (
+                ["--nodes", "2", "--port", str(free_port()), "--model", model_path, "--config", str(bad_config)],
+                "not a readable JSON file",
+            ),
+        ]
         with ThreadPoolExecutor(len(cases)) as pool:
-            runs = pool.map(lambda i: _fleet_command(*cases[i][0], "--dir", str(tmp_path / f"fleet{i}"), marker=marker), range(len(cases)))
+            runs = pool.map(
+                lambda i: _fleet_command(*cases[i][0], "--dir", str(tmp_path / f"fleet{i}"), marker=marker),
+                range(len(cases)),
+            )
             for (args, message), done in zip(cases, runs):
                 assert done.returncode == 2 and message in done.stderr, (args, done.stdout, done.stderr[-3000:])
     assert _processes_with(marker) == []

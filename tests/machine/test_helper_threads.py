@@ -1,5 +1,6 @@
 """Where hcache's helper threads run: on the cores an engine left over, at the lowest priority, so that the
 engine's own processes there come first; anywhere, at their starter's priority, where none are named."""
+
 import os
 import threading
 

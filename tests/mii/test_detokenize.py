@@ -1,6 +1,7 @@
 """The text of generated tokens (hcache/mii/detokenize.py): a stream decoded piece by piece joins to the
 whole reply decoded at once, special tokens never appear, and a stream cut short (a client gone mid-way)
 leaves nothing behind for the thread's next stream."""
+
 from transformers import AutoTokenizer
 
 from hcache.mii.detokenize import StreamDecoders

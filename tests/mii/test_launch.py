@@ -1,5 +1,6 @@
 """How ``hcache serve`` starts MII's processes, without starting them: what they are told about logging, and
 that MII's temporary hostfiles do not outlive the start. (A real deployment: ``tests/mii/test_mii.py``.)"""
+
 import logging
 import os
 import subprocess
@@ -33,8 +34,11 @@ def test_mii_starts_its_processes_as_quiet_as_hcache_and_leaves_no_hostfile(tmp_
         return _Exited()
 
     monkeypatch.setattr("hcache.mii.processes.subprocess", SimpleNamespace(Popen=popen))  # hcache's launch alone
-    config = MIIConfig(model_config={"model_name_or_path": "/no-model", "tokenizer": "/no-model", "task": "text-generation"},
-                       deployment_name="test", port_number=50990)  # fmt: skip
+    config = MIIConfig(
+        model_config={"model_name_or_path": "/no-model", "tokenizer": "/no-model", "task": "text-generation"},
+        deployment_name="test",
+        port_number=50990,
+    )
     caplog.set_level(logging.INFO if verbose else logging.WARNING, logger="hcache")
     with pytest.raises(RuntimeError, match="exited with status 1 while starting"):
         with launching_with_hcache(SimpleNamespace(model_dump_json=lambda: "{}"), []):

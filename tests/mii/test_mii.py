@@ -1,6 +1,7 @@
 """DeepSpeed-MII's own code path over hcache on the CPU: ``mii.pipeline``, and ``mii.serve`` over HTTP (MII's
 REST gateway, and hcache's OpenAI-compatible server in front of it), with SmolLM2 on the reference engine. A returning
 conversation is restored instead of recomputed, and the replies equal those of MII with hcache off."""
+
 import json
 import logging
 import os
@@ -46,7 +47,6 @@ QUESTIONS = [NOTE + "What is the capital of France?", "And of Germany?", "Which 
 NEW_TOKENS = 32
 
 
-
 @pytest.fixture(scope="module")
 def model_dir(smollm2) -> str:
     return str(resolve_model_dir("smollm2"))
@@ -67,7 +67,9 @@ def converse(model_dir: str, reply) -> list[str]:
 def _pipeline_chat(model_dir: str, hcache_config: dict) -> list[str]:
     pipe = hcache.mii.pipeline(model_dir, hcache=hcache_config, zmq_port_number=_free_port())
     try:
-        return converse(model_dir, lambda prompt, _: pipe([prompt], max_new_tokens=NEW_TOKENS, do_sample=False)[0].generated_text)
+        return converse(
+            model_dir, lambda prompt, _: pipe([prompt], max_new_tokens=NEW_TOKENS, do_sample=False)[0].generated_text
+        )
     finally:
         pipe.inference_engine.close()
         pipe.destroy()
@@ -109,7 +111,9 @@ def _check_restored_and_identical(model_dir: str, replies: list[str], reference:
 @pytest.mark.slow
 def test_pipeline_restores_returning_conversation(model_dir, hcache_off, tmp_path):
     log = tmp_path / "requests.jsonl"
-    replies = _pipeline_chat(model_dir, {"engine": "reference", "store_dirs": [str(tmp_path / "store")], "request_log": str(log)})
+    replies = _pipeline_chat(
+        model_dir, {"engine": "reference", "store_dirs": [str(tmp_path / "store")], "request_log": str(log)}
+    )
     _check_restored_and_identical(model_dir, replies, hcache_off, log)
 
 
@@ -129,7 +133,9 @@ def test_pipeline_call_that_fails_in_the_loop_fails_alone(model_dir, tmp_path, m
     from hcache.mii.failures import RequestFailed
 
     monkeypatch.setattr(ReferenceEngine, "step", faulty(ReferenceEngine.step, _fault_token(model_dir)))
-    pipe = hcache.mii.pipeline(model_dir, hcache={"engine": "reference", "store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port())
+    pipe = hcache.mii.pipeline(
+        model_dir, hcache={"engine": "reference", "store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port()
+    )
     try:
         before = pipe([QUESTIONS[0]], max_new_tokens=4, do_sample=False)[0].generated_text
         with pytest.raises(RequestFailed, match="injected fault"):
@@ -146,9 +152,11 @@ def test_a_request_waiting_in_miis_buffer_prefetches_its_stored_chunks(model_dir
     its stored chunks (on disk, out of the host pool) start loading then, and the replies equal separate
     calls'."""
     pipe = hcache.mii.pipeline(
-        model_dir, hcache={"engine": "reference", "store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port(),
+        model_dir,
+        hcache={"engine": "reference", "store_dirs": [str(tmp_path / "store")]},
+        zmq_port_number=_free_port(),
         inference_engine_config={"state_manager": {"max_ragged_sequence_count": 1}},
-    )  # fmt: skip
+    )
     try:
         prompts = [QUESTIONS[0], 2 * NOTE + "Which city is on the Spree?"]
         alone = [pipe([p], max_new_tokens=4, do_sample=False)[0].generated_text for p in prompts]
@@ -228,7 +236,13 @@ def test_serve_restores_over_rest_and_openai_api(model_dir, hcache_off, tmp_path
     rest, balancer, zmq, metrics = _free_port(), _free_port(), _free_port(), _free_port()
     client = hcache.mii.serve(
         model_dir,
-        hcache={"engine": "reference", "store_dirs": [str(store)], "request_log": str(log), "gpu_cache": True, "metrics_port": metrics},
+        hcache={
+            "engine": "reference",
+            "store_dirs": [str(store)],
+            "request_log": str(log),
+            "gpu_cache": True,
+            "metrics_port": metrics,
+        },
         deployment_name="hcache-test",
         enable_restful_api=True,
         restful_api_port=rest,
@@ -294,9 +308,29 @@ def test_serve_fails_a_request_alone_and_ctrl_c_stops_a_hung_deployment(model_di
     Ctrl-C still ends them all."""
     rest, log, out = _free_port(), tmp_path / "requests.jsonl", tmp_path / "serve.out"
     repo = str(REPO)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAULT_DIR, repo]), HCACHE_TEST_FAULT_TOKEN=str(_fault_token(model_dir)))
-    command = [sys.executable, "-m", "hcache", "serve", "--model", model_dir, "--engine", "reference", "--store-dir", str(tmp_path / "store"),
-               "--request-log", str(log), "--rest-port", str(rest), "--port", str(_free_port()), "--metrics-port", "0"]  # fmt: skip
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([FAULT_DIR, repo]), HCACHE_TEST_FAULT_TOKEN=str(_fault_token(model_dir))
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "hcache",
+        "serve",
+        "--model",
+        model_dir,
+        "--engine",
+        "reference",
+        "--store-dir",
+        str(tmp_path / "store"),
+        "--request-log",
+        str(log),
+        "--rest-port",
+        str(rest),
+        "--port",
+        str(_free_port()),
+        "--metrics-port",
+        "0",
+    ]
     with open(out, "w") as output:
         serve = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
     stopped = []
@@ -305,7 +339,10 @@ def test_serve_fails_a_request_alone_and_ctrl_c_stops_a_hung_deployment(model_di
         while "serving; Ctrl-C stops" not in out.read_text():
             assert serve.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
             time.sleep(1)
-        url, body = f"http://localhost:{rest}/mii/hcache", {"prompts": [QUESTIONS[0]], "max_new_tokens": 200, "ignore_eos": True, "do_sample": False}
+        url, body = (
+            f"http://localhost:{rest}/mii/hcache",
+            {"prompts": [QUESTIONS[0]], "max_new_tokens": 200, "ignore_eos": True, "do_sample": False},
+        )
         alone = _post(url, body)
         with ThreadPoolExecutor(1) as pool:
             batched = pool.submit(_post, url, body)
@@ -350,7 +387,9 @@ def test_tensor_parallel_pipeline_equals_one_rank(model_dir, tmp_path):
 
     store, zmq_port = tmp_path / "store", str(_free_port())
     repo = str(REPO)
-    path = os.pathsep.join([repo, str(SUPPORT.parent), str(Path(__file__).parent)])  # hcache; support and this module, for the rank script
+    path = os.pathsep.join(
+        [repo, str(SUPPORT.parent), str(Path(__file__).parent)]
+    )  # hcache; support and this module, for the rank script
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="localhost", MASTER_PORT=str(_free_port()), PYTHONPATH=path)
     ranks = [
         subprocess.Popen(
@@ -438,7 +477,13 @@ def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, t
         caplog.clear()
 
     log = tmp_path / "requests.jsonl"
-    options = {"engine": "reference", "plan": "auto", "measure_profile": False, "store_dirs": [str(tmp_path / "store")], "request_log": str(log)}
+    options = {
+        "engine": "reference",
+        "plan": "auto",
+        "measure_profile": False,
+        "store_dirs": [str(tmp_path / "store")],
+        "request_log": str(log),
+    }
     pipe = hcache.mii.pipeline(tiny, hcache=options, zmq_port_number=_free_port())
     try:
         assert pipe.inference_engine.config.plan == default_plan(spec)
@@ -463,7 +508,10 @@ def test_auto_without_this_machines_profile_serves_the_default_plan(model_dir, t
     warned_once()
 
     assert main(["serve", "--model", tiny, "--engine", "reference", "--profile", str(path)]) == 2
-    assert f"measured on 'cpu2-intel-xeon', this machine is 'cpu2-amd-epyc'; run `{command}` here" in capsys.readouterr().err
+    assert (
+        f"measured on 'cpu2-intel-xeon', this machine is 'cpu2-amd-epyc'; run `{command}` here"
+        in capsys.readouterr().err
+    )
     with pytest.raises(ProfileMismatch, match="cpu2-intel-xeon"):
         hcache.mii.pipeline(tiny, hcache={"engine": "reference", "profile": str(path)})
     assert not launched[1:]
@@ -482,13 +530,30 @@ def test_serve_command_checks_its_config_before_starting_anything(model_dir, arg
 
     started = []
     monkeypatch.setattr("subprocess.Popen.__init__", lambda self, *a, **k: started.append(a))
-    assert main(["serve", "--model", model_dir, "--engine", "reference", "--rest-port", str(_free_port()), "--port", str(_free_port()), *args]) == 2
+    assert (
+        main(
+            [
+                "serve",
+                "--model",
+                model_dir,
+                "--engine",
+                "reference",
+                "--rest-port",
+                str(_free_port()),
+                "--port",
+                str(_free_port()),
+                *args,
+            ]
+        )
+        == 2
+    )
     assert message in capsys.readouterr().err
     assert started == []
 
 
 @pytest.mark.parametrize(
-    "args", [["--plan", "3H+"], ["--stored-dtype", "int4"], ["--profile", "nowhere.json"], ["--shared", "nosuch://host"]]
+    "args",
+    [["--plan", "3H+"], ["--stored-dtype", "int4"], ["--profile", "nowhere.json"], ["--shared", "nosuch://host"]],
 )
 def test_a_serve_refused_for_bad_arguments_leaves_the_store_untouched(model_dir, tmp_path, args, capsys, monkeypatch):
     """Issue 34: a command refused for a bad argument opens nothing: the store's files (chunks, manifest,
@@ -502,19 +567,40 @@ def test_a_serve_refused_for_bad_arguments_leaves_the_store_untouched(model_dir,
     store.close()
 
     def files() -> dict:
-        return {str(p.relative_to(tmp_path)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+        return {
+            str(p.relative_to(tmp_path)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(tmp_path.rglob("*"))
+            if p.is_file()
+        }
 
     before = files()
     assert sum(name.endswith(".safetensors") for name in before) == 3
     started = []
     monkeypatch.setattr("subprocess.Popen.__init__", lambda self, *a, **k: started.append(a))
     ports = ["--rest-port", str(_free_port()), "--port", str(_free_port())]
-    assert main(["serve", "--model", model_dir, "--engine", "reference", *ports, "--store-dir", str(tmp_path / "store"), *args]) == 2
+    assert (
+        main(
+            [
+                "serve",
+                "--model",
+                model_dir,
+                "--engine",
+                "reference",
+                *ports,
+                "--store-dir",
+                str(tmp_path / "store"),
+                *args,
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err
     assert files() == before and started == []
 
 
-def test_serve_command_refuses_a_store_it_could_not_open_before_starting_anything(model_dir, tmp_path, capsys, monkeypatch):
+def test_serve_command_refuses_a_store_it_could_not_open_before_starting_anything(
+    model_dir, tmp_path, capsys, monkeypatch
+):
     """Issue 25: a store directory held by another process, or of an old layout, is found by the pre-start
     check, with its reason, not after MII's start-up by a crashed server."""
     from hcache.cli import main
@@ -523,14 +609,22 @@ def test_serve_command_refuses_a_store_it_could_not_open_before_starting_anythin
     old.mkdir()
     (old / "hcache-store.json").write_text(json.dumps({"layout_version": LAYOUT_VERSION - 1}))
     code = "import sys; from hcache.storage.disk_store import DiskChunkStore; store = DiskChunkStore(sys.argv[1]); print('open', flush=True); sys.stdin.read()"
-    holder = subprocess.Popen([sys.executable, "-c", code, str(held)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(held)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     started = []
     monkeypatch.setattr("subprocess.Popen.__init__", lambda self, *a, **k: started.append(a))
     try:
         assert holder.stdout.readline() == "open\n"
-        for store_dir, message in [(held, f"in use by another process (pid {holder.pid})"), (old, f"has layout version {LAYOUT_VERSION - 1}")]:
+        for store_dir, message in [
+            (held, f"in use by another process (pid {holder.pid})"),
+            (old, f"has layout version {LAYOUT_VERSION - 1}"),
+        ]:
             ports = ["--rest-port", str(_free_port()), "--port", str(_free_port())]
-            assert main(["serve", "--model", model_dir, "--engine", "reference", *ports, "--store-dir", str(store_dir)]) == 2
+            assert (
+                main(["serve", "--model", model_dir, "--engine", "reference", *ports, "--store-dir", str(store_dir)])
+                == 2
+            )
             assert message in capsys.readouterr().err
     finally:
         holder.stdin.close()

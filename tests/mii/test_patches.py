@@ -1,6 +1,7 @@
 """hcache's patches of MII, DeepSpeed, grpc, zmq and torch.cuda (hcache/mii/patches.py): the registry undoes
 what it sets, in reverse, leaving nothing behind; and a real deployment, once closed, leaves every attribute
 the registry patches as it found it."""
+
 import sys
 import types
 from types import SimpleNamespace
@@ -51,7 +52,9 @@ def untouched() -> dict[str, object]:
 
 @pytest.mark.slow
 def test_a_closed_pipeline_leaves_every_patched_attribute_as_it_found_it(tiny, tmp_path, untouched):
-    pipe = hcache.mii.pipeline(tiny, hcache={"engine": "reference", "store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port())
+    pipe = hcache.mii.pipeline(
+        tiny, hcache={"engine": "reference", "store_dirs": [str(tmp_path / "store")]}, zmq_port_number=_free_port()
+    )
     try:
         assert type(pipe.inference_engine).__name__ == "ServingEngine"  # built while the install was in effect
         assert _hcache_made(type(pipe).put) and _hcache_made(type(pipe).__call__)  # its loop kept on its own class
@@ -83,8 +86,17 @@ def test_a_server_process_undoes_every_patch_when_its_server_returns(tiny, untou
     model_config = SimpleNamespace(model_name_or_path=tiny, tokenizer=None, max_length=None)
     with patches.install_server(config, model_config, rest_gateway=True):
         on_cpu = () if torch.cuda.is_available() else patches.ON_CPU
-        server = (patches.ENGINE, on_cpu, patches.CHECKS, patches.DETOKENIZING, patches.FAILURES, patches.LOOPBACK,
-                  patches.REQUEST_CLASSES, patches.MODEL_SERVER, patches.REST_GATEWAY)  # fmt: skip
+        server = (
+            patches.ENGINE,
+            on_cpu,
+            patches.CHECKS,
+            patches.DETOKENIZING,
+            patches.FAILURES,
+            patches.LOOPBACK,
+            patches.REQUEST_CLASSES,
+            patches.MODEL_SERVER,
+            patches.REST_GATEWAY,
+        )
         assert _changed(untouched) == _labels(*server)
     assert _changed(untouched) == set()
 
@@ -112,8 +124,12 @@ def test_patches_are_undone_together_in_reverse_leaving_nothing_behind(monkeypat
     own, inherited = vars(_Owner)["own"], vars(_Base)["method"]
     group = (
         Patch("hcache_test_owner:Owner", "own", lambda original, suffix: lambda self: original(self) + suffix),
-        Patch("hcache_test_owner:Owner", "own", lambda original, suffix: lambda self: f"[{original(self)}]"),  # wraps the first
-        Patch("hcache_test_owner:Owner", "method", lambda original, suffix: lambda self: "patched"),  # inherited, not _Owner's
+        Patch(
+            "hcache_test_owner:Owner", "own", lambda original, suffix: lambda self: f"[{original(self)}]"
+        ),  # wraps the first
+        Patch(
+            "hcache_test_owner:Owner", "method", lambda original, suffix: lambda self: "patched"
+        ),  # inherited, not _Owner's
         Patch("hcache_test_owner", "value", lambda original, suffix: original + 1),
         Patch("hcache_test_owner", "added", lambda original, suffix: "new"),  # absent until patched
     )
@@ -130,7 +146,12 @@ def test_patches_are_undone_together_in_reverse_leaving_nothing_behind(monkeypat
 
     with pytest.raises(RuntimeError, match="cannot make it"):
         Patches().install((*group, Patch("hcache_test_owner", "value", failing)), "!")
-    assert vars(_Owner)["own"] is own and "method" not in vars(_Owner) and module.value == 1 and not hasattr(module, "added")
+    assert (
+        vars(_Owner)["own"] is own
+        and "method" not in vars(_Owner)
+        and module.value == 1
+        and not hasattr(module, "added")
+    )
 
 
 def test_a_shared_group_is_installed_while_anything_holds_it(monkeypatch):

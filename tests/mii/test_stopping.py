@@ -1,5 +1,6 @@
 """Which tokens end a request in MII's loop (``hcache.mii.stopping``): MII's own stop criteria and sampler,
 the rule applied around them. Through a served deployment and the ``openai`` client: tests/openai."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -16,8 +17,13 @@ EOS, VOCAB = 2, 8
 
 
 def _request(generated: int, least: int = 0, stop_ids=(), ignore_eos: bool = False, criteria=("Stop",)):
-    return SimpleNamespace(num_generated_tokens=generated, min_new_tokens=least, hcache_stop_ids=tuple(stop_ids),
-                           ignore_eos=ignore_eos, post_processing=list(criteria))  # fmt: skip
+    return SimpleNamespace(
+        num_generated_tokens=generated,
+        min_new_tokens=least,
+        hcache_stop_ids=tuple(stop_ids),
+        ignore_eos=ignore_eos,
+        post_processing=list(criteria),
+    )
 
 
 def _sample(requests, best: list[list[int]]):
@@ -26,8 +32,12 @@ def _sample(requests, best: list[list[int]]):
     for row, ranked in enumerate(best):
         for rank, token in enumerate(ranked):
             logits[row, token] = 10.0 - rank
-    loop = SimpleNamespace(_post_processors={"Stop": EosGenerationStopCriterion(SimpleNamespace(eos_token_id=EOS)),
-                                             "Stop_5": TokenStopCriterion(5, tokenizer=None)})  # fmt: skip
+    loop = SimpleNamespace(
+        _post_processors={
+            "Stop": EosGenerationStopCriterion(SimpleNamespace(eos_token_id=EOS)),
+            "Stop_5": TokenStopCriterion(5, tokenizer=None),
+        }
+    )
     greedy = lambda self, logits, running: (logits.argmax(-1), torch.zeros(len(running), dtype=torch.bool))  # noqa: E731
     tokens, done = as_asked(greedy)(loop, logits, requests)
     return tokens.tolist(), done.tolist()

@@ -9,7 +9,14 @@ from hcache.model.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 def test_smollm2_description(smollm2):
     s = smollm2.spec
-    assert (s.model_type, s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_size) == ("llama", 30, 576, 9, 3, 64)
+    assert (s.model_type, s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_size) == (
+        "llama",
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
     assert s.rope.theta == 100000.0 and s.rope.rotary_dim == 64 and s.learned_position_offset is None
     assert s.capture_module == "input_layernorm" and not s.qkv_bias
     assert s.hidden_bytes_per_token_layer == 576 * 4
@@ -22,10 +29,15 @@ def test_family_specifics():
         return ModelSpec.from_config(AutoConfig.for_model(model_type, **kw))
 
     llama = spec("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2)
-    assert llama.kv_to_hidden_ratio == 2.0 and llama.k_weight.module == "self_attn.k_proj" and llama.k_weight.stop is None
+    assert (
+        llama.kv_to_hidden_ratio == 2.0 and llama.k_weight.module == "self_attn.k_proj" and llama.k_weight.stop is None
+    )
     assert spec("qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2).qkv_bias
     phi3 = spec(
-        "phi3", hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+        "phi3",
+        hidden_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
     )
     assert (phi3.k_weight.module, phi3.k_weight.start, phi3.k_weight.stop) == ("self_attn.qkv_proj", 96, 144)
@@ -34,7 +46,9 @@ def test_family_specifics():
     opt = spec("opt", hidden_size=64, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64)
     assert opt.rope is None and opt.learned_position_offset == 2 and opt.qkv_bias
     assert opt.capture_module == "self_attn_layer_norm" and opt.layers_prefix == "model.decoder.layers"
-    mistral = spec("mistral", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=32, num_hidden_layers=2)
+    mistral = spec(
+        "mistral", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=32, num_hidden_layers=2
+    )
     assert mistral.sliding_windows == (32, 32)
 
 
@@ -48,7 +62,10 @@ def test_each_family_windows_the_layers_transformers_windows():
     fields = dict(num_hidden_layers=2, sliding_window=32, layer_types=layer_types)
     assert ModelSpec.from_config(AutoConfig.for_model("mistral", **fields)).sliding_windows == (32, 32)
     assert ModelSpec.from_config(AutoConfig.for_model("llama", **fields)).sliding_windows == (None, None)
-    assert ModelSpec.from_config(AutoConfig.for_model("qwen2", use_sliding_window=True, **fields)).sliding_windows == (32, None)
+    assert ModelSpec.from_config(AutoConfig.for_model("qwen2", use_sliding_window=True, **fields)).sliding_windows == (
+        32,
+        None,
+    )
     spec = ModelSpec.from_config(AutoConfig.for_model("qwen2", use_sliding_window=True, **fields))
     assert [spec.layer_type(i) for i in range(2)] == layer_types
     assert [spec.attended_from(i, 100) for i in range(2)] == [68, 0] and spec.attended_from(0, 20) == 0
@@ -70,7 +87,13 @@ def test_hybrid_models_with_recurrent_layers_are_refused_naming_the_missing_rule
 
     with pytest.raises(UnsupportedModelError, match="no rule for the state other layers carry"):
         ModelSpec.from_config(AutoConfig.for_model(model_type))
-    qwen2 = AutoConfig.for_model("qwen2", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=32)
+    qwen2 = AutoConfig.for_model(
+        "qwen2",
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        use_sliding_window=True,
+        sliding_window=32,
+    )
     assert ModelSpec.from_config(qwen2).sliding_windows == (32, None)
 
 
@@ -80,10 +103,17 @@ def test_opt_350m_layout_is_rejected():
 
 
 def test_llama3_rope_scaling_matches_transformers():
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    config = AutoConfig.for_model("llama", hidden_size=256, num_attention_heads=2, rope_parameters=rope,
-                                  max_position_embeddings=131072)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = AutoConfig.for_model(
+        "llama", hidden_size=256, num_attention_heads=2, rope_parameters=rope, max_position_embeddings=131072
+    )
     spec = ModelSpec.from_config(config)
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
     assert spec.rope.rope_type == "llama3"
@@ -101,7 +131,9 @@ def test_length_dependent_rope_is_rejected():
 def test_qwen3_norms_q_and_k_before_rope_and_other_families_keep_their_identity():
     """Qwen3's per-head Q and K norms are named where the engines read weights; a family without them keeps
     the spec identity it had before hcache knew of the fact (fingerprints and profiles are keyed by it)."""
-    qwen3 = ModelSpec.from_config(AutoConfig.for_model("qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32))
+    qwen3 = ModelSpec.from_config(
+        AutoConfig.for_model("qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    )
     assert qwen3.qk_norm == ("self_attn.q_norm", "self_attn.k_norm") and qwen3.head_size == 32 and qwen3.kv_dim == 64
     assert '"qk_norm": ["self_attn.q_norm", "self_attn.k_norm"]' in qwen3.to_json()
     llama = ModelSpec.from_config(AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4))
@@ -114,7 +146,9 @@ def test_a_family_hcache_does_not_know_is_described_for_kv_alone(model_type):
     their attention's shape where KV alone is (``any_family``), restoring nothing by H and KV by default."""
     from hcache.planning.plan import Method, default_plan
 
-    config = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+    config = AutoConfig.for_model(
+        model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2
+    )
     with pytest.raises(UnsupportedModelError, match=f"'{model_type}' is not supported by hcache's own engines"):
         ModelSpec.from_config(config)
     spec = ModelSpec.from_config(config, any_family=True)

@@ -3,6 +3,7 @@
 The two ranks run every scenario in one spawn (process start-up dominates on a small CPU) and save what
 they saw; each test checks one part of it.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -67,7 +68,9 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
     torch.set_num_threads(1)
     tp = TPGroup.current()
     # Chunks are loaded from disk by 2 reader threads when they are not in the host pool.
-    runtime = HCacheRuntime(_model(), out / f"store{rank}", plan="H", save="all", num_blocks=16, readers=2, tensor_parallel=tp)
+    runtime = HCacheRuntime(
+        _model(), out / f"store{rank}", plan="H", save="all", num_blocks=16, readers=2, tensor_parallel=tp
+    )
     engine, copier = runtime.engine, runtime.stack.copier
     seen = {"cache_heads": engine.cache.layers[0].shape[3]}
     seen["logits"] = engine.step([(0, prompt)]).clone()
@@ -104,14 +107,20 @@ def _rank(rank: int, out, prompt: list[int]) -> None:
         corrupt_tensor(runtime.store, keys[2], 1, "H")
     dist.barrier()
     result = runtime.generate(prompt, NEW_TOKENS, plan="H")
-    seen["corrupt"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids, misses=result.miss_tokens)
+    seen["corrupt"] = dict(
+        tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids, misses=result.miss_tokens
+    )
     # Rank 1's chunk 1 was found bad and discarded (by another request): its look-up ends before any layer is read.
     if rank == 1:
         runtime.store.discard(keys[1])
     dist.barrier()
     result = runtime.generate(prompt, NEW_TOKENS, plan="KV")
-    seen["missing"] = dict(tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids, misses=result.miss_tokens)
-    seen["miss_counters"] = {k: v for k, v in runtime.metrics.snapshot().items() if k.startswith("hcache_miss_tokens_total") and v}
+    seen["missing"] = dict(
+        tokens=result.restored_tokens, fallback=result.fallback, output=result.output_ids, misses=result.miss_tokens
+    )
+    seen["miss_counters"] = {
+        k: v for k, v in runtime.metrics.snapshot().items() if k.startswith("hcache_miss_tokens_total") and v
+    }
     runtime.close()
     # Saving only what an H plan needs: a rank's chunks without hidden states hold no tensor at all.
     runtime = HCacheRuntime(_model(), out / f"plan{rank}", plan="H", num_blocks=16, readers=2, tensor_parallel=tp)
@@ -139,8 +148,10 @@ def runs(tmp_path_factory):
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(TP)]  # written by this test
 
     lm = _model()
-    ref = {family: ReferenceEngine(loaded(f"random:{family}").model, loaded(f"random:{family}").spec).step([(0, prompt)])
-           for family in OTHER_FAMILIES}
+    ref = {
+        family: ReferenceEngine(loaded(f"random:{family}").model, loaded(f"random:{family}").spec).step([(0, prompt)])
+        for family in OTHER_FAMILIES
+    }
     with HCacheRuntime(lm, out / "tp1", save="all") as runtime:
         ref["logits"] = runtime.engine.step([(0, prompt)]).clone()
         runtime.engine.flush(0)
@@ -234,9 +245,17 @@ def test_bad_chunk_on_one_rank_ends_the_prefix_on_all(runs):
     # miss reasons: the rank whose chunk failed says why; the other, that another rank's prefix ended first
     assert [c["misses"] for c in corrupt] == [{"failed_verification": 64}, {"other_rank": 64}]
     assert [m["misses"] for m in missing] == [{"other_rank": 128}, {"failed_verification": 128}]
-    counted = [{reason: r["miss_counters"].get(f'hcache_miss_tokens_total{{reason="{reason}"}}', 0) for reason in
-                ("failed_verification", "never_stored", "other_rank")} for r in ranks]  # fmt: skip
-    assert counted == [{"failed_verification": 64, "never_stored": 0, "other_rank": 128}, {"failed_verification": 128, "never_stored": 0, "other_rank": 64}]
+    counted = [
+        {
+            reason: r["miss_counters"].get(f'hcache_miss_tokens_total{{reason="{reason}"}}', 0)
+            for reason in ("failed_verification", "never_stored", "other_rank")
+        }
+        for r in ranks
+    ]
+    assert counted == [
+        {"failed_verification": 64, "never_stored": 0, "other_rank": 128},
+        {"failed_verification": 128, "never_stored": 0, "other_rank": 64},
+    ]
     for case in (*corrupt, *missing):
         assert case["output"] == ref["reference"]
 

@@ -5,6 +5,7 @@ The deployment runs with a fault planted in its engine (``tests/support/fault_in
 token " candidate" raises. Greedy, the model continues ``FAULT_PROMPT`` with " most likely candidate", so
 that request fails midway through its stream (when " candidate" is fed back), and no other request here
 meets the token."""
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,6 @@ TURNS = [
 DRAIN_S, GRACE_S = 3.0, 6.0  # hcache serve's default drain; a grace shorter than the long replies below
 
 
-
 class Server:
     def __init__(self, tmp: Path):
         self.path = str(resolve_model_dir(MODEL))
@@ -55,11 +55,36 @@ class Server:
         self.port, self.log, self.output = _free_port(), tmp / "requests.jsonl", tmp / "serve.out"
         self.url = f"http://localhost:{self.port}"
         repo = str(REPO)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAULT_DIR, repo]),
-                   HCACHE_TEST_FAULT_TOKEN=str(self.tokenizer.encode(" candidate")[0]))  # fmt: skip
-        command = [sys.executable, "-m", "hcache", "serve", "--model", MODEL, "--engine", "reference", "--store-dir", str(tmp / "store"),
-                   "--request-log", str(self.log), "--openai-port", str(self.port), "--no-rest", "--port", str(_free_port()),
-                   "--zmq-port", str(_free_port()), "--metrics-port", "0", "--shutdown-grace", str(GRACE_S)]  # fmt: skip
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([FAULT_DIR, repo]),
+            HCACHE_TEST_FAULT_TOKEN=str(self.tokenizer.encode(" candidate")[0]),
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "hcache",
+            "serve",
+            "--model",
+            MODEL,
+            "--engine",
+            "reference",
+            "--store-dir",
+            str(tmp / "store"),
+            "--request-log",
+            str(self.log),
+            "--openai-port",
+            str(self.port),
+            "--no-rest",
+            "--port",
+            str(_free_port()),
+            "--zmq-port",
+            str(_free_port()),
+            "--metrics-port",
+            "0",
+            "--shutdown-grace",
+            str(GRACE_S),
+        ]
         with open(self.output, "w") as out:
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -80,7 +105,11 @@ class Server:
 
     def prompt_tokens(self, messages: list[dict]) -> int:
         """The templated prompt's tokens, counted as the model server counts them."""
-        return len(self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)))
+        return len(
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            )
+        )
 
     def logged(self) -> list[dict]:
         return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
@@ -118,25 +147,46 @@ def server(smollm2, tmp_path_factory):
 
 
 def _greedy(client: openai.OpenAI, messages: list[dict], **kwargs) -> str:
-    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32, **kwargs).choices[0].message.content
+    return (
+        client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32, **kwargs)
+        .choices[0]
+        .message.content
+    )
 
 
 def _streamed(stream) -> tuple[str, list]:
     chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" if c.object == "chat.completion.chunk" else c.choices[0].text for c in chunks if c.choices)
+    text = "".join(
+        c.choices[0].delta.content or "" if c.object == "chat.completion.chunk" else c.choices[0].text
+        for c in chunks
+        if c.choices
+    )
     return text, chunks
 
 
 def test_models_lists_the_served_model(server):
     [model] = server.client().models.list().data
-    assert (model.id, model.object, model.owned_by, model.model_extra["max_model_len"]) == (MODEL, "model", "hcache", 8192)
+    assert (model.id, model.object, model.owned_by, model.model_extra["max_model_len"]) == (
+        MODEL,
+        "model",
+        "hcache",
+        8192,
+    )
 
 
 def test_chat_greedy_streamed_equals_whole_with_usage_of_the_templated_prompt(server):
     client = server.client()
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
-    text, chunks = _streamed(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24,
-                                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    text, chunks = _streamed(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-") and whole.created > 0
     [choice] = whole.choices
     assert choice.message.role == "assistant" and choice.finish_reason == "stop" and choice.index == 0
@@ -144,7 +194,9 @@ def test_chat_greedy_streamed_equals_whole_with_usage_of_the_templated_prompt(se
     assert text == choice.message.content  # the stream joined, special tokens left out of both
     generated = len(server.tokenizer.encode(text)) + 1  # the reply, and the end-of-turn token that ended it
     assert whole.usage.prompt_tokens == server.prompt_tokens(QUESTION) > 30  # the template's system turn counts
-    assert whole.usage.completion_tokens == generated and whole.usage.total_tokens == whole.usage.prompt_tokens + generated
+    assert (
+        whole.usage.completion_tokens == generated and whole.usage.total_tokens == whole.usage.prompt_tokens + generated
+    )
     assert all(c.object == "chat.completion.chunk" and c.created > 0 and c.id == chunks[0].id for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -154,7 +206,9 @@ def test_chat_greedy_streamed_equals_whole_with_usage_of_the_templated_prompt(se
 def test_chat_without_max_tokens_ends_with_the_turn_and_max_tokens_ends_with_length(server):
     reply = server.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0)  # no max_tokens
     assert reply.choices[0].finish_reason == "stop" and "Paris" in reply.choices[0].message.content
-    short = server.client().chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=3, temperature=0)
+    short = server.client().chat.completions.create(
+        model=MODEL, messages=QUESTION, max_completion_tokens=3, temperature=0
+    )
     assert (short.choices[0].finish_reason, short.usage.completion_tokens) == ("length", 3)
 
 
@@ -162,13 +216,20 @@ def test_completions_with_the_clients_defaults_streamed_and_not(server):
     client = server.client()
     whole = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0)
     assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
-    assert (whole.choices[0].finish_reason, whole.usage.completion_tokens) == ("length", 16)  # OpenAI's default max_tokens
+    assert (whole.choices[0].finish_reason, whole.usage.completion_tokens) == (
+        "length",
+        16,
+    )  # OpenAI's default max_tokens
     assert whole.usage.prompt_tokens == len(server.tokenizer.encode("The capital of France is"))
-    text, chunks = _streamed(client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, stream=True))
+    text, chunks = _streamed(
+        client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, stream=True)
+    )
     assert text == whole.choices[0].text and all(c.object == "text_completion" for c in chunks)
     echoed = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, echo=True)
     assert echoed.choices[0].text == "The capital of France is" + whole.choices[0].text
-    text, _ = _streamed(client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, echo=True, stream=True))
+    text, _ = _streamed(
+        client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, echo=True, stream=True)
+    )
     assert text == echoed.choices[0].text
 
 
@@ -176,21 +237,35 @@ def test_stop_strings_streamed_and_not(server):
     client = server.client()
     reply = _greedy(client, QUESTION)
     stop = reply.split()[2]  # a word inside the reply: the text ends before it
-    for stops in (stop, ["no such words", stop], ["", stop]):  # every entry of a list counts; an empty one stops nothing
+    for stops in (
+        stop,
+        ["no such words", stop],
+        ["", stop],
+    ):  # every entry of a list counts; an empty one stops nothing
         whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32, stop=stops)
-        assert (whole.choices[0].message.content, whole.choices[0].finish_reason) == (reply[: reply.index(stop)], "stop")
-        text, chunks = _streamed(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32, stop=stops, stream=True))
+        assert (whole.choices[0].message.content, whole.choices[0].finish_reason) == (
+            reply[: reply.index(stop)],
+            "stop",
+        )
+        text, chunks = _streamed(
+            client.chat.completions.create(
+                model=MODEL, messages=QUESTION, temperature=0, max_tokens=32, stop=stops, stream=True
+            )
+        )
         assert text == whole.choices[0].message.content and chunks[-1].choices[0].finish_reason == "stop"
     assert whole.usage.completion_tokens < len(server.tokenizer.encode(reply))  # generation ended at the stop
 
 
 def test_sampling_options_and_seed_with_greedy(server):
     client = server.client()
-    sampled = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0.7, top_p=0.9, max_tokens=8,
-                                             extra_body={"top_k": 40})  # fmt: skip
+    sampled = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0.7, top_p=0.9, max_tokens=8, extra_body={"top_k": 40}
+    )
     assert sampled.usage.completion_tokens <= 8 and sampled.choices[0].message.content
     assert _greedy(client, QUESTION, seed=1) == _greedy(client, QUESTION)
-    top_1 = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0.7, max_tokens=32, extra_body={"top_k": 1})
+    top_1 = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0.7, max_tokens=32, extra_body={"top_k": 1}
+    )
     assert top_1.choices[0].message.content == _greedy(client, QUESTION)  # served greedily: the same token
 
 
@@ -199,7 +274,9 @@ def _ask(client: openai.OpenAI, stream: bool, **request) -> tuple[str, str, int]
     if not stream:
         reply = client.chat.completions.create(**request)
         return reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage.completion_tokens
-    text, chunks = _streamed(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    text, chunks = _streamed(
+        client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    )
     return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1], chunks[-1].usage.completion_tokens
 
 
@@ -233,7 +310,12 @@ BAD = [  # (request fields over a valid chat, status, param, words of the messag
     ({"n": 2}, 400, "n", "n must be 1"),
     ({"messages": []}, 400, "messages", "at least 1 item"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "Input should be"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages", "only text"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages",
+        "only text",
+    ),
     ({"model": "no-such-model"}, 404, "model", "does not exist"),
     ({"seed": 3, "temperature": 0.5}, 400, "seed", "temperature=0"),
     ({"logprobs": True}, 400, "logprobs", "not supported"),
@@ -248,7 +330,9 @@ BAD = [  # (request fields over a valid chat, status, param, words of the messag
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize(("fields", "status", "param", "words"), BAD, ids=[next(iter(b[0])) + str(i) for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(
+    ("fields", "status", "param", "words"), BAD, ids=[next(iter(b[0])) + str(i) for i, b in enumerate(BAD)]
+)
 def test_refused_before_anything_is_sent_in_openais_error_shape(server, stream, fields, status, param, words):
     """A refusal is an HTTP error (the client raises at once: nothing hangs, nothing is retried), never a
     stream that starts and breaks."""
@@ -264,7 +348,9 @@ def test_refused_before_anything_is_sent_in_openais_error_shape(server, stream, 
 
 
 def test_malformed_requests_answer_400_naming_no_server_paths(server):
-    bad_json = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    bad_json = httpx.post(
+        f"{server.url}/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
     assert bad_json.status_code == 400 and set(bad_json.json()["error"]) == {"message", "type", "param", "code"}
     assert "JSON" in bad_json.json()["error"]["message"] and "site-packages" not in bad_json.text
     assert httpx.get(f"{server.url}/v1/nothing").status_code == 404
@@ -275,8 +361,12 @@ def test_malformed_requests_answer_400_naming_no_server_paths(server):
 def test_a_failure_midway_through_a_stream_is_an_error_event_then_done(server):
     """The deployment fails the request after it has streamed text: the stream sends an error event and
     ``[DONE]`` and closes; the official client raises; the server serves on."""
-    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
-                      json={"model": MODEL, "prompt": FAULT_PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}) as r:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        timeout=120,
+        json={"model": MODEL, "prompt": FAULT_PROMPT, "max_tokens": 8, "temperature": 0, "stream": True},
+    ) as r:
         assert r.status_code == 200
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
     texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
@@ -284,7 +374,11 @@ def test_a_failure_midway_through_a_stream_is_an_error_event_then_done(server):
     assert "".join(texts) == " most likely candidate" and events[-1] == "[DONE]"
     assert "injected fault" in error["message"] and error["type"] == "server_error"
     with pytest.raises(openai.APIError, match="injected fault"):
-        list(server.client(max_retries=0).completions.create(model=MODEL, prompt=FAULT_PROMPT, max_tokens=8, temperature=0, stream=True))
+        list(
+            server.client(max_retries=0).completions.create(
+                model=MODEL, prompt=FAULT_PROMPT, max_tokens=8, temperature=0, stream=True
+            )
+        )
     with pytest.raises(openai.InternalServerError, match="injected fault"):  # a fault before any text: HTTP 500
         server.client(max_retries=0).completions.create(model=MODEL, prompt=FAULT_PROMPT + " candidate", max_tokens=8)
     assert "Paris" in _greedy(server.client(), QUESTION)
@@ -297,14 +391,21 @@ def test_a_client_gone_midway_frees_the_deployment(server):
     reply = _greedy(client, QUESTION)
     before = len(server.logged())
     for _ in range(3):
-        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
-                                                max_tokens=4000, temperature=0.8, stream=True)  # fmt: skip
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tell me a long story."}],
+            max_tokens=4000,
+            temperature=0.8,
+            stream=True,
+        )
         for i, _chunk in enumerate(stream):
             if i == 3:
                 break
         stream.close()
     assert _greedy(client, QUESTION) == reply  # nothing of the abandoned streams in it
-    server.next_logged(before + 3)  # all four finished: the three left generating thousands of tokens would take minutes
+    server.next_logged(
+        before + 3
+    )  # all four finished: the three left generating thousands of tokens would take minutes
     assert all(line["computed_tokens"] < 200 for line in server.logged()[before:]), server.logged()[before:]
 
 
@@ -315,7 +416,11 @@ def test_eight_concurrent_clients_each_get_their_own_reply(server):
     def ask(i: int) -> str:
         client = server.client()
         if i % 2:
-            return _streamed(client.chat.completions.create(model=MODEL, messages=questions[i], temperature=0, max_tokens=32, stream=True))[0]
+            return _streamed(
+                client.chat.completions.create(
+                    model=MODEL, messages=questions[i], temperature=0, max_tokens=32, stream=True
+                )
+            )[0]
         return _greedy(client, questions[i])
 
     with ThreadPoolExecutor(8) as pool:
@@ -338,8 +443,13 @@ def test_a_returning_conversation_restores_and_replies_as_recomputed(server):
     for turn, question in enumerate(TURNS):
         messages.append({"role": "user", "content": question})
         before = len(server.logged())
-        fresh = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32,
-                                               extra_body={"cache_salt": f"fresh-{uuid.uuid4().hex}"})  # fmt: skip
+        fresh = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=32,
+            extra_body={"cache_salt": f"fresh-{uuid.uuid4().hex}"},
+        )
         logged = server.next_logged(before)
         assert logged["restored_tokens"] == 0
         assert set(logged["miss_tokens"]) <= {"never_stored", "other_cache_salt"}  # the latter: earlier turns stored it
@@ -353,9 +463,13 @@ def test_a_returning_conversation_restores_and_replies_as_recomputed(server):
         assert reply == fresh.choices[0].message.content, turn
         assert (logged["restored_tokens"] > 0) == (turn > 0), (turn, logged)
         assert told == _told(logged) and told["restored_tokens"] == sum(told["tier_tokens"].values())
-        _, chunks = _streamed(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32, stream=True))
+        _, chunks = _streamed(
+            client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32, stream=True)
+        )
         [last] = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
-        assert last.model_extra["hcache"]["restored_tokens"] > 0 and all(c.model_extra["hcache"] is None for c in chunks if c is not last)
+        assert last.model_extra["hcache"]["restored_tokens"] > 0 and all(
+            c.model_extra["hcache"] is None for c in chunks if c is not last
+        )
         server.next_logged(before + 2)  # the stream's line is written before the next turn counts lines
         messages.append({"role": "assistant", "content": reply})
 
@@ -389,7 +503,13 @@ def test_sigterm_drains_then_refuses_new_requests_and_ends_those_in_flight_with_
     kept = httpx.Client(base_url=server.url, timeout=60)
     short = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 2}
     assert kept.post("/v1/chat/completions", json=short).status_code == 200  # the connection is kept alive
-    long = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 4000, "extra_body": {"ignore_eos": True}}
+    long = {
+        "model": MODEL,
+        "messages": QUESTION,
+        "temperature": 0,
+        "max_tokens": 4000,
+        "extra_body": {"ignore_eos": True},
+    }
     stream = iter(server.client(max_retries=0).chat.completions.create(**long, stream=True))
     assert next(stream).choices[0].delta.role == "assistant"  # in flight
     with ThreadPoolExecutor(1) as pool:

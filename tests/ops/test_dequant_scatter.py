@@ -1,6 +1,7 @@
 """The fused dequantise-and-scatter kernel (:mod:`hcache.ops.dequant_scatter`) against its torch reference
 bit for bit, under Triton's interpreter, and a layer's lossless and 8-bit parts written across scattered
 blocks by the CPU path and the kernel path alike."""
+
 import pytest
 import torch
 
@@ -57,4 +58,3 @@ def test_write_rows_mixes_lossless_and_encoded_parts_across_scattered_blocks(ker
     write_rows(got, runs, slots, encoded, 0)
     write_kv_rows(want, runs, [p if isinstance(p, torch.Tensor) else dequantise(p, dtype) for p in encoded], 0)
     assert torch.equal(got, want)
-

@@ -1,5 +1,6 @@
 """RoPE and the rotate-and-write op: the torch reference against transformers, and the Triton kernel (run
 by Triton's interpreter on the CPU) against the reference, bit for bit, on a poisoned paged cache."""
+
 import json
 
 from support import fastgen_kernel
@@ -20,8 +21,14 @@ from hcache.ops.paged_kv import copy_slots
 from hcache.ops.rope_bound import fast_math_angle_error
 from hcache.ops.rope_scatter import resolve_backend
 
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 # RoPE variants, as (model_type, rope_parameters) of a config: partial rotary is half the head, as in phi
 ROPES = {
     "full": ("llama", {"rope_type": "default", "rope_theta": 10000.0}),
@@ -35,8 +42,12 @@ BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: 
 def config(kind: str, head_size: int):
     model_type, rope_parameters = ROPES[kind]
     return AutoConfig.for_model(
-        model_type, hidden_size=4 * head_size, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=131072, rope_parameters=rope_parameters,
+        model_type,
+        hidden_size=4 * head_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+        rope_parameters=rope_parameters,
     )
 
 
@@ -134,8 +145,11 @@ def test_fastgen_rule_is_fastgens_kernel_arithmetic(theta, head_size, dtype, rng
     here they agree bit for bit; against the real kernel (fast-math cos/sin/pow, FMA) the GPU tests allow
     the few fp16 ulps that :func:`hcache.ops.rope_bound.rope_bound` derives. theta 1e6 (Mistral, Qwen2) puts
     FastGen's lowest fp16 frequencies among the subnormals."""
-    rope = ModelSpec.from_config(AutoConfig.for_model(
-        "llama", hidden_size=4 * head_size, num_attention_heads=4, num_key_value_heads=2, rope_theta=theta)).rope
+    rope = ModelSpec.from_config(
+        AutoConfig.for_model(
+            "llama", hidden_size=4 * head_size, num_attention_heads=4, num_key_value_heads=2, rope_theta=theta
+        )
+    ).rope
     positions = torch.cat((torch.arange(700), torch.randint(700, 8192, (100,), generator=rng)))
     k = (3 * torch.randn(len(positions), 2, head_size, generator=rng)).to(dtype)
     expected = fastgen_kernel.kv_rotary(k, positions, rope.rotary_dim, theta)
@@ -164,7 +178,9 @@ def test_fastgen_bound_covers_fma_and_fast_math_error(rng):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind, head_size", [("partial", 80), ("partial", 96), ("llama3", 128), ("none", 64), ("none", 128)])
+@pytest.mark.parametrize(
+    "kind, head_size", [("partial", 80), ("partial", 96), ("llama3", 128), ("none", 64), ("none", 128)]
+)
 def test_kernel_equals_reference_partial_scaled_and_without_rope(kind, head_size, dtype, interpret, rng):
     check_kernel_against_reference(head_size, N_KV[head_size], dtype, rope_spec(kind, head_size), rng)
 
@@ -230,8 +246,14 @@ def test_bench_ops_without_a_gpu_times_only_the_reference(monkeypatch, tmp_path)
     assert case["torch_ms"] > 0 and case["kernel_ms"] is None and case["kernel_gbps"] is None
 
 
-@pytest.mark.parametrize("dtype, tables, head_size, half", [
-    (torch.float32, torch.float32, 128, 64), (torch.bfloat16, torch.bfloat16, 80, 20), (torch.float16, torch.float32, 128, 64)])
+@pytest.mark.parametrize(
+    "dtype, tables, head_size, half",
+    [
+        (torch.float32, torch.float32, 128, 64),
+        (torch.bfloat16, torch.bfloat16, 80, 20),
+        (torch.float16, torch.float32, 128, 64),
+    ],
+)
 def test_kernel_compiles_for_a_gpu_without_fma(dtype, tables, head_size, half, monkeypatch):
     """The interpreter accepts code the compiler rejects: compile for sm_90 too (ptxas ships with triton).
     The reference's bits need FMA contraction off (float32 is where it would apply: 16-bit products are
@@ -245,17 +267,37 @@ def test_kernel_compiles_for_a_gpu_without_fma(dtype, tables, head_size, half, m
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fn = kernel._jit(kernel._rope_scatter, False)
     ptr = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
-    constexprs = dict(HEAD_SIZE=head_size, HALF=half, ROUND_OP=kernel._jit(kernel._ROUND[tables], False),
-                      ROUND=kernel._jit(kernel._ROUND[dtype], False),
-                      BLOCK_T=4, BLOCK_H=8, BLOCK_D=128, BLOCK_HALF=64)
-    signature = {name: "constexpr" if name in constexprs else "*i64" if name == "slot_ptr"
-                 else ptr[tables] if name in ("cos_ptr", "sin_ptr") else ptr[dtype] if name.endswith("_ptr")
-                 else "i32" for name in fn.arg_names}
+    constexprs = dict(
+        HEAD_SIZE=head_size,
+        HALF=half,
+        ROUND_OP=kernel._jit(kernel._ROUND[tables], False),
+        ROUND=kernel._jit(kernel._ROUND[dtype], False),
+        BLOCK_T=4,
+        BLOCK_H=8,
+        BLOCK_D=128,
+        BLOCK_HALF=64,
+    )
+    signature = {
+        name: "constexpr"
+        if name in constexprs
+        else "*i64"
+        if name == "slot_ptr"
+        else ptr[tables]
+        if name in ("cos_ptr", "sin_ptr")
+        else ptr[dtype]
+        if name.endswith("_ptr")
+        else "i32"
+        for name in fn.arg_names
+    }
     # what the JIT assumes of 16-byte-aligned pointers and strides that are multiples of 16
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-               if name.endswith("_ptr") or name.startswith("stride")}
-    compiled = triton_compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-                              options=kernel.COMPILE_OPTIONS)
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if name.endswith("_ptr") or name.startswith("stride")
+    }
+    compiled = triton_compile(
+        ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32), options=kernel.COMPILE_OPTIONS
+    )
     ptx = compiled.asm["ptx"]
     assert "fma." not in ptx
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx

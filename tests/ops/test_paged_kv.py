@@ -1,5 +1,6 @@
 """Where a sequence's positions are in a paged cache: one rule (:func:`~hcache.ops.paged_kv.block_slots`)
 for vLLM's kernel blocks, a step's requests and FastGen's flat slots."""
+
 import torch
 
 from hcache.ops.paged_kv import block_slots, flat_slots
@@ -20,7 +21,9 @@ def test_block_slots_of_a_steps_requests_follow_each_ones_own_table():
     spans = [([5], 9, 10), ([7, 3], 130, 131), ([2, 4], 120, 136), ([6], 0, 0)]
     blocks, offsets = block_slots(spans, 128, 32)
     one_by_one = [block_slots([span], 128, 32) for span in spans]
-    assert torch.equal(blocks, torch.cat([b for b, _ in one_by_one])) and torch.equal(offsets, torch.cat([o for _, o in one_by_one]))
+    assert torch.equal(blocks, torch.cat([b for b, _ in one_by_one])) and torch.equal(
+        offsets, torch.cat([o for _, o in one_by_one])
+    )
     assert [(b, o) for b, o in zip(blocks[:2].tolist(), offsets[:2].tolist())] == [(5 * 4, 9), (3 * 4, 2)]
     assert (blocks[2].item(), offsets[2].item(), blocks[-1].item(), offsets[-1].item()) == (2 * 4 + 3, 24, 4 * 4, 7)
     assert len(blocks) == 1 + 1 + 16

@@ -1,5 +1,6 @@
 """8-bit codes and scales (:mod:`hcache.ops.quant`): each row's error within half a step of its own scale,
 float8 codes read by their bits, and dequantisation into given buffers bit for bit."""
+
 import pytest
 import torch
 
@@ -47,4 +48,3 @@ def test_dequantised_into_given_buffers_are_the_same_bits_as_into_new_ones(encod
 def test_zero_rows_quantise_to_zero():
     rows = quantise(torch.zeros(4, 8), INT8)
     assert torch.equal(dequantise(rows, torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16))
-

@@ -1,5 +1,6 @@
 """Moving tensors onto memory another process maps (hcache/paged/copy_process.py): in place, their
 contents and their aliases kept, a piece at a time, the old pages handed back."""
+
 import os
 
 import torch
@@ -14,7 +15,10 @@ def test_shared_tensors_keep_their_contents_and_aliases_and_another_mapping_read
     c = torch.arange(10).to(torch.bfloat16)
     storages, views = share([a, b, c])
     try:
-        assert len(storages) == 2 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+        assert (
+            len(storages) == 2
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+        )
         assert torch.equal(a.flatten(), torch.arange(64.0)) and torch.equal(b, torch.arange(8.0, 16.0))
         assert torch.equal(c, torch.arange(10).to(torch.bfloat16)) and c.dtype == torch.bfloat16
         a[1, 0] = -1

@@ -1,6 +1,7 @@
 """The paged-cache layout without vLLM: a probe refuses a write that lays blocks out unevenly, the
 standardized (FlashAttention) layout is read through its strides, on tensors laid out as vLLM's CUDA build
 allocates and views them, and any map is written and read where it says, through strided views or not."""
+
 import pytest
 import torch
 
@@ -70,7 +71,9 @@ def test_a_layout_writes_and_reads_each_element_where_its_map_says(kind, tokens)
     if tokens == "scattered":
         slots = torch.randperm(BLOCKS * BLOCK, generator=torch.Generator().manual_seed(3))[:70]
     else:
-        slots = torch.cat([torch.arange(3 * BLOCK, 4 * BLOCK), torch.arange(BLOCK, 2 * BLOCK), torch.arange(4 * BLOCK, 4 * BLOCK + 5)])
+        slots = torch.cat(
+            [torch.arange(3 * BLOCK, 4 * BLOCK), torch.arange(BLOCK, 2 * BLOCK), torch.arange(4 * BLOCK, 4 * BLOCK + 5)]
+        )
     blocks, within = slots // BLOCK, slots % BLOCK
     rows = _rows(len(slots), torch.float32)
     cache = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * HEAD)

@@ -3,6 +3,7 @@ over the reference engine, loaded into a paged cache laid out as FlashAttention'
 smaller kernel blocks, from inside a chunk; a chunk gone since the look-up ends the load there, with its
 blocks reported and its key told lost, and a corrupt one with its check; and the budgets a GPU would hold
 it to, counted on the CPU."""
+
 import shutil
 import signal
 
@@ -38,7 +39,9 @@ def model():
 def _saved(model, tmp_path, rng, chunks: int, **settings):
     """A serving engine whose store holds a ``chunks``-chunk prompt, every format, and the prompt."""
     model, spec = model
-    serving = serving_engine(ReferenceEngine(model, spec, num_blocks=40), model_fingerprint(model, spec), tmp_path, save="all", **settings)
+    serving = serving_engine(
+        ReferenceEngine(model, spec, num_blocks=40), model_fingerprint(model, spec), tmp_path, save="all", **settings
+    )
     prompt = random_prompt(chunks * CHUNK_TOKENS + 1, spec.vocab_size, rng)
     serving.put([0], [prompt])
     serving.flush(0)
@@ -48,7 +51,9 @@ def _saved(model, tmp_path, rng, chunks: int, **settings):
 def _cache(spec: ModelSpec, blocks: int) -> list[PagedLayer]:
     """One FlashAttention-layout cache per layer (physically [blocks, tokens, heads, 2 x head], viewed as
     vLLM hands it over)."""
-    caches = [torch.zeros(blocks, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size).transpose(1, 2) for _ in range(LAYERS)]
+    caches = [
+        torch.zeros(blocks, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size).transpose(1, 2) for _ in range(LAYERS)
+    ]
     layout = PagedLayout.split_kv(caches[0])
     return [PagedLayer(layer, cache, layout) for layer, cache in enumerate(caches)]
 
@@ -57,7 +62,10 @@ def _stored(serving, keys: list[str], fmt: str) -> list[torch.Tensor]:
     """Each layer's stored rows of ``keys``' chunks, in order."""
     images = [serving.stack.store.fetch(key).result() for key in keys]
     try:
-        return [torch.cat([decode_rows(stored_rows(image, layer, fmt), torch.float32) for image in images]) for layer in range(LAYERS)]
+        return [
+            torch.cat([decode_rows(stored_rows(image, layer, fmt), torch.float32) for image in images])
+            for layer in range(LAYERS)
+        ]
     finally:
         for image in images:
             serving.stack.store.release(image)
@@ -90,11 +98,22 @@ def _rebuild(spec: ModelSpec, rng):
     return rebuild
 
 
-@pytest.mark.parametrize("plan, stored_dtype, process", [
-    ("KV", "auto", False), ("H", "auto", False), ("2H+1KV", "auto", False), ("2H+1KV", "fp8", False), ("KV", "int8", False),
-    ("KV", "auto", True), ("2H+1KV", "fp8", True), ("KV", "int8", True),
-])  # fmt: skip
-def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path, rng, monkeypatch, plan, stored_dtype, process):
+@pytest.mark.parametrize(
+    "plan, stored_dtype, process",
+    [
+        ("KV", "auto", False),
+        ("H", "auto", False),
+        ("2H+1KV", "auto", False),
+        ("2H+1KV", "fp8", False),
+        ("KV", "int8", False),
+        ("KV", "auto", True),
+        ("2H+1KV", "fp8", True),
+        ("KV", "int8", True),
+    ],
+)
+def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(
+    model, tmp_path, rng, monkeypatch, plan, stored_dtype, process
+):
     """Each layer by its plan's method; H's rebuilds run a layer behind the copies (the restore's pipeline);
     8-bit rows decoded as every restore decodes them. Over a shareable host pool (vLLM's CPU worker's), the
     KV layers are written by the load process, into the same caches, and none by this process."""
@@ -107,7 +126,13 @@ def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path
     assert (loader._process is not None) == process
     written = []  # the layers this process writes
     write = PagedLayout.write
-    monkeypatch.setattr(PagedLayout, "write", lambda self, cache, *a: written.append(next(x.index for x in layers if x.cache is cache)) or write(self, cache, *a))
+    monkeypatch.setattr(
+        PagedLayout,
+        "write",
+        lambda self, cache, *a: (
+            written.append(next(x.index for x in layers if x.cache is cache)) or write(self, cache, *a)
+        ),
+    )
     block_ids = [9, 2, 14, 5, 11, 7, 3, 1]  # 32-token blocks, each two 16-token kernel blocks
     start, end = 40, 4 * CHUNK_TOKENS  # from inside the first chunk (after a prefix-cache hit, say)
     try:
@@ -123,7 +148,9 @@ def test_a_stored_prefix_lands_in_its_blocks_from_inside_a_chunk(model, tmp_path
         for layer, method in zip(layers, methods):
             rows = layer.layout.read(layer.cache, layer.layout.elements(blocks, offsets))
             want = stored[method.value][layer.index][start:end]
-            torch.testing.assert_close(rows, rebuild(layer.index, want, positions) if method is Method.H else want, rtol=0, atol=0)
+            torch.testing.assert_close(
+                rows, rebuild(layer.index, want, positions) if method is Method.H else want, rtol=0, atol=0
+            )
         untouched = torch.ones(40 * KERNEL_BLOCK, dtype=torch.bool)
         untouched[blocks * KERNEL_BLOCK + offsets] = False
         assert not layers[0].cache.transpose(1, 2).reshape(-1, spec.num_kv_heads * 2 * spec.head_size)[untouched].any()
@@ -151,10 +178,16 @@ def test_a_cpu_load_stages_its_rows_in_kept_buffers(model, tmp_path, rng, stored
     try:
         assert _load(loader, LoadJob("a", None, prompt[:end], [list(range(8))], 0, end))[0] == set()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            assert loader._load(LoadJob("b", None, other[:end], [list(range(8, 16))], 0, end), SequenceRecord()) == set()
+            assert (
+                loader._load(LoadJob("b", None, other[:end], [list(range(8, 16))], 0, end), SequenceRecord()) == set()
+            )
         allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
-        layer_rows = end * 2 * spec.kv_dim * 4  # one layer's rows staged, float32: a fresh tensor a layer would be LAYERS of them
-        assert allocated < layer_rows, f"a second load allocated {allocated} bytes (its places only would be {end * 3 * 8})"
+        layer_rows = (
+            end * 2 * spec.kv_dim * 4
+        )  # one layer's rows staged, float32: a fresh tensor a layer would be LAYERS of them
+        assert allocated < layer_rows, (
+            f"a second load allocated {allocated} bytes (its places only would be {end * 3 * 8})"
+        )
         _assert_landed(serving, layers, other[:end], list(range(8, 16)))
     finally:
         loader.close()
@@ -162,7 +195,9 @@ def test_a_cpu_load_stages_its_rows_in_kept_buffers(model, tmp_path, rng, stored
 
 
 @pytest.mark.parametrize("how", ["killed-between-loads", "hung-in-a-load"])
-def test_a_load_process_lost_leaves_its_loads_to_the_thread_and_never_a_load_half_known(model, tmp_path, rng, monkeypatch, how):
+def test_a_load_process_lost_leaves_its_loads_to_the_thread_and_never_a_load_half_known(
+    model, tmp_path, rng, monkeypatch, how
+):
     """The load process killed before a load: nothing of it was sent, and the thread writes it, and it lands.
     The process hung while it has a load (stopped): after :data:`REPLY_S` it is killed and that load reports
     every block (recomputed: nothing unknown served). Either way the loads after it are written by the
@@ -211,7 +246,9 @@ def test_a_chunk_gone_since_the_look_up_ends_the_load_and_is_told_lost(model, tm
     serving.stack.store.drop_resident()
     serving.stack.store.stores[0].path(keys[2]).unlink()  # deleted from the disk after it was offered
     lost = []
-    loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(spec, 40), lost=lambda key, reason: lost.append((key, reason)))
+    loader = Loader(
+        serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(spec, 40), lost=lambda key, reason: lost.append((key, reason))
+    )
     block_ids = list(range(8))
     try:
         errors, record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], [block_ids], 0, 4 * CHUNK_TOKENS))
@@ -229,9 +266,14 @@ def test_a_corrupt_chunk_ends_the_load_with_its_check_and_is_discarded(model, tm
     corrupt_tensor(serving.stack.store, keys[1], 2, "KV")
     loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(model[1], 40), lost=lambda key, reason: None)
     try:
-        errors, record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], [list(range(8))], 0, 4 * CHUNK_TOKENS))
+        errors, record = _load(
+            loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], [list(range(8))], 0, 4 * CHUNK_TOKENS)
+        )
         assert errors == {2, 3, 4, 5, 6, 7} and record.restored_tokens == CHUNK_TOKENS
-        assert record.miss_tokens == {"failed_verification": 3 * CHUNK_TOKENS} and "checksum mismatch in L0002.KV" in record.fallback
+        assert (
+            record.miss_tokens == {"failed_verification": 3 * CHUNK_TOKENS}
+            and "checksum mismatch in L0002.KV" in record.fallback
+        )
         assert not serving.stack.store.contains(keys[1])  # discarded: the recompute saves a good one
     finally:
         loader.close()
@@ -248,16 +290,31 @@ def test_a_load_reports_a_stored_prefix_as_the_serving_engines_restore_does(mode
     saved.close()
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     fingerprint = model_fingerprint(loaded, spec)
-    restoring = serving_engine(ReferenceEngine(loaded, spec, num_blocks=40), fingerprint, tmp_path / "a", save="all", plan="2H+1KV")
-    loading = serving_engine(ReferenceEngine(loaded, spec, num_blocks=40), fingerprint, tmp_path / "b", save="all", plan="2H+1KV")
+    restoring = serving_engine(
+        ReferenceEngine(loaded, spec, num_blocks=40), fingerprint, tmp_path / "a", save="all", plan="2H+1KV"
+    )
+    loading = serving_engine(
+        ReferenceEngine(loaded, spec, num_blocks=40), fingerprint, tmp_path / "b", save="all", plan="2H+1KV"
+    )
     loader = Loader(loading.stack, (BLOCK,), KERNEL_BLOCK, _cache(spec, 40), _rebuild(spec, rng))
     try:
         if damaged:
             for serving in (restoring, loading):
                 corrupt_tensor(serving.stack.store, chunk_keys(prompt, root_key(fingerprint))[2], 2, "KV")
         restoring.put([0], [prompt])
-        _, loaded_record = _load(loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], [list(range(8))], 0, 4 * CHUNK_TOKENS))
-        fields = ("restored_tokens", "tier_tokens", "bytes_read", "type_bytes", "plan", "fallback", "miss_tokens", "lossy")
+        _, loaded_record = _load(
+            loader, LoadJob("r", None, prompt[: 4 * CHUNK_TOKENS], [list(range(8))], 0, 4 * CHUNK_TOKENS)
+        )
+        fields = (
+            "restored_tokens",
+            "tier_tokens",
+            "bytes_read",
+            "type_bytes",
+            "plan",
+            "fallback",
+            "miss_tokens",
+            "lossy",
+        )
         restored = {name: getattr(restoring.record(0), name) for name in fields}
         assert restored == {name: getattr(loaded_record, name) for name in fields}
         assert restored["restored_tokens"] == (2 if damaged else 4) * CHUNK_TOKENS and restored["bytes_read"] > 0
@@ -269,7 +326,9 @@ def test_a_load_reports_a_stored_prefix_as_the_serving_engines_restore_does(mode
 
 
 @pytest.mark.parametrize("plan", ["KV", "H", "2H+1KV"])
-def test_a_load_never_syncs_its_work_does_not_grow_with_chunks_and_makes_no_stream(model, tmp_path, rng, monkeypatch, plan):
+def test_a_load_never_syncs_its_work_does_not_grow_with_chunks_and_makes_no_stream(
+    model, tmp_path, rng, monkeypatch, plan
+):
     """Counted as tests/serving/test_gpu_budgets.py counts a restore: no host sync from a load's start to its
     end; the same device ops for 2 chunks as for 6 (per layer one gather, one scatter, and for H one
     rebuild); and, on the GPU branches, no stream, event or pinned buffer made by a load: its copies run on
@@ -292,7 +351,9 @@ def test_a_load_never_syncs_its_work_does_not_grow_with_chunks_and_makes_no_stre
         print(f"\n{chunks} chunks: {dict(counter.ops)}; syncs {dict(counter.syncs)}")
         assert not counter.syncs, f"host syncs in a load of {chunks} chunks: {dict(counter.syncs)}"
         assert cuda.made == made, f"made by a load: {dict(cuda.made)} after {made}"
-    assert counts[2].ops == counts[6].ops, f"device ops grow with chunks: {dict(counts[2].ops)} against {dict(counts[6].ops)}"
+    assert counts[2].ops == counts[6].ops, (
+        f"device ops grow with chunks: {dict(counts[2].ops)} against {dict(counts[6].ops)}"
+    )
 
 
 def test_a_cpu_load_reads_a_layers_rows_of_every_chunk_in_one_call(model, tmp_path, rng, monkeypatch):
@@ -315,7 +376,9 @@ def test_a_cpu_load_reads_a_layers_rows_of_every_chunk_in_one_call(model, tmp_pa
                 assert loader._load(job, SequenceRecord()) == set()
             blocks, offsets = block_slots([(list(range(2 * chunks)), 0, chunks * CHUNK_TOKENS)], BLOCK, KERNEL_BLOCK)
             stored = _stored(serving, chunk_keys(prompt[: chunks * CHUNK_TOKENS], root_key(serving.fingerprint)), "KV")
-            assert torch.equal(layers[2].layout.read(layers[2].cache, layers[2].layout.elements(blocks, offsets)), stored[2])
+            assert torch.equal(
+                layers[2].layout.read(layers[2].cache, layers[2].layout.elements(blocks, offsets)), stored[2]
+            )
         finally:
             loader.close()
             serving.close()

@@ -1,4 +1,5 @@
 """Profiles: measured, saved, refused when they do not fit; and the runtime's auto plan built on them."""
+
 import json
 import logging
 
@@ -84,7 +85,9 @@ def test_profile_round_trip_and_refusals(llama, synthetic, tmp_path):
         Profile.load(tmp_path / "missing.json")
 
 
-def test_a_profile_from_another_machine_leaves_auto_on_the_default_plan(llama, synthetic, new_machine, tmp_path, caplog, rng):
+def test_a_profile_from_another_machine_leaves_auto_on_the_default_plan(
+    llama, synthetic, new_machine, tmp_path, caplog, rng
+):
     """The cache holds a profile measured on another machine (a copied HCACHE_HOME, say): auto serves the default
     plan with one warning that says why and how to profile. Given explicitly, the profile is refused."""
     synthetic.machine_name = "cpu2-intel-xeon"
@@ -157,8 +160,11 @@ def test_a_sliding_window_layer_costs_its_window(llama, synthetic):
 def test_auto_plan_weighs_the_encodings_bytes_and_dequantisation_cost(llama):
     spec = llama.spec
     seconds = {
-        "c_token": [0.01, 0.04], "c_h": [0.001, 0.004], "c_kv": [0.0, 0.0],
-        "io_h": [0.004, 0.016], "io_kv": [0.008, 0.032],
+        "c_token": [0.01, 0.04],
+        "c_h": [0.001, 0.004],
+        "c_kv": [0.0, 0.0],
+        "io_h": [0.004, 0.016],
+        "io_kv": [0.008, 0.032],
     }
     profile = Profile.new(llama.name, spec, [64, 256], seconds, {})
     fp8, int8 = {"H": torch.float8_e4m3fn}, {"KV": torch.int8}

@@ -1,4 +1,5 @@
 """The partition against a brute force over every split, and against the paper's closed forms (§4.1.2)."""
+
 import math
 import random
 
@@ -65,8 +66,11 @@ def test_random_profiles_equal_brute_force_and_round_the_paper_crossing():
         io_h = rnd.uniform(0.1, 2)
         ratio = rnd.choice([2.0, rnd.uniform(0.3, 3)])  # MHA, or any GQA ratio
         costs = LayerCosts(
-            c_token=rnd.uniform(0.1, 20), c_h=rnd.uniform(0.05, 4), c_kv=rnd.choice([0, rnd.uniform(0, 0.2)]),
-            io_h=io_h, io_kv=io_h * ratio,
+            c_token=rnd.uniform(0.1, 20),
+            c_h=rnd.uniform(0.05, 4),
+            c_kv=rnd.choice([0, rnd.uniform(0, 0.2)]),
+            io_h=io_h,
+            io_kv=io_h * ratio,
         )
         bytes_kv = int(BYTES_H * ratio)
         plan = partition(costs, n, BYTES_H, bytes_kv)
@@ -95,11 +99,17 @@ def test_without_re_the_best_h_and_kv_split_for_an_engine_that_computes_every_la
         assert plan.count(Method.RE) == 0 and costs.plan_time(*counts(plan)) == pytest.approx(best, rel=1e-12), name
     io_bound = SYNTHETIC["io-bound MHA"][0]
     assert counts(partition(io_bound, 30, BYTES_H, BYTES_KV, allow_re=False)) == (0, 30, 0)  # with RE: 10RE+20H
-    assert counts(partition(io_bound, 30, allow_h=False, allow_kv=False, allow_re=False)) == (0, 0, 30)  # KV still loads
+    assert counts(partition(io_bound, 30, allow_h=False, allow_kv=False, allow_re=False)) == (
+        0,
+        0,
+        30,
+    )  # KV still loads
     for _ in range(100):
         n, costs = rnd.randint(1, 48), LayerCosts(*(rnd.uniform(0.01, 5) for _ in range(5)))
         got = counts(partition(costs, n, BYTES_H, BYTES_KV, allow_re=False))
-        assert got[0] == 0 and costs.plan_time(*got) <= min(costs.plan_time(0, n - kv, kv) for kv in range(n + 1)) * (1 + 1e-9), (seed, costs, n)
+        assert got[0] == 0 and costs.plan_time(*got) <= min(costs.plan_time(0, n - kv, kv) for kv in range(n + 1)) * (
+            1 + 1e-9
+        ), (seed, costs, n)
 
 
 def test_layers_of_different_costs_take_the_best_split():
@@ -113,7 +123,11 @@ def test_layers_of_different_costs_take_the_best_split():
 
         def seconds(re: int, kv: int) -> float:
             h = range(re, n - kv)
-            compute = sum(c.c_token for c in layers[:re]) + sum(layers[i].c_h for i in h) + sum(c.c_kv for c in layers[n - kv :])
+            compute = (
+                sum(c.c_token for c in layers[:re])
+                + sum(layers[i].c_h for i in h)
+                + sum(c.c_kv for c in layers[n - kv :])
+            )
             return max(compute, sum(layers[i].io_h for i in h) + sum(c.io_kv for c in layers[n - kv :]))
 
         plan = partition(layers, n, BYTES_H, BYTES_KV)

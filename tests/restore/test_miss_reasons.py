@@ -1,6 +1,7 @@
 """Miss reasons (issue 34, part 1): each way a stored prefix can end early, forced on a real store, and what
 is reported for it: the request's ``miss_tokens``, its request-log line, the response's ``hcache`` object
 made from that record (carried to a live server's client in tests/openai), and the Prometheus counter."""
+
 import copy
 import dataclasses
 import json
@@ -36,14 +37,18 @@ def _turn(runtime: HCacheRuntime, prompt: list[int], **kw):
     return runtime.generate(prompt, 2, stop_token_ids=set(), **kw)
 
 
-def _reported(runtime: HCacheRuntime, log, result, expected: dict[str, int], told: dict[str, int] | None = None) -> None:
+def _reported(
+    runtime: HCacheRuntime, log, result, expected: dict[str, int], told: dict[str, int] | None = None
+) -> None:
     """The request, its log line and the counters all say ``expected``; the response's ``hcache`` object
     (made from the record the log line writes out) says ``told`` (by default, the same)."""
     assert result.miss_tokens == expected
     logged = json.loads(log.read_text().splitlines()[-1])
     assert logged["miss_tokens"] == expected
     fields = ("restored_tokens", "gpu_tokens", "tier_tokens", "miss_tokens", "plan", "lossy")
-    assert SequenceRecord(**{name: logged[name] for name in fields}).reply()["miss_tokens"] == (expected if told is None else told)
+    assert SequenceRecord(**{name: logged[name] for name in fields}).reply()["miss_tokens"] == (
+        expected if told is None else told
+    )
     counters = runtime.metrics.snapshot()  # the reason a test forces is met once in its runtime
     for reason, tokens in expected.items():
         assert counters[f'hcache_miss_tokens_total{{reason="{reason}"}}'] == tokens
@@ -67,7 +72,10 @@ def test_a_first_turn_misses_every_full_chunk_as_never_stored(llama, prompt, tmp
         with caplog.at_level("INFO", logger="hcache.serving.engine"):  # what -v shows
             first = _turn(runtime, prompt)
         _reported(runtime, log, first, {"never_stored": CHUNKS * CHUNK_TOKENS})
-        assert any(f"{CHUNKS * CHUNK_TOKENS} stored-prefix tokens missed: never_stored" in r.getMessage() for r in caplog.records)
+        assert any(
+            f"{CHUNKS * CHUNK_TOKENS} stored-prefix tokens missed: never_stored" in r.getMessage()
+            for r in caplog.records
+        )
         assert runtime.metrics.snapshot()['hcache_miss_tokens_total{reason="never_stored"}'] == CHUNKS * CHUNK_TOKENS
         again = _turn(runtime, prompt)
     assert again.restored_tokens == CHUNKS * CHUNK_TOKENS and again.miss_tokens == {}
@@ -174,7 +182,13 @@ def test_a_prefix_stored_under_another_cache_salt_is_reported_but_not_told_to_th
         _turn(runtime, prompt, namespace="alice")
         other = _turn(runtime, prompt, namespace="bob")
         # bob learns nothing of alice
-        _reported(runtime, log, other, {"other_cache_salt": CHUNKS * CHUNK_TOKENS}, told={"never_stored": CHUNKS * CHUNK_TOKENS})
+        _reported(
+            runtime,
+            log,
+            other,
+            {"other_cache_salt": CHUNKS * CHUNK_TOKENS},
+            told={"never_stored": CHUNKS * CHUNK_TOKENS},
+        )
     with HCacheRuntime(llama, store, plan="KV", request_log=str(log)) as runtime:  # the anchor log outlives the server
         again = _turn(runtime, prompt, namespace="carol")
         assert again.miss_tokens == {"other_cache_salt": CHUNKS * CHUNK_TOKENS}
@@ -190,7 +204,9 @@ def test_a_prefix_stored_under_another_model_is_reported_other_model(llama, prom
         next(retrained.model.parameters()).add_(0.01)  # other weights: another fingerprint
     with HCacheRuntime(retrained, store, plan="KV", request_log=str(log)) as runtime:
         other = _turn(runtime, prompt)
-        _reported(runtime, log, other, {"other_model": CHUNKS * CHUNK_TOKENS}, told={"never_stored": CHUNKS * CHUNK_TOKENS})
+        _reported(
+            runtime, log, other, {"other_model": CHUNKS * CHUNK_TOKENS}, told={"never_stored": CHUNKS * CHUNK_TOKENS}
+        )
 
 
 def test_a_first_chunk_stored_at_another_tensor_parallel_size_is_other_layout(tmp_path):
@@ -205,12 +221,21 @@ def test_a_first_chunk_stored_at_another_tensor_parallel_size_is_other_layout(tm
     rank1 = TPGroup(1, 2).fingerprint("model")
 
     def miss(fingerprint: str, namespace: str) -> dict[str, int]:
-        return first_chunk_miss(anchors, anchor_label(fingerprint, namespace), KeyChain(root_key(fingerprint, namespace)), tokens, dict(never))
+        return first_chunk_miss(
+            anchors,
+            anchor_label(fingerprint, namespace),
+            KeyChain(root_key(fingerprint, namespace)),
+            tokens,
+            dict(never),
+        )
 
     assert miss(rank1, "alice") == {"other_layout": CHUNK_TOKENS}
     assert miss(rank1, "bob") == {"other_cache_salt": CHUNK_TOKENS}
     assert miss(TPGroup(1, 2).fingerprint("other"), "alice") == {"other_model": CHUNK_TOKENS}
     assert miss("model", "alice") == never  # stored under its own root: gone since, as far as it can tell
     anchors.add(content_key(tokens), anchor_label(rank1, "alice"))
-    assert tp1.read_bytes() == written and (tmp_path / "own.log").read_text().split() == [content_key(tokens), anchor_label(rank1, "alice")]
+    assert tp1.read_bytes() == written and (tmp_path / "own.log").read_text().split() == [
+        content_key(tokens),
+        anchor_label(rank1, "alice"),
+    ]
     assert SequenceRecord(miss_tokens={"other_layout": 64}).reply()["miss_tokens"] == {"never_stored": 64}

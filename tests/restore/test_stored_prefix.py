@@ -1,5 +1,6 @@
 """A stored prefix's chunk layouts (:mod:`hcache.restore.stored_prefix`): an 8-bit format without its scales
 is refused."""
+
 import torch
 from support.helpers import loaded
 

@@ -24,6 +24,7 @@ inline). hcache's one pinned buffer is the host pool, registered once per store 
 
 ``pytest -s`` prints every count; a broken budget fails with the count it found.
 """
+
 from __future__ import annotations
 
 import collections
@@ -44,6 +45,8 @@ from hcache.storage.chunk_key import CHUNK_TOKENS
 
 LAYERS = 4
 PLANS = ["RE", "H", "KV", f"1RE+{LAYERS - 2}H+1KV"]
+
+
 @pytest.fixture(scope="module")
 def model():
     model = random_model("llama", num_hidden_layers=LAYERS, max_position_embeddings=2048)
@@ -54,7 +57,14 @@ def _serving(model, tmp_path, plan: str, **settings):
     model, spec = model
     engine = ReferenceEngine(model, spec, num_blocks=40)
     return serving_engine(
-        engine, model_fingerprint(model, spec), tmp_path, model_name="budget", plan=plan, save="all", readers=0, **settings
+        engine,
+        model_fingerprint(model, spec),
+        tmp_path,
+        model_name="budget",
+        plan=plan,
+        save="all",
+        readers=0,
+        **settings,
     )
 
 
@@ -108,13 +118,17 @@ def test_a_restore_never_syncs_and_its_work_does_not_grow_with_chunks(model, tmp
     is one batched copy, an H layer one gather and one projection); one engine call per stored layer."""
     found = {n: _restore(model, tmp_path, monkeypatch, rng, plan, n) for n in (2, 8)}
     for n, (counter, calls) in found.items():
-        print(f"\n{plan}, {n} chunks: {sum(counter.ops.values())} device ops {dict(counter.ops)}; syncs {dict(counter.syncs)}; "
-              f"engine calls {dict(calls)}")  # fmt: skip
+        print(
+            f"\n{plan}, {n} chunks: {sum(counter.ops.values())} device ops {dict(counter.ops)}; syncs {dict(counter.syncs)}; "
+            f"engine calls {dict(calls)}"
+        )
     for n, (counter, calls) in found.items():
         assert not counter.syncs, f"{plan}, {n} chunks: host syncs during a restore: {dict(counter.syncs)}"
         assert set(calls.values()) <= {1}, f"{plan}, {n} chunks: engine calls per layer: {dict(calls)}"
     (few, _), (many, _) = found[2], found[8]
-    assert many.ops == few.ops, f"{plan}: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
+    assert many.ops == few.ops, (
+        f"{plan}: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
+    )
 
 
 def test_a_put_hashes_each_chunk_once_for_its_lookups(model, tmp_path, monkeypatch, rng):
@@ -136,7 +150,9 @@ def test_a_put_hashes_each_chunk_once_for_its_lookups(model, tmp_path, monkeypat
         serving.put([2, 3], prompts)
         assert serving.record(2).gpu_tokens and serving.record(3).restored_tokens  # adopted, and restored
     print(f"\nhashes per chunk in one put: {sorted(hashes.values())}")
-    assert len(hashes) == 6 and max(hashes.values()) == 2, f"hashes per chunk in one put: {dict(collections.Counter(hashes.values()))}"
+    assert len(hashes) == 6 and max(hashes.values()) == 2, (
+        f"hashes per chunk in one put: {dict(collections.Counter(hashes.values()))}"
+    )
 
 
 def test_a_saving_forward_never_syncs_and_copies_each_chunk_to_the_host_once(model, tmp_path, monkeypatch, rng):
@@ -195,10 +211,15 @@ def test_streams_events_and_pinned_memory_are_made_once_not_per_restore_or_layer
         for uid, plan in enumerate(PLANS, start=2):
             turn(uid, long, plan)
         assert restored == {0: 0, 1: 2 * CHUNK_TOKENS} | {uid: 2 * CHUNK_TOKENS for uid in range(2, 3)} | {
-            uid: 8 * CHUNK_TOKENS for uid in range(3, 2 + len(PLANS))}  # fmt: skip
-    print(f"\nmade with the engine {built}; by the first save and restore {first}; after {len(PLANS)} more {dict(cuda.made)}")
+            uid: 8 * CHUNK_TOKENS for uid in range(3, 2 + len(PLANS))
+        }
+    print(
+        f"\nmade with the engine {built}; by the first save and restore {first}; after {len(PLANS)} more {dict(cuda.made)}"
+    )
     assert built == {"Stream": 1, "Event": copier_module.DEFAULT_DEPTH + 1}, f"made with the engine: {built}"
-    assert first["Stream"] == 2 and cuda.made == first, f"made by restores and saves: first {first}, then {dict(cuda.made)}"
+    assert first["Stream"] == 2 and cuda.made == first, (
+        f"made by restores and saves: first {first}, then {dict(cuda.made)}"
+    )
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
     for uid in range(3, 2 + len(PLANS)):
         torch.testing.assert_close(logits[uid], logits[2], atol=1e-5, rtol=1e-5)
@@ -222,13 +243,19 @@ def test_a_restores_copies_wait_for_its_allocation_not_for_its_re_layers(model, 
 
 
 @pytest.mark.parametrize("plan", ["H", "KV"])
-def test_a_restore_from_8_bit_state_never_syncs_and_its_work_does_not_grow_with_chunks(model, tmp_path, monkeypatch, rng, plan):
+def test_a_restore_from_8_bit_state_never_syncs_and_its_work_does_not_grow_with_chunks(
+    model, tmp_path, monkeypatch, rng, plan
+):
     """Dequantising 8-bit state happens on the device inside the restore: no host sync, one engine call per
     stored layer, the same device ops for 2 chunks as for 8."""
     found = {n: _restore(model, tmp_path / str(n), monkeypatch, rng, plan, n, stored_dtype="8bit") for n in (2, 8)}
     for n, (counter, calls) in found.items():
-        print(f"\n{plan} 8bit, {n} chunks: {sum(counter.ops.values())} device ops; syncs {dict(counter.syncs)}; engine calls {dict(calls)}")
+        print(
+            f"\n{plan} 8bit, {n} chunks: {sum(counter.ops.values())} device ops; syncs {dict(counter.syncs)}; engine calls {dict(calls)}"
+        )
         assert not counter.syncs, f"{plan} 8bit, {n} chunks: host syncs during a restore: {dict(counter.syncs)}"
         assert set(calls.values()) <= {1}, f"{plan} 8bit, {n} chunks: engine calls per layer: {dict(calls)}"
     (few, _), (many, _) = found[2], found[8]
-    assert many.ops == few.ops, f"{plan} 8bit: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
+    assert many.ops == few.ops, (
+        f"{plan} 8bit: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
+    )

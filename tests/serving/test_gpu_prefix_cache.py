@@ -1,5 +1,6 @@
 """The GPU prefix cache on the reference engine: what is served from it is exact, whatever the adoption's
 shape, and eviction under pressure never breaks running work. Plus look-ahead prefetch and the metrics."""
+
 import time
 import urllib.request
 
@@ -26,7 +27,9 @@ def llama():
 def _serving(store_dir, num_blocks: int, block_size: int = 64, **kwargs) -> ServingEngine:
     lm = loaded("random:llama")
     engine = ReferenceEngine(lm.model, lm.spec, num_blocks=num_blocks, block_size=block_size)
-    return serving_engine(engine, model_fingerprint(lm.model, lm.spec), store_dir, model_name=lm.name, readers=0, **kwargs)
+    return serving_engine(
+        engine, model_fingerprint(lm.model, lm.spec), store_dir, model_name=lm.name, readers=0, **kwargs
+    )
 
 
 def _put_in_parts(serving: ServingEngine, uid: int, prompt: list[int], part: int) -> torch.Tensor:
@@ -68,7 +71,10 @@ def test_adoption_in_the_middle_of_a_chunk(tmp_path, rng, part):
     cache's rows and the logits equal a recompute's."""
     vocab = loaded("random:llama").spec.vocab_size
     prompt = random_prompt(4 * CHUNK_TOKENS + 30, vocab, rng)
-    with _serving(tmp_path / "a", 32, plan="KV", gpu_cache=True) as serving, _serving(tmp_path / "b", 32, save="none") as fresh:
+    with (
+        _serving(tmp_path / "a", 32, plan="KV", gpu_cache=True) as serving,
+        _serving(tmp_path / "b", 32, save="none") as fresh,
+    ):
         _put_in_parts(serving, 0, prompt[:-7], len(prompt))
         serving.flush(0)
         logits = _put_in_parts(serving, 1, prompt, part)
@@ -91,7 +97,10 @@ def test_blocks_of_two_chunks_are_shared_by_their_entries_and_freed_with_the_las
     vocab = loaded("random:llama").spec.vocab_size
     first = random_prompt(3 * CHUNK_TOKENS + 10, vocab, rng)
     second = first + random_prompt(30, vocab, rng)
-    with _serving(tmp_path / "a", 8, 128, plan="KV", gpu_cache=True) as serving, _serving(tmp_path / "b", 8, 128, save="none") as fresh:
+    with (
+        _serving(tmp_path / "a", 8, 128, plan="KV", gpu_cache=True) as serving,
+        _serving(tmp_path / "b", 8, 128, save="none") as fresh,
+    ):
         serving.put([0], [first])
         serving.flush(0)
         cache = serving.stack.gpu_cache
@@ -119,7 +128,10 @@ def test_eviction_under_pressure_while_other_sequences_run(tmp_path, rng):
     runner = random_prompt(2 * CHUNK_TOKENS, vocab, rng)
     shared = random_prompt(3 * CHUNK_TOKENS + 10, vocab, rng)
     others = [shared + random_prompt(n, vocab, rng) for n in (5, 140, 30)]
-    with _serving(tmp_path / "a", 10, plan="KV", gpu_cache=True) as serving, _serving(tmp_path / "b", 32, save="none") as fresh:
+    with (
+        _serving(tmp_path / "a", 10, plan="KV", gpu_cache=True) as serving,
+        _serving(tmp_path / "b", 32, save="none") as fresh,
+    ):
 
         def both(uid: int, tokens: list[int]) -> torch.Tensor:
             got = serving.put([uid], [tokens])

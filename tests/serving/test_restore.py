@@ -1,4 +1,5 @@
 """Every restore method and mixed plans rebuild exactly the KV cache that recompute produces."""
+
 import errno
 
 import pytest
@@ -35,7 +36,9 @@ def assert_restored_kv_equals_recompute(runtime: HCacheRuntime, prompt: list[int
     for layer in range(spec.num_layers):
         attended = spec.attended_from(layer, outcome.tokens)  # a sliding-window layer's positions before are never read
         for got, want in zip(engine.kv(1000, layer), engine.kv(1001, layer)):
-            torch.testing.assert_close(got[attended:], want[attended:], atol=KV_ATOL, rtol=0, msg=lambda m: f"layer {layer}: {m}")
+            torch.testing.assert_close(
+                got[attended:], want[attended:], atol=KV_ATOL, rtol=0, msg=lambda m: f"layer {layer}: {m}"
+            )
     engine.flush_all()
     return outcome.tokens
 
@@ -85,7 +88,9 @@ def test_pipelined_restore_equals_sequential(tmp_path, rng, plan):
         inline = HostTier(runtime.store.stores, HostPool(16 << 20), readers=0)
         runtime.store.drop_resident()
         for uid, tier in ((1, inline), (2, runtime.store), (3, runtime.store)):  # 3: from the pool
-            outcome = restore_prefix(engine, tier, uid, prompt, keys, runtime.fingerprint, plan, Copier(engine.device, depth=2))
+            outcome = restore_prefix(
+                engine, tier, uid, prompt, keys, runtime.fingerprint, plan, Copier(engine.device, depth=2)
+            )
             assert outcome.tokens == 320 and outcome.fallback is None
         assert runtime.store.misses == 5 and runtime.store.hits == 5 and inline.misses == 5
         for layer in range(lm.spec.num_layers):

@@ -138,7 +138,9 @@ def test_corrupt_chunk_is_logged_discarded_and_recomputed(stored, caplog, where)
     assert result.restored_tokens == 64 and result.output_ids == expected
     assert result.fallback and "recomputing from token 64" in caplog.text
     runtime.store.flush()
-    assert decode(read_back(runtime.store.stores[0], keys[1]), keys[1]).tokens == prompt[64:128]  # replaced by a good chunk
+    assert (
+        decode(read_back(runtime.store.stores[0], keys[1]), keys[1]).tokens == prompt[64:128]
+    )  # replaced by a good chunk
 
 
 def test_corruption_found_mid_restore_still_gives_exact_output(stored):

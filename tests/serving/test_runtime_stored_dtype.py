@@ -1,6 +1,7 @@
 """Restores through the runtime from chunks saved in 8 bits (``stored_dtype``): close to lossless and marked
 lossy, mixed with lossless chunks on either runtime, a corrupt scale recomputed, and GPU-cache blocks of a
 sequence that restored 8-bit state lossy for every adopter."""
+
 import pytest
 import torch
 from support.helpers import corrupt_tensor, loaded, random_prompt
@@ -20,7 +21,10 @@ def _runtime(model, store, **settings):
 @pytest.mark.parametrize("stored_dtype, plan", [("8bit", "H"), ("8bit", "KV"), ("int8", "1RE+1H+1KV"), ("fp8", "H")])
 def test_restore_from_compressed_chunks_is_close_to_lossless_and_says_so(llama, tmp_path, rng, stored_dtype, plan):
     prompt = random_prompt(200, llama.spec.vocab_size, rng)
-    with _runtime(llama, tmp_path / "lossless", plan=plan) as exact, _runtime(llama, tmp_path / "q", plan=plan, stored_dtype=stored_dtype) as lossy:
+    with (
+        _runtime(llama, tmp_path / "lossless", plan=plan) as exact,
+        _runtime(llama, tmp_path / "q", plan=plan, stored_dtype=stored_dtype) as lossy,
+    ):
         exact.generate(prompt, 1)
         lossy.generate(prompt, 1)
         exact.store.flush(), lossy.store.flush()
@@ -99,4 +103,3 @@ def test_a_corrupt_scale_falls_back_to_recompute(llama, tmp_path, rng):
         assert "checksum mismatch" in (r.fallback or "")
         assert r.restored_tokens in (0, 64)  # the chunks before the bad one restore; it is recomputed, and saved again
         assert rt.generate(prompt, 1).restored_tokens == 128
-

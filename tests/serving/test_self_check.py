@@ -1,6 +1,7 @@
 """The start-up self-check: a method broken on purpose (H rebuilt with a wrong RoPE rotation, KV read with
 K and V swapped) is caught before serving; ``on`` disables exactly that method, ``strict`` refuses to
 start, ``off`` lets it through; a clean engine disables nothing."""
+
 import logging
 import tempfile
 from types import SimpleNamespace
@@ -32,7 +33,11 @@ def llama():
 def wrong_rope(monkeypatch):
     """The H rebuild rotates K the wrong way (sin negated); the forward's RoPE is untouched."""
     rotate = restore_state.rotate_and_write
-    monkeypatch.setattr(restore_state, "rotate_and_write", lambda cache, slots, k, v, cos_sin: rotate(cache, slots, k, v, (cos_sin[0], -cos_sin[1])))
+    monkeypatch.setattr(
+        restore_state,
+        "rotate_and_write",
+        lambda cache, slots, k, v, cos_sin: rotate(cache, slots, k, v, (cos_sin[0], -cos_sin[1])),
+    )
     return Method.H
 
 
@@ -44,7 +49,11 @@ def swapped_kv(monkeypatch):
     def swap(part):
         return QuantRows(part.codes.flip(1), part.scale.flip(1)) if isinstance(part, QuantRows) else part.flip(1)
 
-    monkeypatch.setattr(restore_state, "write_rows", lambda cache, runs, slots, parts, start: write(cache, runs, slots, [swap(p) for p in parts], start))
+    monkeypatch.setattr(
+        restore_state,
+        "write_rows",
+        lambda cache, runs, slots, parts, start: write(cache, runs, slots, [swap(p) for p in parts], start),
+    )
     return Method.KV
 
 
@@ -80,13 +89,18 @@ def test_state_stored_in_8_bits_passes_within_the_lossy_bound(llama, tmp_path, s
 
 
 @pytest.mark.parametrize("fault, plan", [("wrong_rope", "1RE+2KV"), ("swapped_kv", "1RE+2H")])
-def test_on_disables_the_broken_method_and_serves_by_the_one_that_passed(llama, tmp_path, caplog, rng, fault, plan, request):
+def test_on_disables_the_broken_method_and_serves_by_the_one_that_passed(
+    llama, tmp_path, caplog, rng, fault, plan, request
+):
     broken = request.getfixturevalue(fault)
     with caplog.at_level(logging.WARNING, "hcache.serving.self_check"):
         runtime = HCacheRuntime(llama, tmp_path, plan=PLAN)
     assert runtime.config.disabled == {broken} and runtime.config.verified == {Method.H, Method.KV} - {broken}
     (line,) = caplog.records  # one line per failed method
-    assert f"restores by {broken.value} do not match recompute" in line.getMessage() and f"plan now {plan}" in line.getMessage()
+    assert (
+        f"restores by {broken.value} do not match recompute" in line.getMessage()
+        and f"plan now {plan}" in line.getMessage()
+    )
     assert "past their bound" in line.getMessage()
     snapshot = runtime.metrics.snapshot()
     assert snapshot[DISABLED % broken.value] == 1 and sum(snapshot[DISABLED % m] for m in ("H", "KV")) == 1
@@ -100,7 +114,9 @@ def test_on_disables_the_broken_method_and_serves_by_the_one_that_passed(llama, 
 @pytest.mark.parametrize("fault", ["wrong_rope", "swapped_kv"])
 def test_strict_refuses_to_start(llama, tmp_path, fault, request):
     broken = request.getfixturevalue(fault)
-    with pytest.raises(SelfCheckFailed, match=f"restores by {broken.value} do not match recompute on this engine .*refusing to start"):
+    with pytest.raises(
+        SelfCheckFailed, match=f"restores by {broken.value} do not match recompute on this engine .*refusing to start"
+    ):
         HCacheRuntime(llama, tmp_path, plan=PLAN, self_check="strict")
 
 
@@ -133,24 +149,39 @@ def test_without_a_method_that_passed_the_layers_recompute(llama):
     checked = disable_methods(config, [Method.H], [])
     assert str(checked.plan) == "3RE" and checked.save_formats == (frozenset(),) * 3
     # a request's plan keeps RE first: KV disabled with H not checked leaves 2RE, not RE+H+RE
-    checked = disable_methods(resolve({"store_dirs": ["unused"], "plan": "KV"}, llama.spec, "random:llama"), [Method.KV], [])
+    checked = disable_methods(
+        resolve({"store_dirs": ["unused"], "plan": "KV"}, llama.spec, "random:llama"), [Method.KV], []
+    )
     assert checked.policy.request_plan("1RE+1H+1KV") == RestorePlan.parse("3RE", 3)
     assert checked.policy.request_plan("2RE+1H") == RestorePlan.parse("2RE+1H", 3)
-    everything = disable_methods(resolve({"store_dirs": ["unused"], "plan": PLAN, "save": "all"}, llama.spec, "x"), [Method.KV], [Method.H])
+    everything = disable_methods(
+        resolve({"store_dirs": ["unused"], "plan": PLAN, "save": "all"}, llama.spec, "x"), [Method.KV], [Method.H]
+    )
     assert everything.save_formats == (frozenset({"H"}),) * 3 and str(everything.plan) == "1RE+2H"
 
 
 def test_the_auto_plan_checks_what_it_may_use_and_plans_without_a_disabled_method(llama):
-    seconds = {"c_token": [0.001, 0.4], "c_h": [0.0002, 0.003], "c_kv": [0.0, 0.0], "io_h": [0.0006, 0.001], "io_kv": [0.0012, 0.002]}
+    seconds = {
+        "c_token": [0.001, 0.4],
+        "c_h": [0.0002, 0.003],
+        "c_kv": [0.0, 0.0],
+        "io_h": [0.0006, 0.001],
+        "io_kv": [0.0012, 0.002],
+    }
     profile = Profile.new(llama.name, llama.spec, [64, 256], seconds, {})
     config = resolve({"store_dirs": ["unused"], "profile": profile}, llama.spec, llama.name)
     assert config.plan is None and self_check_methods(config) == {Method.H, Method.KV}
     assert str(config.policy.plan_for(None, 256)) == "1H+2KV"
     without_h = disable_methods(config, [Method.H], [Method.KV])
-    assert Method.H not in without_h.policy.plan_for(None, 256).layers and Method.H not in without_h.policy.plan_for(None, 64).layers
+    assert (
+        Method.H not in without_h.policy.plan_for(None, 256).layers
+        and Method.H not in without_h.policy.plan_for(None, 64).layers
+    )
     assert all("H" not in formats for formats in without_h.save_formats) and any(without_h.save_formats)
     without_kv = disable_methods(config, [Method.KV], [Method.H])
-    assert Method.KV not in without_kv.policy.plan_for(None, 256).layers and all("KV" not in f for f in without_kv.save_formats)
+    assert Method.KV not in without_kv.policy.plan_for(None, 256).layers and all(
+        "KV" not in f for f in without_kv.save_formats
+    )
     assert without_kv.policy.request_plan("auto") is None  # still the profile's, without KV
 
 
@@ -160,7 +191,9 @@ def test_an_mii_model_server_checks_its_engine(tmp_path, swapped_kv):
         path = str(model_dir("smollm2"))
     except Exception as exc:
         pytest.skip(f"SmolLM2 is not installed here: {exc}")
-    model_config = SimpleNamespace(model_name_or_path=path, tensor_parallel=1, inference_engine_config=None, max_length=None)
+    model_config = SimpleNamespace(
+        model_name_or_path=path, tensor_parallel=1, inference_engine_config=None, max_length=None
+    )
     config = resolve_deployment(HCacheConfig.of(store_dirs=[str(tmp_path)], engine="reference"), path)
     serving = build_engine(model_config, config)
     assert serving.config.disabled == {Method.KV} and str(serving.config.plan) == "30RE"  # SmolLM2's default plan is KV

@@ -1,5 +1,6 @@
 """The serving engine under FastGen's interface: restore before prefill, in steps when a prompt arrives in
 parts (Dynamic SplitFuse), and exact either way."""
+
 import json
 import os
 
@@ -22,7 +23,9 @@ PROMPT = 5 * CHUNK_TOKENS + 10
 def _serving(store_dir, **kwargs) -> ServingEngine:
     lm = loaded("random:llama")
     engine = ReferenceEngine(lm.model, lm.spec, num_blocks=32)
-    return serving_engine(engine, model_fingerprint(lm.model, lm.spec), store_dir, model_name=lm.name, readers=0, **kwargs)
+    return serving_engine(
+        engine, model_fingerprint(lm.model, lm.spec), store_dir, model_name=lm.name, readers=0, **kwargs
+    )
 
 
 def _put_in_parts(serving: ServingEngine, uid: int, prompt: list[int], part: int) -> torch.Tensor:
@@ -58,7 +61,11 @@ def test_restore_in_steps_equals_recompute(tmp_path, rng, part, plan):
         expected = {PROMPT: 5 * CHUNK_TOKENS, 128: 127 + 127 + 64, 100: 64 + 92 + 56 + 20}[part]
         assert record.restored_tokens == expected
         assert record.computed_tokens == PROMPT - expected
-        assert record.plan == str(serving.config.policy.request_plan(plan)) and record.fallback is None and record.bytes_read > 0
+        assert (
+            record.plan == str(serving.config.policy.request_plan(plan))
+            and record.fallback is None
+            and record.bytes_read > 0
+        )
 
 
 @pytest.mark.parametrize("part", [None, 100])
@@ -98,7 +105,9 @@ def test_each_restore_is_logged_at_info_with_its_plan_and_tiers(tmp_path, rng, c
     lines = [r.getMessage() for r in caplog.records if r.name == "hcache.serving.engine"]
     assert sum(tiers.values()) == 2 * CHUNK_TOKENS
     where = ", ".join(f"{name} {n}" for name, n in tiers.items())
-    assert lines == [f"sequence 2: restored {2 * CHUNK_TOKENS} of {len(prompt)} tokens ({where}; plan 3KV), computing 3"]
+    assert lines == [
+        f"sequence 2: restored {2 * CHUNK_TOKENS} of {len(prompt)} tokens ({where}; plan 3KV), computing 3"
+    ]
 
 
 def test_without_a_store_nothing_is_restored_or_saved(tmp_path, rng):
@@ -162,7 +171,9 @@ def test_a_failed_put_saves_nothing_wrong(tmp_path, rng):
     prompt = random_prompt(3 * CHUNK_TOKENS + 5, vocab, rng)
     lm = loaded("random:llama")
     small = ReferenceEngine(lm.model, lm.spec, num_blocks=4)  # 256 tokens: the prompt plus 64 decode steps do not fit
-    with serving_engine(small, model_fingerprint(lm.model, lm.spec), tmp_path, model_name=lm.name, plan="KV", readers=0) as serving:
+    with serving_engine(
+        small, model_fingerprint(lm.model, lm.spec), tmp_path, model_name=lm.name, plan="KV", readers=0
+    ) as serving:
         serving.put([0], [prompt[:150]])
         with pytest.raises(CacheFullError):
             serving.put([0], [prompt[150:] + [1] * 64])
@@ -186,7 +197,13 @@ def test_auto_plan_is_chosen_once_per_history_in_pieces_as_in_one_put(tmp_path, 
     the request log lists each piece's restore."""
     model = random_model("llama", max_position_embeddings=4096)
     spec = ModelSpec.from_config(model.config, torch.float32)
-    seconds = {"c_token": [0.001, 0.4], "c_h": [0.0002, 0.003], "c_kv": [0.0, 0.0], "io_h": [0.0006, 0.001], "io_kv": [0.0012, 0.002]}
+    seconds = {
+        "c_token": [0.001, 0.4],
+        "c_h": [0.0002, 0.003],
+        "c_kv": [0.0, 0.0],
+        "io_h": [0.0006, 0.001],
+        "io_kv": [0.0012, 0.002],
+    }
     profile = Profile.new("llama-4k", spec, [64, 256], seconds, {})
     prompt = random_prompt(34 * CHUNK_TOKENS, spec.vocab_size, rng)
     long, short = profile.plan(spec, len(prompt)), profile.plan(spec, CHUNK_TOKENS)
@@ -194,7 +211,13 @@ def test_auto_plan_is_chosen_once_per_history_in_pieces_as_in_one_put(tmp_path, 
     log = tmp_path / "requests.jsonl"
     engine = ReferenceEngine(model, spec, num_blocks=40)
     with serving_engine(
-        engine, model_fingerprint(model, spec), tmp_path / "store", model_name="llama-4k", profile=profile, readers=0, request_log=log
+        engine,
+        model_fingerprint(model, spec),
+        tmp_path / "store",
+        model_name="llama-4k",
+        profile=profile,
+        readers=0,
+        request_log=log,
     ) as serving:
         _put_in_parts(serving, 0, prompt, len(prompt))  # stores every chunk
         serving.flush(0)
@@ -211,5 +234,7 @@ def test_auto_plan_is_chosen_once_per_history_in_pieces_as_in_one_put(tmp_path, 
     assert records[1]["restores"] == [{"plan": str(long), "tokens": len(prompt) - 1, "gpu_tokens": 0, "hidden_s": 0.0}]
     steps = records[2]["restores"]
     assert len(steps) == 22 and {s["plan"] for s in steps} == {str(long)} == {records[2]["plan"]}  # one per piece
-    assert sum(s["tokens"] for s in steps) == records[2]["restored_tokens"] == len(prompt) - records[2]["computed_tokens"]
+    assert (
+        sum(s["tokens"] for s in steps) == records[2]["restored_tokens"] == len(prompt) - records[2]["computed_tokens"]
+    )
     assert {s["plan"] for s in records[3]["restores"]} == {str(short)}

@@ -1,5 +1,6 @@
 """Jenga's rule per layer type in hcache's own engine: sliding-window layers store and restore only their
 last window, full-attention layers everything, and a restore equals recompute by every method."""
+
 import json
 
 import pytest
@@ -22,24 +23,39 @@ WINDOW = 80  # more than a chunk, not a multiple of one
 # Gemma-2/3's shape: sliding layers with a full-attention layer between (on Qwen2, whose layer_types
 # transformers and vLLM honour per layer); and Mistral's, one window on every layer.
 SHAPES = {
-    "alternating": ("qwen2", dict(num_hidden_layers=4, max_position_embeddings=1024, use_sliding_window=True, sliding_window=WINDOW,
-                                  layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])),
+    "alternating": (
+        "qwen2",
+        dict(
+            num_hidden_layers=4,
+            max_position_embeddings=1024,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
     "uniform": ("mistral", dict(num_hidden_layers=3, max_position_embeddings=1024, sliding_window=WINDOW)),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(params=sorted(SHAPES), scope="module")
 def windowed(request) -> LoadedModel:
     family, overrides = SHAPES[request.param]
     model = random_model(family, **overrides)
-    return LoadedModel(f"random:{family}-{request.param}", model, ModelSpec.from_config(model.config, torch.float32), None)
+    return LoadedModel(
+        f"random:{family}-{request.param}", model, ModelSpec.from_config(model.config, torch.float32), None
+    )
 
 
 def test_the_rule_in_chunks():
     model = random_model("qwen2", **SHAPES["alternating"][1])
     spec = ModelSpec.from_config(model.config, torch.float32)
     window = WindowRule(spec)
-    assert [spec.layer_type(layer) for layer in range(4)] == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    assert [spec.layer_type(layer) for layer in range(4)] == [
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+    ]
     assert window.sliding_layers == [0, 1, 3]
     # A restore of 400 tokens reads a sliding layer from position 320 on: chunk 5; a full layer from chunk 0.
     assert window.first_read(0, 400) == 5 and window.first_read(2, 400) == 0
@@ -52,7 +68,9 @@ def test_the_rule_in_chunks():
     assert WindowRule(spec, block=128).first_read(0, 400) == 4
     # sliding_layers="all": every token, as full attention.
     every = WindowRule(spec, every_token=True)
-    assert every.sliding_layers == [] and every.first_read(0, 400) == 0 and all(every.saves(0, c, 400) for c in range(7))
+    assert (
+        every.sliding_layers == [] and every.first_read(0, 400) == 0 and all(every.saves(0, c, 400) for c in range(7))
+    )
 
 
 def test_every_method_restores_histories_past_the_window(windowed, tmp_path, rng):
@@ -64,7 +82,11 @@ def test_every_method_restores_histories_past_the_window(windowed, tmp_path, rng
     first = runtime.generate(prompt, 3 * WINDOW, restore=False, stop_token_ids=set())
     history = prompt + first.output_ids[:-1]
     every = plans(spec.num_layers)
-    for length, methods in ((2 * WINDOW + 20, every[:3]), (4 * WINDOW + 10, every[:3]), (len(history), every)):  # a reply regenerated, then the returning turn
+    for length, methods in (
+        (2 * WINDOW + 20, every[:3]),
+        (4 * WINDOW + 10, every[:3]),
+        (len(history), every),
+    ):  # a reply regenerated, then the returning turn
         follow_up = history[:length] + random_prompt(9, spec.vocab_size, rng)
         expected = runtime.generate(follow_up, 10, restore=False).output_ids
         for text in methods:
@@ -73,7 +95,11 @@ def test_every_method_restores_histories_past_the_window(windowed, tmp_path, rng
             assert restored == (length // CHUNK_TOKENS) * CHUNK_TOKENS
             result = runtime.generate(follow_up, 10, plan=plan)
             assert result.output_ids == expected, f"plan {plan} at {length} tokens"
-            assert result.restored_tokens == restored and result.fallback is None and set(result.miss_tokens) <= {"plan_recompute"}
+            assert (
+                result.restored_tokens == restored
+                and result.fallback is None
+                and set(result.miss_tokens) <= {"plan_recompute"}
+            )
 
 
 def test_sliding_layers_store_and_read_their_window_only(windowed, tmp_path, rng, capsys):
@@ -93,14 +119,17 @@ def test_sliding_layers_store_and_read_their_window_only(windowed, tmp_path, rng
         finally:
             runtime.store.release(image)
     for index, layers in enumerate(kept):
-        assert layers == {layer for layer in range(spec.num_layers) if window.saves(layer, index, len(prompt))}, f"chunk {index}"
+        assert layers == {layer for layer in range(spec.num_layers) if window.saves(layer, index, len(prompt))}, (
+            f"chunk {index}"
+        )
         assert set(range(spec.num_layers)) - set(sliding) <= layers  # full attention: every chunk
     assert not kept[0] & set(sliding) and set(sliding) <= kept[-1]  # far behind the window, and in it
     assert main(["store", "inspect", str(tmp_path), "--json"]) == 0  # beside the live store, read-only
     layers = json.loads(capsys.readouterr().out)["layers"]
     chunks = len(keys)
     assert {int(layer): n for layer, n in layers.items()} == {
-        layer: chunks if layer not in sliding else sum(window.saves(layer, c, len(prompt)) for c in range(chunks)) for layer in range(spec.num_layers)
+        layer: chunks if layer not in sliding else sum(window.saves(layer, c, len(prompt)) for c in range(chunks))
+        for layer in range(spec.num_layers)
     }
 
     # The returning turn reads a sliding layer's window, a full layer everything: the bytes say so.
@@ -122,7 +151,9 @@ def test_a_branch_behind_the_window_restores_what_it_can(windowed, tmp_path, rng
     prompt = random_prompt(10 * CHUNK_TOKENS, spec.vocab_size, rng)
     runtime.generate(prompt, 1, restore=False)
     branch = prompt[: 3 * CHUNK_TOKENS] + random_prompt(20, spec.vocab_size, rng)
-    expected = HCacheRuntime(windowed, tmp_path / "plain", save="none").generate(branch, 8, restore=False).output_ids  # saves nothing
+    expected = (
+        HCacheRuntime(windowed, tmp_path / "plain", save="none").generate(branch, 8, restore=False).output_ids
+    )  # saves nothing
     result = runtime.generate(branch, 8)
     assert result.output_ids == expected
     assert result.restored_tokens < 3 * CHUNK_TOKENS
@@ -165,11 +196,18 @@ def test_the_deepspeed_paths_tensor_parallelism_refuses_the_window_rule():
     spec = ModelSpec.from_config(model.config, torch.float32)
     with pytest.raises(UnsupportedModelError, match="sliding-window layers cannot be served with tensor parallelism"):
         resolve({"save": "plan", "plan": "KV", "engine": "reference"}, spec, "random:mistral", tensor_parallel=2)
-    resolve({"save": "plan", "plan": "KV", "engine": "reference", "sliding_layers": "all"}, spec, "random:mistral", tensor_parallel=2)
+    resolve(
+        {"save": "plan", "plan": "KV", "engine": "reference", "sliding_layers": "all"},
+        spec,
+        "random:mistral",
+        tensor_parallel=2,
+    )
     # FastGen windows no layer (its Mistral attends to every position): the rule is off there.
     fastgen = resolve({"save": "plan", "plan": "KV"}, spec, "random:mistral", tensor_parallel=2, engine="fastgen")
     assert fastgen.window_rule(spec).sliding_layers == [] and WindowRule(spec).sliding_layers == [0, 1, 2]
-    resolve({"save": "plan", "plan": "KV"}, spec, "random:mistral", tensor_parallel=2, engine="vllm")  # vLLM's ranks load KV only
+    resolve(
+        {"save": "plan", "plan": "KV"}, spec, "random:mistral", tensor_parallel=2, engine="vllm"
+    )  # vLLM's ranks load KV only
 
 
 def test_the_reference_engine_windows_as_transformers_does(windowed, rng):

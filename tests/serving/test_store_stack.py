@@ -1,5 +1,6 @@
 """What the store stack values a chunk at for cost-aware eviction: its recompute cost, which grows with its
 depth in the conversation, in the profile's seconds where there is one."""
+
 import pytest
 from support.helpers import loaded
 

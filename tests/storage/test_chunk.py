@@ -58,7 +58,9 @@ def test_a_chunk_laid_out_before_its_tokens_are_known_seals_in_place(rng):
     assert bytes(image.data.numpy()) == encode(chunk)
 
 
-@pytest.mark.parametrize("fingerprint, tokens, message", [("other", None, "another model"), ("fp", [1] * 64, "token ids")])
+@pytest.mark.parametrize(
+    "fingerprint, tokens, message", [("other", None, "another model"), ("fp", [1] * 64, "token ids")]
+)
 def test_chunk_for_other_state_is_rejected(rng, fingerprint, tokens, message):
     chunk = _chunk(rng)
     data = encode(chunk)
@@ -110,7 +112,10 @@ def test_a_header_is_read_whole_though_its_tensors_part_is_parsed_once_per_layou
         dump({**moved, "__metadata__": meta}),  # an entry's offsets damaged
         dump({"__metadata__": meta, **header}),  # metadata first (safetensors' own writer puts it there)
         dump({**header, "L0000.H": {**header["L0000.H"], "__metadata__": meta}, "__metadata__": meta}),  # nested
-        dump({**header, "__metadata__": meta})[:-1] + b',"L0002.H":' + dump(header["L0000.H"]) + b"}",  # a tensor after it
+        dump({**header, "__metadata__": meta})[:-1]
+        + b',"L0002.H":'
+        + dump(header["L0000.H"])
+        + b"}",  # a tensor after it
         dump({**header, "__metadata__": {**meta, "tokens": 5}}),  # metadata values not strings
     ]
     for h in bad:
@@ -161,7 +166,9 @@ def test_chunk_stores_codes_and_scales_under_checksums(rng):
     chunk = Chunk("ab" * 16, list(range(64)), "fp", {(0, "KV"): rows.codes, (0, "KV.scale"): rows.scale})
     data = encode(chunk)
     back = decode(data, chunk.key)
-    assert back.tensors[(0, "KV")].dtype == fp8 and torch.equal(back.tensors[(0, "KV")].view(torch.uint8), rows.codes.view(torch.uint8))
+    assert back.tensors[(0, "KV")].dtype == fp8 and torch.equal(
+        back.tensors[(0, "KV")].view(torch.uint8), rows.codes.view(torch.uint8)
+    )
     assert torch.equal(back.tensors[(0, "KV.scale")], rows.scale)
     assert b'"dtype":"F8_E4M3"' in data and b'"dtype":"F16"' in data
     bad = bytearray(data)

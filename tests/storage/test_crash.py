@@ -5,6 +5,7 @@ write-back threads write the disk) and SIGKILLs it at random moments, many times
 store must open, every chunk it lists must verify and be the one written, and every chunk the writer
 reported written back must still be there.
 """
+
 import os
 import random
 import signal

@@ -1,6 +1,7 @@
 """One process per store directory: the lock is taken, another process is refused with an error that names
 the holder, and the lock is given back on release and when its holder dies, however it dies. Other
 processes are real ones: a flock is held per open file, so only another process can contend for it."""
+
 import os
 import signal
 import subprocess
@@ -28,15 +29,21 @@ if len(sys.argv) > 3:  # hold it until told to go (or killed)
 
 def _other(directory, mode: str = "private") -> str:
     """What another process gets when it takes the lock (and lets it go when it exits)."""
-    done = subprocess.run([sys.executable, "-c", _TAKE, str(directory), mode], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", _TAKE, str(directory), mode], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
 
 def _holder(directory, mode: str = "private") -> subprocess.Popen:
     """Another process that takes the lock and holds it until its stdin closes or it is killed."""
-    proc = subprocess.Popen([sys.executable, "-c", _TAKE, str(directory), mode, "hold"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TAKE, str(directory), mode, "hold"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "taken"
     return proc
 

@@ -1,5 +1,6 @@
 """The disk store: placement over directories, O_DIRECT and its fallback, start-up rebuild, quota, LRU,
 TTL, pins, and write faults."""
+
 import errno
 import json
 import os
@@ -133,7 +134,10 @@ def test_lru_eviction_order_respects_quota_and_pins(tmp_path, caplog):
         reopened = DiskChunkStore(_dirs(tmp_path), quota_bytes=2 * size)
     assert set(reopened.keys()) == {keys[2], keys[4]}
     # A quota below what the directories hold evicts at once, and says what it evicted (issue 34, part 5).
-    assert f"holds more than its quota of {2 * size} bytes: evicting its 1 least recently used chunks ({size} bytes)" in caplog.text
+    assert (
+        f"holds more than its quota of {2 * size} bytes: evicting its 1 least recently used chunks ({size} bytes)"
+        in caplog.text
+    )
 
 
 def _linked(c: Chunk, parent: Chunk | None) -> Chunk:
@@ -277,7 +281,12 @@ def test_a_store_closed_as_the_interpreter_exits_records_its_last_uses(tmp_path)
         "now = [1000.0]; s = DiskChunkStore(sys.argv[1], clock=lambda: now[0]); s.put(sys.argv[2], Path(sys.argv[3]).read_bytes()); "
         "now[0] = 5000.0; s.contains_many([sys.argv[2]]); atexit.register(s.close)"
     )
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "d"), key, str(tmp_path / "payload")], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "d"), key, str(tmp_path / "payload")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
     assert DiskChunkStore(tmp_path / "d").path(key).stat().st_mtime == 5000.0
 
@@ -293,7 +302,12 @@ def test_a_shared_directory_serves_chunks_other_processes_publish(tmp_path):
         "import sys; from pathlib import Path; from hcache.storage.disk_store import DiskChunkStore; "
         "s = DiskChunkStore(sys.argv[1], shared=True); s.put(sys.argv[2], Path(sys.argv[3]).read_bytes())"
     )
-    other = subprocess.run([sys.executable, "-c", code, str(tmp_path), key, str(tmp_path / "payload")], capture_output=True, text=True, timeout=120)
+    other = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), key, str(tmp_path / "payload")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert other.returncode == 0, other.stderr
     assert store.contains(key)
     check_served(store, key, chunk(0))
@@ -327,7 +341,9 @@ def test_check_refuses_what_opening_would_and_opens_nothing(tmp_path):
     DiskChunkStore.check(tmp_path / "held")  # this process holds it: its engines may open it too
     store.close()
     code = "import sys; from hcache.storage.disk_store import DiskChunkStore; DiskChunkStore.check(sys.argv[1:])"
-    elsewhere = subprocess.run([sys.executable, "-c", code, str(tmp_path / "held")], capture_output=True, text=True, timeout=120)
+    elsewhere = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "held")], capture_output=True, text=True, timeout=120
+    )
     assert elsewhere.returncode == 0, elsewhere.stderr  # closed: another process may open it
     shared = DiskChunkStore(tmp_path / "held", shared=True)
     with pytest.raises(StorageError, match="open here as shared"):
@@ -423,7 +439,10 @@ def test_chunks_of_a_newer_layout_version_in_a_shared_store_are_never_deleted(tm
     [ours] = store.glob(f"chunks/*/{keys[1]}.safetensors")
     theirs = "f" * len(keys[1])  # the newer hcache's key for the same tokens
     image = ours.read_bytes()
-    for old, new in ((f'"layout_version":"{LAYOUT_VERSION}"', f'"layout_version":"{LAYOUT_VERSION + 1}"'), (keys[1], theirs)):
+    for old, new in (
+        (f'"layout_version":"{LAYOUT_VERSION}"', f'"layout_version":"{LAYOUT_VERSION + 1}"'),
+        (keys[1], theirs),
+    ):
         assert len(old) == len(new) and image.count(old.encode()) == 1
         image = image.replace(old.encode(), new.encode())
     newer = store / "chunks" / theirs[:2] / f"{theirs}.safetensors"

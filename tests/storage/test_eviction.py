@@ -1,5 +1,6 @@
 """The eviction policy: LRU takes the least recent; cost takes the least value per byte and idle second,
 with ties to the least recent; values remembered by key, and a neutral one for a chunk never valued."""
+
 import pytest
 
 from hcache.storage.eviction import MIN_IDLE_S, Values, check_policy, retention, victim

@@ -1,4 +1,5 @@
 """The host pool (hcache/storage/host_pool.py): one arena, page-aligned slots, refcounts, reuse."""
+
 import mmap
 import os
 import re
@@ -110,7 +111,9 @@ def _vm_flags(address: int) -> list[str]:
 
 def test_a_shareable_pool_is_memory_another_mapping_reads_and_writes():
     pool = HostPool(4 * PAGE, shareable=True)
-    other = torch.frombuffer(mmap.mmap(pool.fd, pool.capacity, flags=mmap.MAP_SHARED), dtype=torch.uint8)  # as the load process maps it
+    other = torch.frombuffer(
+        mmap.mmap(pool.fd, pool.capacity, flags=mmap.MAP_SHARED), dtype=torch.uint8
+    )  # as the load process maps it
     slot = pool.alloc(100)
     pool.view(slot)[:3] = torch.tensor([1, 2, 3], dtype=torch.uint8)
     assert other[slot.start : slot.start + 3].tolist() == [1, 2, 3]

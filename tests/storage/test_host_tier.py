@@ -1,6 +1,7 @@
 """The host tier: saved chunks restorable from memory before their disk write, write-back, loads verified
 once, LRU eviction that never touches a referenced slot, back-pressure, healing a chunk short of a format, and
 pool hits counted as uses by the stores below."""
+
 import threading
 import time
 
@@ -185,7 +186,9 @@ def test_a_chunk_that_can_never_fit_is_not_saved_rather_than_waited_for(tmp_path
 
 
 def _layout_of(c: Chunk) -> ChunkLayout:
-    return ChunkLayout.plan([(layer, fmt, tuple(t.shape[1:]), t.dtype) for (layer, fmt), t in c.tensors.items()], c.fingerprint)
+    return ChunkLayout.plan(
+        [(layer, fmt, tuple(t.shape[1:]), t.dtype) for (layer, fmt), t in c.tensors.items()], c.fingerprint
+    )
 
 
 def test_a_chunk_saved_with_more_formats_replaces_one_with_fewer(tmp_path):
@@ -264,7 +267,13 @@ def test_a_watcher_sees_chunks_enter_the_pool_and_discards_but_not_pool_eviction
     assert not tier.resident(chunk(0).key)
     tier.discard(chunk(1).key)
     bad = Loss.FAILED_VERIFICATION
-    assert changes == [(lost.key, bad), (chunk(0).key, None), (chunk(1).key, None), (chunk(2).key, None), (chunk(1).key, bad)]
+    assert changes == [
+        (lost.key, bad),
+        (chunk(0).key, None),
+        (chunk(1).key, None),
+        (chunk(2).key, None),
+        (chunk(1).key, bad),
+    ]
     tier.close()
 
 
@@ -289,7 +298,11 @@ def test_a_chain_is_written_back_in_order_so_a_quota_keeps_its_start(tmp_path, m
     keeps a chain's start) refuses the second instead."""
     chain = [chunk(i) for i in range(3)]
     size = len(encode(chain[0]))
-    tier = HostTier([DiskChunkStore(tmp_path, quota_bytes=2 * size + size // 2, fsync=False)], HostPool(4 * -(-size // PAGE) * PAGE), writers=2)
+    tier = HostTier(
+        [DiskChunkStore(tmp_path, quota_bytes=2 * size + size // 2, fsync=False)],
+        HostPool(4 * -(-size // PAGE) * PAGE),
+        writers=2,
+    )
     order, put = [], tier.stores[0].put
 
     def slow_second(key, *a):

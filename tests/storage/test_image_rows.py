@@ -1,5 +1,6 @@
 """One tensor of many chunk images in one call (hcache/storage/image_rows.py): the same rows, in order, as
 reading image by image, lossless or 8-bit; and images it cannot gather so are said to be."""
+
 import torch
 
 from hcache.ops.quant import QuantRows
@@ -23,7 +24,11 @@ def _images(pool: HostPool, layout: ChunkLayout, rng: torch.Generator, n: int) -
         image = ChunkImage(pool.view(slot, 0, layout.nbytes), layout, "fp", slot=slot)
         for layer, fmt, _, dtype in TENSORS:
             rows = image.tensor(layer, fmt)
-            rows.copy_(torch.randint(-100, 100, rows.shape, generator=rng) if dtype == torch.int8 else torch.randn(rows.shape, generator=rng))
+            rows.copy_(
+                torch.randint(-100, 100, rows.shape, generator=rng)
+                if dtype == torch.int8
+                else torch.randn(rows.shape, generator=rng)
+            )
         images.append(image)
     return images
 
@@ -47,7 +52,9 @@ def test_a_tensor_of_a_run_of_images_is_their_rows_in_order_lossless_or_8bit(rng
         kv = rows.stored_rows(1, "KV", chunks, _empty)
         each = [stored_rows(images[j], 1, "KV") for j in chunks]
         assert isinstance(kv, QuantRows) and all(isinstance(e, QuantRows) for e in each)
-        assert torch.equal(kv.codes, torch.cat([e.codes for e in each])) and torch.equal(kv.scale, torch.cat([e.scale for e in each]))
+        assert torch.equal(kv.codes, torch.cat([e.codes for e in each])) and torch.equal(
+            kv.scale, torch.cat([e.scale for e in each])
+        )
 
 
 def test_images_apart_or_laid_out_otherwise_are_not_gathered(rng):

@@ -1,5 +1,6 @@
 """What a store holds, seen from a process that does not own it (vLLM's scheduler): the chunk files of the
 local and shared directories and the Redis tiers, read while the owner holds the directory's lock."""
+
 import uuid
 
 from hcache.storage.disk_store import DiskChunkStore

@@ -1,5 +1,6 @@
 """The stores' recency order: least recently used first, evictions that never take a pinned entry, the
 quota and the TTL, and the host tier's pins given by a predicate."""
+
 from hcache.storage.lru_index import Entry, LruIndex
 
 
@@ -152,7 +153,9 @@ def test_the_chain_an_entry_to_come_continues_is_kept_whole():
     index, clock = _index(quota=40)
     _chain(index, clock, LINKS)
     assert _victims(index, 10, parent="c") == ["x"]  # c continues: a, b and c stay
-    assert _victims(index, 20, parent="c") is None and len(index) == 3  # only the chain could go: refused, nothing removed
+    assert (
+        _victims(index, 20, parent="c") is None and len(index) == 3
+    )  # only the chain could go: refused, nothing removed
     assert _victims(index, 20, parent="b") == ["c"]  # c is no ancestor of the entry to come
 
 

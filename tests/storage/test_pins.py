@@ -1,5 +1,6 @@
 """A stored prefix held for a load to come (hcache/storage/pins.py): what was found stays found, through the
 disk quota's evictions and the pool's, until it is let go."""
+
 from support.storage_chunks import chunk, publish
 
 from hcache.storage.chunk import encode

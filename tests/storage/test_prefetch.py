@@ -1,6 +1,7 @@
 """Look-ahead prefetch against a real host tier over a disk store: it loads the leading stored chunks into
 the pool and lets go of them, records the read time a restore then finds hidden, and keeps at most
 ``MAX_TRACKED`` load records."""
+
 import threading
 
 from support.storage_chunks import check_image, chunk, publish
@@ -75,7 +76,9 @@ def test_hidden_time_is_the_read_that_ran_before_the_restore_and_is_reported_onc
     assert 0.2 <= in_flight < 5
     assert prefetcher.hidden([chunk(1).key]) == 0.0  # forgotten once reported
     gate.set()
-    tier.release(tier.fetch(chunk(1).key).result(timeout=5))  # the restore waits on the prefetch's load, not a read of its own
+    tier.release(
+        tier.fetch(chunk(1).key).result(timeout=5)
+    )  # the restore waits on the prefetch's load, not a read of its own
     done = prefetcher.hidden([chunk(0).key])
     assert 0 < done < in_flight  # a finished load counts its whole read, however long ago it ended
     assert prefetcher.hidden(["ee" * 16]) == 0.0  # never prefetched: nothing hidden

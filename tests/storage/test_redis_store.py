@@ -1,6 +1,7 @@
 """The Redis chunk store against real servers (standalone and a 3-master cluster): one value per chunk,
 verified when it enters the host pool, tiers below the pool with promotion, namespaces, and failures that
 are misses."""
+
 import logging
 import time
 import uuid
@@ -204,7 +205,14 @@ def test_a_full_server_refuses_writes_and_the_pool_keeps_the_chunk(tmp_path):
 
 @pytest.mark.parametrize(
     "bad",
-    ["redis://", "redis://h:1/0?ttl=-1", "redis://h:1/0?nope=1", "redis://h:1/0?timeout=x", "redis+cluster://h:1,h2", "redis://h:1/0?namespace=a:b"],
+    [
+        "redis://",
+        "redis://h:1/0?ttl=-1",
+        "redis://h:1/0?nope=1",
+        "redis://h:1/0?timeout=x",
+        "redis+cluster://h:1,h2",
+        "redis://h:1/0?namespace=a:b",
+    ],
 )
 def test_bad_urls_are_refused_before_anything_connects(bad):
     with pytest.raises(StorageError):

@@ -1,6 +1,7 @@
 """Two serving nodes, one history: node A (a process of its own) saves, node B (this process) restores
 what A saved through a shared store, with tokens identical to recompute; a shared store that fails or lies
 costs a recompute, never a wrong token."""
+
 import json
 import subprocess
 import sys
@@ -19,9 +20,17 @@ NEW_TOKENS = 4
 
 
 def _node_a(shared: list[str], store_dir, prompts: list[list[int]]) -> list[dict]:
-    config = {"model": MODEL, "store_dir": str(store_dir), "shared": shared, "prompts": prompts, "new_tokens": NEW_TOKENS}
+    config = {
+        "model": MODEL,
+        "store_dir": str(store_dir),
+        "shared": shared,
+        "prompts": prompts,
+        "new_tokens": NEW_TOKENS,
+    }
     script = SUPPORT / "shared_node.py"
-    done = subprocess.run([sys.executable, str(script), json.dumps(config)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(config)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -1,5 +1,6 @@
 """``hcache store inspect / verify / evict`` on a store of real chunks: one corrupt, one of a newer layout
 version, one of another model in an 8-bit encoding; and on a live store held by another process."""
+
 import json
 import os
 import subprocess
@@ -26,7 +27,11 @@ def _file(store_dir: Path, key: str) -> Path:
 
 def _files(store_dir: Path) -> dict[str, tuple[float, bytes]]:
     """Every file under the store directory, with its time and contents."""
-    return {str(p.relative_to(store_dir)): (p.stat().st_mtime, p.read_bytes()) for p in sorted(store_dir.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(store_dir)): (p.stat().st_mtime, p.read_bytes())
+        for p in sorted(store_dir.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _other_model_chunk() -> Chunk:
@@ -34,7 +39,9 @@ def _other_model_chunk() -> Chunk:
     tokens = torch.randint(0, 1000, (CHUNK_TOKENS,), generator=g).tolist()
     codes = torch.randint(-128, 127, (CHUNK_TOKENS, 2, 2, 4), generator=g, dtype=torch.int8)
     scales = torch.rand(CHUNK_TOKENS, 2, 2, generator=g).half()
-    return Chunk(next_key(root_key(OTHER_MODEL), tokens), tokens, OTHER_MODEL, {(0, "KV"): codes, (0, "KV.scale"): scales})
+    return Chunk(
+        next_key(root_key(OTHER_MODEL), tokens), tokens, OTHER_MODEL, {(0, "KV"): codes, (0, "KV.scale"): scales}
+    )
 
 
 @pytest.fixture
@@ -141,10 +148,17 @@ def test_bad_arguments_exit_2_with_one_line_and_touch_nothing(store, tmp_path, c
     assert exc.value.code == 2
     capsys.readouterr()
     assert main(["store", "evict", str(d)]) == 2
-    assert capsys.readouterr().err.strip() == "hcache store: error: store evict needs a filter: --older-than SECONDS, --namespace NS or --model FINGERPRINT"
+    assert (
+        capsys.readouterr().err.strip()
+        == "hcache store: error: store evict needs a filter: --older-than SECONDS, --namespace NS or --model FINGERPRINT"
+    )
     plain = tmp_path / "plain"
     plain.mkdir()
-    for argv in (["inspect", str(plain)], ["verify", str(plain), "--repair"], ["evict", str(plain), "--older-than", "0"]):
+    for argv in (
+        ["inspect", str(plain)],
+        ["verify", str(plain), "--repair"],
+        ["evict", str(plain), "--older-than", "0"],
+    ):
         assert main(["store", *argv]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "is not a store directory" in err
@@ -174,8 +188,13 @@ def test_verify_and_evict_on_a_live_store(store, capsys):
     every remaining chunk whole, and a read of a removed one is a miss (no exception), which drops it from
     its index."""
     d, keys = store
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(d)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(d)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         indexed = json.loads(holder.stdout.readline())
         assert set(indexed) == {keys[i] for i in (0, 1, 2, 3)} | {keys["other"]}  # header-checked at start-up: 1 passes

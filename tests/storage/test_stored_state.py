@@ -1,5 +1,6 @@
 """Stored state's setting (:mod:`hcache.storage.stored_state`): the values ``stored_dtype`` takes, and the
 ones refused."""
+
 import pytest
 import torch
 
@@ -18,4 +19,3 @@ def test_stored_dtype_values():
     for bad in ("int4", "H=fp8,H=int8", "Q=int8"):
         with pytest.raises(InvalidRequestError, match="stored_dtype"):
             HCacheConfig.of(stored_dtype=bad)
-

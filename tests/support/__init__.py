@@ -1,4 +1,5 @@
 """Helpers the tests share, and the scripts and fault injections that tests run in processes of their own."""
+
 from pathlib import Path
 
 SUPPORT = Path(__file__).resolve().parent

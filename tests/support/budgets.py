@@ -1,6 +1,7 @@
 """Counting what a restore or a save would ask of a GPU, on a CPU, at the aten dispatch level: device ops
 and host syncs, where a tensor is a *host* tensor iff its storage is hcache's host pool (the rule and why:
 tests/serving/test_gpu_budgets.py)."""
+
 import collections
 import contextlib
 import os
@@ -12,8 +13,22 @@ from hcache.ops import device_copy
 
 # ``item`` is how ``.item()``, ``int()`` and ``float()`` of a tensor dispatch under inference mode
 # (``_local_scalar_dense`` outside it); ``is_nonzero`` is ``bool()``'s there.
-SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "equal", "is_nonzero", "allclose",
-            "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave"}  # fmt: skip
+SYNC_OPS = {
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "nonzero_static",
+    "masked_select",
+    "equal",
+    "is_nonzero",
+    "allclose",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_consecutive",
+    "unique_dim",
+    "repeat_interleave",
+}
 HOST_READS = ("tolist", "cpu", "numpy")
 
 
@@ -45,7 +60,8 @@ class Counter(TorchDispatchMode):
         if device and not func.is_view:
             self.ops[name] += 1
         bool_index = name in ("index", "index_put", "index_put_") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))  # fmt: skip
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])
+        )
         if device and (name in SYNC_OPS or bool_index):
             self.sync(name)
         if name in ("copy_", "_foreach_copy_"):
@@ -109,4 +125,6 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
         monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
         pin = torch.Tensor.pin_memory
-        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: (fake.made.update(["pin_memory"]), pin(self, *a))[1])
+        monkeypatch.setattr(
+            torch.Tensor, "pin_memory", lambda self, *a: (fake.made.update(["pin_memory"]), pin(self, *a))[1]
+        )

@@ -1,9 +1,19 @@
 """The ways a chunk file is damaged on disk (issue 42): each leaves a file that must fail verification, and
 the header rewrites keep the header's length, so that a check of the header alone may still pass."""
+
 import json
 from pathlib import Path
 
-KINDS = ["truncate", "append", "flip_data", "flip_header", "xxh3_garbage", "dropped_checksum", "swapped_offsets", "other_key"]
+KINDS = [
+    "truncate",
+    "append",
+    "flip_data",
+    "flip_header",
+    "xxh3_garbage",
+    "dropped_checksum",
+    "swapped_offsets",
+    "other_key",
+]
 HEADER_PARSES = ["flip_data", "xxh3_garbage", "dropped_checksum", "swapped_offsets"]  # pass a check of the header alone
 
 

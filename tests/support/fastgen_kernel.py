@@ -19,6 +19,7 @@ fp32 with torch's ``cos``/``sin``/``pow``; the real kernel is built with ``--use
 ``__sinf``, ``__powf``, and nvcc contracts the last line into an FMA: :func:`rope_bound` is the
 difference that allows.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,7 +60,9 @@ def kv_rotary(k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta_b
     return torch.where(i < rotary_dim, out, k)  # line 142: channels past rotary_dim keep their input
 
 
-def assert_within_rope_bound(actual: torch.Tensor, expected: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> None:
+def assert_within_rope_bound(
+    actual: torch.Tensor, expected: torch.Tensor, positions: torch.Tensor, rotary_dim: int
+) -> None:
     """``actual`` K ``[T, heads, head_size]`` is FastGen's ``expected`` up to :func:`rope_bound`."""
     diff = (actual.to(torch.float32) - expected.to(torch.float32)).abs()
     excess = diff - rope_bound(expected, positions, rotary_dim)

@@ -29,7 +29,9 @@ def corrupt_tensor(store, key: str, layer: int, fmt: str) -> None:
     path.write_bytes(bytes(data))
 
 
-def serving_engine(engine, fingerprint: str, store_dir, model_name: str = "test", shareable_pool: bool = False, **settings):
+def serving_engine(
+    engine, fingerprint: str, store_dir, model_name: str = "test", shareable_pool: bool = False, **settings
+):
     """A serving engine over ``engine``, by ``settings`` (:class:`~hcache.config.HCacheConfig`) resolved for
     its model, as the runtime builds one (``shareable_pool``: as vLLM's CPU worker builds its stack)."""
     from hcache.resolve import resolve

@@ -1,5 +1,6 @@
 """One rank of a tensor-parallel ``mii.pipeline`` with hcache, run by tests/mii/test_mii.py as its own process:
 ``python mii_tp_rank.py MODEL_DIR STORE OUT.json ZMQ_PORT`` with the launcher's RANK/WORLD_SIZE/... set."""
+
 import json
 import os
 import sys
@@ -13,9 +14,17 @@ pipe = hcache.mii.pipeline(
     tensor_parallel=int(os.environ["WORLD_SIZE"]),
     all_rank_output=True,  # every rank builds the next turn's prompt from the replies
     zmq_port_number=zmq_port,
-    hcache={"engine": "reference", "store_dirs": [store], "request_log": f"{store}/requests.jsonl", "plan": "H", "readers": 0},
+    hcache={
+        "engine": "reference",
+        "store_dirs": [store],
+        "request_log": f"{store}/requests.jsonl",
+        "plan": "H",
+        "readers": 0,
+    },
 )
-replies = converse(model_dir, lambda prompt, _: pipe([prompt], max_new_tokens=NEW_TOKENS, do_sample=False)[0].generated_text)
+replies = converse(
+    model_dir, lambda prompt, _: pipe([prompt], max_new_tokens=NEW_TOKENS, do_sample=False)[0].generated_text
+)
 for _ in range(2):  # in a namespace of its own: the second restores what the first stored
     pipe([2 * QUESTIONS[0]], max_new_tokens=1, cache_salt="tenant-b")
 pipe.inference_engine.close()

@@ -1,6 +1,7 @@
 """A serving node in a process of its own: ``python shared_node.py CONFIG_JSON``. It serves each prompt of
 the config with a runtime over the given local directory and shared stores, closes the runtime (every
 chunk written to every tier), and prints each result's output ids and restored tokens as JSON."""
+
 import json
 import sys
 

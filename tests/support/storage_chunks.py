@@ -1,5 +1,6 @@
 """Deterministic test chunks: chunk ``i`` always has the same key, tokens and tensors, so a test can check
 any chunk a store serves against what was written."""
+
 import mmap
 
 import torch

@@ -19,6 +19,7 @@ redis-server this script starts.
 OUT: ``tokens``: per phase, each request's generated token ids (a ``steps`` request's: JOINING's);
 ``logprobs``: the log-probability of each; ``steps``: per phase, its ``steps`` request's steps, or null.
 """
+
 import contextlib
 import json
 import os
@@ -33,8 +34,12 @@ def run_session(spec: dict, directory: Path) -> dict:
     import subprocess
 
     (directory / "spec.json").write_text(json.dumps(spec))
-    run = subprocess.run([sys.executable, __file__, str(directory / "spec.json"), str(directory / "out.json")],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, __file__, str(directory / "spec.json"), str(directory / "out.json")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     return json.loads((directory / "out.json").read_text())
 
@@ -42,11 +47,20 @@ def run_session(spec: dict, directory: Path) -> dict:
 def logprobs_close(replies: list[list[float]], reference: list[list[float]]) -> bool:
     """Replies' log-probabilities, token by token, equal to the reference's within float32 rounding."""
     return len(replies) == len(reference) and all(
-        len(a) == len(b) and max((abs(x - y) for x, y in zip(a, b)), default=0.0) < 1e-4 for a, b in zip(replies, reference)
+        len(a) == len(b) and max((abs(x - y) for x, y in zip(a, b)), default=0.0) < 1e-4
+        for a, b in zip(replies, reference)
     )
 
 
-def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, block_size: int | None, tp: int, reserved: int | None = None):
+def _llm(
+    model: str,
+    dtype: str,
+    connector: dict | None,
+    prefix_cache: bool,
+    block_size: int | None,
+    tp: int,
+    reserved: int | None = None,
+):
     from vllm import LLM
 
     from hcache.bench.vllm import ranks_bound
@@ -55,8 +69,17 @@ def _llm(model: str, dtype: str, connector: dict | None, prefix_cache: bool, blo
     kv = kv_transfer_config(connector) if connector is not None else None
     parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     with ranks_bound(tp), _reserved_cpus(reserved):
-        return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=2048, kv_cache_memory_bytes=512 << 20,  # quicker to make than a share of memory
-                   enable_prefix_caching=prefix_cache, kv_transfer_config=kv, **({"block_size": block_size} if block_size else {}), **parallel)  # fmt: skip
+        return LLM(
+            model=model,
+            dtype=dtype,
+            enforce_eager=True,
+            max_model_len=2048,
+            kv_cache_memory_bytes=512 << 20,  # quicker to make than a share of memory
+            enable_prefix_caching=prefix_cache,
+            kv_transfer_config=kv,
+            **({"block_size": block_size} if block_size else {}),
+            **parallel,
+        )
 
 
 @contextlib.contextmanager
@@ -183,8 +206,15 @@ def main() -> None:
             for action in phase.get("before", []):
                 _act(action, redis)
             connector = json.loads(json.dumps(phase["connector"]).replace("$REDIS", redis.url if redis else ""))
-            llm = _llm(spec["model"], spec["dtype"], connector, phase.get("prefix_cache", False), phase.get("block_size"), phase.get("tp", 1),
-                       phase.get("reserved_cpus"))  # fmt: skip
+            llm = _llm(
+                spec["model"],
+                spec["dtype"],
+                connector,
+                phase.get("prefix_cache", False),
+                phase.get("block_size"),
+                phase.get("tp", 1),
+                phase.get("reserved_cpus"),
+            )
             out, probs, steps = [], [], None
             for turn, salt, *actions in phase["requests"]:
                 decoders = []
@@ -192,7 +222,9 @@ def main() -> None:
                     decoders, salt, actions = salt, actions[0], actions[1:]
                 for action in actions:
                     _act(action, redis)
-                batch = salt if turn in ("batch", "steps") else [[turn, salt]]  # a batch: [[turn, salt], ...] sent at once
+                batch = (
+                    salt if turn in ("batch", "steps") else [[turn, salt]]
+                )  # a batch: [[turn, salt], ...] sent at once
                 for name, _ in decoders + batch:
                     if name not in prompts:
                         previous, text = spec["turns"][name]

@@ -1,4 +1,5 @@
 """The two-stage saver: what it stores, back-pressure, and degraded saving on write faults."""
+
 import errno
 import logging
 import threading
@@ -23,7 +24,9 @@ from hcache.storage.host_pool import HostPool
 
 FP = "saver-test"
 LAYERS = 3
-TENSORS = [(layer, fmt, shape, torch.float32) for layer in range(LAYERS) for fmt, shape in (("H", (8,)), ("KV", (2, 2, 4)))]
+TENSORS = [
+    (layer, fmt, shape, torch.float32) for layer in range(LAYERS) for fmt, shape in (("H", (8,)), ("KV", (2, 2, 4)))
+]
 MIXED = [t for t in TENSORS if t[:2] != (1, "H")]  # layer 1 stores no H: the layers' tensors are not evenly spaced
 
 
@@ -37,8 +40,14 @@ def _tier(path, pool_bytes: int = 16 << 20) -> HostTier:
     return HostTier([DiskChunkStore(path, fsync=False)], HostPool(pool_bytes), readers=0)
 
 
-def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int, int]], tensors: list = TENSORS, keep: tuple = (),
-         reads: list | None = None) -> None:  # fmt: skip
+def _run(
+    saver: ChunkSaver,
+    streams: dict[int, list[int]],
+    steps: list[dict[int, int]],
+    tensors: list = TENSORS,
+    keep: tuple = (),
+    reads: list | None = None,
+) -> None:
     """Feed the saver like the serving engine and an engine would: each step processes some tokens of some
     sequences as a batch, after the sequence's key chain has taken them. ``keep``: formats whose rows are
     handed over as the saver's to keep (an engine's K/V copied for it), the others as a buffer to copy.
@@ -51,7 +60,15 @@ def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int,
     def read(segments: list[Segment]) -> dict[str, torch.Tensor]:
         reads.append(len(segments))
         layers = sorted(layer for layer, fmt in stored if fmt == "KV")
-        return {"KV": torch.stack([torch.cat([_rows(s.uid, range(s.start, s.start + s.length), layer)["KV"] for s in segments]) for layer in layers])}
+        return {
+            "KV": torch.stack(
+                [
+                    torch.cat([_rows(s.uid, range(s.start, s.start + s.length), layer)["KV"] for s in segments])
+                    for layer in layers
+                ]
+            )
+        }
+
     chains = {uid: KeyChain(root_key(FP, str(uid))) for uid in streams}
     for uid in streams:
         saver.open(uid, chains[uid])
@@ -66,13 +83,17 @@ def _run(saver: ChunkSaver, streams: dict[int, list[int]], steps: list[dict[int,
         saver.begin_batch(segments, later=("KV",) if reads is not None else ())
         for layer in range(LAYERS):
             rows = [_rows(uid, positions, layer) for uid, positions in parts]
-            saver.on_layer(layer, {fmt: torch.cat([r[fmt] for r in rows]) for fmt in handed if (layer, fmt) in stored}, keep=keep)
+            saver.on_layer(
+                layer, {fmt: torch.cat([r[fmt] for r in rows]) for fmt in handed if (layer, fmt) in stored}, keep=keep
+            )
         saver.end_batch(read if reads is not None else None)
     for uid in streams:
         saver.close(uid)
 
 
-def _check_store(tier: HostTier, streams: dict[int, list[int]], processed: dict[int, int], tensors: list = TENSORS) -> int:
+def _check_store(
+    tier: HostTier, streams: dict[int, list[int]], processed: dict[int, int], tensors: list = TENSORS
+) -> int:
     """Every chunk is right in memory and, once written back, on disk."""
     tier.flush()
     checked = 0
@@ -95,12 +116,25 @@ def _check_store(tier: HostTier, streams: dict[int, list[int]], processed: dict[
 # run_bytes: rows held back as the saver does (None), in runs of at most 2 layers for a decode step's KV and
 # all 3 for its H and copied as they come for the prefill's (700), or copied as they come always (1); K/V
 # handed over to be kept, or copied as they come (keep); or not handed over but read when a chunk fills (later).
-@pytest.mark.parametrize("stage", [False, True])  # True: the GPU's way, rows staged on their device until a chunk is full
-@pytest.mark.parametrize("tensors, run_bytes, keep, later", [
-    (TENSORS, None, (), False), (TENSORS, None, ("KV",), False), (TENSORS, 700, ("KV",), False), (TENSORS, 1, (), False),
-    (MIXED, None, ("KV",), False), (TENSORS, None, (), True), (MIXED, 1, (), True),
-], ids=["runs", "runs-kept", "short-runs-kept", "no-runs", "mixed-kept", "kv-later", "mixed-no-runs-later"])  # fmt: skip
-def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, stage, tensors, run_bytes, keep, later, monkeypatch):
+@pytest.mark.parametrize(
+    "stage", [False, True]
+)  # True: the GPU's way, rows staged on their device until a chunk is full
+@pytest.mark.parametrize(
+    "tensors, run_bytes, keep, later",
+    [
+        (TENSORS, None, (), False),
+        (TENSORS, None, ("KV",), False),
+        (TENSORS, 700, ("KV",), False),
+        (TENSORS, 1, (), False),
+        (MIXED, None, ("KV",), False),
+        (TENSORS, None, (), True),
+        (MIXED, 1, (), True),
+    ],
+    ids=["runs", "runs-kept", "short-runs-kept", "no-runs", "mixed-kept", "kv-later", "mixed-no-runs-later"],
+)
+def test_saver_stores_every_full_chunk_of_every_sequence_exactly(
+    tmp_path, rng, stage, tensors, run_bytes, keep, later, monkeypatch
+):
     if run_bytes is not None:
         monkeypatch.setattr(saver_module, "RUN_BYTES", run_bytes)
     tier = _tier(tmp_path)
@@ -116,13 +150,18 @@ def test_saver_stores_every_full_chunk_of_every_sequence_exactly(tmp_path, rng, 
     assert reads is None or sum(reads) == 5 * (300 // 64)  # each chunk's K/V read once
     assert _check_store(tier, streams, processed, tensors) == 5 * (300 // 64) == saver.chunks_published
     assert saver.save_errors == 0 and len(tier.keys()) == saver.chunks_published  # no partial chunk stored
-    assert tier.pool.used_bytes == saver.chunks_published * tier.pool.view(tier.fetch(tier.keys()[0]).result().slot).numel()
+    assert (
+        tier.pool.used_bytes
+        == saver.chunks_published * tier.pool.view(tier.fetch(tier.keys()[0]).result().slot).numel()
+    )
     saver.shutdown()
     tier.close()
 
 
 def test_a_pool_full_of_write_backs_applies_back_pressure_and_drops_nothing(tmp_path, rng, monkeypatch):
-    chunk_bytes = -(-(ChunkSaver(_tier(tmp_path / "probe"), FP, TENSORS)._layout(0, CHUNK_TOKENS).nbytes) // 4096) * 4096
+    chunk_bytes = (
+        -(-(ChunkSaver(_tier(tmp_path / "probe"), FP, TENSORS)._layout(0, CHUNK_TOKENS).nbytes) // 4096) * 4096
+    )
     tier = _tier(tmp_path, 5 * chunk_bytes)  # the second batch needs 4 chunks where 1 is free
     saver = ChunkSaver(tier, FP, TENSORS)
     gate, put = threading.Event(), tier.stores[0].put
@@ -149,7 +188,11 @@ def test_disk_full_degrades_saving_and_serving_goes_on(tmp_path, rng, monkeypatc
     with HCacheRuntime(loaded("random:llama"), tmp_path) as runtime, caplog.at_level(logging.WARNING):
         first = runtime.generate(prompt, 4, stop_token_ids=set())
         runtime.store.flush()
-        assert runtime.saver.save_errors == 2 and runtime.store.stores[0].write_errors == 2 and runtime.store.stores[0].keys() == []
+        assert (
+            runtime.saver.save_errors == 2
+            and runtime.store.stores[0].write_errors == 2
+            and runtime.store.stores[0].keys() == []
+        )
         assert "could not write chunk" in caplog.text
         expected = runtime.generate(prompt, 4, restore=False, stop_token_ids=set()).output_ids
         assert first.output_ids == expected and first.restored_tokens == 0
@@ -237,33 +280,52 @@ def test_a_chunk_finished_by_a_restore_gives_its_slot_back_at_once(tmp_path, rng
 
 @pytest.mark.parametrize("keep", [(), ("KV",)], ids=["copied", "kv-kept"])
 @pytest.mark.parametrize("tensors", [TENSORS, MIXED], ids=["alike", "mixed"])
-def test_a_decode_step_copies_each_sequences_rows_once_a_format_not_once_a_layer(tmp_path, rng, monkeypatch, tensors, keep):
+def test_a_decode_step_copies_each_sequences_rows_once_a_format_not_once_a_layer(
+    tmp_path, rng, monkeypatch, tensors, keep
+):
     """A prefill of 70 tokens (two chunks each) and a decode step, of 5 sequences over 3 layers: each one
     batched copy per format, of one strided run of layers per chunk a sequence reaches (two where layer 1
     stores no H, which breaks the KV tensors' even spacing), rather than one copy per layer. Rows handed over
     to be kept are not copied as they come, but in one call for the run's layers when it is copied."""
     calls, copied, stacked = [], [], []
     foreach_copy, copy, stack = torch._foreach_copy_, torch.Tensor.copy_, torch.stack
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src, **kw: (calls.append(len(dst)), foreach_copy(dst, src, **kw)))
-    monkeypatch.setattr(torch, "stack", lambda tensors, *a, **kw: (stacked.append(len(tensors)), stack(tensors, *a, **kw))[1])
+    monkeypatch.setattr(
+        torch, "_foreach_copy_", lambda dst, src, **kw: (calls.append(len(dst)), foreach_copy(dst, src, **kw))
+    )
+    monkeypatch.setattr(
+        torch, "stack", lambda tensors, *a, **kw: (stacked.append(len(tensors)), stack(tensors, *a, **kw))[1]
+    )
     tier = _tier(tmp_path)
     saver = ChunkSaver(tier, FP, tensors)
     hand_over = saver.on_layer
 
-    def on_layer(layer, rows, keep=()):  # the copies a layer's hand-over makes, by the rows' width (not the write-back's, on threads of its own)
+    def on_layer(
+        layer, rows, keep=()
+    ):  # the copies a layer's hand-over makes, by the rows' width (not the write-back's, on threads of its own)
         caller = threading.get_ident()
         with monkeypatch.context() as m:
-            m.setattr(torch.Tensor, "copy_", lambda dst, src, **kw: (threading.get_ident() == caller and copied.append(dst.shape[-1]), copy(dst, src, **kw))[1])
+            m.setattr(
+                torch.Tensor,
+                "copy_",
+                lambda dst, src, **kw: (
+                    threading.get_ident() == caller and copied.append(dst.shape[-1]),
+                    copy(dst, src, **kw),
+                )[1],
+            )
             hand_over(layer, rows, keep)
 
     saver.on_layer = on_layer
     streams = {uid: random_prompt(71, 1000, rng) for uid in range(5)}
     _run(saver, streams, [{uid: 70 for uid in streams}, {uid: 1 for uid in streams}], tensors, keep)
     kv_spans = 1 if tensors is TENSORS else 2  # KV: layers 0-1, then 2; H: layers 0 and 2, evenly spaced
-    assert sorted(calls) == sorted([10, 10 * kv_spans, 5, 5 * kv_spans]), f"copies (tensors each) in a prefill and a decode step: {calls}"
+    assert sorted(calls) == sorted([10, 10 * kv_spans, 5, 5 * kv_spans]), (
+        f"copies (tensors each) in a prefill and a decode step: {calls}"
+    )
     assert stacked == ([LAYERS, LAYERS] if keep else []), "each step's kept K/V rows into their run in one call"
     h_layers = sum(fmt == "H" for _, fmt, *_ in tensors)
-    assert sorted(copied) == sorted([8] * 2 * h_layers + ([] if keep else [4] * 2 * LAYERS)), "a layer's rows copied as they come: H's (8 wide), KV's unless kept"
+    assert sorted(copied) == sorted([8] * 2 * h_layers + ([] if keep else [4] * 2 * LAYERS)), (
+        "a layer's rows copied as they come: H's (8 wide), KV's unless kept"
+    )
     saver.shutdown()
     tier.close()
 
@@ -274,7 +336,9 @@ def test_k_v_read_later_are_read_in_one_call_a_batch_that_fills_chunks_and_never
     the step that fills the next chunk of each reads once again."""
     calls = []
     foreach_copy = torch._foreach_copy_
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src, **kw: (calls.append(dst[0].shape[-1]), foreach_copy(dst, src, **kw)))
+    monkeypatch.setattr(
+        torch, "_foreach_copy_", lambda dst, src, **kw: (calls.append(dst[0].shape[-1]), foreach_copy(dst, src, **kw))
+    )
     tier = _tier(tmp_path)
     saver = ChunkSaver(tier, FP, TENSORS)
     streams = {uid: random_prompt(128, 1000, rng) for uid in range(5)}
@@ -282,7 +346,9 @@ def test_k_v_read_later_are_read_in_one_call_a_batch_that_fills_chunks_and_never
     reads = []
     _run(saver, streams, steps, TENSORS, (), reads)
     assert reads == [5, 5], "one read a batch that fills chunks, of all of them"
-    assert calls.count(4) == 2 and calls.count(8) == len(steps), "K/V (4 wide) copied in the two batches that fill chunks; H (8 wide) each step"
+    assert calls.count(4) == 2 and calls.count(8) == len(steps), (
+        "K/V (4 wide) copied in the two batches that fill chunks; H (8 wide) each step"
+    )
     assert _check_store(tier, streams, {uid: 128 for uid in streams}) == 10 == saver.chunks_published
     saver.shutdown()
     tier.close()
@@ -307,7 +373,9 @@ def test_a_batch_that_names_k_v_later_and_ends_without_a_read_saves_nothing(tmp_
 
 @pytest.mark.parametrize("streams", [False, True], ids=["cpu", "gpu-branches"])
 @pytest.mark.parametrize("bad", [None, 0, 1], ids=["all-held", "bad-first-batch", "bad-last-batch"])
-def test_rows_a_voucher_says_are_not_the_engines_publish_nothing_of_their_sequences(tmp_path, rng, monkeypatch, streams, bad):
+def test_rows_a_voucher_says_are_not_the_engines_publish_nothing_of_their_sequences(
+    tmp_path, rng, monkeypatch, streams, bad
+):
     """vLLM's worker finds a step's hidden-state rows by their cache slots and vouches for them with a bool
     it does not read (on a GPU, reading it would wait for the forward). Sequence 0's chunk fills over two
     batches, 40 rows and 24: a voucher that does not hold in either keeps that chunk and every later one of
@@ -334,8 +402,15 @@ def test_rows_a_voucher_says_are_not_the_engines_publish_nothing_of_their_sequen
         with counting(Counter(tier.pool.arena), monkeypatch) as counter:
             saver.begin_batch(segments)
             for layer in range(LAYERS):
-                saver.on_layer(layer, {fmt: torch.cat([_rows(uid, range(done[uid], done[uid] + n), layer)[fmt] for uid, n in step.items()])
-                                       for fmt in ("H", "KV")})  # fmt: skip
+                saver.on_layer(
+                    layer,
+                    {
+                        fmt: torch.cat(
+                            [_rows(uid, range(done[uid], done[uid] + n), layer)[fmt] for uid, n in step.items()]
+                        )
+                        for fmt in ("H", "KV")
+                    },
+                )
             saver.vouch(torch.tensor(k != bad))
             saver.end_batch()
         syncs += list(counter.syncs)
@@ -344,7 +419,9 @@ def test_rows_a_voucher_says_are_not_the_engines_publish_nothing_of_their_sequen
     for uid in tokens:
         saver.close(uid)
     tier.flush()
-    published = {uid: sum(tier.contains(key) for key in chunk_keys(tokens[uid], root_key(FP, str(uid)))) for uid in tokens}
+    published = {
+        uid: sum(tier.contains(key) for key in chunk_keys(tokens[uid], root_key(FP, str(uid)))) for uid in tokens
+    }
     assert published == ({0: 2, 1: 1} if bad is None else {0: 0, 1: 1}), published
     assert not streams or not syncs, f"host syncs with a voucher on the GPU branches: {syncs}"
     saver.shutdown()

@@ -1,5 +1,6 @@
 """The CPU's staging buffers (hcache/transfer/scratch.py): a job's tensors apart from one another, a slot's
 buffer reused only ``slots`` jobs later (or after a rewind), grown where a job needs more, its views made once."""
+
 import torch
 
 from hcache.transfer.scratch import Scratch

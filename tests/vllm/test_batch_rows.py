@@ -1,4 +1,5 @@
 """Finding a step's tokens in the forward's batch by their cache slots (hcache/vllm/batch_rows.py)."""
+
 import pytest
 import torch
 
@@ -20,7 +21,6 @@ def test_a_mapping_that_lacks_a_token_says_so():
     (the saver then saves none of them), rather than taken for theirs."""
     assert not batch_rows(torch.tensor([9, 300, 8]), torch.tensor([8, 9, 301]))[1]
     assert not batch_rows(torch.tensor([9, 300, 8]), torch.tensor([8, 9, 1000]))[1]  # past every slot
-
 
 
 def test_finding_the_rows_never_waits_for_the_device(monkeypatch):

@@ -16,6 +16,7 @@ file corrupted and Redis stopped, restoring nothing and recomputing; with every 
 before it starts, the same. Every load is asynchronous, and every lossless restore's reply equals vLLM's
 alone.
 """
+
 import json
 import shutil
 import statistics
@@ -38,10 +39,16 @@ FIRST_CHUNKS = 4 * 64  # the first turn's 319 tokens, four
 CONCURRENT = [["second", "a"], ["first", "a"]] * 4 + [["first", f"new{i}"] for i in range(8)]  # 8 loading, 8 computing
 LONG = [[f"long{i}", "a"] for i in range(4)]  # 1,284 tokens each: 19 chunks, 56 MB of float32 K/V to load
 LONG_CHUNKS = 19 * 64
-DECODERS = [["first", f"d{i}"] for i in range(12)]  # under salts of their own: nothing stored to load; with LONG, 16 conversations
-POOL_BYTES = 18 << 20  # a host pool of six chunks (2.95 MB each: 30 layers of float32 K/V): two conversations' do not fit
-HISTORY = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
-           "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. ") * 6
+DECODERS = [
+    ["first", f"d{i}"] for i in range(12)
+]  # under salts of their own: nothing stored to load; with LONG, 16 conversations
+POOL_BYTES = (
+    18 << 20
+)  # a host pool of six chunks (2.95 MB each: 30 layers of float32 K/V): two conversations' do not fit
+HISTORY = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+    "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. "
+) * 6
 
 
 def _records(log: Path) -> list[dict]:
@@ -56,26 +63,53 @@ def session(tmp_path_factory):
     logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "disk", "redis", "lost", "faults", "truncated")}
 
     def connector(log: str, dirs, tiers, store=None, **settings) -> dict:
-        return {"store_dirs": dirs, "store": {"shared": tiers, **(store or {})}, "request_log": str(logs[log]), **settings}
+        return {
+            "store_dirs": dirs,
+            "store": {"shared": tiers, **(store or {})},
+            "request_log": str(logs[log]),
+            **settings,
+        }
 
     spec = {
         "model": str(model_dir(DEFAULT_MODEL)),
         "dtype": "float32",  # bfloat16 rounds a token's K/V computed in a decode step apart from the same in a prefill
         "max_tokens": 24,
-        "turns": {"first": [None, HISTORY + "Question: when was it built?"], "second": ["first", " Question: who designed it?"],
-                  **{name: [None, f"Conversation {name}. " + HISTORY * 4 + "Question: how tall is it?"] for name, _ in LONG}},
+        "turns": {
+            "first": [None, HISTORY + "Question: when was it built?"],
+            "second": ["first", " Question: who designed it?"],
+            **{name: [None, f"Conversation {name}. " + HISTORY * 4 + "Question: how tall is it?"] for name, _ in LONG},
+        },
         "phases": [
             {"connector": None, "requests": [["first", "a"], ["second", "a"], ["batch", LONG]]},
-            {"connector": connector("saved", [str(store)], ["$REDIS"]),
-             "requests": [["first", "a"], ["second", "b"], ["second", "a"], ["batch", CONCURRENT], ["batch", LONG]]},
-            {"connector": connector("disk", [str(store)], [], stored_dtype="int8"), "prefix_cache": True, "reserved_cpus": 1,
-             "requests": [["second", "a"], ["first", "c"], ["second", "c"], ["steps", DECODERS, LONG]]},
-            {"connector": connector("redis", None, ["$REDIS"], store={"host_bytes": POOL_BYTES}), "block_size": 32,
-             "requests": [["second", "a"], ["first", "r"], ["second", "r", "stop_redis"], ["second", "a"]]},
-            {"connector": connector("lost", [str(lost)], [], store={"host_bytes": POOL_BYTES}),
-             "requests": [["first", "x"], ["first", "y"], ["second", "y", f"delete {lost} 10"], ["second", "x"]]},
-            {"connector": connector("faults", [str(store)], ["$REDIS"]), "before": [f"corrupt {store}", "stop_redis"], "requests": [["second", "a"]]},
-            {"connector": connector("truncated", [str(store)], []), "before": [f"truncate {store}"], "requests": [["second", "a"]]},
+            {
+                "connector": connector("saved", [str(store)], ["$REDIS"]),
+                "requests": [["first", "a"], ["second", "b"], ["second", "a"], ["batch", CONCURRENT], ["batch", LONG]],
+            },
+            {
+                "connector": connector("disk", [str(store)], [], stored_dtype="int8"),
+                "prefix_cache": True,
+                "reserved_cpus": 1,
+                "requests": [["second", "a"], ["first", "c"], ["second", "c"], ["steps", DECODERS, LONG]],
+            },
+            {
+                "connector": connector("redis", None, ["$REDIS"], store={"host_bytes": POOL_BYTES}),
+                "block_size": 32,
+                "requests": [["second", "a"], ["first", "r"], ["second", "r", "stop_redis"], ["second", "a"]],
+            },
+            {
+                "connector": connector("lost", [str(lost)], [], store={"host_bytes": POOL_BYTES}),
+                "requests": [["first", "x"], ["first", "y"], ["second", "y", f"delete {lost} 10"], ["second", "x"]],
+            },
+            {
+                "connector": connector("faults", [str(store)], ["$REDIS"]),
+                "before": [f"corrupt {store}", "stop_redis"],
+                "requests": [["second", "a"]],
+            },
+            {
+                "connector": connector("truncated", [str(store)], []),
+                "before": [f"truncate {store}"],
+                "requests": [["second", "a"]],
+            },
         ],
     }
     out = run_session(spec, tmp)
@@ -87,8 +121,12 @@ def test_a_returning_conversation_restores_from_the_host_pool_and_replies_as_vll
     (first, second), (saved_first, salted, restored) = phases[0][:2], phases[1][:3]
     assert saved_first == first and salted == second and restored == second
     records = logs["saved"]
-    assert records[0]["restored_tokens"] == 0 and records[0]["miss_tokens"] == {"never_stored": FIRST_CHUNKS}  # the first turn
-    assert records[2]["restored_tokens"] == FULL_CHUNKS and records[2]["tier_tokens"] == {"host": records[2]["restored_tokens"]}
+    assert records[0]["restored_tokens"] == 0 and records[0]["miss_tokens"] == {
+        "never_stored": FIRST_CHUNKS
+    }  # the first turn
+    assert records[2]["restored_tokens"] == FULL_CHUNKS and records[2]["tier_tokens"] == {
+        "host": records[2]["restored_tokens"]
+    }
     assert records[2]["fallback"] is None and records[2]["plan"] == "30KV"
 
 
@@ -122,10 +160,15 @@ def test_decoders_keep_stepping_while_long_conversations_load_from_the_disk(sess
     assert all(s["decoders"] == len(DECODERS) for s in timed)  # no decoder held back, by a load or otherwise
     waiting = [s for s in timed if s["waiting"]]
     before = [0] + [s["waiting"] for s in timed[:-1]]
-    loading = [s["s"] for s, held in zip(timed, before) if s["waiting"] and s["waiting"] >= held]  # no joining request's first token in it
+    loading = [
+        s["s"] for s, held in zip(timed, before) if s["waiting"] and s["waiting"] >= held
+    ]  # no joining request's first token in it
     alone = [s["s"] for s in timed if not s["waiting"]]
     assert len(waiting) >= 3, timed  # the loads spanned steps: the engine did not wait for them
-    assert max(loading) < sum(r["restore_s"] for r in loads), (timed, loads)  # a step that made the loads lasts as long as all of them
+    assert max(loading) < sum(r["restore_s"] for r in loads), (
+        timed,
+        loads,
+    )  # a step that made the loads lasts as long as all of them
     assert statistics.median(loading) < 1.5 * statistics.median(alone), timed
 
 
@@ -164,7 +207,11 @@ def test_a_chunk_lost_after_it_was_offered_is_recomputed_with_its_reason(session
     phases, logs, _ = session
     assert phases[4][3] == phases[0][1]
     lost = logs["lost"][3]
-    assert lost["restored_tokens"] == 0 and lost["miss_tokens"] == {"evicted": FULL_CHUNKS} and lost["computed_tokens"] > FULL_CHUNKS
+    assert (
+        lost["restored_tokens"] == 0
+        and lost["miss_tokens"] == {"evicted": FULL_CHUNKS}
+        and lost["computed_tokens"] > FULL_CHUNKS
+    )
 
 
 def test_a_chunk_found_in_a_stopped_redis_is_not_offered_and_is_recomputed_with_its_reason(session):
@@ -189,7 +236,9 @@ def test_8_bit_state_loads_past_vllms_own_prefix_cache(session):
     assert phases[2][1] == phases[0][0]  # the first turn under salt "c": nothing to load
     _, first, second = logs["disk"][:3]
     assert first["restored_tokens"] == 0 and not first["lossy"]
-    assert second["restored_tokens"] == FULL_CHUNKS - 2 * 128 and second["tier_tokens"] == {"host": 64} and second["lossy"]
+    assert (
+        second["restored_tokens"] == FULL_CHUNKS - 2 * 128 and second["tier_tokens"] == {"host": 64} and second["lossy"]
+    )
 
 
 def test_corrupt_chunks_and_a_stopped_redis_fall_back_to_recompute_with_the_same_reply(session):

@@ -1,5 +1,6 @@
 """The paged-cache layout probed through vLLM's CPU attention backend's own cache write, for every ISA it may
 pick (the layout's other rules, without vLLM: tests/paged/test_layout.py)."""
+
 import pytest
 import torch
 

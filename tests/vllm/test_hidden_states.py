@@ -8,6 +8,7 @@ vLLM restoring it from the disk by half H, half KV. Each restore's reply equals 
 generated token's log-probability equals it within float32 rounding: the K/V rebuilt from hidden states
 are what vLLM's forward computed.
 """
+
 import json
 from pathlib import Path
 
@@ -25,15 +26,27 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh in
 from hcache.vllm.hidden import HiddenLayers, registering_model  # noqa: E402  (hcache.vllm imports vLLM)
 
 LAYERS, HIDDEN = 4, 256
-H_BYTES, KV_BYTES = HIDDEN * 4, 2 * HIDDEN * 4  # a token's stored bytes a layer in float32: MHA's K/V are twice its input
+H_BYTES, KV_BYTES = (
+    HIDDEN * 4,
+    2 * HIDDEN * 4,
+)  # a token's stored bytes a layer in float32: MHA's K/V are twice its input
 HISTORY = "The quick brown fox jumps over the lazy dog near the river bank, and the dog sleeps on. " * 8
 
 
 def _mha_llama(directory: Path) -> Path:
     """A small MHA Llama: as many K/V heads as query heads, of 64 channels (a head size vLLM's CPU attention
     takes), random weights, SmolLM2's vocabulary and tokenizer."""
-    model = random_model("llama", hidden_size=HIDDEN, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4,
-                         num_hidden_layers=LAYERS, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
+    model = random_model(
+        "llama",
+        hidden_size=HIDDEN,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=LAYERS,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     return save_checkpoint(model, directory)
 
 
@@ -47,12 +60,20 @@ def session(tmp_path_factory):
         "max_tokens": 16,
         "turns": {"first": [None, HISTORY + "Where does the dog sleep?"], "second": ["first", " And the fox?"]},
         "phases": [
-            {"connector": {"store_dirs": [str(store)], "save": "all", "request_log": str(logs["host"])},
-             "requests": [["first", "a"], ["second", "reference"], ["second", "a"]]},
-            {"connector": {"store_dirs": [str(store)], "plan": f"{LAYERS // 2}H+{LAYERS // 2}KV", "request_log": str(logs["disk"])},
-             "requests": [["second", "a"]]},
+            {
+                "connector": {"store_dirs": [str(store)], "save": "all", "request_log": str(logs["host"])},
+                "requests": [["first", "a"], ["second", "reference"], ["second", "a"]],
+            },
+            {
+                "connector": {
+                    "store_dirs": [str(store)],
+                    "plan": f"{LAYERS // 2}H+{LAYERS // 2}KV",
+                    "request_log": str(logs["disk"]),
+                },
+                "requests": [["second", "a"]],
+            },
         ],
-    }  # fmt: skip
+    }
     out = run_session(spec, tmp)
     records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
     return out["tokens"], out["logprobs"], records
@@ -100,7 +121,10 @@ def test_h_is_refused_at_start_without_the_model_runners_model_or_a_fused_projec
             return registering_model(layers)
 
     assert Runner().initialize_kv_cache({"0.attn": attention}) is model
-    for layers in ({"0.attn": nn.Linear(1, 1)}, {"0.other": attention}):  # not the model's attention; not where vLLM says
+    for layers in (
+        {"0.attn": nn.Linear(1, 1)},
+        {"0.other": attention},
+    ):  # not the model's attention; not where vLLM says
         with pytest.raises(InvalidRequestError, match="Give plan 'KV'"):
             Runner().initialize_kv_cache(layers)
     with pytest.raises(InvalidRequestError, match="fused qkv_proj and a rotary_emb"):

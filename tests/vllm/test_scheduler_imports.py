@@ -1,15 +1,27 @@
 """vLLM's scheduler side of hcache's connector imports neither torch nor the data plane (the loader, the
 paged layout, the copy process, the store stack, the chunk format): vLLM splits its own offloading the same
 way, a manager for the scheduler and handlers for the worker. Run where torch cannot be imported at all."""
+
 import subprocess
 import sys
 
 # The scheduler's side: its connector half, the index, the messages both sides exchange, the load jobs.
 SCHEDULER_SIDE = ["hcache.vllm.scheduler", "hcache.vllm.index", "hcache.vllm.messages", "hcache.paged.load_job"]
 # What belongs to the worker's side (or to vLLM, which imports torch), none of which the scheduler's may load.
-DATA_PLANE = ["torch", "vllm", "hcache.paged.loader", "hcache.paged.layout", "hcache.paged.copy_process",
-              "hcache.serving", "hcache.transfer", "hcache.storage.host_tier", "hcache.storage.host_pool",
-              "hcache.storage.chunk", "hcache.vllm.worker", "hcache.vllm.metadata"]
+DATA_PLANE = [
+    "torch",
+    "vllm",
+    "hcache.paged.loader",
+    "hcache.paged.layout",
+    "hcache.paged.copy_process",
+    "hcache.serving",
+    "hcache.transfer",
+    "hcache.storage.host_tier",
+    "hcache.storage.host_pool",
+    "hcache.storage.chunk",
+    "hcache.vllm.worker",
+    "hcache.vllm.metadata",
+]
 
 _PROBE = f"""
 import sys

@@ -1,6 +1,7 @@
 """The scheduler's side of a stored prefix's lifecycle (hcache/vllm/scheduler.py), with two tensor-parallel
 ranks: found, held by every rank's worker, offered as far as the shortest holds, loaded, or let go where no
 load follows. The scheduler's side needs neither torch nor vLLM, and neither is used here."""
+
 from types import SimpleNamespace
 
 from hcache.restore.records import MissReason
@@ -16,8 +17,12 @@ NO_BATCH = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], sched
 
 def _scheduler() -> SchedulerSide:
     """Both ranks' workers have reported holding the prompt's three chunks; no store is asked beyond that."""
-    setup = SimpleNamespace(rank_fingerprints=RANKS, store_lookup=lambda: None, block_sizes=(32,),
-                            config=SimpleNamespace(stored=True, settings=SimpleNamespace(namespace=None)))  # fmt: skip
+    setup = SimpleNamespace(
+        rank_fingerprints=RANKS,
+        store_lookup=lambda: None,
+        block_sizes=(32,),
+        config=SimpleNamespace(stored=True, settings=SimpleNamespace(namespace=None)),
+    )
     scheduler = SchedulerSide(setup)
     held = [key for rank in RANKS for key in chunk_keys(PROMPT[: 3 * CHUNK_TOKENS], root_key(rank))]
     scheduler.worker_output(WorkerReport(changes=[(key, None) for key in held]))
@@ -43,8 +48,11 @@ def test_a_prefix_is_offered_once_every_rank_holds_it_as_far_as_the_shortest_hol
     assert (job.start, job.end, job.block_ids) == (CHUNK_TOKENS, 2 * CHUNK_TOKENS, [[4, 5, 6, 7]])
     assert not step.pins and not step.unpins
     computed = SimpleNamespace(req_id="r", block_ids=([4, 5, 6, 7],), num_computed_tokens=2 * CHUNK_TOKENS)  # loaded
-    batch = SimpleNamespace(num_scheduled_tokens={"r": CHUNK_TOKENS + 1}, scheduled_new_reqs=[computed],
-                            scheduled_cached_reqs=NOTHING_CACHED)
+    batch = SimpleNamespace(
+        num_scheduled_tokens={"r": CHUNK_TOKENS + 1},
+        scheduled_new_reqs=[computed],
+        scheduled_cached_reqs=NOTHING_CACHED,
+    )
     (first,) = scheduler.build(batch).requests
     assert first.misses == {"evicted": CHUNK_TOKENS}  # the third chunk, for the request's record
     assert scheduler.matched_tokens(request, 0) is None  # asked again after its load (preempted): a new lifecycle

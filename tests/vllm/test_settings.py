@@ -1,5 +1,6 @@
 """The connector's settings, resolved from vLLM's config as each of its processes resolves them: what it
 serves, and each setting it cannot serve refused with a line that says what to change."""
+
 import json
 import re
 import subprocess
@@ -22,21 +23,40 @@ from hcache.vllm.registration import CONNECTOR, MODULE  # noqa: E402
 from hcache.vllm.settings import resolve_setup  # noqa: E402  (imports vLLM)
 
 
-def _config(extra: dict, policy: str = "recompute", cache_dtype: str = "auto", eager: bool = True, mha: bool = False, tp: int = 1, pp: int = 1):
+def _config(
+    extra: dict,
+    policy: str = "recompute",
+    cache_dtype: str = "auto",
+    eager: bool = True,
+    mha: bool = False,
+    tp: int = 1,
+    pp: int = 1,
+):
     from transformers import AutoConfig
 
     path = str(model_dir(DEFAULT_MODEL))
-    transfer = vllm_config.KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=MODULE, kv_role="kv_both",
-                                            kv_load_failure_policy=policy, kv_connector_extra_config=extra)  # fmt: skip
+    transfer = vllm_config.KVTransferConfig(
+        kv_connector=CONNECTOR,
+        kv_connector_module_path=MODULE,
+        kv_role="kv_both",
+        kv_load_failure_policy=policy,
+        kv_connector_extra_config=extra,
+    )
     hf = AutoConfig.from_pretrained(path)
     if mha:
         hf.num_key_value_heads = hf.num_attention_heads
     model = SimpleNamespace(model=path, hf_config=hf, dtype=torch.bfloat16)
-    compiled = vllm_config.CompilationConfig(mode=vllm_config.CompilationMode.NONE if eager else vllm_config.CompilationMode.VLLM_COMPILE,
-                                             cudagraph_mode="NONE" if eager else "PIECEWISE")  # fmt: skip
-    return SimpleNamespace(kv_transfer_config=transfer, model_config=model, compilation_config=compiled,
-                           cache_config=SimpleNamespace(block_size=128, cache_dtype=cache_dtype),
-                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))  # fmt: skip
+    compiled = vllm_config.CompilationConfig(
+        mode=vllm_config.CompilationMode.NONE if eager else vllm_config.CompilationMode.VLLM_COMPILE,
+        cudagraph_mode="NONE" if eager else "PIECEWISE",
+    )
+    return SimpleNamespace(
+        kv_transfer_config=transfer,
+        model_config=model,
+        compilation_config=compiled,
+        cache_config=SimpleNamespace(block_size=128, cache_dtype=cache_dtype),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+    )
 
 
 def test_the_connector_serves_kv_on_every_layer_under_a_fingerprint_of_its_own(tmp_path):
@@ -63,7 +83,9 @@ def test_settings_it_cannot_serve_are_refused_saying_what_to_change(extra, polic
 
 
 def test_a_vllm_cache_in_another_dtype_than_the_models_is_refused(tmp_path):
-    assert resolve_setup(_config({"store_dirs": [str(tmp_path)]}, cache_dtype="bfloat16")).block_sizes == (128,)  # the model's
+    assert resolve_setup(_config({"store_dirs": [str(tmp_path)]}, cache_dtype="bfloat16")).block_sizes == (
+        128,
+    )  # the model's
     for other in ("fp8", "float16"):
         with pytest.raises(InvalidRequestError, match=f"kv_cache_dtype='{other}'"):
             resolve_setup(_config({}, cache_dtype=other))
@@ -98,7 +120,9 @@ def test_under_tensor_parallelism_each_rank_restores_its_kv_heads_and_h_is_refus
     assert setup.fingerprint == resolve_setup(_config(store)).fingerprint  # the model's: each rank adds its own to it
     assert str(resolve_setup(_config(store, mha=True, tp=3)).config.plan) == "30KV"
     for refused in ({"plan": "H"}, {"plan": "KV", "save": "all"}):
-        with pytest.raises(InvalidRequestError, match="tensor_parallel_size=3: each rank would read the whole hidden state"):
+        with pytest.raises(
+            InvalidRequestError, match="tensor_parallel_size=3: each rank would read the whole hidden state"
+        ):
             resolve_setup(_config({**store, **refused}, mha=True, tp=3))
     with pytest.raises(InvalidRequestError, match="does not serve pipeline parallelism"):
         resolve_setup(_config(store, pp=2))
@@ -106,7 +130,11 @@ def test_under_tensor_parallelism_each_rank_restores_its_kv_heads_and_h_is_refus
 
 @pytest.mark.parametrize(
     "extra, message",
-    [({"store_dir": ["x"]}, "store_dir"), ({"engine": "fastgen"}, "vLLM decides"), ({"store_dirs": ["/proc/hcache"]}, "cannot use its store")],
+    [
+        ({"store_dir": ["x"]}, "store_dir"),
+        ({"engine": "fastgen"}, "vLLM decides"),
+        ({"store_dirs": ["/proc/hcache"]}, "cannot use its store"),
+    ],
 )
 def test_bad_settings_are_refused_in_the_process_that_starts_vllm_before_any_weights_load(extra, message):
     """From Python, :func:`kv_transfer_config` refuses them before vLLM starts; from ``vllm serve`` on a
@@ -115,7 +143,9 @@ def test_bad_settings_are_refused_in_the_process_that_starts_vllm_before_any_wei
     worker would find held by the engine itself)."""
     from hcache.vllm import HCacheConnector, kv_transfer_config
 
-    checks = [kv_transfer_config] + ([] if message == "cannot use its store" else [HCacheConnector.requires_piecewise_for_cudagraph])
+    checks = [kv_transfer_config] + (
+        [] if message == "cannot use its store" else [HCacheConnector.requires_piecewise_for_cudagraph]
+    )
     for check in checks:
         with pytest.raises(InvalidRequestError, match=message):
             check(extra)
@@ -124,7 +154,9 @@ def test_bad_settings_are_refused_in_the_process_that_starts_vllm_before_any_wei
 def test_good_settings_pass_the_early_check_and_keep_layerwise_saves_out_of_full_cuda_graphs(tmp_path):
     from hcache.vllm import HCacheConnector, kv_transfer_config
 
-    assert kv_transfer_config({"store_dirs": [str(tmp_path)]})["kv_connector_extra_config"] == {"store_dirs": [str(tmp_path)]}
+    assert kv_transfer_config({"store_dirs": [str(tmp_path)]})["kv_connector_extra_config"] == {
+        "store_dirs": [str(tmp_path)]
+    }
     assert HCacheConnector.requires_piecewise_for_cudagraph({"store_dirs": [str(tmp_path)]}) is True
 
 
@@ -139,17 +171,35 @@ def test_vllms_openai_server_refuses_a_misspelt_setting_before_its_engine_starts
     from hcache.vllm.plugin import check_transfer_config
 
     extra = {"store_dir": "x"}
-    config = {**kv_transfer_config({"store_dirs": [str(tmp_path)]}), "kv_connector_extra_config": extra}  # one refused only by the plugin
+    config = {
+        **kv_transfer_config({"store_dirs": [str(tmp_path)]}),
+        "kv_connector_extra_config": extra,
+    }  # one refused only by the plugin
     check_transfer_config(None)
     check_transfer_config({**config, "kv_connector": "OffloadingConnector"})  # not hcache's: not its to check
     with pytest.raises(InvalidRequestError, match="store_dir"):
         check_transfer_config(vllm_config.KVTransferConfig(**config))
     began = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir(DEFAULT_MODEL)),
-                          "--port", str(free_port()), "--kv-transfer-config", json.dumps(config)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir(DEFAULT_MODEL)),
+            "--port",
+            str(free_port()),
+            "--kv-transfer-config",
+            json.dumps(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     elapsed = time.monotonic() - began
     output = run.stdout + run.stderr
     assert run.returncode != 0 and "hcache setting 'store_dir'" in output, output[-3000:]
     assert "EngineCore" not in output and "Starting to load model" not in output, output[-3000:]
-    print(f"refused in {elapsed:.1f} s")  # 13 s on the 2-vCPU VM, vLLM's own imports; it was 40 s to 3 min, after the model loaded
+    print(
+        f"refused in {elapsed:.1f} s"
+    )  # 13 s on the 2-vCPU VM, vLLM's own imports; it was 40 s to 3 min, after the model loaded

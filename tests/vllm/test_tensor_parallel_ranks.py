@@ -9,6 +9,7 @@ host pool by both ranks, and the first turn under a new ``cache_salt`` saved; at
 file of rank 1 corrupted, the second turn offered, rank 1's load failing and vLLM recomputing it; at TP=1,
 the turn saved only at TP=2 missed as ``other_layout``. Every reply equals vLLM's alone at TP=2.
 """
+
 import json
 from pathlib import Path
 
@@ -31,8 +32,17 @@ MAX_TOKENS = 16
 
 
 def _gqa_llama(directory: Path) -> Path:
-    model = random_model("llama", hidden_size=4 * HEAD, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=LAYERS, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
+    model = random_model(
+        "llama",
+        hidden_size=4 * HEAD,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=LAYERS,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     return save_checkpoint(model, directory)
 
 
@@ -59,10 +69,15 @@ def session(tmp_path_factory):
             {"connector": None, "tp": 2, "requests": [["first", "a"], ["second", "a"]]},
             {"connector": connector("tp1"), "requests": [["first", "a"]]},
             {"connector": connector("tp2"), "tp": 2, "requests": [["first", "a"], ["second", "a"], ["first", "b"]]},
-            {"connector": connector("corrupt"), "tp": 2, "before": [f"corrupt {store / 'tp2-rank1'}"], "requests": [["second", "a"]]},
+            {
+                "connector": connector("corrupt"),
+                "tp": 2,
+                "before": [f"corrupt {store / 'tp2-rank1'}"],
+                "requests": [["second", "a"]],
+            },
             {"connector": connector("back"), "requests": [["first", "b"]]},
         ],
-    }  # fmt: skip
+    }
     out = run_session(spec, tmp)
     records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
     return out["tokens"], records, store, out["logprobs"]
@@ -88,7 +103,9 @@ def _by_rank(records: list[dict]) -> list[dict]:
 def test_each_rank_saves_its_own_heads_in_its_own_directory(session, stored):
     tokens, records, store, logprobs = session
     reference, probs = tokens[0], logprobs[0]
-    assert tokens[2] == [reference[0], reference[1], reference[0]] and logprobs_close(logprobs[2], [probs[0], probs[1], probs[0]])
+    assert tokens[2] == [reference[0], reference[1], reference[0]] and logprobs_close(
+        logprobs[2], [probs[0], probs[1], probs[0]]
+    )
     for rank in (0, 1):
         files = list((store / f"tp2-rank{rank}").glob("chunks/*/*.safetensors"))
         assert len(files) >= (stored["first"] + stored["second"]) // 64, files

@@ -9,6 +9,7 @@ engine with the connector saves them; a new engine, whose own cache is empty, re
 from the disk; another finds every chunk file corrupted and recomputes it. Every reply equals vLLM's alone,
 token for token and each token's log-probability within 1e-4.
 """
+
 import json
 
 import pytest
@@ -28,8 +29,16 @@ FAMILIES = ("gemma3_text", "gpt_oss")
 @pytest.fixture(scope="module", params=FAMILIES)
 def session(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"vllm-{request.param}")
-    model = random_model(request.param, hidden_size=128, num_hidden_layers=LAYERS, vocab_size=49152, max_position_embeddings=2048,
-                         tie_word_embeddings=True, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2))  # fmt: skip
+    model = random_model(
+        request.param,
+        hidden_size=128,
+        num_hidden_layers=LAYERS,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2),
+    )
     store, logs = tmp / "store", {name: tmp / f"{name}.jsonl" for name in ("saved", "loaded", "corrupt")}
 
     def connector(log: str) -> dict:

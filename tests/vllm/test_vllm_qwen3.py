@@ -7,6 +7,7 @@ returning turn from the disk by KV, then by H (K rebuilt through the layer's ``k
 find every chunk file corrupted and recompute it. Every reply equals vLLM's alone, token for token and each
 token's log-probability within 1e-4.
 """
+
 import json
 from pathlib import Path
 
@@ -27,8 +28,18 @@ PLANS = ("KV", "H", "corrupt")
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-qwen3")
-    model = random_model("qwen3", hidden_size=HIDDEN, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD,
-                         num_hidden_layers=LAYERS, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
+    model = random_model(
+        "qwen3",
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HEAD,
+        num_hidden_layers=LAYERS,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     store, logs = tmp / "store", {name: tmp / f"{name}.jsonl" for name in ("saved", *PLANS)}
 
     def connector(log: str, **settings) -> dict:
@@ -44,7 +55,11 @@ def session(tmp_path_factory):
             {"connector": connector("saved", save="all"), "requests": [["first", None], ["second", None]]},
             {"connector": connector("KV", plan=f"{LAYERS}KV"), "requests": [["second", None]]},
             {"connector": connector("H", plan=f"{LAYERS}H"), "requests": [["second", None]]},
-            {"connector": connector("corrupt", plan=f"{LAYERS}KV"), "before": [f"corrupt {store}"], "requests": [["second", None]]},
+            {
+                "connector": connector("corrupt", plan=f"{LAYERS}KV"),
+                "before": [f"corrupt {store}"],
+                "requests": [["second", None]],
+            },
         ],
     }
     out = run_session(spec, tmp)

@@ -9,6 +9,7 @@ tokenizer, a returning conversation several windows long:
 Every reply equals vLLM's alone, token for token and each token's log-probability within 1e-4; the request
 log shows what each layer type read, and the chunk files what each stored.
 """
+
 import json
 from pathlib import Path
 
@@ -31,9 +32,19 @@ ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention", "full
 
 
 def _model(directory: Path, family: str, **fields) -> Path:
-    model = random_model(family, hidden_size=4 * HEAD, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=4, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
-                         sliding_window=WINDOW, **fields)  # fmt: skip
+    model = random_model(
+        family,
+        hidden_size=4 * HEAD,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        sliding_window=WINDOW,
+        **fields,
+    )
     return save_checkpoint(model, directory)
 
 
@@ -49,11 +60,19 @@ def _session(tmp: Path, model: Path, restarts: bool) -> tuple[list, list, dict, 
         {"connector": connector("saved"), "requests": [["first", None], ["second", None]]},
     ]
     if restarts:  # a new engine finds every chunk file corrupted
-        phases.append({"connector": connector("corrupt"), "before": [f"corrupt {store}"], "requests": [["second", None]]})
+        phases.append(
+            {"connector": connector("corrupt"), "before": [f"corrupt {store}"], "requests": [["second", None]]}
+        )
     for phase in phases:
         phase["block_size"] = BLOCK
-    out = run_session({"model": str(model), "dtype": "float32", "max_tokens": MAX_TOKENS, "turns": TURNS, "phases": phases}, tmp)
-    records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items() if path.exists()}
+    out = run_session(
+        {"model": str(model), "dtype": "float32", "max_tokens": MAX_TOKENS, "turns": TURNS, "phases": phases}, tmp
+    )
+    records = {
+        name: [json.loads(line) for line in path.read_text().splitlines()]
+        for name, path in logs.items()
+        if path.exists()
+    }
     return out["tokens"], out["logprobs"], records, store
 
 
@@ -122,7 +141,9 @@ def test_a_bad_chunk_is_recomputed_whole_with_two_groups(hybrid):
     request is recomputed whole, its reply vLLM's."""
     tokens, _, records, _ = hybrid
     (record,) = records["corrupt"]
-    assert record["restored_tokens"] == 0 and record["miss_tokens"] == {"failed_verification": record["miss_tokens"]["failed_verification"]}
+    assert record["restored_tokens"] == 0 and record["miss_tokens"] == {
+        "failed_verification": record["miss_tokens"]["failed_verification"]
+    }
     assert tokens[2] == [tokens[0][1]]
 
 
@@ -144,4 +165,6 @@ def test_the_connector_keeps_vllms_hybrid_kv_cache_manager_on():
 
     from hcache.vllm.settings import kv_transfer_config
 
-    assert KVConnectorFactory.supports_hma_config(KVTransferConfig(**kv_transfer_config({"enabled": False})))  # vLLM's own test
+    assert KVConnectorFactory.supports_hma_config(
+        KVTransferConfig(**kv_transfer_config({"enabled": False}))
+    )  # vLLM's own test

@@ -1,5 +1,6 @@
 """The vLLM worker's side: where hcache's helper threads run beside vLLM's OpenMP threads, and what a saving
 step reads out of vLLM's cache, driven as vLLM drives it (without an engine)."""
+
 import contextlib
 import os
 from types import SimpleNamespace
@@ -41,8 +42,12 @@ def _worker(tmp_path, bound=None):
     config = resolve({"store_dirs": [str(tmp_path)], "plan": "KV"}, spec, "random-llama", engine="vllm")
     attention = {}
     worker = WorkerSide(VllmSetup(config, "worker-test", (BLOCK,), (0,) * LAYERS), torch.device("cpu"), attention)
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(64, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size).transpose(1, 2)
-              for i in range(LAYERS)}  # fmt: skip
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(
+            64, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size
+        ).transpose(1, 2)
+        for i in range(LAYERS)
+    }
     if bound is not None:
         attention.update({name: SimpleNamespace(kv_cache=bound(cache)) for name, cache in caches.items()})
     worker.register(caches)
@@ -55,12 +60,16 @@ def test_a_cpu_worker_loads_from_a_process_only_where_vllms_layers_hold_the_cach
     layers hold other tensors over them (vLLM binds kernel-block views where its kernels' blocks are
     smaller), a move would leave the layers on the old memory: nothing moves, and loads run on the
     worker's thread."""
-    worker, _, caches = _worker(tmp_path, (lambda cache: cache) if held == "the-caches" else (lambda cache: cache.view(cache.shape)))
+    worker, _, caches = _worker(
+        tmp_path, (lambda cache: cache) if held == "the-caches" else (lambda cache: cache.view(cache.shape))
+    )
     try:
         assert worker.stack.store.pool.fd is not None  # a CPU's host pool is shareable
         assert (worker._loader._process is not None) == (held == "the-caches")
         layer = worker._attention["model.layers.0.self_attn.attn"].kv_cache
-        assert layer.untyped_storage().data_ptr() == caches[0].untyped_storage().data_ptr()  # the layer and the loader on the same memory
+        assert (
+            layer.untyped_storage().data_ptr() == caches[0].untyped_storage().data_ptr()
+        )  # the layer and the loader on the same memory
     finally:
         worker.close()
 
@@ -68,7 +77,13 @@ def test_a_cpu_worker_loads_from_a_process_only_where_vllms_layers_hold_the_cach
 def _rows(request: int, positions: range, layer: int, spec) -> torch.Tensor:
     """K/V rows ``[T, 2, heads, head_size]`` whose values say whose they are."""
     base = torch.tensor([request * 100_000 + p * 100 + layer * 10 for p in positions], dtype=torch.float32)
-    return base.view(-1, 1, 1, 1) + torch.arange(2 * spec.num_kv_heads * spec.head_size, dtype=torch.float32).view(2, spec.num_kv_heads, spec.head_size) / 4096
+    return (
+        base.view(-1, 1, 1, 1)
+        + torch.arange(2 * spec.num_kv_heads * spec.head_size, dtype=torch.float32).view(
+            2, spec.num_kv_heads, spec.head_size
+        )
+        / 4096
+    )
 
 
 BLOCKS = {0: [5, 9, 2, 7, 11], 1: [30, 1, 17, 24, 3]}  # each request's blocks, scattered over vLLM's cache
@@ -95,7 +110,17 @@ def _steps(worker, spec, caches, tokens, steps, around=lambda k, step: contextli
             for layer, cache in enumerate(caches):  # the forward's cache write
                 layout.write(cache, elements, _rows(r, range(start, start + n), layer, spec))
             held = [BLOCKS[r][start // BLOCK : -(-(start + n) // BLOCK)]]
-            requests.append(RequestStep(f"r{r}", None, start == 0, tokens[r][: start + n] if start == 0 else tokens[r][start : start + n], held, start, n))
+            requests.append(
+                RequestStep(
+                    f"r{r}",
+                    None,
+                    start == 0,
+                    tokens[r][: start + n] if start == 0 else tokens[r][start : start + n],
+                    held,
+                    start,
+                    n,
+                )
+            )
             done[r] += n
         if not requests:
             break
@@ -109,7 +134,9 @@ def _tokens(spec, length: int = 130) -> dict[int, list[int]]:
     return {r: torch.randint(0, spec.vocab_size, (length,), generator=g).tolist() for r in BLOCKS}
 
 
-def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_nothing_on_other_steps(tmp_path, monkeypatch):
+def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_nothing_on_other_steps(
+    tmp_path, monkeypatch
+):
     """Two requests in blocks scattered over vLLM's cache, prefilled (70 and 6 tokens) and then decoded a
     token a step to 130, as vLLM's forward would write them: every chunk they fill is stored with exactly the
     K/V the cache holds (through blocks split into kernel blocks, and chunks across blocks); the cache is read
@@ -122,7 +149,9 @@ def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_
     worker, spec, caches = _worker(tmp_path)
     reads = []  # the whole kernel blocks each read takes a block at a time (a chunk is 4 of 16 tokens)
     read = PagedLayout.read
-    monkeypatch.setattr(PagedLayout, "read", lambda self, cache, places: (reads.append(len(places[0])), read(self, cache, places))[1])
+    monkeypatch.setattr(
+        PagedLayout, "read", lambda self, cache, places: (reads.append(len(places[0])), read(self, cache, places))[1]
+    )
     tokens = _tokens(spec)
     per_step = []
 
@@ -134,7 +163,9 @@ def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_
 
     _steps(worker, spec, caches, tokens, [{0: 70, 1: 6}] + [{0: 1, 1: 1}] * 124, count)
     fills = [i for i, n in enumerate(per_step) if n]
-    assert fills == [0, 58, 122] and all(per_step[i] == LAYERS for i in fills), per_step  # chunk 0 of request 0; 1 of 0 and 0 of 1; 1 of 1
+    assert fills == [0, 58, 122] and all(per_step[i] == LAYERS for i in fills), (
+        per_step
+    )  # chunk 0 of request 0; 1 of 0 and 0 of 1; 1 of 1
     assert reads == [4] * LAYERS + [8] * LAYERS + [4] * LAYERS, reads
     worker.finished({"r0", "r1"})
     store = worker.stack.store
@@ -144,7 +175,10 @@ def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_
             image = store.fetch(key).result()
             try:
                 for layer in range(LAYERS):
-                    assert torch.equal(stored_rows(image, layer, "KV"), _rows(r, range(c * CHUNK_TOKENS, (c + 1) * CHUNK_TOKENS), layer, spec))
+                    assert torch.equal(
+                        stored_rows(image, layer, "KV"),
+                        _rows(r, range(c * CHUNK_TOKENS, (c + 1) * CHUNK_TOKENS), layer, spec),
+                    )
             finally:
                 store.release(image)
     worker.close()
@@ -172,6 +206,10 @@ def test_a_saving_step_never_syncs_makes_nothing_and_does_not_grow_with_chunks_o
     _steps(worker, spec, caches, _tokens(spec), [{0: 70, 1: 6}] + [{0: 1, 1: 1}] * 124, count)
     assert not any(c.syncs for c in counted.values()), {k: dict(c.syncs) for k, c in counted.items() if c.syncs}
     assert made[58] == made[122] == made[0], f"made after the first fill: {made[0]} then {made[58]}, {made[122]}"
-    assert counted[58].ops == counted[122].ops, f"two chunks filled: {dict(counted[58].ops)}; one: {dict(counted[122].ops)}"
-    assert not any(c.ops for k, c in counted.items() if k not in (0, 58, 122)), {k: dict(c.ops) for k, c in counted.items() if c.ops}
+    assert counted[58].ops == counted[122].ops, (
+        f"two chunks filled: {dict(counted[58].ops)}; one: {dict(counted[122].ops)}"
+    )
+    assert not any(c.ops for k, c in counted.items() if k not in (0, 58, 122)), {
+        k: dict(c.ops) for k, c in counted.items() if c.ops
+    }
     worker.close()

@@ -1,4 +1,5 @@
 """Workload traces reproduce the published statistics, and a ShareGPT file loads as one."""
+
 import json
 import random
 
@@ -69,15 +70,20 @@ def test_same_seed_same_trace_and_rate_only_rescales_arrivals(seed):
 
 
 def test_scaled_trace_respects_every_cap(seed):
-    trace = leval_trace("leval-gsm100", 200, seed=seed).scaled(0.05, max_output=3, max_tokens=1024, max_turns=2, think_scale=0.1)
+    trace = leval_trace("leval-gsm100", 200, seed=seed).scaled(
+        0.05, max_output=3, max_tokens=1024, max_turns=2, think_scale=0.1
+    )
     assert trace.sessions
     for s in trace.sessions:
         assert 1 <= len(s.turns) <= 2 and s.total_tokens <= 1024
         assert all(t.output_tokens <= 3 and t.input_tokens >= 1 for t in s.turns)
     full = leval_trace("leval-quality", 200, seed=seed)
     kept = full.scaled(0.1, max_tokens=700)
-    first = [max(1, round(s.context_tokens * 0.1)) + sum(max(1, round(n * 0.1)) for n in (s.turns[0].input_tokens, s.turns[0].output_tokens))
-             for s in full.sessions]
+    first = [
+        max(1, round(s.context_tokens * 0.1))
+        + sum(max(1, round(n * 0.1)) for n in (s.turns[0].input_tokens, s.turns[0].output_tokens))
+        for s in full.sessions
+    ]
     assert 0 < len(kept.sessions) == sum(n <= 700 for n in first) < len(full.sessions)  # too long a first turn: dropped
     assert all(s.total_tokens <= 700 for s in kept.sessions)
 
@@ -97,16 +103,33 @@ def test_bad_trace_parameters_are_refused():
 
 def test_sharegpt_file_loads_as_a_trace(tmp_path):
     path = tmp_path / "sharegpt.json"
-    path.write_text(json.dumps([
-        {"conversations": [
-            {"from": "human", "value": "one two three"}, {"from": "gpt", "value": "a b"},
-            {"from": "human", "value": "four"}, {"from": "gpt", "value": "c d e f"},
-        ]},
-        {"conversations": [{"from": "gpt", "value": "greeting"}, {"from": "human", "value": "x y"}, {"from": "gpt", "value": "z"}]},
-        {"conversations": [{"from": "human", "value": "unanswered"}]},
-    ]))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": "one two three"},
+                        {"from": "gpt", "value": "a b"},
+                        {"from": "human", "value": "four"},
+                        {"from": "gpt", "value": "c d e f"},
+                    ]
+                },
+                {
+                    "conversations": [
+                        {"from": "gpt", "value": "greeting"},
+                        {"from": "human", "value": "x y"},
+                        {"from": "gpt", "value": "z"},
+                    ]
+                },
+                {"conversations": [{"from": "human", "value": "unanswered"}]},
+            ]
+        )
+    )
     trace = load_sharegpt(path, lambda text: len(text.split()), rate=2.0, think_s=10.0)
-    assert [[(t.input_tokens, t.output_tokens) for t in s.turns] for s in trace.sessions] == [[(3, 2), (1, 4)], [(2, 1)]]
+    assert [[(t.input_tokens, t.output_tokens) for t in s.turns] for s in trace.sessions] == [
+        [(3, 2), (1, 4)],
+        [(2, 1)],
+    ]
     assert trace.sessions[0].turns[0].think_s == 0 and trace.sessions[0].turns[1].think_s > 0
     assert trace.sessions[0].arrival_s < trace.sessions[1].arrival_s
     assert load_sharegpt(path).sessions[0].turns[0].input_tokens == 3  # 13 characters at about 4 a token

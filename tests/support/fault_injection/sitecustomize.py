@@ -1,6 +1,7 @@
 """Fault injection for tests/mii/test_mii.py: with ``HCACHE_TEST_FAULT_TOKEN`` set, the reference engine's forward
 raises for any batch holding that token id, in every process started with this directory on PYTHONPATH
 (Python imports ``sitecustomize`` at start-up), MII's server processes included."""
+
 import os
 
 from hcache.engine.reference import ReferenceEngine
