@@ -52,6 +52,23 @@ def logprobs_close(replies: list[list[float]], reference: list[list[float]]) -> 
     )
 
 
+def _transfer_config(connector: dict, wait: float = 60.0) -> dict:
+    """hcache's ``kv_transfer_config`` for ``connector``, once the last phase's engine has let its store go:
+    ``shutdown()`` returns before that engine's processes end, and the store's lock ends with them (a busy
+    machine once started the next phase first, which refused the store as in use)."""
+    from hcache.errors import InvalidRequestError
+    from hcache.vllm import kv_transfer_config
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return kv_transfer_config(connector)
+        except InvalidRequestError as exc:
+            if "in use by another process" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def _llm(
     model: str,
     dtype: str,
@@ -64,9 +81,8 @@ def _llm(
     from vllm import LLM
 
     from hcache.bench.vllm import ranks_bound
-    from hcache.vllm import kv_transfer_config
 
-    kv = kv_transfer_config(connector) if connector is not None else None
+    kv = _transfer_config(connector) if connector is not None else None
     parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     with ranks_bound(tp), _reserved_cpus(reserved):
         return LLM(
