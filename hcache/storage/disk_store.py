@@ -11,9 +11,12 @@ every chunk file is checked (its header and length by default, every checksum wi
 a bad one is deleted. So the index never lists a chunk that is not on disk whole.
 
 Capacity. ``quota_bytes`` bounds the bytes of chunk files; a put that does not fit evicts the least
-recently used chunks first, but never a chunk before the chunks after it in its chain (its parent is in
-its header): they are unreachable without it, so a conversation's first chunk, which every later turn
-and every conversation sharing that start looks up, goes last. ``ttl_s`` expires chunks unused for that long.
+recently used chunks first, but not a chunk before the chunks after it in its chain (its parent is in
+its header) unless they are pinned and nothing else makes room: they are unreachable without it, so a
+conversation's first chunk, which every later turn and every conversation sharing that start looks up,
+goes last. A header's parent is trusted only when it names another, older chunk of this store and closes
+no cycle (:class:`~.lru_index.LruIndex`), so no damaged or hostile header can hold the store over its
+quota. ``ttl_s`` expires chunks unused for that long.
 A use is a look-up, a read, or a hit in a tier above passed down by :meth:`touch` (the host pool serves
 the most used chunks, so without it they would look the least used here); a look-up of a chain's chunks
 uses the last first, so a parent is always the more recent. The order and the TTL are rebuilt from file

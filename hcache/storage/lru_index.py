@@ -2,8 +2,11 @@
 
 Entries are kept in least-recently-used order. A chunk that is pinned is never chosen for eviction; a chunk
 unused for longer than the TTL is expired. An entry that names a parent (the chunk before it in its
-chain) holds it: quota eviction never takes a parent before every entry that names it, since those are
-unreachable without it. The disk store evicts by its quota (:meth:`LruIndex.make_room`),
+chain) holds it: quota eviction takes a parent only after every entry that names it, since those are
+unreachable without it, unless they are pinned and nothing else makes room. A parent comes from a chunk's
+header, which may be damaged or hostile, so it is trusted only when it names another, older entry and
+closes no cycle (a cycle could never be evicted child first): the parents are a forest, and every chain
+that is not pinned can be evicted. The disk store evicts by its quota (:meth:`LruIndex.make_room`),
 its pins counted in :attr:`Entry.pins` (a read or a write in flight); the host tier evicts when its pool has
 no room (:meth:`LruIndex.pop_victim`, by the index's :mod:`~.eviction` policy), a chunk pinned while its slot
 is referenced (``pinned``). Not thread-safe by itself: its owner holds a lock around every call.
@@ -28,7 +31,7 @@ class Entry:
     pins: int = 0
     stamped: float = 0.0  # the last use the owner recorded where a restart finds it (the disk store: the file time)
     value: float = 0.0  # what keeping it saves, the owner's opaque number (cost-aware eviction: :mod:`.eviction`)
-    parent: str = ""  # the key of the chunk before it in its chain, kept while this one is
+    parent: str = ""  # the key of the chunk before it in its chain, kept while this one is ("" if not trusted)
 
 
 def _has_pins(entry: Entry) -> bool:
@@ -70,25 +73,68 @@ class LruIndex:
         return entry
 
     def add(self, key: str, entry: Entry) -> None:
-        """Insert as most recently used; ``entry.last_used`` may be older (start-up), order is by call."""
-        self.remove(key)
-        self.entries[key] = entry
-        self.used_bytes += entry.size
-        if entry.parent:
-            self._children[entry.parent] += 1
+        """Insert as most recently used; ``entry.last_used`` may be older (start-up), order is by call. Its
+        parent is kept only if it is another entry that does not descend from ``key`` (``entry.parent`` is
+        cleared otherwise): walking up from it costs a chain's length, and only when an entry names ``key``."""
+        parent = self._insert(key, entry)
+        if parent in self.entries and not self._descends(parent, key):
+            self._link(key, parent)
 
     def add_in_age_order(self, items: list[tuple[str, Entry]]) -> None:
-        for key, entry in sorted(items, key=lambda item: item[1].last_used):
-            self.add(key, entry)
+        """A start-up's entries: their parents are linked once all are in, since a parent is the more
+        recently used and comes later, then each cycle the links make is cut once, in one pass over them."""
+        items = sorted(items, key=lambda item: item[1].last_used)
+        parents = [self._insert(key, entry) for key, entry in items]
+        for (key, _), parent in zip(items, parents):
+            if parent in self.entries and parent != key:
+                self._link(key, parent)
+        done: set[str] = set()
+        for start in self.entries:
+            path: dict[str, None] = {}  # the walk up from ``start``, in order
+            key = start
+            while key in self.entries and key not in done and key not in path:
+                path[key] = None
+                key = self.entries[key].parent
+            if key in path:  # the walk came back to ``key``: cut the link that closed the cycle
+                self._unlink(next(reversed(path)))
+            done.update(path)
+
+    def _insert(self, key: str, entry: Entry) -> str:
+        """Put ``entry`` in as most recently used, unlinked; return the parent it named."""
+        parent = entry.parent
+        self.remove(key)
+        entry.parent = ""
+        self.entries[key] = entry
+        self.used_bytes += entry.size
+        return parent
+
+    def _descends(self, key: str, ancestor: str) -> bool:
+        """Whether ``key`` is ``ancestor`` or an entry after it in its chain."""
+        if not self._children[ancestor]:  # nothing names it: no chain goes on from it
+            return key == ancestor
+        while key and key != ancestor:
+            entry = self.entries.get(key)
+            key = entry.parent if entry is not None else ""
+        return key == ancestor
+
+    def _link(self, key: str, parent: str) -> None:
+        self.entries[key].parent = parent
+        self._children[parent] += 1
+
+    def _unlink(self, key: str) -> None:
+        entry = self.entries[key]
+        if entry.parent:
+            self._children[entry.parent] -= 1
+            if not self._children[entry.parent]:
+                del self._children[entry.parent]
+            entry.parent = ""
 
     def remove(self, key: str) -> Entry | None:
-        entry = self.entries.pop(key, None)
-        if entry is not None:
-            self.used_bytes -= entry.size
-            if entry.parent:
-                self._children[entry.parent] -= 1
-                if not self._children[entry.parent]:
-                    del self._children[entry.parent]
+        if key not in self.entries:
+            return None
+        self._unlink(key)
+        entry = self.entries.pop(key)
+        self.used_bytes -= entry.size
         return entry
 
     def fits(self, size: int) -> bool:
@@ -98,9 +144,11 @@ class LruIndex:
         """Remove and return the entries to evict so ``size`` more bytes fit: the expired ones, then the
         least recently used unpinned ones, each parent after the entries that name it; the entry to come
         names ``parent``, so that chain is kept whole (evicting it would leave the new one unreachable).
-        None (and nothing removed) if pinned chunks and that chain leave too little. Both kinds sit at the
-        front of the LRU order, so the scan stops at the first entry it may keep. A parent passed over for
-        its children is older than the scan's point, so it goes as soon as the last of them has gone."""
+        Both kinds sit at the front of the LRU order, so the scan stops at the first entry it may keep. A
+        parent passed over for its children is older than the scan's point, so it goes as soon as the last
+        of them has gone. If that is not enough, chains held by a pinned entry go from it up, each parent
+        as if that entry had gone: a read in flight must not refuse every put. None (and nothing removed)
+        if pinned entries and the chain to come still leave too little."""
         freed = self.entries[replacing].size if replacing in self.entries else 0
         victims: list[str] = []
         held: dict[str, bool] = {}  # parents passed over for their children: whether they had expired
@@ -113,14 +161,17 @@ class LruIndex:
         def children(key: str) -> int:  # entries that name ``key``, and the one to come
             return self._children[key] + (key == parent)
 
+        def release(key: str) -> None:  # a child of ``key`` is a victim, or counts as one
+            taken[key] += 1
+            if key in held and taken[key] == children(key):
+                ready.append(key)
+
         def take(key: str, entry: Entry) -> None:
             nonlocal freed
             victims.append(key)
             freed += entry.size
             if entry.parent:
-                taken[entry.parent] += 1
-                if entry.parent in held and taken[entry.parent] == children(entry.parent):
-                    ready.append(entry.parent)
+                release(entry.parent)
 
         def take_ready() -> None:
             while ready:
@@ -141,6 +192,15 @@ class LruIndex:
                 continue
             take(key, entry)
         take_ready()
+        if over():
+            keep, key = set(), parent  # the chain to come
+            while key in self.entries:
+                keep.add(key)
+                key = self.entries[key].parent
+            for key, entry in self.entries.items():
+                if entry.parent and key not in keep and (self.pinned(entry) or key == replacing):
+                    release(entry.parent)
+            take_ready()
         if over():
             return None
         return [(key, self.remove(key)) for key in victims]

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from support.damage import rewrite_header
 from support.storage_chunks import ROOT, Chunk, check_served, chunk, chunk_bytes, read_back
 
 from hcache.errors import StorageError
@@ -184,6 +185,39 @@ def test_a_reopen_under_a_quota_keeps_the_shared_first_chunk_and_the_hottest_cha
     replays = [sum(reopened.contains_many([c.key for c in conv])) for conv in convs]
     assert replays == [1, 3, 1, 1, 3, 1]  # the two hottest whole, every other one its shared start
     assert reopened.gone(convs[0][2].key) == Loss.EVICTED and reopened.gone("ab" * 16) is None
+
+
+@pytest.mark.parametrize("links", ["cycle", "pairs", "self", "missing"])
+def test_headers_rewritten_into_cycles_cannot_pin_the_store(tmp_path, links):
+    """Issue 67: chunk headers on disk whose parents form cycles (damaged or hostile) held every chunk of
+    them against the quota, so the disk stayed over it and every later save was refused. On open the store
+    is back under its quota, and saves go on. ``missing``: every header names a chunk the store lacks, which
+    is saved later naming one of them: trusting both links would close a cycle."""
+    chunks = [_linked(chunk(i), None) for i in range(8)]
+    missing = chunk(20)
+    store = DiskChunkStore(tmp_path)
+    for c in chunks:
+        store.put(c.key, encode(c))
+    store.close()
+    keys = [c.key for c in chunks]
+    parents = {
+        "cycle": keys[1:] + keys[:1],  # each names the next, the last the first
+        "pairs": [keys[i ^ 1] for i in range(8)],  # two by two, each names the other
+        "self": keys,
+        "missing": [missing.key] * 8,
+    }[links]
+    for key, parent in zip(keys, parents):
+        rewrite_header(store.path(key), lambda header, parent=parent: header["__metadata__"].update(parent=parent))
+    size = store.path(keys[0]).stat().st_size
+    reopened = DiskChunkStore(tmp_path, quota_bytes=2 * size)
+    on_disk = sum(p.stat().st_size for p in tmp_path.glob("chunks/*/*.safetensors"))
+    assert reopened.used_bytes == on_disk <= 2 * size and len(reopened.keys()) == 2
+    if links == "missing":
+        reopened.put(missing.key, encode(missing), parent=reopened.keys()[0])
+    for i in range(8, 12):
+        reopened.put(*chunk_bytes(i))
+        check_served(reopened, chunk(i).key, chunk(i))
+    assert reopened.used_bytes <= 2 * size and reopened.write_errors == 0
 
 
 def test_a_quota_held_by_pinned_chunks_refuses_with_enospc(tmp_path):

@@ -167,3 +167,69 @@ def test_a_pinned_child_holds_its_parents_and_expiry_follows_the_chain():
     index.entries["c"].pins = 0
     clock.now += 200  # everything expired: the chain goes child first
     assert _victims(index, 0) == ["c", "b", "a"]
+
+
+def test_two_entries_naming_each_other_do_not_pin_the_quota():
+    """Issue 67: a and b name each other (damaged or hostile headers): the link that would close the cycle
+    is not trusted, so the free c and then the chain go, child first."""
+    index, _ = _index(quota=100)
+    _add(index, "c", 60)
+    index.add("a", Entry(60, 1, "a", parent="b"))  # b does not exist yet: no parent
+    index.add("b", Entry(60, 2, "b", parent="a"))
+    assert _victims(index, 0) == ["c", "b"] and index.used_bytes == 60
+    assert _victims(index, 60) == ["a"] and index.used_bytes == 0
+
+
+def test_an_entry_naming_itself_holds_nothing():
+    index, _ = _index(quota=100)
+    index.add("a", Entry(60, 1, "a", parent="a"))
+    _add(index, "b", 60)
+    assert _victims(index, 0) == ["a"]  # the least recently used, not held by itself
+
+
+def test_a_parent_missing_when_its_child_came_is_not_trusted():
+    """x names p, which is not stored; p, saved later, names x: trusting both would make a cycle."""
+    index, _ = _index(quota=100)
+    index.add("x", Entry(60, 1, "x", parent="p"))
+    index.add("p", Entry(60, 2, "p", parent="x"))
+    assert _victims(index, 0) == ["p"]
+    assert _victims(index, 60) == ["x"]
+
+
+def test_a_put_that_would_close_a_long_chain_into_a_cycle_is_not_trusted():
+    """A replacement of a 3,000-entry chain's first entry naming its last: the walk up the chain finds it."""
+    index, clock = _index(quota=100)
+    keys = [f"k{i}" for i in range(3000)]
+    _chain(index, clock, list(zip(keys, [""] + keys[:-1])), size=1)
+    index.add(keys[0], Entry(1, clock.now, keys[0], parent=keys[-1]))
+    assert _victims(index, 0) == keys[-1:-2901:-1]  # the chain from its end: its first hundred entries stay
+    assert index.used_bytes == 100
+
+
+def test_start_up_breaks_a_cycle_of_3000_entries_whatever_their_order():
+    """A start-up finds each parent stored (file times are last uses, so a parent is often added after its
+    children): every link is trusted but the one that closes the cycle."""
+    keys = [f"k{i}" for i in range(3000)]
+    parent = dict(zip(keys, keys[-1:] + keys[:-1]))  # each names the one before it, the first the last
+    for order in (keys, keys[::-1], keys[::2] + keys[1::2]):
+        index, _ = _index(quota=100)
+        index.add_in_age_order([(key, Entry(1, t, key, parent=parent[key])) for t, key in enumerate(order)])
+        victims = _victims(index, 0)
+        assert len(victims) == 2900 and index.used_bytes == 100
+        kept = set(index.entries)
+        assert all(index.entries[k].parent in kept | {""} for k in kept)  # what is left is whole chains
+
+
+def test_a_chain_longer_than_the_quota_held_by_a_pinned_end_goes_from_that_end():
+    """Ten entries over a quota of six, the last pinned (a read in flight): rather than keep the quota
+    broken, its ancestors go from the nearest, so the chain's start stays restorable."""
+    keys = [f"c{i}" for i in range(10)]
+    index, clock = _index(quota=60)
+    _chain(index, clock, list(zip(keys, [""] + keys[:-1])))
+    index.entries["c9"].pins = 1
+    assert _victims(index, 0) == ["c8", "c7", "c6", "c5"] and index.used_bytes == 60
+    assert _victims(index, 10, parent="c4") is None  # the rest is the pinned end and the chain to come
+    index.entries["c9"].pins = 0
+    assert _victims(index, 10, parent="c4") == ["c9"]
+    index.entries["c2"].pins = 1  # in the chain to come: it holds its parents still
+    assert _victims(index, 20, parent="c4") is None and len(index) == 5
