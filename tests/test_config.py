@@ -224,10 +224,10 @@ def test_hidden_states_are_refused_for_a_family_whose_weights_hcache_does_not_kn
     from hcache.resolve import resolve
 
     config = AutoConfig.for_model(
-        "gemma3_text", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2
+        "gpt_oss", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2
     )
     spec = ModelSpec.from_config(config, any_family=True)
     for settings in ({"plan": "H"}, {"plan": "1H+1KV"}, {"plan": "KV", "save": "all"}):
-        with pytest.raises(UnsupportedModelError, match="'gemma3_text': hcache does not know where its layer input"):
-            resolve({"store_dirs": [str(tmp_path)], **settings}, spec, "gemma", engine="vllm")
-    assert str(resolve({"store_dirs": [str(tmp_path)]}, spec, "gemma", engine="vllm").plan) == "2KV"
+        with pytest.raises(UnsupportedModelError, match="'gpt_oss': hcache does not know where its layer input"):
+            resolve({"store_dirs": [str(tmp_path)], **settings}, spec, "gpt-oss", engine="vllm")
+    assert str(resolve({"store_dirs": [str(tmp_path)]}, spec, "gpt-oss", engine="vllm").plan) == "2KV"

@@ -30,7 +30,10 @@ FAMILIES = {  # config overrides FastGen needs (no sliding window; Phi-3's defau
     "mistral": {"sliding_window": None},
     "qwen2": {},
     "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-    "qwen3": {},  # the reference engine's alone: DeepSpeed's FastGen has no Qwen3
+    # the reference engine's alone: DeepSpeed's FastGen has neither Qwen3 nor Gemma
+    "qwen3": {},
+    "gemma2": {},
+    "gemma3_text": {},
 }
 # The random shapes have 3 layers. "<plan> <stored_dtype>": restored from state stored in that encoding.
 PLANS = ("RE", "H", "KV", "1RE+1H+1KV", "H 8bit", "KV 8bit")

@@ -26,9 +26,10 @@ import torch
 
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model.spec import ModelSpec
-from ..ops import KVProjection, device_copy, read_kv, rope_cos_sin, slot_mapping
+from ..ops import KVProjection, device_copy, read_kv, slot_mapping
 from ..ops.paged_kv import block_runs, gather_kv
 from ..ops.quant import QuantRows
+from ..ops.rope import layer_tables
 from .capture import LayerCapture
 from .ragged import Segment
 from .restore_state import RestoreState
@@ -326,15 +327,15 @@ class FastGenEngine:
         desc = self._state.get_or_create_sequence(uid)
         self._model.maybe_allocate_kv(desc, num_tokens)
         positions = torch.arange(base, base + num_tokens, device=self.device)
-        cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype, rule="fastgen")  # as FastGen's forward rotates
+        tables = layer_tables(self.spec, positions, self.dtype, rule="fastgen")  # as FastGen's forward rotates
         slots = self._slots(uid, base, num_tokens)
         runs = block_runs(_host_blocks(desc), base, num_tokens, self.block_size)
-        self._restoring[uid] = RestoreState(base, num_tokens, slots, cos_sin, runs)
+        self._restoring[uid] = RestoreState(base, num_tokens, slots, tables, runs)
 
     @torch.no_grad()
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
         k, v = self._kv_proj[layer](hidden.to(self.device, self.dtype, non_blocking=True))
-        self._restoring[uid].write_projected(self._state.get_cache(layer), k, v, start)
+        self._restoring[uid].write_projected(layer, self._state.get_cache(layer), k, v, start)
 
     @torch.no_grad()
     def restore_kv(

@@ -19,10 +19,11 @@ from torch import nn
 
 from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
-from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rope_cos_sin, rotate_and_write
+from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rotate_and_write
 from ..ops.kv_projection import linear_rows
 from ..ops.paged_kv import block_runs, flat_slots
 from ..ops.quant import QuantRows
+from ..ops.rope import layer_tables
 from .blocked_kv_cache import BlockedKVCache
 from .capture import LayerCapture
 from .ragged import Segment
@@ -62,16 +63,28 @@ class _Decoder:
             x = x + F.embedding(positions + self.spec.learned_position_offset, self.position_table)
         return x
 
+    def attention_block(self, layer: nn.Module, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention's output projection (and, in Gemma, its norm)."""
+        out = layer.get_submodule(self.spec.o_module)(attention)
+        if self.spec.sandwich:
+            out = layer.get_submodule(self.spec.sandwich[0])(out)
+        return x + out
+
     def mlp_block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.spec.model_type == "opt":
             return x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
+        if self.spec.sandwich:
+            _, before, after = self.spec.sandwich
+            return x + layer.get_submodule(after)(layer.mlp(layer.get_submodule(before)(x)))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         x = self.final_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class ReferenceEngine:
@@ -186,7 +199,7 @@ class ReferenceEngine:
             row += len(tokens)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t, slots_t = torch.cat(positions), torch.cat(slots)
-        cos_sin = rope_cos_sin(self.spec.rope, pos_t, self.dtype) if self.spec.rope else None
+        tables = layer_tables(self.spec, pos_t, self.dtype)
 
         if capture is not None:
             capture.begin_batch(segments)
@@ -195,16 +208,15 @@ class ReferenceEngine:
             layer = self.decoder.layers[i]
             h = layer.get_submodule(self.spec.capture_module)(x)
             k, v = self.kv_proj[i](h)
-            rotate_and_write(self.cache.layers[i], slots_t, k, v, cos_sin)
+            rotate_and_write(self.cache.layers[i], slots_t, k, v, tables[i])
             if capture is not None:
                 capture.on_layer(i, h, functools.partial(read_kv, self.cache.layers[i], slots_t))
             q = F.linear(h, *self.q_rows[i]).view(-1, self.spec.num_heads, self.spec.head_size)
             if self.spec.qk_norm:
                 q = layer.get_submodule(self.spec.qk_norm[0])(q)
-            if cos_sin is not None:
-                q = apply_rope(q, *cos_sin)
-            attn = self._attention(i, q, segments)
-            x = x + layer.get_submodule(self.spec.o_module)(attn)
+            if tables[i] is not None:
+                q = apply_rope(q, *tables[i])
+            x = self.decoder.attention_block(layer, x, self._attention(i, q, segments))
             x = self.decoder.mlp_block(layer, x)
         if capture is not None:
             capture.end_batch()
@@ -230,15 +242,23 @@ class ReferenceEngine:
             tile = max(1, SCORES // (self.spec.num_heads * k.shape[0]))
             for a in range(0, s.length, tile):
                 b = min(s.length, a + tile)
-                o = F.scaled_dot_product_attention(
-                    q[s.row + a : s.row + b].transpose(0, 1),
-                    k.transpose(0, 1),
-                    v.transpose(0, 1),
-                    attn_mask=mask[a:b],
-                    enable_gqa=True,
+                o = self._scores(
+                    q[s.row + a : s.row + b].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask[a:b]
                 )
                 out[s.row + a : s.row + b] = o.transpose(0, 1).reshape(b - a, -1)
         return out
+
+    def _scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` ``[H, Tq, C]`` over ``k``/``v`` ``[H_kv, Tk, C]``. Soft-capped scores (Gemma 2) take
+        the written-out path, as transformers' eager attention: SDPA has no cap."""
+        cap, scale = self.spec.attention_softcap, self.spec.attention_scale
+        if cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        groups = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+        scores = q @ k.transpose(1, 2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        scores = (torch.tanh(scores / cap) * cap).masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
     # ---- restore primitives ------------------------------------------------------------------------
     def begin_restore(self, uid: int, num_tokens: int) -> None:
@@ -248,10 +268,11 @@ class ReferenceEngine:
         start = len(seq.tokens)
         self._reserve(seq, start + num_tokens)
         positions = torch.arange(start, start + num_tokens, device=self.device)
-        cos_sin = rope_cos_sin(self.spec.rope, positions, self.dtype) if self.spec.rope else None
         slots = self._slots(seq, start, num_tokens)
         runs = block_runs(seq.blocks, start, num_tokens, self.block_size)
-        self._restoring[uid] = RestoreState(start, num_tokens, slots, cos_sin, runs)
+        self._restoring[uid] = RestoreState(
+            start, num_tokens, slots, layer_tables(self.spec, positions, self.dtype), runs
+        )
 
     def end_restore(self, uid: int, tokens: list[int]) -> None:
         """Mark ``tokens`` as present in every layer of the cache, once all layers are restored."""
@@ -269,7 +290,7 @@ class ReferenceEngine:
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:
         """H: K/V GEMM over the saved normalised input, RoPE at absolute positions, scatter into the cache."""
         k, v = self.kv_proj[layer](hidden.to(self.device, self.dtype))
-        self._restoring[uid].write_projected(self.cache.layers[layer], k, v, start)
+        self._restoring[uid].write_projected(layer, self.cache.layers[layer], k, v, start)
 
     @torch.no_grad()
     def restore_kv(

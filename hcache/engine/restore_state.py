@@ -13,6 +13,7 @@ from ..ops import rotate_and_write
 from ..ops.dequant_scatter import write_rows
 from ..ops.paged_kv import copy_slots
 from ..ops.quant import QuantRows
+from ..ops.rope import Tables
 
 
 @dataclass
@@ -20,13 +21,15 @@ class RestoreState:
     base: int  # the sequence's seen tokens when the restore began: position of its first restored token
     num_tokens: int
     slots: torch.Tensor  # flat cache slots of the restored rows, on the device
-    cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # RoPE tables of the restored positions; None without RoPE
+    tables: list[Tables | None]  # each layer's RoPE tables of the restored positions (:func:`layer_tables`)
     runs: list[tuple[int, int, int]]  # the slots as runs of consecutive slots (host ints: no readback)
 
-    def write_projected(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """H: K/V projected from rows ``[start, start + len(k))``, rotated at their positions, into ``cache``."""
+    def write_projected(self, layer: int, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """H: ``layer``'s K/V projected from rows ``[start, start + len(k))``, rotated at their positions by the
+        layer's RoPE, into ``cache``."""
         rows = slice(start, start + k.shape[0])
-        cos_sin = None if self.cos_sin is None else (self.cos_sin[0][rows], self.cos_sin[1][rows])
+        tables = self.tables[layer]
+        cos_sin = None if tables is None else (tables[0][rows], tables[1][rows])
         rotate_and_write(cache, self.slots[rows], k, v, cos_sin)
 
     def write_kv(

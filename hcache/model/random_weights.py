@@ -39,10 +39,28 @@ _TINY: dict[str, dict[str, Any]] = {
         eos_token_id=2,
     ),
     "opt": dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, enable_bias=True),
-    # families hcache's own engines do not run, which vLLM serves and hcache stores by KV there
-    "gemma3_text": dict(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64
+    # Gemma: sandwich norms, scaled embeddings, a query scale of its own, sliding and full layers; Gemma 2's soft
+    # caps, Gemma 3's Q/K norms and its two RoPE bases (local 10K, global 1M)
+    "gemma2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=48,
+        sliding_window=48,
     ),
+    "gemma3_text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=48,
+        sliding_window=48,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
+    # families hcache's own engines do not run, which vLLM serves and hcache stores by KV there
     "gpt_oss": dict(
         hidden_size=64,
         intermediate_size=64,
@@ -51,6 +69,20 @@ _TINY: dict[str, dict[str, Any]] = {
         head_dim=64,
         num_local_experts=4,
         num_experts_per_tok=2,
+    ),
+    # MLA: the latent 512 wide and K's RoPE part 64, the one shape vLLM's CPU MLA kernel takes; every layer dense
+    # (vLLM's CPU router of DeepSeek's experts needs groups), the output embedding apart (vLLM's DeepSeek-V2 ties
+    # none: a tied checkpoint gives it no lm_head, and every logit comes out equal)
+    "deepseek_v2": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        first_k_dense_replace=64,
     ),
 }
 
@@ -117,8 +149,11 @@ def _randomised(config, dtype: torch.dtype, seed: int, device: str = "cpu") -> t
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    # transformers' SDPA attention drops Gemma 2's soft cap on scores: eager keeps the model's own arithmetic,
+    # against which tests hold the engines.
+    eager = {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
     with torch.device(device):  # a 7B model is built where it will run, not copied there
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **eager)
     # HF initialises with std 0.02, which makes every logit nearly equal; widen so greedy decoding has clear winners.
     with torch.no_grad():
         for p in model.parameters():

@@ -59,17 +59,24 @@ class _Family:
         "none"  # which layers transformers' forward windows: "none", "uniform" (every layer) or "layer_types"
     )
     qk_norm: tuple[str, str] | None = None  # the RMS norms Q and K pass through, per head, before RoPE (Qwen3)
+    sandwich: tuple[str, str, str] | None = (
+        None  # norms of the attention's output, the MLP's input and its output (Gemma)
+    )
 
 
 _SEPARATE_QKV = dict(q=("self_attn.q_proj", ""), k=("self_attn.k_proj", ""), v=("self_attn.v_proj", ""))
 _LLAMA_LIKE = _Family(
     layers="model.layers", capture="input_layernorm", o="self_attn.o_proj", positions="rope", **_SEPARATE_QKV
 )
+_QK_NORM = ("self_attn.q_norm", "self_attn.k_norm")
+_SANDWICH = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 _FAMILIES: dict[str, _Family] = {
     "llama": _LLAMA_LIKE,
     "mistral": dataclasses.replace(_LLAMA_LIKE, windows="uniform"),
     "qwen2": dataclasses.replace(_LLAMA_LIKE, windows="layer_types"),
-    "qwen3": dataclasses.replace(_LLAMA_LIKE, windows="layer_types", qk_norm=("self_attn.q_norm", "self_attn.k_norm")),
+    "qwen3": dataclasses.replace(_LLAMA_LIKE, windows="layer_types", qk_norm=_QK_NORM),
+    "gemma2": dataclasses.replace(_LLAMA_LIKE, windows="layer_types", sandwich=_SANDWICH),
+    "gemma3_text": dataclasses.replace(_LLAMA_LIKE, windows="layer_types", qk_norm=_QK_NORM, sandwich=_SANDWICH),
     "phi3": _Family(
         layers="model.layers",
         capture="input_layernorm",
@@ -91,6 +98,16 @@ _FAMILIES: dict[str, _Family] = {
     ),
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
+# Facts learnt after the first families: absent from the identity of a spec that lacks them (:meth:`ModelSpec.to_json`).
+_LATER_FACTS = (
+    "qk_norm",
+    "sandwich",
+    "attention_scale",
+    "attention_softcap",
+    "final_softcap",
+    "sliding_rope",
+    "kv_lora_rank",
+)
 STORED_LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer types whose state is K/V
 
 
@@ -116,6 +133,15 @@ class ModelSpec:
     learned_position_offset: int | None  # OPT: position ids are shifted by this before the lookup
     sliding_windows: tuple[int | None, ...] = field(default=())
     qk_norm: tuple[str, str] | None = None  # modules of the per-head norms of Q and K, applied before RoPE
+    # Facts of the forward alone (Gemma's), which a restore does not apply: it rebuilds K/V only.
+    sandwich: tuple[str, str, str] | None = None  # norms of attention's output, the MLP's input and its output
+    attention_scale: float | None = None  # scores' scale when not 1/sqrt(head_size) (``query_pre_attn_scalar``)
+    attention_softcap: float | None = None  # scores soft-capped as ``cap·tanh(s/cap)`` before the mask
+    final_softcap: float | None = None  # the logits' soft cap
+    sliding_rope: RopeSpec | None = None  # sliding-window layers' RoPE, where it is not ``rope`` (Gemma 3's local base)
+    # MLA (DeepSeek-V2): the latent's width. Its cache holds one row a token, the latent then K's RoPE part, as one
+    # KV head of ``head_size`` with no K/V split (:attr:`kv_parts`).
+    kv_lora_rank: int | None = None
 
     # ---- sizes: everything else in hcache sizes from these two -------------------------------------
     @property
@@ -132,12 +158,17 @@ class ModelSpec:
         return self.num_kv_heads * self.head_size
 
     @property
+    def kv_parts(self) -> int:
+        """Rows a KV head caches a token: K and V (2), or an MLA latent row (1)."""
+        return 1 if self.kv_lora_rank else 2
+
+    @property
     def hidden_bytes_per_token_layer(self) -> int:
         return self.hidden_size * self.itemsize
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
-        return 2 * self.kv_dim * self.itemsize
+        return self.kv_parts * self.kv_dim * self.itemsize
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -153,6 +184,10 @@ class ModelSpec:
     def window(self, layer: int) -> int | None:
         """How many positions back a query of ``layer`` attends (itself included): ``None`` for full attention."""
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def rope_of(self, layer: int) -> RopeSpec | None:
+        """The RoPE ``layer`` rotates Q and K by: Gemma 3's sliding and full layers take two bases."""
+        return self.sliding_rope if self.sliding_rope is not None and self.window(layer) is not None else self.rope
 
     def layer_type(self, layer: int) -> str:
         """transformers' name of the layer's type, by which hcache's accounting and docs group layers."""
@@ -172,8 +207,9 @@ class ModelSpec:
 
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
-        if self.rope is not None:
-            d["rope"].pop("inv_freq")
+        for rope in ("rope", "sliding_rope"):
+            if d[rope] is not None:
+                d[rope].pop("inv_freq")
         d.update(
             hidden_bytes_per_token_layer=self.hidden_bytes_per_token_layer,
             kv_bytes_per_token_layer=self.kv_bytes_per_token_layer,
@@ -185,8 +221,9 @@ class ModelSpec:
         """The spec's identity (fingerprints and profiles are keyed by it). A fact a family lacks is left
         out, so the families that lack it keep the identity they had before hcache knew of it."""
         d = asdict(self)
-        if d["qk_norm"] is None:
-            del d["qk_norm"]
+        for fact in _LATER_FACTS:
+            if d[fact] is None:
+                del d[fact]
         return json.dumps(d, sort_keys=True)
 
     # ---- construction ------------------------------------------------------------------------------
@@ -205,10 +242,11 @@ class ModelSpec:
                 "(a Mamba or linear-attention layer's recurrent state), and K/V restored without that state would be wrong"
             )
         family = _FAMILIES.get(model_type)
-        if family is None and getattr(config, "kv_lora_rank", None):
+        latent = getattr(config, "kv_lora_rank", None) if family is None else None
+        if latent and not any_family:
             raise UnsupportedModelError(
-                f"model_type {model_type!r} caches attention as multi-head latent rows (MLA, kv_lora_rank="
-                f"{config.kv_lora_rank}), which hcache does not store yet; it stores K/V rows of attention heads"
+                f"model_type {model_type!r} caches attention as multi-head latent rows (MLA, kv_lora_rank={latent}), "
+                "which hcache's own engines do not run (in vLLM, hcache stores and loads them by KV)"
             )
         if family is None and not any_family:
             raise UnsupportedModelError(
@@ -224,6 +262,8 @@ class ModelSpec:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_size = getattr(config, "head_dim", None) or hidden // heads
+        if latent:  # one row a token and layer: the latent, then the RoPE part of K that all heads share
+            kv_heads, head_size = 1, latent + config.qk_rope_head_dim
         q_dim, kv_dim = heads * head_size, kv_heads * head_size
         fused_rows = {"q": (0, q_dim), "k": (q_dim, q_dim + kv_dim), "v": (q_dim + kv_dim, q_dim + 2 * kv_dim)}
 
@@ -256,10 +296,16 @@ class ModelSpec:
             k_weight=rows(family.k) if family else None,
             v_weight=rows(family.v) if family else None,
             o_module=family.o if family else None,
-            rope=_rope(config, head_size) if family and family.positions == "rope" else None,
+            rope=_rope(config, head_size, "full_attention") if family and family.positions == "rope" else None,
             learned_position_offset=2 if family and family.positions == "learned" else None,
             sliding_windows=_sliding_windows(config, family.windows if family else "layer_types"),
             qk_norm=family.qk_norm if family else None,
+            sandwich=family.sandwich if family else None,
+            attention_scale=_attention_scale(config, head_size),
+            attention_softcap=getattr(config, "attn_logit_softcapping", None),
+            final_softcap=getattr(config, "final_logit_softcapping", None),
+            sliding_rope=_sliding_rope(config, head_size) if family and family.positions == "rope" else None,
+            kv_lora_rank=latent or None,
         )
 
 
@@ -271,8 +317,28 @@ def _qkv_bias(config: Any, model_type: str) -> bool:
     return bool(getattr(config, "attention_bias", False))
 
 
-def _rope(config: Any, head_size: int) -> RopeSpec:
-    params = dict(getattr(config, "rope_parameters", None) or {})
+def _attention_scale(config: Any, head_size: int) -> float | None:
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    return None if scalar is None or scalar == head_size else float(scalar) ** -0.5
+
+
+def _by_layer_type(config: Any) -> bool:
+    """Whether the config gives RoPE's parameters per layer type (Gemma 3: local and global bases)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return set(params) <= set(STORED_LAYER_TYPES) and bool(params)
+
+
+def _sliding_rope(config: Any, head_size: int) -> RopeSpec | None:
+    if not _by_layer_type(config) or "sliding_attention" not in config.rope_parameters:
+        return None
+    rope = _rope(config, head_size, "sliding_attention")
+    return None if rope == _rope(config, head_size, "full_attention") else rope
+
+
+def _rope(config: Any, head_size: int, layer_type: str) -> RopeSpec:
+    """The RoPE of ``layer_type``'s layers (the same for every layer type, bar a config that sets them apart)."""
+    per_type = _by_layer_type(config)
+    params = dict((config.rope_parameters[layer_type] if per_type else getattr(config, "rope_parameters", None)) or {})
     rope_type = params.get("rope_type", "default")
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     if rope_type == "default":
@@ -282,7 +348,7 @@ def _rope(config: Any, head_size: int) -> RopeSpec:
     elif rope_type in ("linear", "llama3"):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, **({"layer_type": layer_type} if per_type else {}))
     else:
         # dynamic/yarn/longrope change frequencies with sequence length; a restore at fixed positions
         # would then disagree with the forward that produced the state.

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from ..model.spec import RopeSpec
+from ..model.spec import ModelSpec, RopeSpec
 
 RopeRule = Literal["hf", "fastgen"]
 
@@ -45,6 +45,22 @@ def rope_cos_sin(
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * rope.attention_scaling).to(out_dtype), (emb.sin() * rope.attention_scaling).to(out_dtype)
+
+
+Tables = tuple[torch.Tensor, torch.Tensor]
+
+
+def layer_tables(
+    spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype, rule: RopeRule = "hf"
+) -> list[Tables | None]:
+    """Each layer's cos/sin of ``positions`` (None for a layer without RoPE), each distinct RoPE computed once:
+    a family whose sliding and full layers rotate by two bases (Gemma 3) has two tables, others one."""
+    tables: dict[RopeSpec, Tables] = {}
+    for layer in range(spec.num_layers):
+        rope = spec.rope_of(layer)
+        if rope is not None and rope not in tables:
+            tables[rope] = rope_cos_sin(rope, positions, dtype, rule)
+    return [tables.get(spec.rope_of(layer)) for layer in range(spec.num_layers)]
 
 
 def fastgen_inv_freq(theta: float, rotary_dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig, GPT2Config
@@ -140,16 +142,15 @@ def test_qwen3_norms_q_and_k_before_rope_and_other_families_keep_their_identity(
     assert llama.qk_norm is None and "qk_norm" not in llama.to_json()
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
-def test_a_family_hcache_does_not_know_is_described_for_kv_alone(model_type):
+def test_a_family_hcache_does_not_know_is_described_for_kv_alone():
     """vLLM's families past hcache's own engines: refused where a family's weights are needed, described by
     their attention's shape where KV alone is (``any_family``), restoring nothing by H and KV by default."""
     from hcache.planning.plan import Method, default_plan
 
     config = AutoConfig.for_model(
-        model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2
+        "gpt_oss", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2
     )
-    with pytest.raises(UnsupportedModelError, match=f"'{model_type}' is not supported by hcache's own engines"):
+    with pytest.raises(UnsupportedModelError, match="'gpt_oss' is not supported by hcache's own engines"):
         ModelSpec.from_config(config)
     spec = ModelSpec.from_config(config, any_family=True)
     assert (spec.num_kv_heads, spec.head_size, spec.kv_bytes_per_token_layer) == (2, 64, 2 * 2 * 64 * 4)
@@ -161,3 +162,36 @@ def test_mla_is_refused_for_its_latent_rows_even_for_kv():
     config = AutoConfig.for_model("deepseek_v2", num_hidden_layers=2, kv_lora_rank=64)
     with pytest.raises(UnsupportedModelError, match="multi-head latent rows \\(MLA, kv_lora_rank=64\\)"):
         ModelSpec.from_config(config, any_family=True)
+
+
+def test_gemma_is_described_with_its_forward_facts_and_two_rope_bases():
+    """Gemma 3's sliding layers rotate by the local base and its full layers by the global one (with its
+    scaling); its query scale, Gemma 2's soft caps and the sandwich norms are the forward's facts. A family
+    without them keeps the identity it had (its fingerprints and profiles stay valid)."""
+    layer_types = ["sliding_attention", "full_attention"]
+    gemma3 = ModelSpec.from_config(
+        AutoConfig.for_model(
+            "gemma3_text",
+            num_hidden_layers=2,
+            head_dim=32,
+            query_pre_attn_scalar=64,
+            sliding_window=16,
+            layer_types=layer_types,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )
+    )
+    local, full = gemma3.rope_of(0), gemma3.rope_of(1)
+    assert (local.theta, local.rope_type, full.theta, full.rope_type) == (1e4, "default", 1e6, "linear")
+    assert full.inv_freq[0] == pytest.approx(1 / 8) and local.inv_freq[0] == 1.0  # linear scaling: 1/factor
+    assert gemma3.sliding_windows == (16, None) and gemma3.attention_scale == 64**-0.5
+    assert gemma3.qk_norm and gemma3.sandwich and gemma3.attention_softcap is None
+    gemma2 = ModelSpec.from_config(AutoConfig.for_model("gemma2", num_hidden_layers=2, head_dim=32))
+    assert (gemma2.attention_softcap, gemma2.final_softcap, gemma2.sliding_rope) == (50.0, 30.0, None)
+    assert gemma2.rope_of(0) is gemma2.rope_of(1) is gemma2.rope
+    llama = ModelSpec.from_config(AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4))
+    assert not {"sandwich", "attention_scale", "attention_softcap", "final_softcap", "sliding_rope"} & set(
+        json.loads(llama.to_json())
+    )
