@@ -1,14 +1,15 @@
 """Where a token's K and V live inside a paged KV cache laid out as vLLM's attention backends lay it out.
 
 vLLM's per-layer cache is logically ``[blocks, kv_heads, block_size, 2 * head_size]`` (RFC #42082): K's
-head dim then V's on the last axis. How a block's interior is laid out in memory is the backend's:
+head dim then V's on the last axis; an MLA layer's is ``[blocks, 1, block_size, head_size]``, one latent row a
+token with no K/V split (one *part* where attention has two). How a block's interior is laid out in memory is the backend's:
 FlashAttention keeps it plain, reached through the tensor's strides (:meth:`PagedLayout.split_kv`), while
 the CPU backend's kernels pack K (and under AMX, V) in an order of their own that depends on the ISA
 and dtype. So hcache does not assume the CPU's packing: :meth:`PagedLayout.probe` finds it by writing
 known values through the backend's own cache-write op and seeing where each lands.
 
-Either way the layout is one index map: for each token offset in a block, K or V, head and channel, the
-element's offset from the block's first element. Most backends' maps are strided: each of K and V (or the
+Either way the layout is one index map: for each token offset in a block, part (K or V, or the latent),
+head and channel, the element's offset from the block's first element. Most backends' maps are strided: each of K and V (or the
 two together) sits at fixed strides by token, head and channel, FlashAttention's as its tensor's strides
 say, the CPU backend's with K's channels strided across a block's tokens. Rows are then read and written
 through a strided view of the cache, indexed by (block, offset) alone: two indices a token, where a map
@@ -27,8 +28,8 @@ import torch
 # Where tokens are in a cache, as a layout reads and writes them (:meth:`PagedLayout.elements`): index tensors
 Places = tuple[torch.Tensor, ...]
 
-# A backend's own cache write: (key [T, H, C], value [T, H, C], cache, slot_mapping [T]) -> None
-CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# A backend's own cache write: (rows [T, parts, H, C], cache, slot_mapping [T]) -> None
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class LayoutError(RuntimeError):
@@ -37,13 +38,14 @@ class LayoutError(RuntimeError):
 
 class PagedLayout:
     """``offsets[n, kv, h, c]``: where token ``n`` of a block keeps element ``c`` of head ``h`` of K
-    (``kv=0``) or V (``kv=1``), counted in elements from the block's first one; ``block_stride``: the
+    (``kv=0``) or V (``kv=1``), or of an MLA latent row (``kv=0``, the one part), counted in elements from the
+    block's first one; ``block_stride``: the
     elements from one block to the next. Where the map is strided (:func:`_strided_parts`), tokens are
     read and written through views of the cache at those strides, rather than element by element."""
 
     def __init__(self, offsets: torch.Tensor, block_stride: int):
         self.offsets, self.block_stride = offsets.to(torch.int64), block_stride
-        self.block_size, _, self.num_heads, self.head_size = offsets.shape
+        self.block_size, self.kv_parts, self.num_heads, self.head_size = offsets.shape
         self.parts = _strided_parts(self.offsets)
         self._views: dict[
             tuple, list[torch.Tensor]
@@ -51,30 +53,32 @@ class PagedLayout:
         self._flat: dict[tuple, torch.Tensor] = {}  # each cache's storage, flat, made once, likewise
 
     @classmethod
-    def split_kv(cls, cache: torch.Tensor) -> "PagedLayout":
+    def split_kv(cls, cache: torch.Tensor, parts: int = 2) -> "PagedLayout":
         """The standardized layout read through the cache's strides (FlashAttention's, in whatever
-        physical order its stride permutation gives): K is ``cache[b, h, n, :C]``, V ``cache[b, h, n, C:]``."""
+        physical order its stride permutation gives): K is ``cache[b, h, n, :C]``, V ``cache[b, h, n, C:]``;
+        with one part (MLA), the row is ``cache[b, h, n, :]``."""
         _, heads, block_size, content = cache.shape
         sb, sh, sn, sc = cache.stride()
-        head_size = content // 2
+        head_size = content // parts
         n, kv, h, c = torch.meshgrid(
-            *(torch.arange(k, device=cache.device) for k in (block_size, 2, heads, head_size)), indexing="ij"
+            *(torch.arange(k, device=cache.device) for k in (block_size, parts, heads, head_size)), indexing="ij"
         )
         return cls(n * sn + h * sh + (kv * head_size + c) * sc, sb)
 
     @classmethod
-    def probe(cls, write: CacheWrite, cache: torch.Tensor) -> "PagedLayout":
-        """The layout that ``write`` (the backend's cache write) gives a cache shaped and typed as ``cache``.
+    def probe(cls, write: CacheWrite, cache: torch.Tensor, parts: int = 2) -> "PagedLayout":
+        """The layout that ``write`` (the backend's cache write) gives a cache shaped and typed as ``cache``,
+        whose rows have ``parts`` parts (K and V, or one MLA latent row).
         Values are written as base-64 digits of each element's index, exact in any float dtype the cache
         may have (bfloat16 holds integers to 256), one digit a pass, into two blocks, so a layout that is not
         the same in every block is refused (:class:`LayoutError`)."""
         _, heads, block_size, content = cache.shape
-        head_size = content // 2
+        head_size = content // parts
         if not cache.is_contiguous():
             raise LayoutError("a probed cache must be contiguous: its blocks are found by their stride")
         scratch = torch.zeros((2, heads, block_size, content), dtype=cache.dtype, device=cache.device)
-        per_block = 2 * heads * block_size * head_size
-        index = torch.arange(per_block, device=cache.device).reshape(block_size, 2, heads, head_size)
+        per_block = parts * heads * block_size * head_size
+        index = torch.arange(per_block, device=cache.device).reshape(block_size, parts, heads, head_size)
         slots = torch.arange(2 * block_size, device=cache.device)
         found = torch.zeros(scratch.numel(), dtype=torch.int64, device=cache.device)
         digits = 1
@@ -84,7 +88,7 @@ class PagedLayout:
             digit = (index // 64**d) % 64 + 1  # 1..64: 0 is an element no write reached
             rows = torch.cat([digit, digit + 64]).to(cache.dtype)  # the second block's values differ from the first's
             scratch.zero_()
-            write(rows[:, 0], rows[:, 1], scratch, slots)
+            write(rows, scratch, slots)
             values = scratch.reshape(-1).to(torch.int64)
             if d == 0:
                 written = values > 0
@@ -103,7 +107,7 @@ class PagedLayout:
             raise LayoutError(
                 f"the backend's cache write does not lay out every block of a {tuple(cache.shape)} cache alike"
             )
-        return cls(where.reshape(block_size, 2, heads, head_size), half)
+        return cls(where.reshape(block_size, parts, heads, head_size), half)
 
     @property
     def strided(self) -> bool:
@@ -114,7 +118,7 @@ class PagedLayout:
         :meth:`read` and :meth:`write` take them. ``whole``: how many blocks the leading tokens fill, each
         whole and in order (the caller knows: a load's positions from a block's start on), which a strided
         layout reads and writes a block at a time, and the rest by (block, offset). A map that is no stride
-        pattern takes the tokens' ``[T, 2, H, C]`` element indices from a cache's first element."""
+        pattern takes the tokens' ``[T, parts, H, C]`` element indices from a cache's first element."""
         device = self.offsets.device
         if self.strided:
             lead = whole * self.block_size
@@ -124,7 +128,7 @@ class PagedLayout:
         return (base.view(-1, 1, 1, 1) + self.offsets[offsets.to(device, torch.int64)],)
 
     def _strided_views(self, cache: torch.Tensor) -> list[torch.Tensor]:
-        """The cache as ``[blocks, block_size, kv, H, C]`` views, one per strided part."""
+        """The cache as ``[blocks, block_size, parts, H, C]`` views, one per strided part."""
         key = (cache.data_ptr(), cache.dtype, cache.shape[0])
         views = self._views.get(key)
         if views is None:
@@ -152,7 +156,7 @@ class PagedLayout:
         return flat
 
     def read(self, cache: torch.Tensor, places: Places) -> torch.Tensor:
-        """Tokens' K/V as ``[T, 2, H, C]`` (hcache's stored KV rows), from ``cache`` at their
+        """Tokens' K/V as ``[T, parts, H, C]`` (hcache's stored KV rows), from ``cache`` at their
         :meth:`elements`."""
         if self.strided:
             whole, blocks, offsets = places
@@ -166,7 +170,7 @@ class PagedLayout:
         return self._storage(cache).take(places[0])  # take: half the time of indexing, for a decode step's few tokens
 
     def write(self, cache: torch.Tensor, places: Places, rows: torch.Tensor) -> None:
-        """Put ``rows`` (``[T, 2, H, C]``) into ``cache`` at the tokens' :meth:`elements`."""
+        """Put ``rows`` (``[T, parts, H, C]``) into ``cache`` at the tokens' :meth:`elements`."""
         if (rows.device, rows.dtype) != (cache.device, cache.dtype):
             rows = rows.to(cache.device, cache.dtype)
         if not self.strided:
@@ -182,8 +186,8 @@ class PagedLayout:
 
 
 def _strided_parts(offsets: torch.Tensor) -> list[tuple[slice, int, tuple[int, int, int, int]]] | None:
-    """The map ``offsets[n, kv, h, c]`` as strided parts, if it is so made: K and V together (one part),
-    else each apart (two), as ``(kv, first element, strides by token, kv, head and channel)``, each element
+    """The map ``offsets[n, kv, h, c]`` as strided parts, if it is so made: K and V (or an MLA row) together
+    (one part), else each apart (two), as ``(kv, first element, strides by token, kv, head and channel)``, each element
     at ``first + n * sn + kv * skv + h * sh + c * sc``; None where it is neither."""
 
     def fit(part: torch.Tensor) -> tuple[int, tuple[int, int, int, int]] | None:
@@ -195,6 +199,6 @@ def _strided_parts(offsets: torch.Tensor) -> list[tuple[slice, int, tuple[int, i
 
     whole = fit(offsets)
     if whole is not None:
-        return [(slice(0, 2), *whole)]
-    apart = [fit(offsets[:, kv : kv + 1]) for kv in (0, 1)]
-    return None if None in apart else [(slice(kv, kv + 1), *apart[kv]) for kv in (0, 1)]
+        return [(slice(0, offsets.shape[1]), *whole)]
+    apart = [fit(offsets[:, kv : kv + 1]) for kv in range(offsets.shape[1])]
+    return None if None in apart else [(slice(kv, kv + 1), *apart[kv]) for kv in range(len(apart))]

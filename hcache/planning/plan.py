@@ -22,8 +22,9 @@ from ..storage.stored_state import Format, scale_shape
 
 def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """A token's rows of each stored format, for a model: a hidden-state vector (H), and K and V of each KV
-    head (KV). What a chunk holds is described to the storage layer by this."""
-    return {Format.H.value: (spec.hidden_size,), Format.KV.value: (2, spec.num_kv_heads, spec.head_size)}
+    head, or an MLA model's one latent row (KV). What a chunk holds is described to the storage layer by
+    this, and a chunk of one shape never loads into a model of another."""
+    return {Format.H.value: (spec.hidden_size,), Format.KV.value: (spec.kv_parts, spec.num_kv_heads, spec.head_size)}
 
 
 class Method(str, Enum):

@@ -159,8 +159,7 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
     if uses_hidden_states(config) and Method.H not in methods(spec):
         raise InvalidRequestError(
             f"plan {str(config.plan or 'auto')!r} with save={settings.save!r} uses hidden states (H), which vLLM's "
-            f"{spec.model_type} cannot be restored by: its K takes no RoPE, and hcache rebuilds K through the layer's "
-            "rotary_emb. Give plan 'KV'"
+            f"{spec.model_type} cannot be restored by: {_why_not_hidden(spec)}. Give plan 'KV'"
         )
     if uses_hidden_states(config) and not eager:
         raise InvalidRequestError(
@@ -181,14 +180,12 @@ def _cache_groups(
         return (block_size,), (0,) * num_layers, None
     from vllm.model_executor.models.utils import extract_layer_index
 
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec
 
     groups, windows = [0] * num_layers, [None] * num_layers
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         kind = group.kv_cache_spec
-        if not isinstance(kind, AttentionSpec) or isinstance(
-            kind, MLAAttentionSpec
-        ):  # never a prefix without its state
+        if not isinstance(kind, AttentionSpec):  # never a prefix without its state (MLA's latent rows are attention's)
             raise InvalidRequestError(
                 f"hcache's vLLM connector stores attention K/V rows; vLLM keeps layers {', '.join(group.layer_names[:3])}"
                 f"{' ...' if len(group.layer_names) > 3 else ''} as {type(kind).__name__}, state hcache does not store yet, "
@@ -212,10 +209,24 @@ _H_UNDER_TP = "each rank would read the whole hidden state, never fewer bytes th
 
 def methods(spec: ModelSpec) -> tuple[Method, ...]:
     """The methods hcache's connector restores ``spec`` by in vLLM: KV, any family vLLM serves with attention
-    alone; H too where hcache knows the family's weights and its K rotates by RoPE (the rebuild runs the
-    layer's own ``qkv_proj`` and ``rotary_emb``); never RE (vLLM computes every layer of a token it does not
-    load). docs/models.md's table follows this."""
-    return (Method.H, Method.KV) if spec.restores_hidden and spec.rope is not None else (Method.KV,)
+    alone (MLA's latent rows too); H too where hcache knows the family's weights and its K rotates by RoPE (the
+    rebuild runs the layer's own ``qkv_proj`` and ``rotary_emb``); never RE (vLLM computes every layer of a
+    token it does not load). docs/models.md's table follows this."""
+    return (Method.H, Method.KV) if _why_not_hidden(spec) is None else (Method.KV,)
+
+
+def _why_not_hidden(spec: ModelSpec) -> str | None:
+    """Why the connector cannot rebuild ``spec``'s cache from hidden states, or None where it can."""
+    if spec.kv_lora_rank is not None:
+        return (
+            "it caches one latent row a token (MLA), which the layer's own kernels project; hcache rebuilds K/V "
+            "through a fused qkv_proj and rotary_emb, which an MLA layer does not have"
+        )
+    if not spec.restores_hidden:
+        return "hcache does not know where its layer input and K/V projection live"
+    if spec.rope is None:
+        return "its K takes no RoPE, and hcache rebuilds K through the layer's rotary_emb"
+    return None
 
 
 def uses_hidden_states(config: ResolvedConfig) -> bool:

@@ -30,7 +30,7 @@ from ..engine.ragged import Segment
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import TPGroup
 from ..ops.paged_kv import block_slots
-from ..paged.layout import PagedLayout, Places
+from ..paged.layout import CacheWrite, PagedLayout, Places
 from ..paged.loader import Loader
 from ..paged.target import PagedLayer
 from ..storage.stored_state import Format
@@ -112,6 +112,18 @@ def _cpus(listed: str) -> set[int]:
     }
 
 
+def _cache_write(module, write, spec: ModelSpec) -> CacheWrite:
+    """The backend's cache write of ``module`` (vLLM's attention layer) as :meth:`PagedLayout.probe` calls it,
+    with rows ``[T, parts, H, C]``: K and V apart for attention; for MLA, the latent and K's RoPE part of the
+    one row, into the cache as the layer holds it (``[blocks, block_size, C]``, its head dim of one dropped)."""
+    if spec.kv_lora_rank is None:
+        return lambda rows, cache, slots: write(module, rows[:, 0], rows[:, 1], cache, slots)
+    rank = spec.kv_lora_rank
+    return lambda rows, cache, slots: write(
+        rows[:, 0, 0, :rank], rows[:, 0, :, rank:], cache.squeeze(1), slots, module.kv_cache_dtype, module._k_scale
+    )
+
+
 class WorkerSide:
     """``rank``: the worker's tensor-parallel rank, which stores and loads its own K/V heads under keys of
     its own (:meth:`~hcache.model.tensor_parallel.TPGroup.fingerprint`), in directories of its own."""
@@ -168,6 +180,7 @@ class WorkerSide:
         has one, else the standardized layout's strides. Layers whose caches are laid out alike share one."""
         from vllm.model_executor.models.utils import extract_layer_index
 
+        spec = self.config.spec
         layouts: dict[tuple, PagedLayout] = {}
         for name, cache in kv_caches.items():
             module = self._attention.get(name)
@@ -181,21 +194,20 @@ class WorkerSide:
             )
             if signature not in layouts:
                 layouts[signature] = (
-                    PagedLayout.probe(lambda k, v, c, s: write(module, k, v, c, s), cache)
+                    PagedLayout.probe(_cache_write(module, write, spec), cache, spec.kv_parts)
                     if write is not None
-                    else PagedLayout.split_kv(cache)
+                    else PagedLayout.split_kv(cache, spec.kv_parts)
                 )
             index = extract_layer_index(name)
             self._layers[name] = self._by_index[index] = PagedLayer(
                 index, cache, layouts[signature], self.setup.groups[index]
             )
             self._kernel_block = cache.shape[2]
-        spec = self.config.spec
         layout = next(iter(layouts.values()))
-        if (layout.num_heads, layout.head_size) != (spec.num_kv_heads, spec.head_size):
+        if (layout.kv_parts, layout.num_heads, layout.head_size) != (spec.kv_parts, spec.num_kv_heads, spec.head_size):
             raise RuntimeError(
-                f"vLLM's cache holds {layout.num_heads} heads of {layout.head_size}; the model has "
-                f"{spec.num_kv_heads} KV heads of {spec.head_size}"
+                f"vLLM's cache holds {layout.kv_parts} rows of {layout.num_heads} heads of {layout.head_size} a token; "
+                f"the model has {spec.kv_parts} of {spec.num_kv_heads} KV heads of {spec.head_size}"
             )
         if uses_hidden_states(self.config):
             saved = frozenset(layer for layer, formats in enumerate(self.config.save_formats) if Format.H in formats)
@@ -309,7 +321,7 @@ class WorkerSide:
 
     def _read_kv(self, segments: list[Segment], layers: list[int]) -> torch.Tensor:
         """The K/V rows of ``segments`` (chunks this step filled, of its computing requests) of ``layers``,
-        ``[layers, T, 2, heads, head_size]``, read out of vLLM's cache: one gather a layer, whatever the
+        ``[layers, T, parts, heads, head_size]``, read out of vLLM's cache: one gather a layer, whatever the
         number of chunks."""
         seqs = {seq.uid: seq for _, seq in self._computing}
         elements: dict[tuple[int, int], Places] = {}  # shared by the layers of a layout and group

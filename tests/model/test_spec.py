@@ -158,10 +158,22 @@ def test_a_family_hcache_does_not_know_is_described_for_kv_alone():
     assert spec.kv_to_hidden_ratio > 1 and default_plan(spec).layers == (Method.KV, Method.KV)  # H would be the smaller
 
 
-def test_mla_is_refused_for_its_latent_rows_even_for_kv():
-    config = AutoConfig.for_model("deepseek_v2", num_hidden_layers=2, kv_lora_rank=64)
+def test_mla_is_described_for_kv_as_one_latent_row_a_token_and_refused_by_hcaches_own_engines():
+    """An MLA layer caches the latent and K's RoPE part as one row a token (one head, no K/V split): its
+    chunks' KV rows are shaped so, and its identity says so, where a K/V model's keeps the one it had."""
+    from hcache.planning.plan import Method, default_plan, row_shapes
+
+    config = AutoConfig.for_model(
+        "deepseek_v2", num_hidden_layers=2, hidden_size=128, kv_lora_rank=64, qk_rope_head_dim=16
+    )
     with pytest.raises(UnsupportedModelError, match="multi-head latent rows \\(MLA, kv_lora_rank=64\\)"):
-        ModelSpec.from_config(config, any_family=True)
+        ModelSpec.from_config(config)
+    spec = ModelSpec.from_config(config, any_family=True)
+    assert (spec.kv_parts, spec.num_kv_heads, spec.head_size, spec.kv_bytes_per_token_layer) == (1, 1, 80, 80 * 4)
+    assert row_shapes(spec)["KV"] == (1, 1, 80) and default_plan(spec).layers == (Method.KV, Method.KV)
+    assert '"kv_lora_rank": 64' in spec.to_json()
+    llama = ModelSpec.from_config(AutoConfig.for_model("llama", num_hidden_layers=2))
+    assert llama.kv_parts == 2 and "kv_lora_rank" not in llama.to_json()
 
 
 def test_gemma_is_described_with_its_forward_facts_and_two_rope_bases():

@@ -15,13 +15,13 @@ def _rows(n: int, dtype) -> torch.Tensor:
 
 
 def test_a_probe_refuses_a_write_that_lays_blocks_out_differently():
-    def uneven(key, value, cache, slots):  # the second block's tokens land in reverse order
+    def uneven(rows, cache, slots):  # the second block's tokens land in reverse order
         flat = cache.view(2, -1, 2 * HEAD)
         for t, slot in enumerate(slots.tolist()):
             block, offset = divmod(slot, BLOCK)
             offset = BLOCK - 1 - offset if block else offset
             for h in range(HEADS):
-                flat[block, h * BLOCK + offset] = torch.cat([key[t, h], value[t, h]])
+                flat[block, h * BLOCK + offset] = rows[t, :, h].flatten()
 
     with pytest.raises(LayoutError, match="alike"):
         PagedLayout.probe(uneven, torch.zeros(2, HEADS, BLOCK, 2 * HEAD))

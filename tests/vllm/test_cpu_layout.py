@@ -14,10 +14,10 @@ BLOCKS, HEADS, BLOCK, HEAD = 5, 3, 32, 64
 def _cpu_write(isa: str):
     """vLLM's CPU backend's cache write (``CPUAttentionBackendImpl.do_kv_cache_update``) for one ISA."""
 
-    def write(key, value, cache, slots):
+    def write(rows, cache, slots):
         blocks, heads, block, _ = cache.shape
         key_cache, value_cache = cache.view(blocks, heads, 2 * block, -1).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        ops.cpu_attn_reshape_and_cache(rows[:, 0], rows[:, 1], key_cache, value_cache, slots, isa)
 
     return write
 
@@ -38,7 +38,7 @@ def test_the_probed_layout_reads_and_writes_what_vllms_cpu_kernel_writes(isa, dt
     slots = torch.randperm(BLOCKS * BLOCK, generator=torch.Generator().manual_seed(1))[:70]
     blocks, offsets = slots // BLOCK, slots % BLOCK
     rows = _rows(len(slots), dtype)
-    write(rows[:, 0], rows[:, 1], cache, slots)
+    write(rows, cache, slots)
     assert torch.equal(layout.read(cache, layout.elements(blocks, offsets)), rows)  # what the forward wrote, read back
     ours = torch.zeros_like(cache)
     layout.write(ours, layout.elements(blocks, offsets), rows)
