@@ -4,9 +4,9 @@ In hcache's own engine: what sliding-window layers store, and a returning conver
 rule (``sliding_layers="window"``) against storing and restoring every token (``"all"``), side by side in
 one run, at histories several windows long.
 
-The model is a random-weight Qwen2 (whose ``layer_types`` transformers windows per layer) of ``--layers``
-layers, every ``--full-every``-th one full attention and the rest windowed by ``--window`` tokens: 2 is
-Gemma 2's layout, 6 Gemma 3's. For each history (``--multiples`` of the window), each rule saves the history
+The model is a random-weight ``--family`` (Qwen2, Qwen3, Gemma 2 or Gemma 3: families whose ``layer_types``
+transformers windows per layer) of ``--layers`` layers, every ``--full-every``-th one full attention and the
+rest windowed by ``--window`` tokens: 2 is Gemma 2's layout, 6 Gemma 3's. For each history (``--multiples`` of the window), each rule saves the history
 once (a first turn, prefilled) into a store of its own, then the history returns with a new question
 ``--repeats`` times, the rules in turn. ``stored_bytes_per_token``: the bytes of the chunk files the first turn
 wrote, headers included, over the history's tokens; ``read_bytes_per_token``: what a returning turn read, over the tokens it restored, by layer type;
@@ -33,7 +33,11 @@ from ..serving.runtime import HCacheRuntime
 RULES = ("window", "all")
 
 
+FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3_text")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--family", choices=FAMILIES, default="qwen2", help="the model's family (random weights)")
     parser.add_argument("--window", type=int, default=256, help="the sliding layers' window, in tokens")
     parser.add_argument(
         "--full-every", type=int, default=2, help="every N-th layer is full attention (2: Gemma 2, 6: Gemma 3)"
@@ -52,8 +56,9 @@ def _model(args) -> LoadedModel:
     kinds = ["full_attention" if (i + 1) % args.full_every == 0 else "sliding_attention" for i in range(args.layers)]
     heads = args.hidden // 64
     model = random_model(
-        "qwen2",
+        args.family,
         getattr(torch, args.dtype),
+        head_dim=64,
         hidden_size=args.hidden,
         intermediate_size=4 * args.hidden,
         num_attention_heads=heads,
@@ -61,12 +66,12 @@ def _model(args) -> LoadedModel:
         num_hidden_layers=args.layers,
         vocab_size=4096,
         max_position_embeddings=max(args.multiples) * args.window + 4 * args.question,
-        use_sliding_window=True,
         sliding_window=args.window,
         layer_types=kinds,
+        **({"use_sliding_window": True} if args.family.startswith("qwen") else {}),
     )
     spec = ModelSpec.from_config(model.config, getattr(torch, args.dtype))
-    return LoadedModel("random:qwen2-windowed", model, spec, None)
+    return LoadedModel(f"random:{args.family}-windowed", model, spec, None)
 
 
 def _stored_bytes(directory: Path) -> int:
@@ -141,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
             for runtime in runtimes.values():
                 runtime.close()
     print(
-        f"random Qwen2, {args.layers} layers (1 in {args.full_every} full attention, the rest a {args.window}-token window), "
+        f"random {args.family}, {args.layers} layers (1 in {args.full_every} full attention, the rest a {args.window}-token window), "
         f"hidden {args.hidden}, {args.dtype}, plan KV, {args.repeats} returning turns each:"
     )
     print(
@@ -159,6 +164,7 @@ def run(args: argparse.Namespace) -> dict:
             f"{history:>8} window/all: stored bytes {ratio['stored_bytes']:.2f}x, restore {ratio['restore']:.2f}x, TTFT {ratio['ttft']:.2f}x"
         )
     return {
+        "family": args.family,
         "model": loaded.spec.describe(),
         "window": args.window,
         "full_every": args.full_every,

@@ -160,11 +160,13 @@ def test_bench_paged_reports_the_vllm_connectors_core_against_its_floors(tmp_pat
 @pytest.mark.slow
 def test_bench_window_compares_the_window_rule_with_storing_every_token(tmp_path):
     """Sliding-window layers by Jenga's rule store and read fewer bytes a token than storing every token,
-    and restore the same tokens."""
+    and restore the same tokens: on Gemma 3, whose sliding and full layers rotate by two RoPE bases."""
     out = tmp_path / "window.json"
     args = [
         "bench",
         "window",
+        "--family",
+        "gemma3_text",
         "--window",
         "128",
         "--multiples",
@@ -180,6 +182,7 @@ def test_bench_window_compares_the_window_rule_with_storing_every_token(tmp_path
     ]
     assert main(args) == 0
     result = json.loads(out.read_text())
+    assert result["family"] == "gemma3_text" and result["model"]["sliding_rope"] is not None
     assert set(result["histories"]) == {"256", "512"}
     for history, row in result["histories"].items():
         window, every = row["window"], row["all"]
