@@ -334,6 +334,8 @@ def _parse_header(head: bytes, key: str) -> tuple[ChunkLayout, dict]:
             if not version.isdigit():
                 raise ValueError(f"layout version {version!r}")  # no version at all: corrupt
             raise ChunkOtherVersion(f"chunk {key}: layout version {version!r}; this hcache reads {LAYOUT_VERSION}")
+        if (8 + header_len) % _ALIGN:  # a view is taken in whole elements from an aligned start
+            raise ValueError(f"tensors not {_ALIGN}-byte aligned")
         layout = _layout(tensors, 8 + header_len)
     except ChunkOtherVersion:
         raise

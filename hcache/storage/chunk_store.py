@@ -71,7 +71,8 @@ class ChunkStore(Protocol):
 
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
         """Read the chunk's whole image into ``take(size)`` and return ``size``; None if absent (or if
-        ``take`` gives no buffer). Raises OSError when it cannot be read."""
+        ``take`` gives no buffer). A store may call ``take`` again, for a chunk found to have another size
+        as it is read; the last buffer holds it. Raises OSError when it cannot be read."""
 
     def header(self, key: str) -> tuple[ChunkLayout, dict] | None:
         """The stored chunk's layout and metadata, from its header checked against its length; None if it is

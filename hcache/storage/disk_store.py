@@ -56,7 +56,7 @@ from pathlib import Path
 
 from ..errors import StorageError
 from . import direct_io as dio
-from .chunk import ChunkInvalid, ChunkLayout, read_header
+from .chunk import ChunkInvalid, ChunkLayout, ChunkOtherVersion, read_header
 from .chunk_store import Loss, LossLog
 from .dir_scan import scan
 from .lru_index import Entry, LruIndex
@@ -82,6 +82,25 @@ class StoreFull(OSError):
 
     def __init__(self, message: str):
         super().__init__(errno.ENOSPC, message)
+
+
+class OtherVersionStored(OSError):
+    """A chunk file of another layout version (another hcache's) holds the key: left alone, not replaced."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.EEXIST, message)
+
+
+def _refuse_other_version(path: Path, key: str) -> None:
+    """Raise :class:`OtherVersionStored` if ``path`` holds a chunk of another layout version; a file of this
+    version, damaged or not, or none, may be replaced."""
+    try:
+        with open(path, "rb") as f:
+            read_header(f, key, os.fstat(f.fileno()).st_size)
+    except ChunkOtherVersion as exc:
+        raise OtherVersionStored(f"{exc}: left alone, not replaced") from None
+    except (OSError, ChunkInvalid):
+        pass
 
 
 class DiskChunkStore:
@@ -228,9 +247,12 @@ class DiskChunkStore:
     def read_into(self, key: str, take: Callable[[int], memoryview | None]) -> int | None:
         """Read a whole chunk file with one request into ``take(size)`` (a buffer of at least ``size``
         bytes, page-aligned for O_DIRECT), and return its size; None if the chunk is absent or ``take``
-        gives nothing. The chunk is pinned while it is read. Raises OSError when the file cannot be read, and
-        :class:`ChunkInvalid` when its length changed and its header does not describe the new length
-        (truncated or grown: damaged)."""
+        gives nothing. The chunk is pinned while it is read. A file whose length changed since it was
+        indexed, and whose header describes its new length, is indexed at that length and read again into
+        a second ``take``: its reader's checks then tell another store object's replacement, which is
+        served, from a damaged header, which fails verification, as they would had the store opened on it.
+        Raises OSError when the file cannot be read, and :class:`ChunkInvalid` when its length changed and
+        its header does not describe the new length (truncated or grown: damaged)."""
         with self._lock:
             entry = self._lookup(key)
             if entry is None:
@@ -240,24 +262,29 @@ class DiskChunkStore:
             where, size = entry.where, entry.size
         path = self.path(key, where)
         try:
-            out = take(size)
-            if out is None:
-                return None
-            dio.read_file(path, out, size, self.direct[where])
-            return size
-        except FileNotFoundError:
-            self._forget(key, entry)  # deleted behind the store's back
-            return None
-        except dio.LengthChanged as exc:
             try:
+                return self._read(path, where, size, take)
+            except dio.LengthChanged as exc:
                 with open(path, "rb") as f:
-                    read_header(f, key, exc.actual)  # raises ChunkInvalid unless another whole chunk replaced it
-            except FileNotFoundError:
-                pass
-            self._forget(key, entry)  # another store object published one: the next look-up adopts it
+                    read_header(f, key, exc.actual)  # raises ChunkInvalid unless the header describes the file
+                with self._lock:
+                    if self._index.entries.get(key) is not entry:
+                        return None  # replaced or dropped meanwhile: the next look-up sees what is there
+                    self._index.resize(key, exc.actual)
+                    self._evict(self._index.make_room(0) or [])
+                return self._read(path, where, exc.actual, take)
+        except (FileNotFoundError, dio.LengthChanged):
+            self._forget(key, entry)  # deleted behind the store's back, or replaced again while read
             return None
         finally:
             self._unpin(entry)
+
+    def _read(self, path: Path, where: int, size: int, take: Callable[[int], memoryview | None]) -> int | None:
+        out = take(size)
+        if out is None:
+            return None
+        dio.read_file(path, out, size, self.direct[where])
+        return size
 
     def pin(self, keys: list[str]) -> list[Entry | None]:
         """Hold each stored chunk of ``keys`` until :meth:`unpin`: the quota and the TTL pass a pinned chunk
@@ -290,10 +317,10 @@ class DiskChunkStore:
             return None
 
     def put(self, key: str, data: bytes | memoryview, length: int | None = None, parent: str = "") -> None:
-        """Publish ``data[:length]`` as a chunk atomically, replacing any chunk of that key (a page-aligned
-        ``data``, such as a host-pool slot, is written in place with O_DIRECT); ``parent``: the chunk before
-        it in its chain, as its header says. Raises OSError (StoreFull, ENOSPC, EIO, ...) with nothing
-        published."""
+        """Publish ``data[:length]`` as a chunk atomically, replacing any chunk of that key but another
+        layout version's (a page-aligned ``data``, such as a host-pool slot, is written in place with
+        O_DIRECT); ``parent``: the chunk before it in its chain, as its header says. Raises OSError
+        (StoreFull, OtherVersionStored, ENOSPC, EIO, ...) with nothing published."""
         data = memoryview(data).cast("B")
         size = len(data) if length is None else length
         with self._lock:
@@ -321,6 +348,7 @@ class DiskChunkStore:
         path = self.path(key, where)
         tmp = path.with_name(f".{key}.{uuid.uuid4().hex}.tmp")
         try:
+            _refuse_other_version(path, key)
             path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
             self.direct[where] = dio.write_file(tmp, data, size, self.direct[where], self.fsync)
             os.replace(tmp, path)  # the data is on the device first, so a crash never leaves a torn chunk

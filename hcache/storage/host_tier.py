@@ -208,6 +208,9 @@ class HostTier:
         taken: list[Slot] = []
 
         def take(size: int) -> memoryview:
+            if taken:  # the store asks again (its file changed length): it reads into the new slot
+                self._free_unpublished(taken)
+                taken.clear()
             slot = self._alloc(size, self.loader_stalls)
             if slot is None:
                 raise HostPoolFull(

@@ -137,6 +137,12 @@ class LruIndex:
         self.used_bytes -= entry.size
         return entry
 
+    def resize(self, key: str, size: int) -> None:
+        """The entry's chunk is ``size`` bytes now (its file changed behind its owner's back)."""
+        entry = self.entries[key]
+        self.used_bytes += size - entry.size
+        entry.size = size
+
     def fits(self, size: int) -> bool:
         return self.quota_bytes is None or size <= self.quota_bytes
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from support.damage import KINDS, damage
+from support.damage import KINDS, RESIZED, damage
 from support.helpers import corrupt_tensor, loaded, random_prompt
 
 from hcache.model.tensor_parallel import TPGroup
@@ -108,11 +108,13 @@ def test_a_corrupt_chunk_is_reported_failed_verification(llama, prompt, tmp_path
 
 
 @pytest.mark.parametrize("when", ["cold", "warm"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + RESIZED)
 def test_a_damaged_chunk_file_is_failed_verification_and_replaced(llama, prompt, tmp_path, kind, when):
     """Issue 42: however a chunk file is damaged, found at start-up (``cold``: the store opens on it) or on
     a read (``warm``: indexed before the damage), its miss is ``failed_verification``, the reply is
-    recompute's, and the next write-back leaves a file that verifies."""
+    recompute's, and the next write-back leaves a file that verifies. Issue 67: a header rewritten at
+    another length that it describes (``resized``) was taken warm for another writer's chunk and reported
+    ``evicted``."""
     log, store = tmp_path / "requests.jsonl", tmp_path / "store"
     runtime = HCacheRuntime(llama, store, plan="KV", request_log=str(log))
     try:
@@ -147,6 +149,9 @@ def test_a_chunk_of_another_layout_version_is_reported_other_version(llama, prom
         path.write_bytes(image.replace(old, new))  # a newer hcache's chunk, met on the read path
         second = _turn(runtime, prompt)
         _reported(runtime, log, second, {"other_version": (CHUNKS - 1) * CHUNK_TOKENS})
+        runtime.store.flush()
+        assert runtime.store.write_errors == 1  # the recompute's save of that chunk, refused
+    assert path.read_bytes() == image.replace(old, new)  # issue 67: left alone, not overwritten
 
 
 def test_a_chunk_saved_without_the_plans_format_is_reported_other_settings(llama, prompt, tmp_path):

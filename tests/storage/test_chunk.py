@@ -91,6 +91,19 @@ def _with_header(data: bytes, header: bytes) -> bytes:
     return data[:8] + header + b" " * (room - len(header)) + data[8 + room :]
 
 
+@pytest.mark.parametrize("pad", [1, 2, 4, 32])
+def test_a_header_whose_tensors_are_not_aligned_is_refused(rng, pad):
+    """A header lengthened by ``pad`` bytes, the file with it, still describes the file and its checksums
+    still hold, but its tensors no longer start 64-byte aligned: their views, taken in whole elements,
+    would read other bytes than the checksums covered (issue 67)."""
+    chunk = _chunk(rng)
+    data = encode(chunk)
+    room = int.from_bytes(data[:8], "little")
+    shifted = (room + pad).to_bytes(8, "little") + data[8 : 8 + room] + b" " * pad + data[8 + room :]
+    with pytest.raises(ChunkInvalid, match="aligned"):
+        decode(shifted, chunk.key)
+
+
 def test_a_header_is_read_whole_though_its_tensors_part_is_parsed_once_per_layout(rng):
     """Chunks laid out alike share their header's tensors part, which is parsed once; what differs
     (metadata, a damaged entry, a key after the metadata) is still read and checked in every chunk."""

@@ -19,7 +19,7 @@ from hcache.storage import direct_io
 from hcache.storage.chunk import encode
 from hcache.storage.chunk_key import LAYOUT_VERSION, next_key
 from hcache.storage.chunk_store import Loss
-from hcache.storage.disk_store import DiskChunkStore, StoreFull
+from hcache.storage.disk_store import DiskChunkStore, OtherVersionStored, StoreFull
 
 
 class Clock:
@@ -280,6 +280,36 @@ def test_a_chunk_published_by_another_store_object_is_found(tmp_path):
         a.put(*chunk_bytes(i))
     for i in range(2):
         check_served(b, chunk(i).key, chunk(i))
+
+
+def test_a_chunk_another_store_object_replaced_at_another_length_is_read_whole(tmp_path):
+    """Issue 67: a file whose length changed since it was indexed, with a header that describes it, is read
+    at its new length for its reader to verify, as any read is: another store object's replacement (the
+    chunk saved again with more formats) is served, not forgotten as evicted; damage fails verification."""
+    a, b = DiskChunkStore(tmp_path), DiskChunkStore(tmp_path)
+    short, full = chunk(0, layers=1), chunk(0, layers=3)  # the same key, tokens and first layer
+    a.put(short.key, encode(short))
+    assert b.contains(short.key)  # indexed at the short chunk's length
+    a.put(full.key, encode(full))
+    check_served(b, full.key, full)
+    assert b.used_bytes == len(encode(full)) and b.gone(full.key) is None
+
+
+def test_a_chunk_file_of_another_layout_version_is_never_replaced_by_a_save(tmp_path):
+    """Issue 67: another hcache's file under a key this store saves (met at start-up, left alone) is not
+    overwritten: the put is refused and the file stays as it was."""
+    key, data = chunk_bytes(0)
+    store = DiskChunkStore(tmp_path)
+    store.put(key, data)
+    store.close()
+    old, new = f'"layout_version":"{LAYOUT_VERSION}"'.encode(), f'"layout_version":"{LAYOUT_VERSION + 1}"'.encode()
+    theirs = data.replace(old, new)
+    store.path(key).write_bytes(theirs)
+    reopened = DiskChunkStore(tmp_path)
+    assert reopened.other_version_at_start == 1 and reopened.keys() == []
+    with pytest.raises(OtherVersionStored, match="left alone"):
+        reopened.put(key, data)
+    assert store.path(key).read_bytes() == theirs and reopened.keys() == [] and reopened.used_bytes == 0
 
 
 def test_manifest_records_labels_and_bad_options_are_clear_errors(tmp_path):

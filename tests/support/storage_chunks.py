@@ -31,10 +31,10 @@ def read_back(store, key: str) -> bytes | None:
 
     def take(size: int) -> memoryview:
         bufs.append(mmap.mmap(-1, max(size + 4095, 4096) // 4096 * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
-        return memoryview(bufs[0])
+        return memoryview(bufs[-1])
 
     size = store.read_into(key, take)
-    return None if size is None else bytes(bufs[0][:size])
+    return None if size is None else bytes(bufs[-1][:size])
 
 
 def check_served(store, key: str, expected: Chunk) -> None:
