@@ -91,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokens and args.short:
         raise ValueError("--tokens and --short both choose the history lengths: give one")
+    for directory in args.store_dir or ():  # before the model loads: I/O is measured in scratch directories there
+        if not Path(directory).is_dir():
+            raise ValueError(f"--store-dir {directory!r} is not a directory")
     if args.engine == "fastgen":
         profile, spec = _profile_fastgen(args)
     else:

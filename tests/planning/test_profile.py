@@ -141,6 +141,9 @@ def test_profile_cli_measures_a_usable_profile(llama, new_machine, tmp_path, cap
         assert runtime.profile.tokens == [256, 512]
     assert main(["profile", "--model", "random:llama", "--short", "--tokens", "64"]) == 2
     assert "give one" in capsys.readouterr().err
+    missing = tmp_path / "no-such-disk"
+    assert main(["profile", "--model", "random:llama", "--short", "--store-dir", str(missing)]) == 2
+    assert f"--store-dir '{missing}' is not a directory" in capsys.readouterr().err and not missing.exists()
 
 
 def test_a_sliding_window_layer_costs_its_window(llama, synthetic):
