@@ -123,7 +123,9 @@ class HCacheConfig(BaseModel):
         if dirs is None:
             return []
         if isinstance(dirs, (str, Path)):
-            return [str(dirs)]
+            dirs = [dirs]
+        if isinstance(dirs, Sequence) and "" in dirs:  # Path("") is the current directory
+            raise ValueError("a store directory is named '' (give '.' for the current directory)")
         return [str(d) for d in dirs] if isinstance(dirs, Sequence) else dirs
 
     @field_validator("plan")
@@ -147,10 +149,10 @@ class HCacheConfig(BaseModel):
         parse_stored_dtype(stored_dtype)
         return stored_dtype
 
-    @field_validator("namespace")
+    @field_validator("namespace", mode="before")
     @classmethod
-    def _namespace(cls, namespace: str | None) -> str | None:
-        return check_namespace(namespace, "namespace")
+    def _namespace(cls, namespace: object) -> str | None:
+        return check_namespace(namespace, "namespace")  # before coercion: bytes are refused, as a request's are
 
     @model_validator(mode="after")
     def _somewhere_to_store(self) -> HCacheConfig:
@@ -274,5 +276,6 @@ def _message(exc: ValidationError) -> str:
     for error in exc.errors():
         where = ".".join(str(p) for p in error["loc"]) or "config"
         why = str(error["ctx"]["error"]) if "error" in error.get("ctx", {}) else error["msg"]
-        lines.append(f"hcache setting {where!r}: {why} (given {error['input']!r})" if where != "config" else why)
+        given = f"{error['input']!r:.80}"  # a value may be long (a 10,000-character namespace): its start
+        lines.append(f"hcache setting {where!r}: {why} (given {given})" if where != "config" else why)
     return "; ".join(lines)

@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="URL",
         help="a store shared with other replicas, below the local directory (repeat; nearest first): "
-        "redis://host:port/db, redis+cluster://host:port,host:port, or a directory on a shared filesystem",
+        "redis://host:port/db, redis+cluster://host:port,host:port, or a directory on a shared filesystem "
+        "(file:///dir, or a path starting with /, ./, ../ or ~)",
     )
     p.add_argument("--tier", action="append", default=None, help=argparse.SUPPRESS)  # --shared's former name
     p.add_argument(

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import threading
 import time
@@ -128,10 +129,10 @@ class DiskChunkStore:
         clock: Callable[[], float] = time.time,
     ):
         self.dirs = directories(dirs)
-        if quota_bytes is not None and quota_bytes <= 0:
-            raise StorageError(f"quota_bytes must be positive, not {quota_bytes}")
-        if ttl_s is not None and ttl_s <= 0:
-            raise StorageError(f"ttl_s must be positive, not {ttl_s}")
+        if quota_bytes is not None and not 0 < quota_bytes < math.inf:  # NaN too: it would turn the quota off
+            raise StorageError(f"quota_bytes must be positive and finite, not {quota_bytes}")
+        if ttl_s is not None and not 0 < ttl_s < math.inf:
+            raise StorageError(f"ttl_s must be positive and finite, not {ttl_s}")
         if verify not in VERIFY_MODES:
             raise StorageError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
         self.fsync, self.shared = fsync, shared

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -68,8 +69,8 @@ class RedisChunkStore:
         ttl_s: float | None = None,
         backoff_s: float = DEFAULT_BACKOFF_S,
     ):
-        if ttl_s is not None and ttl_s <= 0:
-            raise StorageError(f"{name}: ttl must be positive, not {ttl_s}")
+        if ttl_s is not None and not 0 < ttl_s < math.inf:
+            raise StorageError(f"{name}: ttl must be positive and finite, not {ttl_s}")
         if ":" in namespace or not namespace or not prefix:
             raise StorageError(f"{name}: prefix and namespace must be non-empty, and the namespace has no ':'")
         self.name, self.ttl_s, self.backoff_s = name, ttl_s, backoff_s
@@ -100,8 +101,8 @@ class RedisChunkStore:
             backoff = float(query.get("backoff", DEFAULT_BACKOFF_S))
         except ValueError as exc:
             raise StorageError(f"{url}: {exc}") from exc
-        if timeout <= 0 or backoff < 0:
-            raise StorageError(f"{url}: timeout must be positive and backoff non-negative")
+        if not 0 < timeout < math.inf or not 0 <= backoff < math.inf:
+            raise StorageError(f"{url}: timeout must be positive and backoff non-negative, both finite")
         # One retry: a connection the server dropped (it restarted) is re-made; a dead server fails fast.
         common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1))
         name = parts._replace(query="", netloc=parts.netloc.rpartition("@")[2]).geturl()  # no password in logs

@@ -5,6 +5,7 @@ a level of this stack; a "shared store" is one of the levels below the local dis
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass
@@ -13,7 +14,7 @@ from urllib.parse import urlsplit
 
 from ..errors import StorageError
 from .chunk_store import ChunkStore
-from .disk_store import DiskChunkStore
+from .disk_store import VERIFY_MODES, DiskChunkStore
 from .host_pool import PAGE, HostPool, round_up
 from .lookup import StoreLookup
 from .store_dir import directories
@@ -27,18 +28,22 @@ DEFAULT_HOST_BYTES = 4 << 30
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """``quota_bytes``/``ttl_s``: each disk store's capacity, local or shared (None: unbounded / no expiry). ``host_bytes``:
+    """``quota_bytes``/``ttl_s``: each disk store's capacity, local or shared, in bytes and whole seconds
+    (None: unbounded / no expiry). ``host_bytes``:
     the host pool, the tier in front of the disk that holds recent chunks and every chunk being saved
     (pinned when the engine is on a GPU; on a CPU its pages cost nothing until used). ``direct_io``,
     ``fsync``, ``verify``: see :class:`~hcache.storage.disk_store.DiskChunkStore`. ``writers``: threads
     writing chunks back to the stores. ``shared``: stores shared with other nodes, below the local disk
     (nearest first): ``redis://host:port/db``, ``redis+cluster://host:port,host:port`` (options: see
     :meth:`~hcache.storage.redis_store.RedisChunkStore.from_url`), or a directory on a shared filesystem
-    (``file:///mnt/shared/hcache`` or a plain path). ``tiers``: the former name of ``shared``, accepted with a
-    warning."""
+    (``file:///mnt/shared/hcache``, or a path that is absolute or starts with ``./``, ``../`` or ``~``).
+    ``tiers``: the former name of ``shared``, accepted with a warning. Every option is checked here, when
+    the settings are made, each bad one refused with one line: a numeric option is a positive whole number
+    (no string, bool, NaN or infinity), and a shared store's URL is one by its scheme, so that a misspelt
+    one never becomes a directory."""
 
     quota_bytes: int | None = None
-    ttl_s: float | None = None
+    ttl_s: int | None = None
     host_bytes: int = DEFAULT_HOST_BYTES
     direct_io: bool = True
     fsync: bool = True
@@ -57,8 +62,17 @@ class StoreConfig:
                 stacklevel=3,
             )
             object.__setattr__(self, "shared", tiers)
+        for name in ("quota_bytes", "ttl_s", "host_bytes", "writers"):
+            value = getattr(self, name)
+            if not (value is None and name in ("quota_bytes", "ttl_s")) and not _positive_whole(value):
+                raise StorageError(f"store.{name} must be a positive whole number, not {value!r:.80}")
+        for name in ("direct_io", "fsync"):
+            if not isinstance(getattr(self, name), bool):
+                raise StorageError(f"store.{name} is True or False, not {getattr(self, name)!r:.80}")
+        if self.verify not in VERIFY_MODES:
+            raise StorageError(f"store.verify must be one of {VERIFY_MODES}, not {self.verify!r:.80}")
         if isinstance(self.shared, str):
-            raise StorageError(f"shared is a list of store URLs, not the string {self.shared!r}")
+            raise StorageError(f"store.shared is a list of store URLs, not the string {self.shared!r:.80}")
         object.__setattr__(self, "shared", tuple(self.shared))
         self._shared()  # parsed now; a Redis store connects on first use
 
@@ -69,8 +83,6 @@ class StoreConfig:
         slot = round_up(chunk_bytes)
         if self.host_bytes // PAGE * PAGE < slot:
             raise StorageError(f"host_bytes={self.host_bytes} is smaller than one chunk's slot ({slot} bytes)")
-        if self.writers < 1:
-            raise StorageError(f"writers must be at least 1, not {self.writers}")
 
     def check_dirs(self, dirs: str | os.PathLike | Sequence[str | os.PathLike] | None) -> None:
         """Raise what :meth:`open_store` would for the local ``dirs`` and the shared directories (held
@@ -94,8 +106,6 @@ class StoreConfig:
         """The host tier over the disk store in ``dirs`` (None: no local disk) and the ``shared`` stores;
         ``pin``: page-lock the pool for DMA to a GPU; ``shareable``: the pool on memory another process may map
         (:class:`~hcache.storage.host_pool.HostPool`); ``eviction``: the pool's policy (:mod:`.eviction`)."""
-        if self.host_bytes <= 0:
-            raise StorageError(f"host_bytes must be positive, not {self.host_bytes}")
         if dirs is None and not self.shared:
             raise StorageError("a store needs a local directory or a shared store")
         stores: list[ChunkStore] = []
@@ -158,11 +168,19 @@ class SharedRedis:
 
 
 class SharedDirectory:
-    """A directory on a filesystem shared by nodes (``file:///path`` or a plain path)."""
+    """A directory on a filesystem shared by nodes: ``file:///path`` (absolute: ``file://dir/x`` would name
+    a host), or a path that cannot be a misspelt URL: absolute, or starting with ``./``, ``../`` or ``~``."""
 
     def __init__(self, url: str):
         parts = urlsplit(url)
-        self.path = Path(parts.path if parts.scheme == "file" else url)
+        if parts.scheme == "file":
+            if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+                raise _not_a_store(url)
+            self.path = Path(parts.path)
+        elif url.startswith(("/", "./", "../", "~")):
+            self.path = Path(url).expanduser()
+        else:
+            raise _not_a_store(url)
 
     def check(self) -> None:
         DiskChunkStore.check(self.path, shared=True)
@@ -181,7 +199,19 @@ SHARED_KINDS: dict[str, type[SharedStore]] = {
 
 def shared_store(url: str) -> SharedStore:
     """The shared store ``url`` names, by its scheme."""
-    kind = SHARED_KINDS.get(urlsplit(url).scheme)
+    kind = SHARED_KINDS.get(urlsplit(url).scheme) if isinstance(url, str) else None
     if kind is None:
-        raise StorageError(f"unknown shared store {url!r}: expected redis://, redis+cluster://, file:// or a directory")
+        raise _not_a_store(url)
     return kind(url)
+
+
+def _not_a_store(url: object) -> StorageError:
+    shown = re.sub(r":[^:/@]*@", ":***@", url) if isinstance(url, str) else url  # no password in messages
+    return StorageError(
+        f"unknown shared store {shown!r:.80}: expected redis://host:port/db, redis+cluster://host:port,..., "
+        "file:///absolute/dir, or a directory path that is absolute or starts with ./, ../ or ~"
+    )
+
+
+def _positive_whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
