@@ -5,7 +5,7 @@ rows (column-parallel), so rank ``r`` holds q heads ``[r·h/tp, (r+1)·h/tp)`` a
 down (OPT: fc2) are split by input columns (row-parallel) and their partial outputs are summed with
 ``all_reduce``. Embeddings, norms and the LM head are replicated. A ReferenceEngine over the shard thus
 caches only the rank's KV heads, and its forward gives TP=1's logits. Which rank stores which rows is the
-storage layer's rule (:mod:`hcache.storage.tp_ownership`); :meth:`TPGroup.gather_in_turn` is its collective.
+storage layer's rule (:func:`hcache.storage.stored_state.stores`); :meth:`TPGroup.gather_in_turn` is its collective.
 """
 
 from __future__ import annotations

@@ -39,9 +39,8 @@ from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.disk_store import DiskChunkStore
 from ..storage.host_pool import PAGE, HostPool
 from ..storage.host_tier import DEFAULT_READERS, HostTier
+from ..storage.stored_state import shared_chunks, stored_encodings
 from ..transfer.copier import Copier
-from ..storage.stored_state import stored_encodings
-from ..storage.tp_ownership import shared_chunks
 from .plan import Method
 from .profile import COST_NAMES, ENCODED_COST_NAMES, TP_COST_NAMES, Profile
 

@@ -14,7 +14,7 @@ from ..model.tensor_parallel import SINGLE, TPGroup
 from ..planning.plan import Method, RestorePlan
 from ..planning.window import WindowRule
 from ..storage.chunk_key import CHUNK_TOKENS
-from ..storage.tp_ownership import shared_chunks
+from ..storage.stored_state import shared_chunks
 
 
 @dataclass(frozen=True)

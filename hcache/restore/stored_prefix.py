@@ -24,8 +24,7 @@ from ..planning.window import WindowRule
 from ..storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import HostTier
-from ..storage.stored_state import is_encoded, scale_format, scale_shape
-from ..storage.tp_ownership import stores
+from ..storage.stored_state import is_encoded, scale_format, scale_shape, stores
 from .miss_reasons import lookup_miss
 from .records import MissReason, PutRestore
 

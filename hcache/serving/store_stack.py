@@ -17,17 +17,16 @@ from pathlib import Path
 import torch
 
 from ..config import ResolvedConfig
-from ..storage.chunk_key import CHUNK_TOKENS
 from ..engine.interface import Engine
 from ..engine.ragged import Segment
 from ..model.tensor_parallel import SINGLE, TPGroup
 from ..planning.plan import Method, row_shapes
 from ..storage.anchor_log import ANCHORS_FILE, AnchorLog
 from ..storage.chunk import ChunkLayout
+from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import HostTier
 from ..storage.prefetch import Prefetcher
-from ..storage.stored_state import Encodings, base_format, encode_rows, stored_names, stored_tensors
-from ..storage.tp_ownership import stores
+from ..storage.stored_state import Encodings, base_format, encode_rows, stored_names, stored_tensors, stores
 from ..transfer.copier import Copier
 from ..transfer.saver import ChunkSaver
 from .gpu_prefix_cache import GpuPrefixCache

@@ -31,6 +31,21 @@ class Format(str, Enum):
     __format__ = str.__format__
 
 
+# With tensor parallelism, which rank stores which rows of a chunk: each rank its own K/V heads of every chunk,
+# and the rows every rank holds alike (``Format.H``, the hidden states) once, chunk ``j`` by rank ``j % size``.
+# Nothing is stored twice, and a restore reads every stored byte once: an H layer reads the rank's chunks and
+# the ranks gather the rest; a KV layer reads the rank's heads.
+def stores(rank: int, size: int, chunk: int, fmt: str) -> bool:
+    """Whether rank ``rank`` of ``size`` stores ``fmt`` rows of chunk ``chunk``."""
+    return fmt != Format.H.value or chunk % size == rank
+
+
+def shared_chunks(rank: int, size: int, n: int, first: int = 0) -> range:
+    """Which of ``n`` chunks, from the sequence's chunk ``first`` on, rank ``rank`` stores (and reads) the
+    shared rows of, counted from ``first``."""
+    return range((rank - first) % size, n, size)
+
+
 class Encoding(str, Enum):
     """An 8-bit stored encoding (:mod:`hcache.ops.quant`); a format not encoded is stored in the model's dtype."""
 

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import importlib
 
+# How vLLM finds the connector: the class name and module that ``kv_transfer_config`` writes into vLLM's
+# config, and that the plugin looks for there.
+CONNECTOR = "HCacheConnector"
+MODULE = __name__
+
 # Handed on when first asked for: vLLM loads hcache's plugin (.plugin) in every process it starts, where
 # nothing of the connector is wanted.
-_HANDED_ON = {"HCacheConnector": ".connector", "kv_transfer_config": ".settings"}
+_HANDED_ON = {CONNECTOR: ".connector", "kv_transfer_config": ".settings"}
 __all__ = list(_HANDED_ON)
 
 

