@@ -71,10 +71,15 @@ def resolve(
         (config.plan is not None and Method.H in config.plan.layers)
         or any(Method.H.value in f for f in config.save_formats)
     ):
+        why = (
+            "its attention caches one latent row a token (MLA), not the K/V heads a layer's K/V projection rebuilds"
+            if spec.kv_lora_rank
+            else "hcache does not know where its layer input and K/V projection live"
+        )
         raise UnsupportedModelError(
-            f"model_type {spec.model_type!r}: hcache does not know where its layer input and K/V projection live, which "
-            f"hidden states (H) need (plan {str(config.plan or settings.plan)!r}, save={settings.save!r}); give plan 'KV' "
-            "and save 'plan': its K/V rows are stored and loaded as the engine computes them"
+            f"model_type {spec.model_type!r}: {why}, which hidden states (H) need (plan "
+            f"{str(config.plan or settings.plan)!r}, save={settings.save!r}); give plan 'KV' and save 'plan': its K/V "
+            "rows are stored and loaded as the engine computes them"
         )
     return config
 

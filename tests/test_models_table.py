@@ -46,3 +46,5 @@ def test_the_support_table_names_each_familys_methods_as_the_code_decides():
     rows = _rows()
     assert {"llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v2", "qwen3_next", "granitemoehybrid"} <= set(rows)
     assert {model_type: _expected(model_type) for model_type in rows} == rows
+    # an MLA layer's latent rows are attention's, served by KV; a recurrent layer's state is not
+    assert rows["deepseek_v2"][2] == "KV" and rows["qwen3_next"][2] == "refused"

@@ -159,7 +159,8 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
     if uses_hidden_states(config) and Method.H not in methods(spec):
         raise InvalidRequestError(
             f"plan {str(config.plan or 'auto')!r} with save={settings.save!r} uses hidden states (H), which vLLM's "
-            f"{spec.model_type} cannot be restored by: {_why_not_hidden(spec)}. Give plan 'KV'"
+            f"{spec.model_type} cannot be restored by: its K takes no RoPE, and hcache rebuilds K through the layer's "
+            "rotary_emb. Give plan 'KV'"
         )
     if uses_hidden_states(config) and not eager:
         raise InvalidRequestError(
@@ -211,21 +212,7 @@ def methods(spec: ModelSpec) -> tuple[Method, ...]:
     alone (MLA's latent rows too); H too where hcache knows the family's weights and its K rotates by RoPE (the
     rebuild runs the layer's own ``qkv_proj`` and ``rotary_emb``); never RE (vLLM computes every layer of a
     token it does not load). docs/models.md's table follows this."""
-    return (Method.H, Method.KV) if _why_not_hidden(spec) is None else (Method.KV,)
-
-
-def _why_not_hidden(spec: ModelSpec) -> str | None:
-    """Why the connector cannot rebuild ``spec``'s cache from hidden states, or None where it can."""
-    if spec.kv_lora_rank is not None:
-        return (
-            "it caches one latent row a token (MLA), which the layer's own kernels project; hcache rebuilds K/V "
-            "through a fused qkv_proj and rotary_emb, which an MLA layer does not have"
-        )
-    if not spec.restores_hidden:
-        return "hcache does not know where its layer input and K/V projection live"
-    if spec.rope is None:
-        return "its K takes no RoPE, and hcache rebuilds K through the layer's rotary_emb"
-    return None
+    return (Method.H, Method.KV) if spec.restores_hidden and spec.rope is not None else (Method.KV,)
 
 
 def uses_hidden_states(config: ResolvedConfig) -> bool:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hcache.defaults import DEFAULT_MODEL
-from hcache.errors import InvalidRequestError
+from hcache.errors import InvalidRequestError, UnsupportedModelError
 from hcache.model.fingerprint import checkpoint_fingerprint
 from hcache.model.loader import model_dir
 from hcache.planning.plan import Method
@@ -107,6 +107,29 @@ def test_plans_of_h_and_kv_layers_are_served_h_where_the_model_runs_eagerly(tmp_
             resolve_setup(_config({**store, **refused}, eager=False))
     auto = resolve_setup(_config({**store, "plan": "auto"})).config
     assert Method.RE not in auto.policy.plan_for(auto.plan, 1024).layers
+
+
+def test_an_mla_model_is_served_by_kv_under_a_fingerprint_of_its_layout_and_h_is_refused_naming_why(tmp_path):
+    """DeepSeek-V2's attention caches one latent row a token (MLA): KV stores and loads it as it is; H, which
+    rebuilds K/V through a layer's own projection, has none to rebuild it by, and is refused at start."""
+    from transformers import AutoConfig
+
+    mla = AutoConfig.for_model("deepseek_v2", num_hidden_layers=2, hidden_size=128, q_lora_rank=None)
+
+    def config(extra: dict):
+        made = _config(extra)
+        made.model_config.hf_config = mla
+        return made
+
+    store = {"store_dirs": [str(tmp_path)]}
+    setup = resolve_setup(config(store))
+    assert str(setup.config.plan) == "2KV" and setup.config.spec.kv_parts == 1  # latent rows outweigh hidden states
+    assert setup.fingerprint != resolve_setup(_config(store)).fingerprint
+    for refused in ({"plan": "H"}, {"plan": "KV", "save": "all"}):
+        with pytest.raises(
+            UnsupportedModelError, match=r"'deepseek_v2': its attention caches one latent row a token \(MLA\)"
+        ):
+            resolve_setup(config({**store, **refused}))
 
 
 def test_under_tensor_parallelism_each_rank_restores_its_kv_heads_and_h_is_refused(tmp_path):
