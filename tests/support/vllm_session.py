@@ -1,8 +1,10 @@
 """A conversation through ``vllm.LLM``, in phases, each a vLLM engine of its own (with hcache's connector
 or without), as a user runs it: ``python vllm_session.py SPEC.json OUT.json``.
 
-SPEC: ``model``, ``dtype``, ``turns`` ({name: [previous turn, text]}: a turn's prompt is the previous
-turn's prompt, the first phase's reply to it, and its own text), ``max_tokens``, and ``phases``: each with
+SPEC: ``model``, ``dtype``, ``engine_args`` (more of ``vllm.LLM``'s arguments, for every phase: an MLA
+model's ``attention_backend``, say), ``turns`` ({name: [previous turn, text]}: a turn's prompt is the
+previous turn's prompt, the first phase's reply to it, and its own text), ``max_tokens``, and ``phases``:
+each with
 ``connector`` (hcache's settings, ``kv_connector_extra_config``, or null for vLLM alone), ``before`` (a list
 of actions: ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR; ``"truncate DIR"``:
 cut 100 bytes off every chunk file under DIR; ``"delete DIR N"``: wait
@@ -77,6 +79,7 @@ def _llm(
     block_size: int | None,
     tp: int,
     reserved: int | None = None,
+    engine_args: dict | None = None,
 ):
     from vllm import LLM
 
@@ -94,6 +97,7 @@ def _llm(
             enable_prefix_caching=prefix_cache,
             kv_transfer_config=kv,
             **({"block_size": block_size} if block_size else {}),
+            **(engine_args or {}),
             **parallel,
         )
 
@@ -230,6 +234,7 @@ def main() -> None:
                 phase.get("block_size"),
                 phase.get("tp", 1),
                 phase.get("reserved_cpus"),
+                engine_args=spec.get("engine_args"),
             )
             out, probs, steps = [], [], None
             for turn, salt, *actions in phase["requests"]:
