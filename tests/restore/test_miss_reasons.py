@@ -5,6 +5,7 @@ made from that record (carried to a live server's client in tests/openai), and t
 import copy
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -28,9 +29,13 @@ def llama():
     return loaded("random:llama")
 
 
+def _prompt(llama) -> list[int]:
+    return random_prompt(PROMPT, llama.spec.vocab_size, torch.Generator().manual_seed(7))
+
+
 @pytest.fixture
 def prompt(llama):
-    return random_prompt(PROMPT, llama.spec.vocab_size, torch.Generator().manual_seed(7))
+    return _prompt(llama)
 
 
 def _turn(runtime: HCacheRuntime, prompt: list[int], **kw):
@@ -107,29 +112,42 @@ def test_a_corrupt_chunk_is_reported_failed_verification(llama, prompt, tmp_path
     assert second.restored_tokens == CHUNK_TOKENS
 
 
+@pytest.fixture(scope="module")
+def saved(llama, tmp_path_factory):
+    """The prompt's first turn saved once for the module: its store (copied by each test that damages it),
+    its chunk keys and its reply."""
+    store, prompt = tmp_path_factory.mktemp("saved") / "store", _prompt(llama)
+    with HCacheRuntime(llama, store, plan="KV") as runtime:
+        first = _turn(runtime, prompt)
+        keys = chunk_keys(prompt, root_key(runtime.fingerprint))
+    assert first.miss_tokens == {"never_stored": CHUNKS * CHUNK_TOKENS}
+    return store, keys, first.output_ids
+
+
 @pytest.mark.parametrize("when", ["cold", "warm"])
 @pytest.mark.parametrize("kind", KINDS + RESIZED)
-def test_a_damaged_chunk_file_is_failed_verification_and_replaced(llama, prompt, tmp_path, kind, when):
+def test_a_damaged_chunk_file_is_failed_verification_and_replaced(llama, prompt, saved, tmp_path, kind, when):
     """Issue 42: however a chunk file is damaged, found at start-up (``cold``: the store opens on it) or on
     a read (``warm``: indexed before the damage), its miss is ``failed_verification``, the reply is
     recompute's, and the next write-back leaves a file that verifies. Issue 67: a header rewritten at
     another length that it describes (``resized``) was taken warm for another writer's chunk and reported
-    ``evicted``."""
-    log, store = tmp_path / "requests.jsonl", tmp_path / "store"
-    runtime = HCacheRuntime(llama, store, plan="KV", request_log=str(log))
+    ``evicted``. The first turn is saved once (:func:`saved`) and its store copied here; the runtime's start-up
+    self-check, which runs in a store of its own, is left to the tests of it."""
+    log, store, (saved_store, keys, first_output) = tmp_path / "requests.jsonl", tmp_path / "store", saved
+    shutil.copytree(saved_store, store)
+
+    def damaged() -> None:
+        damage(_chunk_file(store, keys[1]), kind, _chunk_file(store, keys[2]))
+
+    if when == "cold":
+        damaged()
+    runtime = HCacheRuntime(llama, store, plan="KV", request_log=str(log), self_check="off")
     try:
-        first = _turn(runtime, prompt)
-        keys = chunk_keys(prompt, root_key(runtime.fingerprint))
-        runtime.store.flush()
-        if when == "cold":
-            runtime.close()
-            damage(_chunk_file(store, keys[1]), kind, _chunk_file(store, keys[2]))
-            runtime = HCacheRuntime(llama, store, plan="KV", request_log=str(log))
-        else:
+        if when == "warm":  # every chunk indexed by the store as it opened, none of it in memory
             _cold(runtime)
-            damage(_chunk_file(store, keys[1]), kind, _chunk_file(store, keys[2]))
+            damaged()
         second = _turn(runtime, prompt)
-        assert second.output_ids == first.output_ids
+        assert second.output_ids == first_output
         _reported(runtime, log, second, {"failed_verification": (CHUNKS - 1) * CHUNK_TOKENS})
         runtime.store.flush()
     finally:
