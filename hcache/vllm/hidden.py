@@ -6,8 +6,9 @@ nor the weights that rebuild K/V from it. hcache takes the model from the model 
 caches with the connector (:func:`registering_model`), and checks that it holds the very attention layers
 vLLM configured, so a vLLM that calls the connector from elsewhere is refused at start rather than served
 wrong. Each attention layer's parent module must project with a fused ``qkv_proj`` and rotate with a
-``rotary_emb``, as vLLM's Llama, Mistral, Qwen2 and Qwen3 do (Qwen3 norms each K head with its ``k_norm`` first, and
-so does the rebuild). K/V are rebuilt by that ``qkv_proj`` module itself,
+``rotary_emb``, as vLLM's Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 do (Qwen3 and Gemma 3 norm each K head
+with its ``k_norm`` first, and so does the rebuild; Gemma 3's sliding and full layers each rotate by their own
+``rotary_emb``, so by their own base). K/V are rebuilt by that ``qkv_proj`` module itself,
 Q's rows too: vLLM hands its weights to its own kernels in their layouts (on a CPU it packs them for
 oneDNN and drops the plain weight; quantized layers keep them quantized), so its module is the one GEMM
 that has them, and it rounds as the forward does.
