@@ -12,7 +12,11 @@ until N chunk files are written under DIR, then delete them all; ``"stop_redis"`
 own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a CPU), ``tp`` (vLLM's
 ``tensor_parallel_size``, one process a rank, each bound to CPUs of its own), ``reserved_cpus`` (cores
 vLLM's CPU worker keeps off its OpenMP threads, ``VLLM_CPU_NUM_OF_RESERVED_CPU``; vLLM's default if
-absent), and ``requests``:
+absent), ``in_process`` (true: the engine's core and its worker run in this process, as
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor run them, TP=1 only: the engine then starts in
+a few seconds, not the 40-50 s its two fresh interpreters importing vLLM take on a 2-core machine; a
+connector's scheduler and worker sides share this process, its load process still its own; a key of the
+spec too, the phases' default), and ``requests``:
 [[turn, cache_salt, actions...]] served in order, each request after its actions; ``["batch", [[turn,
 cache_salt], ...]]`` sends those requests in one ``generate`` call, to run concurrently; ``["steps",
 DECODERS, JOINING]`` (each ``[[turn, cache_salt], ...]``) steps the engine one step at a time (:func:`_steps`):
@@ -23,6 +27,7 @@ OUT: ``tokens``: per phase, each request's generated token ids (a ``steps`` requ
 """
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -79,14 +84,20 @@ def _llm(
     block_size: int | None,
     tp: int,
     reserved: int | None = None,
+    in_process: bool = False,
     engine_args: dict | None = None,
 ):
-    from vllm import LLM
+    from vllm import LLM, envs
 
     from hcache.bench.vllm import ranks_bound
 
     kv = _transfer_config(connector) if connector is not None else None
     parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
+    if in_process:
+        assert tp == 1, "an engine in this process runs one rank"
+        parallel = {"distributed_executor_backend": "uni"}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    envs.disable_envs_cache()  # an engine in this process caches vLLM's settings (this one among them) as it starts
     with ranks_bound(tp), _reserved_cpus(reserved):
         return LLM(
             model=model,
@@ -173,6 +184,16 @@ def _steps(llm, decoders: list[dict], joining: list[dict], params) -> tuple[list
     return [replies[f"joining{j}"] for j in range(len(joining))], steps
 
 
+def _drain(llm) -> None:
+    """In this process, the steps vLLM's engine-core process runs after ``generate`` has its outputs, while its
+    scheduler holds finished requests: they hand the connector's worker those requests, which it then
+    closes (publishing their chunks, logging their records). ``generate`` alone leaves them to the next
+    request's first step, and the last ones to none."""
+    core = llm.llm_engine.engine_core.engine_core
+    while core.scheduler.has_requests():
+        llm.llm_engine.step()
+
+
 def _corrupt(directory: str) -> None:
     for path in Path(directory).glob("chunks/*/*.safetensors"):
         data = bytearray(path.read_bytes())
@@ -216,6 +237,7 @@ def main() -> None:
     from hcache.storage.redis_server import RedisServer
 
     spec = json.loads(Path(sys.argv[1]).read_text())
+    cpus = os.sched_getaffinity(0)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True, logprobs=0)
     redis = RedisServer().start() if "$REDIS" in json.dumps(spec) else None
     prompts: dict[str, list[int]] = {}
@@ -226,6 +248,7 @@ def main() -> None:
             for action in phase.get("before", []):
                 _act(action, redis)
             connector = json.loads(json.dumps(phase["connector"]).replace("$REDIS", redis.url if redis else ""))
+            in_process = phase.get("in_process", spec.get("in_process", False))
             llm = _llm(
                 spec["model"],
                 spec["dtype"],
@@ -234,6 +257,7 @@ def main() -> None:
                 phase.get("block_size"),
                 phase.get("tp", 1),
                 phase.get("reserved_cpus"),
+                in_process,
                 engine_args=spec.get("engine_args"),
             )
             out, probs, steps = [], [], None
@@ -257,6 +281,8 @@ def main() -> None:
                     outputs, steps = _steps(llm, [request(name, s) for name, s in decoders], requests, params)
                 else:
                     outputs = llm.generate(requests, params, use_tqdm=False)
+                    if in_process:
+                        _drain(llm)
                 for (name, _), output in zip(batch, outputs):
                     tokens = list(output.outputs[0].token_ids)
                     replies.setdefault(name, tokens)
@@ -264,6 +290,8 @@ def main() -> None:
                     probs.append([step[token].logprob for step, token in zip(output.outputs[0].logprobs, tokens)])
             llm.llm_engine.engine_core.shutdown()
             del llm
+            gc.collect()  # in this process, an engine's last references (and its store's lock) go with it
+            os.sched_setaffinity(0, cpus)  # an engine in this process bound this thread to its OpenMP cores
             results.append(out)
             logprobs.append(probs)
             timed.append(steps)

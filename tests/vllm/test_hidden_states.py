@@ -58,6 +58,7 @@ def session(tmp_path_factory):
         "model": str(_mha_llama(tmp / "model")),
         "dtype": "float32",
         "max_tokens": 16,
+        "in_process": True,  # each engine in the session's process: a few seconds to start, not 40-50 s
         "turns": {"first": [None, HISTORY + "Where does the dog sleep?"], "second": ["first", " And the fox?"]},
         "phases": [
             {

@@ -9,7 +9,6 @@ token's log-probability within 1e-4.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 from support.vllm_session import logprobs_close, run_session
@@ -50,6 +49,7 @@ def session(tmp_path_factory):
         "dtype": "float32",
         "max_tokens": 12,
         "turns": TURNS,
+        "in_process": True,  # each engine in the session's process: a few seconds to start, not 40-50 s
         "phases": [
             {"connector": None, "requests": [["first", None], ["second", None]]},
             {"connector": connector("saved", save="all"), "requests": [["first", None], ["second", None]]},
