@@ -44,7 +44,17 @@ def shared_store(request, tmp_path):
     return f"{base}?namespace={uuid.uuid4().hex[:12]}"
 
 
-@pytest.mark.parametrize("shared_store", ["redis", "redis-cluster", "shared-dir"], indirect=True)
+# A redis-server or a Redis Cluster started for the test makes it slow (pytest.ini), as the fixtures that
+# start them mark a test that names them (tests/conftest.py); the fixture here takes them by name at run time.
+@pytest.mark.parametrize(
+    "shared_store",
+    [
+        pytest.param("redis", marks=pytest.mark.slow),
+        pytest.param("redis-cluster", marks=pytest.mark.slow),
+        "shared-dir",
+    ],
+    indirect=True,
+)
 def test_node_b_restores_what_node_a_saved(shared_store, tmp_path, rng, request):
     kind = request.node.callspec.params["shared_store"]
     prompt = random_prompt(200, 256, rng)
