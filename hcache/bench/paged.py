@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def rebuild(layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         k, v = projections[layer](hidden)
-        cos, sin = rope_cos_sin(spec.rope, positions, dtype)
+        cos, sin = rope_cos_sin(spec.rope_of(layer), positions, dtype)
         return torch.stack((apply_rope(k, cos, sin), v), dim=1)
 
     job = LoadJob("bench", None, prompt[:history], [list(range(blocks))], 0, history)

@@ -240,30 +240,31 @@ class ReferenceEngine:
             # CUDA's math path under enable_gqa: 16 GiB for a 16K-token prefill of 32 heads): queries
             # are taken in tiles whose scores fit SCORES elements.
             tile = max(1, SCORES // (self.spec.num_heads * k.shape[0]))
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+            if self.spec.attention_softcap is not None:  # the written-out path: each query head's own K/V
+                groups = q.shape[1] // k.shape[0]
+                k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
             for a in range(0, s.length, tile):
                 b = min(s.length, a + tile)
-                o = self._scores(
-                    q[s.row + a : s.row + b].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask[a:b]
-                )
+                o = self._scores(q[s.row + a : s.row + b].transpose(0, 1), k, v, mask[a:b])
                 out[s.row + a : s.row + b] = o.transpose(0, 1).reshape(b - a, -1)
         return out
 
     def _scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attention of ``q`` ``[H, Tq, C]`` over ``k``/``v`` ``[H_kv, Tk, C]``. Soft-capped scores (Gemma 2) take
-        the written-out path, as transformers' eager attention: SDPA has no cap."""
+        """Attention of ``q`` ``[H, Tq, C]`` over ``k``/``v`` ``[H_kv, Tk, C]`` (``[H, Tk, C]`` when soft-capped).
+        Soft-capped scores (Gemma 2) take the written-out path, as transformers' eager attention: SDPA has no
+        cap."""
         cap, scale = self.spec.attention_softcap, self.spec.attention_scale
         if cap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        groups = q.shape[0] // k.shape[0]
-        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
         scores = q @ k.transpose(1, 2) * (scale if scale is not None else q.shape[-1] ** -0.5)
         scores = (torch.tanh(scores / cap) * cap).masked_fill(~mask, float("-inf"))
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
     # ---- restore primitives ------------------------------------------------------------------------
     def begin_restore(self, uid: int, num_tokens: int) -> None:
-        """Reserve blocks for ``num_tokens`` more tokens of the sequence, and compute once the slots and RoPE
-        tables that every layer's restore shares."""
+        """Reserve blocks for ``num_tokens`` more tokens of the sequence, and compute once the slots every
+        layer's restore shares and each distinct RoPE's tables (:func:`~hcache.ops.rope.layer_tables`)."""
         seq = self.sequence(uid)
         start = len(seq.tokens)
         self._reserve(seq, start + num_tokens)

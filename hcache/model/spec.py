@@ -59,9 +59,8 @@ class _Family:
         "none"  # which layers transformers' forward windows: "none", "uniform" (every layer) or "layer_types"
     )
     qk_norm: tuple[str, str] | None = None  # the RMS norms Q and K pass through, per head, before RoPE (Qwen3)
-    sandwich: tuple[str, str, str] | None = (
-        None  # norms of the attention's output, the MLP's input and its output (Gemma)
-    )
+    # the norms of the attention's output, the MLP's input and its output (Gemma)
+    sandwich: tuple[str, str, str] | None = None
 
 
 _SEPARATE_QKV = dict(q=("self_attn.q_proj", ""), k=("self_attn.k_proj", ""), v=("self_attn.v_proj", ""))
@@ -133,12 +132,12 @@ class ModelSpec:
     learned_position_offset: int | None  # OPT: position ids are shifted by this before the lookup
     sliding_windows: tuple[int | None, ...] = field(default=())
     qk_norm: tuple[str, str] | None = None  # modules of the per-head norms of Q and K, applied before RoPE
+    sliding_rope: RopeSpec | None = None  # sliding-window layers' RoPE, where it is not ``rope`` (Gemma 3's local base)
     # Facts of the forward alone (Gemma's), which a restore does not apply: it rebuilds K/V only.
     sandwich: tuple[str, str, str] | None = None  # norms of attention's output, the MLP's input and its output
     attention_scale: float | None = None  # scores' scale when not 1/sqrt(head_size) (``query_pre_attn_scalar``)
     attention_softcap: float | None = None  # scores soft-capped as ``cap·tanh(s/cap)`` before the mask
     final_softcap: float | None = None  # the logits' soft cap
-    sliding_rope: RopeSpec | None = None  # sliding-window layers' RoPE, where it is not ``rope`` (Gemma 3's local base)
     # MLA (DeepSeek-V2): the latent's width. Its cache holds one row a token, the latent then K's RoPE part, as one
     # KV head of ``head_size`` with no K/V split (:attr:`kv_parts`).
     kv_lora_rank: int | None = None
