@@ -2,12 +2,16 @@
 one CPU each): a small GQA Llama of random weights (4 query heads, 2 KV heads: one a rank) with SmolLM2's
 tokenizer, in float32.
 
-One session (tests/support/vllm_session.py), five engines in turn over one store directory: vLLM alone at
-TP=2 (the reference); the connector at TP=1 saving the first turn; at TP=2, the same first turn missed as
-``other_layout`` (each rank's keys are its own) and saved again, then the second turn restored from the
-host pool by both ranks, and the first turn under a new ``cache_salt`` saved; at TP=2 again with every chunk
-file of rank 1 corrupted, the second turn offered, rank 1's load failing and vLLM recomputing it; at TP=1,
-the turn saved only at TP=2 missed as ``other_layout``. Every reply equals vLLM's alone at TP=2.
+One session (tests/support/vllm_session.py), four engines in turn over one store directory: the connector
+at TP=1 saving the first turn; at TP=2, the same first turn missed as ``other_layout`` (each rank's keys are
+its own) and saved again, then the second turn restored from the host pool by both ranks, the first turn
+under a new ``cache_salt`` saved, and the second under another, where nothing is stored (the reference: the
+TP=2 engine's own recompute, as a prefill of the whole prompt); at TP=2 again with every chunk file of rank 1
+corrupted, the second turn offered, rank 1's load failing and vLLM recomputing it; at TP=1, the turn saved
+only at TP=2 missed as ``other_layout``. Every reply equals the TP=2 engine's recompute of the same turn
+(replies against vLLM's alone, without the connector, are checked at TP=1: tests/vllm/test_connector.py and
+the family sessions; an engine of vLLM alone at TP=2 cost 40-60 s here, three fresh interpreters importing
+vLLM on a 2-core machine).
 """
 
 import json
@@ -66,9 +70,12 @@ def session(tmp_path_factory):
         "max_tokens": MAX_TOKENS,
         "turns": TURNS,
         "phases": [
-            {"connector": None, "tp": 2, "requests": [["first", "a"], ["second", "a"]]},
             {"connector": connector("tp1"), "requests": [["first", "a"]]},
-            {"connector": connector("tp2"), "tp": 2, "requests": [["first", "a"], ["second", "a"], ["first", "b"]]},
+            {
+                "connector": connector("tp2"),
+                "tp": 2,
+                "requests": [["first", "a"], ["second", "a"], ["first", "b"], ["second", "c"]],
+            },
             {
                 "connector": connector("corrupt"),
                 "tp": 2,
@@ -100,11 +107,18 @@ def _by_rank(records: list[dict]) -> list[dict]:
     return sorted(records, key=lambda r: (r["request_id"], r["tp_rank"]))
 
 
+def _reference(tokens: list, logprobs: list) -> tuple[list, list]:
+    """The TP=2 engine's replies to the first turn and the second, each computed whole (the tests below
+    check that neither restored anything): its first request and its last."""
+    (first, *_, second), (first_probs, *_, second_probs) = tokens[1], logprobs[1]
+    return [first, second], [first_probs, second_probs]
+
+
 def test_each_rank_saves_its_own_heads_in_its_own_directory(session, stored):
-    tokens, records, store, logprobs = session
-    reference, probs = tokens[0], logprobs[0]
-    assert tokens[2] == [reference[0], reference[1], reference[0]] and logprobs_close(
-        logprobs[2], [probs[0], probs[1], probs[0]]
+    tokens, _, store, logprobs = session
+    reference, probs = _reference(tokens, logprobs)
+    assert tokens[1] == [reference[0], reference[1], reference[0], reference[1]] and logprobs_close(
+        logprobs[1], [probs[0], probs[1], probs[0], probs[1]]
     )
     for rank in (0, 1):
         files = list((store / f"tp2-rank{rank}").glob("chunks/*/*.safetensors"))
@@ -115,7 +129,7 @@ def test_each_rank_saves_its_own_heads_in_its_own_directory(session, stored):
 def test_a_store_written_at_tp1_is_missed_at_tp2_as_another_layout_then_restored_by_both_ranks(session, stored):
     _, records, _, _ = session
     ranks = _by_rank(records["tp2"])  # vLLM numbers its requests in order
-    first_a, second_a, first_b = ranks[0:2], ranks[2:4], ranks[4:6]
+    first_a, second_a, first_b, second_c = ranks[0:2], ranks[2:4], ranks[4:6], ranks[6:8]
     for record in first_a:  # saved at TP=1 only: each rank's keys are rooted in its own fingerprint
         assert record["restored_tokens"] == 0 and record["miss_tokens"] == {"other_layout": stored["first"]}
     for record in second_a:  # both ranks load their heads of the first turn's chunks, saved at TP=2 just before
@@ -123,11 +137,16 @@ def test_a_store_written_at_tp1_is_missed_at_tp2_as_another_layout_then_restored
         assert record["plan"] == f"{LAYERS}KV" and record["bytes_read"] == stored["first"] * LAYERS * KV_BYTES
     for record in first_b:  # this namespace never stored it; "a" did, at both layouts
         assert record["miss_tokens"] == {"other_cache_salt": stored["first"]}
+    for record in first_a + second_c:  # the reference: computed whole, nothing restored
+        assert record["restored_tokens"] == 0 and record["tier_tokens"] == {}
+    for record in second_c:
+        assert set(record["miss_tokens"]) == {"other_cache_salt"}
 
 
 def test_one_ranks_corrupt_chunks_make_vllm_recompute_with_the_same_reply(session, stored):
     tokens, records, _, logprobs = session
-    assert tokens[3] == [tokens[0][1]] and logprobs_close(logprobs[3], [logprobs[0][1]])
+    reference, probs = _reference(tokens, logprobs)
+    assert tokens[2] == [reference[1]] and logprobs_close(logprobs[2], [probs[1]])
     rank0, rank1 = _by_rank(records["corrupt"])
     # the scheduler offered what both ranks' files hold; rank 1's load found its first chunk bad
     assert rank0["restored_tokens"] == stored["second"] and rank0["tier_tokens"] == {"disk": stored["second"]}
@@ -137,7 +156,9 @@ def test_one_ranks_corrupt_chunks_make_vllm_recompute_with_the_same_reply(sessio
 
 def test_a_store_written_at_tp2_is_missed_at_tp1_as_another_layout(session, stored):
     tokens, records, _, logprobs = session
-    assert tokens[4] == [tokens[0][0]] and logprobs_close(logprobs[4], [logprobs[0][0]])
+    reference, probs = _reference(tokens, logprobs)
+    assert tokens[3] == [reference[0]] and logprobs_close(logprobs[3], [probs[0]])  # TP=1's reply, TP=2's
+    assert tokens[3] == tokens[0] and logprobs_close(logprobs[3], logprobs[0])  # and TP=1's, saving it
     (record,) = records["back"]
     assert "tp_rank" not in record
     assert record["restored_tokens"] == 0 and record["miss_tokens"] == {"other_layout": stored["first"]}
