@@ -1,9 +1,7 @@
 """hcache's connector in vLLM's CPU build, as a user runs it: a conversation through ``vllm.LLM`` in a
 process of its own (tests/support/vllm_session.py), with and without the connector.
 
-One session, seven vLLM engines in turn over one redis-server: vLLM alone (the reference, in float32: in
-bfloat16 a token's K/V computed in a decode step rounds apart from the same token's in a prefill, so a reply
-may part from vLLM's alone at a near tie, as it does with vLLM's own prefix cache); the connector saving the
+One session, seven vLLM engines in turn over one redis-server: the connector saving the
 first turn to the disk and Redis, then restoring the second from the host pool, and under another
 ``cache_salt`` restoring nothing, then serving 16 requests at once, half of them loading, then saving four
 long conversations; restarted on the disk alone, restoring from the disk, then, storing in int8 beside
@@ -13,8 +11,13 @@ long conversations load from the disk beside twelve decoding (16 conversations);
 Redis, then from the host pool with Redis stopped, then recomputing a conversation offered from Redis; on
 a store of its own with a six-chunk host pool, restoring from the pool with the chunk files deleted, and recomputing a conversation whose chunks were offered but gone; with every chunk
 file corrupted and Redis stopped, restoring nothing and recomputing; with every chunk file truncated
-before it starts, the same. Every load is asynchronous, and every lossless restore's reply equals vLLM's
-alone.
+before it starts, the same; last, vLLM alone (the reference, in float32: in bfloat16 a token's K/V computed in
+a decode step rounds apart from the same token's in a prefill, so a reply may part from vLLM's alone at a near
+tie, as it does with vLLM's own prefix cache). Every load is asynchronous, and every lossless restore's reply
+equals vLLM's alone. The six engines with the connector run as users run ``vllm.LLM``, each with its
+engine-core and worker processes; the reference, which has no connector, runs in the session's process
+(``in_process``: seconds to start, not the 40-50 s of two fresh interpreters importing vLLM), after them so
+that nothing it leaves in that process reaches theirs.
 """
 
 import json
@@ -80,7 +83,6 @@ def session(tmp_path_factory):
             **{name: [None, f"Conversation {name}. " + HISTORY * 4 + "Question: how tall is it?"] for name, _ in LONG},
         },
         "phases": [
-            {"connector": None, "requests": [["first", "a"], ["second", "a"], ["batch", LONG]]},
             {
                 "connector": connector("saved", [str(store)], ["$REDIS"]),
                 "requests": [["first", "a"], ["second", "b"], ["second", "a"], ["batch", CONCURRENT], ["batch", LONG]],
@@ -110,10 +112,12 @@ def session(tmp_path_factory):
                 "before": [f"truncate {store}"],
                 "requests": [["second", "a"]],
             },
+            {"connector": None, "in_process": True, "requests": [["first", "a"], ["second", "a"], ["batch", LONG]]},
         ],
     }
     out = run_session(spec, tmp)
-    return out["tokens"], {name: _records(path) for name, path in logs.items()}, out["steps"]
+    first = lambda phases: phases[-1:] + phases[:-1]  # the reference, run last, as phase 0 here
+    return first(out["tokens"]), {name: _records(path) for name, path in logs.items()}, first(out["steps"])
 
 
 def test_a_returning_conversation_restores_from_the_host_pool_and_replies_as_vllm_alone(session):
