@@ -118,10 +118,10 @@ class ReferenceEngine:
         self.block_size = block_size
         self.decoder = _Decoder(model, spec)
         attention = [(i, layer) for i, layer in enumerate(self.decoder.layers) if not spec.is_recurrent(i)]
-        self.kv_proj = dict((i, KVProjection.from_layer(spec, layer)) for i, layer in attention)
-        self.q_rows = dict(
-            (i, linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight)) for i, layer in attention
-        )
+        self.kv_proj = {i: KVProjection.from_layer(spec, layer) for i, layer in attention}
+        self.q_rows = {
+            i: linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for i, layer in attention
+        }
         self.sequences: dict[int, Sequence] = {}
         self.states: dict[int, RecurrentState] = {}  # each sequence's Mamba layers' state, where the model has them
         self._restoring: dict[int, RestoreState] = {}
