@@ -89,7 +89,7 @@ class _Family:
     recurrent: str | None = None  # transformers' layer type of the family's Mamba-2 layers (Granite 4's)
 
 
-_SEPARATE_QKV = {"q": ("self_attn.q_proj", ""), "k": ("self_attn.k_proj", ""), "v": ("self_attn.v_proj", "")}
+_SEPARATE_QKV = dict(q=("self_attn.q_proj", ""), k=("self_attn.k_proj", ""), v=("self_attn.v_proj", ""))
 _LLAMA_LIKE = _Family(
     layers="model.layers", capture="input_layernorm", o="self_attn.o_proj", positions="rope", **_SEPARATE_QKV
 )
@@ -273,7 +273,7 @@ class ModelSpec:
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: Any, dtype: torch.dtype | str | None = None, any_family: bool = False) -> ModelSpec:
+    def from_config(cls, config: Any, dtype: torch.dtype | str | None = None, any_family: bool = False) -> "ModelSpec":
         """Describe the model behind a ``transformers`` config. ``any_family``: a family hcache does not know
         is described by its attention's shape alone, for an engine that stores and loads its K/V rows as it
         computes them (vLLM), and restores nothing by H (:attr:`restores_hidden`). Raises
