@@ -17,13 +17,17 @@ import torch
 from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
 from ..ops.quant import SCALE_DTYPE
-from ..storage.stored_state import Format, scale_shape
+from ..storage.stored_state import STATE, Format, scale_shape, state_row_shape
 
 
 def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """A token's rows of each stored format, for a model: a hidden-state vector (H), and K and V of each KV
-    head (KV). What a chunk holds is described to the storage layer by this."""
-    return {Format.H.value: (spec.hidden_size,), Format.KV.value: (2, spec.num_kv_heads, spec.head_size)}
+    head (KV); and a recurrent layer's state, as a chunk's rows hold it (:data:`STATE`). What a chunk holds is
+    described to the storage layer by this."""
+    shapes = {Format.H.value: (spec.hidden_size,), Format.KV.value: (2, spec.num_kv_heads, spec.head_size)}
+    if spec.mamba is not None:
+        shapes[STATE] = state_row_shape(spec.mamba.numel)
+    return shapes
 
 
 class Method(str, Enum):
