@@ -155,11 +155,13 @@ def self_check(config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPG
 def _compare(
     config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup, methods: list[Method]
 ) -> dict[Method, Comparison]:
-    """Save :data:`HISTORY_TOKENS` random tokens on ``engine`` into a throwaway store, keep the cache the
+    """Save :data:`HISTORY_TOKENS` random tokens (a hybrid's: up to its first state, and one) on ``engine`` into a throwaway store, keep the cache the
     forward built, and restore the history by each method in turn."""
     spec, kind, lossy = engine.spec, config.engine, config.encodings
-    tokens = torch.randint(0, spec.vocab_size, (HISTORY_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
-    n = (HISTORY_TOKENS - 1) // CHUNK_TOKENS * CHUNK_TOKENS
+    # A hybrid's restore ends where its recurrent layers' state is kept: at the first chunk that keeps one.
+    history = config.settings.state_every * CHUNK_TOKENS + 1 if spec.recurrent_layers else HISTORY_TOKENS
+    tokens = torch.randint(0, spec.vocab_size, (history,), generator=torch.Generator().manual_seed(0)).tolist()
+    n = (history - 1) // CHUNK_TOKENS * CHUNK_TOKENS
     chunk_bytes = CHUNK_TOKENS * spec.num_layers * sum(m.bytes_per_token_layer(spec) for m in (Method.H, Method.KV))
     results = {}
     with tempfile.TemporaryDirectory(prefix="hcache-self-check-") as tmp:
