@@ -284,10 +284,12 @@ class ModelSpec:
         recurrent = family.recurrent if family is not None and not any_family else None
         others = sorted(set(layer_types) - set(STORED_LAYER_TYPES) - {recurrent})
         if others:  # before the family: this is why such a model is not served, whatever its family
-            served = f"; hcache's own engines keep {model_type}'s" if family is not None and family.recurrent else ""
+            served = (
+                f", which hcache's own engines keep for {model_type}" if family is not None and family.recurrent else ""
+            )
             raise UnsupportedModelError(
                 f"model_type {model_type!r} has {', '.join(others)} layers beside attention: hcache stores and restores "
-                f"attention K/V ({', '.join(STORED_LAYER_TYPES)} layers) and has no rule here for the state other layers "
+                f"attention K/V ({', '.join(STORED_LAYER_TYPES)} layers) and has no rule for the state other layers "
                 f"carry (a Mamba or linear-attention layer's recurrent state{served}), and K/V restored without that "
                 "state would be wrong"
             )

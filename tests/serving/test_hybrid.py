@@ -51,6 +51,7 @@ def test_a_returning_conversation_restores_as_recompute(granite, tmp_path, rng):
     tokens too, and a Mamba layer reads its state from the last chunk alone."""
     spec = granite.spec
     runtime = HCacheRuntime(granite, tmp_path, save="all")
+    assert not runtime.config.disabled  # the start-up self-check restored by every method, state included
     prompt = random_prompt(150, spec.vocab_size, rng)
     reply = runtime.generate(prompt, 60, restore=False, stop_token_ids=set())
     history = prompt + reply.output_ids[:-1]  # 209 tokens: chunk 2 ends among the decode steps
