@@ -363,6 +363,10 @@ class ReferenceEngine:
     def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
         self._restoring[uid].copy_from_slots(self.cache.layers, slots)
 
+    def state(self, uid: int, layer: int) -> torch.Tensor:
+        """A recurrent layer's state of a sequence now, as a chunk stores it."""
+        return self.states[uid].rows(layer)
+
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks."""
         seq = self.sequences[uid]
