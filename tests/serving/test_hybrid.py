@@ -14,11 +14,13 @@ from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.storage.stored_state import STATE
 
-# float32: K/V and state as a recompute of the prefix gives them. The save ran decode steps, whose state update
-# is the recurrence where a prefill's is the chunked scan: the SSM state (values up to ~10) agrees to 1e-5 of
-# its size, so its bound is relative too.
+# float32. Where the stored chunks were computed by prefills, a recompute of the prefix runs the Mamba layers in
+# the same pieces (they end at chunk ends), so the restored K/V and state are recompute's within float rounding.
+# Where decode steps computed them, transformers' mixer took its recurrent path, and a recompute its chunked
+# scan: the two agree to about 1e-5 of the state's size, and that reaches the K/V of the layers above, so there
+# the bound is the logits' (tests/engine/test_reference.py).
 ATOL = 1e-5
-STATE_RTOL = 1e-5
+DECODED_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +28,10 @@ def granite() -> LoadedModel:
     return loaded("random:granitemoehybrid")
 
 
-def assert_restore_equals_recompute(runtime: HCacheRuntime, prompt: list[int], plan) -> int:
+def assert_restore_equals_recompute(runtime: HCacheRuntime, prompt: list[int], plan, atol: float = ATOL) -> int:
     """Restore ``prompt``'s stored prefix by ``plan`` and recompute it in another sequence: every attention
-    layer's K/V and every Mamba layer's state (convolution and SSM) agree; the tokens restored."""
+    layer's K/V and every Mamba layer's state (convolution and SSM) agree within ``atol``; the tokens
+    restored."""
     engine, spec = runtime.engine, runtime.spec
     keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
     outcome = restore_prefix(engine, runtime.store, 1000, prompt, keys, runtime.fingerprint, plan, runtime.stack.copier)
@@ -37,35 +40,38 @@ def assert_restore_equals_recompute(runtime: HCacheRuntime, prompt: list[int], p
     for layer in range(spec.num_layers):
         if spec.is_recurrent(layer):
             got, want = engine.states[1000].rows(layer), engine.states[1001].rows(layer)
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=STATE_RTOL, msg=lambda m: f"layer {layer} state: {m}")
+            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"layer {layer} state: {m}")
         else:
             for got, want in zip(engine.kv(1000, layer), engine.kv(1001, layer)):
-                torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"layer {layer} K/V: {m}")
+                torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"layer {layer} K/V: {m}")
     engine.flush_all()
     return outcome.tokens
 
 
 def test_a_returning_conversation_restores_as_recompute(granite, tmp_path, rng):
-    """A history of prefill and decode steps, resent with a new turn: by KV, H, and mixed plans (RE over a
-    Mamba layer and an attention layer, H, KV), the restored K/V and state are recompute's, the greedy
-    tokens too, and a Mamba layer reads its state from the last chunk alone."""
+    """A conversation resent with a new turn, twice: by KV, H, and mixed plans (RE over a Mamba layer and an
+    attention layer, H, KV), the restored K/V and state are recompute's (within float rounding where prefills
+    computed the chunks, within the mixer's two paths' noise where decode steps did), the greedy tokens too,
+    and a Mamba layer reads its state from the last chunk alone."""
     spec = granite.spec
     runtime = HCacheRuntime(granite, tmp_path, save="all")
     assert not runtime.config.disabled  # the start-up self-check restored by every method, state included
-    prompt = random_prompt(150, spec.vocab_size, rng)
-    reply = runtime.generate(prompt, 60, restore=False, stop_token_ids=set())
-    history = prompt + reply.output_ids[:-1]  # 209 tokens: chunk 2 ends among the decode steps
-    follow_up = history + random_prompt(5, spec.vocab_size, rng)
-    expected = runtime.generate(follow_up, 12, restore=False).output_ids
-    for text in ("KV", "H", "1RE+3KV", "2RE+1H+1KV"):
-        plan = runtime.resolve_plan(text)
-        assert assert_restore_equals_recompute(runtime, follow_up, plan) == 3 * CHUNK_TOKENS
-        result = runtime.generate(follow_up, 12, plan=plan)
-        assert result.output_ids == expected, f"plan {plan}"
-        assert result.restored_tokens == 3 * CHUNK_TOKENS and result.fallback is None and not result.miss_tokens
-        restored_mamba = [layer for layer in spec.recurrent_layers if plan.layers[layer].value != "RE"]
-        state = CHUNK_TOKENS * -(-spec.mamba.numel // CHUNK_TOKENS) * 4  # one chunk's state, float32
-        assert result.type_bytes.get("mamba", 0) == len(restored_mamba) * state
+    history = random_prompt(200, spec.vocab_size, rng)
+    state_bytes = CHUNK_TOKENS * -(-spec.mamba.numel // CHUNK_TOKENS) * 4  # one chunk's state, float32
+    # Turn 2 restores the 3 chunks turn 1's prefill computed; turn 3 also chunk 3, computed by decode steps.
+    for turn, (chunks, atol) in enumerate(((3, ATOL), (4, DECODED_ATOL)), 2):
+        reply = runtime.generate(history, 40, stop_token_ids=set())
+        history = history + reply.output_ids[:-1] + random_prompt(5, spec.vocab_size, rng)
+        expected = runtime.generate(history, 12, restore=False).output_ids
+        for text in ("KV", "H", "1RE+3KV", "2RE+1H+1KV"):
+            plan = runtime.resolve_plan(text)
+            assert assert_restore_equals_recompute(runtime, history, plan, atol) == chunks * CHUNK_TOKENS
+            result = runtime.generate(history, 12, plan=plan)
+            assert result.output_ids == expected, f"turn {turn}, plan {plan}"
+            assert result.restored_tokens == chunks * CHUNK_TOKENS and result.fallback is None
+            assert not result.miss_tokens
+            restored_mamba = [layer for layer in spec.recurrent_layers if plan.layers[layer].value != "RE"]
+            assert result.type_bytes.get("mamba", 0) == len(restored_mamba) * state_bytes
 
 
 def test_a_state_every_second_chunk_restores_a_branch_to_its_last_checkpoint(granite, tmp_path, rng):
