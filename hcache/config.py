@@ -23,6 +23,7 @@ from .defaults import DEFAULT_READERS
 from .errors import InvalidRequestError
 from .model.loader import model_dtype
 from .model.spec import ModelSpec
+from .planning.checkpoints import StateRule
 from .planning.plan import Method, RestorePlan
 from .planning.policy import PlanPolicy, is_auto
 from .planning.profile import Profile
@@ -74,6 +75,8 @@ class HCacheConfig(BaseModel):
     fails, ``"strict"`` refuses to start, ``"off"`` skips the check. ``sliding_layers``: what sliding-window
     layers store and restore: ``"window"``, the chunks their window reaches (:mod:`hcache.planning.window`),
     or ``"all"``, every token, as full-attention layers (conversations that branch far back restore too).
+    ``state_every``: a recurrent (Mamba) layer's state is stored at the end of every ``state_every``-th chunk,
+    and a prefix restores only to one of those ends (:mod:`hcache.planning.checkpoints`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -99,6 +102,7 @@ class HCacheConfig(BaseModel):
     eviction: EvictionPolicy = "cost"
     self_check: SelfCheck = "on"
     sliding_layers: SlidingLayers = "window"
+    state_every: int = Field(1, gt=0)
 
     @classmethod
     def of(cls, settings: HCacheConfig | Mapping | None = None, /, **overrides) -> HCacheConfig:
@@ -241,6 +245,10 @@ class ResolvedConfig(BaseModel):
         KV blocks, by the ``sliding_layers`` setting. FastGen windows no layer (its Mistral attends to every
         position), so on it every token is stored and restored."""
         return WindowRule(spec, block, every_token=self.settings.sliding_layers == "all" or self.engine == "fastgen")
+
+    def state_rule(self, spec: ModelSpec) -> StateRule:
+        """Where ``spec``'s recurrent layers keep their state, by the ``state_every`` setting."""
+        return StateRule(spec, self.settings.state_every)
 
     def check_engine(self, spec: ModelSpec) -> None:
         """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype

@@ -66,6 +66,12 @@ def resolve(
             "ranks gather each H layer's rows chunk by chunk, and the rule stores only the last window's (set "
             "sliding_layers='all', serve it at tensor_parallel=1, or in vLLM)"
         )
+    if spec.recurrent_layers and (settings.gpu_cache or tensor_parallel > 1):
+        raise UnsupportedModelError(
+            f"model_type {spec.model_type!r} has recurrent (Mamba) layers, whose state hcache keeps per sequence and "
+            "at chunk ends: the GPU prefix cache keeps K/V blocks alone, and tensor parallelism would split the state "
+            "(serve it with gpu_cache=False at tensor_parallel=1)"
+        )
     config = config.model_copy(update={"save_formats": _save_formats(config)})
     if not spec.restores_hidden and (
         (config.plan is not None and Method.H in config.plan.layers)

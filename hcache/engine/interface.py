@@ -81,6 +81,11 @@ class RestorePrimitives(Protocol):
         are copied as stored and dequantised on the device, into the cache."""
         ...
 
+    def restore_state(self, uid: int, layer: int, rows: torch.Tensor) -> None:
+        """A recurrent layer's state at the restore's end, from the rows a chunk stores it in (an engine that
+        serves a model with recurrent layers: the reference engine)."""
+        ...
+
     def end_restore(self, uid: int, tokens: list[int]) -> None: ...
 
 

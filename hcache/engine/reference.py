@@ -24,9 +24,11 @@ from ..ops.kv_projection import linear_rows
 from ..ops.paged_kv import block_runs, flat_slots
 from ..ops.quant import QuantRows
 from ..ops.rope import layer_tables
+from ..storage.chunk_key import CHUNK_TOKENS
 from .blocked_kv_cache import BlockedKVCache
 from .capture import LayerCapture
 from .ragged import Segment
+from .recurrent_state import RecurrentState
 from .restore_state import RestoreState
 
 SCORES = 1 << 28  # attention scores one SDPA call may hold: 512 MiB in float16
@@ -57,6 +59,8 @@ class _Decoder:
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(ids)
+        if self.spec.embedding_multiplier is not None:
+            x = x * self.spec.embedding_multiplier
         if self.project_in is not None:
             x = self.project_in(x)
         if self.position_table is not None:
@@ -68,9 +72,19 @@ class _Decoder:
         out = layer.get_submodule(self.spec.o_module)(attention)
         if self.spec.sandwich:
             out = layer.get_submodule(self.spec.sandwich[0])(out)
-        return x + out
+        return self.residual(x, out)
+
+    def residual(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        scale = self.spec.residual_multiplier
+        return x + (out if scale is None else out * scale)
 
     def mlp_block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.model_type == "granitemoehybrid":  # shared MLP, plus the experts where it has them
+            h = layer.post_attention_layernorm(x)
+            out = layer.shared_mlp(h)
+            if layer.has_experts:
+                out = out + layer.block_sparse_moe(h[None])[0]
+            return self.residual(x, out)
         if self.spec.model_type == "opt":
             return x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
         if self.spec.sandwich:
@@ -83,6 +97,8 @@ class _Decoder:
         if self.project_out is not None:
             x = self.project_out(x)
         logits = self.lm_head(x)
+        if self.spec.logits_scaling is not None:
+            logits = logits / self.spec.logits_scaling
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -101,11 +117,13 @@ class ReferenceEngine:
         self.cache = BlockedKVCache(spec, num_blocks, block_size, self.device)
         self.block_size = block_size
         self.decoder = _Decoder(model, spec)
-        self.kv_proj = [KVProjection.from_layer(spec, layer) for layer in self.decoder.layers]
-        self.q_rows = [
-            linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for layer in self.decoder.layers
-        ]
+        attention = [(i, layer) for i, layer in enumerate(self.decoder.layers) if not spec.is_recurrent(i)]
+        self.kv_proj = {i: KVProjection.from_layer(spec, layer) for i, layer in attention}
+        self.q_rows = {
+            i: linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for i, layer in attention
+        }
         self.sequences: dict[int, Sequence] = {}
+        self.states: dict[int, RecurrentState] = {}  # each sequence's Mamba layers' state, where the model has them
         self._restoring: dict[int, RestoreState] = {}
 
     # ---- sequences ---------------------------------------------------------------------------------
@@ -137,8 +155,9 @@ class ReferenceEngine:
         return len(seq.blocks) * self.block_size - len(seq.tokens) if seq is not None else 0
 
     def flush(self, uid: int) -> None:
-        """Drop a sequence and free its KV blocks."""
+        """Drop a sequence and free its KV blocks and its recurrent state."""
         self._restoring.pop(uid, None)
+        self.states.pop(uid, None)
         seq = self.sequences.pop(uid, None)
         if seq is not None:
             self.cache.free(seq.blocks)
@@ -207,6 +226,10 @@ class ReferenceEngine:
         for i in range(num_layers):
             layer = self.decoder.layers[i]
             h = layer.get_submodule(self.spec.capture_module)(x)
+            if self.spec.is_recurrent(i):
+                x = self.decoder.residual(x, self._mamba(i, layer.mamba, h, segments, capture))
+                x = self.decoder.mlp_block(layer, x)
+                continue
             k, v = self.kv_proj[i](h)
             rotate_and_write(self.cache.layers[i], slots_t, k, v, tables[i])
             if capture is not None:
@@ -221,6 +244,24 @@ class ReferenceEngine:
         if capture is not None:
             capture.end_batch()
         return x, segments
+
+    def _mamba(
+        self, layer: int, mixer: nn.Module, h: torch.Tensor, segments: list[Segment], capture: LayerCapture | None
+    ) -> torch.Tensor:
+        """A Mamba layer over each segment, continuing its sequence's state, in pieces that end at chunk ends: a
+        forward computes the same state there whatever its batch, and hands it to ``capture`` for the chunk."""
+        out = torch.empty_like(h)
+        for s in segments:
+            state = self.states.setdefault(s.uid, RecurrentState())
+            a, end = s.start, s.start + s.length
+            while a < end:
+                b = min(end, (a // CHUNK_TOKENS + 1) * CHUNK_TOKENS)
+                rows = slice(s.row + a - s.start, s.row + b - s.start)
+                out[rows] = mixer(h[None, rows], cache_params=state)[0]
+                if capture is not None and b % CHUNK_TOKENS == 0:
+                    capture.on_state(layer, s.uid, b // CHUNK_TOKENS - 1, state.rows(layer))
+                a = b
+        return out
 
     def _attention(self, layer: int, q: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         out = torch.empty(q.shape[0], self.spec.num_heads * self.spec.head_size, dtype=q.dtype, device=q.device)
@@ -275,6 +316,12 @@ class ReferenceEngine:
             start, num_tokens, slots, layer_tables(self.spec, positions, self.dtype), runs
         )
 
+    @torch.no_grad()
+    def restore_state(self, uid: int, layer: int, rows: torch.Tensor) -> None:
+        """A recurrent layer's state at the restore's end, from the rows a chunk stores it in."""
+        state = self.states.setdefault(uid, RecurrentState())
+        state.load(layer, rows.to(self.device), self.spec.mamba, self.dtype)
+
     def end_restore(self, uid: int, tokens: list[int]) -> None:
         """Mark ``tokens`` as present in every layer of the cache, once all layers are restored."""
         self._restoring.pop(uid, None)
@@ -306,6 +353,7 @@ class ReferenceEngine:
     # ---- blocks held for no sequence (the GPU prefix cache's) --------------------------------------
     def detach(self, uid: int) -> list[int]:
         self._restoring.pop(uid, None)
+        self.states.pop(uid, None)
         seq = self.sequences.pop(uid, None)
         return seq.blocks if seq is not None else []
 
@@ -315,6 +363,10 @@ class ReferenceEngine:
     @torch.no_grad()
     def restore_from_slots(self, uid: int, slots: torch.Tensor) -> None:
         self._restoring[uid].copy_from_slots(self.cache.layers, slots)
+
+    def state(self, uid: int, layer: int) -> torch.Tensor:
+        """A recurrent layer's state of a sequence now, as a chunk stores it."""
+        return self.states[uid].rows(layer)
 
     def kv(self, uid: int, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of a sequence, gathered from its blocks."""

@@ -60,6 +60,26 @@ _TINY: dict[str, dict[str, Any]] = {
         sliding_window=48,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
     ),
+    # Granite 4: Mamba-2 and attention layers, MoE beside a shared MLP, Granite's scales; no RoPE, as Granite 4's
+    "granitemoehybrid": dict(
+        hidden_size=64,
+        intermediate_size=64,
+        shared_intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_chunk_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.1,
+        logits_scaling=3.0,
+    ),
     # families hcache's own engines do not run, which vLLM serves and hcache stores by KV there
     "gpt_oss": dict(
         hidden_size=64,

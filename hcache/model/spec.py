@@ -47,6 +47,30 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MambaSpec:
+    """A Mamba-2 mixer's recurrent state, the same in each of its layers: the convolution's last inputs
+    ``[conv_dim, conv_kernel]`` and the SSM state ``[heads, head_dim, state_size]``."""
+
+    conv_dim: int
+    conv_kernel: int
+    heads: int
+    head_dim: int
+    state_size: int
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel)
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.heads, self.head_dim, self.state_size)
+
+    @property
+    def numel(self) -> int:
+        return self.conv_dim * self.conv_kernel + self.heads * self.head_dim * self.state_size
+
+
+@dataclass(frozen=True)
 class _Family:
     layers: str
     capture: str  # the module whose output is the normalised layer input (what hcache saves)
@@ -61,6 +85,7 @@ class _Family:
     qk_norm: tuple[str, str] | None = None  # the RMS norms Q and K pass through, per head, before RoPE (Qwen3)
     # the norms of the attention's output, the MLP's input and its output (Gemma)
     sandwich: tuple[str, str, str] | None = None
+    recurrent: str | None = None  # transformers' layer type of the family's Mamba-2 layers (Granite 4's)
 
 
 _SEPARATE_QKV = dict(q=("self_attn.q_proj", ""), k=("self_attn.k_proj", ""), v=("self_attn.v_proj", ""))
@@ -86,6 +111,7 @@ _FAMILIES: dict[str, _Family] = {
         positions="rope",
         windows="uniform",
     ),
+    "granitemoehybrid": dataclasses.replace(_LLAMA_LIKE, recurrent="linear_attention"),
     "opt": _Family(
         layers="model.decoder.layers",
         capture="self_attn_layer_norm",
@@ -106,6 +132,11 @@ _LATER_FACTS = (
     "final_softcap",
     "sliding_rope",
     "kv_lora_rank",
+    "recurrent_layers",
+    "mamba",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "logits_scaling",
 )
 STORED_LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer types whose state is K/V
 
@@ -141,6 +172,13 @@ class ModelSpec:
     # MLA (DeepSeek-V2): the latent's width. Its cache holds one row a token, the latent then K's RoPE part, as one
     # KV head of ``head_size`` with no K/V split (:attr:`kv_parts`).
     kv_lora_rank: int | None = None
+    # Mamba-2 hybrids (Granite 4): the layers whose state is recurrent, not K/V, and that state's shape
+    recurrent_layers: tuple[int, ...] | None = None
+    mamba: MambaSpec | None = None
+    # Granite's scales: of the embeddings, of each block's output added to the residual, and the logits' divisor
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     # ---- sizes: everything else in hcache sizes from these two -------------------------------------
     @property
@@ -188,8 +226,15 @@ class ModelSpec:
         """The RoPE ``layer`` rotates Q and K by: Gemma 3's sliding and full layers take two bases."""
         return self.sliding_rope if self.sliding_rope is not None and self.window(layer) is not None else self.rope
 
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether ``layer`` carries a recurrent state (a Mamba layer) instead of K/V."""
+        return self.recurrent_layers is not None and layer in self.recurrent_layers
+
     def layer_type(self, layer: int) -> str:
-        """transformers' name of the layer's type, by which hcache's accounting and docs group layers."""
+        """The layer's type, by which hcache's accounting and docs group layers (transformers' names for
+        attention)."""
+        if self.is_recurrent(layer):
+            return "mamba"
         return "full_attention" if self.window(layer) is None else "sliding_attention"
 
     def attended_from(self, layer: int, length: int) -> int:
@@ -233,14 +278,21 @@ class ModelSpec:
         computes them (vLLM), and restores nothing by H (:attr:`restores_hidden`). Raises
         :class:`UnsupportedModelError`."""
         model_type = getattr(config, "model_type", None)
-        others = sorted(set(getattr(config, "layer_types", None) or ()) - set(STORED_LAYER_TYPES))
+        family = _FAMILIES.get(model_type)
+        layer_types = tuple(getattr(config, "layer_types", None) or ())
+        recurrent = family.recurrent if family is not None and not any_family else None
+        others = sorted(set(layer_types) - set(STORED_LAYER_TYPES) - {recurrent})
         if others:  # before the family: this is why such a model is not served, whatever its family
+            served = (
+                f", which hcache's own engines keep for {model_type}" if family is not None and family.recurrent else ""
+            )
             raise UnsupportedModelError(
                 f"model_type {model_type!r} has {', '.join(others)} layers beside attention: hcache stores and restores "
-                f"attention K/V ({', '.join(STORED_LAYER_TYPES)} layers) and has no rule for the state other layers carry "
-                "(a Mamba or linear-attention layer's recurrent state), and K/V restored without that state would be wrong"
+                f"attention K/V ({', '.join(STORED_LAYER_TYPES)} layers) and has no rule for the state other layers "
+                f"carry (a Mamba or linear-attention layer's recurrent state{served}), and K/V restored without that "
+                "state would be wrong"
             )
-        family = _FAMILIES.get(model_type)
+        recurrent_layers = tuple(i for i, t in enumerate(layer_types) if t == recurrent) if recurrent else ()
         latent = getattr(config, "kv_lora_rank", None) if family is None else None
         if latent and not any_family:
             raise UnsupportedModelError(
@@ -295,7 +347,7 @@ class ModelSpec:
             k_weight=rows(family.k) if family else None,
             v_weight=rows(family.v) if family else None,
             o_module=family.o if family else None,
-            rope=_rope(config, head_size, "full_attention") if family and family.positions == "rope" else None,
+            rope=_rope(config, head_size, "full_attention") if _rotates(config, family) else None,
             learned_position_offset=2 if family and family.positions == "learned" else None,
             sliding_windows=_sliding_windows(config, family.windows if family else "layer_types"),
             qk_norm=family.qk_norm if family else None,
@@ -303,9 +355,40 @@ class ModelSpec:
             attention_scale=_attention_scale(config, head_size),
             attention_softcap=getattr(config, "attn_logit_softcapping", None),
             final_softcap=getattr(config, "final_logit_softcapping", None),
-            sliding_rope=_sliding_rope(config, head_size) if family and family.positions == "rope" else None,
+            sliding_rope=_sliding_rope(config, head_size) if _rotates(config, family) else None,
             kv_lora_rank=latent or None,
+            recurrent_layers=recurrent_layers or None,
+            mamba=_mamba(config) if recurrent_layers else None,
+            embedding_multiplier=_scale(config, "embedding_multiplier"),
+            residual_multiplier=_scale(config, "residual_multiplier"),
+            logits_scaling=_scale(config, "logits_scaling"),
         )
+
+
+def _rotates(config: Any, family: _Family | None) -> bool:
+    """Whether the family's attention rotates Q and K by RoPE (Granite 4's may take no positions at all)."""
+    return (
+        family is not None
+        and family.positions == "rope"
+        and getattr(config, "position_embedding_type", "rope") == "rope"
+    )
+
+
+def _scale(config: Any, name: str) -> float | None:
+    """One of Granite's scales, where it is not 1 (the identity a family without it keeps)."""
+    value = getattr(config, name, None)
+    return None if value is None or value == 1 else float(value)
+
+
+def _mamba(config: Any) -> MambaSpec:
+    intermediate = int(config.mamba_expand * config.hidden_size)
+    return MambaSpec(
+        conv_dim=intermediate + 2 * config.mamba_n_groups * config.mamba_d_state,
+        conv_kernel=config.mamba_d_conv,
+        heads=config.mamba_n_heads,
+        head_dim=config.mamba_d_head,
+        state_size=config.mamba_d_state,
+    )
 
 
 def _qkv_bias(config: Any, model_type: str) -> bool:
@@ -317,6 +400,9 @@ def _qkv_bias(config: Any, model_type: str) -> bool:
 
 
 def _attention_scale(config: Any, head_size: int) -> float | None:
+    multiplier = getattr(config, "attention_multiplier", None)  # Granite's: the scale itself
+    if multiplier is not None:
+        return None if multiplier == head_size**-0.5 else float(multiplier)
     scalar = getattr(config, "query_pre_attn_scalar", None)
     return None if scalar is None or scalar == head_size else float(scalar) ** -0.5
 

@@ -17,14 +17,18 @@ import torch
 from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
 from ..ops.quant import SCALE_DTYPE
-from ..storage.stored_state import Format, scale_shape
+from ..storage.stored_state import STATE, Format, scale_shape, state_row_shape
 
 
 def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """A token's rows of each stored format, for a model: a hidden-state vector (H), and K and V of each KV
-    head, or an MLA model's one latent row (KV). What a chunk holds is described to the storage layer by
-    this, and a chunk of one shape never loads into a model of another."""
-    return {Format.H.value: (spec.hidden_size,), Format.KV.value: (spec.kv_parts, spec.num_kv_heads, spec.head_size)}
+    head, or an MLA model's one latent row (KV); and a recurrent layer's state, as a chunk's rows hold it
+    (:data:`STATE`). What a chunk holds is described to the storage layer by this, and a chunk of one shape
+    never loads into a model of another."""
+    shapes = {Format.H.value: (spec.hidden_size,), Format.KV.value: (spec.kv_parts, spec.num_kv_heads, spec.head_size)}
+    if spec.mamba is not None:
+        shapes[STATE] = state_row_shape(spec.mamba.numel)
+    return shapes
 
 
 class Method(str, Enum):

@@ -27,8 +27,7 @@ from .reads import LayerJob
 
 class RestoreTarget(Protocol):
     """Where a restore writes: an engine's KV cache in its own layout. Positions are the sequence's; a job
-    writes ``[job.begin, end)``. A layer kind that stores more than K/V rows (a recurrent layer's state)
-    gets a write of its own here."""
+    writes ``[job.begin, end)``; a recurrent layer's job, its state at ``end``."""
 
     def write_kv(self, job: LayerJob, rows: StoredRows) -> None:
         """Write the layer's stored K/V rows (K rotated) into the cache; called on the copier's side
@@ -38,6 +37,11 @@ class RestoreTarget(Protocol):
     def write_hidden(self, job: LayerJob, hidden: torch.Tensor) -> None:
         """Rebuild the layer's K/V from its hidden states ``hidden`` (``[end - job.begin, D]``, on the
         cache's device) and write them; called on the caller's stream, after the rows' copy."""
+        ...
+
+    def write_state(self, job: LayerJob, rows: torch.Tensor) -> None:
+        """Set a recurrent layer's state at the restore's end from the rows its last chunk stores it in
+        (:func:`~hcache.storage.stored_state.pack_state`)."""
         ...
 
 
@@ -123,6 +127,10 @@ def restore_layers(
     which a gathered layer assembles."""
 
     def stage(job: LayerJob) -> list | None:
+        if job.state:
+            if job.chunks:
+                target.write_state(job, rows.images[job.chunks[-1]].tensor(job.layer, job.fmt))
+            return None
         if job.method is Method.H:
             return rows.gather(job)
         if job.chunks and job.begin < rows.end:

@@ -35,6 +35,7 @@ class MissReason(str, Enum):
     OUTSIDE_WINDOW = (
         "outside_window"  # a sliding-window layer's rows of the prefix's last window were not kept (planning/window.py)
     )
+    NO_STATE = "no_state"  # no recurrent layer's state stored where the prefix would end (planning/checkpoints.py)
     OTHER_MODEL = "other_model"
     OTHER_CACHE_SALT = "other_cache_salt"
     OTHER_LAYOUT = "other_layout"

@@ -19,12 +19,13 @@ import torch
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import SINGLE, TPGroup
 from ..ops.quant import SCALE_DTYPE
+from ..planning.checkpoints import StateRule
 from ..planning.plan import Method, RestorePlan, row_shapes
 from ..planning.window import WindowRule
 from ..storage.chunk import ChunkImage, ChunkInvalid, ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import HostTier
-from ..storage.stored_state import is_encoded, scale_format, scale_shape, stores
+from ..storage.stored_state import STATE, STATE_DTYPE, is_encoded, scale_format, scale_shape, stores
 from .miss_reasons import lookup_miss
 from .records import MissReason, PutRestore
 
@@ -133,14 +134,29 @@ class StoredPrefix:
         end: Callable[[int], int],
         tp: TPGroup = SINGLE,
         count: int | None = None,
+        states: StateRule | None = None,
     ) -> None:
         """Take into ``images`` the fetched chunks (the first ``count``, by default all), in order, up to the
         first that is missing, bad, or short of a format ``plan`` restores from, and then no further than the
         last whose sliding-window layers find their window stored by ``rule``
         (:meth:`~hcache.planning.window.WindowRule.usable`; ``end(m)``: the sequence's length once ``m``
-        chunks are restored); and note why the prefix ends there. ``tokens``: the sequence's, from the
-        first chunk's first on; ``tp``: the rank whose share of each chunk is checked."""
+        chunks are restored), nor past the last that holds the recurrent layers' state at the prefix's end
+        (``states``, by default a state every chunk: :meth:`~hcache.planning.checkpoints.StateRule.usable`);
+        and note why the prefix ends there. ``tokens``: the sequence's, from the first chunk's first on;
+        ``tp``: the rank whose share of each chunk is checked."""
         self.short(*self._verified(tokens, fingerprint, plan, spec, rule, end, tp, count))
+        states = states or StateRule(spec)
+        layers = [layer for layer, m in enumerate(plan.layers) if m is not Method.RE]
+        verified = len(self.images)
+        usable = states.usable(layers, self.first, verified, end, lambda j, layer: self.images[j].has(layer, STATE))
+        if usable < verified:
+            del self.images[usable:]  # still fetched: released with the rest
+            reason = (
+                f"the recurrent layers' state is kept at chunk ends only (every {states.every}), and none is stored "
+                f"at token {end(verified)}; restoring {end(usable)} tokens"
+            )
+            log.info("%s", reason)
+            self.short(reason, MissReason.NO_STATE)
 
     def _verified(
         self,
@@ -153,15 +169,20 @@ class StoredPrefix:
         tp: TPGroup,
         count: int | None,
     ) -> tuple[str | None, MissReason | None]:
-        stored = {(layer, m.stored_format) for layer, m in enumerate(plan.layers) if m is not Method.RE}
+        stored = {
+            (layer, STATE if spec.is_recurrent(layer) else m.stored_format)
+            for layer, m in enumerate(plan.layers)
+            if m is not Method.RE
+        }
         shapes, dtype = row_shapes(spec), spec.torch_dtype
         # The tensors a chunk must hold, by which TP rank owns its H; chunks share a few layouts, each checked once.
-        # A sliding-window layer's are checked if present, and wanted only in the window (below).
+        # A sliding-window layer's are checked if present, and wanted only in the window (below); a recurrent
+        # layer's state only in the prefix's last chunk (:meth:`verify`).
         needs = [
             {(layer, fmt) for layer, fmt in stored if stores(tp.rank, tp.world_size, r, fmt)}
             for r in range(tp.world_size)
         ]
-        optional = {(layer, fmt) for layer, fmt in stored if rule.window(layer) is not None}
+        optional = {(layer, fmt) for layer, fmt in stored if rule.window(layer) is not None or fmt == STATE}
         checked: dict[tuple, tuple[str | None, list[str]]] = {}
         for j, (key, f) in enumerate(zip(self.keys, self._fetches[:count])):
             try:
@@ -251,9 +272,12 @@ def _layout_problems(
     formats it lacks, but for the ``optional`` tensors (it is merely short)."""
     for layer, fmt in sorted(need & set(layout.entries)):
         entry = layout.entries[(layer, fmt)]
-        if entry.shape != (CHUNK_TOKENS, *shapes[fmt]) or not (entry.dtype == dtype or is_encoded(entry.dtype)):
+        exact = STATE_DTYPE if fmt == STATE else dtype  # a state is kept in float32, never encoded
+        if entry.shape != (CHUNK_TOKENS, *shapes[fmt]) or not (
+            entry.dtype == exact or (fmt != STATE and is_encoded(entry.dtype))
+        ):
             want = [CHUNK_TOKENS, *shapes[fmt]]
-            return f"L{layer}.{fmt} is {list(entry.shape)} {entry.dtype}, the model's is {want} {dtype}", []
+            return f"L{layer}.{fmt} is {list(entry.shape)} {entry.dtype}, the model's is {want} {exact}", []
         scale = layout.entries.get((layer, scale_format(fmt)))
         if is_encoded(entry.dtype) and (
             scale is None or (scale.shape, scale.dtype) != ((CHUNK_TOKENS, *scale_shape(shapes[fmt])), SCALE_DTYPE)

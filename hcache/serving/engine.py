@@ -295,6 +295,7 @@ class ServingEngine:
             held=len(held),
             limit=restorable(len(aligned)),
             window=self.stack.window,
+            states=self.stack.states,
         )
         outcome.record(step, plan)
         seq.windowed = seq.windowed or outcome.windowed

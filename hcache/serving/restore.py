@@ -22,6 +22,7 @@ import torch
 
 from ..engine.interface import Engine, RestorePrimitives
 from ..model.tensor_parallel import SINGLE, TPGroup
+from ..planning.checkpoints import StateRule
 from ..planning.plan import Method, RestorePlan
 from ..planning.window import WindowRule
 from ..restore.layers import StoredRows, restore_layers
@@ -49,6 +50,7 @@ def restore_prefix(
     held: int = 0,
     limit: int | None = None,
     window: WindowRule | None = None,
+    states: StateRule | None = None,
 ) -> RestoreOutcome:
     """Restore the longest verified prefix of ``keys`` into sequence ``uid``, after the tokens it holds.
 
@@ -56,7 +58,8 @@ def restore_prefix(
     sequence already holds the first ``held`` of them (``held < 64``: it ends inside the first chunk), and
     at most the first ``limit`` are wanted; so a sequence can be restored in steps, as its prompt arrives
     in parts, and a chunk can be restored in part. ``window``: the rule by which sliding-window layers
-    were saved and are read (the store stack's; by default, the engine's model's windows).
+    were saved and are read (the store stack's; by default, the engine's model's windows); ``states``: the
+    rule by which recurrent layers' states were kept (the store stack's; by default, at every chunk's end).
 
     The chunks are fetched into the host pool first (from disk on the tier's reader threads, while the RE
     layers compute); then each stored layer is copied from the pool, ``copier.depth`` layers ahead of the
@@ -75,15 +78,23 @@ def restore_prefix(
     first = engine.seen_tokens(uid) // CHUNK_TOKENS  # with TP, which rank stores a chunk's H depends on it
     base = first * CHUNK_TOKENS  # where ``tokens`` start in the sequence
     present = tier.stored_prefix(keys)
+    recompute = plan.count(Method.RE)
+    # A recurrent layer's state moves on with every token it is run over: its RE layers run over the verified
+    # prefix alone, once it is known, where attention layers' run ahead, over what the look-up found.
+    stateful = any(engine.spec.is_recurrent(layer) for layer in range(recompute))
     with StoredPrefix(tier, keys, first) as prefix:
         try:
             prefix.fetch(present)
             agreed = tp.min(present)  # a prefix that one rank lacks is no prefix at all
             engine.begin_restore(uid, end(agreed) - held)
             copier.follow()  # the copies wait for the blocks' allocation, not for the RE layers queued next
-            if agreed and plan.count(Method.RE):
-                engine.recompute_layers(uid, tokens[held : end(agreed)], plan.count(Method.RE))
-            prefix.verify(tokens, fingerprint, plan, engine.spec, rule, lambda m: base + end(m), tp, count=agreed)
+            if agreed and recompute and not stateful:
+                engine.recompute_layers(uid, tokens[held : end(agreed)], recompute)
+            prefix.verify(
+                tokens, fingerprint, plan, engine.spec, rule, lambda m: base + end(m), tp, count=agreed, states=states
+            )
+            if stateful and prefix.images:
+                engine.recompute_layers(uid, tokens[held : end(len(prefix.images))], recompute)
             if agreed < present:
                 prefix.short(_elsewhere(agreed), MissReason.OTHER_RANK)
             n = len(prefix.images)
@@ -126,6 +137,9 @@ class EngineTarget:
 
     def write_hidden(self, job: LayerJob, hidden: torch.Tensor) -> None:
         self.engine.restore_from_hidden(self.uid, job.layer, hidden, job.begin - self.start)
+
+    def write_state(self, job: LayerJob, rows: torch.Tensor) -> None:
+        self.engine.restore_state(self.uid, job.layer, rows)
 
 
 def _elsewhere(n: int) -> str:

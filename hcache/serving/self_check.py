@@ -13,9 +13,12 @@ forward, the recompute the others are compared with.
 The rule per engine: on the reference engine every layer's K and V within float rounding of the forward's
 (1e-5 in float32, two ulps of the value in half precision: the projection GEMM may block rows differently);
 on FastGen, RE and KV layers bit for bit, H's V bit for bit and H's K within the bound of FastGen's
-fast-math RoPE (:mod:`hcache.ops.rope_bound`); and the greedy next token equal. State stored in 8 bits
+fast-math RoPE (:mod:`hcache.ops.rope_bound`); a recurrent layer's state (kept in float32 whatever the
+model's dtype, never encoded) within 1e-5 of the forward's, absolute and relative; and the greedy next token
+equal. State stored in 8 bits
 (``stored_dtype``) is lossy: each layer's K and V within a relative RMS error of :data:`LOSSY_BOUND` of the
-forward's, the restore reported lossy, and its tokens may differ.
+forward's (a recurrent layer's state too, which went on over tokens computed from lossy K/V), the restore
+reported lossy, and its tokens may differ.
 """
 
 from __future__ import annotations
@@ -89,15 +92,30 @@ class Comparison:
         return "" if self.ok else "the next token differs from recompute's"
 
 
-def layer_excess(kind: str, method: Method | str, got: KV, want: KV, spec: ModelSpec, lossy: bool = False) -> float:
-    """How far past its bound one layer's restored K/V (``got``) lie from the forward's (``want``), by the
-    rule of the module doc: <= 0 within it, inf where it must be bit for bit and is not."""
-    (k, v), (want_k, want_v) = (tuple(t.cpu() for t in pair) for pair in (got, want))
+def layer_state(engine: Engine, uid: int, layer: int, n: int) -> KV | torch.Tensor:
+    """What a restore writes of a layer of sequence ``uid``: its first ``n`` positions' K/V, or a recurrent
+    layer's state (as a chunk stores it)."""
+    return engine.state(uid, layer) if engine.spec.is_recurrent(layer) else engine.kv(uid, layer, n)
+
+
+def layer_excess(
+    kind: str,
+    method: Method | str,
+    got: KV | torch.Tensor,
+    want: KV | torch.Tensor,
+    spec: ModelSpec,
+    lossy: bool = False,
+) -> float:
+    """How far past its bound one layer's restored K/V or state (``got``, :func:`layer_state`) lie from the
+    forward's (``want``), by the rule of the module doc: <= 0 within it, inf where it must be bit for bit and
+    is not."""
+    pairs = [(got.cpu(), want.cpu())] if isinstance(got, torch.Tensor) else list(zip(got, want))
+    pairs = [(g.cpu().float(), w.cpu().float()) for g, w in pairs]
     if lossy:
-        return max(
-            ((g.float() - w.float()).norm() / w.float().norm()).item() - LOSSY_BOUND
-            for g, w in ((k, want_k), (v, want_v))
-        )
+        return max(((g - w).norm() / w.norm()).item() - LOSSY_BOUND for g, w in pairs)
+    if isinstance(got, torch.Tensor):  # a recurrent layer's state
+        return max(((g - w).abs() - 1e-5 * (1 + w.abs())).max().item() for g, w in pairs)
+    (k, v), (want_k, want_v) = (tuple(t.cpu() for t in pair) for pair in (got, want))
     if kind == "fastgen":
         if not torch.equal(v, want_v) or (Method(method) is not Method.H and not torch.equal(k, want_k)):
             return math.inf
@@ -155,11 +173,13 @@ def self_check(config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPG
 def _compare(
     config: ResolvedConfig, engine: Engine, fingerprint: str, tp: TPGroup, methods: list[Method]
 ) -> dict[Method, Comparison]:
-    """Save :data:`HISTORY_TOKENS` random tokens on ``engine`` into a throwaway store, keep the cache the
+    """Save :data:`HISTORY_TOKENS` random tokens (a hybrid's: up to its first state, and one) on ``engine`` into a throwaway store, keep the cache the
     forward built, and restore the history by each method in turn."""
     spec, kind, lossy = engine.spec, config.engine, config.encodings
-    tokens = torch.randint(0, spec.vocab_size, (HISTORY_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
-    n = (HISTORY_TOKENS - 1) // CHUNK_TOKENS * CHUNK_TOKENS
+    # A hybrid's restore ends where its recurrent layers' state is kept: at the first chunk that keeps one.
+    history = config.settings.state_every * CHUNK_TOKENS + 1 if spec.recurrent_layers else HISTORY_TOKENS
+    tokens = torch.randint(0, spec.vocab_size, (history,), generator=torch.Generator().manual_seed(0)).tolist()
+    n = (history - 1) // CHUNK_TOKENS * CHUNK_TOKENS
     chunk_bytes = CHUNK_TOKENS * spec.num_layers * sum(m.bytes_per_token_layer(spec) for m in (Method.H, Method.KV))
     results = {}
     with tempfile.TemporaryDirectory(prefix="hcache-self-check-") as tmp:
@@ -181,7 +201,7 @@ def _compare(
         with ServingEngine(engine, StoreStack(check, engine, fingerprint, tp)) as serving:
             serving.open(0, restore=False)
             want_token = int(serving.put([0], [tokens])[0].argmax())
-            want = [tuple(t.clone() for t in engine.kv(0, layer, n)) for layer in range(spec.num_layers)]
+            want = [_clone(layer_state(engine, 0, layer, n)) for layer in range(spec.num_layers)]
             serving.flush(0)  # its chunks are published
             for uid, method in enumerate(methods, 1):
                 serving.open(uid, plan=RestorePlan.uniform(spec.num_layers, method))
@@ -190,7 +210,7 @@ def _compare(
                     record = serving.record(uid)
                     stored_lossy = method.value in lossy
                     errors = tuple(
-                        layer_excess(kind, method, engine.kv(uid, layer, n), want[layer], spec, stored_lossy)
+                        layer_excess(kind, method, layer_state(engine, uid, layer, n), want[layer], spec, stored_lossy)
                         for layer in range(spec.num_layers)
                     )
                     results[method] = Comparison(
@@ -207,3 +227,7 @@ def _compare(
                 finally:
                     serving.flush(uid)
     return results
+
+
+def _clone(state: KV | torch.Tensor) -> KV | torch.Tensor:
+    return state.clone() if isinstance(state, torch.Tensor) else tuple(t.clone() for t in state)

@@ -26,7 +26,17 @@ from ..storage.chunk import ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import HostTier
 from ..storage.prefetch import Prefetcher
-from ..storage.stored_state import Encodings, base_format, encode_rows, stored_names, stored_tensors, stores
+from ..storage.stored_state import (
+    STATE,
+    STATE_DTYPE,
+    Encodings,
+    TensorSpec,
+    base_format,
+    encode_rows,
+    stored_names,
+    stored_tensors,
+    stores,
+)
 from ..transfer.copier import Copier
 from ..transfer.saver import ChunkSaver
 from .gpu_prefix_cache import GpuPrefixCache
@@ -90,6 +100,11 @@ class SaveCapture:
             layer, encoded, keep=[fmt for fmt, t in encoded.items() if t is not hidden]
         )  # all made here but the engine's hidden
 
+    def on_state(self, layer: int, uid: int, chunk: int, rows: torch.Tensor) -> None:
+        """A recurrent layer's state at a chunk's end, kept in the chunk where it saves anything of the layer."""
+        if self.formats[layer]:
+            self.saver.keep_state(uid, chunk, layer, rows)
+
     def end_batch(self) -> None:
         try:
             self.saver.end_batch(self._read if self._read_kv is not None else None)
@@ -129,10 +144,16 @@ class StoreStack:
         self.window = config.window_rule(
             engine.spec, engine.block_size
         )  # which chunks a sliding-window layer saves and restores
+        self.states = config.state_rule(engine.spec)  # which chunks keep a recurrent layer's state
         eviction, cost = config.settings.eviction, recompute_cost(config)
         if config.stored:
-            formats = list(config.save_formats)
-            tensors = stored_tensors(row_shapes(engine.spec), engine.spec.torch_dtype, formats, config.encodings)
+            spec, formats = engine.spec, list(config.save_formats)
+            shapes = row_shapes(spec)
+            # A recurrent layer that saves anything saves its state, which stands for every format of it.
+            recurrent = [layer for layer, saved in enumerate(formats) if saved and spec.is_recurrent(layer)]
+            formats = [frozenset() if spec.is_recurrent(layer) else saved for layer, saved in enumerate(formats)]
+            tensors = stored_tensors(shapes, spec.torch_dtype, formats, config.encodings)
+            tensors += [TensorSpec(layer, STATE, shapes[STATE], STATE_DTYPE) for layer in recurrent]
             config.store.check(ChunkLayout.plan(tensors, self.fingerprint).nbytes)
             self.copier = Copier(engine.device)
             self.store = config.store.open_store(
@@ -148,12 +169,15 @@ class StoreStack:
                 self.fingerprint,
                 tensors,
                 stores=lambda c, layer, f, end: (
-                    stores(tp.rank, tp.world_size, c, base_format(f)) and self.window.saves(layer, c, end)
+                    self.states.saves(c)
+                    if f == STATE
+                    else stores(tp.rank, tp.world_size, c, base_format(f)) and self.window.saves(layer, c, end)
                 ),
                 value=lambda chunk: cost(chunk * CHUNK_TOKENS, CHUNK_TOKENS),
             )
-            if any(formats):
-                self.capture = SaveCapture(self.saver, formats, config.encodings)
+            if any(formats) or recurrent:
+                saved = [frozenset({STATE}) if layer in recurrent else f for layer, f in enumerate(formats)]
+                self.capture = SaveCapture(self.saver, saved, config.encodings)
             self.prefetcher = Prefetcher(self.store)
             dirs = config.store_dirs(tp.rank)
             others = [

@@ -11,6 +11,7 @@ of every encoding restore on any runtime.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import NamedTuple
@@ -18,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..ops.quant import ENCODINGS, SCALE_DTYPE, QuantRows, dequantise, quantise
+from .chunk_key import CHUNK_TOKENS
 
 
 class Format(str, Enum):
@@ -65,6 +67,31 @@ class Source(str, Enum):
     DISK = "disk"
     SHARED_DISK = "shared_disk"
     REDIS = "redis"
+
+
+# A recurrent layer's state after a chunk's last token (a Mamba layer's convolution and SSM state), flattened
+# into the chunk's rows as float32: stored whole, never encoded, under the chunk's checksums like its rows.
+STATE = "S"
+STATE_DTYPE = torch.float32
+
+
+def state_row_shape(numel: int) -> tuple[int]:
+    """The row shape that holds a state of ``numel`` values in a chunk's rows (zero-padded at the end)."""
+    return (-(-numel // CHUNK_TOKENS),)
+
+
+def pack_state(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A state's tensors as the ``[CHUNK_TOKENS, w]`` rows a chunk stores (:func:`state_row_shape`)."""
+    flat = torch.cat([p.reshape(-1).to(STATE_DTYPE) for p in parts])
+    (width,) = state_row_shape(flat.numel())
+    return torch.nn.functional.pad(flat, (0, CHUNK_TOKENS * width - flat.numel())).view(CHUNK_TOKENS, width)
+
+
+def unpack_state(rows: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """:func:`pack_state`'s inverse: the state's tensors of ``shapes``, views of ``rows``."""
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = rows.reshape(-1)[: sum(sizes)]
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
 
 Encodings = Mapping[str, torch.dtype]  # format -> 8-bit code dtype, for the formats stored encoded

@@ -29,6 +29,7 @@ class Chunk:
     filled: int = 0  # rows that have landed
     staged: ChunkImage | None = None  # staging only: the image on the device, copied to ``image`` when full
     vouchers: list[torch.Tensor] = field(default_factory=list)  # must all hold for it to publish (``vouch``)
+    states: set[int] = field(default_factory=set)  # layers whose state at its end is in (``ChunkSaver.keep_state``)
 
 
 @dataclass
@@ -75,15 +76,28 @@ def copy_rows(
             continue
         spans = chunk.image.spans(layers, fmt)
         if spans and stage:
-            if chunk.staged is None:  # one per chunk, from the caching allocator
-                data = torch.empty(chunk.image.layout.nbytes, dtype=torch.uint8, device=src.device)
-                chunk.staged = ChunkImage(data, chunk.image.layout, fingerprint)
-            spans = chunk.staged.spans(layers, fmt)
+            spans = _staged(chunk, src.device, fingerprint).spans(layers, fmt)
         for i, j, view in spans:
             dst.append(view[:, p.offset : p.offset + p.n])
             rows.append(piece if (i, j) == (0, len(layers)) else piece[i:j])
     if dst:
         torch._foreach_copy_(dst, rows, non_blocking=True)  # one call for the batch's pieces
+
+
+def copy_state(chunk: Chunk, layer: int, fmt: str, rows: torch.Tensor, *, stage: bool, fingerprint: str) -> None:
+    """A layer's state at the chunk's end (its whole tensor of ``fmt``) into the chunk, as :func:`copy_rows`
+    copies rows: into its staged image on the rows' device, with ``stage``, else its slot."""
+    image = _staged(chunk, rows.device, fingerprint) if stage else chunk.image
+    image.tensor(layer, fmt).copy_(rows, non_blocking=True)
+    chunk.states.add(layer)
+
+
+def _staged(chunk: Chunk, device: torch.device, fingerprint: str) -> ChunkImage:
+    """The chunk's staged image on ``device``, made on its first rows (one per chunk, from the caching allocator)."""
+    if chunk.staged is None:
+        data = torch.empty(chunk.image.layout.nbytes, dtype=torch.uint8, device=device)
+        chunk.staged = ChunkImage(data, chunk.image.layout, fingerprint)
+    return chunk.staged
 
 
 def _pieces(pieces: list[Piece], src: torch.Tensor) -> list[torch.Tensor]:

@@ -43,8 +43,8 @@ from ..ops import device_copy
 from ..storage.chunk import ChunkLayout
 from ..storage.chunk_key import CHUNK_TOKENS, KeyChain
 from ..storage.host_tier import HostTier
-from ..storage.stored_state import TensorSpec
-from .chunk_rows import Chunk, Piece, SavedSequence, copy_rows, split, unstage
+from ..storage.stored_state import STATE, TensorSpec
+from .chunk_rows import Chunk, Piece, SavedSequence, copy_rows, copy_state, split, unstage
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class ChunkSaver:
         self.chunks_published = 0
         self._tensors = [TensorSpec(*t) for t in tensors]
         self._layouts: dict[frozenset[tuple[int, str]], ChunkLayout] = {}
-        self._names = {(layer, fmt) for layer, fmt, *_ in tensors}
+        self._names = {(layer, fmt) for layer, fmt, *_ in tensors if fmt != STATE}  # rows, handed over by layer
         self._layers = {
             fmt: sorted(layer for layer, f in self._names if f == fmt) for _, fmt in self._names
         }  # storing each format
@@ -243,6 +243,17 @@ class ChunkSaver:
                 run.rows[len(run.layers)].copy_(t)
             run.layers.append(layer)
 
+    def keep_state(self, uid: int, chunk: int, layer: int, rows: torch.Tensor) -> None:
+        """Recurrent layer ``layer``'s state after chunk ``chunk`` of ``uid`` (``[64, w]``, :data:`STATE`), which
+        the chunk, being filled by this batch, stores where its layout has it (``stores`` asked); copied before
+        this returns. A chunk whose layout has a state publishes only with it."""
+        seq = self._seqs.get(uid)
+        c = seq.chunks.get(chunk) if seq is not None and self._batch is not None else None
+        if c is None or c.image is None or (layer, STATE) not in c.image.layout.entries:
+            return
+        stage = device_copy.uses_streams(rows.device) if self.stage is None else self.stage
+        copy_state(c, layer, STATE, rows, stage=stage, fingerprint=self.fingerprint)
+
     def vouch(self, held: torch.Tensor) -> None:
         """The batch's rows hold only if ``held`` (a bool on their device) does: a chunk they reach publishes
         only if it does. Read once the chunk fills and its rows have landed, not now: on a GPU, reading it
@@ -380,6 +391,10 @@ class ChunkSaver:
                 if chunk.filled < CHUNK_TOKENS or p.seq.broken or p.seq.chunks.get(chunk.index) is not chunk:
                     continue
                 del p.seq.chunks[chunk.index]
+                if chunk.image is not None and not _has_states(chunk):  # never a prefix without its state
+                    log.error("saver: chunk %d of sequence %d filled without its state", chunk.index, p.seq.uid)
+                    batch.dead.append(chunk)
+                    continue
                 if chunk.image is not None:
                     key, tokens = p.seq.chain.chunk(chunk.index)  # keyed before the forward
                     self.tier.publish(
@@ -407,3 +422,8 @@ class ChunkSaver:
         if names not in self._layouts:
             self._layouts[names] = ChunkLayout.plan(stored, self.fingerprint)
         return self._layouts[names]
+
+
+def _has_states(chunk: Chunk) -> bool:
+    """Whether every state the chunk's layout holds was kept (:meth:`ChunkSaver.keep_state`)."""
+    return all(layer in chunk.states for layer, fmt in chunk.image.layout.entries if fmt == STATE)

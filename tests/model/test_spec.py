@@ -207,3 +207,37 @@ def test_gemma_is_described_with_its_forward_facts_and_two_rope_bases():
     assert not {"sandwich", "attention_scale", "attention_softcap", "final_softcap", "sliding_rope"} & set(
         json.loads(llama.to_json())
     )
+
+
+def test_granite_4_is_described_with_its_mamba_layers_and_scales():
+    """GraniteMoeHybrid's Mamba-2 layers are recurrent (their state's shape known), its attention takes no
+    RoPE unless ``position_embedding_type`` says so, and its multipliers are the forward's; vLLM's view of
+    it (``any_family``) is refused, its state not stored there. A family without these facts keeps its
+    identity."""
+    fields = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        attention_multiplier=0.1,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        logits_scaling=6.0,
+    )
+    granite = ModelSpec.from_config(AutoConfig.for_model("granitemoehybrid", **fields))
+    assert granite.recurrent_layers == (0, 2) and [granite.is_recurrent(i) for i in range(3)] == [True, False, True]
+    assert [granite.layer_type(i) for i in range(3)] == ["mamba", "full_attention", "mamba"]
+    assert (granite.mamba.conv_shape, granite.mamba.ssm_shape) == ((128 + 2 * 16, 4), (4, 32, 16))
+    assert granite.rope is None and granite.attention_scale == 0.1
+    assert (granite.embedding_multiplier, granite.residual_multiplier, granite.logits_scaling) == (12.0, 0.22, 6.0)
+    rotating = AutoConfig.for_model("granitemoehybrid", position_embedding_type="rope", **fields)
+    assert ModelSpec.from_config(rotating).rope is not None
+    with pytest.raises(UnsupportedModelError, match="no rule for the state other layers carry"):
+        ModelSpec.from_config(rotating, any_family=True)
+    llama = ModelSpec.from_config(AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4))
+    later = {"recurrent_layers", "mamba", "embedding_multiplier", "residual_multiplier", "logits_scaling"}
+    assert not later & set(json.loads(llama.to_json())) and later <= set(json.loads(granite.to_json()))

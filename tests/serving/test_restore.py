@@ -20,6 +20,7 @@ from hcache.storage.host_pool import HostPool
 # float32: K/V from a saved hidden state go through the same GEMM and RoPE as the forward, but the GEMM
 # may block rows differently, and decode-time rows were produced one token at a time.
 KV_ATOL = 1e-5
+DECODED_ATOL = 1e-4
 
 
 def plans(num_layers: int) -> list[str]:
@@ -27,7 +28,9 @@ def plans(num_layers: int) -> list[str]:
     return ["RE", "H", "KV", f"1RE+{n - 1}H", f"{n - 1}H+1KV", f"1RE+{n - 2}H+1KV", f"1RE+{n - 1}KV"]
 
 
-def assert_restored_kv_equals_recompute(runtime: HCacheRuntime, prompt: list[int], plan: RestorePlan) -> int:
+def assert_restored_kv_equals_recompute(
+    runtime: HCacheRuntime, prompt: list[int], plan: RestorePlan, atol: float = KV_ATOL
+) -> int:
     engine, spec = runtime.engine, runtime.spec
     keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
     outcome = restore_prefix(engine, runtime.store, 1000, prompt, keys, runtime.fingerprint, plan, runtime.stack.copier)
@@ -37,7 +40,7 @@ def assert_restored_kv_equals_recompute(runtime: HCacheRuntime, prompt: list[int
         attended = spec.attended_from(layer, outcome.tokens)  # a sliding-window layer's positions before are never read
         for got, want in zip(engine.kv(1000, layer), engine.kv(1001, layer)):
             torch.testing.assert_close(
-                got[attended:], want[attended:], atol=KV_ATOL, rtol=0, msg=lambda m: f"layer {layer}: {m}"
+                got[attended:], want[attended:], atol=atol, rtol=0, msg=lambda m: f"layer {layer}: {m}"
             )
     engine.flush_all()
     return outcome.tokens
@@ -51,9 +54,12 @@ def test_every_method_and_mixed_plan_on_every_family(tiny, tmp_path, rng):
     history = prompt + reference.output_ids[:-1]  # the next turn resends this history
     follow_up = history + random_prompt(7, tiny.spec.vocab_size, rng)
     expected = runtime.generate(follow_up, 12, restore=False).output_ids
+    # A hybrid's chunk 1, computed by decode steps, went through its Mamba mixer's recurrent path where a
+    # recompute takes the chunked scan: the K/V above differ by that noise (tests/serving/test_hybrid.py).
+    atol = DECODED_ATOL if tiny.spec.recurrent_layers else KV_ATOL
     for text in plans(tiny.spec.num_layers):
         plan = runtime.resolve_plan(text)
-        assert assert_restored_kv_equals_recompute(runtime, follow_up, plan) == 128
+        assert assert_restored_kv_equals_recompute(runtime, follow_up, plan, atol) == 128
         result = runtime.generate(follow_up, 12, plan=plan)
         assert result.restored_tokens == 128 and result.fallback is None
         assert result.output_ids == expected, f"plan {plan}"
