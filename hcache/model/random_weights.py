@@ -20,6 +20,15 @@ RANDOM_PREFIX = "random:"  # a model name that asks for random weights: ``random
 
 # Small shapes for tests: every supported family, MHA and GQA, biases, fused QKV, partial rotary, Q/K norms; and
 # families vLLM serves that hcache's engines do not.
+_GEMMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    query_pre_attn_scalar=48,
+    sliding_window=48,
+)
 _TINY: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4),
     "mistral": dict(
@@ -41,25 +50,8 @@ _TINY: dict[str, dict[str, Any]] = {
     "opt": dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, enable_bias=True),
     # Gemma: sandwich norms, scaled embeddings, a query scale of its own, sliding and full layers; Gemma 2's soft
     # caps, Gemma 3's Q/K norms and its two RoPE bases (local 10K, global 1M)
-    "gemma2": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        query_pre_attn_scalar=48,
-        sliding_window=48,
-    ),
-    "gemma3_text": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        query_pre_attn_scalar=48,
-        sliding_window=48,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-    ),
+    "gemma2": _GEMMA,
+    "gemma3_text": {**_GEMMA, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
     # Granite 4: Mamba-2 and attention layers, MoE beside a shared MLP, Granite's scales; no RoPE, as Granite 4's
     "granitemoehybrid": dict(
         hidden_size=64,
