@@ -65,9 +65,9 @@ def session(request, tmp_path_factory):
         "dtype": "float32",
         "max_tokens": 12,
         "turns": TURNS,
-        # each engine in the session's process: a few seconds to start, not 40-50 s; but not gpt-oss, whose
-        # mixture of experts vLLM's CPU build computes wrongly there (tried at 0.32: the first engine's every
-        # token 0, the next engines' replies parting from one another)
+        # each engine in the session's process: a few seconds to start, not 40-50 s; not gpt-oss, whose random
+        # model vLLM 0.32's CPU build serves degenerately (as processes every log-probability ln(vocabulary),
+        # every token 0; in one process replies that part from one engine to the next)
         "in_process": request.param != "gpt_oss",
         "phases": phases,
     }
