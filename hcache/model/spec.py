@@ -8,7 +8,6 @@ family is described once, here.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedModelError
+from .families import FAMILIES, SUPPORTED_MODEL_TYPES, Family
 
 
 @dataclass(frozen=True)
@@ -70,59 +70,6 @@ class MambaSpec:
         return self.conv_dim * self.conv_kernel + self.heads * self.head_dim * self.state_size
 
 
-@dataclass(frozen=True)
-class _Family:
-    layers: str
-    capture: str  # the module whose output is the normalised layer input (what hcache saves)
-    q: tuple[str, str]  # (module, which slice of a fused qkv: "", "q", "k" or "v")
-    k: tuple[str, str]
-    v: tuple[str, str]
-    o: str
-    positions: str  # "rope" or "learned"
-    windows: str = (
-        "none"  # which layers transformers' forward windows: "none", "uniform" (every layer) or "layer_types"
-    )
-    qk_norm: tuple[str, str] | None = None  # the RMS norms Q and K pass through, per head, before RoPE (Qwen3)
-    # the norms of the attention's output, the MLP's input and its output (Gemma)
-    sandwich: tuple[str, str, str] | None = None
-    recurrent: str | None = None  # transformers' layer type of the family's Mamba-2 layers (Granite 4's)
-
-
-_SEPARATE_QKV = dict(q=("self_attn.q_proj", ""), k=("self_attn.k_proj", ""), v=("self_attn.v_proj", ""))
-_LLAMA_LIKE = _Family(
-    layers="model.layers", capture="input_layernorm", o="self_attn.o_proj", positions="rope", **_SEPARATE_QKV
-)
-_QK_NORM = ("self_attn.q_norm", "self_attn.k_norm")
-_SANDWICH = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-_FAMILIES: dict[str, _Family] = {
-    "llama": _LLAMA_LIKE,
-    "mistral": dataclasses.replace(_LLAMA_LIKE, windows="uniform"),
-    "qwen2": dataclasses.replace(_LLAMA_LIKE, windows="layer_types"),
-    "qwen3": dataclasses.replace(_LLAMA_LIKE, windows="layer_types", qk_norm=_QK_NORM),
-    "gemma2": dataclasses.replace(_LLAMA_LIKE, windows="layer_types", sandwich=_SANDWICH),
-    "gemma3_text": dataclasses.replace(_LLAMA_LIKE, windows="layer_types", qk_norm=_QK_NORM, sandwich=_SANDWICH),
-    "phi3": _Family(
-        layers="model.layers",
-        capture="input_layernorm",
-        q=("self_attn.qkv_proj", "q"),
-        k=("self_attn.qkv_proj", "k"),
-        v=("self_attn.qkv_proj", "v"),
-        o="self_attn.o_proj",
-        positions="rope",
-        windows="uniform",
-    ),
-    "granitemoehybrid": dataclasses.replace(_LLAMA_LIKE, recurrent="linear_attention"),
-    "opt": _Family(
-        layers="model.decoder.layers",
-        capture="self_attn_layer_norm",
-        q=("self_attn.q_proj", ""),
-        k=("self_attn.k_proj", ""),
-        v=("self_attn.v_proj", ""),
-        o="self_attn.out_proj",
-        positions="learned",
-    ),
-}
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
 # Facts learnt after the first families: absent from the identity of a spec that lacks them (:meth:`ModelSpec.to_json`).
 _LATER_FACTS = (
     "qk_norm",
@@ -278,7 +225,7 @@ class ModelSpec:
         computes them (vLLM), and restores nothing by H (:attr:`restores_hidden`). Raises
         :class:`UnsupportedModelError`."""
         model_type = getattr(config, "model_type", None)
-        family = _FAMILIES.get(model_type)
+        family = FAMILIES.get(model_type)
         layer_types = tuple(getattr(config, "layer_types", None) or ())
         recurrent = family.recurrent if family is not None and not any_family else None
         others = sorted(set(layer_types) - set(STORED_LAYER_TYPES) - {recurrent})
@@ -365,7 +312,7 @@ class ModelSpec:
         )
 
 
-def _rotates(config: Any, family: _Family | None) -> bool:
+def _rotates(config: Any, family: Family | None) -> bool:
     """Whether the family's attention rotates Q and K by RoPE (Granite 4's may take no positions at all)."""
     return (
         family is not None
