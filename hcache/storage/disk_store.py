@@ -50,20 +50,20 @@ import math
 import os
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import StorageError
 from . import direct_io as dio
-from .chunk import ChunkInvalid, ChunkLayout, ChunkOtherVersion, read_header
+from .chunk import ChunkInvalid, ChunkLayout, read_header
+from .chunk_file import publish
 from .chunk_store import Loss, LossLog
 from .dir_scan import scan
 from .lru_index import Entry, LruIndex
-from .store_dir import CHUNK_KEY, DIR_MODE, chunk_path, directories, open_dir
+from .store_dir import CHUNK_KEY, chunk_path, directories, open_dir
 from .stored_state import Source
-from .use_stamps import UseStamps, set_time
+from .use_stamps import UseStamps
 
 log = logging.getLogger(__name__)
 
@@ -83,25 +83,6 @@ class StoreFull(OSError):
 
     def __init__(self, message: str):
         super().__init__(errno.ENOSPC, message)
-
-
-class OtherVersionStored(OSError):
-    """A chunk file of another layout version (another hcache's) holds the key: left alone, not replaced."""
-
-    def __init__(self, message: str):
-        super().__init__(errno.EEXIST, message)
-
-
-def _refuse_other_version(path: Path, key: str) -> None:
-    """Raise :class:`OtherVersionStored` if ``path`` holds a chunk of another layout version; a file of this
-    version, damaged or not, or none, may be replaced."""
-    try:
-        with open(path, "rb") as f:
-            read_header(f, key, os.fstat(f.fileno()).st_size)
-    except ChunkOtherVersion as exc:
-        raise OtherVersionStored(f"{exc}: left alone, not replaced") from None
-    except (OSError, ChunkInvalid):
-        pass
 
 
 class DiskChunkStore:
@@ -346,16 +327,9 @@ class DiskChunkStore:
             entry = Entry(size, now, where, pins=1, stamped=now, parent=parent)
             self._index.add(key, entry)
             self._writing.add(key)
-        path = self.path(key, where)
-        tmp = path.with_name(f".{key}.{uuid.uuid4().hex}.tmp")
         try:
-            _refuse_other_version(path, key)
-            path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
-            self.direct[where] = dio.write_file(tmp, data, size, self.direct[where], self.fsync)
-            os.replace(tmp, path)  # the data is on the device first, so a crash never leaves a torn chunk
-            set_time(path, now)  # the index's clock, which a restart reads back
+            self.direct[where] = publish(self.path(key, where), key, data, size, self.direct[where], self.fsync, now)
         except BaseException:
-            tmp.unlink(missing_ok=True)
             with self._lock:
                 self.write_errors += 1
                 self._writing.discard(key)

@@ -17,9 +17,10 @@ from support.storage_chunks import ROOT, Chunk, check_served, chunk, chunk_bytes
 from hcache.errors import StorageError
 from hcache.storage import direct_io
 from hcache.storage.chunk import encode
+from hcache.storage.chunk_file import OtherVersionStored
 from hcache.storage.chunk_key import LAYOUT_VERSION, next_key
 from hcache.storage.chunk_store import Loss
-from hcache.storage.disk_store import DiskChunkStore, OtherVersionStored, StoreFull
+from hcache.storage.disk_store import DiskChunkStore, StoreFull
 
 
 class Clock:
