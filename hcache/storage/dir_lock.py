@@ -26,44 +26,72 @@ LOCK_NAME = "hcache-store.lock"
 
 _held: dict[Path, list] = {}  # directory -> [fd, store objects using it, shared]
 _mutex = threading.Lock()
+# Releases asked for and not yet done. A store's release may run from its finalizer, which the garbage
+# collector can call in a thread that holds _mutex already (inside acquire): a release never waits for the
+# mutex, its holder does the releases as it lets go.
+_releases: list[Path] = []
 
 
 def acquire(directory: Path, shared: bool = False) -> tuple[Callable[[], None], bool]:
     """Hold ``directory`` for this process (``shared``: along with other shared holders); returns the
     release (call it once) and whether no other store object of this process holds it."""
     key = directory.resolve()
-    with _mutex:
-        entry = _held.get(key)
-        if entry is None:
-            fd = os.open(key / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-            except OSError as exc:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "shared"
-                os.close(fd)
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise StorageError(f"cannot lock the store directory {directory}: {exc}") from exc
-                raise StorageError(
-                    f"the store directory {directory} is in use by another process (pid {holder}); give each "
-                    "process (each MII replica) a directory of its own, or open it as shared in every one"
-                ) from None
-            os.ftruncate(fd, 0)  # a shared store names no holder
-            if not shared:
-                os.pwrite(fd, str(os.getpid()).encode(), 0)
-            entry = _held[key] = [fd, 0, shared]
-        elif entry[2] != shared:
+    try:
+        with _mutex:
+            _drop_released()
+            return _hold(key, directory, shared)
+    finally:
+        _settle()
+
+
+def _hold(key: Path, directory: Path, shared: bool) -> tuple[Callable[[], None], bool]:
+    """The hold, under _mutex."""
+    entry = _held.get(key)
+    if entry is None:
+        fd = os.open(key / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "shared"
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StorageError(f"cannot lock the store directory {directory}: {exc}") from exc
             raise StorageError(
-                f"the store directory {directory} is open here as {'shared' if entry[2] else 'private'} already"
-            )
-        entry[1] += 1
-        return functools.partial(_release, key), entry[1] == 1
+                f"the store directory {directory} is in use by another process (pid {holder}); give each "
+                "process (each MII replica) a directory of its own, or open it as shared in every one"
+            ) from None
+        os.ftruncate(fd, 0)  # a shared store names no holder
+        if not shared:
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        entry = _held[key] = [fd, 0, shared]
+    elif entry[2] != shared:
+        raise StorageError(
+            f"the store directory {directory} is open here as {'shared' if entry[2] else 'private'} already"
+        )
+    entry[1] += 1
+    return functools.partial(_release, key), entry[1] == 1
 
 
 def _release(key: Path) -> None:
-    with _mutex:
+    _releases.append(key)
+    _settle()
+
+
+def _settle() -> None:
+    """Do the releases asked for, unless another holds _mutex: it does them as it lets go."""
+    while _releases and _mutex.acquire(blocking=False):
+        try:
+            _drop_released()
+        finally:
+            _mutex.release()
+
+
+def _drop_released() -> None:
+    while _releases:
+        key = _releases.pop()
         entry = _held.get(key)
         if entry is None:
-            return
+            continue
         entry[1] -= 1
         if entry[1] == 0:
             os.close(entry[0])  # drops the lock
@@ -74,6 +102,7 @@ def _forget_in_child() -> None:
     """A child's copies of the parent's lock fds: closing them leaves the parent's locks held."""
     global _mutex
     _mutex = threading.Lock()
+    _releases.clear()
     for fd, *_ in _held.values():
         os.close(fd)
     _held.clear()

@@ -115,3 +115,29 @@ def test_a_forked_child_neither_inherits_the_lock_nor_drops_it(tmp_path):
         assert _other(tmp_path).startswith("refused:")  # the child's exit left the parent's lock held
     finally:
         release()
+
+
+def test_a_release_run_by_the_garbage_collector_inside_acquire_neither_deadlocks_nor_is_lost(tmp_path, monkeypatch):
+    """A store's finalizer releases its directory, and the collector may run it in a thread that holds the
+    module's mutex, inside acquire (a whole-suite run once hung there): the release waits for nothing, and is
+    done as the mutex is let go."""
+    import threading
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    release_first, _ = dir_lock.acquire(first)
+    hold = dir_lock._hold
+
+    def collected_meanwhile(*args):
+        release_first()  # as the collector runs the first store's finalizer here
+        return hold(*args)
+
+    monkeypatch.setattr(dir_lock, "_hold", collected_meanwhile)
+    taken = []
+    thread = threading.Thread(target=lambda: taken.append(dir_lock.acquire(second)), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert taken, "acquire deadlocked on a release made inside it"
+    assert first.resolve() not in dir_lock._held and _other(first) == "taken"  # released, not lost
+    taken[0][0]()
+    assert second.resolve() not in dir_lock._held
