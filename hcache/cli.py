@@ -9,12 +9,14 @@ import logging
 import os
 import sys
 
-from . import demo_command, prepare_command, profile_command
 from .bench import command as bench_command
 from .check import command as check_command
+from .demo import command as demo_command
+from .engine import prepare_command
 from .errors import HCacheError
 from .fleet import command as fleet_command
 from .mii import serve_command
+from .planning import command as profile_command
 from .storage import command as store_command
 from .version import __version__
 

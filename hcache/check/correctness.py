@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine import ReferenceEngine
+from ..engine.reference import ReferenceEngine
 from ..engine.interface import Engine
 from ..model.fingerprint import model_fingerprint
 from ..model.random_weights import random_model

@@ -1,7 +1,4 @@
-"""Inference engines hcache restores into. ``reference`` runs anywhere torch runs (HF transformers modules)."""
+"""Inference engines hcache restores into. ``reference`` runs anywhere torch runs (HF transformers modules).
 
-from .blocked_kv_cache import BlockedKVCache
-from .capture import LayerCapture
-from .reference import ReferenceEngine
-
-__all__ = ["BlockedKVCache", "LayerCapture", "ReferenceEngine"]
+Nothing is imported here: ``hcache prepare`` lives in this package, and ``hcache --help`` must not import
+torch."""

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import HCacheConfig, ResolvedConfig, engine_and_device
-from ..engine import ReferenceEngine
+from ..engine.reference import ReferenceEngine
 from ..errors import InvalidRequestError, ModelNotFoundError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint, model_fingerprint
 from ..model.loader import check_device, load_model, model_dtype

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..engine import ReferenceEngine
+from ..engine.reference import ReferenceEngine
 from ..engine.interface import Engine
 from ..errors import StorageError
 from ..model.loader import LoadedModel

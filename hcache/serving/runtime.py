@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import HCacheConfig
-from ..engine import ReferenceEngine
+from ..engine.reference import ReferenceEngine
 from ..errors import InvalidRequestError
 from ..model.fingerprint import model_fingerprint
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load_model

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from support.helpers import corrupt_tensor, loaded, random_prompt
 
-from hcache.engine import ReferenceEngine
+from hcache.engine.reference import ReferenceEngine
 from hcache.errors import UnsupportedModelError
 from hcache.model.loader import LoadedModel
 from hcache.model.random_weights import random_model

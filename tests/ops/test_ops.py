@@ -14,7 +14,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply
 
 from hcache.cli import main
-from hcache.engine import ReferenceEngine
+from hcache.engine.reference import ReferenceEngine
 from hcache.model.spec import ModelSpec, RopeSpec
 from hcache.ops import apply_rope, read_kv, rope_cos_sin, rotate_and_write, slot_mapping
 from hcache.ops.paged_kv import copy_slots

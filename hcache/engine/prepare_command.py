@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .defaults import DEFAULT_MODEL
+from ..defaults import DEFAULT_MODEL
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.fastgen:
         return _prepare_fastgen()
-    from .model.loader import load_model
+    from ..model.loader import load_model
 
     loaded = load_model(DEFAULT_MODEL)
     print(f"default model ready: {loaded.spec.model_type}, {loaded.spec.num_layers} layers")
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _prepare_fastgen() -> int:
     try:
-        from .engine.fastgen import build_fastgen_ops
+        from .fastgen import build_fastgen_ops
 
         names = build_fastgen_ops()
     except ImportError as exc:

@@ -1,11 +1,11 @@
-"""``hcache demo``: the command line of :mod:`hcache.demo`, which it imports only when run (it imports
+"""``hcache demo``: the command line of :mod:`hcache.demo.chat`, which it imports only when run (it imports
 torch, and ``hcache --help`` should not)."""
 
 from __future__ import annotations
 
 import argparse
 
-from .defaults import DEFAULT_MODEL
+from ..defaults import DEFAULT_MODEL
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .chat import run_demo
 
     return (
         0

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-import hcache.demo
+import hcache.demo.chat
 from hcache.cli import main
-from hcache.demo import run_demo
+from hcache.demo.chat import run_demo
 from hcache.errors import InvalidRequestError
 from hcache.machine.facts import source_commit
 
@@ -60,6 +60,6 @@ def test_demo_refuses_fewer_than_one_repeat_before_touching_the_store(tmp_path, 
 
 
 def test_demo_refuses_a_bad_stored_dtype_before_loading_the_model(monkeypatch):
-    monkeypatch.setattr(hcache.demo, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(hcache.demo.chat, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     with pytest.raises(InvalidRequestError, match="stored_dtype"):
         run_demo(stored_dtype="int4")

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .config import HCacheConfig
-from .machine.facts import machine_facts, source_commit
-from .model.loader import DEFAULT_MODEL, load_model
-from .planning.plan import RestorePlan
-from .serving.runtime import HCacheRuntime
+from ..config import HCacheConfig
+from ..machine.facts import machine_facts, source_commit
+from ..model.loader import DEFAULT_MODEL, load_model
+from ..planning.plan import RestorePlan
+from ..serving.runtime import HCacheRuntime
 
 SYSTEM = (
     "You are a concise travel guide. Background for this conversation: Paris is the capital and largest "

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .defaults import DEFAULT_MODEL, DEFAULT_READERS
+from ..defaults import DEFAULT_MODEL, DEFAULT_READERS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,11 +51,11 @@ def _profile_fastgen(args: argparse.Namespace) -> tuple:
 
     import torch
 
-    from .engine.fastgen import build_fastgen_engine
-    from .errors import InvalidRequestError
-    from .model.loader import model_dir, model_dtype
-    from .model.random_weights import random_model
-    from .planning.profiler import default_tokens, measure_engine, profile_tokens
+    from ..engine.fastgen import build_fastgen_engine
+    from ..errors import InvalidRequestError
+    from ..model.loader import model_dir, model_dtype
+    from ..model.random_weights import random_model
+    from .profiler import default_tokens, measure_engine, profile_tokens
 
     if not torch.cuda.is_available() or (args.device or "cuda").split(":")[0] != "cuda":
         raise InvalidRequestError(
@@ -84,10 +84,10 @@ def _profile_fastgen(args: argparse.Namespace) -> tuple:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .model.loader import load_model, model_dtype
-    from .planning.profile import default_profile_path
-    from .planning.profiler import default_tokens, measure_profile
-    from .storage.stored_state import stored_encodings
+    from ..model.loader import load_model, model_dtype
+    from ..storage.stored_state import stored_encodings
+    from .profile import default_profile_path
+    from .profiler import default_tokens, measure_profile
 
     if args.tokens and args.short:
         raise ValueError("--tokens and --short both choose the history lengths: give one")
