@@ -17,7 +17,15 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(params=SUPPORTED_MODEL_TYPES)
+# The quick check's families, one of each kind: RoPE with GQA (llama), learned positions (opt), Q/K normed
+# before RoPE (qwen3), sliding and full layers with two RoPE bases (gemma3_text), Mamba layers beside
+# attention (granitemoehybrid). The others are variations of these and run in the whole suite (`slow`).
+QUICK_FAMILIES = frozenset({"llama", "opt", "qwen3", "gemma3_text", "granitemoehybrid"})
+
+
+@pytest.fixture(
+    params=[t if t in QUICK_FAMILIES else pytest.param(t, marks=pytest.mark.slow) for t in SUPPORTED_MODEL_TYPES]
+)
 def tiny(request) -> LoadedModel:
     """A tiny random-weight model of each supported family."""
     return loaded(f"random:{request.param}")

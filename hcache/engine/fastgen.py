@@ -84,7 +84,7 @@ def check_cuda() -> None:
     if not torch.cuda.is_available():
         raise RuntimeError(
             "FastGen needs a CUDA GPU (its ragged kernels are CUDA-only) and none is available; "
-            "use the reference engine (hcache.engine.ReferenceEngine) on a CPU"
+            "use the reference engine (hcache.engine.reference.ReferenceEngine) on a CPU"
         )
 
 

@@ -7,7 +7,7 @@ import torch
 
 from hcache.check.correctness import FAMILIES, PLANS, check_restores
 from hcache.cli import main
-from hcache.engine import ReferenceEngine
+from hcache.engine.reference import ReferenceEngine
 from hcache.machine.facts import source_commit
 
 

@@ -4,7 +4,7 @@ transformers' own mixer, so the logits are transformers' over a ragged batch and
 import torch
 from support.helpers import random_prompt
 
-from hcache.engine import ReferenceEngine
+from hcache.engine.reference import ReferenceEngine
 from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
 from hcache.storage.chunk_key import CHUNK_TOKENS

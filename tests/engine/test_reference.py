@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hcache.engine import ReferenceEngine
+from hcache.engine.reference import ReferenceEngine
 from hcache.errors import CacheFullError, InvalidRequestError
 
 from support.helpers import random_prompt

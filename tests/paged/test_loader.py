@@ -12,7 +12,7 @@ import torch
 from support.budgets import Counter, FakeCuda, counting
 from support.helpers import corrupt_tensor, random_prompt, serving_engine
 
-from hcache.engine import ReferenceEngine
+from hcache.engine.reference import ReferenceEngine
 from hcache.model.fingerprint import model_fingerprint
 from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec

@@ -37,7 +37,7 @@ from support.helpers import random_prompt, serving_engine
 import hcache.serving.engine as serving_module
 import hcache.storage.chunk_key as chunk_key
 import hcache.transfer.copier as copier_module
-from hcache.engine import ReferenceEngine
+from hcache.engine.reference import ReferenceEngine
 from hcache.model.fingerprint import model_fingerprint
 from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec

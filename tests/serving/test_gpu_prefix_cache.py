@@ -8,7 +8,7 @@ import pytest
 import torch
 from support.helpers import loaded, random_prompt, serving_engine
 
-from hcache.engine import ReferenceEngine
+from hcache.engine.reference import ReferenceEngine
 from hcache.model.fingerprint import model_fingerprint
 from hcache.serving.metrics import serve_metrics
 from hcache.serving.runtime import HCacheRuntime

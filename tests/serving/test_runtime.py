@@ -8,7 +8,7 @@ import torch
 from support.helpers import corrupt_tensor, loaded, random_prompt
 from support.storage_chunks import read_back
 
-from hcache.engine import ReferenceEngine
+from hcache.engine.reference import ReferenceEngine
 from hcache.errors import InvalidRequestError, ModelNotFoundError, StorageError
 from hcache.model.loader import load_model
 from hcache.model.random_weights import random_model

@@ -45,7 +45,7 @@ def run_session(spec: dict, directory: Path) -> dict:
         [sys.executable, __file__, str(directory / "spec.json"), str(directory / "out.json")],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,  # a loaded 2-core machine takes minutes an engine; an idle one, seconds
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     return json.loads((directory / "out.json").read_text())
