@@ -14,10 +14,10 @@ file corrupted and Redis stopped, restoring nothing and recomputing; with every 
 before it starts, the same; last, vLLM alone (the reference, in float32: in bfloat16 a token's K/V computed in
 a decode step rounds apart from the same token's in a prefill, so a reply may part from vLLM's alone at a near
 tie, as it does with vLLM's own prefix cache). Every load is asynchronous, and every lossless restore's reply
-equals vLLM's alone. The six engines with the connector run as users run ``vllm.LLM``, each with its
-engine-core and worker processes; the reference, which has no connector, runs in the session's process
-(``in_process``: seconds to start, not the 40-50 s of two fresh interpreters importing vLLM), after them so
-that nothing it leaves in that process reaches theirs.
+equals vLLM's alone. The first engine runs as users run ``vllm.LLM``, with its engine-core and worker
+processes (so do the tensor-parallel sessions' engines); the others run in the session's process
+(``in_process``: seconds to start, not the 40-50 s of two fresh interpreters importing vLLM), the reference,
+which has no connector, last.
 """
 
 import json
@@ -88,26 +88,31 @@ def session(tmp_path_factory):
                 "requests": [["first", "a"], ["second", "b"], ["second", "a"], ["batch", CONCURRENT], ["batch", LONG]],
             },
             {
+                "in_process": True,
                 "connector": connector("disk", [str(store)], [], stored_dtype="int8"),
                 "prefix_cache": True,
                 "reserved_cpus": 1,
                 "requests": [["second", "a"], ["first", "c"], ["second", "c"], ["steps", DECODERS, LONG]],
             },
             {
+                "in_process": True,
                 "connector": connector("redis", None, ["$REDIS"], store={"host_bytes": POOL_BYTES}),
                 "block_size": 32,
                 "requests": [["second", "a"], ["first", "r"], ["second", "r", "stop_redis"], ["second", "a"]],
             },
             {
+                "in_process": True,
                 "connector": connector("lost", [str(lost)], [], store={"host_bytes": POOL_BYTES}),
                 "requests": [["first", "x"], ["first", "y"], ["second", "y", f"delete {lost} 10"], ["second", "x"]],
             },
             {
+                "in_process": True,
                 "connector": connector("faults", [str(store)], ["$REDIS"]),
                 "before": [f"corrupt {store}", "stop_redis"],
                 "requests": [["second", "a"]],
             },
             {
+                "in_process": True,
                 "connector": connector("truncated", [str(store)], []),
                 "before": [f"truncate {store}"],
                 "requests": [["second", "a"]],
