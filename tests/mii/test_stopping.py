@@ -33,6 +33,7 @@ def _sample(requests, best: list[list[int]]):
         for rank, token in enumerate(ranked):
             logits[row, token] = 10.0 - rank
     loop = SimpleNamespace(
+        vocab_size=VOCAB,
         _post_processors={
             "Stop": EosGenerationStopCriterion(SimpleNamespace(eos_token_id=EOS)),
             "Stop_5": TokenStopCriterion(5, tokenizer=None),
@@ -72,7 +73,7 @@ def test_a_request_is_done_as_its_sampled_token_says():
 @pytest.mark.parametrize("value, ids", [("2,17", (2, 17)), ("5", (5,)), ([3, 4], (3, 4)), (" 7 , 8", (7, 8))])
 def test_stop_token_ids_are_token_ids(value, ids):
     assert parse_stop_token_ids(value) == ids
-    assert check_generate_options({"stop_token_ids": value, "max_new_tokens": 4}, 10, 64)[2] == ids
+    assert check_generate_options({"stop_token_ids": value, "max_new_tokens": 4}, 10, 64)[1].stop_ids == ids
 
 
 @pytest.mark.parametrize("value", ["", "a,b", "-1", "2,,3", [], [-1], [True], 2.5, "1.5"])
