@@ -14,11 +14,12 @@ from ..errors import InvalidRequestError
 from ..storage.chunk_key import check_namespace
 from . import constraints
 from .detokenize import SKIP_SPECIAL_TOKENS, StreamDecoders
-from .stopping import STOP_TOKEN_IDS, parse_stop_token_ids
+from .stopping import INCLUDE_STOP, STOP_TOKEN_IDS, parse_stop_token_ids
 
 CACHE_SALT = "cache_salt"  # the per-request namespace, under vLLM's name
 # taken off before MII sees the options
-_HCACHE_FIELDS = frozenset((CACHE_SALT, STOP_TOKEN_IDS, SKIP_SPECIAL_TOKENS, *constraints.FIELDS))
+_HCACHE_FIELDS = frozenset((CACHE_SALT, STOP_TOKEN_IDS, SKIP_SPECIAL_TOKENS, INCLUDE_STOP, *constraints.FIELDS))
+_STREAM_ONLY = {SKIP_SPECIAL_TOKENS: True, INCLUDE_STOP: False}  # hcache's text options of streams, and defaults
 # Generation options a request may set: MII's, less the one MII fills in itself.
 _MII_FIELDS = frozenset(
     (
@@ -57,18 +58,19 @@ def check_generate_options(
             f"unknown field(s) {', '.join(unknown)}; a request may set {', '.join(sorted(_MII_FIELDS | _HCACHE_FIELDS))}"
         )
     options = dict(options)
+    text = {name: options.pop(name, default) for name, default in _STREAM_ONLY.items()}
+    for name, value in text.items():
+        if type(value) is not bool:
+            raise InvalidRequestError(f"{name} must be true or false, not {value!r:.40}")
+        if value != _STREAM_ONLY[name] and not options.get("stream"):
+            raise InvalidRequestError(f"{name}={str(value).lower()} is only supported with stream=true")
     hcache = Hcache(
         namespace=check_namespace(options.pop(CACHE_SALT, None), CACHE_SALT),
         stop_ids=parse_stop_token_ids(options.pop(STOP_TOKEN_IDS)) if STOP_TOKEN_IDS in options else (),
-        skip_special_tokens=options.pop(SKIP_SPECIAL_TOKENS, True),
+        skip_special_tokens=text[SKIP_SPECIAL_TOKENS],
+        include_stop=text[INCLUDE_STOP],
         constraints=constraints.Constraints.take(options),
     )
-    if type(hcache.skip_special_tokens) is not bool:
-        raise InvalidRequestError(
-            f"{SKIP_SPECIAL_TOKENS} must be true or false, not {hcache.skip_special_tokens!r:.40}"
-        )
-    if not hcache.skip_special_tokens and not options.get("stream"):
-        raise InvalidRequestError(f"{SKIP_SPECIAL_TOKENS}=false is only supported with stream=true")
     for name in _INTEGER_FIELDS:
         if name in options and (type(options[name]) is not int):
             raise InvalidRequestError(f"{name} must be an integer, not {options[name]!r}")
@@ -99,13 +101,14 @@ def check_generate_options(
 
 @dataclass(frozen=True)
 class Hcache:
-    """hcache's options of a request, beside MII's: its namespace, its stop token ids (:mod:`.stopping`),
-    whether its text leaves out special tokens (:mod:`.detokenize`), its constraints on each next token
-    (:mod:`.constraints`)."""
+    """hcache's options of a request, beside MII's: its namespace, its stop token ids and whether the text of
+    the one that ends it is sent (:mod:`.stopping`), whether its text leaves out special tokens
+    (:mod:`.detokenize`), its constraints on each next token (:mod:`.constraints`)."""
 
     namespace: str | None
     stop_ids: tuple[int, ...]
     skip_special_tokens: bool
+    include_stop: bool
     constraints: constraints.Constraints
 
 
@@ -140,7 +143,7 @@ def checking_requests(make):
             self.readable_stream.skip_special_tokens[tid] = hcache.skip_special_tokens
         request = make(self, tid, uid, input_tokens, options)
         request.hcache_namespace, request.hcache_stop_ids = hcache.namespace, hcache.stop_ids
-        request.hcache_constraints = made
+        request.hcache_constraints, request.hcache_include_stop = made, hcache.include_stop
         return request
 
     return make_request

@@ -19,6 +19,7 @@ from .constraints import parse_token_ids
 from .detokenize import STOPPED
 
 STOP_TOKEN_IDS = "stop_token_ids"  # hcache's option: comma-separated token ids (MII's requests carry scalars only)
+INCLUDE_STOP = "include_stop_str_in_output"  # vLLM's option: a stream's stop token's text is sent
 
 
 def parse_stop_token_ids(value: object) -> tuple[int, ...]:
@@ -65,11 +66,13 @@ def as_asked(process_logits):
 
 def leaving_out_stop_tokens(generate_output):
     """``RaggedBatchBase._generate_output``: a stream's last token, when it is the stop token that ended it,
-    sent as :data:`~.detokenize.STOPPED`, which decodes to no text, special tokens kept or not. A whole reply
-    leaves it out already (MII keeps no token that ended a request)."""
+    sent as :data:`~.detokenize.STOPPED`, which decodes to no text, special tokens kept or not, unless the
+    request asks for it (:data:`INCLUDE_STOP`). A whole reply leaves it out (MII keeps no token that ended a
+    request)."""
 
     def output(self, r) -> None:
-        if r.stream and getattr(r, "hcache_stopped", False):  # it ends here: the token is not read again
+        # it ends here: the token is not read again
+        if r.stream and getattr(r, "hcache_stopped", False) and not getattr(r, "hcache_include_stop", False):
             r.next_token = torch.full_like(r.next_token, STOPPED)
         return generate_output(self, r)
 
