@@ -37,7 +37,7 @@ def _sample(requests, best: list[list[int]]):
         _post_processors={
             "Stop": EosGenerationStopCriterion(SimpleNamespace(eos_token_id=EOS)),
             "Stop_5": TokenStopCriterion(5, tokenizer=None),
-        }
+        },
     )
     greedy = lambda self, logits, running: (logits.argmax(-1), torch.zeros(len(running), dtype=torch.bool))  # noqa: E731
     tokens, done = as_asked(greedy)(loop, logits, requests)
