@@ -1,6 +1,6 @@
 """What a request may constrain of its next token, as vLLM's sampling parameters do: ``allowed_token_ids``,
-``bad_words``, ``min_p``, and a structured output (a JSON schema, any JSON, a regular expression or an EBNF
-grammar, compiled by xgrammar, the library vLLM uses). Each is a mask on the logits in MII's batching loop,
+``bad_words``, ``min_p``, and a structured output (a JSON schema, a regular expression or an EBNF grammar,
+compiled by xgrammar, the library vLLM uses). Each is a mask on the logits in MII's batching loop,
 before MII's own top-k, top-p, temperature and sampler (:func:`hcache.mii.stopping.as_asked`).
 
 MII's gRPC requests carry scalars only, so these options travel as text: token ids comma-separated, the bad
@@ -21,7 +21,7 @@ from ..errors import InvalidRequestError
 
 ALLOWED_TOKEN_IDS, BAD_WORDS, MIN_P, STRUCTURED = "allowed_token_ids", "bad_words", "min_p", "structured_output"
 FIELDS = frozenset((ALLOWED_TOKEN_IDS, BAD_WORDS, MIN_P, STRUCTURED))
-KINDS = ("json", "regex", "grammar")  # a structured output's kinds; "json" with no schema: any JSON object
+KINDS = ("json", "regex", "grammar")  # a structured output's kinds: a JSON schema, a regex, an EBNF grammar
 
 
 def parse_token_ids(name: str, value: object) -> tuple[int, ...]:
@@ -36,22 +36,22 @@ def _token_id(item: object) -> bool:
     return (type(item) is int and item >= 0) or (isinstance(item, str) and item.strip().isdigit())
 
 
-def structured_option(kind: str, value: str | None) -> str:
+def structured_option(kind: str, value: str) -> str:
     """The ``structured_output`` option for a grammar of ``kind`` (one of :data:`KINDS`)."""
     return json.dumps({"kind": kind, "value": value})
 
 
-def check_structured(kind: str, value: str | None):
+def check_structured(kind: str, value: str):
     """The xgrammar ``Grammar`` of a structured output, or :class:`InvalidRequestError` saying what is wrong
     with it (xgrammar's message, less its source location)."""
     import xgrammar
 
     build = {
-        "json": lambda v: xgrammar.Grammar.from_json_schema(v) if v else xgrammar.Grammar.builtin_json_grammar(),
+        "json": xgrammar.Grammar.from_json_schema,
         "regex": xgrammar.Grammar.from_regex,
         "grammar": xgrammar.Grammar.from_ebnf,
     }
-    if kind not in build or not (value is None or isinstance(value, str)) or (kind != "json" and not value):
+    if kind not in build or not isinstance(value, str) or not value:
         raise InvalidRequestError(f"a structured output is one of {', '.join(KINDS)} with its text, not {kind!r:.40}")
     try:
         return build[kind](value)
@@ -68,7 +68,7 @@ class Constraints:
     allowed: tuple[int, ...] = ()
     bad_words: tuple = ()
     min_p: float = 0.0
-    structured: tuple[str, str | None] | None = None
+    structured: tuple[str, str] | None = None
     matcher: Any = field(default=None, repr=False)
 
     def __bool__(self) -> bool:
@@ -152,7 +152,7 @@ def _words(value: object) -> tuple[str, ...]:
 _COMPILERS: dict[tuple[int, int], Any] = {}  # one per tokenizer and vocabulary: it caches compiled grammars
 
 
-def _matcher(tokenizer, vocab_size: int, kind: str, value: str | None):
+def _matcher(tokenizer, vocab_size: int, kind: str, value: str):
     import xgrammar
 
     key = (id(tokenizer), vocab_size)
@@ -161,7 +161,7 @@ def _matcher(tokenizer, vocab_size: int, kind: str, value: str | None):
         _COMPILERS[key] = xgrammar.GrammarCompiler(info)
     compiler = _COMPILERS[key]
     compile_ = {
-        "json": lambda v: compiler.compile_json_schema(v) if v else compiler.compile_builtin_json_grammar(),
+        "json": compiler.compile_json_schema,
         "regex": compiler.compile_regex,
         "grammar": compiler.compile_grammar,
     }[kind]

@@ -55,10 +55,11 @@ def _response_format(form: Optional[dict[str, Any]]) -> list[tuple[str, str, Any
     )
 
 
-def _grammar(kind: str, value: Any) -> tuple[str, Optional[str]]:
-    """The model server's (kind, text) for one form: a choice is a grammar of its strings."""
+def _grammar(kind: str, value: Any) -> tuple[str, str]:
+    """The model server's (kind, text) for one form: a JSON object is the schema of any object, and a choice
+    a grammar of its strings (as vLLM's xgrammar backend makes them)."""
     if kind == "json_object":
-        return "json", None
+        return "json", '{"type": "object"}'
     if kind == "json":
         return "json", value if isinstance(value, str) else json.dumps(value)
     if kind == "choice":
