@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,17 +150,18 @@ def _words(value: object) -> tuple[str, ...]:
     return tuple(dict.fromkeys(words))
 
 
-_COMPILERS: dict[tuple[int, int], Any] = {}  # one per tokenizer and vocabulary: it caches compiled grammars
+# one compiler per tokenizer and vocabulary size, for the tokenizer's life: it caches the grammars compiled
+_COMPILERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _matcher(tokenizer, vocab_size: int, kind: str, value: str):
     import xgrammar
 
-    key = (id(tokenizer), vocab_size)
-    if key not in _COMPILERS:
+    compilers = _COMPILERS.setdefault(tokenizer, {})
+    if vocab_size not in compilers:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        _COMPILERS[key] = xgrammar.GrammarCompiler(info)
-    compiler = _COMPILERS[key]
+        compilers[vocab_size] = xgrammar.GrammarCompiler(info)
+    compiler = compilers[vocab_size]
     compile_ = {
         "json": compiler.compile_json_schema,
         "regex": compiler.compile_regex,

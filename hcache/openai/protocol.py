@@ -1,7 +1,8 @@
 """OpenAI's request and response schema, as far as hcache serves it, with vLLM's extensions. Every field OpenAI
-or vLLM documents is honoured, or refused by :func:`unsupported` when set to anything but its default, never
-silently ignored. A field neither documents is ignored (OpenAI's clients add new ones faster than servers
-learn them)."""
+or vLLM documents that would change a reply is honoured, or refused by :func:`unsupported` when set to
+anything but its default, never silently ignored; those that change nothing here (``user``, vLLM's
+``priority``, ``request_id``) are taken. A field neither documents is ignored (OpenAI's clients add new ones
+faster than servers learn them)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,11 @@ _REFUSED = {
     "watermarking": (None,),
     "repetition_detection": (None,),
     "prompt_embeds": (None,),
+    "return_token_ids": (None, False),
+    "return_token_offsets": (False,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "thinking_token_budget": (None,),
 }
 _REFUSED_IN_CHATS = {
     "functions": (None, []),

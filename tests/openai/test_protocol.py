@@ -27,6 +27,7 @@ COMPLETION = {"model": "m", "prompt": "hi"}
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"echo": True}, "echo"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"return_token_ids": True}, "return_token_ids"),
     ],
 )
 def test_a_field_this_server_cannot_honour_is_refused_naming_it(fields, param):
