@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
+SKIP_SPECIAL_TOKENS = "skip_special_tokens"  # vLLM's option: false keeps special tokens in a stream's text
+STOPPED = -1  # a stream's last token, in place of the stop token that ended it: no text (:mod:`.stopping`)
+
 
 class StreamDecoders:
     """In place of MII's ``ReadableStream``: one incremental decoder per thread (MII's server serves one
@@ -19,10 +22,13 @@ class StreamDecoders:
     def __init__(self, tokenizer) -> None:  # MII's tokenizer wrapper
         self.tokenizer = tokenizer.tokenizer
         self.stream_state: dict[int, object] = {}
+        self.skip_special_tokens: dict[int, bool] = {}  # each thread's request's option, set as it is made
 
     def decode(self, thread_id: int, token_ids: list[int]) -> str:
-        stream = self.stream_state.setdefault(thread_id, DecodeStream(skip_special_tokens=True))
-        return "".join(filter(None, (stream.step(self.tokenizer._tokenizer, int(t)) for t in token_ids)))
+        skip = self.skip_special_tokens.get(thread_id, True)
+        stream = self.stream_state.setdefault(thread_id, DecodeStream(skip_special_tokens=skip))
+        steps = (stream.step(self.tokenizer._tokenizer, int(t)) for t in token_ids if int(t) != STOPPED)
+        return "".join(filter(None, steps))
 
     def flush_state(self, thread_id: int) -> None:
         self.stream_state.pop(thread_id, None)

@@ -5,16 +5,21 @@ error for its own request and the loop goes on serving the others."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from ..errors import InvalidRequestError
 from ..storage.chunk_key import check_namespace
-from .stopping import STOP_TOKEN_IDS, parse_stop_token_ids
+from . import constraints
+from .detokenize import SKIP_SPECIAL_TOKENS, StreamDecoders
+from .stopping import INCLUDE_STOP, STOP_TOKEN_IDS, parse_stop_token_ids
 
 CACHE_SALT = "cache_salt"  # the per-request namespace, under vLLM's name
-_HCACHE_FIELDS = frozenset((CACHE_SALT, STOP_TOKEN_IDS))  # taken off before MII sees the options
+# taken off before MII sees the options
+_HCACHE_FIELDS = frozenset((CACHE_SALT, STOP_TOKEN_IDS, SKIP_SPECIAL_TOKENS, INCLUDE_STOP, *constraints.FIELDS))
+_STREAM_ONLY = {SKIP_SPECIAL_TOKENS: True, INCLUDE_STOP: False}  # hcache's text options of streams, and defaults
 # Generation options a request may set: MII's, less the one MII fills in itself.
 _MII_FIELDS = frozenset(
     (
@@ -37,10 +42,10 @@ _BOOL_FIELDS = ("stream", "ignore_eos", "return_full_text", "do_sample")
 
 def check_generate_options(
     options: dict[str, Any], prompt_tokens: int, max_length: int
-) -> tuple[dict[str, Any], str | None, tuple[int, ...]]:
+) -> tuple[dict[str, Any], Hcache]:
     """MII's generation options for one prompt of ``prompt_tokens`` tokens on a deployment whose context holds
-    ``max_length``, the request's namespace and its stop token ids (:mod:`.stopping`); or an
-    :class:`InvalidRequestError` saying what is wrong.
+    ``max_length``, and hcache's options of the request; or an :class:`InvalidRequestError` saying what is
+    wrong.
 
     ``max_new_tokens`` (an integer of at least 1) is optional: without it MII generates up to the context's
     end. The prompt plus ``max_new_tokens`` must fit in the context (or in ``max_length``, if the request
@@ -53,8 +58,19 @@ def check_generate_options(
             f"unknown field(s) {', '.join(unknown)}; a request may set {', '.join(sorted(_MII_FIELDS | _HCACHE_FIELDS))}"
         )
     options = dict(options)
-    namespace = check_namespace(options.pop(CACHE_SALT, None), CACHE_SALT)
-    stop_ids = parse_stop_token_ids(options.pop(STOP_TOKEN_IDS)) if STOP_TOKEN_IDS in options else ()
+    text = {name: options.pop(name, default) for name, default in _STREAM_ONLY.items()}
+    for name, value in text.items():
+        if type(value) is not bool:
+            raise InvalidRequestError(f"{name} must be true or false, not {value!r:.40}")
+        if value != _STREAM_ONLY[name] and not options.get("stream"):
+            raise InvalidRequestError(f"{name}={str(value).lower()} is only supported with stream=true")
+    hcache = Hcache(
+        namespace=check_namespace(options.pop(CACHE_SALT, None), CACHE_SALT),
+        stop_ids=parse_stop_token_ids(options.pop(STOP_TOKEN_IDS)) if STOP_TOKEN_IDS in options else (),
+        skip_special_tokens=text[SKIP_SPECIAL_TOKENS],
+        include_stop=text[INCLUDE_STOP],
+        constraints=constraints.Constraints.take(options),
+    )
     for name in _INTEGER_FIELDS:
         if name in options and (type(options[name]) is not int):
             raise InvalidRequestError(f"{name} must be an integer, not {options[name]!r}")
@@ -80,7 +96,20 @@ def check_generate_options(
         GenerateParamsConfig(prompt_length=prompt_tokens, **{"max_length": max_length, **options})
     except ValidationError as exc:
         raise InvalidRequestError(f"bad generation options: {exc}") from exc
-    return options, namespace, stop_ids
+    return options, hcache
+
+
+@dataclass(frozen=True)
+class Hcache:
+    """hcache's options of a request, beside MII's: its namespace, its stop token ids and whether the text of
+    the one that ends it is sent (:mod:`.stopping`), whether its text leaves out special tokens
+    (:mod:`.detokenize`), its constraints on each next token (:mod:`.constraints`)."""
+
+    namespace: str | None
+    stop_ids: tuple[int, ...]
+    skip_special_tokens: bool
+    include_stop: bool
+    constraints: constraints.Constraints
 
 
 def check_rest_body(body: object, tokenize, max_length: int) -> None:
@@ -108,9 +137,13 @@ def checking_requests(make):
     loop (a bad one raises in its caller, and the loop never sees it)."""
 
     def make_request(self, tid, uid, input_tokens, kwargs):
-        options, namespace, stop_ids = check_generate_options(kwargs, len(input_tokens), self.max_length)
+        options, hcache = check_generate_options(kwargs, len(input_tokens), self.max_length)
+        made = hcache.constraints.for_model(self.tokenizer.tokenizer, self.vocab_size) if hcache.constraints else None
+        if isinstance(getattr(self, "readable_stream", None), StreamDecoders):  # made in the thread that reads
+            self.readable_stream.skip_special_tokens[tid] = hcache.skip_special_tokens
         request = make(self, tid, uid, input_tokens, options)
-        request.hcache_namespace, request.hcache_stop_ids = namespace, stop_ids
+        request.hcache_namespace, request.hcache_stop_ids = hcache.namespace, hcache.stop_ids
+        request.hcache_constraints, request.hcache_include_stop = made, hcache.include_stop
         return request
 
     return make_request

@@ -15,23 +15,16 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidRequestError
+from .constraints import parse_token_ids
+from .detokenize import STOPPED
 
 STOP_TOKEN_IDS = "stop_token_ids"  # hcache's option: comma-separated token ids (MII's requests carry scalars only)
+INCLUDE_STOP = "include_stop_str_in_output"  # vLLM's option: a stream's stop token's text is sent
 
 
 def parse_stop_token_ids(value: object) -> tuple[int, ...]:
     """The token ids of ``stop_token_ids``: ``"2,17"``, or a list of ids from Python."""
-    items = value.split(",") if isinstance(value, str) else value
-    if isinstance(items, (list, tuple)) and items and all(_token_id(i) for i in items):
-        return tuple(int(i) for i in items)
-    raise InvalidRequestError(
-        f"{STOP_TOKEN_IDS} must be token ids (non-negative integers, comma-separated), not {value!r:.80}"
-    )
-
-
-def _token_id(item: object) -> bool:
-    return (type(item) is int and item >= 0) or (isinstance(item, str) and item.strip().isdigit())
+    return parse_token_ids(STOP_TOKEN_IDS, value)
 
 
 def counting_new_tokens(is_done: property) -> property:
@@ -48,12 +41,21 @@ def as_asked(process_logits):
         requests = list(running)
         stops = [_stop_ids(self, r) for r in requests]
         # MII's num_generated_tokens counts the token about to be sampled (0 while a prompt is split).
-        held = [i for i, r in enumerate(requests) if 0 < r.num_generated_tokens <= r.min_new_tokens and stops[i]]
-        if held:
-            logits = logits.clone()
+        sampled = [i for i, r in enumerate(requests) if r.num_generated_tokens > 0]
+        held = [i for i in sampled if requests[i].num_generated_tokens <= requests[i].min_new_tokens and stops[i]]
+        constrained = [i for i in sampled if getattr(requests[i], "hcache_constraints", None)]
+        if held or constrained:
+            logits = logits[:, : self.vocab_size].clone()
+            for i in constrained:
+                r = requests[i]
+                sampling = r.generate_params.do_sample
+                generated = [int(t) for t in r.generated_tokens]
+                r.hcache_constraints.mask(logits[i], generated, r.generate_params.temperature if sampling else None)
             for i in held:
                 logits[i, [t for t in stops[i] if t < logits.shape[1]]] = -torch.inf
         next_tokens, done = process_logits(self, logits, running)
+        for i in constrained:
+            requests[i].hcache_constraints.accept(int(next_tokens[i]))
         done = [t in s for t, s in zip(next_tokens.tolist(), stops)]
         for r, stopped in zip(requests, done):
             r.hcache_stopped = stopped
@@ -64,12 +66,14 @@ def as_asked(process_logits):
 
 def leaving_out_stop_tokens(generate_output):
     """``RaggedBatchBase._generate_output``: a stream's last token, when it is the stop token that ended it,
-    sent as the end of sequence, which decodes to no text (MII's detokenising skips special tokens). A
-    whole reply leaves it out already (MII keeps no token that ended a request)."""
+    sent as :data:`~.detokenize.STOPPED`, which decodes to no text, special tokens kept or not, unless the
+    request asks for it (:data:`INCLUDE_STOP`). A whole reply leaves it out (MII keeps no token that ended a
+    request)."""
 
     def output(self, r) -> None:
-        if r.stream and getattr(r, "hcache_stopped", False):  # it ends here: the token is not read again
-            r.next_token = torch.full_like(r.next_token, self.tokenizer.eos_token_id)
+        # it ends here: the token is not read again
+        if r.stream and getattr(r, "hcache_stopped", False) and not getattr(r, "hcache_include_stop", False):
+            r.next_token = torch.full_like(r.next_token, STOPPED)
         return generate_output(self, r)
 
     return output

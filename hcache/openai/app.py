@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -24,7 +25,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import InvalidRequestError
-from ..mii.stopping import STOP_TOKEN_IDS
+from ..mii.constraints import ALLOWED_TOKEN_IDS, BAD_WORDS, MIN_P, STRUCTURED
+from ..mii.detokenize import SKIP_SPECIAL_TOKENS
+from ..mii.stopping import INCLUDE_STOP, STOP_TOKEN_IDS
 from ..storage.chunk_key import check_namespace
 from ..version import __version__
 from .api_error import APIError
@@ -47,6 +50,7 @@ from .protocol import (
     response_id,
     unsupported,
 )
+from .structured import structured_output
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +161,10 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
         problem = unsupported(request)
         if problem is not None:
             raise APIError(400, problem[1], param=problem[0])
+        prompt = _truncated(prompt, request.truncate_prompt_tokens, served)
         options = _options(request, len(served.tokenizer.encode(prompt)), served.max_model_len, prompt_param)
-        pieces = until_stop(deployment.generate(prompt, options), request.stops)
+        generated = deployment.generate(prompt, options)
+        pieces = until_stop(generated, request.stops, request.include_stop_str_in_output)
         first = await _first(pieces)
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
@@ -212,6 +218,16 @@ async def _first(pieces: AsyncIterator[Piece]) -> Piece:
         raise APIError(exc.status, str(exc)) from None
 
 
+def _truncated(prompt: str, keep: int | None, served: Served) -> str:
+    """``prompt`` cut to its last ``keep`` tokens (-1: the context's length), as vLLM's
+    ``truncate_prompt_tokens`` cuts it; the model server takes text, so the tokens kept are decoded."""
+    if keep is None:
+        return prompt
+    tokens = served.tokenizer.encode(prompt)
+    keep = served.max_model_len if keep == -1 else keep
+    return served.tokenizer.decode(tokens[-keep:]) if 0 < keep < len(tokens) else prompt
+
+
 def _options(request, prompt_tokens: int, max_model_len: int, prompt_param: str) -> dict:
     """MII's generation options for ``request``, whose prompt has ``prompt_tokens`` tokens. Without
     ``max_tokens`` a chat generates to the end of the context, as vLLM's does."""
@@ -253,15 +269,32 @@ def _options(request, prompt_tokens: int, max_model_len: int, prompt_param: str)
         options["do_sample"] = False
     else:
         options.update(do_sample=True, temperature=temperature, top_p=1.0 if request.top_p is None else request.top_p)
-        if request.top_k not in (None, 0, -1):
-            if request.top_k < 1:
-                raise APIError(400, f"top_k must be -1 (off) or at least 1, not {request.top_k}", param="top_k")
+        if request.top_k not in (None, 0, -1):  # below -1: refused by the protocol, whatever the temperature
             options["top_k"] = request.top_k
+    options.update(_constraints(request))
     if request.cache_salt is not None:
         try:
             options["cache_salt"] = check_namespace(request.cache_salt, "cache_salt")
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="cache_salt") from None
+    return options
+
+
+def _constraints(request) -> dict:
+    """The model server's options for vLLM's constraints on each token and on the text (hcache.mii)."""
+    options: dict = {}
+    if request.min_p:
+        options[MIN_P] = request.min_p
+    if request.allowed_token_ids:
+        options[ALLOWED_TOKEN_IDS] = ",".join(map(str, request.allowed_token_ids))
+    if request.bad_words:
+        options[BAD_WORDS] = json.dumps(request.bad_words)
+    if (structured := structured_output(request)) is not None:
+        options[STRUCTURED] = structured
+    if not request.skip_special_tokens:
+        options[SKIP_SPECIAL_TOKENS] = False
+    if request.include_stop_str_in_output:
+        options[INCLUDE_STOP] = True
     return options
 
 

@@ -91,10 +91,11 @@ class Deployment:
         await self._channel.close()
 
 
-async def until_stop(pieces: AsyncIterator[Piece], stops: list[str]) -> AsyncIterator[Piece]:
-    """``pieces`` ended at the first of ``stops`` (not included), with finish reason "stop". Text that may be
-    the start of a stop string is held back until it cannot be (as vLLM does: the last characters, up to
-    the longest stop string's length less one)."""
+async def until_stop(pieces: AsyncIterator[Piece], stops: list[str], include: bool = False) -> AsyncIterator[Piece]:
+    """``pieces`` ended at the first of ``stops`` (included if ``include``, vLLM's
+    ``include_stop_str_in_output``), with finish reason "stop". Text that may be the start of a stop string is
+    held back until it cannot be (as vLLM does: the last characters, up to the longest stop string's length
+    less one)."""
     async with aclosing(pieces):
         if not stops:
             async for piece in pieces:
@@ -103,9 +104,9 @@ async def until_stop(pieces: AsyncIterator[Piece], stops: list[str]) -> AsyncIte
         hold, held = max(map(len, stops)) - 1, ""
         async for piece in pieces:
             held += piece.text
-            found = [i for i in (held.find(s) for s in stops) if i >= 0]
+            found = [(i, i + len(s) if include else i) for i, s in ((held.find(s), s) for s in stops) if i >= 0]
             if found:
-                yield replace(piece, text=held[: min(found)], finish_reason="stop")
+                yield replace(piece, text=held[: min(found)[1]], finish_reason="stop")
                 return
             if piece.finish_reason is not None:
                 yield replace(piece, text=held)

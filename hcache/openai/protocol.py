@@ -1,9 +1,12 @@
-"""OpenAI's request and response schema, as far as hcache serves it. Requests allow unknown fields (OpenAI's
-clients add new ones faster than servers learn them; vLLM ignores them too); fields OpenAI documents that
-this server cannot honour are refused by :func:`unsupported`, never silently ignored."""
+"""OpenAI's request and response schema, as far as hcache serves it, with vLLM's extensions. Every field OpenAI
+or vLLM documents that would change a reply is honoured, or refused by :func:`unsupported` when set to
+anything but its default, never silently ignored; those that change nothing here (``user``, vLLM's
+``priority``, ``request_id``) are taken. A field neither documents is ignored (OpenAI's clients add new ones
+faster than servers learn them)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
@@ -22,7 +25,7 @@ class _Request(BaseModel):
     max_tokens: Optional[int] = None
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = None  # vLLM's extension; None, 0 or -1: off
+    top_k: Optional[int] = Field(None, ge=-1)  # vLLM's extension; None, 0 or -1: off, whatever the temperature
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -38,6 +41,19 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     repetition_penalty: Optional[float] = None
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    allowed_token_ids: Optional[list[int]] = Field(None, min_length=1)
+    bad_words: Optional[list[str]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)  # the prompt's last tokens; -1: the context's
+    # structured output (hcache.openai.structured): vLLM's, its older guided_* fields, and OpenAI's
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
 
     @property
     def stops(self) -> list[str]:
@@ -78,7 +94,7 @@ class ChatCompletionRequest(_Request):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
 
     @property
     def new_tokens(self) -> Optional[int]:
@@ -94,8 +110,43 @@ class CompletionRequest(_Request):
     logprobs: Optional[int] = None
 
 
+# OpenAI's and vLLM's fields this server cannot honour, with the values that ask for nothing: anything else is
+# refused. The chat's apply to chats only (vLLM's completions have no such fields).
+_REFUSED = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "prompt_logprobs": (None,),
+    "logprob_token_ids": (None,),
+    "spaces_between_special_tokens": (True,),
+    "truncation_side": (None, "left"),
+    "watermarking": (None,),
+    "repetition_detection": (None,),
+    "prompt_embeds": (None,),
+    "return_token_ids": (None, False),
+    "return_token_offsets": (False,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "thinking_token_budget": (None,),
+}
+_REFUSED_IN_CHATS = {
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "echo": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+}
+
+
 def unsupported(request: _Request) -> Optional[tuple[str, str]]:
     """``(param, reason)`` for the first documented field set to something this server cannot do."""
+    refused = {**_REFUSED, **(_REFUSED_IN_CHATS if isinstance(request, ChatCompletionRequest) else {})}
+    extra = request.model_extra or {}
+    for name, defaults in refused.items():
+        if name in extra and not any(_same(extra[name], d) for d in defaults):
+            return name, f"{name} is not supported (only {' or '.join(map(json.dumps, defaults))})"
     if request.n != 1:
         return "n", f"n must be 1 (one choice per request), not {request.n}"
     if request.stream_options is not None and not request.stream:
@@ -116,8 +167,11 @@ def unsupported(request: _Request) -> Optional[tuple[str, str]]:
             return "logprobs", "logprobs are not supported"
         if request.tools:
             return "tools", "tools are not supported"
-        if request.response_format and request.response_format.get("type") != "text":
-            return "response_format", 'only response_format {"type": "text"} is supported'
+        if request.tool_choice not in (None, "none", "auto"):
+            return (
+                "tool_choice",
+                f"tool_choice {json.dumps(request.tool_choice):.80} needs tools, which are not supported",
+            )
     if isinstance(request, CompletionRequest):
         if request.logprobs is not None:
             return "logprobs", "logprobs are not supported"
@@ -126,6 +180,11 @@ def unsupported(request: _Request) -> Optional[tuple[str, str]]:
         if request.best_of not in (None, 1):
             return "best_of", "best_of must be 1"
     return None
+
+
+def _same(value: Any, default: Any) -> bool:
+    """JSON's equality: 1 is 1.0, but neither is true."""
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
 
 
 class Usage(BaseModel):

@@ -4,7 +4,7 @@ leaves nothing behind for the thread's next stream."""
 
 from transformers import AutoTokenizer
 
-from hcache.mii.detokenize import StreamDecoders
+from hcache.mii.detokenize import STOPPED, StreamDecoders
 from hcache.model.loader import model_dir
 
 TEXT = "Héllo wörld 🎉, naïve café. Paris!"
@@ -32,3 +32,12 @@ def test_a_stream_cut_mid_character_leaves_the_next_stream_clean(smollm2):
     assert decoders.decode(7, emoji[:1]) == ""  # held back: not a whole character yet
     decoders.flush_state(7)  # what the model server does for a stream that ended early
     assert "".join(decoders.decode(7, [i]) for i in tokenizer.encode(" Paris")) == " Paris"
+
+
+def test_skip_special_tokens_false_keeps_them_and_the_stop_marker_never_decodes(smollm2):
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir("smollm2")))
+    ids = tokenizer.encode(" Paris") + [tokenizer.eos_token_id]
+    decoders = StreamDecoders(_MIITokenizer(tokenizer))
+    decoders.skip_special_tokens[7] = False  # as the request's make_request sets it for its thread
+    assert "".join(decoders.decode(7, [i]) for i in [*ids, STOPPED]) == " Paris<|im_end|>"
+    assert "".join(decoders.decode(8, [i]) for i in [*ids, STOPPED]) == " Paris"  # another thread: the default

@@ -11,7 +11,8 @@ from mii.batching.generation.stop_criterion import EosGenerationStopCriterion, T
 
 from hcache.errors import InvalidRequestError
 from hcache.mii.requests import check_generate_options
-from hcache.mii.stopping import as_asked, counting_new_tokens, parse_stop_token_ids
+from hcache.mii.detokenize import STOPPED
+from hcache.mii.stopping import as_asked, counting_new_tokens, leaving_out_stop_tokens, parse_stop_token_ids
 
 EOS, VOCAB = 2, 8
 
@@ -33,10 +34,11 @@ def _sample(requests, best: list[list[int]]):
         for rank, token in enumerate(ranked):
             logits[row, token] = 10.0 - rank
     loop = SimpleNamespace(
+        vocab_size=VOCAB,
         _post_processors={
             "Stop": EosGenerationStopCriterion(SimpleNamespace(eos_token_id=EOS)),
             "Stop_5": TokenStopCriterion(5, tokenizer=None),
-        }
+        },
     )
     greedy = lambda self, logits, running: (logits.argmax(-1), torch.zeros(len(running), dtype=torch.bool))  # noqa: E731
     tokens, done = as_asked(greedy)(loop, logits, requests)
@@ -72,7 +74,7 @@ def test_a_request_is_done_as_its_sampled_token_says():
 @pytest.mark.parametrize("value, ids", [("2,17", (2, 17)), ("5", (5,)), ([3, 4], (3, 4)), (" 7 , 8", (7, 8))])
 def test_stop_token_ids_are_token_ids(value, ids):
     assert parse_stop_token_ids(value) == ids
-    assert check_generate_options({"stop_token_ids": value, "max_new_tokens": 4}, 10, 64)[2] == ids
+    assert check_generate_options({"stop_token_ids": value, "max_new_tokens": 4}, 10, 64)[1].stop_ids == ids
 
 
 @pytest.mark.parametrize("value", ["", "a,b", "-1", "2,,3", [], [-1], [True], 2.5, "1.5"])
@@ -85,3 +87,32 @@ def test_min_new_tokens_beyond_max_new_tokens_is_refused():
     assert check_generate_options({"min_new_tokens": 4, "max_new_tokens": 4}, 10, 64)[0]["min_new_tokens"] == 4
     with pytest.raises(InvalidRequestError, match="min_new_tokens must be between 0 and max_new_tokens, not 5"):
         check_generate_options({"min_new_tokens": 5, "max_new_tokens": 4}, 10, 64)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_streams_stop_token_is_sent_as_no_text_unless_asked(include):
+    sent = []
+    r = SimpleNamespace(stream=True, hcache_stopped=True, hcache_include_stop=include, next_token=torch.tensor(6))
+    leaving_out_stop_tokens(lambda self, r: sent.append(int(r.next_token)))(None, r)
+    assert sent == [6 if include else STOPPED]
+
+
+@pytest.mark.parametrize("option", [{"skip_special_tokens": False}, {"include_stop_str_in_output": True}])
+def test_text_options_are_for_streams_only(option):
+    assert check_generate_options({**option, "stream": True}, 10, 64)[1] is not None
+    with pytest.raises(InvalidRequestError, match="only supported with stream=true"):
+        check_generate_options(option, 10, 64)
+
+
+def test_a_requests_constraints_mask_its_row_before_mii_samples_and_see_the_token_sampled():
+    accepted = []
+    constraints = SimpleNamespace(
+        mask=lambda row, generated, temperature: row.masked_fill_(torch.arange(VOCAB) != 3, -torch.inf),
+        accept=accepted.append,
+    )
+    requests = [_request(1), _request(2)]
+    requests[0].hcache_constraints = constraints
+    for r in requests:
+        r.generated_tokens, r.generate_params = [], SimpleNamespace(do_sample=False, temperature=None)
+    tokens, _ = _sample(requests, [[4, 3], [4, 3]])
+    assert tokens == [3, 4] and accepted == [3]  # the first row held to token 3; the second left alone

@@ -326,6 +326,13 @@ BAD = [  # (request fields over a valid chat, status, param, words of the messag
     ({"extra_body": {"min_tokens": 9}}, 400, "min_tokens", "at most max_tokens (8)"),
     ({"extra_body": {"min_tokens": -1}}, 400, "min_tokens", "greater than or equal to 0"),
     ({"extra_body": {"stop_token_ids": [-2]}}, 400, "stop_token_ids", "non-negative"),
+    ({"extra_body": {"top_k": -5}, "temperature": 0}, 400, "top_k", "greater than or equal to -1"),
+    ({"extra_body": {"use_beam_search": True}}, 400, "use_beam_search", "not supported"),
+    ({"extra_body": {"length_penalty": 0.5}}, 400, "length_penalty", "not supported"),
+    ({"extra_body": {"prompt_logprobs": 1}}, 400, "prompt_logprobs", "not supported"),
+    ({"extra_body": {"functions": [{"name": "f", "parameters": {}}]}}, 400, "functions", "not supported"),
+    ({"tool_choice": "required"}, 400, "tool_choice", "needs tools"),
+    ({"extra_body": {"guided_json": "{bad"}}, 400, "guided_json", "JSON"),
 ]
 
 
@@ -491,6 +498,71 @@ def test_hcache_store_verifies_and_evicts_beside_this_live_server(server, capsys
     reference = _greedy(client, messages, extra_body={"cache_salt": f"fresh-{uuid.uuid4().hex}"})
     assert _greedy(client, messages) == reference
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+STRUCTURED = [  # (request fields, check of the reply's text); asked for JSON, SmolLM2's JSON ends
+    ({"extra_body": {"guided_choice": ["Berlin", "Madrid"]}}, lambda t: t in ("Berlin", "Madrid")),
+    (
+        {"extra_body": {"structured_outputs": {"regex": "[A-Z][a-z]{1,8} [0-9]{4}"}}},
+        lambda t: re.fullmatch(r"[A-Z][a-z]{1,8} [0-9]{4}", t),
+    ),
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "city",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"capital": {"type": "string", "maxLength": 20}},
+                        "required": ["capital"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        },
+        lambda t: set(json.loads(t)) == {"capital"},
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "conforms"), STRUCTURED, ids=["choice", "regex", "json_object", "json_schema"])
+def test_a_structured_reply_conforms_and_ends(server, fields, conforms):
+    question = [{"role": "user", "content": 'What is the capital of France? Answer in JSON, like {"capital": "..."}'}]
+    text, reason, _ = _ask(
+        server.client(), True, model=MODEL, messages=question, temperature=0, max_tokens=200, **fields
+    )
+    assert reason == "stop" and conforms(text), text
+
+
+def test_vllms_token_and_text_fields_are_honoured(server):
+    client, request = server.client(), {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 30}
+    reply, _, _ = _ask(client, False, **request)
+    assert "Paris" in reply
+    assert "Paris" not in _ask(client, False, **request, extra_body={"bad_words": ["Paris"]})[0]
+    allowed = [server.tokenizer.eos_token_id, *server.tokenizer.encode(" Berlin Madrid")]
+    held, _, _ = _ask(client, False, **request, extra_body={"allowed_token_ids": allowed})
+    assert set(server.tokenizer.encode(held)) <= set(allowed), held
+    for stream in (False, True):
+        kept, reason, _ = _ask(client, stream, **request, extra_body={"skip_special_tokens": False})
+        assert (kept, reason) == (reply, "stop")  # the end of turn ended it: its text is not sent ...
+        kept, _, _ = _ask(
+            client, stream, **request, extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}
+        )
+        assert kept == reply + "<|im_end|>"  # ... unless asked for
+        stop = reply.split()[1]
+        cut, reason, _ = _ask(client, stream, **request, stop=[stop], extra_body={"include_stop_str_in_output": True})
+        assert (cut, reason) == (reply[: reply.index(stop) + len(stop)], "stop")
+    whole = client.completions.create(model=MODEL, prompt="one two three four five six", max_tokens=2, temperature=0)
+    cut = client.completions.create(
+        model=MODEL,
+        prompt="one two three four five six",
+        max_tokens=2,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": 3},
+    )
+    assert cut.usage.prompt_tokens == 3 < whole.usage.prompt_tokens
 
 
 def test_sigterm_drains_then_refuses_new_requests_and_ends_those_in_flight_with_an_error(server):
