@@ -14,6 +14,7 @@ import os
 import sys
 
 from ..config import ResolvedConfig
+from ..machine.owner import end_with_owner
 from .patches import install_server
 from .processes import CONFIG_ENV, LOG_LEVEL_ENV
 
@@ -29,6 +30,7 @@ def _logging() -> None:
 
 def main() -> None:
     _logging()
+    end_with_owner()  # hcache serve's: gone, killed with its process group or not, this server ends
     from mii.launch.multi_gpu_server import b64_encoded_config
     from mii.launch.multi_gpu_server import main as mii_main
 
