@@ -15,6 +15,7 @@ import sys
 
 from ..config import ResolvedConfig
 from ..errors import HCacheError
+from ..machine import process_tree
 from ..machine.owner import end_with_owner
 from .patches import install_server
 from .processes import CONFIG_ENV, LOG_LEVEL_ENV, START_ERROR_ENV
@@ -53,6 +54,7 @@ def main() -> None:
             raise  # not hcache's refusal: its traceback says where
         print(f"hcache: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    process_tree.exit_now()  # MII's server has returned: a model server has stored everything (hcache.mii.loop)
 
 
 def _tell_starter(exc: Exception) -> None:

@@ -184,13 +184,16 @@ def stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
     """End a deployment's processes after ``terminate_server``, each with all it started (each leads a
     session, see :func:`through_hcache_launch`). The load balancer and the REST gateway hold no state and end
     at once (MII 0.3's gateway, with ``restful_processes > 1``, handles ``/terminate`` in a forked child and
-    so never stops). A model server writes its saved chunks as it stops: it gets up to ``grace_s`` for that,
-    then its session (DeepSpeed's launcher, which notices its child's exit only once a second) ends. SIGTERM
-    first, SIGKILL 5 s later."""
+    so never stops). A model server writes its saved chunks as it stops: it gets up to ``grace_s`` for that.
+    Then its session ends: once the server has exited, what is left holds nothing (DeepSpeed's launchers, which
+    notice their child's exit only once a second, and take a second more to handle SIGTERM under load) and is
+    killed at once; a server still running gets SIGTERM first, SIGKILL 5 s later."""
     for process in processes:
         if not getattr(process, "hcache_saves", True):
             process_tree.signal_session(process, signal.SIGTERM)
-    process_tree.wait(lambda: not any(_model_server_running(p) for p in processes), grace_s)
+    if process_tree.wait(lambda: not any(_model_server_running(p) for p in processes), grace_s):
+        for process in processes:
+            process_tree.signal_session(process, signal.SIGKILL)
     process_tree.end_sessions(processes, grace_s=5.0)
 
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 
+from ..machine import process_tree
 from ..machine.owner import end_with_owner
 from ..mii.processes import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=FINISH_S,
     )
     Server(config).run()
+    process_tree.exit_now()  # every request answered; the server holds no state
 
 
 if __name__ == "__main__":
