@@ -12,18 +12,25 @@ size, the store's directories, vLLM's failure policy), before its engine starts.
 are those named, which no process of the engine holds (a rank holds a directory of its own below them at
 TP > 1; at TP = 1 the worker holding them is the one process that may build a config again, for speculative
 decoding, and a process holding a directory passes its check). It imports nothing of the connector's until
-it sees such a config.
+it sees such a config. A refusal nothing catches (vLLM's OpenAI server catches none) is printed as one line,
+``hcache: error: ...``, not as the tail of a traceback. (In the engine's processes vLLM logs what fails
+with its traceback, then fails its start: that form is vLLM's to choose.)
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
+from ..errors import HCacheError
 from . import CONNECTOR
 
 
 def register() -> None:
     from vllm.engine.arg_utils import EngineArgs
+
+    if not getattr(sys.excepthook, "hcache_one_line", False):
+        sys.excepthook = _one_line_refusals(sys.excepthook)
 
     build = EngineArgs.create_engine_config
     if getattr(build, "hcache_checks_settings", False):  # vLLM may load its plugins again in one process
@@ -51,6 +58,19 @@ def check_transfer_config(transfer) -> None:
     from .settings import connector_settings
 
     connector_settings(_get(transfer, "kv_connector_extra_config"))
+
+
+def _one_line_refusals(hook):
+    """``sys.excepthook``: hcache's refusals as one line, every other exception to ``hook``."""
+
+    def excepthook(kind, exc, traceback) -> None:
+        if issubclass(kind, HCacheError):
+            print(f"hcache: error: {exc}", file=sys.stderr)
+        else:
+            hook(kind, exc, traceback)
+
+    excepthook.hcache_one_line = True
+    return excepthook
 
 
 def _names_hcache(transfer) -> bool:

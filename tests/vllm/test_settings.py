@@ -217,6 +217,21 @@ def test_what_vllms_config_tells_is_refused_by_the_plugin_once_it_is_built_befor
     assert EngineArgs().create_engine_config() is good
 
 
+def test_a_refusal_nothing_catches_is_printed_in_one_line(monkeypatch, capsys):
+    """vLLM's OpenAI server catches no error of its config: once hcache's refusal was the last line of a
+    traceback. Other exceptions keep theirs."""
+    import sys
+
+    from hcache.vllm.plugin import register
+
+    monkeypatch.setattr(sys, "excepthook", lambda *args: print("traceback", file=sys.stderr))
+    register()
+    register()  # vLLM may load its plugins again: one hook
+    sys.excepthook(InvalidRequestError, InvalidRequestError("plan '2RE+2KV' covers 4 layers"), None)
+    sys.excepthook(KeyError, KeyError("x"), None)
+    assert capsys.readouterr().err == "hcache: error: plan '2RE+2KV' covers 4 layers\ntraceback\n"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra, policy, refused",
@@ -265,6 +280,7 @@ def test_vllms_openai_server_refuses_bad_settings_before_its_engine_starts(tmp_p
     output = run.stdout + run.stderr
     assert run.returncode != 0 and refused in output, output[-3000:]
     assert "EngineCore" not in output and "Starting to load model" not in output, output[-3000:]
+    assert "hcache: error: " in output and "Traceback" not in output, output[-3000:]  # one line
     print(
         f"refused in {elapsed:.1f} s"
     )  # 13 s on the 2-vCPU VM, vLLM's own imports; it was 40 s to 3 min, after the model loaded
