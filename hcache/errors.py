@@ -23,3 +23,7 @@ class StorageError(HCacheError):
 
 class CacheFullError(HCacheError):
     """The device KV cache has no free block for the request."""
+
+
+class ServerStartError(HCacheError):
+    """A server process of a deployment exited while it started; the message carries its reason."""

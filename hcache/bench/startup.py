@@ -4,7 +4,10 @@ A start-up is what a user waits for before the first request. ``--through runtim
 model loaded from its converted directory and :class:`~hcache.serving.runtime.HCacheRuntime` built over a
 fresh store. ``--through serve``: ``hcache serve`` started as a command, until it prints that it serves
 (MII's model server, load balancer and REST gateway up), then stopped (SIGTERM, with no drain: ``stop_s``
-is what an idle server takes past its drain to exit). One start, not timed, warms the page
+is what an idle server takes past its drain to exit). With ``--in-flight N``, N long completions are in
+flight through its OpenAI server when it is stopped: they get ``--shutdown-grace`` to finish, then are cut
+(``cut_codes``: the error code each got), and ``stop_s`` is held against the budget, the grace and
+``STOP_MARGIN_S`` (the model servers' own stop, their saved chunks written). One start, not timed, warms the page
 cache and the imports first. Starts with ``self_check="off"`` and ``"on"`` alternate over ``--repeats``
 rounds, so that drift in the machine hits both alike. The check's own time is measured apart on a runtime
 (the difference of two noisy start-up medians can be below their noise):
@@ -15,18 +18,23 @@ median time over the median start-up with it off.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from ..defaults import DEFAULT_MODEL
+
+STOP_MARGIN_S = 5.0  # an idle machine's budget for hcache serve's stop past its drain and grace (issue 67)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", default=None, help="the served plan (default: the model's default plan)")
     parser.add_argument("--repeats", type=int, default=7, help="start-ups with the check on, and as many with it off")
     parser.add_argument("--torch-threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=0,
+        help="with --through serve: long completions in flight through its OpenAI server when it is stopped",
+    )
+    parser.add_argument(
+        "--shutdown-grace", type=float, default=5.0, help="with --in-flight: hcache serve's --shutdown-grace"
+    )
 
 
 def _start_runtime(args: argparse.Namespace, store: Path, mode: str) -> tuple[float, None]:
@@ -51,11 +68,13 @@ def _start_runtime(args: argparse.Namespace, store: Path, mode: str) -> tuple[fl
 
 
 def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> tuple[float, float]:
-    """``hcache serve`` until it says it serves, on free ports, then SIGTERM: the seconds to start, and to
-    stop."""
+    """``hcache serve`` until it says it serves, on free ports, then SIGTERM (with ``--in-flight``
+    completions running): the seconds to start, and to stop; the cut completions' codes go to
+    ``args.cut_codes``."""
     from ..machine.ports import free_port
 
-    ports = {f"--{name}": str(free_port()) for name in ("rest-port", "port", "zmq-port", "dist-port")}
+    names = ("rest-port", "port", "zmq-port", "dist-port") + ("openai-port",) * bool(args.in_flight)
+    ports = {f"--{name}": str(free_port()) for name in names}
     command = [
         sys.executable,
         "-m",
@@ -75,6 +94,8 @@ def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> tuple[floa
     ]
     if args.plan is not None:
         command += ["--plan", args.plan]
+    if args.in_flight:
+        command += ["--shutdown-grace", str(args.shutdown_grace)]
     log = store.with_suffix(".log")
     with open(log, "w") as output:
         begin = time.perf_counter()
@@ -87,11 +108,43 @@ def _start_serve(args: argparse.Namespace, store: Path, mode: str) -> tuple[floa
                 )
             time.sleep(0.05)
         started = time.perf_counter() - begin
+        replies = _in_flight(args, ports.get("--openai-port"))
     finally:
         stopping = time.perf_counter()
         serve.send_signal(signal.SIGTERM)  # as Ctrl-C; SIGINT is ignored where the bench runs in the background
         serve.wait(timeout=120)
-    return started, time.perf_counter() - stopping
+    stopped = time.perf_counter() - stopping
+    args.cut_codes += [reply.result() for reply in replies]
+    return started, stopped
+
+
+def _in_flight(args: argparse.Namespace, port: str | None) -> list:
+    """``args.in_flight`` completions that outlast the grace, sent and running (their first token out);
+    each future's result: the error code it ends with ("none": it finished)."""
+    import httpx
+
+    if not args.in_flight:
+        return []
+    url = f"http://localhost:{port}/v1/completions"
+    while httpx.get(f"http://localhost:{port}/health").status_code != 200:
+        time.sleep(0.2)
+    body = {"model": args.model, "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+
+    def complete(running) -> str:
+        with httpx.stream("POST", url, json=body, timeout=300) as reply:
+            for line in reply.iter_lines():
+                running.set()
+                if '"error"' in line:
+                    return json.loads(line.removeprefix("data: "))["error"]["code"] or "null"
+        return "none"
+
+    pool, replies = ThreadPoolExecutor(args.in_flight), []
+    for _ in range(args.in_flight):
+        running = threading.Event()
+        replies.append(pool.submit(complete, running))
+        running.wait(120)
+    pool.shutdown(wait=False)
+    return replies
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -107,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
     start = {"runtime": _start_runtime, "serve": _start_serve}[args.through]
     starts: dict[str, list[float]] = {"off": [], "on": []}
     stops: list[float] = []
+    args.cut_codes = []
     checks: list[float] = []
     with tempfile.TemporaryDirectory(prefix="hcache-bench-startup-") as tmp:
         start(args, Path(tmp) / "warm-up", "off")
@@ -144,6 +198,13 @@ def run(args: argparse.Namespace) -> dict:
         "torch_threads": torch.get_num_threads(),
         **({"stop_s": stops, "median_stop_s": statistics.median(stops)} if stops else {}),
     }
+    if args.in_flight:
+        result.update(
+            in_flight=args.in_flight,
+            shutdown_grace_s=args.shutdown_grace,
+            stop_budget_s=args.shutdown_grace + STOP_MARGIN_S,
+            cut_codes=args.cut_codes,
+        )
     print(
         f"{args.model} through {args.through}, self-check of {'+'.join(methods) or 'nothing'} ({args.repeats} start-ups each way, alternated):"
     )
@@ -157,5 +218,10 @@ def run(args: argparse.Namespace) -> dict:
     if stops:
         print(
             f"  stop after SIGTERM    median {statistics.median(stops):.2f} s  ({min(stops):.2f}-{max(stops):.2f}), past a drain of 0 s"
+        )
+    if args.in_flight:
+        print(
+            f"  with {args.in_flight} in flight: budget {args.shutdown_grace + STOP_MARGIN_S:g} s (grace {args.shutdown_grace:g} s "
+            f"+ {STOP_MARGIN_S:g} s); cut with codes {sorted(set(args.cut_codes))}"
         )
     return result

@@ -7,9 +7,11 @@ neither. Zombies never count as running: a container's init may reap them late.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterable
 
@@ -100,3 +102,13 @@ def wait(done, seconds: float, poll_s: float = 0.1) -> bool:
             return False
         time.sleep(poll_s)
     return True
+
+
+def exit_now() -> None:
+    """End this process at once, its output flushed, skipping the interpreter's teardown: for a server
+    process whose state is stored and closed by the time its server returns. The teardown (joining gRPC's
+    handler threads, which MII's server gives 10 s; torch's) took 3 s of a model server's stop under load."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)

@@ -14,8 +14,11 @@ import os
 import sys
 
 from ..config import ResolvedConfig
+from ..errors import HCacheError
+from ..machine import process_tree
+from ..machine.owner import end_with_owner
 from .patches import install_server
-from .processes import CONFIG_ENV, LOG_LEVEL_ENV
+from .processes import CONFIG_ENV, LOG_LEVEL_ENV, START_ERROR_ENV
 
 
 def _logging() -> None:
@@ -29,6 +32,7 @@ def _logging() -> None:
 
 def main() -> None:
     _logging()
+    end_with_owner()  # hcache serve's: gone, killed with its process group or not, this server ends
     from mii.launch.multi_gpu_server import b64_encoded_config
     from mii.launch.multi_gpu_server import main as mii_main
 
@@ -37,12 +41,28 @@ def main() -> None:
     parser.add_argument("--model-config", required=True, type=b64_encoded_config)
     parser.add_argument("--restful-gateway", action="store_true")
     args, _ = parser.parse_known_args()
-    with install_server(config, args.model_config, args.restful_gateway):  # undone once MII's server has stopped
-        if not logging.getLogger().isEnabledFor(logging.INFO):
-            # MII prints its progress ("Starting server on port ...", "About to start server", "Started"). Its
-            # and DeepSpeed's loggers, made on import above, keep the stream they were made with; errors go to stderr.
-            sys.stdout = open(os.devnull, "w")  # for the life of this process
-        mii_main()
+    try:
+        with install_server(config, args.model_config, args.restful_gateway):  # undone once MII's server has stopped
+            if not logging.getLogger().isEnabledFor(logging.INFO):
+                # MII prints its progress ("Starting server on port ...", "About to start server", "Started"). Its
+                # and DeepSpeed's loggers, made on import above, keep the stream they were made with; errors go to stderr.
+                sys.stdout = open(os.devnull, "w")  # for the life of this process
+            mii_main()
+    except Exception as exc:
+        _tell_starter(exc)
+        if not isinstance(exc, HCacheError):
+            raise  # not hcache's refusal: its traceback says where
+        print(f"hcache: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    process_tree.exit_now()  # MII's server has returned: a model server has stored everything (hcache.mii.loop)
+
+
+def _tell_starter(exc: Exception) -> None:
+    """Write why this server failed, in one line, where the process that started it reads it
+    (:func:`hcache.mii.processes.waiting_briefly`)."""
+    line = str(exc) if isinstance(exc, HCacheError) else f"{type(exc).__name__}: {exc}"
+    with open(os.environ[START_ERROR_ENV], "w") as file:
+        file.write(" ".join(line.split()))
 
 
 if __name__ == "__main__":

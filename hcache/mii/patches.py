@@ -260,11 +260,11 @@ def hold_loop_patches(pipeline) -> None:
 @contextmanager
 def launching_with_hcache(hcache: ResolvedConfig, launched: list) -> Iterator[None]:
     """While ``mii.serve`` starts its processes, start them through :mod:`hcache.mii.launch` with the hcache
-    config (:class:`~hcache.mii.processes.Launch`), and collect them in ``launched``. MII's hostfiles are
-    removed once it has started (or failed to)."""
+    config (:class:`~hcache.mii.processes.Launch`), and collect them in ``launched``. MII's hostfiles and the
+    servers' error file are removed once it has started (or failed to)."""
     launch = processes.Launch(hcache, launched)
     try:
         with Patches().install(LAUNCHING, launch):
             yield
     finally:
-        launch.remove_hostfiles()
+        launch.remove_files()

@@ -11,10 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
+from ..errors import ServerStartError
 from ..machine import process_tree
 
 # How ``hcache serve`` drives the OpenAI server it starts (:func:`openai_server`): its signals and its grace,
@@ -28,23 +31,28 @@ DEFAULT_SHUTDOWN_GRACE_S = 20.0
 
 CONFIG_ENV = "HCACHE_MII_CONFIG"  # how server processes get the hcache config: not on their command lines
 LOG_LEVEL_ENV = "HCACHE_LOG_LEVEL"  # the level server processes log at: hcache's where they were started
+START_ERROR_ENV = "HCACHE_START_ERROR"  # the file a server process that fails writes its reason to, in one line
 
 
 class Launch:
     """One ``mii.serve``'s start: the hcache config its processes get, the processes (collected in
-    ``launched``), and MII's hostfiles to remove after.
+    ``launched``), and the files to remove after: MII's hostfiles and the servers' error file.
 
     The processes log as hcache's logger here does (``hcache -v``: INFO): below INFO, DeepSpeed's launcher
     is quiet (``--log_level error``: no training-launcher lines), and so are MII's and the REST gateway's
     INFO messages (:mod:`hcache.mii.launch`). MII writes two hostfiles to the temporary directory as it
-    starts, reads them then, and leaves them behind."""
+    starts, reads them then, and leaves them behind. A server that fails writes why to ``error_file``, which
+    the wait for the servers reports (:func:`waiting_briefly`)."""
 
     def __init__(self, hcache, launched: list[subprocess.Popen]):
-        self.hcache, self.launched, self.hostfiles = hcache, launched, []
+        self.hcache, self.launched = hcache, launched
         self.level = logging.getLogger("hcache").getEffectiveLevel()
+        fd, self.error_file = tempfile.mkstemp(prefix="hcache-start-error-")
+        os.close(fd)
+        self.files = [self.error_file]
 
-    def remove_hostfiles(self) -> None:
-        for path in self.hostfiles:
+    def remove_files(self) -> None:
+        for path in self.files:
             with contextlib.suppress(OSError):
                 os.remove(path)
 
@@ -58,7 +66,7 @@ def noting_hostfile(init, launch: Launch):
             init(self, mii_config)
         finally:
             if mii_config.hostfile != given:
-                launch.hostfiles.append(mii_config.hostfile)
+                launch.files.append(mii_config.hostfile)
 
     return noting_init
 
@@ -68,7 +76,7 @@ def noting_replica_hostfile(ds_launch_str, launch: Launch):
     which is not given it)."""
 
     def noting_ds_launch_str(self, replica_config, hostfile, use_multiple_hosts):
-        launch.hostfiles.append(hostfile)
+        launch.files.append(hostfile)
         return ds_launch_str(self, replica_config, hostfile, use_multiple_hosts)
 
     return noting_ds_launch_str
@@ -100,7 +108,11 @@ def through_hcache_launch(_mii_launch, launch: Launch):
         # process dying where it stands, and ``stop`` can end the launcher with the server it started.
         env = dict(
             os.environ,
-            **{CONFIG_ENV: launch.hcache.model_dump_json(), LOG_LEVEL_ENV: logging.getLevelName(launch.level)},
+            **{
+                CONFIG_ENV: launch.hcache.model_dump_json(),
+                LOG_LEVEL_ENV: logging.getLevelName(launch.level),
+                START_ERROR_ENV: launch.error_file,
+            },
         )
         process = subprocess.Popen(cmd, env=env, start_new_session=True)
         process.hcache_saves = msg_server_type == "MII server"  # the others hold no state
@@ -112,13 +124,17 @@ def through_hcache_launch(_mii_launch, launch: Launch):
 
 def waiting_briefly(_mii_wait, launch: Launch):
     """``MIIServer._wait_until_server_is_live``: MII's own wait sleeps 5 s a round, even once the servers are
-    up, so a node would start seconds late; this one polls, and fails once a server has exited."""
+    up, so a node would start seconds late; this one polls, and fails once a server has exited, with the one
+    line it wrote saying why (:class:`ServerStartError`)."""
 
     def wait_until_live(self, processes, replicas):
         for process, replica in zip(processes, replicas):
             while not all(self._is_socket_open(replica.hostname, port) for port in replica.tensor_parallel_ports):
                 if process is not None and process.poll() is not None:
-                    raise RuntimeError(f"the model server exited with status {process.returncode} while starting")
+                    reason = Path(launch.error_file).read_text().strip() or "its output above says why"
+                    raise ServerStartError(
+                        f"the model server exited with status {process.returncode} while starting: {reason}"
+                    )
                 time.sleep(0.2)
 
     return wait_until_live
@@ -168,13 +184,16 @@ def stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
     """End a deployment's processes after ``terminate_server``, each with all it started (each leads a
     session, see :func:`through_hcache_launch`). The load balancer and the REST gateway hold no state and end
     at once (MII 0.3's gateway, with ``restful_processes > 1``, handles ``/terminate`` in a forked child and
-    so never stops). A model server writes its saved chunks as it stops: it gets up to ``grace_s`` for that,
-    then its session (DeepSpeed's launcher, which notices its child's exit only once a second) ends. SIGTERM
-    first, SIGKILL 5 s later."""
+    so never stops). A model server writes its saved chunks as it stops: it gets up to ``grace_s`` for that.
+    Then its session ends: once the server has exited, what is left holds nothing (DeepSpeed's launchers, which
+    notice their child's exit only once a second, and take a second more to handle SIGTERM under load) and is
+    killed at once; a server still running gets SIGTERM first, SIGKILL 5 s later."""
     for process in processes:
         if not getattr(process, "hcache_saves", True):
             process_tree.signal_session(process, signal.SIGTERM)
-    process_tree.wait(lambda: not any(_model_server_running(p) for p in processes), grace_s)
+    if process_tree.wait(lambda: not any(_model_server_running(p) for p in processes), grace_s):
+        for process in processes:
+            process_tree.signal_session(process, signal.SIGKILL)
     process_tree.end_sessions(processes, grace_s=5.0)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
+from ..machine.owner import owned_by_this_process
 from ..machine.ports import check_free
 from .processes import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
@@ -198,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = settings(args)
     path = str(model_dir(args.model))
+    os.environ.update(owned_by_this_process())  # every server it starts ends with it, however it ends
     for flag, (host, port) in _ports(args, config).items():
         check_free(host, port, flag)
     openai = client = None

@@ -13,6 +13,8 @@ import asyncio
 import logging
 import signal
 
+from ..machine import process_tree
+from ..machine.owner import end_with_owner
 from ..mii.processes import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
 
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    end_with_owner()  # hcache serve's, when it started this server
     health = Health()
     signal.signal(READY_SIGNAL, lambda *_: health.ready.set())
     signal.signal(DRAIN_SIGNAL, lambda *_: health.draining.set())
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=FINISH_S,
     )
     Server(config).run()
+    process_tree.exit_now()  # every request answered; the server holds no state
 
 
 if __name__ == "__main__":

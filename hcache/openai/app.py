@@ -172,7 +172,7 @@ def create_app(served: Served, load_balancer: str, health: Health) -> FastAPI:
         try:
             return form.whole(*await _joined(first, pieces, http))
         except DeploymentError as exc:
-            raise APIError(exc.status, str(exc)) from None
+            raise exc.api_error() from None
         except ClientGone:
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
 
@@ -215,7 +215,7 @@ async def _first(pieces: AsyncIterator[Piece]) -> Piece:
         return await anext(pieces)
     except DeploymentError as exc:
         await pieces.aclose()
-        raise APIError(exc.status, str(exc)) from None
+        raise exc.api_error() from None
 
 
 def _truncated(prompt: str, keep: int | None, served: Served) -> str:
@@ -392,7 +392,7 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], form: _Format, inc
             if include_usage:
                 yield event(form.chunk("", usage=form.usage(piece)))
         except DeploymentError as exc:
-            error = APIError(exc.status, str(exc))
+            error = exc.api_error()
             yield f"data: {error.response().body.decode()}\n\n"
         except StopAsyncIteration:  # the deployment ended the stream without a finish reason
             yield f"data: {APIError(500, 'the deployment ended the generation without finishing it').response().body.decode()}\n\n"

@@ -15,8 +15,9 @@ from mii.grpc_related.proto.modelresponse_pb2 import MultiStringRequest
 from mii.grpc_related.proto.modelresponse_pb2_grpc import ModelResponseStub
 from mii.utils import kwarg_dict_to_proto
 
-from ..mii.reply_record import record_of
 from ..mii.gateway import http_status
+from ..mii.reply_record import record_of
+from .api_error import APIError
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,16 @@ class Piece:
 
 
 class DeploymentError(Exception):
-    """The deployment refused or failed a generation; ``status`` is the HTTP status its client gets."""
+    """The deployment refused or failed a generation; ``status`` is the HTTP status its client gets, and
+    ``code`` the error's code in OpenAI's shape (``shutting_down`` for a generation the server's stop ends,
+    as for a request it refuses then)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.code = status, code
+
+    def api_error(self) -> APIError:
+        return APIError(self.status, str(self), code=self.code)
 
 
 class Deployment:
@@ -51,7 +57,7 @@ class Deployment:
         self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = ModelResponseStub(self._channel)
         self._calls: set = set()
-        self._ended: str | None = None  # why end_all ended every call
+        self._ended: tuple[str, str] | None = None  # why end_all ended every call, and its code
 
     async def generate(self, prompt: str, options: dict) -> AsyncIterator[Piece]:
         """The pieces of ``prompt``'s generation with MII's generation ``options``. Leaving the iteration
@@ -75,15 +81,15 @@ class Deployment:
         ):  # the call's reading, cancelled by end_all (or the task's, by its client leaving)
             if self._ended is None:
                 raise
-            raise DeploymentError(503, self._ended) from None
+            raise DeploymentError(503, *self._ended) from None
         finally:
             self._calls.discard(call)
             call.cancel()  # a no-op once the call has ended
 
-    def end_all(self, why: str) -> None:
-        """End every generation in flight: each raises :class:`DeploymentError` (503, ``why``) to its reader,
-        and the model server drops its request."""
-        self._ended = why
+    def end_all(self, why: str, code: str) -> None:
+        """End every generation in flight: each raises :class:`DeploymentError` (503, ``why``, ``code``) to its
+        reader, and the model server drops its request."""
+        self._ended = (why, code)
         for call in list(self._calls):
             call.cancel()
 

@@ -11,6 +11,7 @@ import asyncio
 from .api_error import APIError
 
 SHUTTING_DOWN = "the server is shutting down; send the request again (to another node)"
+SHUTTING_DOWN_CODE = "shutting_down"  # the code of a request refused or ended by the stop alike
 
 
 class InFlight:
@@ -26,7 +27,7 @@ class InFlight:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self.refusing and scope["path"] != "/health":
-            refusal = APIError(503, SHUTTING_DOWN, code="shutting_down").response()
+            refusal = APIError(503, SHUTTING_DOWN, code=SHUTTING_DOWN_CODE).response()
             refusal.headers["connection"] = "close"
             return await refusal(scope, receive, send)
         self.count += 1
@@ -55,6 +56,6 @@ async def shut_down(server, in_flight: InFlight, deployment, grace_s: float, fin
     and have ``finish_s`` to send it), then stop ``server`` (uvicorn's)."""
     in_flight.refuse()
     if not await in_flight.idle(grace_s):
-        deployment.end_all(SHUTTING_DOWN)
+        deployment.end_all(SHUTTING_DOWN, SHUTTING_DOWN_CODE)
         await in_flight.idle(finish_s)
     server.should_exit = True

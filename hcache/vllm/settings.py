@@ -109,10 +109,28 @@ def check_settings(extra: dict | None) -> HCacheConfig:
     return settings
 
 
+def check_engine(vllm_config) -> None:
+    """Everything :func:`resolve_setup` refuses that ``vllm_config`` (vLLM's, before its engine starts) can
+    tell, and the store's directories (:func:`check_settings`): for the process that starts vLLM, before
+    any weights load. What only the KV cache groups tell is refused in the worker."""
+    check_settings(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    _resolve(vllm_config, None)
+
+
 def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
     """The resolved settings, fingerprint and KV cache groups of the engine ``vllm_config`` and
     ``kv_cache_config`` (vLLM's, which the connector is given; None: one group) describe. Raises
     :class:`InvalidRequestError` for settings the connector cannot serve, naming what to change."""
+    config, spec, block_sizes, groups = _resolve(vllm_config, kv_cache_config)
+    fingerprint = hashlib.blake2b(
+        f"vllm|{checkpoint_fingerprint(vllm_config.model_config.model, spec)}".encode(), digest_size=16
+    ).hexdigest()
+    return VllmSetup(config, fingerprint, block_sizes, groups)
+
+
+def _resolve(vllm_config, kv_cache_config) -> tuple[ResolvedConfig, ModelSpec, tuple[int, ...], tuple[int, ...]]:
+    """:func:`resolve_setup`'s checks and resolved settings; the model's facts as vLLM runs its layers; the
+    KV cache groups' blocks and each layer's group."""
     transfer = vllm_config.kv_transfer_config
     if transfer.kv_load_failure_policy != "recompute":
         raise InvalidRequestError(
@@ -139,9 +157,6 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
     spec = dataclasses.replace(spec, sliding_windows=windows or spec.sliding_windows)
     if not Path(model.model).is_dir():
         raise InvalidRequestError(f"hcache's vLLM connector needs the model as a local directory, not {model.model!r}")
-    fingerprint = hashlib.blake2b(
-        f"vllm|{checkpoint_fingerprint(model.model, spec)}".encode(), digest_size=16
-    ).hexdigest()
     eager = _eager(vllm_config.compilation_config)
     if (not eager or tp > 1) and (settings.plan is None or is_auto(settings.plan)):
         settings = HCacheConfig.of(settings, plan=Method.KV.value)  # H needs the layer inputs a compiled model hides
@@ -168,7 +183,7 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
             "hcache's vLLM connector does only with enforce_eager=True: it reads each layer's input through a hook, "
             "which vLLM's compiled model and CUDA graphs do not run. Serve with --enforce-eager, or give plan 'KV'"
         )
-    return VllmSetup(config, fingerprint, block_sizes, groups)
+    return config, spec, block_sizes, groups
 
 
 def _cache_groups(

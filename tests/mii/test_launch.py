@@ -1,5 +1,6 @@
-"""How ``hcache serve`` starts MII's processes, without starting them: what they are told about logging, and
-that MII's temporary hostfiles do not outlive the start. (A real deployment: ``tests/mii/test_mii.py``.)"""
+"""How ``hcache serve`` starts MII's processes, without starting them: what they are told about logging, that
+a server failing as it starts is reported in the line it wrote, and that MII's temporary hostfiles do not
+outlive the start. (A real deployment: ``tests/mii/test_mii.py``.)"""
 
 import logging
 import os
@@ -12,7 +13,9 @@ import pytest
 from mii.backend.server import MIIServer
 from mii.config import MIIConfig
 
+from hcache.errors import ServerStartError
 from hcache.mii.patches import launching_with_hcache
+from hcache.mii.processes import START_ERROR_ENV
 
 
 class _Exited:
@@ -24,13 +27,23 @@ class _Exited:
         return 1
 
 
-@pytest.mark.parametrize("verbose", [False, True])
-def test_mii_starts_its_processes_as_quiet_as_hcache_and_leaves_no_hostfile(tmp_path, monkeypatch, caplog, verbose):
+@pytest.mark.parametrize(
+    "verbose, reason",
+    [
+        (False, "store.quota_bytes is too small"),  # once a RuntimeError naming no reason, after a traceback
+        (True, ""),
+    ],
+)
+def test_mii_starts_its_processes_as_quiet_as_hcache_and_leaves_no_hostfile(
+    tmp_path, monkeypatch, caplog, verbose, reason
+):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where MII writes its hostfiles
     started = []
 
     def popen(cmd, env=None, **kwargs):
         started.append((cmd, env, sorted(p.name for p in tmp_path.iterdir())))
+        with open(env[START_ERROR_ENV], "w") as file:  # as hcache.mii.launch does when its server fails
+            file.write(reason)
         return _Exited()
 
     monkeypatch.setattr("hcache.mii.processes.subprocess", SimpleNamespace(Popen=popen))  # hcache's launch alone
@@ -40,14 +53,14 @@ def test_mii_starts_its_processes_as_quiet_as_hcache_and_leaves_no_hostfile(tmp_
         port_number=50990,
     )
     caplog.set_level(logging.INFO if verbose else logging.WARNING, logger="hcache")
-    with pytest.raises(RuntimeError, match="exited with status 1 while starting"):
+    with pytest.raises(ServerStartError, match=f"exited with status 1 while starting: {reason or 'its output above'}"):
         with launching_with_hcache(SimpleNamespace(model_dump_json=lambda: "{}"), []):
             MIIServer(config)
     [(cmd, env, hostfiles)] = started[:1]
     assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"] and "hcache.mii.launch" in cmd
     assert (cmd[3:5] == ["--log_level", "error"]) is not verbose  # DeepSpeed's launcher: no training-launcher lines
     assert env["HCACHE_LOG_LEVEL"] == ("INFO" if verbose else "WARNING")
-    assert len(hostfiles) == 2  # MII's: one for the deployment, one for the replica
+    assert len(hostfiles) == 3  # MII's (one for the deployment, one for the replica) and the servers' error file
     assert not list(tmp_path.iterdir())  # removed once the start is over, failed as here or not
 
 

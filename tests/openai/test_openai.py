@@ -597,12 +597,12 @@ def test_sigterm_drains_then_refuses_new_requests_and_ends_those_in_flight_with_
             time.sleep(0.2)
         assert refused.status_code == 503 and refused.headers["connection"] == "close"
         assert refused.json()["error"]["code"] == "shutting_down" and refused.json()["error"]["type"] == "server_error"
-        with pytest.raises(openai.APIError, match="shutting down"):  # an error event, not a dropped stream
+        with pytest.raises(openai.APIError, match="shutting down") as cut_stream:  # an error event, not a drop
             for _ in stream:
                 pass
         with pytest.raises(openai.InternalServerError, match="shutting down") as cut:
             whole.result()
-        assert cut.value.status_code == 503
+        assert cut.value.status_code == 503 and cut.value.code == cut_stream.value.code == "shutting_down"
     assert time.monotonic() - start >= DRAIN_S + GRACE_S - 1  # the replies had the grace to finish
     server.process.wait(60)
     seconds = time.monotonic() - start

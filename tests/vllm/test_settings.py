@@ -183,25 +183,82 @@ def test_good_settings_pass_the_early_check_and_keep_layerwise_saves_out_of_full
     assert HCacheConnector.requires_piecewise_for_cudagraph({"store_dirs": [str(tmp_path)]}) is True
 
 
+def _a_file(tmp_path) -> str:
+    (tmp_path / "file").touch()
+    return str(tmp_path / "file")
+
+
+@pytest.mark.parametrize(
+    "extra, options, refused",
+    [
+        ({"plan": "H"}, {"tp": 3, "mha": True}, "uses hidden states (H) at tensor_parallel_size=3"),
+        ({"plan": "2RE+2KV"}, {}, "plan '2RE+2KV' covers 4 layers, the model has 30"),
+        ({"store_dirs": _a_file}, {}, "cannot use its store: chunk store"),
+        ({}, {"policy": "fail"}, "kv_load_failure_policy='recompute'"),
+    ],
+)
+def test_what_vllms_config_tells_is_refused_by_the_plugin_once_it_is_built_before_the_engine_starts(
+    tmp_path, monkeypatch, extra, options, refused
+):
+    """Once, each was refused only in the worker, after the weights loaded: the plugin checks the config
+    vLLM builds (:func:`~hcache.vllm.settings.check_engine`) in the process that starts vLLM."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from hcache.vllm.plugin import register
+
+    extra = {key: [value(tmp_path)] if callable(value) else value for key, value in extra.items()}
+    monkeypatch.setattr(EngineArgs, "create_engine_config", lambda self: _config(extra, **options))
+    register()
+    with pytest.raises(InvalidRequestError, match=re.escape(refused)):
+        EngineArgs().create_engine_config()
+    good = _config({"store_dirs": [str(tmp_path / "store")]})
+    monkeypatch.setattr(EngineArgs, "create_engine_config", lambda self: good)
+    register()
+    assert EngineArgs().create_engine_config() is good
+
+
+def test_a_refusal_nothing_catches_is_printed_in_one_line(monkeypatch, capsys):
+    """vLLM's OpenAI server catches no error of its config: once hcache's refusal was the last line of a
+    traceback. Other exceptions keep theirs."""
+    import sys
+
+    from hcache.vllm.plugin import register
+
+    monkeypatch.setattr(sys, "excepthook", lambda *args: print("traceback", file=sys.stderr))
+    register()
+    register()  # vLLM may load its plugins again: one hook
+    sys.excepthook(InvalidRequestError, InvalidRequestError("plan '2RE+2KV' covers 4 layers"), None)
+    sys.excepthook(KeyError, KeyError("x"), None)
+    assert capsys.readouterr().err == "hcache: error: plan '2RE+2KV' covers 4 layers\ntraceback\n"
+
+
 @pytest.mark.slow
-def test_vllms_openai_server_refuses_a_misspelt_setting_before_its_engine_starts(tmp_path):
+@pytest.mark.parametrize(
+    "extra, policy, refused",
+    [
+        ({"store_dir": "x"}, "recompute", "hcache setting 'store_dir'"),  # refused as the config is built
+        ({"plan": "2RE+2KV"}, "recompute", "plan '2RE+2KV' covers 4 layers"),  # the rest once it is built
+        ({"store_dirs": _a_file}, "recompute", "cannot use its store"),
+        ({}, "fail", "kv_load_failure_policy='recompute'"),
+    ],
+)
+def test_vllms_openai_server_refuses_bad_settings_before_its_engine_starts(tmp_path, extra, policy, refused):
     """vLLM imports the connector only in its engine's processes, once the model loads; hcache's vLLM plugin
     (entry point ``vllm.general_plugins``, installed with hcache) checks the settings in the process that
-    starts the server, as vLLM builds its config: the server exits with hcache's message, having started no
-    engine."""
+    starts the server, as vLLM builds its config and once it has: the server exits with hcache's message,
+    having started no engine."""
     from hcache.machine.ports import free_port
     from hcache.vllm import kv_transfer_config
     from hcache.vllm.plugin import check_transfer_config
 
-    extra = {"store_dir": "x"}
+    extra = {key: [value(tmp_path)] if callable(value) else value for key, value in extra.items()}
     config = {
-        **kv_transfer_config({"store_dirs": [str(tmp_path)]}),
-        "kv_connector_extra_config": extra,
-    }  # one refused only by the plugin
+        **kv_transfer_config({"store_dirs": [str(tmp_path / "store")]}),
+        "kv_connector_extra_config": {"store_dirs": [str(tmp_path / "store")], **extra},
+        "kv_load_failure_policy": policy,
+    }  # refused only by the plugin
     check_transfer_config(None)
     check_transfer_config({**config, "kv_connector": "OffloadingConnector"})  # not hcache's: not its to check
-    with pytest.raises(InvalidRequestError, match="store_dir"):
-        check_transfer_config(vllm_config.KVTransferConfig(**config))
     began = time.monotonic()
     run = subprocess.run(
         [
@@ -221,8 +278,9 @@ def test_vllms_openai_server_refuses_a_misspelt_setting_before_its_engine_starts
     )
     elapsed = time.monotonic() - began
     output = run.stdout + run.stderr
-    assert run.returncode != 0 and "hcache setting 'store_dir'" in output, output[-3000:]
+    assert run.returncode != 0 and refused in output, output[-3000:]
     assert "EngineCore" not in output and "Starting to load model" not in output, output[-3000:]
+    assert "hcache: error: " in output and "Traceback" not in output, output[-3000:]  # one line
     print(
         f"refused in {elapsed:.1f} s"
     )  # 13 s on the 2-vCPU VM, vLLM's own imports; it was 40 s to 3 min, after the model loaded
