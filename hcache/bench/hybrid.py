@@ -8,13 +8,15 @@ hybrid's; the dense model keeps no state), the history is saved once by ``--plan
 into a store of its own, then returns with a new question ``--repeats`` times. ``stored_bytes_per_token``: the
 tensors the history's chunks hold, by layer type, over its tokens; ``read_bytes_per_token``: what a returning
 turn read, by layer type, over the tokens it restored; ``restore_s``, ``ttft_s`` and ``recompute_s`` (the same
-prompt prefilled whole, ``restore=False``): medians.
+prompt prefilled whole, ``restore=False``): medians. ``load_average``: the machine's, before and after (times
+on a loaded machine are not comparable with another run's).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import tempfile
 from collections import Counter
@@ -109,6 +111,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("hcache bench hybrid: --hidden must be a multiple of 128, the rest at least 1")
     if any(h % (CHUNK_TOKENS * k) for h in args.histories for k in every):
         raise SystemExit("hcache bench hybrid: each history must end where every --state-every keeps a state")
+    load_before = os.getloadavg()  # the machine may be shared: times are comparable only on an idle one
     g = torch.Generator().manual_seed(0)
     configs = [(args.dense, None)] + [(args.hybrid, k) for k in every]
     models = {family: _model(family, args) for family in (args.dense, args.hybrid)}
@@ -145,5 +148,6 @@ def run(args: argparse.Namespace) -> dict:
         "plan": args.plan,
         "question": args.question,
         "repeats": args.repeats,
+        "load_average": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         "histories": results,
     }
