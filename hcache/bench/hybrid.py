@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> dict:
         f"hidden {args.hidden}, {args.layers} layers, float32, plan {args.plan}, {args.repeats} returning turns each:"
     )
     print(
-        f"{'history':>8} {'model':>32} {'stored B/token by layer type':>44} {'restore ms':>11} {'TTFT ms':>8} {'recompute ms':>13}"
+        f"{'history':>8} {'model':>32} {'stored B/token by layer type':>44} "
+        f"{'restore ms':>11} {'TTFT ms':>8} {'recompute ms':>13}"
     )
     for n, row in results.items():
         for name, r in row.items():
