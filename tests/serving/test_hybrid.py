@@ -15,7 +15,7 @@ from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.storage.stored_state import STATE
 
-# float32. Where the stored chunks were computed by prefills, a recompute of the prefix runs the Mamba layers in
+# float32. Where the stored chunks were computed by prefills, a recompute of the prefix runs the recurrent layers in
 # the same pieces (they end at chunk ends), so the restored K/V and state are recompute's within float rounding.
 # Where decode steps computed them, transformers' mixer took its recurrent path, and a recompute its chunked
 # scan: the two agree to about 1e-5 of the state's size, and that reaches the K/V of the layers above, so there
