@@ -75,8 +75,8 @@ class HCacheConfig(BaseModel):
     fails, ``"strict"`` refuses to start, ``"off"`` skips the check. ``sliding_layers``: what sliding-window
     layers store and restore: ``"window"``, the chunks their window reaches (:mod:`hcache.planning.window`),
     or ``"all"``, every token, as full-attention layers (conversations that branch far back restore too).
-    ``state_every``: a recurrent (Mamba) layer's state is stored at the end of every ``state_every``-th chunk,
-    and a prefix restores only to one of those ends (:mod:`hcache.planning.checkpoints`).
+    ``state_every``: a recurrent (Mamba or gated-delta-net) layer's state is stored at the end of every
+    ``state_every``-th chunk, and a prefix restores only to one of those ends (:mod:`hcache.planning.checkpoints`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -68,9 +68,9 @@ def resolve(
         )
     if spec.recurrent_layers and (settings.gpu_cache or tensor_parallel > 1):
         raise UnsupportedModelError(
-            f"model_type {spec.model_type!r} has recurrent (Mamba) layers, whose state hcache keeps per sequence and "
-            "at chunk ends: the GPU prefix cache keeps K/V blocks alone, and tensor parallelism would split the state "
-            "(serve it with gpu_cache=False at tensor_parallel=1)"
+            f"model_type {spec.model_type!r} has recurrent (Mamba or gated-delta-net) layers, whose state hcache keeps "
+            "per sequence and at chunk ends: the GPU prefix cache keeps K/V blocks alone, and tensor parallelism would "
+            "split the state (serve it with gpu_cache=False at tensor_parallel=1)"
         )
     config = config.model_copy(update={"save_formats": _save_formats(config)})
     if not spec.restores_hidden and (

@@ -31,12 +31,14 @@ FAMILIES = {  # config overrides FastGen needs (no sliding window; Phi-3's defau
     "mistral": {"sliding_window": None},
     "qwen2": {},
     "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-    # the reference engine's alone: DeepSpeed's FastGen has neither Qwen3 nor Gemma
+    # the reference engine's alone: DeepSpeed's FastGen has neither Qwen3, Gemma nor these hybrids
     "qwen3": {},
     "gemma2": {},
     "gemma3_text": {},
     # a Mamba-2 hybrid: Mamba, attention, Mamba (its heads fill the mixer's width at hidden 256)
     "granitemoehybrid": {"num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "mamba_d_head": 128},
+    # a gated-delta-net hybrid: gated delta net, gated attention, gated delta net
+    "qwen3_next": {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
 }
 # The random shapes have 3 layers. "<plan> <stored_dtype>": restored from state stored in that encoding.
 PLANS = ("RE", "H", "KV", "1RE+1H+1KV", "H 8bit", "KV 8bit")

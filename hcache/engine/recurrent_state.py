@@ -1,6 +1,8 @@
-"""One sequence's recurrent state: each Mamba layer's convolution and SSM state, kept by the reference engine
-per sequence and handed to transformers' Mamba mixer as its ``cache_params``, so that the mixer's own
-arithmetic continues a sequence from it (a prefill from a state, or a decode step) and updates it in place."""
+"""One sequence's recurrent state: each recurrent layer's convolution and recurrent state (a Mamba-2 layer's SSM
+state, a gated delta net's), kept by the reference engine per sequence and handed to transformers' mixer as its
+``cache_params``, so that the mixer's own arithmetic continues a sequence from it (a prefill from a state, or a
+decode step) and updates it in place. Both kinds read and update the same cache interface, so one class serves
+them, by the state's shape (:class:`~hcache.model.spec.MambaSpec`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from ..storage.stored_state import pack_state, unpack_state
 
 
 class RecurrentState:
-    """The cache object a Mamba mixer reads (``has_previous_state``, ``layers[i]``) and updates
+    """The cache object a recurrent mixer reads (``has_previous_state``, ``layers[i]``) and updates
     (``update_conv_state``, ``update_recurrent_state``), holding transformers' own per-layer state."""
 
     def __init__(self) -> None:
@@ -34,7 +36,8 @@ class RecurrentState:
         return pack_state([state.conv_states[0], state.recurrent_states[0]])
 
     def load(self, layer: int, rows: torch.Tensor, mamba: MambaSpec, dtype: torch.dtype) -> None:
-        """Set the layer's state from a chunk's rows: the sequence continues from there."""
+        """Set the layer's state from a chunk's rows: the sequence continues from there. The recurrent state
+        stays float32 (as stored, and as a gated delta net computes it); the convolution's takes ``dtype``."""
         conv, ssm = unpack_state(rows, [(1, *mamba.conv_shape), (1, *mamba.ssm_shape)])
         state = self.layers[layer] = LinearAttentionLayer()
         state.lazy_initialization(conv_states=conv.to(dtype), conv_kernel_size=mamba.conv_kernel)

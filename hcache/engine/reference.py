@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidRequestError
+from ..model.families import FAMILIES
 from ..model.spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rotate_and_write
 from ..ops.kv_projection import linear_rows
@@ -85,6 +86,8 @@ class _Decoder:
             if layer.has_experts:
                 out = out + layer.block_sparse_moe(h[None])[0]
             return self.residual(x, out)
+        if self.spec.model_type == "qwen3_next":  # its sparse MoE block takes a batch dimension
+            return x + layer.mlp(layer.post_attention_layernorm(x)[None])[0]
         if self.spec.model_type == "opt":
             return x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
         if self.spec.sandwich:
@@ -122,8 +125,9 @@ class ReferenceEngine:
         self.q_rows = {
             i: linear_rows(layer.get_submodule(spec.q_weight.module), spec.q_weight) for i, layer in attention
         }
+        self.mixer = FAMILIES[spec.model_type].mixer if spec.recurrent_layers else None  # a recurrent layer's module
         self.sequences: dict[int, Sequence] = {}
-        self.states: dict[int, RecurrentState] = {}  # each sequence's Mamba layers' state, where the model has them
+        self.states: dict[int, RecurrentState] = {}  # each sequence's recurrent layers' state, where the model has them
         self._restoring: dict[int, RestoreState] = {}
 
     # ---- sequences ---------------------------------------------------------------------------------
@@ -223,33 +227,39 @@ class ReferenceEngine:
         if capture is not None:
             capture.begin_batch(segments)
         x = self.decoder.embed(ids_t, pos_t)
+        gated = bool(self.spec.output_gate)
         for i in range(num_layers):
             layer = self.decoder.layers[i]
             h = layer.get_submodule(self.spec.capture_module)(x)
             if self.spec.is_recurrent(i):
-                x = self.decoder.residual(x, self._mamba(i, layer.mamba, h, segments, capture))
+                x = self.decoder.residual(x, self._recurrent(i, layer.get_submodule(self.mixer), h, segments, capture))
                 x = self.decoder.mlp_block(layer, x)
                 continue
             k, v = self.kv_proj[i](h)
             rotate_and_write(self.cache.layers[i], slots_t, k, v, tables[i])
             if capture is not None:
                 capture.on_layer(i, h, functools.partial(read_kv, self.cache.layers[i], slots_t))
-            q = F.linear(h, *self.q_rows[i]).view(-1, self.spec.num_heads, self.spec.head_size)
+            q = F.linear(h, *self.q_rows[i]).view(-1, self.spec.num_heads, (2 if gated else 1) * self.spec.head_size)
+            q, gate = q.split(self.spec.head_size, dim=-1) if gated else (q, None)
             if self.spec.qk_norm:
                 q = layer.get_submodule(self.spec.qk_norm[0])(q)
             if tables[i] is not None:
                 q = apply_rope(q, *tables[i])
-            x = self.decoder.attention_block(layer, x, self._attention(i, q, segments))
+            attention = self._attention(i, q, segments)
+            if gate is not None:  # Qwen3-Next's gated attention, as transformers' forward applies it
+                attention = attention * torch.sigmoid(gate.reshape(attention.shape))
+            x = self.decoder.attention_block(layer, x, attention)
             x = self.decoder.mlp_block(layer, x)
         if capture is not None:
             capture.end_batch()
         return x, segments
 
-    def _mamba(
+    def _recurrent(
         self, layer: int, mixer: nn.Module, h: torch.Tensor, segments: list[Segment], capture: LayerCapture | None
     ) -> torch.Tensor:
-        """A Mamba layer over each segment, continuing its sequence's state, in pieces that end at chunk ends: a
-        forward computes the same state there whatever its batch, and hands it to ``capture`` for the chunk."""
+        """A recurrent layer (transformers' Mamba-2 or gated-delta-net mixer) over each segment, continuing its
+        sequence's state, in pieces that end at chunk ends: a forward computes the same state there whatever its
+        batch, and hands it to ``capture`` for the chunk."""
         out = torch.empty_like(h)
         for s in segments:
             state = self.states.setdefault(s.uid, RecurrentState())

@@ -23,7 +23,12 @@ class Family:
     qk_norm: tuple[str, str] | None = None  # the RMS norms Q and K pass through, per head, before RoPE (Qwen3)
     # the norms of the attention's output, the MLP's input and its output (Gemma)
     sandwich: tuple[str, str, str] | None = None
-    recurrent: str | None = None  # transformers' layer type of the family's Mamba-2 layers (Granite 4's)
+    recurrent: str | None = (
+        None  # transformers' layer type of the family's recurrent layers (Mamba-2 or gated delta net)
+    )
+    mixer: str = "mamba"  # the recurrent layer's module, transformers' own, which the engine runs on the kept state
+    recurrent_kind: str = "mamba"  # hcache's name of the recurrent layers' type: "mamba" or "gated_delta_net"
+    output_gate: bool = False  # Q's projection also yields a gate per head: attention's output · sigmoid(gate)
 
 
 _SEPARATE_QKV = dict(q=("self_attn.q_proj", ""), k=("self_attn.k_proj", ""), v=("self_attn.v_proj", ""))
@@ -50,6 +55,14 @@ FAMILIES: dict[str, Family] = {
         windows="uniform",
     ),
     "granitemoehybrid": dataclasses.replace(_LLAMA_LIKE, recurrent="linear_attention"),
+    "qwen3_next": dataclasses.replace(
+        _LLAMA_LIKE,
+        qk_norm=_QK_NORM,
+        recurrent="linear_attention",
+        mixer="linear_attn",
+        recurrent_kind="gated_delta_net",
+        output_gate=True,
+    ),
     "opt": Family(
         layers="model.decoder.layers",
         capture="self_attn_layer_norm",

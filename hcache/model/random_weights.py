@@ -8,6 +8,7 @@ seed give the same model everywhere.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,26 @@ _TINY: dict[str, dict[str, Any]] = {
         residual_multiplier=0.5,
         attention_multiplier=0.1,
         logits_scaling=3.0,
+    ),
+    # Qwen3-Next: gated-delta-net and gated attention layers (Q/K norms, a quarter of each head rotating), sparse MoE
+    # with a gated shared expert beside a dense MLP (layer 2)
+    "qwen3_next": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[2],
     ),
     # families hcache's own engines do not run, which vLLM serves and hcache stores by KV there
     "gpt_oss": dict(
@@ -168,9 +189,14 @@ def _randomised(config, dtype: torch.dtype, seed: int, device: str = "cpu") -> t
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **eager)
     # HF initialises with std 0.02, which makes every logit nearly equal; widen so greedy decoding has clear winners.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+            elif name.endswith("linear_attn.A_log"):
+                # A gated delta net's decay rates: transformers draws A in [0.01, 16], which forgets a token within
+                # one or two; [0.01, 0.1] remembers ~10 to ~100, so the state a restore carries over a chunk's end
+                # matters (and the gated norm no longer scales float noise up from near-zero outputs).
+                p.uniform_(math.log(0.01), math.log(0.1))
     return model.eval()
 
 

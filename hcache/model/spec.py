@@ -48,8 +48,10 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class MambaSpec:
-    """A Mamba-2 mixer's recurrent state, the same in each of its layers: the convolution's last inputs
-    ``[conv_dim, conv_kernel]`` and the SSM state ``[heads, head_dim, state_size]``."""
+    """A recurrent layer's state, the same in each of a model's recurrent layers: the convolution's last inputs
+    ``[conv_dim, conv_kernel]`` and the recurrent state ``[heads, head_dim, state_size]``: a Mamba-2 mixer's SSM
+    state, or a gated delta net's ``[value heads, key head dim, value head dim]`` (both kinds keep their state in
+    transformers' ``LinearAttentionLayer``, so one shape describes both)."""
 
     conv_dim: int
     conv_kernel: int
@@ -84,6 +86,7 @@ _LATER_FACTS = (
     "embedding_multiplier",
     "residual_multiplier",
     "logits_scaling",
+    "output_gate",
 )
 STORED_LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer types whose state is K/V
 
@@ -119,13 +122,15 @@ class ModelSpec:
     # MLA (DeepSeek-V2): the latent's width. Its cache holds one row a token, the latent then K's RoPE part, as one
     # KV head of ``head_size`` with no K/V split (:attr:`kv_parts`).
     kv_lora_rank: int | None = None
-    # Mamba-2 hybrids (Granite 4): the layers whose state is recurrent, not K/V, and that state's shape
+    # Hybrids (Granite 4's Mamba-2, Qwen3-Next's gated delta nets): the layers whose state is recurrent, not K/V,
+    # and that state's shape
     recurrent_layers: tuple[int, ...] | None = None
     mamba: MambaSpec | None = None
     # Granite's scales: of the embeddings, of each block's output added to the residual, and the logits' divisor
     embedding_multiplier: float | None = None
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
+    output_gate: bool | None = None  # Qwen3-Next: Q's projection yields each head's query, then its output's gate
 
     # ---- sizes: everything else in hcache sizes from these two -------------------------------------
     @property
@@ -174,14 +179,14 @@ class ModelSpec:
         return self.sliding_rope if self.sliding_rope is not None and self.window(layer) is not None else self.rope
 
     def is_recurrent(self, layer: int) -> bool:
-        """Whether ``layer`` carries a recurrent state (a Mamba layer) instead of K/V."""
+        """Whether ``layer`` carries a recurrent state (a Mamba or gated-delta-net layer) instead of K/V."""
         return self.recurrent_layers is not None and layer in self.recurrent_layers
 
     def layer_type(self, layer: int) -> str:
         """The layer's type, by which hcache's accounting and docs group layers (transformers' names for
         attention)."""
         if self.is_recurrent(layer):
-            return "mamba"
+            return FAMILIES[self.model_type].recurrent_kind
         return "full_attention" if self.window(layer) is None else "sliding_attention"
 
     def attended_from(self, layer: int, length: int) -> int:
@@ -305,10 +310,11 @@ class ModelSpec:
             sliding_rope=_sliding_rope(config, head_size) if _rotates(config, family) else None,
             kv_lora_rank=latent or None,
             recurrent_layers=recurrent_layers or None,
-            mamba=_mamba(config) if recurrent_layers else None,
+            mamba=_RECURRENT_STATES[family.recurrent_kind](config) if recurrent_layers else None,
             embedding_multiplier=_scale(config, "embedding_multiplier"),
             residual_multiplier=_scale(config, "residual_multiplier"),
             logits_scaling=_scale(config, "logits_scaling"),
+            output_gate=True if family and family.output_gate else None,
         )
 
 
@@ -336,6 +342,20 @@ def _mamba(config: Any) -> MambaSpec:
         head_dim=config.mamba_d_head,
         state_size=config.mamba_d_state,
     )
+
+
+def _gated_delta_net(config: Any) -> MambaSpec:
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    return MambaSpec(
+        conv_dim=2 * key_dim + config.linear_num_value_heads * config.linear_value_head_dim,
+        conv_kernel=config.linear_conv_kernel_dim,
+        heads=config.linear_num_value_heads,
+        head_dim=config.linear_key_head_dim,
+        state_size=config.linear_value_head_dim,
+    )
+
+
+_RECURRENT_STATES = {"mamba": _mamba, "gated_delta_net": _gated_delta_net}  # each kind's state, from the config
 
 
 def _qkv_bias(config: Any, model_type: str) -> bool:

@@ -103,6 +103,7 @@ def measure_engine(
     seconds: dict[str, list[float]] = {name: [] for name in names}
     gen = torch.Generator().manual_seed(0)
     copier = Copier(engine.device)
+    layer = next(i for i in range(spec.num_layers) if not spec.is_recurrent(i))  # a hybrid's first may be recurrent
     with tqdm(total=len(tokens) * len(names), desc=f"profiling {model_name}", unit="cost") as bar:
         for n in tokens:
             hidden = torch.randn(n, spec.hidden_size, generator=gen).to(engine.device, dtype)
@@ -114,10 +115,10 @@ def measure_engine(
             hidden8, kv8 = quantise(hidden, encodings[Method.H.value]), quantise(kv, encodings[Method.KV.value])
             measures: dict[str, Callable[[], object]] = {
                 "c_token": lambda: engine.recompute_layers(0, ids, 1),
-                "c_h": lambda: engine.restore_from_hidden(0, 0, hidden),
-                "c_kv": lambda: engine.restore_kv(0, 0, kv),
-                "c_h8": lambda: engine.restore_from_hidden(0, 0, dequantise(hidden8, dtype)),
-                "c_kv8": lambda: engine.restore_kv(0, 0, kv8),
+                "c_h": lambda: engine.restore_from_hidden(0, layer, hidden),
+                "c_kv": lambda: engine.restore_kv(0, layer, kv),
+                "c_h8": lambda: engine.restore_from_hidden(0, layer, dequantise(hidden8, dtype)),
+                "c_kv8": lambda: engine.restore_kv(0, layer, kv8),
             }
             if tp.world_size > 1:
                 measures["ag_h"] = lambda: tp.gather_in_turn(own_hidden, n // CHUNK_TOKENS, CHUNK_TOKENS)

@@ -133,7 +133,7 @@ def test_the_check_runs_on_fastgen_the_families_it_serves_and_the_rest_on_the_re
     from hcache.engine.fastgen import check_model_type
     from hcache.errors import UnsupportedModelError
 
-    alone = {"qwen3", "gemma2", "gemma3_text", "granitemoehybrid"}  # the reference engine's alone
+    alone = {"qwen3", "gemma2", "gemma3_text", "granitemoehybrid", "qwen3_next"}  # the reference engine's alone
     assert families_on("reference") == tuple(FAMILIES) and alone <= set(FAMILIES)
     for family in families_on("fastgen"):
         check_model_type(family)  # raises for a family FastGen does not serve

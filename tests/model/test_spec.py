@@ -80,7 +80,7 @@ def test_unsupported_architecture_names_the_supported_ones():
         assert name in str(err.value)
 
 
-@pytest.mark.parametrize("model_type", ["jamba", "qwen3_next", "falcon_h1", "nemotron_h"])
+@pytest.mark.parametrize("model_type", ["jamba", "falcon_h1", "nemotron_h"])
 def test_hybrid_models_with_recurrent_layers_are_refused_naming_the_missing_rule(model_type):
     """Their Mamba or linear-attention layers carry a recurrent state that is not K/V: restoring attention's
     K/V without it would serve wrong state (LMCache #2845), so they are refused saying so, not only as an
@@ -241,3 +241,21 @@ def test_granite_4_is_described_with_its_mamba_layers_and_scales():
     llama = ModelSpec.from_config(AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4))
     later = {"recurrent_layers", "mamba", "embedding_multiplier", "residual_multiplier", "logits_scaling"}
     assert not later & set(json.loads(llama.to_json())) and later <= set(json.loads(granite.to_json()))
+
+
+def test_qwen3_next_is_described_with_its_gated_delta_nets_and_gated_attention():
+    """Qwen3-Next's published shape (transformers' defaults, the 80B model): three gated-delta-net layers to one
+    of attention, each keeping a convolution state over Q, K and V and a ``[value heads, key dim, value dim]``
+    recurrent state; its attention norms Q and K per head, rotates a quarter of each head and gates its output
+    by a second half of Q's projection. vLLM's view (``any_family``) is refused: its state is not stored there."""
+    config = AutoConfig.for_model("qwen3_next")
+    spec = ModelSpec.from_config(config)
+    assert spec.recurrent_layers == tuple(i for i in range(48) if i % 4 != 3)
+    assert [spec.layer_type(i) for i in range(4)] == ["gated_delta_net"] * 3 + ["full_attention"]
+    assert (spec.mamba.conv_shape, spec.mamba.ssm_shape) == ((2 * 16 * 128 + 32 * 128, 4), (32, 128, 128))
+    assert spec.qk_norm == ("self_attn.q_norm", "self_attn.k_norm") and spec.output_gate
+    assert (spec.head_size, spec.rope.rotary_dim, spec.num_kv_heads) == (256, 64, 2)
+    with pytest.raises(UnsupportedModelError, match="no rule for the state other layers carry"):
+        ModelSpec.from_config(config, any_family=True)
+    llama = ModelSpec.from_config(AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4))
+    assert "output_gate" not in json.loads(llama.to_json()) and json.loads(spec.to_json())["output_gate"]

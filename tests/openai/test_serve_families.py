@@ -1,5 +1,5 @@
-"""``hcache serve --model`` on checkpoints of today's families, as a user serves them: a random-weight Qwen3 and
-Gemma 3 saved with transformers' own classes (and SmolLM2's tokenizer and chat template), served by
+"""``hcache serve --model`` on checkpoints of today's families, as a user serves them: a random-weight Qwen3,
+Gemma 3 and Qwen3-Next saved with transformers' own classes (and SmolLM2's tokenizer and chat template), served by
 ``--engine auto``, which on a CPU, and for families DeepSpeed's FastGen lacks, is the reference engine.
 
 A returning conversation through the ``openai`` client: each turn's reply equals the same turn sent under a
@@ -29,6 +29,10 @@ FAMILIES = {  # config fields, and the layer types a restore reads
     "gemma3_text": (  # Gemma 3's own pattern: five sliding layers to one full
         {"head_dim": 64, "sliding_window": 64, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
         {"full_attention", "sliding_attention"},
+    ),
+    "qwen3_next": (  # two gated delta nets to one gated attention layer; each restore reads the nets' last state
+        {"head_dim": 64, "layer_types": ["linear_attention", "linear_attention", "full_attention"] * 2},
+        {"full_attention", "gated_delta_net"},
     ),
 }
 TURNS = [

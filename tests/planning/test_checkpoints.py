@@ -19,6 +19,8 @@ def test_a_state_is_kept_at_the_end_of_every_nth_chunk():
         "full_attention",
     ]
     assert all(StateRule(spec).saves(c) for c in range(5))
+    qwen3_next = ModelSpec.from_config(random_model("qwen3_next").config)  # the same rule for gated delta nets
+    assert qwen3_next.recurrent_layers == (0, 2) and qwen3_next.layer_type(0) == "gated_delta_net"
     assert [c for c in range(6) if StateRule(spec, every=2).saves(c)] == [1, 3, 5]
 
 

@@ -1,5 +1,6 @@
-"""A Mamba-2 hybrid (GraniteMoeHybrid) served with exact restores: attention layers by KV, H or RE, Mamba
-layers from the state kept at chunk ends (planning/checkpoints.py), and never a prefix without its state."""
+"""Hybrids served with exact restores, by one rule for both kinds of recurrent layer (a Mamba-2 hybrid,
+GraniteMoeHybrid, and a gated-delta-net hybrid, Qwen3-Next): attention layers by KV, H or RE, recurrent layers
+from the state kept at chunk ends (planning/checkpoints.py), and never a prefix without its state."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.storage.stored_state import STATE
 
-# float32. Where the stored chunks were computed by prefills, a recompute of the prefix runs the Mamba layers in
+# float32. Where the stored chunks were computed by prefills, a recompute of the prefix runs the recurrent layers in
 # the same pieces (they end at chunk ends), so the restored K/V and state are recompute's within float rounding.
 # Where decode steps computed them, transformers' mixer took its recurrent path, and a recompute its chunked
 # scan: the two agree to about 1e-5 of the state's size, and that reaches the K/V of the layers above, so there
@@ -23,14 +24,14 @@ ATOL = 1e-5
 DECODED_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def granite() -> LoadedModel:
-    return loaded("random:granitemoehybrid")
+@pytest.fixture(scope="module", params=["granitemoehybrid", "qwen3_next"])
+def hybrid(request) -> LoadedModel:
+    return loaded(f"random:{request.param}")
 
 
 def assert_restore_equals_recompute(runtime: HCacheRuntime, prompt: list[int], plan, atol: float = ATOL) -> int:
     """Restore ``prompt``'s stored prefix by ``plan`` and recompute it in another sequence: every attention
-    layer's K/V and every Mamba layer's state (convolution and SSM) agree within ``atol``; the tokens
+    layer's K/V and every recurrent layer's state (convolution and recurrent) agree within ``atol``; the tokens
     restored."""
     engine, spec = runtime.engine, runtime.spec
     keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
@@ -48,13 +49,13 @@ def assert_restore_equals_recompute(runtime: HCacheRuntime, prompt: list[int], p
     return outcome.tokens
 
 
-def test_a_returning_conversation_restores_as_recompute(granite, tmp_path, rng):
-    """A conversation resent with a new turn, twice: by KV, H, and mixed plans (RE over a Mamba layer and an
+def test_a_returning_conversation_restores_as_recompute(hybrid, tmp_path, rng):
+    """A conversation resent with a new turn, twice: by KV, H, and mixed plans (RE over a recurrent layer and an
     attention layer, H, KV), the restored K/V and state are recompute's (within float rounding where prefills
     computed the chunks, within the mixer's two paths' noise where decode steps did), the greedy tokens too,
-    and a Mamba layer reads its state from the last chunk alone."""
-    spec = granite.spec
-    runtime = HCacheRuntime(granite, tmp_path, save="all")
+    and a recurrent layer reads its state from the last chunk alone."""
+    spec = hybrid.spec
+    runtime = HCacheRuntime(hybrid, tmp_path, save="all")
     assert not runtime.config.disabled  # the start-up self-check restored by every method, state included
     history = random_prompt(200, spec.vocab_size, rng)
     state_bytes = CHUNK_TOKENS * -(-spec.mamba.numel // CHUNK_TOKENS) * 4  # one chunk's state, float32
@@ -70,16 +71,17 @@ def test_a_returning_conversation_restores_as_recompute(granite, tmp_path, rng):
             assert result.output_ids == expected, f"turn {turn}, plan {plan}"
             assert result.restored_tokens == chunks * CHUNK_TOKENS and result.fallback is None
             assert not result.miss_tokens
-            restored_mamba = [layer for layer in spec.recurrent_layers if plan.layers[layer].value != "RE"]
-            assert result.type_bytes.get("mamba", 0) == len(restored_mamba) * state_bytes
+            restored_state = [layer for layer in spec.recurrent_layers if plan.layers[layer].value != "RE"]
+            kind = spec.layer_type(spec.recurrent_layers[0])  # "mamba" or "gated_delta_net"
+            assert result.type_bytes.get(kind, 0) == len(restored_state) * state_bytes
 
 
-def test_a_state_every_second_chunk_restores_a_branch_to_its_last_checkpoint(granite, tmp_path, rng):
-    """``state_every=2``: chunks 1, 3, ... hold the Mamba layers' state. A conversation that branches from a
+def test_a_state_every_second_chunk_restores_a_branch_to_its_last_checkpoint(hybrid, tmp_path, rng):
+    """``state_every=2``: chunks 1, 3, ... hold the recurrent layers' state. A conversation that branches from a
     saved one restores the longest prefix that ends at a stored state, names the rest ``no_state``, and
     answers as recompute does."""
-    spec = granite.spec
-    runtime = HCacheRuntime(granite, tmp_path, save="plan", plan="KV", state_every=2)
+    spec = hybrid.spec
+    runtime = HCacheRuntime(hybrid, tmp_path, save="plan", plan="KV", state_every=2)
     prompt = random_prompt(5 * CHUNK_TOKENS + 10, spec.vocab_size, rng)
     runtime.generate(prompt, 1, restore=False)
     runtime.store.flush()
@@ -92,7 +94,7 @@ def test_a_state_every_second_chunk_restores_a_branch_to_its_last_checkpoint(gra
             assert all(image.has(layer, "KV") for layer in range(spec.num_layers) if not spec.is_recurrent(layer))
         finally:
             runtime.store.release(image)
-    plain = HCacheRuntime(granite, tmp_path / "plain", save="none")
+    plain = HCacheRuntime(hybrid, tmp_path / "plain", save="none")
     for branch_at, restored in ((3 * CHUNK_TOKENS + 20, 2 * CHUNK_TOKENS), (CHUNK_TOKENS + 30, 0)):
         branch = prompt[:branch_at] + random_prompt(20, spec.vocab_size, rng)
         expected = plain.generate(branch, 8, restore=False).output_ids
@@ -105,16 +107,16 @@ def test_a_state_every_second_chunk_restores_a_branch_to_its_last_checkpoint(gra
     assert result.restored_tokens == 4 * CHUNK_TOKENS and result.miss_tokens == {"no_state": CHUNK_TOKENS}
 
 
-def test_a_damaged_state_is_never_served(granite, tmp_path, rng):
-    """One Mamba layer's state damaged in the last chunk on disk: the chunk fails its checksum, the prefix
+def test_a_damaged_state_is_never_served(hybrid, tmp_path, rng):
+    """One recurrent layer's state damaged in the last chunk on disk: the chunk fails its checksum, the prefix
     ends at the chunk before (whose state is stored), the miss is ``failed_verification``, and the reply is
     recompute's."""
-    spec = granite.spec
-    runtime = HCacheRuntime(granite, tmp_path, save="plan", plan="KV")
+    spec = hybrid.spec
+    runtime = HCacheRuntime(hybrid, tmp_path, save="plan", plan="KV")
     prompt = random_prompt(4 * CHUNK_TOKENS + 3, spec.vocab_size, rng)
     runtime.generate(prompt, 1, restore=False)
     resent = prompt + random_prompt(4, spec.vocab_size, rng)
-    expected = HCacheRuntime(granite, tmp_path / "plain", save="none").generate(resent, 8, restore=False).output_ids
+    expected = HCacheRuntime(hybrid, tmp_path / "plain", save="none").generate(resent, 8, restore=False).output_ids
     corrupt_tensor(
         runtime.store, chunk_keys(prompt, root_key(runtime.fingerprint))[3], spec.recurrent_layers[-1], STATE
     )
@@ -124,12 +126,12 @@ def test_a_damaged_state_is_never_served(granite, tmp_path, rng):
     assert result.miss_tokens == {"failed_verification": CHUNK_TOKENS}
 
 
-def test_a_hybrid_is_refused_where_its_state_cannot_be_kept(granite):
+def test_a_hybrid_is_refused_where_its_state_cannot_be_kept(hybrid):
     """The GPU prefix cache and tensor parallelism would serve K/V without the state; vLLM's connector stores
     K/V alone (issue 65)."""
-    spec, name = granite.spec, "random:granitemoehybrid"
+    spec, name = hybrid.spec, f"random:{hybrid.spec.model_type}"
     for settings, tp in (({"gpu_cache": True}, 1), ({}, 2)):
         with pytest.raises(UnsupportedModelError, match="recurrent"):
             resolve({"plan": "KV", "engine": "reference", **settings}, spec, name, tensor_parallel=tp)
     with pytest.raises(UnsupportedModelError, match="linear_attention layers beside attention"):
-        ModelSpec.from_config(granite.model.config, any_family=True)
+        ModelSpec.from_config(hybrid.model.config, any_family=True)
