@@ -1,6 +1,6 @@
 import pytest
 import torch
-from support.helpers import loaded
+from support.helpers import family_params, loaded
 
 from hcache.errors import ModelNotFoundError
 from hcache.model.loader import LoadedModel
@@ -17,15 +17,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
-# The quick check's families, one of each kind: RoPE with GQA (llama), learned positions (opt), Q/K normed
-# before RoPE (qwen3), sliding and full layers with two RoPE bases (gemma3_text), Mamba layers beside
-# attention (granitemoehybrid). The others are variations of these and run in the whole suite (`slow`).
-QUICK_FAMILIES = frozenset({"llama", "opt", "qwen3", "gemma3_text", "granitemoehybrid"})
-
-
-@pytest.fixture(
-    params=[t if t in QUICK_FAMILIES else pytest.param(t, marks=pytest.mark.slow) for t in SUPPORTED_MODEL_TYPES]
-)
+@pytest.fixture(params=family_params(SUPPORTED_MODEL_TYPES))
 def tiny(request) -> LoadedModel:
     """A tiny random-weight model of each supported family."""
     return loaded(f"random:{request.param}")

@@ -4,7 +4,7 @@ from the state kept at chunk ends (planning/checkpoints.py), and never a prefix 
 
 import pytest
 import torch
-from support.helpers import corrupt_tensor, loaded, random_prompt
+from support.helpers import corrupt_tensor, family_params, loaded, random_prompt
 
 from hcache.errors import UnsupportedModelError
 from hcache.model.loader import LoadedModel
@@ -24,7 +24,7 @@ ATOL = 1e-5
 DECODED_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["granitemoehybrid", "qwen3_next"])
+@pytest.fixture(scope="module", params=family_params(["granitemoehybrid", "qwen3_next"]))
 def hybrid(request) -> LoadedModel:
     return loaded(f"random:{request.param}")
 

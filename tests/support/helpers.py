@@ -1,9 +1,21 @@
+import pytest
 import torch
 
 from hcache.model.loader import LoadedModel, load_model
 from hcache.storage.chunk import ChunkImage
 
 _cache: dict[str, LoadedModel] = {}
+
+
+# The quick check's families, one of each kind: RoPE with GQA (llama), learned positions (opt), Q/K normed
+# before RoPE (qwen3), sliding and full layers with two RoPE bases (gemma3_text), Mamba layers beside
+# attention (granitemoehybrid). The others are variations of these and run in the whole suite (`slow`).
+QUICK_FAMILIES = frozenset({"llama", "opt", "qwen3", "gemma3_text", "granitemoehybrid"})
+
+
+def family_params(model_types) -> list:
+    """``model_types`` as fixture params, those outside :data:`QUICK_FAMILIES` marked ``slow``."""
+    return [t if t in QUICK_FAMILIES else pytest.param(t, marks=pytest.mark.slow) for t in model_types]
 
 
 def loaded(name: str) -> LoadedModel:
