@@ -247,8 +247,9 @@ class ResolvedConfig(BaseModel):
         return WindowRule(spec, block, every_token=self.settings.sliding_layers == "all" or self.engine == "fastgen")
 
     def state_rule(self, spec: ModelSpec) -> StateRule:
-        """Where ``spec``'s recurrent layers keep their state, by the ``state_every`` setting."""
-        return StateRule(spec, self.settings.state_every)
+        """Where ``spec``'s recurrent layers keep their state, by the ``state_every`` setting; in vLLM, only where
+        one of its steps ends (:mod:`hcache.planning.checkpoints`)."""
+        return StateRule(spec, self.settings.state_every, at_step_end=self.engine == "vllm")
 
     def check_engine(self, spec: ModelSpec) -> None:
         """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype
