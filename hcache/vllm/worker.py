@@ -185,8 +185,8 @@ class WorkerSide:
         layouts: dict[tuple, PagedLayout] = {}
         for name, cache in kv_caches.items():
             index = extract_layer_index(name)
-            if spec.is_recurrent(index):  # its state's tensors, one block a checkpoint
-                self._states[index] = StateLayer(index, tuple(cache), self.setup.groups[index])
+            if spec.is_recurrent(index):  # its state's tensors, as the layer holds them (a block a checkpoint)
+                self._states[index] = StateLayer(index, tuple(self._attention[name].kv_cache), self.setup.groups[index])
                 continue
             module = self._attention.get(name)
             write = getattr(getattr(module, "impl", None), "do_kv_cache_update", None)
