@@ -76,7 +76,8 @@ class HCacheConfig(BaseModel):
     layers store and restore: ``"window"``, the chunks their window reaches (:mod:`hcache.planning.window`),
     or ``"all"``, every token, as full-attention layers (conversations that branch far back restore too).
     ``state_every``: a recurrent (Mamba) layer's state is stored at the end of every ``state_every``-th chunk,
-    and a prefix restores only to one of those ends (:mod:`hcache.planning.checkpoints`).
+    and a prefix restores only to one of those ends (:mod:`hcache.planning.checkpoints`); in vLLM, at every
+    ``state_every``-th of vLLM's own checkpoints (its Mamba block).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
