@@ -192,6 +192,8 @@ class Loader:
         state_blocks = {  # the block that holds a recurrent group's state at ``end``
             s.group: job.block_ids[s.group][(end - 1) // self.block_sizes[s.group]] for s in self.states.values()
         }
+        if NULL_BLOCK in state_blocks.values():  # vLLM holds no state there: nothing is written, it recomputes
+            raise RuntimeError(f"vLLM holds no block for the recurrent state at token {end}")
         shared = ImageRows.of(images) if self._scratch is not None else None
         kv = [j for j in jobs if j.method is not Method.H and not j.state]
         process = self._process if kv and shared is not None and self._in_pool(shared) else None

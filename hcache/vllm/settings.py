@@ -21,6 +21,7 @@ from ..errors import InvalidRequestError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.spec import MambaSpec, ModelSpec
 from ..model.tensor_parallel import TPGroup, shard_heads
+from ..planning.checkpoints import StateRule
 from ..planning.plan import Method
 from ..planning.policy import is_auto
 from ..resolve import resolve
@@ -72,6 +73,11 @@ class VllmSetup:
     def window_block(self) -> int:
         """The block by which vLLM holds a sliding-window layer's positions (:mod:`hcache.planning.window`)."""
         return max(self.block_sizes)
+
+    @property
+    def states(self) -> StateRule | None:
+        """Where the model's recurrent layers' state is stored, at vLLM's checkpoints (None: it has none)."""
+        return self.config.state_rule(self.config.spec) if self.config.spec.recurrent_layers else None
 
     @property
     def rank_fingerprints(self) -> list[str]:

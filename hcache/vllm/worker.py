@@ -10,7 +10,8 @@ that fills no chunk costs nothing per layer. Hidden states, which no cache holds
 layer that saves them (:meth:`WorkerSide.save_layer`). The saver publishes full chunks and writes them back
 to the stores in the background. After the forward, the loads finished meanwhile are reported to vLLM (with
 the blocks they could not load, which vLLM recomputes), and the chunks the tiers gained or lost since the
-last step to the scheduler's index.
+last step to the scheduler's index. A recurrent layer's state is read out of vLLM's cache too, where a step
+ended on one of vLLM's checkpoints, into the chunk that ends there (``docs/vllm.md``, hybrid models).
 """
 
 from __future__ import annotations
@@ -235,7 +236,10 @@ class WorkerSide:
             )
             if not movable and self.stack.store.pool.fd is not None:
                 log.info(
-                    "hcache: vLLM's layers hold views of their caches, not the caches registered; loads run on a thread of the worker"
+                    "hcache: %s; loads run on a thread of the worker",
+                    "vLLM keeps the recurrent layers' state in the attention caches' pages"
+                    if self._states
+                    else "vLLM's layers hold views of their caches, not the caches registered",
                 )
             self._loader = Loader(
                 self.stack,
