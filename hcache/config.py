@@ -76,7 +76,8 @@ class HCacheConfig(BaseModel):
     layers store and restore: ``"window"``, the chunks their window reaches (:mod:`hcache.planning.window`),
     or ``"all"``, every token, as full-attention layers (conversations that branch far back restore too).
     ``state_every``: a recurrent (Mamba or gated-delta-net) layer's state is stored at the end of every
-    ``state_every``-th chunk, and a prefix restores only to one of those ends (:mod:`hcache.planning.checkpoints`).
+    ``state_every``-th chunk, and a prefix restores only to one of those ends (:mod:`hcache.planning.checkpoints`);
+    in vLLM, at every ``state_every``-th of vLLM's own checkpoints (its Mamba block).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -247,8 +248,9 @@ class ResolvedConfig(BaseModel):
         return WindowRule(spec, block, every_token=self.settings.sliding_layers == "all" or self.engine == "fastgen")
 
     def state_rule(self, spec: ModelSpec) -> StateRule:
-        """Where ``spec``'s recurrent layers keep their state, by the ``state_every`` setting."""
-        return StateRule(spec, self.settings.state_every)
+        """Where ``spec``'s recurrent layers keep their state, by the ``state_every`` setting; in vLLM, only where
+        one of its steps ends (:mod:`hcache.planning.checkpoints`)."""
+        return StateRule(spec, self.settings.state_every, at_step_end=self.engine == "vllm")
 
     def check_engine(self, spec: ModelSpec) -> None:
         """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype

@@ -185,8 +185,9 @@ class ModelSpec:
     def layer_type(self, layer: int) -> str:
         """The layer's type, by which hcache's accounting and docs group layers (transformers' names for
         attention)."""
-        if self.is_recurrent(layer):
-            return FAMILIES[self.model_type].recurrent_kind
+        if self.is_recurrent(layer):  # vLLM may keep the state of a family hcache has no facts of
+            family = FAMILIES.get(self.model_type)
+            return family.recurrent_kind if family is not None else "recurrent"
         return "full_attention" if self.window(layer) is None else "sliding_attention"
 
     def attended_from(self, layer: int, length: int) -> int:
@@ -224,16 +225,25 @@ class ModelSpec:
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: Any, dtype: torch.dtype | str | None = None, any_family: bool = False) -> "ModelSpec":
+    def from_config(
+        cls,
+        config: Any,
+        dtype: torch.dtype | str | None = None,
+        any_family: bool = False,
+        state_layers: tuple[int, ...] = (),
+    ) -> ModelSpec:
         """Describe the model behind a ``transformers`` config. ``any_family``: a family hcache does not know
         is described by its attention's shape alone, for an engine that stores and loads its K/V rows as it
-        computes them (vLLM), and restores nothing by H (:attr:`restores_hidden`). Raises
-        :class:`UnsupportedModelError`."""
+        computes them (vLLM), and restores nothing by H (:attr:`restores_hidden`). ``state_layers``: the
+        layers whose recurrent state such an engine keeps and describes itself (vLLM's Mamba groups), whatever
+        their type; their state's shape (``mamba``) is the engine's to give. Raises :class:`UnsupportedModelError`."""
         model_type = getattr(config, "model_type", None)
         family = FAMILIES.get(model_type)
         layer_types = tuple(getattr(config, "layer_types", None) or ())
         recurrent = family.recurrent if family is not None and not any_family else None
-        others = sorted(set(layer_types) - set(STORED_LAYER_TYPES) - {recurrent})
+        others = sorted(
+            {t for i, t in enumerate(layer_types) if i not in state_layers} - {*STORED_LAYER_TYPES, recurrent}
+        )
         if others:  # before the family: this is why such a model is not served, whatever its family
             served = (
                 f", which hcache's own engines keep for {model_type}" if family is not None and family.recurrent else ""
@@ -244,7 +254,7 @@ class ModelSpec:
                 f"carry (a Mamba or linear-attention layer's recurrent state{served}), and K/V restored without that "
                 "state would be wrong"
             )
-        recurrent_layers = tuple(i for i, t in enumerate(layer_types) if t == recurrent) if recurrent else ()
+        recurrent_layers = state_layers or tuple(i for i, t in enumerate(layer_types) if t == recurrent)
         latent = getattr(config, "kv_lora_rank", None) if family is None else None
         if latent and not any_family:
             raise UnsupportedModelError(
@@ -310,7 +320,7 @@ class ModelSpec:
             sliding_rope=_sliding_rope(config, head_size) if _rotates(config, family) else None,
             kv_lora_rank=latent or None,
             recurrent_layers=recurrent_layers or None,
-            mamba=_RECURRENT_STATES[family.recurrent_kind](config) if recurrent_layers else None,
+            mamba=_RECURRENT_STATES[family.recurrent_kind](config) if recurrent_layers and not state_layers else None,
             embedding_multiplier=_scale(config, "embedding_multiplier"),
             residual_multiplier=_scale(config, "residual_multiplier"),
             logits_scaling=_scale(config, "logits_scaling"),

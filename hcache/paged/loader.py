@@ -27,6 +27,7 @@ from dataclasses import replace
 import torch
 
 from ..machine import helper_threads
+from ..ops.paged_kv import block_slots
 from ..planning.plan import Method, RestorePlan
 from ..restore.layers import StoredRows, restore_layers
 from ..restore.reads import LayerJob, layer_jobs, reads
@@ -38,8 +39,7 @@ from ..storage.image_rows import ImageRows
 from ..transfer.scratch import Scratch
 from .copy_process import CopyProcess, ProcessGone
 from .load_job import LoadJob
-from ..ops.paged_kv import block_slots
-from .target import PagedLayer, PagedTarget
+from .target import PagedLayer, PagedTarget, StateLayer
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ class Loader:
     a load found gone (evicted or deleted since it was offered, or its tier down), so it is not offered again;
     ``plan``: a fixed plan for every load (by default, the stack's for each load's length); ``movable``:
     whether the caches may be moved onto memory a load process maps (the engine's layers hold the very
-    tensors in ``layers``, which are moved in place), else a CPU's loads run on the loader's thread."""
+    tensors in ``layers``, which are moved in place), else a CPU's loads run on the loader's thread;
+    ``states``: the recurrent layers, whose state at a load's end is written by the loader's thread."""
 
     def __init__(
         self,
@@ -69,7 +70,9 @@ class Loader:
         lost: Callable = lambda key, reason: None,
         plan: RestorePlan | None = None,
         movable: bool = True,
+        states: tuple[StateLayer, ...] = (),
     ):
+        self.states = {layer.index: layer for layer in states}
         self.stack, self.config, self.block_sizes, self.kernel_block = stack, stack.config, block_sizes, kernel_block
         self.layers, self.rebuild, self.lost, self.plan = layers, rebuild, lost, plan
         self._thread = helper_threads.executor(1, "hcache-paged-load")
@@ -134,7 +137,15 @@ class Loader:
         spec = self.config.spec
         with StoredPrefix(store, keys, first) as prefix:
             prefix.fetch(len(keys))
-            prefix.verify(job.tokens[first * CHUNK_TOKENS :], fingerprint, plan, spec, self.stack.window, reach)
+            prefix.verify(
+                job.tokens[first * CHUNK_TOKENS :],
+                fingerprint,
+                plan,
+                spec,
+                self.stack.window,
+                reach,
+                states=self.stack.states,
+            )
             n = len(prefix.images)
             end = reach(n)
             if end < job.end and prefix.why_short() in (MissReason.EVICTED, MissReason.TIER_UNAVAILABLE):
@@ -171,15 +182,20 @@ class Loader:
             held = end if held is None else max(job.start, held * size)
             slots[g] = held, *block_slots([(job.block_ids[g], held, end)], size, self.kernel_block)
         layers = {layer.index: layer for layer in self.layers}
-        jobs = [
+        jobs = [j for j in jobs if j.state and j.layer in self.states] + [
             j
             for j in (
                 replace(j, begin=max(j.begin, slots[layers[j.layer].group][0])) for j in jobs if j.layer in layers
             )
             if j.begin < end
         ]
+        state_blocks = {  # the block that holds a recurrent group's state at ``end``
+            s.group: job.block_ids[s.group][(end - 1) // self.block_sizes[s.group]] for s in self.states.values()
+        }
+        if NULL_BLOCK in state_blocks.values():  # vLLM holds no state there: nothing is written, it recomputes
+            raise RuntimeError(f"vLLM holds no block for the recurrent state at token {end}")
         shared = ImageRows.of(images) if self._scratch is not None else None
-        kv = [j for j in jobs if j.method is not Method.H]
+        kv = [j for j in jobs if j.method is not Method.H and not j.state]
         process = self._process if kv and shared is not None and self._in_pool(shared) else None
         dtype = self.layers[0].cache.dtype
         rows = StoredRows(images, first, end, copier, dtype, self._scratch, shared)
@@ -188,14 +204,25 @@ class Loader:
             if process is not None:
                 try:
                     process.submit(PagedTarget.message(shared, slots, first, end, kv))
-                    sent, jobs = True, [j for j in jobs if j.method is Method.H]
+                    sent, jobs = True, [j for j in jobs if j.method is Method.H or j.state]
                 except ProcessGone:  # gone since the last load: nothing of this one was sent, this thread writes it
                     self._lose_process()
             if self._scratch is not None:
                 self._scratch.rewind()  # the last load's jobs are done: a load of few layers uses few slots
             # H's positions and every job's places in the caches, on this stream before the side stream follows it
             positions = torch.arange(job.start, end, device=copier.device) if Method.H in plan.layers else None
-            target = PagedTarget(layers, slots, jobs, end, self.kernel_block, self.rebuild, positions, job.start)
+            target = PagedTarget(
+                layers,
+                slots,
+                jobs,
+                end,
+                self.kernel_block,
+                self.rebuild,
+                positions,
+                job.start,
+                self.states,
+                state_blocks,
+            )
             copier.follow()  # both streams after the kernels queued so far: the blocks may have been another request's
             if self._stream is None:
                 restore_layers(jobs, rows, target, copier)

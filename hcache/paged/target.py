@@ -1,7 +1,8 @@
 """The restore core's target for a vLLM-style paged cache (:class:`~hcache.restore.layers.RestoreTarget`):
 one load's layer writes, made by the loader's thread (:mod:`hcache.paged.loader`) and, on a CPU, by its
 load process for the KV layers (:mod:`hcache.paged.copy_process`), which it is sent as plain data
-(:meth:`PagedTarget.message`, :meth:`PagedTarget.received`)."""
+(:meth:`PagedTarget.message`, :meth:`PagedTarget.received`). A recurrent layer's state is written by the
+loader's thread, into the block that holds it at the load's end (:class:`StateLayer`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..planning.plan import Method
 from ..restore.layers import StoredRows
 from ..restore.reads import LayerJob
 from ..storage.image_rows import ImageRows
+from ..storage.stored_state import pack_state, unpack_state
 from ..transfer.scratch import Scratch
 from .layout import PagedLayout, Places
 
@@ -29,11 +31,33 @@ class PagedLayer:
     group: int = 0
 
 
+@dataclass(frozen=True)
+class StateLayer:
+    """One recurrent layer of vLLM's cache: its state's tensors (a convolution's inputs and the recurrent
+    state, each ``[blocks, ...]``) and its KV cache group. In align mode vLLM keeps a sequence's state after
+    position ``p`` (a block boundary, or where its last step ended) in its block ``(p - 1) // block_size``,
+    and a sequence resumed at ``p`` starts from there."""
+
+    index: int
+    tensors: tuple[torch.Tensor, ...]
+    group: int
+
+    def read(self, block: int) -> torch.Tensor:
+        """The state in ``block``, as a chunk stores it (:func:`~hcache.storage.stored_state.pack_state`)."""
+        return pack_state([t[block] for t in self.tensors])
+
+    def write(self, block: int, rows: torch.Tensor) -> None:
+        """Set the state in ``block`` from a chunk's rows."""
+        for t, part in zip(self.tensors, unpack_state(rows, [tuple(t.shape[1:]) for t in self.tensors])):
+            t[block].copy_(part)
+
+
 class PagedTarget:
     """``layers`` by index; ``slots``: by KV cache group, the first position held in a real block and the
     blocks and offsets from there to ``end``; ``jobs``: the layers it writes, whose places in the caches are
     found here, once, before the first write; ``rebuild(layer, hidden, positions)``: K/V rows from hidden
-    states, for the H layers, whose ``positions`` are ``[start, end)``'s."""
+    states, for the H layers, whose ``positions`` are ``[start, end)``'s; ``states``: the recurrent layers, and
+    ``state_blocks``, by group, the block that holds their state at ``end``."""
 
     def __init__(
         self,
@@ -45,10 +69,15 @@ class PagedTarget:
         rebuild: Callable | None = None,
         positions: torch.Tensor | None = None,
         start: int = 0,
+        states: dict[int, StateLayer] | None = None,
+        state_blocks: dict[int, int] | None = None,
     ):
         self.layers, self.rebuild, self.positions, self.start = layers, rebuild, positions, start
+        self.states, self.state_blocks = states or {}, state_blocks or {}
         self._places: dict[tuple, Places] = {}
         for job in jobs:
+            if job.state:
+                continue
             layer = self.layers[job.layer]
             held, blocks, offsets = slots[layer.group]
             key = self._key(job)
@@ -72,6 +101,10 @@ class PagedTarget:
         layer = self.layers[job.layer]
         kv = self.rebuild(job.layer, hidden, self.positions[job.begin - self.start :])
         layer.layout.write(layer.cache, self._places[self._key(job)], kv)
+
+    def write_state(self, job: LayerJob, rows: torch.Tensor) -> None:
+        layer = self.states[job.layer]
+        layer.write(self.state_blocks[layer.group], rows)
 
     @staticmethod
     def message(shared: ImageRows, slots: dict, first: int, end: int, jobs: list[LayerJob]) -> dict:

@@ -9,6 +9,10 @@ chunk ``m - 1`` and that chunk holds the state of every recurrent layer the plan
 prefix that ends anywhere else (a chunk missing, bad or without its state, or a prompt that ends on a
 chunk's end, whose last token is computed) ends at the last checkpoint before it instead; never a prefix
 without its state.
+
+An engine that has a state only where one of its steps ends (vLLM's align mode: a prefill step ends at its last
+block boundary, past those between) keeps it only in a checkpoint chunk whose opening step ends at the chunk's
+end (``at_step_end``); the other checkpoint chunks are stored without it.
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ from ..storage.chunk_key import CHUNK_TOKENS
 
 @dataclass(frozen=True)
 class StateRule:
-    """The rule for ``spec``: a state kept at the end of every ``every``-th chunk."""
+    """The rule for ``spec``: a state kept at the end of every ``every``-th chunk; ``at_step_end``: only where
+    the step that opens the chunk ends there."""
 
     spec: ModelSpec
     every: int = 1
+    at_step_end: bool = False
 
-    def saves(self, chunk: int) -> bool:
-        """Whether a save keeps the recurrent layers' state after chunk ``chunk`` (counted from 0)."""
-        return (chunk + 1) % self.every == 0
+    def saves(self, chunk: int, end: int | None = None) -> bool:
+        """Whether a save keeps the recurrent layers' state after chunk ``chunk`` (counted from 0), opened by a
+        step that computes up to position ``end``."""
+        return (chunk + 1) % self.every == 0 and (not self.at_step_end or end == (chunk + 1) * CHUNK_TOKENS)
 
     def usable(
         self, layers: Iterable[int], first: int, n: int, end: Callable[[int], int], holds: Callable[[int, int], bool]

@@ -169,7 +169,7 @@ class StoreStack:
                 self.fingerprint,
                 tensors,
                 stores=lambda c, layer, f, end: (
-                    self.states.saves(c)
+                    self.states.saves(c, end)
                     if f == STATE
                     else stores(tp.rank, tp.world_size, c, base_format(f)) and self.window.saves(layer, c, end)
                 ),

@@ -62,6 +62,7 @@ class SchedulerSide:
         self.setup = setup
         self._fingerprints = setup.rank_fingerprints  # each rank's keys are rooted in its own
         self.index = StoredIndex(setup.store_lookup()) if setup.config.stored else None
+        self._states = setup.states  # where a recurrent layer's state may be stored (None: the model has none)
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[LoadJob] = []  # to send with this step's metadata
         self._pins: list[PinRequest] = []
@@ -91,6 +92,8 @@ class SchedulerSide:
             ),
             key=lambda found: found[0],
         )  # a prefix every rank holds
+        if self._states is not None:
+            stored, why = self._checkpoint(stored, why)
         tracked.why = why
         if stored * CHUNK_TOKENS <= num_computed:  # nothing past vLLM's own hit: nothing to hold
             return self._offer(tracked, num_computed, stored)
@@ -105,6 +108,8 @@ class SchedulerSide:
         if stored is None:
             short = min(tracked.answers.values(), key=lambda answer: answer.chunks)
             stored, why = (short.chunks, short.why) if short.chunks < tracked.pinning else (tracked.pinning, why)
+            if self._states is not None:
+                stored, why = self._checkpoint(stored, why)
         tracked.computed = num_computed
         end = stored * CHUNK_TOKENS
         if why is not None:
@@ -113,6 +118,20 @@ class SchedulerSide:
         if not offered:
             self._let_go(tracked)
         return offered
+
+    def _checkpoint(self, stored: int, why: MissReason | None) -> tuple[int, MissReason | None]:
+        """Of ``stored`` chunks, the most that end where the checkpoint rule may have stored the recurrent
+        layers' state, and why the prefix ends there. Whether the chunk holds
+        it is the load's to verify: one that does not is no hit, and is recomputed."""
+        spec = self._states.spec
+        usable = self._states.usable(
+            range(spec.num_layers),
+            0,
+            stored,
+            lambda m: m * CHUNK_TOKENS,
+            lambda j, layer: self._states.saves(j, (j + 1) * CHUNK_TOKENS),  # a chunk a step ended on
+        )
+        return (usable, MissReason.NO_STATE) if usable < stored else (stored, why)
 
     def _let_go(self, tracked: _Tracked) -> None:
         """No load follows: the workers let its held prefix go."""

@@ -19,11 +19,13 @@ import torch
 from ..config import HCacheConfig, ResolvedConfig
 from ..errors import InvalidRequestError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint
-from ..model.spec import ModelSpec
+from ..model.spec import MambaSpec, ModelSpec
 from ..model.tensor_parallel import TPGroup, shard_heads
+from ..planning.checkpoints import StateRule
 from ..planning.plan import Method
 from ..planning.policy import is_auto
 from ..resolve import resolve
+from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.lookup import StoreLookup
 from . import CONNECTOR, MODULE
 
@@ -71,6 +73,11 @@ class VllmSetup:
     def window_block(self) -> int:
         """The block by which vLLM holds a sliding-window layer's positions (:mod:`hcache.planning.window`)."""
         return max(self.block_sizes)
+
+    @property
+    def states(self) -> StateRule | None:
+        """Where the model's recurrent layers' state is stored, at vLLM's checkpoints (None: it has none)."""
+        return self.config.state_rule(self.config.spec) if self.config.spec.recurrent_layers else None
 
     @property
     def rank_fingerprints(self) -> list[str]:
@@ -121,16 +128,16 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
     """The resolved settings, fingerprint and KV cache groups of the engine ``vllm_config`` and
     ``kv_cache_config`` (vLLM's, which the connector is given; None: one group) describe. Raises
     :class:`InvalidRequestError` for settings the connector cannot serve, naming what to change."""
-    config, spec, block_sizes, groups = _resolve(vllm_config, kv_cache_config)
+    config, spec, groups = _resolve(vllm_config, kv_cache_config)
     fingerprint = hashlib.blake2b(
         f"vllm|{checkpoint_fingerprint(vllm_config.model_config.model, spec)}".encode(), digest_size=16
     ).hexdigest()
-    return VllmSetup(config, fingerprint, block_sizes, groups)
+    return VllmSetup(config, fingerprint, groups.block_sizes, groups.groups)
 
 
-def _resolve(vllm_config, kv_cache_config) -> tuple[ResolvedConfig, ModelSpec, tuple[int, ...], tuple[int, ...]]:
-    """:func:`resolve_setup`'s checks and resolved settings; the model's facts as vLLM runs its layers; the
-    KV cache groups' blocks and each layer's group."""
+def _resolve(vllm_config, kv_cache_config) -> tuple[ResolvedConfig, ModelSpec, _Groups]:
+    """:func:`resolve_setup`'s checks and resolved settings; the model's facts as vLLM runs its layers; its
+    KV cache groups."""
     transfer = vllm_config.kv_transfer_config
     if transfer.kv_load_failure_policy != "recompute":
         raise InvalidRequestError(
@@ -152,9 +159,13 @@ def _resolve(vllm_config, kv_cache_config) -> tuple[ResolvedConfig, ModelSpec, t
             f"{parallel.pipeline_parallel_size}): each stage would store a part of the layers; tensor parallelism it does (docs/vllm.md)"
         )
     tp = parallel.tensor_parallel_size
-    spec = ModelSpec.from_config(model.hf_config, dtype=model.dtype, any_family=True)  # KV needs no family's facts
-    block_sizes, groups, windows = _cache_groups(kv_cache_config, spec.num_layers, vllm_config.cache_config.block_size)
-    spec = dataclasses.replace(spec, sliding_windows=windows or spec.sliding_windows)
+    groups = _cache_groups(kv_cache_config, model.hf_config.num_hidden_layers, vllm_config.cache_config.block_size)
+    spec = ModelSpec.from_config(
+        model.hf_config, dtype=model.dtype, any_family=True, state_layers=groups.state_layers
+    )  # KV needs no family's facts; a recurrent layer's state is described by vLLM
+    spec = dataclasses.replace(spec, sliding_windows=groups.windows or spec.sliding_windows, mamba=groups.state)
+    if groups.state_layers:  # vLLM's checkpoints, every ``state_every``-th of them
+        settings = HCacheConfig.of(settings, state_every=settings.state_every * groups.state_block // CHUNK_TOKENS)
     if not Path(model.model).is_dir():
         raise InvalidRequestError(f"hcache's vLLM connector needs the model as a local directory, not {model.model!r}")
     eager = _eager(vllm_config.compilation_config)
@@ -183,38 +194,96 @@ def _resolve(vllm_config, kv_cache_config) -> tuple[ResolvedConfig, ModelSpec, t
             "hcache's vLLM connector does only with enforce_eager=True: it reads each layer's input through a hook, "
             "which vLLM's compiled model and CUDA graphs do not run. Serve with --enforce-eager, or give plan 'KV'"
         )
-    return config, spec, block_sizes, groups
+    return config, spec, groups
 
 
-def _cache_groups(
-    kv_cache_config, num_layers: int, block_size: int
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int | None, ...] | None]:
+@dataclass(frozen=True)
+class _Groups:
+    """vLLM's KV cache groups as hcache reads them: each group's block size, each layer's group and window
+    (None: none from vLLM), and the layers whose recurrent state vLLM keeps, that state's shape (as hcache's
+    :class:`~hcache.model.spec.MambaSpec` sizes it) and the block at whose boundaries vLLM checkpoints it."""
+
+    block_sizes: tuple[int, ...]
+    groups: tuple[int, ...]
+    windows: tuple[int | None, ...] | None = None
+    state_layers: tuple[int, ...] = ()
+    state: MambaSpec | None = None
+    state_block: int = 0
+
+
+def _cache_groups(kv_cache_config, num_layers: int, block_size: int) -> _Groups:
     """Each KV cache group's block size, each layer's group, and each layer's window as vLLM runs it, which
     may not be transformers' (a Qwen2 with mixed ``layer_types`` is windowed there, not in vLLM; a Llama
-    with them, in vLLM only): vLLM's groups say. Without them (None), one group of ``block_size``."""
+    with them, in vLLM only): vLLM's groups say. Without them (None), one group of ``block_size``. A Mamba
+    group (Mamba-2, gated delta net) is served where vLLM checkpoints its state at block boundaries
+    (``mamba_cache_mode="align"``), which hcache then stores; elsewhere vLLM has no state at a position a
+    returning prompt could restore to, and the model is refused."""
     if kv_cache_config is None:
-        return (block_size,), (0,) * num_layers, None
+        return _Groups((block_size,), (0,) * num_layers)
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import MambaSpec as VllmMambaSpec
 
-    groups, windows = [0] * num_layers, [None] * num_layers
+    groups, windows, recurrent, state, state_block = [0] * num_layers, [None] * num_layers, [], None, 0
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         kind = group.kv_cache_spec
-        if not isinstance(kind, AttentionSpec):  # never a prefix without its state (MLA's latent rows are attention's)
+        if isinstance(kind, VllmMambaSpec):
+            state, state_block = _state(kind, group.layer_names), kind.block_size
+        elif not isinstance(
+            kind, AttentionSpec
+        ):  # never a prefix without its state (MLA's latent rows are attention's)
             raise InvalidRequestError(
-                f"hcache's vLLM connector stores attention K/V rows; vLLM keeps layers {', '.join(group.layer_names[:3])}"
-                f"{' ...' if len(group.layer_names) > 3 else ''} as {type(kind).__name__}, state hcache does not store yet, "
+                f"hcache's vLLM connector stores attention K/V rows and Mamba states; vLLM keeps layers "
+                f"{_names(group.layer_names)} as {type(kind).__name__}, state hcache does not store yet, "
                 "and a prefix loaded without it would be wrong"
             )
         for name in group.layer_names:
             layer = extract_layer_index(name)
-            groups[layer], windows[layer] = g, getattr(group.kv_cache_spec, "sliding_window", None)
-    return (
+            groups[layer], windows[layer] = g, getattr(kind, "sliding_window", None)
+            if isinstance(kind, VllmMambaSpec):
+                recurrent.append(layer)
+    return _Groups(
         tuple(group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups),
         tuple(groups),
         tuple(windows),
+        tuple(sorted(recurrent)),
+        state,
+        state_block,
     )
 
+
+def _state(kind, names: list[str]) -> MambaSpec:
+    """A vLLM Mamba group's state as hcache stores it, or why it cannot be: where vLLM checkpoints it at block
+    boundaries (align mode), of a kind tried on vLLM's CPU build (``STATE_KINDS``). Its two tensors (a
+    convolution's inputs and the recurrent state, ``[a, b]`` and ``[c, d, e]`` a block) are sized as a
+    :class:`MambaSpec` ``(b, a, c, d, e)``: a chunk stores the state's values in vLLM's order."""
+    if kind.mamba_cache_mode != "align":
+        raise InvalidRequestError(
+            f"hcache's vLLM connector stores a recurrent layer's state where vLLM checkpoints it, at block boundaries "
+            f"(mamba_cache_mode='align', which enable_prefix_caching=True sets); layers {_names(names)} run with "
+            f"mamba_cache_mode={kind.mamba_cache_mode!r}, which keeps none, and a prefix loaded without it would be wrong"
+        )
+    if kind.mamba_type.name not in STATE_KINDS:
+        raise InvalidRequestError(
+            f"hcache's vLLM connector stores the state of {', '.join(STATE_KINDS.values())} layers; vLLM's "
+            f"{kind.mamba_type.name} layers {_names(names)} are refused: Mamba-2's align mode fails in vLLM 0.32's "
+            "CPU build (IndexError in mamba_mixer2), so no checkpoint of theirs was ever tried (docs/vllm.md)"
+        )
+    (a, b), (c, d, e) = kind.shapes
+    if kind.block_size % CHUNK_TOKENS:
+        raise InvalidRequestError(
+            f"hcache's vLLM connector stores a recurrent state at the end of a {CHUNK_TOKENS}-token chunk; vLLM "
+            f"checkpoints layers {_names(names)} every {kind.block_size} tokens, at no chunk's end"
+        )
+    return MambaSpec(conv_dim=b, conv_kernel=a, heads=c, head_dim=d, state_size=e)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+
+
+# vLLM's Mamba kinds whose align-mode checkpoints hcache stores (vLLM's backend name: the layers' kind)
+STATE_KINDS = {"GDN_ATTN": "gated delta net"}
 
 # Each rank of vLLM's tensor parallelism reads its store alone, with no collective off vLLM's step: H would
 # have each rank read the layer's whole input (hidden_size a token) where KV reads the rank's heads

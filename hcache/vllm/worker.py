@@ -10,7 +10,8 @@ that fills no chunk costs nothing per layer. Hidden states, which no cache holds
 layer that saves them (:meth:`WorkerSide.save_layer`). The saver publishes full chunks and writes them back
 to the stores in the background. After the forward, the loads finished meanwhile are reported to vLLM (with
 the blocks they could not load, which vLLM recomputes), and the chunks the tiers gained or lost since the
-last step to the scheduler's index.
+last step to the scheduler's index. A recurrent layer's state is read out of vLLM's cache too, where a step
+ended on one of vLLM's checkpoints, into the chunk that ends there (``docs/vllm.md``, hybrid models).
 """
 
 from __future__ import annotations
@@ -25,21 +26,21 @@ from pathlib import Path
 
 import torch
 
-from ..machine import helper_threads
 from ..engine.ragged import Segment
+from ..machine import helper_threads
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import TPGroup
 from ..ops.paged_kv import block_slots
 from ..paged.layout import CacheWrite, PagedLayout, Places
 from ..paged.loader import Loader
-from ..paged.target import PagedLayer
-from ..storage.stored_state import Format
+from ..paged.target import PagedLayer, StateLayer
 from ..restore.miss_reasons import first_chunk_miss, lookup_miss, store_miss
 from ..restore.records import MissReason, PutRestore, SequenceRecord, log_requests
 from ..restore.session import Session
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from ..storage.pins import PinnedPrefix
+from ..storage.stored_state import Format
 from .hidden import HiddenLayers, registering_model
 from .messages import Pinned, PinRequest, RequestStep, SchedulerStep
 from .metadata import HCacheWorkerMetadata
@@ -151,6 +152,7 @@ class WorkerSide:
         self._records: dict[str, SequenceRecord] = {}  # by request, from its load to its end
         self._uids = itertools.count()
         self._by_index: dict[int, PagedLayer] = {}
+        self._states: dict[int, StateLayer] = {}  # the recurrent layers, by index
         self._saves_hidden: set[str] = set()  # layers whose input is saved
         self._computing: list[tuple[RequestStep, _Sequence]] = []  # this step's requests with tokens to compute
         self._hidden_group = 0  # the group of the layer whose slot mapping finds the captured rows
@@ -183,6 +185,10 @@ class WorkerSide:
         spec = self.config.spec
         layouts: dict[tuple, PagedLayout] = {}
         for name, cache in kv_caches.items():
+            index = extract_layer_index(name)
+            if spec.is_recurrent(index):  # its state's tensors, as the layer holds them (a block a checkpoint)
+                self._states[index] = StateLayer(index, tuple(self._attention[name].kv_cache), self.setup.groups[index])
+                continue
             module = self._attention.get(name)
             write = getattr(getattr(module, "impl", None), "do_kv_cache_update", None)
             signature = (
@@ -198,7 +204,6 @@ class WorkerSide:
                     if write is not None
                     else PagedLayout.split_kv(cache, spec.kv_parts)
                 )
-            index = extract_layer_index(name)
             self._layers[name] = self._by_index[index] = PagedLayer(
                 index, cache, layouts[signature], self.setup.groups[index]
             )
@@ -223,13 +228,18 @@ class WorkerSide:
         if self.stack.store is not None:
             rebuild = self._hidden.rebuild if self._hidden is not None else None
             lost = lambda key, reason: self._changes.append((key, reason))  # noqa: E731
-            # a load process needs the caches moved in place: only where the layers hold the tensors registered (not views of them)
-            movable = all(
+            # a load process needs the caches moved in place: only where the layers hold the tensors registered (not
+            # views of them), and no recurrent layer's state shares their pages (vLLM pairs a Mamba layer's pages with
+            # an attention layer's; moved, the two would part)
+            movable = not self._states and all(
                 getattr(self._attention.get(name), "kv_cache", None) is cache for name, cache in kv_caches.items()
             )
             if not movable and self.stack.store.pool.fd is not None:
                 log.info(
-                    "hcache: vLLM's layers hold views of their caches, not the caches registered; loads run on a thread of the worker"
+                    "hcache: %s; loads run on a thread of the worker",
+                    "vLLM keeps the recurrent layers' state in the attention caches' pages"
+                    if self._states
+                    else "vLLM's layers hold views of their caches, not the caches registered",
                 )
             self._loader = Loader(
                 self.stack,
@@ -239,6 +249,7 @@ class WorkerSide:
                 rebuild,
                 lost,
                 movable=movable,
+                states=tuple(self._states.values()),
             )
 
     # ---- each step --------------------------------------------------------------------------------------
@@ -347,12 +358,26 @@ class WorkerSide:
         if self._computing and self.stack.saver is not None:
             if self._hidden is not None and self._hidden.held is not None:
                 self.stack.saver.vouch(self._hidden.held)
+            if self._states and self.stack.capture is not None:
+                self._keep_states()
             (self.stack.capture or self.stack.saver).end_batch()
         for step, seq in self._computing:
             seq.record.computed_tokens += step.length
         self._computing = []
         if self._hidden is not None:
             self._hidden.select(None)
+
+    def _keep_states(self) -> None:
+        """The recurrent layers' state of each request whose step ended on a chunk's end, for the chunk (kept
+        where the checkpoint rule stores one: :class:`~hcache.planning.checkpoints.StateRule`): vLLM holds it
+        in the request's block of its last position, the step's last block, until its next step."""
+        for step, seq in self._computing:
+            end = step.start + step.length
+            if end % CHUNK_TOKENS or not self.stack.states.saves(end // CHUNK_TOKENS - 1, end):
+                continue
+            for layer in self._states.values():
+                rows = layer.read(step.block_ids[layer.group][-1])
+                self.stack.capture.on_state(layer.index, seq.uid, end // CHUNK_TOKENS - 1, rows)
 
     def finished(self, req_ids: set[str]) -> set[str]:
         """Requests vLLM is done with (``req_ids``), and the loads finished since the last step, whose

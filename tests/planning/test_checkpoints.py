@@ -41,3 +41,11 @@ def test_a_restore_ends_only_at_a_stored_state():
     # Counted from the sequence's chunk ``first``; a plan that recomputes every Mamba layer needs no state.
     assert usable(every, 2, lambda j, layer: True, first=3) == 2
     assert usable(every, 3, lambda j, layer: False, layers=(1, 3)) == 3
+
+
+def test_an_engine_with_states_at_its_step_ends_keeps_one_only_where_the_opening_step_ends_on_the_chunk():
+    rule = StateRule(_spec(), every=2, at_step_end=True)  # vLLM's align mode: a state where a step ended
+    assert rule.saves(1, 2 * CHUNK_TOKENS) and rule.saves(3, 4 * CHUNK_TOKENS)
+    assert not rule.saves(1, 4 * CHUNK_TOKENS)  # a step that ran past the chunk's end: no state there
+    assert not rule.saves(3, 3 * CHUNK_TOKENS + 1)  # opened by a decode step: where its last one ends is not known
+    assert not rule.saves(2, 3 * CHUNK_TOKENS)  # not a checkpoint

@@ -6,7 +6,8 @@ model's ``attention_backend``, say), ``turns`` ({name: [previous turn, text]}: a
 previous turn's prompt, the first phase's reply to it, and its own text), ``max_tokens``, and ``phases``:
 each with
 ``connector`` (hcache's settings, ``kv_connector_extra_config``, or null for vLLM alone), ``before`` (a list
-of actions: ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR; ``"truncate DIR"``:
+of actions: ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR (``"corrupt DIR
+largest"``: of the largest ones, a recurrent state's); ``"truncate DIR"``:
 cut 100 bytes off every chunk file under DIR; ``"delete DIR N"``: wait
 until N chunk files are written under DIR, then delete them all; ``"stop_redis"``), ``prefix_cache`` (vLLM's
 own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a CPU), ``tp`` (vLLM's
@@ -194,8 +195,14 @@ def _drain(llm) -> None:
         llm.llm_engine.step()
 
 
-def _corrupt(directory: str) -> None:
-    for path in Path(directory).glob("chunks/*/*.safetensors"):
+def _corrupt(directory: str, which: str = "all") -> None:
+    """``which``: "all" the chunk files, or "largest": those of the largest size (a recurrent layer's state
+    makes a chunk larger)."""
+    paths = list(Path(directory).glob("chunks/*/*.safetensors"))
+    if which == "largest":
+        largest = max(path.stat().st_size for path in paths)
+        paths = [path for path in paths if path.stat().st_size == largest]
+    for path in paths:
         data = bytearray(path.read_bytes())
         data[-100] ^= 0xFF  # in the last tensor's rows: the header still parses, the checksum fails
         path.write_bytes(bytes(data))
@@ -220,7 +227,7 @@ def _delete(directory: str, count: int) -> None:
 def _act(action: str, redis) -> None:
     verb, *args = action.split(" ")
     if verb == "corrupt":
-        _corrupt(args[0])
+        _corrupt(*args)
     elif verb == "truncate":
         _truncate(args[0])
     elif verb == "delete":

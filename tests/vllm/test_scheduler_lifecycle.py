@@ -4,6 +4,7 @@ load follows. The scheduler's side needs neither torch nor vLLM, and neither is 
 
 from types import SimpleNamespace
 
+from hcache.planning.checkpoints import StateRule
 from hcache.restore.records import MissReason
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.vllm.messages import Pinned, WorkerReport
@@ -15,9 +16,11 @@ NOTHING_CACHED = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_id
 NO_BATCH = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=NOTHING_CACHED)
 
 
-def _scheduler() -> SchedulerSide:
-    """Both ranks' workers have reported holding the prompt's three chunks; no store is asked beyond that."""
+def _scheduler(states: StateRule | None = None) -> SchedulerSide:
+    """Both ranks' workers have reported holding the prompt's three chunks; no store is asked beyond that.
+    ``states``: the rule of a model with recurrent layers."""
     setup = SimpleNamespace(
+        states=states,
         rank_fingerprints=RANKS,
         store_lookup=lambda: None,
         block_sizes=(32,),
@@ -79,3 +82,25 @@ def test_nothing_past_vllms_own_hit_asks_nothing_of_the_workers():
     assert scheduler.matched_tokens(_request(), 3 * CHUNK_TOKENS) == 0
     step = scheduler.build(NO_BATCH)
     assert not step.pins and not step.unpins
+
+
+def test_a_hybrids_prefix_is_held_and_offered_to_its_last_state_checkpoint_alone():
+    """A model whose layer 0 is recurrent, a state checkpoint every second chunk: of three chunks stored, two
+    are held and offered, the third named ``no_state``."""
+    spec = SimpleNamespace(num_layers=2, is_recurrent=lambda layer: layer == 0)
+    scheduler, request = _scheduler(StateRule(spec, every=2, at_step_end=True)), _request()
+    assert scheduler.matched_tokens(request, 0) is None
+    (ask,) = scheduler.build(NO_BATCH).pins
+    assert len(ask.tokens) == 2 * CHUNK_TOKENS
+    scheduler.worker_output(WorkerReport(pinned=[Pinned("r", rank, 2, None) for rank in range(2)]))
+    assert scheduler.matched_tokens(request, 0) == 2 * CHUNK_TOKENS
+    scheduler.after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7],)), 2 * CHUNK_TOKENS)
+    (job,) = scheduler.build(NO_BATCH).loads
+    computed = SimpleNamespace(req_id="r", block_ids=([4, 5, 6, 7],), num_computed_tokens=job.end)
+    batch = SimpleNamespace(
+        num_scheduled_tokens={"r": CHUNK_TOKENS + 1},
+        scheduled_new_reqs=[computed],
+        scheduled_cached_reqs=NOTHING_CACHED,
+    )
+    (first,) = scheduler.build(batch).requests
+    assert first.misses == {"no_state": CHUNK_TOKENS}

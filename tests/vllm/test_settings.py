@@ -284,3 +284,47 @@ def test_vllms_openai_server_refuses_bad_settings_before_its_engine_starts(tmp_p
     print(
         f"refused in {elapsed:.1f} s"
     )  # 13 s on the 2-vCPU VM, vLLM's own imports; it was 40 s to 3 min, after the model loaded
+
+
+def _hybrid(extra: dict, mode: str = "align", kind: str = "GDN_ATTN"):
+    """A Qwen3-Next's settings under vLLM's KV cache groups: its gated-delta-net layers' (0 and 2) state in
+    blocks of 384 tokens, checkpointed in ``mode``, and its full-attention layers' K/V."""
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    made = _config(extra)
+    made.model_config.hf_config = AutoConfig.for_model(
+        "qwen3_next", num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, head_dim=64
+    )
+    made.model_config.hf_config.num_key_value_heads = 1
+    state = MambaSpec(
+        block_size=384,
+        shapes=((3, 512), (2, 128, 128)),
+        dtypes=(torch.bfloat16,) * 2,
+        mamba_type=MambaAttentionBackendEnum[kind],
+        mamba_cache_mode=mode,
+    )
+    attention = FullAttentionSpec(block_size=384, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    groups = [
+        SimpleNamespace(kv_cache_spec=state, layer_names=["model.layers.0.linear_attn", "model.layers.2.linear_attn"]),
+        SimpleNamespace(
+            kv_cache_spec=attention, layer_names=["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+        ),
+    ]
+    return resolve_setup(made, SimpleNamespace(kv_cache_groups=groups))
+
+
+def test_a_hybrids_state_is_stored_at_vllms_checkpoints_and_refused_where_vllm_keeps_none(tmp_path):
+    store = {"store_dirs": [str(tmp_path)]}
+    setup = _hybrid(store)
+    spec, states = setup.config.spec, setup.config.state_rule(setup.config.spec)
+    assert spec.recurrent_layers == (0, 2) and spec.mamba.numel == 3 * 512 + 2 * 128 * 128
+    assert str(setup.config.plan) == "4KV" and setup.groups == (0, 1, 0, 1)
+    assert states.every == 384 // 64 and states.at_step_end  # a state where a step of vLLM's ends on its block
+    assert [c for c in range(18) if states.saves(c, (c + 1) * 64)] == [5, 11, 17] and not states.saves(11, 1152)
+    assert _hybrid({**store, "state_every": 2}).config.state_rule(spec).every == 12  # every second checkpoint
+    with pytest.raises(InvalidRequestError, match=r"mamba_cache_mode='none', which keeps none"):
+        _hybrid(store, mode="none")
+    with pytest.raises(InvalidRequestError, match=r"MAMBA2 layers .* are refused: Mamba-2's align mode fails"):
+        _hybrid(store, kind="MAMBA2")
