@@ -294,9 +294,12 @@ _H_UNDER_TP = "each rank would read the whole hidden state, never fewer bytes th
 def methods(spec: ModelSpec) -> tuple[Method, ...]:
     """The methods hcache's connector restores ``spec`` by in vLLM: KV, any family vLLM serves with attention
     alone (MLA's latent rows too); H too where hcache knows the family's weights and its K rotates by RoPE (the
-    rebuild runs the layer's own ``qkv_proj`` and ``rotary_emb``); never RE (vLLM computes every layer of a
-    token it does not load). docs/models.md's table follows this."""
-    return (Method.H, Method.KV) if spec.restores_hidden and spec.rope is not None else (Method.KV,)
+    rebuild runs the layer's own ``qkv_proj`` and ``rotary_emb``), but for a family whose ``qkv_proj`` also
+    yields Q's output gate (Qwen3-Next: the rebuild splits Q, K and V without it) or a hybrid (H was never
+    run beside vLLM's recurrent state); never RE (vLLM computes every layer of a token it does not load).
+    docs/models.md's table follows this."""
+    rebuilds = spec.restores_hidden and spec.rope is not None and not spec.output_gate and not spec.recurrent_layers
+    return (Method.H, Method.KV) if rebuilds else (Method.KV,)
 
 
 def uses_hidden_states(config: ResolvedConfig) -> bool:
