@@ -136,10 +136,8 @@ class Constraints:
         if self.matcher is not None and not self.matcher.is_terminated():  # once terminated, vLLM masks nothing
             import xgrammar
 
-            bitmask = xgrammar.allocate_token_bitmask(
-                1, logits.shape[-1]
-            )  # on the CPU: xgrammar wants it on the logits'
-            self.matcher.fill_next_token_bitmask(bitmask)
+            bitmask = xgrammar.allocate_token_bitmask(1, logits.shape[-1])
+            self.matcher.fill_next_token_bitmask(bitmask)  # on the CPU: xgrammar applies it on the logits' device
             xgrammar.apply_token_bitmask_inplace(logits.unsqueeze(0), bitmask.to(logits.device, non_blocking=True))
         # below min_p times the likeliest token's probability, at the request's temperature
         if self.min_p and temperature:
