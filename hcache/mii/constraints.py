@@ -6,7 +6,9 @@ before MII's own top-k, top-p, temperature and sampler (:func:`hcache.mii.stoppi
 MII's gRPC requests carry scalars only, so these options travel as text: token ids comma-separated, the bad
 words and the structured output as JSON (:func:`structured_option`). A grammar is checked where the request
 is made (:func:`check_structured`, no tokenizer needed) and compiled for the model's vocabulary when MII makes
-the request, off the batching loop; once it is complete only a stop token may follow, so generation ends."""
+the request, off the batching loop; once it is complete only a stop token may follow, so generation ends. As in
+vLLM, a grammar whose stop token was sampled (and ended nothing, under ``ignore_eos``) masks nothing more; a
+token the grammar rejects fails its request (:meth:`Constraints.accept`)."""
 
 from __future__ import annotations
 
@@ -102,8 +104,8 @@ class Constraints:
         if any(t >= vocab_size for t in self.allowed):
             raise InvalidRequestError(f"{ALLOWED_TOKEN_IDS} must be below the vocabulary's size {vocab_size}")
         sequences: list[tuple[int, ...]] = []
-        for word in self.bad_words:
-            plain = tuple(tokenizer.encode(word, add_special_tokens=False))
+        for word in self.bad_words:  # vLLM's rule: both forms of the word with its leading spaces stripped
+            plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
             if not plain:
                 raise InvalidRequestError(f"{BAD_WORDS}: {word!r:.40} is no token")
             sequences.append(plain)
@@ -115,9 +117,15 @@ class Constraints:
             made.matcher = _matcher(tokenizer, vocab_size, *self.structured)
         return made
 
+    @property
+    def lookback(self) -> int:
+        """How many of the last tokens generated :meth:`mask` reads: a multi-token bad word's all but last."""
+        return max((len(words) - 1 for words in self.bad_words), default=0)
+
     def mask(self, logits: torch.Tensor, generated: list[int], temperature: float | None) -> None:
-        """Mask, in place, the tokens one row of ``logits`` may not take after ``generated``; ``temperature``:
-        None when the request is greedy, which ``min_p`` leaves alone (as in vLLM)."""
+        """Mask, in place, the tokens one row of ``logits`` may not take after ``generated`` (at least its
+        last :attr:`lookback` tokens); ``temperature``: None when the request is greedy, which ``min_p`` leaves
+        alone (as in vLLM)."""
         if self.allowed:
             keep = torch.zeros_like(logits, dtype=torch.bool)
             keep[list(self.allowed)] = True
@@ -125,22 +133,21 @@ class Constraints:
         for words in self.bad_words:  # a word's last token, where the generation ends with the rest of it
             if len(words) == 1 or tuple(generated[-len(words) + 1 :]) == words[:-1]:
                 logits[words[-1]] = -torch.inf
-        if self.matcher is not None:
+        if self.matcher is not None and not self.matcher.is_terminated():  # once terminated, vLLM masks nothing
             import xgrammar
 
             bitmask = xgrammar.allocate_token_bitmask(1, logits.shape[-1])
-            self.matcher.fill_next_token_bitmask(bitmask)
-            xgrammar.apply_token_bitmask_inplace(logits.unsqueeze(0), bitmask)
-        if (
-            self.min_p and temperature
-        ):  # below min_p times the likeliest token's probability, at the request's temperature
+            self.matcher.fill_next_token_bitmask(bitmask)  # on the CPU: xgrammar applies it on the logits' device
+            xgrammar.apply_token_bitmask_inplace(logits.unsqueeze(0), bitmask.to(logits.device, non_blocking=True))
+        # below min_p times the likeliest token's probability, at the request's temperature
+        if self.min_p and temperature:
             probs = torch.softmax(logits / temperature, dim=-1)
             logits.masked_fill_(probs < self.min_p * probs.max(), -torch.inf)
 
     def accept(self, token: int) -> None:
-        """Advance the grammar past the token sampled."""
-        if self.matcher is not None and not self.matcher.is_terminated():
-            self.matcher.accept_token(token)
+        """Advance the grammar past the token sampled; one it rejects fails the request (as in vLLM)."""
+        if self.matcher is not None and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            raise InvalidRequestError(f"the structured output rejected the token sampled ({token})")
 
 
 def _words(value: object) -> tuple[str, ...]:

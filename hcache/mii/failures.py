@@ -7,8 +7,9 @@ MII's methods (installed by :mod:`hcache.mii.patches`) change that:
 
 - A ``put`` that raises is retried one sequence at a time, since which sequence of a batch caused it is
   unknown: each is flushed and recomputed alone (restoring what the store holds); one that fails alone
-  fails its call, the others go on. Any other exception in a loop step fails the unfinished calls of the
-  batch it ran. One in a ``flush`` (the reply is sent already) is logged.
+  fails its call, the others go on. A request its sampling finds at fault (its constraints leave it no
+  token) fails alone (:func:`failing_alone`). Any other exception in a loop step fails the unfinished calls
+  of the batch it ran. One in a ``flush`` (the reply is sent already) is logged.
 - A call (a gRPC ``GeneratorReply``, a pipeline ``__call__``) fails as a whole: its requests leave MII's
   queues and the engine, any it still sends are dropped, and the result queue it reads gets the error in
   place of a result. MII keeps one result queue per gRPC thread and a thread serves one call at a time; the
@@ -220,6 +221,23 @@ def dropping_failed_calls(schedule):
         schedule(self)
 
     return schedule_live
+
+
+def failing_alone(pipeline, running, failed: dict[int, Exception]) -> list[int]:
+    """Fail the requests of batch ``running`` at the indices of ``failed``, each with its own error (its
+    sampling found it at fault), and take them (and their calls' others) out of the batch: the indices of
+    those left."""
+    if not failed:
+        return list(range(len(running.requests)))
+    if not _isolating(pipeline):
+        raise next(iter(failed.values()))
+    requests = running.requests
+    for i, exc in failed.items():
+        log.warning("sequence %d failed in sampling: %s", requests[i].uid, exc)
+        _fail(pipeline, [requests[i]], exc)
+    kept = [i for i, r in enumerate(requests) if r.hcache_call.error is None]
+    running.requests[:] = [requests[i] for i in kept]
+    return kept
 
 
 def _fail(pipeline, requests: list, exc: BaseException) -> None:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidRequestError
 from .constraints import parse_token_ids
 from .detokenize import STOPPED
+from .failures import failing_alone
 
 STOP_TOKEN_IDS = "stop_token_ids"  # hcache's option: comma-separated token ids (MII's requests carry scalars only)
 INCLUDE_STOP = "include_stop_str_in_output"  # vLLM's option: a stream's stop token's text is sent
@@ -34,8 +36,11 @@ def counting_new_tokens(is_done: property) -> property:
 
 
 def as_asked(process_logits):
-    """``RaggedBatchBase._process_logits``: the stop tokens of each request still short of its
-    ``min_new_tokens`` masked out before sampling, and a sampled stop token ending its request."""
+    """``RaggedBatchBase._process_logits``: each request's constraints (:mod:`.constraints`) and, while it is
+    short of its ``min_new_tokens``, its stop tokens masked out before sampling, and a sampled stop token
+    ending its request. A grammar that allows nothing but its end gets its end back, ``min_new_tokens`` or
+    not (its completion comes first); a request whose masks leave it no token fails alone, as does one whose
+    grammar rejects the token sampled (:func:`~.failures.failing_alone`)."""
 
     def process(self, logits: torch.Tensor, running) -> tuple[torch.Tensor, torch.Tensor]:
         requests = list(running)
@@ -44,24 +49,57 @@ def as_asked(process_logits):
         sampled = [i for i, r in enumerate(requests) if r.num_generated_tokens > 0]
         held = [i for i in sampled if requests[i].num_generated_tokens <= requests[i].min_new_tokens and stops[i]]
         constrained = [i for i in sampled if getattr(requests[i], "hcache_constraints", None)]
+        failed: dict[int, Exception] = {}
         if held or constrained:
             logits = logits[:, : self.vocab_size].clone()
             for i in constrained:
-                r = requests[i]
-                sampling = r.generate_params.do_sample
-                generated = [int(t) for t in r.generated_tokens]
-                r.hcache_constraints.mask(logits[i], generated, r.generate_params.temperature if sampling else None)
+                r, c = requests[i], requests[i].hcache_constraints
+                recent = [int(t) for t in r.generated_tokens[max(len(r.generated_tokens) - c.lookback, 0) :]]
+                c.mask(logits[i], recent, r.generate_params.temperature if r.generate_params.do_sample else None)
+            ends = {}  # a held grammar's stop tokens and their logits, for when it allows nothing else
             for i in held:
-                logits[i, [t for t in stops[i] if t < logits.shape[1]]] = -torch.inf
+                ids = [t for t in stops[i] if t < logits.shape[1]]
+                if getattr(getattr(requests[i], "hcache_constraints", None), "matcher", None) is not None:
+                    ends[i] = (ids, logits[i, ids])
+                logits[i, ids] = -torch.inf
+            failed = _left_no_token(logits, constrained, ends)  # a row held, unconstrained, has tokens left
+            logits[list(failed)] = 0  # sampled for nobody: a row of -inf fails MII's sampler
         next_tokens, done = process_logits(self, logits, running)
         for i in constrained:
-            requests[i].hcache_constraints.accept(int(next_tokens[i]))
+            if i not in failed:
+                try:
+                    requests[i].hcache_constraints.accept(int(next_tokens[i]))
+                except InvalidRequestError as exc:
+                    failed[i] = exc
+        kept = failing_alone(self, running, failed)
+        if failed:
+            requests, stops, next_tokens = [requests[i] for i in kept], [stops[i] for i in kept], next_tokens[kept]
         done = [t in s for t, s in zip(next_tokens.tolist(), stops)]
         for r, stopped in zip(requests, done):
             r.hcache_stopped = stopped
         return next_tokens, torch.tensor(done, dtype=torch.bool)
 
     return process
+
+
+def _left_no_token(logits: torch.Tensor, rows: list[int], ends: dict) -> dict[int, Exception]:
+    """The rows of ``rows`` whose masks left no token, each with its error; a held grammar's row that only
+    its stop tokens were left (``ends``) first gets them back."""
+    if not rows:
+        return {}
+    dead = [i for i, live in zip(rows, torch.isfinite(logits[rows]).any(-1).tolist()) if not live]
+    for i in dead:
+        if i in ends:
+            ids, kept = ends[i]
+            logits[i, ids] = kept
+    return {
+        i: InvalidRequestError(
+            "no token is left to sample: the request's allowed_token_ids, bad_words, structured output and"
+            " min_tokens exclude every one"
+        )
+        for i in dead
+        if i not in ends or not torch.isfinite(logits[i]).any()
+    }
 
 
 def leaving_out_stop_tokens(generate_output):

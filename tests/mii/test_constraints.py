@@ -111,3 +111,52 @@ def test_min_p_drops_the_unlikely_when_sampling_and_nothing_when_greedy():
     assert torch.equal(greedy, logits)
     with pytest.raises(InvalidRequestError, match="min_p must be"):
         Constraints.take({"min_p": 1.5})
+
+
+def _to_its_end(tokenizer, made: Constraints) -> None:
+    """Generate greedily from zero logits until ``made``'s grammar has taken its stop token."""
+    for _ in range(20):
+        logits = torch.zeros(VOCAB)
+        made.mask(logits, [], None)
+        token = int(logits.argmax())
+        made.accept(token)
+        if token == tokenizer.eos_token_id:
+            return
+    raise AssertionError("the grammar did not end")
+
+
+def test_a_grammar_ended_masks_nothing_more_as_in_vllm(tokenizer):
+    made = _made(tokenizer, structured_output=structured_option("grammar", 'root ::= "yes" | "no"'))
+    _to_its_end(tokenizer, made)  # under ignore_eos the end of sequence ends nothing: generation goes on
+    logits = torch.zeros(VOCAB)
+    made.mask(logits, [], None)
+    made.accept(int(tokenizer.encode("maybe")[0]))
+    assert torch.isfinite(logits).all()
+
+
+def test_a_token_the_grammar_rejects_fails_the_request(tokenizer):
+    made = _made(tokenizer, structured_output=structured_option("grammar", 'root ::= "yes" | "no"'))
+    with pytest.raises(InvalidRequestError, match="rejected the token sampled"):
+        made.accept(int(tokenizer.encode("maybe")[0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the logits' device is a GPU's only with CUDA")
+def test_a_grammar_masks_logits_on_the_gpu(tokenizer):
+    made = _made(tokenizer, structured_output=structured_option("grammar", 'root ::= "yes" | "no"'))
+    logits = torch.zeros(VOCAB, device="cuda")
+    made.mask(logits, [], None)
+    allowed = torch.isfinite(logits).nonzero().flatten().tolist()
+    assert logits.device.type == "cuda" and 0 < len(allowed) < 10
+    assert all(tokenizer.decode([t]) in ("y", "ye", "yes", "n", "no") for t in allowed)
+
+
+def test_a_bad_word_with_leading_spaces_is_stripped_of_them_as_in_vllm(tokenizer):
+    made = _made(tokenizer, bad_words=json.dumps([" Paris"]))
+    logits = torch.zeros(VOCAB)
+    made.mask(logits, [], None)
+    assert logits[tokenizer.encode("Paris")[-1]] == logits[tokenizer.encode(" Paris")[-1]] == -torch.inf
+
+
+def test_a_mask_reads_back_only_as_far_as_its_longest_bad_word(tokenizer):
+    assert _made(tokenizer, bad_words=json.dumps(["Paris"])).lookback == 0
+    assert _made(tokenizer, bad_words=json.dumps(["Paris", "Hello big world"])).lookback == 2

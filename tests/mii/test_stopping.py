@@ -3,15 +3,19 @@ the rule applied around them. Through a served deployment and the ``openai`` cli
 
 from __future__ import annotations
 
+import queue
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
 import torch
+from mii.batching.data_classes import RequestBatch
 from mii.batching.generation.stop_criterion import EosGenerationStopCriterion, TokenStopCriterion
 
 from hcache.errors import InvalidRequestError
-from hcache.mii.requests import check_generate_options
+from hcache.mii import failures
 from hcache.mii.detokenize import STOPPED
+from hcache.mii.requests import check_generate_options
 from hcache.mii.stopping import as_asked, counting_new_tokens, leaving_out_stop_tokens, parse_stop_token_ids
 
 EOS, VOCAB = 2, 8
@@ -41,7 +45,7 @@ def _sample(requests, best: list[list[int]]):
         },
     )
     greedy = lambda self, logits, running: (logits.argmax(-1), torch.zeros(len(running), dtype=torch.bool))  # noqa: E731
-    tokens, done = as_asked(greedy)(loop, logits, requests)
+    tokens, done = as_asked(greedy)(loop, logits, RequestBatch(requests))
     return tokens.tolist(), done.tolist()
 
 
@@ -109,6 +113,7 @@ def test_a_requests_constraints_mask_its_row_before_mii_samples_and_see_the_toke
     constraints = SimpleNamespace(
         mask=lambda row, generated, temperature: row.masked_fill_(torch.arange(VOCAB) != 3, -torch.inf),
         accept=accepted.append,
+        lookback=0,
     )
     requests = [_request(1), _request(2)]
     requests[0].hcache_constraints = constraints
@@ -116,3 +121,77 @@ def test_a_requests_constraints_mask_its_row_before_mii_samples_and_see_the_toke
         r.generated_tokens, r.generate_params = [], SimpleNamespace(do_sample=False, temperature=None)
     tokens, _ = _sample(requests, [[4, 3], [4, 3]])
     assert tokens == [3, 4] and accepted == [3]  # the first row held to token 3; the second left alone
+
+
+def _constrained(request, mask, accept=lambda token: None, lookback=0, grammar=False):
+    request.hcache_constraints = SimpleNamespace(
+        mask=mask, accept=accept, lookback=lookback, matcher=object() if grammar else None
+    )
+    request.generated_tokens, request.generate_params = [], SimpleNamespace(do_sample=True, temperature=1.0)
+    return request
+
+
+def _only(token: int):
+    return lambda row, generated, temperature: row.masked_fill_(torch.arange(VOCAB) != token, -torch.inf)
+
+
+def test_a_mask_reads_only_the_tokens_a_bad_word_needs():
+    seen = []
+    r = _constrained(_request(11), lambda row, generated, temperature: seen.append(generated), lookback=2)
+    r.generated_tokens = [torch.tensor(t) for t in range(10)]
+    _sample([r], [[4]])
+    assert seen == [[8, 9]]  # not the whole generation, at every step
+
+
+def test_a_grammar_that_allows_only_its_end_ends_before_min_new_tokens():
+    requests = [_constrained(_request(2, least=5), _only(EOS), grammar=True), _request(2, least=5)]
+    tokens, done = _sample(requests, [[4, EOS], [EOS, 4]])
+    assert tokens == [EOS, 4] and done == [True, False]  # the grammar's row ends; the other is still held
+
+
+def _failing_loop(requests):
+    """A loop for :func:`as_asked` whose requests can fail alone (hcache.mii.failures)."""
+    for tid, r in enumerate(requests):
+        r.uid, r.tid, r.is_flush_request, r.hcache_call = 100 + tid, tid, False, failures._Call()
+    flushed = []
+    return SimpleNamespace(
+        vocab_size=VOCAB,
+        _post_processors={"Stop": EosGenerationStopCriterion(SimpleNamespace(eos_token_id=EOS))},
+        is_rank_0=True,
+        model_config=SimpleNamespace(tensor_parallel=1),
+        request_queue=queue.Queue(),
+        buffer=deque(),
+        scheduled_requests=RequestBatch(list(requests)),
+        result_queues={r.tid: queue.Queue() for r in requests},
+        inference_engine=SimpleNamespace(flush=flushed.append),
+        flushed=flushed,
+    )
+
+
+def _sampling(self, logits, running):
+    """MII's sampler: a row of -inf gives NaN probabilities, which multinomial refuses."""
+    return torch.multinomial(torch.softmax(logits, -1), 1).squeeze(1), torch.zeros(len(running), dtype=torch.bool)
+
+
+@pytest.mark.parametrize(
+    "blocked",
+    [
+        dict(mask=lambda row, generated, temperature: row.fill_(-torch.inf)),  # e.g. allowed ids off the grammar
+        dict(mask=_only(EOS), grammar=False),  # only a stop token, held by min_new_tokens: no grammar to end
+        dict(mask=_only(4), accept=lambda token: _reject(token)),  # the grammar rejects what was sampled
+    ],
+    ids=["masked", "held", "rejected"],
+)
+def test_a_request_its_masks_leave_no_token_fails_alone(blocked):
+    requests = [_constrained(_request(2, least=5), **blocked), _constrained(_request(2), _only(3))]
+    loop = _failing_loop(requests)
+    batch = RequestBatch(list(requests))
+    tokens, done = as_asked(_sampling)(loop, torch.zeros(2, VOCAB), batch)
+    assert tokens.tolist() == [3] and done.tolist() == [False] and batch.requests == [requests[1]]
+    with pytest.raises(InvalidRequestError, match="no token is left|rejected the token"):
+        list(loop.result_queues[0].get_nowait())
+    assert loop.flushed == [100] and loop.result_queues[1].empty()
+
+
+def _reject(token):
+    raise InvalidRequestError(f"the structured output rejected the token sampled ({token})")
