@@ -14,6 +14,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 
@@ -27,6 +29,21 @@ START_TOLERANCE_S = 2.0
 def owned_by_this_process() -> dict[str, str]:
     """The environment entry that makes a server started with it end with this process."""
     return {OWNER_ENV: f"{os.getpid()}:{psutil.Process().create_time()!r}"}
+
+
+@contextmanager
+def owning() -> Iterator[None]:
+    """:func:`owned_by_this_process` in the environment inside, as it was after: a caller in this process (a
+    test calling ``hcache serve``'s ``run``) does not stay the owner of every process it starts later."""
+    before = os.environ.get(OWNER_ENV)
+    os.environ.update(owned_by_this_process())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(OWNER_ENV, None)
+        else:
+            os.environ[OWNER_ENV] = before
 
 
 def end_with_owner() -> None:

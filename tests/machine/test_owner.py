@@ -9,7 +9,10 @@ import time
 
 import psutil
 
+from hcache import cli
+from hcache.errors import InvalidRequestError
 from hcache.machine import owner
+from hcache.machine.ports import free_port
 from hcache.machine.process_tree import wait
 
 # The owner starts a server in a session of its own (as hcache serve starts MII's), prints its pid and waits.
@@ -75,3 +78,23 @@ def test_the_watch_outlasts_a_clock_step_and_ends_once_its_owner_exits(monkeypat
         started_owner.kill()
         started_owner.wait()
         watch.join(10)
+
+
+def test_hcache_serve_called_in_this_process_leaves_it_owning_nothing_after(tmp_path, monkeypatch):
+    """Once ``run`` left its owner in this process's environment: a test calling it made pytest the owner
+    of every server started later."""
+    from hcache.mii import deployment
+
+    monkeypatch.delenv(owner.OWNER_ENV, raising=False)
+    (tmp_path / "config.json").write_text("{}")
+    owners = []
+
+    def serve(*args, **kwargs):
+        owners.append(os.environ[owner.OWNER_ENV])
+        raise InvalidRequestError("stopped before starting anything")
+
+    monkeypatch.setattr(deployment, "serve", serve)
+    ports = [arg for flag in ("--port", "--zmq-port", "--rest-port") for arg in (flag, str(free_port()))]
+    assert cli.main(["serve", "--model", str(tmp_path), "--engine", "reference", "--metrics-port", "0", *ports]) == 2
+    assert owners == [owner.owned_by_this_process()[owner.OWNER_ENV]]
+    assert owner.OWNER_ENV not in os.environ
