@@ -47,6 +47,7 @@ class _Decoder:
 
     def __init__(self, model: nn.Module, spec: ModelSpec):
         self.spec = spec
+        self.batched_mlp = FAMILIES[spec.model_type].batched_mlp
         self.lm_head = model.get_output_embeddings()
         self.layers = model.get_submodule(spec.layers_prefix)
         if spec.model_type == "opt":
@@ -86,7 +87,7 @@ class _Decoder:
             if layer.has_experts:
                 out = out + layer.block_sparse_moe(h[None])[0]
             return self.residual(x, out)
-        if self.spec.model_type == "qwen3_next":  # its sparse MoE block takes a batch dimension
+        if self.batched_mlp:
             return x + layer.mlp(layer.post_attention_layernorm(x)[None])[0]
         if self.spec.model_type == "opt":
             return x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
@@ -173,7 +174,8 @@ class ReferenceEngine:
     def _reserve(self, seq: Sequence, total_tokens: int) -> None:
         if total_tokens > self.spec.max_positions:
             raise InvalidRequestError(
-                f"sequence {seq.uid} would hold {total_tokens} tokens, over the model's limit of {self.spec.max_positions}"
+                f"sequence {seq.uid} would hold {total_tokens} tokens, "
+                f"over the model's limit of {self.spec.max_positions}"
             )
         missing = self.cache.blocks_for(total_tokens) - len(seq.blocks)
         if missing > 0:

@@ -9,6 +9,7 @@ INFO messages and MII's printed progress are not shown."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -44,8 +45,9 @@ def main() -> None:
     try:
         with install_server(config, args.model_config, args.restful_gateway):  # undone once MII's server has stopped
             if not logging.getLogger().isEnabledFor(logging.INFO):
-                # MII prints its progress ("Starting server on port ...", "About to start server", "Started"). Its
-                # and DeepSpeed's loggers, made on import above, keep the stream they were made with; errors go to stderr.
+                # MII prints its progress ("Starting server on port ...", "About to start server", "Started").
+                # Its and DeepSpeed's loggers, made on import above, keep the stream they were made with; errors
+                # go to stderr.
                 sys.stdout = open(os.devnull, "w")  # for the life of this process
             mii_main()
     except Exception as exc:
@@ -59,9 +61,12 @@ def main() -> None:
 
 def _tell_starter(exc: Exception) -> None:
     """Write why this server failed, in one line, where the process that started it reads it
-    (:func:`hcache.mii.processes.waiting_briefly`)."""
+    (:func:`hcache.mii.processes.waiting_briefly`), while it is starting. The starter removes the file once
+    the start is over, so a later failure finds none and writes nothing (mode r+ makes no file); failing to
+    write must not hide ``exc``."""
     line = str(exc) if isinstance(exc, HCacheError) else f"{type(exc).__name__}: {exc}"
-    with open(os.environ[START_ERROR_ENV], "w") as file:
+    with contextlib.suppress(OSError, KeyError), open(os.environ[START_ERROR_ENV], "r+") as file:
+        file.truncate()
         file.write(" ".join(line.split()))
 
 

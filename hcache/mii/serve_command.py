@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
-from ..machine.owner import owned_by_this_process
+from ..machine.owner import owning
 from ..machine.ports import check_free
 from .processes import DEFAULT_SHUTDOWN_GRACE_S, DRAIN_SIGNAL, FINISH_S, READY_SIGNAL
 
@@ -42,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--config",
         default=None,
         metavar="JSON",
-        help="hcache settings as a JSON file (the fields of hcache.HCacheConfig, as for hcache.mii); the flags below override it",
+        help="hcache settings as a JSON file (the fields of hcache.HCacheConfig, as for hcache.mii); "
+        "the flags below override it",
     )
     p.add_argument(
         "--store-dir",
@@ -81,7 +81,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--stored-dtype",
         default=None,
         metavar="DTYPE",
-        help="how saved state is stored: auto (the model's dtype, lossless; default), int8, fp8, 8bit (fp8 H, int8 KV) or per format like H=fp8,KV=int8",
+        help="how saved state is stored: auto (the model's dtype, lossless; default), int8, fp8, 8bit "
+        "(fp8 H, int8 KV) or per format like H=fp8,KV=int8",
     )
     p.add_argument(
         "--engine",
@@ -120,7 +121,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--host",
         default="localhost",
-        help="the address the REST gateway and the OpenAI server listen on (default: localhost; 0.0.0.0 for every interface)",
+        help="the address the REST gateway and the OpenAI server listen on "
+        "(default: localhost; 0.0.0.0 for every interface)",
     )
     p.add_argument("--rest-port", type=int, default=51080, help="MII's REST gateway port")
     p.add_argument(
@@ -141,7 +143,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--drain-s",
         type=float,
         default=DRAIN_S,
-        help=f"on SIGTERM, seconds /health answers 503 while requests are still taken, so that a balancer moves away (default {DRAIN_S})",
+        help="on SIGTERM, seconds /health answers 503 while requests are still taken, so that a balancer "
+        f"moves away (default {DRAIN_S})",
     )
     p.add_argument(
         "--shutdown-grace",
@@ -194,13 +197,19 @@ def settings(args: argparse.Namespace) -> HCacheConfig:
 
 def run(args: argparse.Namespace) -> int:
     from ..model.loader import model_dir
-    from .engine_factory import context_length
-    from .deployment import serve
-    from .processes import openai_server
 
     config = settings(args)
     path = str(model_dir(args.model))
-    os.environ.update(owned_by_this_process())  # every server it starts ends with it, however it ends
+    with owning():  # every server it starts ends with it, however it ends
+        return _serve(args, config, path)
+
+
+def _serve(args: argparse.Namespace, config: HCacheConfig, path: str) -> int:
+    """The deployment of ``path`` (and the OpenAI server, where asked for) until stopped."""
+    from .deployment import serve
+    from .engine_factory import context_length
+    from .processes import openai_server
+
     for flag, (host, port) in _ports(args, config).items():
         check_free(host, port, flag)
     openai = client = None
@@ -239,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.rest:
             print(
-                f'REST: POST http://{args.host}:{args.rest_port}/mii/{args.deployment_name}  {{"prompts": [...], "max_new_tokens": N}}'
+                f"REST: POST http://{args.host}:{args.rest_port}/mii/{args.deployment_name}  "
+                '{"prompts": [...], "max_new_tokens": N}'
             )
         if openai is not None:
             _signal_when_listening(openai, args.host, args.openai_port, READY_SIGNAL)
@@ -258,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         with signals_ignored(signal.SIGINT, signal.SIGTERM):
             if openai is not None:
-                openai.terminate()  # new requests are refused; those in flight get the grace to finish (hcache.openai.shutdown)
+                # new requests are refused; those in flight get the grace to finish (hcache.openai.shutdown)
+                openai.terminate()
                 try:
                     openai.wait(args.shutdown_grace + FINISH_S + 5)
                 except subprocess.TimeoutExpired:

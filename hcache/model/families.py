@@ -29,6 +29,9 @@ class Family:
     mixer: str = "mamba"  # the recurrent layer's module, transformers' own, which the engine runs on the kept state
     recurrent_kind: str = "mamba"  # hcache's name of the recurrent layers' type: "mamba" or "gated_delta_net"
     output_gate: bool = False  # Q's projection also yields a gate per head: attention's output · sigmoid(gate)
+    # The MLP block takes [batch, tokens, hidden], not [tokens, hidden] (Qwen3-Next's sparse MoE): a fact of how
+    # the reference engine calls it, not of what the model computes, so no part of ModelSpec's identity
+    batched_mlp: bool = False
 
 
 _SEPARATE_QKV = dict(q=("self_attn.q_proj", ""), k=("self_attn.k_proj", ""), v=("self_attn.v_proj", ""))
@@ -62,6 +65,7 @@ FAMILIES: dict[str, Family] = {
         mixer="linear_attn",
         recurrent_kind="gated_delta_net",
         output_gate=True,
+        batched_mlp=True,
     ),
     "opt": Family(
         layers="model.decoder.layers",

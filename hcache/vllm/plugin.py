@@ -12,8 +12,8 @@ size, the store's directories, vLLM's failure policy), before its engine starts.
 are those named, which no process of the engine holds (a rank holds a directory of its own below them at
 TP > 1; at TP = 1 the worker holding them is the one process that may build a config again, for speculative
 decoding, and a process holding a directory passes its check). It imports nothing of the connector's until
-it sees such a config. A refusal nothing catches (vLLM's OpenAI server catches none) is printed as one line,
-``hcache: error: ...``, not as the tail of a traceback. (In the engine's processes vLLM logs what fails
+it sees such a config. A refusal of settings nothing catches (vLLM's OpenAI server catches none) is printed
+as one line, ``hcache: error: ...``, not as the tail of a traceback. (In the engine's processes vLLM logs what fails
 with its traceback, then fails its start: that form is vLLM's to choose.)
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from ..errors import HCacheError
+from ..errors import InvalidRequestError, UnsupportedModelError
 from . import CONNECTOR
 
 
@@ -61,10 +61,11 @@ def check_transfer_config(transfer) -> None:
 
 
 def _one_line_refusals(hook):
-    """``sys.excepthook``: hcache's refusals as one line, every other exception to ``hook``."""
+    """``sys.excepthook``: the refusals of settings this plugin's checks raise as one line, every other
+    exception to ``hook`` (hcache's failures at run time, a store's or a full cache's, keep their traceback)."""
 
     def excepthook(kind, exc, traceback) -> None:
-        if issubclass(kind, HCacheError):
+        if issubclass(kind, (InvalidRequestError, UnsupportedModelError)):
             print(f"hcache: error: {exc}", file=sys.stderr)
         else:
             hook(kind, exc, traceback)

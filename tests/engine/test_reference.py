@@ -1,12 +1,15 @@
 """The reference engine against transformers' own forward: the ground truth everything else is checked on."""
 
+import dataclasses
+
 import pytest
 import torch
+from support.helpers import loaded, random_prompt
+from torch import nn
 
-from hcache.engine.reference import ReferenceEngine
+from hcache.engine.reference import ReferenceEngine, _Decoder
 from hcache.errors import CacheFullError, InvalidRequestError
-
-from support.helpers import random_prompt
+from hcache.model.families import FAMILIES
 
 # float32 on CPU; the paged attention sums in another order than transformers' SDPA call.
 ATOL = 1e-4
@@ -77,3 +80,24 @@ def test_blocks_are_freed_and_exhaustion_is_a_clear_error(tiny, rng):
     assert engine.cache.free_blocks == 2
     with pytest.raises(InvalidRequestError, match="limit"):
         engine.step([(2, [1] * (tiny.spec.max_positions + 1))])
+
+
+def test_the_mlp_takes_a_batch_dimension_where_the_family_table_says(monkeypatch):
+    """Once the engine named Qwen3-Next where the family table holds each family's facts."""
+
+    class Shapes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def forward(self, h):
+            self.seen.append(tuple(h.shape))
+            return h
+
+    tiny = loaded("random:llama")
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], batched_mlp=True))
+    decoder = _Decoder(tiny.model, tiny.spec)
+    layer = decoder.layers[0]
+    monkeypatch.setattr(layer, "mlp", Shapes())
+    out = decoder.mlp_block(layer, torch.zeros(3, tiny.spec.hidden_size))
+    assert layer.mlp.seen == [(1, 3, tiny.spec.hidden_size)] and out.shape == (3, tiny.spec.hidden_size)

@@ -4,10 +4,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
 
+from hcache import cli
+from hcache.errors import InvalidRequestError
+from hcache.machine import owner
+from hcache.machine.ports import free_port
 from hcache.machine.process_tree import wait
 
 # The owner starts a server in a session of its own (as hcache serve starts MII's), prints its pid and waits.
@@ -47,3 +52,49 @@ def test_a_server_named_no_owner_runs_on_as_before():
         assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE
     finally:
         server.kill()
+
+
+def test_the_watch_outlasts_a_clock_step_and_ends_once_its_owner_exits(monkeypatch):
+    """A process's start time moves with the clock (NTP): once, a step made a running owner look gone."""
+    started_owner = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    started = psutil.Process(started_owner.pid).create_time()
+    steps = iter([0.0])  # the first read as it was; every later one after the clock stepped a minute
+    create_time = psutil.Process.create_time
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: create_time(self) + next(steps, 60.0))
+    monkeypatch.setattr(owner, "POLL_S", 0.05)
+    monkeypatch.setattr(owner, "KILL_AFTER_S", 0.0)
+    signals = []
+    monkeypatch.setattr(os, "killpg", lambda group, sig: signals.append(sig))  # not this test's process group
+    watch = threading.Thread(target=owner._watch, args=(started_owner.pid, started), daemon=True)
+    watch.start()
+    try:
+        time.sleep(0.5)
+        assert signals == [] and watch.is_alive()
+        started_owner.stdin.close()
+        started_owner.wait()
+        watch.join(10)
+        assert signals == [signal.SIGTERM, signal.SIGKILL]
+    finally:  # the watch ends while os.killpg is still the stand-in
+        started_owner.kill()
+        started_owner.wait()
+        watch.join(10)
+
+
+def test_hcache_serve_called_in_this_process_leaves_it_owning_nothing_after(tmp_path, monkeypatch):
+    """Once ``run`` left its owner in this process's environment: a test calling it made pytest the owner
+    of every server started later."""
+    from hcache.mii import deployment
+
+    monkeypatch.delenv(owner.OWNER_ENV, raising=False)
+    (tmp_path / "config.json").write_text("{}")
+    owners = []
+
+    def serve(*args, **kwargs):
+        owners.append(os.environ[owner.OWNER_ENV])
+        raise InvalidRequestError("stopped before starting anything")
+
+    monkeypatch.setattr(deployment, "serve", serve)
+    ports = [arg for flag in ("--port", "--zmq-port", "--rest-port") for arg in (flag, str(free_port()))]
+    assert cli.main(["serve", "--model", str(tmp_path), "--engine", "reference", "--metrics-port", "0", *ports]) == 2
+    assert owners == [owner.owned_by_this_process()[owner.OWNER_ENV]]
+    assert owner.OWNER_ENV not in os.environ

@@ -14,6 +14,7 @@ from mii.backend.server import MIIServer
 from mii.config import MIIConfig
 
 from hcache.errors import ServerStartError
+from hcache.mii.launch import _tell_starter
 from hcache.mii.patches import launching_with_hcache
 from hcache.mii.processes import START_ERROR_ENV
 
@@ -64,15 +65,32 @@ def test_mii_starts_its_processes_as_quiet_as_hcache_and_leaves_no_hostfile(
     assert not list(tmp_path.iterdir())  # removed once the start is over, failed as here or not
 
 
+def test_a_server_tells_its_starter_why_it_failed_only_while_it_starts(tmp_path, monkeypatch):
+    """Once, a server failing after its start wrote the error file its starter had removed, leaving it in
+    /tmp; and an error writing it replaced the server's own."""
+    error_file = tmp_path / "hcache-start-error-x"
+    monkeypatch.setenv(START_ERROR_ENV, str(error_file))
+    error_file.touch()  # as the starter makes it
+    _tell_starter(RuntimeError("the store\ncannot open"))
+    assert error_file.read_text() == "RuntimeError: the store cannot open"
+    error_file.unlink()  # the start is over
+    _tell_starter(RuntimeError("later"))
+    assert not error_file.exists()
+    monkeypatch.setenv(START_ERROR_ENV, str(tmp_path))  # a directory: open fails
+    _tell_starter(RuntimeError("unwritable"))
+    monkeypatch.delenv(START_ERROR_ENV)
+    _tell_starter(RuntimeError("not started by hcache serve"))
+
+
 @pytest.mark.parametrize("level, quiet", [("WARNING", True), ("INFO", False)])
 def test_a_server_process_logs_at_hcaches_level(level, quiet):
     script = """
 import logging, sys
 from hcache.mii.launch import _logging
 _logging()
-mii, werkzeug = logging.getLogger("MII"), logging.getLogger("werkzeug")
+hcache, mii, werkzeug = (logging.getLogger(name) for name in ("hcache", "MII", "werkzeug"))
 record = logging.LogRecord("MII", logging.INFO, "x.py", 0, "info", (), None)
-print(logging.getLogger("hcache").isEnabledFor(logging.INFO), bool(mii.filter(record)), werkzeug.isEnabledFor(logging.INFO))
+print(hcache.isEnabledFor(logging.INFO), bool(mii.filter(record)), werkzeug.isEnabledFor(logging.INFO))
 """
     env = dict(os.environ, HCACHE_LOG_LEVEL=level)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hcache.defaults import DEFAULT_MODEL
-from hcache.errors import InvalidRequestError, UnsupportedModelError
+from hcache.errors import InvalidRequestError, StorageError, UnsupportedModelError
 from hcache.model.fingerprint import checkpoint_fingerprint
 from hcache.model.loader import model_dir
 from hcache.planning.plan import Method
@@ -219,7 +219,7 @@ def test_what_vllms_config_tells_is_refused_by_the_plugin_once_it_is_built_befor
 
 def test_a_refusal_nothing_catches_is_printed_in_one_line(monkeypatch, capsys):
     """vLLM's OpenAI server catches no error of its config: once hcache's refusal was the last line of a
-    traceback. Other exceptions keep theirs."""
+    traceback. Other exceptions keep theirs, hcache's failures at run time included."""
     import sys
 
     from hcache.vllm.plugin import register
@@ -228,8 +228,13 @@ def test_a_refusal_nothing_catches_is_printed_in_one_line(monkeypatch, capsys):
     register()
     register()  # vLLM may load its plugins again: one hook
     sys.excepthook(InvalidRequestError, InvalidRequestError("plan '2RE+2KV' covers 4 layers"), None)
+    sys.excepthook(UnsupportedModelError, UnsupportedModelError("rope_type 'yarn' is not supported"), None)
     sys.excepthook(KeyError, KeyError("x"), None)
-    assert capsys.readouterr().err == "hcache: error: plan '2RE+2KV' covers 4 layers\ntraceback\n"
+    sys.excepthook(StorageError, StorageError("disk full"), None)  # hcache's, at run time: where it failed matters
+    assert capsys.readouterr().err == (
+        "hcache: error: plan '2RE+2KV' covers 4 layers\nhcache: error: rope_type 'yarn' is not supported\n"
+        "traceback\ntraceback\n"
+    )
 
 
 @pytest.mark.slow
