@@ -19,9 +19,13 @@ from hcache.storage.stored_state import STATE
 # the same pieces (they end at chunk ends), so the restored K/V and state are recompute's within float rounding.
 # Where decode steps computed them, transformers' mixer took its recurrent path, and a recompute its chunked
 # scan: the two agree to about 1e-5 of the state's size, and that reaches the K/V of the layers above, so there
-# the bound is the logits' (tests/engine/test_reference.py).
+# the bound is the logits' (tests/engine/test_reference.py). A state sums a whole prefix: the attention layers
+# below it see the prefix in a prefill of another length there (the turn's whole prompt, against the prefix
+# alone), which can round their outputs apart in the last bits, and the sum carries that to a few 1e-5 of a state
+# of a few units (seed after seed, about a third of them failed an absolute 1e-5): its bound is relative too.
 ATOL = 1e-5
 DECODED_ATOL = 1e-4
+STATE_RTOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=family_params(["granitemoehybrid", "qwen3_next"]))
@@ -41,7 +45,7 @@ def assert_restore_equals_recompute(runtime: HCacheRuntime, prompt: list[int], p
     for layer in range(spec.num_layers):
         if spec.is_recurrent(layer):
             got, want = engine.states[1000].rows(layer), engine.states[1001].rows(layer)
-            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"layer {layer} state: {m}")
+            torch.testing.assert_close(got, want, atol=atol, rtol=STATE_RTOL, msg=lambda m: f"layer {layer} state: {m}")
         else:
             for got, want in zip(engine.kv(1000, layer), engine.kv(1001, layer)):
                 torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"layer {layer} K/V: {m}")
