@@ -19,7 +19,7 @@ import torch
 from ..config import HCacheConfig, ResolvedConfig
 from ..errors import InvalidRequestError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint
-from ..model.spec import MambaSpec, ModelSpec
+from ..model.spec import STORED_LAYER_TYPES, MambaSpec, ModelSpec
 from ..model.tensor_parallel import TPGroup, shard_heads
 from ..planning.checkpoints import StateRule
 from ..planning.plan import Method
@@ -160,8 +160,12 @@ def _resolve(vllm_config, kv_cache_config) -> tuple[ResolvedConfig, ModelSpec, _
         )
     tp = parallel.tensor_parallel_size
     groups = _cache_groups(kv_cache_config, model.hf_config.num_hidden_layers, vllm_config.cache_config.block_size)
+    state_layers = groups.state_layers
+    if kv_cache_config is None:  # before the engine starts: its groups, in the worker, say which layers keep a state
+        types = getattr(model.hf_config, "layer_types", None) or ()
+        state_layers = tuple(i for i, kind in enumerate(types) if kind not in STORED_LAYER_TYPES)
     spec = ModelSpec.from_config(
-        model.hf_config, dtype=model.dtype, any_family=True, state_layers=groups.state_layers
+        model.hf_config, dtype=model.dtype, any_family=True, state_layers=state_layers
     )  # KV needs no family's facts; a recurrent layer's state is described by vLLM
     spec = dataclasses.replace(spec, sliding_windows=groups.windows or spec.sliding_windows, mamba=groups.state)
     if groups.state_layers:  # vLLM's checkpoints, every ``state_every``-th of them

