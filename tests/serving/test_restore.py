@@ -13,9 +13,9 @@ from hcache.planning.plan import RestorePlan
 from hcache.serving.restore import restore_prefix
 from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.chunk_key import chunk_keys, root_key
+from hcache.storage.host_pool import HostPool
 from hcache.storage.host_tier import HostTier
 from hcache.transfer.copier import Copier
-from hcache.storage.host_pool import HostPool
 
 # float32: K/V from a saved hidden state go through the same GEMM and RoPE as the forward, but the GEMM
 # may block rows differently, and decode-time rows were produced one token at a time.
