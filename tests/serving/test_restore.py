@@ -13,9 +13,9 @@ from hcache.planning.plan import RestorePlan
 from hcache.serving.restore import restore_prefix
 from hcache.serving.runtime import HCacheRuntime
 from hcache.storage.chunk_key import chunk_keys, root_key
+from hcache.storage.host_pool import HostPool
 from hcache.storage.host_tier import HostTier
 from hcache.transfer.copier import Copier
-from hcache.storage.host_pool import HostPool
 
 # float32: K/V from a saved hidden state go through the same GEMM and RoPE as the forward, but the GEMM
 # may block rows differently, and decode-time rows were produced one token at a time.
@@ -29,7 +29,7 @@ def plans(num_layers: int) -> list[str]:
 
 
 def assert_restored_kv_equals_recompute(
-    runtime: HCacheRuntime, prompt: list[int], plan: RestorePlan, atol: float = KV_ATOL
+    runtime: HCacheRuntime, prompt: list[int], plan: RestorePlan, atol: float = KV_ATOL, rtol: float = 0.0
 ) -> int:
     engine, spec = runtime.engine, runtime.spec
     keys = chunk_keys(prompt[:-1], root_key(runtime.fingerprint))
@@ -40,7 +40,7 @@ def assert_restored_kv_equals_recompute(
         attended = spec.attended_from(layer, outcome.tokens)  # a sliding-window layer's positions before are never read
         for got, want in zip(engine.kv(1000, layer), engine.kv(1001, layer)):
             torch.testing.assert_close(
-                got[attended:], want[attended:], atol=atol, rtol=0, msg=lambda m: f"layer {layer}: {m}"
+                got[attended:], want[attended:], atol=atol, rtol=rtol, msg=lambda m: f"layer {layer}: {m}"
             )
     engine.flush_all()
     return outcome.tokens
