@@ -10,6 +10,7 @@ from torch import nn
 from hcache.engine.reference import ReferenceEngine, _Decoder
 from hcache.errors import CacheFullError, InvalidRequestError
 from hcache.model.families import FAMILIES
+from hcache.model.loader import load_model
 
 # float32 on CPU; the paged attention sums in another order than transformers' SDPA call.
 ATOL = 1e-4
@@ -94,10 +95,12 @@ def test_the_mlp_takes_a_batch_dimension_where_the_family_table_says(monkeypatch
             self.seen.append(tuple(h.shape))
             return h
 
-    tiny = loaded("random:llama")
+    # A model of its own, not the session's: pytest 9.2's monkeypatch restores only an instance's __dict__,
+    # and a torch submodule lives in _modules, so undoing it would delete the shared model's MLP.
+    tiny = load_model("random:llama")
     monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], batched_mlp=True))
     decoder = _Decoder(tiny.model, tiny.spec)
     layer = decoder.layers[0]
-    monkeypatch.setattr(layer, "mlp", Shapes())
+    layer.mlp = Shapes()
     out = decoder.mlp_block(layer, torch.zeros(3, tiny.spec.hidden_size))
     assert layer.mlp.seen == [(1, 3, tiny.spec.hidden_size)] and out.shape == (3, tiny.spec.hidden_size)
