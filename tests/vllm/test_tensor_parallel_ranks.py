@@ -2,16 +2,16 @@
 one CPU each): a small GQA Llama of random weights (4 query heads, 2 KV heads: one a rank) with SmolLM2's
 tokenizer, in float32.
 
-One session (tests/support/vllm_session.py), four engines in turn over one store directory: the connector
-at TP=1 saving the first turn; at TP=2, the same first turn missed as ``other_layout`` (each rank's keys are
-its own) and saved again, then the second turn restored from the host pool by both ranks, the first turn
-under a new ``cache_salt`` saved, and the second under another, where nothing is stored (the reference: the
-TP=2 engine's own recompute, as a prefill of the whole prompt); at TP=2 again with every chunk file of rank 1
-corrupted, the second turn offered, rank 1's load failing and vLLM recomputing it; at TP=1, the turn saved
-only at TP=2 missed as ``other_layout``. Every reply equals the TP=2 engine's recompute of the same turn
-(replies against vLLM's alone, without the connector, are checked at TP=1: tests/vllm/test_connector.py and
-the family sessions; an engine of vLLM alone at TP=2 cost 40-60 s here, three fresh interpreters importing
-vLLM on a 2-core machine).
+One session (tests/support/vllm_session.py), four engines in turn over one store directory: the connector at TP=1
+(in the session's process, which starts in seconds) saving the first turn; at TP=2, the same first turn missed as
+``other_layout`` (each rank's keys are its own) and saved again, then the second turn restored from the host pool
+by both ranks, the first turn under a new ``cache_salt`` saved, and the second under another, where nothing is
+stored (the reference: the TP=2 engine's own recompute, as a prefill of the whole prompt); at TP=2 again with
+every chunk file of rank 1 corrupted, the second turn offered, rank 1's load failing and vLLM recomputing it; at
+TP=1 (in the session's process), the turn saved only at TP=2 missed as ``other_layout``. Every reply equals the
+TP=2 engine's recompute of the same turn (replies against vLLM's alone, without the connector, are checked at
+TP=1: tests/vllm/test_connector.py and the family sessions; an engine of vLLM alone at TP=2 cost 40-60 s here,
+three fresh interpreters importing vLLM on a 2-core machine).
 """
 
 import json
@@ -70,7 +70,7 @@ def session(tmp_path_factory):
         "max_tokens": MAX_TOKENS,
         "turns": TURNS,
         "phases": [
-            {"connector": connector("tp1"), "requests": [["first", "a"]]},
+            {"connector": connector("tp1"), "in_process": True, "requests": [["first", "a"]]},
             {
                 "connector": connector("tp2"),
                 "tp": 2,
@@ -82,7 +82,7 @@ def session(tmp_path_factory):
                 "before": [f"corrupt {store / 'tp2-rank1'}"],
                 "requests": [["second", "a"]],
             },
-            {"connector": connector("back"), "requests": [["first", "b"]]},
+            {"connector": connector("back"), "in_process": True, "requests": [["first", "b"]]},
         ],
     }
     out = run_session(spec, tmp)
