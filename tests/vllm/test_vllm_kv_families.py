@@ -111,7 +111,7 @@ def test_a_returning_conversation_is_loaded_by_kv_and_by_h_where_it_applies_as_v
 
 @pytest.mark.slow
 def test_corrupt_chunks_are_recomputed_with_the_reason_named(session):
-    family, tokens, logprobs, records = session
+    _, tokens, logprobs, records = session
     ((reply,), (probs,)) = tokens[-1], logprobs[-1]
     _as_vllm_alone(reply, probs, tokens[0][1], logprobs[0][1])
     (record,) = records["corrupt"]
