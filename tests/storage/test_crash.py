@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 from support.storage_chunks import check_image, check_served, chunk, chunk_bytes, publish
 
@@ -49,6 +50,7 @@ def _writer(dirs, start: int, report_fd: int) -> None:
         os._exit(0)
 
 
+@pytest.mark.slow  # forks and kills a writer round after round: 26 s, the quick check's longest
 def test_store_survives_sigkill_at_random_moments(tmp_path):
     dirs = [tmp_path / "ssd0", tmp_path / "ssd1"]
     key_of = {chunk(i, width=512).key: i for i in range(KILLS * POOL)}  # ~260 KiB chunks: kills land mid-write
