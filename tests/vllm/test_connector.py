@@ -14,12 +14,11 @@ file corrupted and Redis stopped, restoring nothing and recomputing; with every 
 before it starts, the same; last, vLLM alone (the reference, in float32: in bfloat16 a token's K/V computed in
 a decode step rounds apart from the same token's in a prefill, so a reply may part from vLLM's alone at a near
 tie, as it does with vLLM's own prefix cache). Every load is asynchronous, and every lossless restore's reply
-equals vLLM's alone. The first two engines run as users run ``vllm.LLM``, with their engine-core and worker
-processes (so do the tensor-parallel sessions' engines): the second steps decoders while loads run, timed
-against its steps without them, which the session's own thread would share in one process (a run so failed
-its 1.5x bound). The others run in the session's process
-(``in_process``: seconds to start, not the 40-50 s of two fresh interpreters importing vLLM), the reference,
-which has no connector, last.
+equals vLLM's alone. The second engine runs as users run ``vllm.LLM``, with its engine-core and worker
+processes (so do the tensor-parallel sessions' TP=2 engines): it steps decoders while loads run, timed against
+its steps without them, which the session's own thread would share in one process (a run so failed its 1.5x
+bound). The others run in the session's process (``in_process``: seconds to start, not the 40-50 s of two
+fresh interpreters importing vLLM), the reference, which has no connector, last.
 """
 
 import json
@@ -86,6 +85,7 @@ def session(tmp_path_factory):
         },
         "phases": [
             {
+                "in_process": True,
                 "connector": connector("saved", [str(store)], ["$REDIS"]),
                 "requests": [["first", "a"], ["second", "b"], ["second", "a"], ["batch", CONCURRENT], ["batch", LONG]],
             },
