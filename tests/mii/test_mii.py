@@ -341,12 +341,12 @@ def test_serve_fails_a_request_alone_and_ctrl_c_stops_a_hung_deployment(model_di
             time.sleep(1)
         url, body = (
             f"http://localhost:{rest}/mii/hcache",
-            {"prompts": [QUESTIONS[0]], "max_new_tokens": 200, "ignore_eos": True, "do_sample": False},
+            {"prompts": [QUESTIONS[0]], "max_new_tokens": 64, "ignore_eos": True, "do_sample": False},
         )
         alone = _post(url, body)
         with ThreadPoolExecutor(1) as pool:
             batched = pool.submit(_post, url, body)
-            time.sleep(1)  # it is decoding now: the failing prompt's first put joins its batch
+            time.sleep(1)  # it is decoding now (64 tokens take seconds): the failing prompt's first put joins its batch
             status, answer = _post_status(url, {"prompts": ["I play the" + FAULT_WORD], "max_new_tokens": 4})
             assert status == 500 and "injected fault" in answer["error"], answer
             assert batched.result(timeout=300) == alone
