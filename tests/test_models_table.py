@@ -18,7 +18,12 @@ TABLE = Path(__file__).parents[1] / "docs" / "models.md"
 EVERY = "RE, H, KV"
 # The kind of recurrent layer vLLM runs each hybrid family's with (its Mamba backend), which the connector
 # stores the state of where settings.STATE_KINDS names it
-VLLM_STATE_KINDS = {"qwen3_next": "GDN_ATTN", "granitemoehybrid": "MAMBA2", "jamba": "MAMBA1"}
+VLLM_STATE_KINDS = {
+    "qwen3_next": "GDN_ATTN",
+    "qwen3_5_text": "GDN_ATTN",
+    "granitemoehybrid": "MAMBA2",
+    "jamba": "MAMBA1",
+}
 
 
 def _rows() -> dict[str, list[str]]:

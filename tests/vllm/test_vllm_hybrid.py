@@ -11,6 +11,10 @@ empty, restores the second turn to 1152 tokens from the disk; another, on Redis 
 there (a restarted node of a fleet); another restores the branch, which leaves the history between
 the two checkpoints, to 768 (no state stored past it that it shares); another finds the chunks holding a
 state corrupted and recomputes. Every reply equals vLLM's alone.
+
+The same session runs a random Qwen3.5 text model (``qwen3_5_text``: the same gated delta nets and gated
+attention, a dense MLP) where torchvision is installed: vLLM 0.32's Qwen3.5 module, its text-only
+architecture's too, imports Qwen-VL's image processors, which import torchvision (docs/vllm.md#qwen35).
 """
 
 import json
@@ -36,13 +40,20 @@ TURNS = {
 }
 
 
-def _qwen3_next(directory):
-    """A random Qwen3-Next of tiny shapes: linear heads of 128 (vLLM's CPU gated delta net takes no other),
-    an untied head (vLLM's Qwen3-Next would leave a tied one unloaded, every logit equal)."""
+def _hybrid(model_type: str, directory):
+    """A random hybrid of tiny shapes: linear heads of 128 (vLLM's CPU gated delta net takes no other), an
+    untied head (vLLM's Qwen3-Next would leave a tied one unloaded, every logit equal); Qwen3-Next's sparse
+    MoE small too."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    moe = {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+    }
     config = AutoConfig.for_model(
-        "qwen3_next",
+        model_type,
         hidden_size=128,
         intermediate_size=128,
         num_hidden_layers=LAYERS,
@@ -54,13 +65,10 @@ def _qwen3_next(directory):
         linear_num_value_heads=2,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
         vocab_size=49152,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
+        **(moe if model_type == "qwen3_next" else {}),
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -71,9 +79,21 @@ def _qwen3_next(directory):
     return save_checkpoint(model.eval(), directory)
 
 
-@pytest.fixture(scope="module")
-def session(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm-qwen3-next")
+def _torchvision_loads() -> str | None:
+    """None, or why torchvision does not import: absent (as scripts/install.sh leaves it), or built for another
+    torch, which raises RuntimeError ("operator torchvision::nms does not exist")."""
+    try:
+        import torchvision  # noqa: F401
+    except (ImportError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
+def session(request, tmp_path_factory):
+    if request.param == "qwen3_5_text" and (why := _torchvision_loads()):
+        pytest.skip(f"vLLM's Qwen3.5 module imports torchvision, which does not load here ({why})")
+    tmp = tmp_path_factory.mktemp(f"vllm-{request.param}")
     store = tmp / "store"
     logs = {name: tmp / f"{name}.jsonl" for name in ("saved", "loaded", "redis", "branch", "corrupt")}
 
@@ -95,7 +115,7 @@ def session(tmp_path_factory):
     for phase in phases:
         phase["prefix_cache"] = True  # vLLM checkpoints a gated delta net's state in align mode alone
     spec = {
-        "model": str(_qwen3_next(tmp / "model")),
+        "model": str(_hybrid(request.param, tmp / "model")),
         "dtype": "bfloat16",
         "max_tokens": 12,
         "turns": TURNS,
