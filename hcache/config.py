@@ -239,6 +239,7 @@ class ResolvedConfig(BaseModel):
             self.disabled,
             self.verified,
             self.window_rule(self.spec),
+            self.state_rule(self.spec),
         )
 
     def window_rule(self, spec: ModelSpec, block: int = 1) -> WindowRule:

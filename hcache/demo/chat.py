@@ -137,10 +137,12 @@ def run_demo(
                         reference = r.output_ids
                     runs[name].append(r)
                     bar.update()
-            rows = {
-                name: _row(results, reference, plan.stored_bytes_per_token(runtime.spec, encodings) if plan else 0)
-                for (name, plan), results in zip(methods.items(), runs.values())
+            every = runtime.stack.states.every  # a hybrid's state is stored once every this many chunks
+            stored = {
+                name: plan.stored_bytes_per_token(runtime.spec, encodings, every) if plan else 0
+                for name, plan in methods.items()
             }
+            rows = {name: _row(results, reference, round(stored[name])) for name, results in runs.items()}
             all_ok &= all(row.identical or row.lossy for row in rows.values())
             lossy_runs += sum(r.lossy for results in runs.values() for r in results)
             lossy_differ += sum(row.runs_differing for row in rows.values() if row.lossy)

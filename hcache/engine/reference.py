@@ -207,8 +207,9 @@ class ReferenceEngine:
         return self.decoder.logits(hidden[len(tokens) - last :]).float()
 
     def _forward(
-        self, requests: list[tuple[int, list[int]]], num_layers: int, capture: LayerCapture | None
+        self, requests: list[tuple[int, list[int]]], num_layers: int, capture: LayerCapture | None, first: int = 0
     ) -> tuple[torch.Tensor, list[Segment]]:
+        """Layers ``first``..``num_layers - 1`` over the requests' tokens, from their embedding."""
         segments, ids, positions, slots = [], [], [], []
         row = 0
         for uid, tokens in requests:
@@ -230,7 +231,7 @@ class ReferenceEngine:
             capture.begin_batch(segments)
         x = self.decoder.embed(ids_t, pos_t)
         gated = bool(self.spec.output_gate)
-        for i in range(num_layers):
+        for i in range(first, num_layers):
             layer = self.decoder.layers[i]
             h = layer.get_submodule(self.spec.capture_module)(x)
             if self.spec.is_recurrent(i):
@@ -345,6 +346,12 @@ class ReferenceEngine:
         their K/V."""
         if num_layers > 0:
             self._forward([(uid, tokens)], num_layers, None)
+
+    @torch.no_grad()
+    def forward_layer(self, uid: int, tokens: list[int], layer: int) -> None:
+        """``layer``'s forward alone over ``tokens``, from their embedding: what RE costs of that layer, which the
+        profiler times on a hybrid's first layer of each kind (:func:`~hcache.planning.profiler.measure_engine`)."""
+        self._forward([(uid, tokens)], layer + 1, None, first=layer)
 
     @torch.no_grad()
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:

@@ -17,7 +17,8 @@ import torch
 from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
 from ..ops.quant import SCALE_DTYPE
-from ..storage.stored_state import STATE, Format, scale_shape, state_row_shape
+from ..storage.chunk_key import CHUNK_TOKENS
+from ..storage.stored_state import STATE, STATE_DTYPE, Format, scale_shape, state_row_shape
 
 
 def row_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -52,6 +53,22 @@ class Method(str, Enum):
         if encoding is None:
             return math.prod(shape) * spec.itemsize
         return math.prod(shape) * encoding.itemsize + math.prod(scale_shape(shape)) * SCALE_DTYPE.itemsize
+
+    def layer_bytes_per_token(
+        self, spec: ModelSpec, layer: int, encoding: torch.dtype | None = None, state_every: int = 1
+    ) -> float:
+        """Stored bytes per token of ``layer`` restored by this method: its rows, or for a recurrent layer (H and
+        KV alike: either reads its state, :mod:`hcache.restore.reads`) its state, kept once every ``state_every``
+        chunks (:class:`~hcache.planning.checkpoints.StateRule`), over the tokens it stands for."""
+        if self is not Method.RE and spec.is_recurrent(layer):
+            return state_bytes(spec) / (state_every * CHUNK_TOKENS)
+        return self.bytes_per_token_layer(spec, encoding)
+
+
+def state_bytes(spec: ModelSpec) -> int:
+    """The bytes of one recurrent layer's state as a chunk stores it: a chunk's rows of :data:`STATE`, never
+    encoded; what a restore of the layer reads, however long the history."""
+    return CHUNK_TOKENS * math.prod(row_shapes(spec)[STATE]) * STATE_DTYPE.itemsize
 
 
 _ORDER = {Method.RE: 0, Method.H: 1, Method.KV: 2}
@@ -106,9 +123,15 @@ class RestorePlan:
     def count(self, method: Method) -> int:
         return sum(m is method for m in self.layers)
 
-    def stored_bytes_per_token(self, spec: ModelSpec, encodings: dict[str, torch.dtype] | None = None) -> int:
-        """Stored bytes per token over every layer, with ``encodings`` (:func:`stored_encodings`) if given."""
-        return sum(m.bytes_per_token_layer(spec, (encodings or {}).get(m.value)) for m in self.layers)
+    def stored_bytes_per_token(
+        self, spec: ModelSpec, encodings: dict[str, torch.dtype] | None = None, state_every: int = 1
+    ) -> float:
+        """Stored bytes per token over every layer, with ``encodings`` (:func:`stored_encodings`) if given, and a
+        recurrent layer's state kept every ``state_every`` chunks."""
+        return sum(
+            m.layer_bytes_per_token(spec, layer, (encodings or {}).get(m.value), state_every)
+            for layer, m in enumerate(self.layers)
+        )
 
     def __str__(self) -> str:
         return "+".join(f"{self.count(m)}{m.value}" for m in Method if self.count(m)) or "empty"

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..model.spec import ModelSpec
+from .checkpoints import StateRule
 from .plan import Method, RestorePlan, default_plan
 from .profile import Profile
 from .window import WindowRule
@@ -40,7 +41,8 @@ class PlanPolicy:
     engine can recompute a token's first layers and restore the rest (a plan's RE layers): not vLLM, which
     computes every layer of a token it does not load. ``disabled``: the methods the self-check failed, which
     no plan restores by; ``verified``: those it passed, which a disabled method's layers fall back to.
-    ``window``: the window rule restores follow, by which the profile costs each layer."""
+    ``window``: the window rule restores follow, by which the profile costs each layer; ``states``: where recurrent
+    layers keep their state, by which it weighs their stored bytes."""
 
     spec: ModelSpec
     plan: RestorePlan | None = None
@@ -50,6 +52,7 @@ class PlanPolicy:
     disabled: frozenset[Method] = frozenset()
     verified: frozenset[Method] = frozenset()
     window: WindowRule | None = None
+    states: StateRule | None = None
 
     def __post_init__(self) -> None:
         if self.plan is not None:
@@ -91,6 +94,7 @@ class PlanPolicy:
             allow_kv=allow[Method.KV],
             allow_re=self.recomputes_layers,
             window=self.window,
+            states=self.states,
         )
 
     def allowed(self, plan: RestorePlan) -> RestorePlan:

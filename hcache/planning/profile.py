@@ -28,7 +28,8 @@ from ..machine.facts import machine_facts, machine_name
 from ..model.loader import cache_home
 from ..model.spec import ModelSpec
 from ..version import __version__
-from .plan import Method, RestorePlan
+from .checkpoints import StateRule
+from .plan import Method, RestorePlan, state_bytes
 from .scheduler import LayerCosts, partition, plan_seconds
 from .window import WindowRule
 
@@ -39,6 +40,9 @@ TP_COST_NAMES = ("ag_h",)  # measured only with tensor parallelism; 0 without
 # The compute costs of restoring a layer stored in 8 bits (dequantisation included; ``stored_dtype``).
 # Profiles measured before these existed plan 8-bit restores with the lossless compute costs.
 ENCODED_COST_NAMES = ("c_h8", "c_kv8")
+# A recurrent layer's forward over the history (its RE), measured only for a model with recurrent layers: its
+# mixer costs otherwise than attention (``c_token``, an attention layer's).
+C_TOKEN_RECURRENT = "c_token_recurrent"
 
 
 class ProfileMismatch(HCacheError):
@@ -97,13 +101,15 @@ class Profile:
         allow_kv: bool = True,
         allow_re: bool = True,
         window: WindowRule | None = None,
+        states: StateRule | None = None,
     ) -> RestorePlan:
         """``spec``: the model, or with TP the rank's shard (whose hidden states it stores 1/TP of).
         ``encodings``: the formats stored in 8 bits (``stored_dtype``), whose real bytes and dequantisation
         cost the partition then weighs. ``allow_h=False``: the best RE+KV plan; ``allow_kv=False``: the
         best RE+H plan; ``allow_re=False``: the best H+KV plan. ``window``: the window rule the restore
-        follows (by default the spec's windows')."""
-        costs, bytes_h, bytes_kv = self._stored_costs(spec, history, encodings, window)
+        follows (by default the spec's windows'); ``states``: where recurrent layers keep their state (by
+        default every chunk), which weighs their stored bytes."""
+        costs, bytes_h, bytes_kv = self._stored_costs(spec, history, encodings, window, states)
         return partition(costs, spec.num_layers, bytes_h, bytes_kv, allow_h, allow_kv, allow_re)
 
     def bound_seconds(self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None = None) -> float:
@@ -113,14 +119,23 @@ class Profile:
         return plan_seconds(self._stored_costs(spec, history, encodings)[0], plan)
 
     def _stored_costs(
-        self, spec: ModelSpec, history: int, encodings: dict[str, torch.dtype] | None, window: WindowRule | None = None
-    ) -> tuple[list[LayerCosts], int, int]:
-        """Each layer's costs of restoring ``history`` tokens stored in ``encodings`` (a sliding-window layer
-        restores by H or KV only the tokens it reads, ``window``, and recomputes them all),
-        and the stored bytes per token per layer: H (this rank's share of it) and KV."""
-        stored = {m.value: m.bytes_per_token_layer(spec, (encodings or {}).get(m.value)) for m in (Method.H, Method.KV)}
+        self,
+        spec: ModelSpec,
+        history: int,
+        encodings: dict[str, torch.dtype] | None,
+        window: WindowRule | None = None,
+        states: StateRule | None = None,
+    ) -> tuple[list[LayerCosts], list[float], list[float]]:
+        """Each layer's costs of restoring ``history`` tokens stored in ``encodings``, and its stored bytes per
+        token by H (this rank's share of them) and by KV, as the restore treats its kind (:mod:`hcache.restore.reads`):
+        a sliding-window layer restores by H or KV only the tokens it reads (``window``) and recomputes them all;
+        a recurrent layer restores by H or KV alike the one state at the prefix's end, the I/O of that many bytes
+        at the KV reads' measured rate and no compute past the copy to the device that I/O includes, and recomputes
+        by its own forward."""
+        encodings = encodings or {}
+        stored = {m.value: m.bytes_per_token_layer(spec, encodings.get(m.value)) for m in (Method.H, Method.KV)}
         lossless = {m.value: m.bytes_per_token_layer(spec) for m in (Method.H, Method.KV)}
-        scale = {fmt: stored[fmt] / lossless[fmt] for fmt in encodings or {}}
+        scale = {fmt: stored[fmt] / lossless[fmt] for fmt in encodings}
         full = self.costs(history, scale)
         window = window or WindowRule(spec)
         at: dict[int, LayerCosts] = {history: full}
@@ -128,7 +143,17 @@ class Profile:
         for tokens in set(reads) - set(at):
             at[tokens] = dataclasses.replace(self.costs(tokens, scale), c_token=full.c_token)
         layers = [at[tokens] for tokens in reads]
-        return layers, stored[Method.H.value] // self.tensor_parallel, stored[Method.KV.value]
+        if spec.recurrent_layers:
+            io = self.costs(state_bytes(spec) / lossless[Method.KV.value]).io_kv  # a state is never encoded
+            c_token = _interp(history, self.tokens, self.seconds[C_TOKEN_RECURRENT])
+            for layer in spec.recurrent_layers:
+                layers[layer] = LayerCosts(c_token=c_token, c_h=0.0, c_kv=0.0, io_h=io, io_kv=io)
+        every = (states or StateRule(spec)).every
+        stored_bytes = {
+            m: [m.layer_bytes_per_token(spec, layer, encodings.get(m.value), every) for layer in range(spec.num_layers)]
+            for m in (Method.H, Method.KV)
+        }
+        return layers, [b / self.tensor_parallel for b in stored_bytes[Method.H]], stored_bytes[Method.KV]
 
     def check(self, spec: ModelSpec, tensor_parallel: int = 1, command: str = "hcache profile --model ...") -> None:
         """Raise :class:`ProfileMismatch` unless this profile fits ``spec`` (with TP, a rank's shard) on this
@@ -147,6 +172,11 @@ class Profile:
             raise ProfileMismatch(
                 f"profile was measured for {_shape(self.model)}, not for this model ({_shape(spec.describe())}); "
                 f"run `{command}` for it"
+            )
+        if spec.recurrent_layers and C_TOKEN_RECURRENT not in self.seconds:
+            raise ProfileMismatch(
+                "profile was measured before hcache costed a recurrent layer apart from an attention layer; "
+                f"run `{command}` again"
             )
         here = machine_name()
         if self.machine_name != here:
@@ -174,7 +204,7 @@ class Profile:
             data = json.loads(Path(path).read_text())
             profile = cls(**data)
             expected = set(COST_NAMES) | (set(TP_COST_NAMES) if profile.tensor_parallel > 1 else set())
-            if set(profile.seconds) - set(ENCODED_COST_NAMES) != expected or any(
+            if set(profile.seconds) - {*ENCODED_COST_NAMES, C_TOKEN_RECURRENT} != expected or any(
                 len(v) != len(profile.tokens) for v in profile.seconds.values()
             ):
                 raise ValueError(f"expected costs {sorted(expected)} at each of {len(profile.tokens)} lengths")

@@ -10,7 +10,12 @@ will actually take:
 - ``c_kv``: the engine's ``restore_kv`` (scatter);
 - ``c_h8`` / ``c_kv8``: the same from rows stored in 8 bits (``stored_dtype="8bit"``: fp8 H, int8 KV),
   dequantisation included; the I/O of 8-bit rows is the lossless I/O scaled to their bytes;
-- ``c_token``: the engine's forward over the whole history, per layer, attention included.
+- ``c_token``: the engine's forward of an attention layer over the whole history, attention included;
+- ``c_token_recurrent``: a hybrid's, of a recurrent layer (its mixer's, a Mamba or gated-delta-net forward).
+
+Costs are measured on the first layer of each kind: the restores of the first attention layer, and the forward
+of the first layer of each kind (beyond the first layer, through the reference engine's ``forward_layer``: a
+hybrid's, which FastGen does not serve).
 
 With tensor parallelism every rank runs the profiler at once on its shard, and measures its own costs:
 its heads' GEMMs, the TP forward, its share of the hidden-state reads (one chunk in TP), and
@@ -19,6 +24,7 @@ its heads' GEMMs, the TP forward, its share of the hidden-state reads (one chunk
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 import time
@@ -42,7 +48,7 @@ from ..storage.host_tier import DEFAULT_READERS, HostTier
 from ..storage.stored_state import shared_chunks, stored_encodings
 from ..transfer.copier import Copier
 from .plan import Method
-from .profile import COST_NAMES, ENCODED_COST_NAMES, TP_COST_NAMES, Profile
+from .profile import C_TOKEN_RECURRENT, COST_NAMES, ENCODED_COST_NAMES, TP_COST_NAMES, Profile
 
 DEFAULT_TOKENS = (256, 1024, 4096, 16384)
 SHORT_TOKENS = DEFAULT_TOKENS[:3]  # the profile measured on first use: a minute, not several, on a CPU
@@ -98,12 +104,17 @@ def measure_engine(
     history lengths already checked by :func:`profile_tokens`."""
     spec = engine.spec
     dtype = spec.torch_dtype
-    names = COST_NAMES + ENCODED_COST_NAMES + (TP_COST_NAMES if tp.world_size > 1 else ())
+    layer = next(i for i in range(spec.num_layers) if not spec.is_recurrent(i))  # a hybrid's first may be recurrent
+    forwards = {"c_token": layer}  # cost name -> the layer whose forward it times
+    recurrent = next((i for i in range(spec.num_layers) if spec.is_recurrent(i)), None)
+    if recurrent is not None:
+        forwards[C_TOKEN_RECURRENT] = recurrent
+    tp_names = TP_COST_NAMES if tp.world_size > 1 else ()
+    names = tuple(dict.fromkeys((*COST_NAMES, *ENCODED_COST_NAMES, *tp_names, *forwards)))
     encodings = stored_encodings("8bit")
     seconds: dict[str, list[float]] = {name: [] for name in names}
     gen = torch.Generator().manual_seed(0)
     copier = Copier(engine.device)
-    layer = next(i for i in range(spec.num_layers) if not spec.is_recurrent(i))  # a hybrid's first may be recurrent
     with tqdm(total=len(tokens) * len(names), desc=f"profiling {model_name}", unit="cost") as bar:
         for n in tokens:
             hidden = torch.randn(n, spec.hidden_size, generator=gen).to(engine.device, dtype)
@@ -114,7 +125,9 @@ def measure_engine(
             ]  # this rank's rows
             hidden8, kv8 = quantise(hidden, encodings[Method.H.value]), quantise(kv, encodings[Method.KV.value])
             measures: dict[str, Callable[[], object]] = {
-                "c_token": lambda: engine.recompute_layers(0, ids, 1),
+                name: functools.partial(_forward, engine, ids, at) for name, at in forwards.items()
+            }
+            measures |= {
                 "c_h": lambda: engine.restore_from_hidden(0, layer, hidden),
                 "c_kv": lambda: engine.restore_kv(0, layer, kv),
                 "c_h8": lambda: engine.restore_from_hidden(0, layer, dequantise(hidden8, dtype)),
@@ -139,6 +152,15 @@ def measure_engine(
         "io_kv_bytes_per_s": n * spec.kv_bytes_per_token_layer / seconds["io_kv"][-1],
     }
     return Profile.new(model_name, spec, tokens, seconds, bandwidth, tp.world_size)
+
+
+def _forward(engine: Engine, ids: list[int], layer: int) -> None:
+    """RE of ``layer`` alone over ``ids``: the first layer through any engine's RE; a later one (a hybrid's
+    first of its kind) through the reference engine's ``forward_layer``."""
+    if layer == 0:
+        engine.recompute_layers(0, ids, 1)
+    else:
+        engine.forward_layer(0, ids, layer)
 
 
 def _median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:

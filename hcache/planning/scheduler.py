@@ -14,8 +14,9 @@ compute side. Without TP it is 0.
 The paper solves two special cases in closed form (H+KV when compute-bound, RE+H when I/O-bound, with
 ``C_KV = 0``). Here every ``RE* H* KV*`` split is a candidate, which also admits the paper's "naive hybrid"
 RE+KV and three-way plans. Layers may cost differently: a sliding-window layer's H and KV restore its
-window, not the history (:mod:`hcache.planning.window`), so the sums run over each layer's own costs, from
-prefix sums, for every split: O(layers²) candidates of O(1) each.
+window, not the history (:mod:`hcache.planning.window`), and a recurrent layer's read its state, whatever the
+history (:meth:`~hcache.planning.profile.Profile.plan`), so the sums run over each layer's own costs (and
+stored bytes), from prefix sums, for every split: O(layers²) candidates of O(1) each.
 """
 
 from __future__ import annotations
@@ -51,12 +52,17 @@ class LayerCosts:
         return float(_Sums([self] * (re + h + kv)).time(re, kv))
 
 
+def _prefix(values: Sequence[float]) -> np.ndarray:
+    """Prefix sums from 0, so that a run of layers' sum costs O(1), for every split at once."""
+    return np.concatenate(([0.0], np.cumsum(values, dtype=np.float64)))
+
+
 class _Sums:
-    """Prefix sums of each layer's costs, so that a split's compute and I/O cost O(1), for every split at once."""
+    """Prefix sums of each layer's costs."""
 
     def __init__(self, layers: Sequence[LayerCosts]):
         def prefix(cost) -> np.ndarray:
-            return np.concatenate(([0.0], np.cumsum([cost(c) for c in layers], dtype=np.float64)))
+            return _prefix([cost(c) for c in layers])
 
         self.n = len(layers)
         self.re, self.h, self.kv = prefix(lambda c: c.c_token), prefix(lambda c: c.h_compute), prefix(lambda c: c.c_kv)
@@ -73,34 +79,38 @@ class _Sums:
 def partition(
     costs: LayerCosts | Sequence[LayerCosts],
     num_layers: int,
-    bytes_h: int = 0,
-    bytes_kv: int = 0,
+    bytes_h: float | Sequence[float] = 0,
+    bytes_kv: float | Sequence[float] = 0,
     allow_h: bool = True,
     allow_kv: bool = True,
     allow_re: bool = True,
 ) -> RestorePlan:
     """The plan with the least ``max(compute, io)``; among times equal within a relative 1e-9, the one
-    storing fewest bytes (``bytes_h``, ``bytes_kv``: stored bytes per token per layer of each format), then
-    the fewest RE and KV layers. ``costs``: every layer's, or each layer's. ``allow_h``/``allow_kv`` False:
-    plans without that method (one the start-up self-check disabled); with neither, RE alone. ``allow_re``
-    False: plans without RE, for an engine that computes every layer of a token it does not load (vLLM);
-    then KV where neither H nor KV is allowed.
+    storing fewest bytes (``bytes_h``, ``bytes_kv``: stored bytes per token of each format, every layer's or
+    each layer's), then the fewest RE and KV layers. ``costs``: every layer's, or each layer's.
+    ``allow_h``/``allow_kv`` False: plans without that method (one the start-up self-check disabled); with
+    neither, RE alone. ``allow_re`` False: plans without RE, for an engine that computes every layer of a token
+    it does not load (vLLM); then KV where neither H nor KV is allowed.
 
     H is never chosen when KV dominates it on every layer (no more I/O, compute or stored bytes), as with
     GQA models whose hidden states outweigh their K/V: swapping such an H layer for KV never costs anything."""
     layers = [costs] * num_layers if isinstance(costs, LayerCosts) else list(costs)
-    dominated = bytes_kv <= bytes_h and all(c.io_kv <= c.io_h and c.c_kv <= c.h_compute for c in layers)
+    per_layer = [[b] * num_layers if np.isscalar(b) else list(b) for b in (bytes_h, bytes_kv)]
+    dominated = all(c.io_kv <= c.io_h and c.c_kv <= c.h_compute and kv <= h for c, h, kv in zip(layers, *per_layer))
     allow_h = allow_h and not dominated
     if not allow_re and not allow_h:
         allow_kv = True
     re, kv = np.meshgrid(np.arange(num_layers + 1 if allow_re else 1), np.arange(num_layers + 1), indexing="ij")
     h = num_layers - re - kv
     valid = (h >= 0) & ((h == 0) | allow_h) & ((kv == 0) | allow_kv)
-    re, kv, h = re[valid], kv[valid], h[valid]
+    re, kv = re[valid], kv[valid]
     seconds = _Sums(layers).time(re, kv)
     fastest = seconds <= seconds.min() * (1 + _TIE)
-    best = np.lexsort((kv[fastest], re[fastest], h[fastest] * bytes_h + kv[fastest] * bytes_kv))[0]
-    return RestorePlan.split(num_layers, re=int(re[fastest][best]), kv=int(kv[fastest][best]))
+    re, kv, mid = re[fastest], kv[fastest], num_layers - kv[fastest]
+    stored_h, stored_kv = (_prefix(b) for b in per_layer)
+    stored = stored_h[mid] - stored_h[re] + stored_kv[num_layers] - stored_kv[mid]
+    best = np.lexsort((kv, re, stored))[0]
+    return RestorePlan.split(num_layers, re=int(re[best]), kv=int(kv[best]))
 
 
 def plan_seconds(layers: Sequence[LayerCosts], plan: RestorePlan) -> float:

@@ -33,3 +33,24 @@ def test_stored_bytes_and_default_plan(smollm2, tiny):
     t = tiny.spec
     expected = Method.H if t.kv_to_hidden_ratio > 1 else Method.KV
     assert default_plan(t) == RestorePlan.uniform(t.num_layers, expected)
+
+
+def test_a_recurrent_layer_stores_its_state_by_h_and_kv_alike():
+    """Its stored bytes per token are its state's (one chunk's rows of float32 values, ``state_bytes``) over the
+    tokens of the chunks one state stands for; an attention layer's are its rows'."""
+    from hcache.model.random_weights import random_model
+    from hcache.model.spec import ModelSpec
+    from hcache.planning.plan import row_shapes, state_bytes
+    from hcache.storage.chunk import ChunkLayout
+    from hcache.storage.stored_state import STATE, STATE_DTYPE, TensorSpec
+
+    spec = ModelSpec.from_config(random_model("granitemoehybrid").config)  # Mamba-2 in layers 0 and 2
+    layout = ChunkLayout.plan([TensorSpec(0, STATE, row_shapes(spec)[STATE], STATE_DTYPE)], "")  # as a chunk holds it
+    assert state_bytes(spec) == layout.entries[(0, STATE)].nbytes
+    rows = spec.hidden_bytes_per_token_layer + spec.kv_bytes_per_token_layer  # layer 1 by H, layer 3 by KV
+    plan = RestorePlan.parse("2H+2KV", 4)
+    assert plan.stored_bytes_per_token(spec) == 2 * state_bytes(spec) / 64 + rows
+    assert plan.stored_bytes_per_token(spec, state_every=4) == 2 * state_bytes(spec) / 256 + rows
+    assert RestorePlan.parse("1RE+3KV", 4).stored_bytes_per_token(spec) == state_bytes(spec) / 64 + 2 * (
+        spec.kv_bytes_per_token_layer
+    )

@@ -1,5 +1,6 @@
 """Profiles: measured, saved, refused when they do not fit; and the runtime's auto plan built on them."""
 
+import dataclasses
 import json
 import logging
 
@@ -10,7 +11,8 @@ from support.helpers import loaded, random_prompt
 import hcache.planning.profiler
 from hcache.cli import main
 from hcache.errors import InvalidRequestError
-from hcache.planning.plan import Method, RestorePlan, default_plan
+from hcache.planning.checkpoints import StateRule
+from hcache.planning.plan import Method, RestorePlan, default_plan, state_bytes
 from hcache.planning.profile import PROFILE_VERSION, Profile, ProfileMismatch, default_profile_path
 from hcache.serving.runtime import HCacheRuntime
 
@@ -47,6 +49,13 @@ def new_machine(tmp_path, monkeypatch) -> str:
 def test_auto_plan_follows_the_history_length_and_restores_exactly(llama, synthetic, tmp_path, rng):
     short, long = synthetic.plan(llama.spec, 64), synthetic.plan(llama.spec, 256)
     assert str(short) == "1RE+2H" and str(long) == "1H+2KV"
+    # the plans before hybrids' layers were costed by kind, at more lengths: a model without them plans as it did
+    lengths = (64, 100, 128, 192, 256, 1024, 4096)
+    assert [str(synthetic.plan(llama.spec, n)) for n in lengths] == [
+        *("1RE+2H", "3H", "2H+1KV", "2H+1KV"),
+        *("1H+2KV", "1H+2KV", "3KV"),
+    ]
+    assert [str(synthetic.plan(llama.spec, n, allow_h=False)) for n in lengths[::2]] == ["2RE+1KV", *["3KV"] * 3]
     runtime = HCacheRuntime(llama, tmp_path, profile=synthetic)
     # save="plan" keeps every format the auto plan needs at some length (2H+1KV at 128 tokens)
     assert runtime.save_formats == [frozenset({"H"}), frozenset({"H", "KV"}), frozenset({"H", "KV"})]
@@ -78,6 +87,8 @@ def test_profile_round_trip_and_refusals(llama, synthetic, tmp_path):
         with pytest.raises(ProfileMismatch, match=message):
             Profile.load(path, llama.spec)
 
+    path.write_text(json.dumps({**data, "seconds": {**data["seconds"], "c_token_recurrent": [0.1, 0.2]}}))
+    assert Profile.load(path, llama.spec).costs(160) == synthetic.costs(160)  # a hybrid's cost, unused here
     path.write_text(json.dumps({**data, "seconds": {"c_h": [1.0]}}))
     with pytest.raises(ProfileMismatch, match="not a valid hcache profile"):
         Profile.load(path)
@@ -134,7 +145,7 @@ def test_profile_cli_measures_a_usable_profile(llama, new_machine, tmp_path, cap
     path = default_profile_path("random:llama")
     assert path == tmp_path / "home" / "profiles" / "cpu2-amd-epyc-random-llama.json"
     profile = Profile.load(path, llama.spec)
-    assert profile.tokens == [256, 512]
+    assert profile.tokens == [256, 512] and "c_token_recurrent" not in profile.seconds  # llama has no such layer
     assert all(len(v) == 2 and all(s > 0 for s in v) for k, v in profile.seconds.items() if k != "c_kv")
     assert "plan" in capsys.readouterr().out
     with HCacheRuntime(llama, tmp_path / "store", plan="auto", measure_profile=False) as runtime:  # finds it
@@ -148,8 +159,6 @@ def test_profile_cli_measures_a_usable_profile(llama, new_machine, tmp_path, cap
 
 def test_a_sliding_window_layer_costs_its_window(llama, synthetic):
     """Its H and KV restore the tokens it reads (planning/window.py), its RE the whole history."""
-    import dataclasses
-
     from hcache.planning.scheduler import LayerCosts
     from hcache.planning.window import WindowRule
 
@@ -194,3 +203,53 @@ def test_profile_with_and_without_8bit_costs_loads(llama, tmp_path):
     for extra in ({}, {"c_h8": [0.002], "c_kv8": [0.001]}):
         Profile.new(llama.name, llama.spec, [64], {**seconds, **extra}, {}).save(tmp_path / "p.json")
         assert Profile.load(tmp_path / "p.json", llama.spec).seconds.keys() == {**seconds, **extra}.keys()
+
+
+@pytest.fixture
+def hybrid():
+    return loaded("random:qwen3_next")  # gated delta nets in layers 0 and 2, attention in 1 and 3
+
+
+def hybrid_profile(model, **extra) -> Profile:
+    return Profile.new(model.name, model.spec, [64, 256], {**SECONDS, "c_token_recurrent": [0.002, 0.3], **extra}, {})
+
+
+def test_a_recurrent_layer_costs_its_state_and_its_own_forward(hybrid):
+    """As the restore treats it (restore/reads.py): H and KV alike read its state at the prefix's end, as many bytes
+    whatever the history, at the KV reads' rate, and compute nothing more; RE runs its own forward. Its stored bytes
+    per token are its state's over the chunks a state stands for; an attention layer's costs are the profile's."""
+    spec, profile = hybrid.spec, hybrid_profile(hybrid)
+    assert spec.recurrent_layers == (0, 2) and state_bytes(spec) == 64 * 24 * 4  # 1536 float32 values, in 24 columns
+    state_tokens = state_bytes(spec) / spec.kv_bytes_per_token_layer  # as many bytes as this many tokens' K/V
+    recurrent_forward = {64: 0.002, 256: 0.3, 4096: 0.3 + (0.3 - 0.002) / 192 * (4096 - 256)}  # interpolated
+    for history, c_token in recurrent_forward.items():
+        layers, bytes_h, bytes_kv = profile._stored_costs(spec, history, None, states=StateRule(spec, every=4))
+        io = profile.costs(state_tokens).io_kv
+        assert dataclasses.astuple(layers[0]) == pytest.approx((c_token, 0.0, 0.0, io, io, 0.0))
+        assert layers[0] == layers[2] and layers[1] == layers[3] == profile.costs(history)
+        assert bytes_h[0] == bytes_kv[0] == bytes_h[2] == state_bytes(spec) / (4 * 64)
+        assert bytes_h[1] == spec.hidden_bytes_per_token_layer and bytes_kv[3] == spec.kv_bytes_per_token_layer
+
+
+def test_a_hybrids_auto_plan_follows_its_state_bytes(hybrid):
+    """A small state restores by reading it; one so large its read outlasts the layer's forward is recomputed,
+    and the predicted time follows the state's bytes, whatever the history (a recurrent layer has no rows)."""
+    profile = hybrid_profile(hybrid, c_token_recurrent=[0.001, 0.004])
+    small = hybrid.spec
+    large = dataclasses.replace(small, mamba=dataclasses.replace(small.mamba, heads=4096))
+    assert profile.plan(small, 256).count(Method.RE) == 0
+    # layer 0 recomputed; layer 2 cannot be without layer 1's dear forward, and I/O-bound, all read the fewest bytes
+    assert profile.plan(large, 256) == RestorePlan.parse("1RE+3H", 4)
+    assert profile.bound_seconds(large, 256) > profile.bound_seconds(small, 256)
+
+
+def test_a_hybrid_profile_without_the_recurrent_forward_is_refused(hybrid, tmp_path):
+    """One measured before recurrent layers were costed apart: its ``c_token`` was the first layer's, a recurrent
+    one's, and none is an attention layer's alone."""
+    profile = hybrid_profile(hybrid)
+    del profile.seconds["c_token_recurrent"]
+    profile.save(tmp_path / "p.json")
+    with pytest.raises(ProfileMismatch, match="before hcache costed a recurrent layer apart.*run `hcache profile"):
+        Profile.load(tmp_path / "p.json", hybrid.spec)
+    hybrid_profile(hybrid).save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json", hybrid.spec).seconds["c_token_recurrent"] == [0.002, 0.3]

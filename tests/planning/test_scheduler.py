@@ -141,3 +141,13 @@ def test_layers_of_different_costs_take_the_best_split():
         plan = partition(layers, n, BYTES_H, BYTES_KV)
         best = min(seconds(re, kv) for re in range(n + 1) for kv in range(n - re + 1))
         assert seconds(plan.count(Method.RE), plan.count(Method.KV)) == pytest.approx(best, rel=1e-9), seed
+
+
+def test_ties_weigh_each_layers_own_stored_bytes():
+    """Stored bytes per layer (a hybrid's recurrent layer stores its state by H and KV alike): among equal
+    times, the split storing fewest bytes summed layer by layer, and H dominated only where KV is no dearer on
+    every layer."""
+    free = LayerCosts(c_token=0, c_h=0, c_kv=0, io_h=0, io_kv=0)
+    # H then KV: 3H stores 7, 2H+1KV 4, 1H+2KV 6, 3KV 8
+    assert str(partition(free, 3, [1, 1, 5], [3, 3, 2], allow_re=False)) == "2H+1KV"
+    assert str(partition(free, 3, [5, 5, 1], [2, 2, 3], allow_re=False)) == "3KV"  # 11, 13, 10, 7

@@ -9,6 +9,7 @@ from support.helpers import corrupt_tensor, family_params, loaded, random_prompt
 from hcache.errors import UnsupportedModelError
 from hcache.model.loader import LoadedModel
 from hcache.model.spec import ModelSpec
+from hcache.planning.plan import state_bytes
 from hcache.resolve import resolve
 from hcache.serving.restore import restore_prefix
 from hcache.serving.runtime import HCacheRuntime
@@ -62,7 +63,6 @@ def test_a_returning_conversation_restores_as_recompute(hybrid, tmp_path, rng):
     runtime = HCacheRuntime(hybrid, tmp_path, save="all")
     assert not runtime.config.disabled  # the start-up self-check restored by every method, state included
     history = random_prompt(200, spec.vocab_size, rng)
-    state_bytes = CHUNK_TOKENS * -(-spec.mamba.numel // CHUNK_TOKENS) * 4  # one chunk's state, float32
     # Turn 2 restores the 3 chunks turn 1's prefill computed; turn 3 also chunk 3, computed by decode steps.
     for turn, (chunks, atol) in enumerate(((3, ATOL), (4, DECODED_ATOL)), 2):
         reply = runtime.generate(history, 40, stop_token_ids=set())
@@ -77,7 +77,7 @@ def test_a_returning_conversation_restores_as_recompute(hybrid, tmp_path, rng):
             assert not result.miss_tokens
             restored_state = [layer for layer in spec.recurrent_layers if plan.layers[layer].value != "RE"]
             kind = spec.layer_type(spec.recurrent_layers[0])  # "mamba" or "gated_delta_net"
-            assert result.type_bytes.get(kind, 0) == len(restored_state) * state_bytes
+            assert result.type_bytes.get(kind, 0) == len(restored_state) * state_bytes(spec)  # as the plan costs it
 
 
 def test_a_state_every_second_chunk_restores_a_branch_to_its_last_checkpoint(hybrid, tmp_path, rng):
