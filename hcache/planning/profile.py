@@ -92,6 +92,10 @@ class Profile:
             costs[f"io_{fmt.lower()}"] *= scale
         return LayerCosts(**costs)
 
+    def recurrent_forward(self, history: int) -> float:
+        """A recurrent layer's forward over ``history`` tokens (its RE), for a profile of a hybrid."""
+        return _interp(history, self.tokens, self.seconds[C_TOKEN_RECURRENT])
+
     def plan(
         self,
         spec: ModelSpec,
@@ -145,7 +149,7 @@ class Profile:
         layers = [at[tokens] for tokens in reads]
         if spec.recurrent_layers:
             io = self.costs(state_bytes(spec) / lossless[Method.KV.value]).io_kv  # a state is never encoded
-            c_token = _interp(history, self.tokens, self.seconds[C_TOKEN_RECURRENT])
+            c_token = self.recurrent_forward(history)
             for layer in spec.recurrent_layers:
                 layers[layer] = LayerCosts(c_token=c_token, c_h=0.0, c_kv=0.0, io_h=io, io_kv=io)
         every = (states or StateRule(spec)).every

@@ -45,16 +45,22 @@ from .gpu_prefix_cache import GpuPrefixCache
 def recompute_cost(config: ResolvedConfig) -> Callable[[int, int], float]:
     """``cost(start, tokens)``: what recomputing ``tokens`` tokens from position ``start`` takes, the value of
     keeping their state (cost-aware eviction). A later chunk costs more: it attends to a longer context.
-    With a profile, seconds: the layers times the growth of ``c_token`` (a layer's forward over a history,
-    interpolated by :meth:`Profile.costs`) over the tokens. Without one, forward FLOPs (only their ratios
-    matter): per token and layer ``24·D²`` for the weights (12·D² parameters a layer, Kaplan et al. 2020)
-    and ``4·D`` per token it attends to."""
+    With a profile, seconds: each layer's growth of its forward over a history (``c_token``, or a hybrid's
+    recurrent layers' ``c_token_recurrent``, interpolated by :class:`Profile`) over the tokens. Without one,
+    forward FLOPs (only their ratios matter): per token and layer ``24·D²`` for the weights (12·D² parameters a
+    layer, Kaplan et al. 2020) and, in an attention layer, ``4·D`` per token it attends to (a recurrent layer
+    carries a state of fixed size instead)."""
     profile, spec = config.profile, config.spec
+    recurrent = len(spec.recurrent_layers or ())
+    attention = spec.num_layers - recurrent
     if profile is not None:
 
         def seconds(start: int, tokens: int) -> float:
-            grown = profile.costs(start + tokens).c_token - profile.costs(start).c_token
-            return spec.num_layers * max(grown, 0.0)
+            def grown(forward: Callable[[int], float]) -> float:
+                return max(forward(start + tokens) - forward(start), 0.0)
+
+            total = attention * grown(lambda n: profile.costs(n).c_token)
+            return total + recurrent * grown(profile.recurrent_forward) if recurrent else total
 
         return seconds
     d = spec.hidden_size
@@ -63,7 +69,7 @@ def recompute_cost(config: ResolvedConfig) -> Callable[[int, int], float]:
         attended = (
             tokens * start + tokens * (tokens + 1) / 2
         )  # causal: token ``start + i`` attends to ``start + i + 1``
-        return spec.num_layers * (24.0 * d * d * tokens + 4.0 * d * attended)
+        return spec.num_layers * 24.0 * d * d * tokens + attention * 4.0 * d * attended
 
     return flops
 
