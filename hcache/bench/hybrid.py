@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..model.loader import LoadedModel
-from ..model.random_weights import random_model
+from ..model.random_weights import QWEN3_NEXT_FOR_VLLM, random_model
 from ..model.spec import ModelSpec
 from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
@@ -65,8 +65,9 @@ def _model(family: str, args) -> LoadedModel:
         pattern = _HYBRID_LAYERS[family]
         fields["layer_types"] = [pattern[i % len(pattern)] for i in range(args.layers)]
     if family == "qwen3_next":  # the 80B model's: key heads of 128 as wide as the hidden size, twice the value heads
-        fields.update(linear_num_key_heads=args.hidden // 128, linear_num_value_heads=args.hidden // 64)
-        fields.update(linear_key_head_dim=128, linear_value_head_dim=128, mlp_only_layers=[])
+        fields.update(
+            QWEN3_NEXT_FOR_VLLM, linear_num_key_heads=args.hidden // 128, linear_num_value_heads=args.hidden // 64
+        )
     model = random_model(family, **fields)
     return LoadedModel(f"random:{family}", model, ModelSpec.from_config(model.config), None)
 

@@ -36,8 +36,18 @@ attention (2: Gemma 2's layout, 6: Gemma 3's), which vLLM runs with two KV cache
 (``_all``: every token stored and restored, as full attention), and ``stored_file_bytes_per_token`` is
 what that store's chunk files hold per stored token.
 
+``--family qwen3`` or ``qwen3_next`` remakes the model as that family (random weights, its size, its
+tokenizer): Qwen3, or Qwen3-Next, a hybrid of gated delta nets and attention as vLLM's CPU build takes it
+(bfloat16). A hybrid's state is checkpointed by vLLM at its block boundaries only with its prefix cache on
+(align mode): for one, every engine has it on, ``recompute`` is an engine that never met the histories, and
+``hcache_host``'s prefix cache is reset after the first questions, so that the histories return from hcache;
+a history restores to its last checkpoint (``block_size``, in the results: make ``--history`` a multiple).
+
 ``speedup`` is recompute's median TTFT over each configuration's (``speedup_vs_miss``: ``hcache_miss``'s
-over it); ``restored`` and ``stored_bytes_per_token`` come from the connector's request log. ``first_token_match`` counts returning questions whose first token equals
+over it, ``speedup_vs_prefix_cache``: ``prefix_cache``'s); ``restored`` and ``stored_bytes_per_token`` (bytes
+read, over the tokens restored) come from the connector's request log, ``read_bytes_by_layer_type`` too;
+``stored_bytes_by_layer_type``: the tensors of the chunk files in a configuration's store directories, over
+the histories' tokens. ``first_token_match`` counts returning questions whose first token equals
 recompute's (a K/V computed in a smaller prefill may round apart from a full prefill's, so a near tie may
 break the other way, as with vLLM's own prefix cache).
 
@@ -58,6 +68,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,7 +78,9 @@ from tqdm import tqdm
 from ..config import HCacheConfig
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
+from ..model.random_weights import QWEN3_NEXT_FOR_VLLM
 from . import _vllm_decode as decode
+from .hybrid import _HYBRID_LAYERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mha", action="store_true", help="the model made MHA with random weights (as many K/V heads as query heads)"
+    )
+    parser.add_argument(
+        "--family",
+        choices=("qwen3", "qwen3_next"),
+        default=None,
+        help="the model remade as this family (random weights, its size and tokenizer); qwen3_next: a hybrid",
     )
     parser.add_argument("--tp", type=int, default=1, help="vLLM's tensor_parallel_size for every engine")
     parser.add_argument(
@@ -144,10 +163,41 @@ def _rotated(names: list[str], i: int) -> list[str]:
     return names[i % len(names) :] + names[: i % len(names)]
 
 
+_SIZE = (  # what a model remade as another family (--family) keeps of its size
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def _family_fields(family: str, config: dict, head: int) -> dict:
+    """A random ``family`` model's config fields, of the size of ``config`` (a checkpoint's), with heads of
+    ``head``; a Qwen3-Next as vLLM's CPU build takes it, its layers in Qwen3-Next's pattern, its gated delta
+    nets with a key head per K/V head of attention and twice the value heads, its experts' widths half the MLP's."""
+    fields = {k: config[k] for k in _SIZE if k in config} | {"head_dim": head}
+    if family == "qwen3_next":
+        layers, kv, width = config["num_hidden_layers"], fields["num_key_value_heads"], config["intermediate_size"]
+        pattern = _HYBRID_LAYERS[family]
+        fields.update(
+            QWEN3_NEXT_FOR_VLLM,
+            layer_types=[pattern[i % len(pattern)] for i in range(layers)],
+            linear_num_key_heads=kv,
+            linear_num_value_heads=2 * kv,
+            moe_intermediate_size=width // 2,
+            shared_expert_intermediate_size=width // 2,
+        )
+    return fields
+
+
 def _shaped(args, directory: Path) -> tuple[Path, dict]:
-    """The model's checkpoint, or one of random weights reshaped by ``--heads``, ``--mha`` and ``--window``; its heads."""
+    """The model's checkpoint, or one of random weights remade by ``--family`` and reshaped by ``--heads``,
+    ``--mha`` and ``--window``; its heads."""
     from ..model.loader import model_dir, save_checkpoint
-    from ..model.random_weights import random_like
+    from ..model.random_weights import random_like, random_model
 
     model = model_dir(args.model)
     config = json.loads((model / "config.json").read_text())
@@ -155,13 +205,13 @@ def _shaped(args, directory: Path) -> tuple[Path, dict]:
         "num_attention_heads": config["num_attention_heads"],
         "num_key_value_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
     }
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     overrides = {}
     if args.heads:
         try:
             q, kv = (int(n) for n in args.heads.split(","))
         except ValueError:
             raise SystemExit(f"hcache bench vllm: --heads takes Q,KV, two numbers, not {args.heads!r}") from None
-        head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         overrides = {"num_attention_heads": q, "num_key_value_heads": kv, "hidden_size": q * head, "head_dim": head}
     if args.mha:
         overrides["num_key_value_heads"] = overrides.get("num_attention_heads", heads["num_attention_heads"])
@@ -181,9 +231,27 @@ def _shaped(args, directory: Path) -> tuple[Path, dict]:
             f"hcache bench vllm: {args.model}'s {heads['num_attention_heads']} query and {heads['num_key_value_heads']} "
             f"key/value heads do not divide among --tp {args.tp} ranks: reshape it with --heads Q,KV"
         )
-    if not overrides:
+    if args.family:
+        remade = random_model(args.family, **_family_fields(args.family, config, head) | overrides)
+    elif overrides:
+        remade = random_like(model, **overrides)
+    else:
         return model, heads
-    return save_checkpoint(random_like(model, **overrides), directory, args.model), heads
+    return save_checkpoint(remade, directory, args.model), heads
+
+
+def _tensor_bytes_by_type(files: list[Path], spec) -> Counter:
+    """The bytes of the tensors that chunk ``files`` hold (safetensors, tensors named ``L<layer>.<format>``),
+    by the type of their layer."""
+    by_type: Counter = Counter()
+    for path in files:
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                begin, end = entry["data_offsets"]
+                by_type[spec.layer_type(int(name[1:].split(".", 1)[0]))] += end - begin
+    return by_type
 
 
 def reserve_cpus_alike() -> dict:
@@ -220,9 +288,10 @@ def ranks_bound(tp: int):
 def run(args: argparse.Namespace) -> dict:
     reserved = reserve_cpus_alike()
     if args.decode:
-        if args.tp > 1 or args.heads:
+        if args.tp > 1 or args.heads or args.family:
             raise SystemExit(
-                "hcache bench vllm: --decode runs one rank of the model as it is; --tp and --heads are for the TTFT runs"
+                "hcache bench vllm: --decode runs one rank of the model as it is; --tp, --heads and --family are for "
+                "the TTFT runs"
             )
         return {**decode.run(args), **reserved}
     from transformers import AutoConfig
@@ -244,6 +313,10 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"hcache bench vllm: --sliding-layers: {exc}") from None
     if args.window is not None and (args.window < 64 or args.full_every < 1):
         raise SystemExit("hcache bench vllm: --window must be at least 64 tokens and --full-every at least 1")
+    if args.family == "qwen3_next" and (args.window or args.dtype != "bfloat16"):
+        raise SystemExit(
+            "hcache bench vllm: --family qwen3_next is bfloat16 (vLLM's CPU gated delta net) and has no --window"
+        )
     one = SamplingParams(max_tokens=1, temperature=0)
     g = torch.Generator().manual_seed(0)
 
@@ -289,15 +362,19 @@ def run(args: argparse.Namespace) -> dict:
                     False,
                 )
         configs["hcache_miss"] = (False, {"store_dirs": [str(Path(tmp) / "empty")]}, False)
+        spec = ModelSpec.from_config(AutoConfig.from_pretrained(model), args.dtype)
+        hybrid = bool(spec.recurrent_layers)
+        if hybrid:  # vLLM checkpoints a hybrid's state (align mode) only with its prefix cache on: on in every
+            # engine, and recompute's an engine that never met the histories
+            configs = {name: (True, c, prefill and name != "recompute") for name, (_, c, prefill) in configs.items()}
         logs = {name: Path(tmp) / f"{name}.jsonl" for name in configs}
-        per_token = ModelSpec.from_config(AutoConfig.from_pretrained(model), args.dtype).kv_bytes_per_token
-        memory = 2 * args.conversations * (args.history + 4 * args.question) * per_token  # every history, twice over
+        memory = 2 * args.conversations * (args.history + 4 * args.question) * spec.kv_bytes_per_token  # twice over
         engines: dict = {}
         try:
             for settings in tqdm(
                 savers.values(), desc="saving the histories", unit="store"
             ):  # closed before the disk engines open the store
-                llm = _engine(args, str(model), False, settings, memory)
+                llm = _engine(args, str(model), hybrid, settings, memory)
                 llm.generate([{"prompt_token_ids": h + q} for h, q in zip(histories, first)], one, use_tqdm=False)
                 llm.llm_engine.engine_core.shutdown()
                 del llm
@@ -310,6 +387,10 @@ def run(args: argparse.Namespace) -> dict:
             for i, (history, question) in enumerate(zip(histories, first)):
                 for name in _rotated(prefilling, i):
                     prefill_s[name].append(_timed(engines[name], history + question, one)[0])
+            for name, (prefix_cache, connector, _) in configs.items():
+                if prefix_cache and connector:  # a hybrid's hcache_host: the histories returning from hcache alone
+                    engines[name].reset_prefix_cache()
+            block = engines["recompute"].llm_engine.vllm_config.cache_config.block_size
             for log in logs.values():
                 log.unlink(missing_ok=True)  # the records of the returning questions only
             ttft: dict[str, list[float]] = {name: [] for name in configs}
@@ -335,11 +416,13 @@ def run(args: argparse.Namespace) -> dict:
                     tiers[tier] = tiers.get(tier, 0) + n
             restored = sum(r["restored_tokens"] for r in first_rank)
             stored_dirs = (connector or {}).get("store_dirs") or []
-            stored_files = sum(p.stat().st_size for d in stored_dirs for p in Path(d).glob("**/chunks/*/*.safetensors"))
+            files = [p for d in stored_dirs for p in Path(d).glob("**/chunks/*/*.safetensors")]
+            stored_tokens = args.conversations * (args.history // 64 * 64)
             results[name] = {
-                "stored_file_bytes_per_token": stored_files / (args.conversations * (args.history // 64 * 64))
-                if stored_dirs
-                else 0,
+                "stored_file_bytes_per_token": sum(p.stat().st_size for p in files) / stored_tokens,
+                "stored_bytes_by_layer_type": {
+                    kind: n / stored_tokens for kind, n in sorted(_tensor_bytes_by_type(files, spec).items())
+                },
                 "read_bytes_by_layer_type": {
                     kind: sum(r.get("type_bytes", {}).get(kind, 0) for r in records) / max(1, restored)
                     for kind in {k for r in records for k in r.get("type_bytes", {})}
@@ -358,31 +441,55 @@ def run(args: argparse.Namespace) -> dict:
     for name, r in results.items():
         r["speedup"] = reference["median_ttft_s"] / r["median_ttft_s"]
         r["speedup_vs_miss"] = miss["median_ttft_s"] / r["median_ttft_s"]
+        r["speedup_vs_prefix_cache"] = results["prefix_cache"]["median_ttft_s"] / r["median_ttft_s"]
         r["first_token_match"] = sum(a == b for a, b in zip(r["first_tokens"], reference["first_tokens"]))
     shape = (
         f" reshaped to {heads['num_attention_heads']}/{heads['num_key_value_heads']} heads"
         if args.heads or args.mha
         else ""
     )
+    if args.family:
+        shape += f" remade as {args.family} (random weights)"
     if args.window:
         shape += f" with {args.window}-token sliding windows (1 in {args.full_every} layers full attention)"
     print(
         f"{args.model}{shape}, TP={args.tp}, {args.conversations} returning histories of {args.history} tokens (+{args.question}-token questions), {args.dtype}:"
     )
+    if hybrid:
+        print(
+            f"a hybrid: vLLM's prefix cache on in every engine (its state checkpoints, every {block} tokens, need it); "
+            "recompute: an engine that never met the histories; hcache_host: its prefix cache reset after the first turns"
+        )
+        if args.history % block:
+            print(
+                f"--history {args.history} is not a multiple of {block}: hcache restores to the last checkpoint in it"
+            )
     print(
-        f"{'configuration':20} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'vs miss':>8} {'restored':>9}  {'by tier':24} {'B/token':>8} "
+        f"{'configuration':20} {'TTFT ms':>9} {'min-max ms':>13} {'speedup':>8} {'vs miss':>8} {'vs prefix':>9} {'restored':>9}  {'by tier':24} {'B/token':>8} "
         f"{'files B/token':>13} {'1st token same':>15}"
     )
     for name, r in results.items():
         tiers = ",".join(f"{t}:{n}" for t, n in r["restored_by_tier"].items()) or "-"
         print(
             f"{name:20} {1000 * r['median_ttft_s']:9.1f} {1000 * min(r['ttft_s']):6.0f}-{1000 * max(r['ttft_s']):<6.0f} "
-            f"{r['speedup']:7.2f}x {r['speedup_vs_miss']:7.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
+            f"{r['speedup']:7.2f}x {r['speedup_vs_miss']:7.2f}x {r['speedup_vs_prefix_cache']:8.2f}x {r['restored_tokens']:9d}  {tiers:24} {r['stored_bytes_per_token']:8.0f} "
             f"{r['stored_file_bytes_per_token']:13.0f} "
             f"{r['first_token_match']:>8d}/{args.conversations}"
         )
+    print(f"{'configuration':20} {'stored B/token by layer type':40} {'read B/token by layer type':40}")
+    for name, r in results.items():
+        if r["stored_bytes_by_layer_type"] or r["read_bytes_by_layer_type"]:
+            stored, read = (
+                ", ".join(f"{kind} {n:.0f}" for kind, n in sorted(r[field].items())) or "-"
+                for field in ("stored_bytes_by_layer_type", "read_bytes_by_layer_type")
+            )
+            print(f"{name:20} {stored:40} {read:40}")
     return {
         "model": args.model,
+        "family": args.family,
+        "hybrid": hybrid,
+        "vllm_prefix_cache_in_every_engine": hybrid,
+        "block_size": block,
         "mha": args.mha,
         "heads": heads,
         "tensor_parallel": args.tp,

@@ -120,6 +120,12 @@ _TINY: dict[str, dict[str, Any]] = {
 }
 
 
+# What vLLM's CPU build takes of a Qwen3-Next beyond its shape (and bfloat16, its gated delta net's one dtype):
+# linear heads of 128, which its CPU gated delta net takes alone, and experts in every layer. random_model unties
+# the output embedding, as vLLM's Qwen3-Next needs (it leaves a tied one unloaded: every logit equal).
+QWEN3_NEXT_FOR_VLLM = dict(linear_key_head_dim=128, linear_value_head_dim=128, mlp_only_layers=[])
+
+
 # Full-size shapes for GPU benchmarks: restore speed depends on the shape, not on the weights. The context is
 # widened to 32K so that histories up to 16K fit.
 _FULL: dict[str, tuple[str, dict[str, Any]]] = {

