@@ -26,20 +26,15 @@ import torch
 from tqdm import tqdm
 
 from ..model.loader import LoadedModel
-from ..model.random_weights import QWEN3_NEXT_FOR_VLLM, random_model
+from ..model.random_weights import HYBRID_LAYERS, QWEN3_NEXT_FOR_VLLM, hybrid_layer_types, random_model
 from ..model.spec import ModelSpec
 from ..serving.runtime import HCacheRuntime
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 
-_HYBRID_LAYERS = {  # each hybrid's layer pattern, repeated over the layers
-    "qwen3_next": ("linear_attention", "linear_attention", "linear_attention", "full_attention"),
-    "granitemoehybrid": ("mamba", "mamba", "mamba", "attention"),
-}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense", default="qwen3", choices=("qwen3",), help="the attention-only family")
-    parser.add_argument("--hybrid", default="qwen3_next", choices=tuple(_HYBRID_LAYERS), help="the hybrid family")
+    parser.add_argument("--hybrid", default="qwen3_next", choices=tuple(HYBRID_LAYERS), help="the hybrid family")
     parser.add_argument("--histories", default="512,1024", help="history lengths, in tokens")
     parser.add_argument("--state-every", default="1,4", help="the hybrid's state_every values to compare")
     parser.add_argument("--layers", type=int, default=8)
@@ -61,9 +56,8 @@ def _model(family: str, args) -> LoadedModel:
         "vocab_size": 4096,
         "max_position_embeddings": max(args.histories) + 2 * args.question,
     }
-    if family in _HYBRID_LAYERS:
-        pattern = _HYBRID_LAYERS[family]
-        fields["layer_types"] = [pattern[i % len(pattern)] for i in range(args.layers)]
+    if family in HYBRID_LAYERS:
+        fields["layer_types"] = hybrid_layer_types(family, args.layers)
     if family == "qwen3_next":  # the 80B model's: key heads of 128 as wide as the hidden size, twice the value heads
         fields.update(
             QWEN3_NEXT_FOR_VLLM, linear_num_key_heads=args.hidden // 128, linear_num_value_heads=args.hidden // 64

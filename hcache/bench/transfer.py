@@ -39,7 +39,7 @@ add_arguments = _shaped.add_arguments
 def run(args: argparse.Namespace) -> dict:
     shape = _shaped.shaped(args)
     loaded, history, device, dtype = shape.loaded, shape.history, shape.device, shape.dtype
-    model, spec = loaded.model, loaded.spec
+    spec = loaded.spec
     kv_bytes = history * spec.kv_bytes_per_token
     h_bytes = history * spec.num_layers * spec.hidden_bytes_per_token_layer
     prompt = torch.randint(0, spec.vocab_size, (history + 1,), generator=torch.Generator().manual_seed(0)).tolist()

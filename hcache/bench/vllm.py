@@ -78,9 +78,8 @@ from tqdm import tqdm
 from ..config import HCacheConfig
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError
-from ..model.random_weights import QWEN3_NEXT_FOR_VLLM
+from ..model.random_weights import QWEN3_NEXT_FOR_VLLM, hybrid_layer_types
 from . import _vllm_decode as decode
-from .hybrid import _HYBRID_LAYERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -181,10 +180,9 @@ def _family_fields(family: str, config: dict, head: int) -> dict:
     fields = {k: config[k] for k in _SIZE if k in config} | {"head_dim": head}
     if family == "qwen3_next":
         layers, kv, width = config["num_hidden_layers"], fields["num_key_value_heads"], config["intermediate_size"]
-        pattern = _HYBRID_LAYERS[family]
         fields.update(
             QWEN3_NEXT_FOR_VLLM,
-            layer_types=[pattern[i % len(pattern)] for i in range(layers)],
+            layer_types=hybrid_layer_types(family, layers),
             linear_num_key_heads=kv,
             linear_num_value_heads=2 * kv,
             moe_intermediate_size=width // 2,

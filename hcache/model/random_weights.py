@@ -120,6 +120,19 @@ _TINY: dict[str, dict[str, Any]] = {
 }
 
 
+# Each hybrid's layer pattern, as its released models repeat it over their layers.
+HYBRID_LAYERS = {
+    "qwen3_next": ("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+    "granitemoehybrid": ("mamba", "mamba", "mamba", "attention"),
+}
+
+
+def hybrid_layer_types(family: str, layers: int) -> list[str]:
+    """``layers`` layer types in ``family``'s pattern (:data:`HYBRID_LAYERS`)."""
+    pattern = HYBRID_LAYERS[family]
+    return [pattern[i % len(pattern)] for i in range(layers)]
+
+
 # What vLLM's CPU build takes of a Qwen3-Next beyond its shape (and bfloat16, its gated delta net's one dtype):
 # linear heads of 128, which its CPU gated delta net takes alone, and experts in every layer. random_model unties
 # the output embedding, as vLLM's Qwen3-Next needs (it leaves a tied one unloaded: every logit equal).
