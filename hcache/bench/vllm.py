@@ -239,16 +239,16 @@ def _shaped(args, directory: Path) -> tuple[Path, dict]:
 
 
 def _tensor_bytes_by_type(files: list[Path], spec) -> Counter:
-    """The bytes of the tensors that chunk ``files`` hold (safetensors, tensors named ``L<layer>.<format>``),
-    by the type of their layer."""
+    """The bytes of the tensors that chunk ``files`` hold, by the type of their layer, as the store's own header
+    reader lays them out."""
+    from ..storage.chunk import read_header
+
     by_type: Counter = Counter()
     for path in files:
         with path.open("rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                begin, end = entry["data_offsets"]
-                by_type[spec.layer_type(int(name[1:].split(".", 1)[0]))] += end - begin
+            layout, _ = read_header(f, path.stem, path.stat().st_size)
+        for (layer, _), entry in layout.entries.items():
+            by_type[spec.layer_type(layer)] += entry.nbytes
     return by_type
 
 
