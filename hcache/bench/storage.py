@@ -233,7 +233,7 @@ def publish(tier: HostTier, chunk: Chunk) -> bool:
         return False
     for name, t in chunk.tensors.items():
         image.tensor(*name).copy_(t)
-    tier.publish(image, chunk.key, chunk.tokens)
+    tier.publish(image, chunk.key, chunk.tokens, parent=chunk.parent)
     return True
 
 

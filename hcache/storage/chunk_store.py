@@ -36,8 +36,11 @@ class LossLog(Generic[Why]):
     def __init__(self, kept: int = 1 << 14):
         self.kept = kept
         self._why: OrderedDict[str, Why] = OrderedDict()
+        self.listeners: list[Callable[[str, Why], None]] = []  # told of each loss as it is added
 
     def add(self, key: str, why: Why) -> None:
+        for listener in self.listeners:
+            listener(key, why)
         self._why[key] = why
         self._why.move_to_end(key)
         if len(self._why) > self.kept:
@@ -100,6 +103,10 @@ class ChunkStore(Protocol):
 
     def losses(self) -> list[tuple[str, Loss]]:
         """The chunks it lost lately and why, oldest first (for an index kept by another process)."""
+
+    def follow(self, lost: Callable[[str, Loss], None]) -> None:
+        """Call ``lost(key, why)`` for each chunk it loses from now on, as far as it knows (with its lock held:
+        only note it)."""
 
     @property
     def available(self) -> bool:

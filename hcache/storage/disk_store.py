@@ -437,6 +437,10 @@ class DiskChunkStore:
         with self._lock:
             return [(key, why) for key, why in self._gone if key not in self._index]
 
+    def follow(self, lost: Callable[[str, Loss], None]) -> None:
+        with self._lock:
+            self._gone.listeners.append(lost)
+
     def _unpin(self, entry: Entry) -> None:
         with self._lock:
             entry.pins -= 1

@@ -39,6 +39,7 @@ from .chunk_store import ChunkStore, Loss
 from .eviction import Values
 from .host_pool import HostPool, Slot
 from .lru_index import Entry, LruIndex
+from .residency import HOST, Followers, Residency, pool_changes, stored_chunks
 from .stored_state import Source
 from .uses import Uses
 from .write_back import DEFAULT_WRITERS, WriteBacks
@@ -92,20 +93,35 @@ class HostTier:
         self._writers = helper_threads.executor(writers, "hcache-writeback")
         self._uses = Uses(self.stores, self._writers, self._cond)
         current = lambda image: self._image(image.key) is image  # noqa: E731
-        self._write_backs = WriteBacks(pool, self._writers, self._cond, self._uses, current, self._drop_ref)
-        self._watchers: list[Callable[[str, Loss | None], None]] = []
+        self._tell = Followers()
+        self._write_backs = WriteBacks(pool, self._writers, self._cond, self._uses, current, self._drop_ref, self._tell)
+        for store in self.stores:
+            store.follow(lambda key, why, kind=store.kind: self._tell(Residency(key, kind, False, why=why)))
 
     def watch(self, changed: Callable[[str, Loss | None], None]) -> None:
         """Call ``changed(key, None)`` whenever a chunk enters the pool (saved here or loaded from a store)
         and ``changed(key, Loss.FAILED_VERIFICATION)`` when one is discarded from every tier as bad, so that
         a process that does not own the tier can keep an index of what it serves; first, the chunks the
         stores lost lately (at start-up too), with why. A chunk evicted from the pool alone is not reported:
-        its stores still hold it. Called with the tier's lock held: it must only note the change."""
+        its stores still hold it. Called with a lock held: it must only note the change."""
         with self._cond:
             for store in self.stores:
                 for key, why in store.losses():
                     changed(key, why)
-            self._watchers.append(changed)
+            self._tell.add(pool_changes(changed))
+
+    def follow(self, tell: Callable[[Residency], None]) -> None:
+        """Call ``tell`` with each change of where a chunk is held, first with what the local disk and the
+        pool hold now (:func:`~.residency.stored_chunks`: call it at start-up, before serving). A shared
+        store's chunks are the node's that saved them to tell. Called with a lock held: only note it."""
+        for store in self.stores:
+            if store.kind == Source.DISK.value:
+                for change in stored_chunks(store):
+                    tell(change)
+        with self._cond:
+            for key, entry in self._index.entries.items():
+                tell(Residency(key, HOST, True, tuple(entry.where.tokens), entry.where.parent))
+            self._tell.add(tell)
 
     @property
     def eviction(self) -> str:
@@ -341,8 +357,7 @@ class HostTier:
     def _add(self, key: str, image: ChunkImage) -> None:
         """With the lock held: publish ``image`` in the pool as the most recently used chunk."""
         self._index.add(key, Entry(image.slot.nbytes, self._index.clock(), image, value=self._values.get(key)))
-        for changed in self._watchers:
-            changed(key, None)
+        self._tell(Residency(key, HOST, True, tuple(image.tokens), image.parent))
 
     def _alloc(self, nbytes: int, stalls: Stalls) -> Slot | None:
         """A new slot, evicting unreferenced chunks by the policy to make room, and waiting for
@@ -358,6 +373,7 @@ class HostTier:
                 if victim is not None:
                     self.pool.free(victim[1].where.slot)
                     self.evictions += 1
+                    self._tell(Residency(victim[0], HOST, False))
                     continue
                 if not self._write_backs.in_flight:
                     break
@@ -388,8 +404,7 @@ class HostTier:
             entry = self._index.remove(key)
             if entry is not None and entry.where.slot.refs == 0:
                 self.pool.free(entry.where.slot)
-            for changed in self._watchers:
-                changed(key, Loss.FAILED_VERIFICATION)
+            self._tell(Residency(key, HOST, False, why=Loss.FAILED_VERIFICATION))
         for store in self.stores:
             store.discard(key)
 
@@ -397,8 +412,9 @@ class HostTier:
         """Evict every chunk nobody references (the next restore of them reads a store); how many."""
         with self._cond:
             idle = self._index.remove_unpinned()
-            for _, entry in idle:
+            for key, entry in idle:
                 self.pool.free(entry.where.slot)
+                self._tell(Residency(key, HOST, False))
             self._cond.notify_all()
             return len(idle)
 

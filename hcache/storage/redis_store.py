@@ -239,6 +239,11 @@ class RedisChunkStore:
         with self._lock:
             return list(self._gone)
 
+    def follow(self, lost: Callable[[str, Loss], None]) -> None:
+        """Only the chunks this node finds bad: a TTL's expiry, or another node's delete, is not seen here."""
+        with self._lock:
+            self._gone.listeners.append(lost)
+
     @property
     def available(self) -> bool:
         """False while backing off after a failure."""

@@ -19,6 +19,7 @@ from concurrent.futures import Executor
 from .chunk import ChunkImage
 from .chunk_store import ChunkStore
 from .host_pool import HostPool
+from .residency import Residency
 from .uses import Uses
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,11 @@ class WriteBacks:
         uses: Uses,
         current: Callable[[ChunkImage], bool],
         release: Callable[[ChunkImage], None],
+        tell: Callable[[Residency], None],
     ):
+        """``tell``: told when a store holds a chunk, written or found there."""
         self.pool, self.writers, self.cond, self.uses = pool, writers, cond, uses
-        self.current, self.release = current, release
+        self.current, self.release, self.tell = current, release, tell
         self.in_flight = self.errors = 0
         self._writing: Counter[str] = Counter()  # write-backs of each key not ended yet
         self._behind: defaultdict[str, list[_Job]] = defaultdict(list)  # waiting for a key's write-backs
@@ -93,10 +96,9 @@ class WriteBacks:
                     if not self.current(image):
                         return
                 held = store.header(image.key)
-                if held is not None and image.stored_in(*held):
-                    continue  # that store has it, with as many formats, and its header agrees: nothing to write
                 try:
-                    store.put(image.key, self.pool.buffer(image.slot), image.nbytes, image.parent)
+                    if held is None or not image.stored_in(*held):  # else that store has it, and its header agrees
+                        store.put(image.key, self.pool.buffer(image.slot), image.nbytes, image.parent)
                 except Exception as exc:  # ENOSPC, EIO, a full quota, a server down: serving goes on
                     with self.cond:
                         self.errors += 1
@@ -109,6 +111,8 @@ class WriteBacks:
                             exc,
                             errors,
                         )
+                    continue
+                self.tell(Residency(image.key, store.kind, True, tuple(image.tokens), image.parent))
         finally:
             with self.cond:
                 self._submit(self._ended(image))

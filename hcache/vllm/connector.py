@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -23,10 +24,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 from .metadata import HCacheStepMetadata
 from .scheduler import SchedulerSide
 from .settings import connector_settings, resolve_setup
+from .vllm_events import block_hasher, vllm_event
 from .worker import WorkerSide
 
 
@@ -40,7 +43,13 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(setup)
+            self._hash_block_size = (
+                resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
+                if kv_cache_config is not None
+                else vllm_config.cache_config.block_size
+            )
+            hashing = block_hasher(vllm_config.cache_config.prefix_caching_hash_algo)
+            self._scheduler = SchedulerSide(setup, hashing, self._hash_block_size)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -75,6 +84,10 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.worker_output(connector_output.kv_connector_worker_meta)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """What hcache's tiers gained and lost, as vLLM's KV cache events (:mod:`hcache.vllm.events`)."""
+        return [vllm_event(event, self._hash_block_size) for event in self._scheduler.take_events()]
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.finished(request)

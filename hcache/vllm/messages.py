@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from ..paged.load_job import LoadJob
 from ..restore.records import MissReason
+from ..storage.residency import Residency
 
 
 @dataclass
@@ -68,11 +69,13 @@ class WorkerReport:
     last step, in order: (chunk key, None) for a chunk held, (chunk key, the
     :class:`~hcache.restore.records.MissReason`) for one discarded as bad or found gone. The scheduler's
     index of what can be loaded follows it (:class:`~hcache.vllm.index.StoredIndex`). ``failed``: requests
-    whose load fell short (vLLM recomputes the rest); ``pinned``: its answers to the step's pin requests."""
+    whose load fell short (vLLM recomputes the rest); ``pinned``: its answers to the step's pin requests;
+    ``residency``: where its chunks are held, as it changed (with KV cache events on, :mod:`hcache.vllm.events`)."""
 
     changes: list[tuple[str, MissReason | None]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     pinned: list[Pinned] = field(default_factory=list)
+    residency: list[Residency] = field(default_factory=list)
 
     def joined(self, other: WorkerReport) -> dict:
         """Every rank's report of one step as one, by field, for vLLM's ``aggregate``."""

@@ -29,18 +29,24 @@ tokens not offered are told to the worker with their reason, for the request's r
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..paged.load_job import LoadJob
 from ..restore.records import MissReason
 from ..restore.restorable import restorable
-from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, next_key, root_key
+from .events import BlockEvents, Event, HashBlock
 from .index import StoredIndex
 from .messages import Pinned, PinRequest, RequestStep, SchedulerStep
 
 if TYPE_CHECKING:  # resolved in the connector, which imports vLLM and torch
     from .settings import VllmSetup
+
+
+SALTS_KEPT = 1024  # cache_salts whose chunks KV cache events can place, the latest used
 
 
 @dataclass
@@ -58,9 +64,18 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, setup: VllmSetup):
+    """``hash_block`` and ``hash_block_size``: vLLM's, for the KV cache events told (with ``setup.events``)."""
+
+    def __init__(self, setup: VllmSetup, hash_block: HashBlock | None = None, hash_block_size: int = 0):
         self.setup = setup
         self._fingerprints = setup.rank_fingerprints  # each rank's keys are rooted in its own
+        self._roots = {root_key(fp, setup.config.settings.namespace): None for fp in self._fingerprints}
+        self._salted: OrderedDict[str, str] = OrderedDict()  # the latest cache_salts' roots, for events
+        self.events = (
+            BlockEvents(hash_block, hash_block_size, len(self._fingerprints), self._rooted)
+            if hash_block is not None and setup.events
+            else None
+        )
         self.index = StoredIndex(setup.store_lookup()) if setup.config.stored else None
         self._states = setup.states  # where a recurrent layer's state may be stored (None: the model has none)
         self._requests: dict[str, _Tracked] = {}
@@ -76,6 +91,13 @@ class SchedulerSide:
             return self._offer(previous, num_computed) if len(previous.answers) == len(self._fingerprints) else None
         retry = previous is not None and previous.failed
         tracked = self._requests[request.request_id] = _Tracked(request, num_computed, failed=retry)
+        salt = getattr(request, "cache_salt", None)
+        if salt and self.events is not None:  # its chunks' chains are rooted in it: events can place them
+            for root in (root_key(fp, salt) for fp in self._fingerprints):
+                self._salted[root] = salt
+                self._salted.move_to_end(root)
+            while len(self._salted) > SALTS_KEPT:
+                self._salted.popitem(last=False)
         if (
             self.index is None or retry
         ):  # a load of it fell short: vLLM recomputes what it lacks, nothing is offered twice
@@ -138,6 +160,14 @@ class SchedulerSide:
         if tracked.pinning:
             self._unpins.append(tracked.request.request_id)
             tracked.pinning, tracked.answers = 0, {}
+
+    def _rooted(self, key: str, tokens) -> tuple[bool, str | None]:
+        """Whether ``key`` is a first chunk of ``tokens`` under a root known here, and that root's cache_salt."""
+        roots = itertools.chain(self._roots.items(), reversed(self._salted.items()))
+        return next(((True, salt) for root, salt in roots if next_key(root, tokens) == key), (False, None))
+
+    def take_events(self) -> list[Event]:
+        return self.events.take() if self.events is not None else []
 
     def namespace(self, request) -> str | None:
         """A request's namespace: its ``cache_salt``, else the deployment's."""
@@ -231,6 +261,8 @@ class SchedulerSide:
             return
         if self.index is not None:
             self.index.apply(report.changes)
+        if self.events is not None:
+            self.events.apply(report.residency)
         for req_id in report.failed:
             if req_id in self._requests:
                 self._requests[req_id].failed = True

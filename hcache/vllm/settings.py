@@ -62,12 +62,15 @@ def kv_transfer_config(settings: dict) -> dict:
 @dataclass(frozen=True)
 class VllmSetup:
     """``block_sizes``: each of vLLM's KV cache groups' block, in tokens (one group, but for a model with
-    layers of several types under vLLM's hybrid KV cache manager); ``groups``: each layer's group."""
+    layers of several types under vLLM's hybrid KV cache manager); ``groups``: each layer's group;
+    ``events``: vLLM publishes KV cache events (``--kv-events-config``), and hcache's with them (not for a
+    model with recurrent layers, whose blocks a load finds only at state checkpoints: none are told)."""
 
     config: ResolvedConfig
     fingerprint: str
     block_sizes: tuple[int, ...]
     groups: tuple[int, ...]
+    events: bool = False
 
     @property
     def window_block(self) -> int:
@@ -132,7 +135,11 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
     fingerprint = hashlib.blake2b(
         f"vllm|{checkpoint_fingerprint(vllm_config.model_config.model, spec)}".encode(), digest_size=16
     ).hexdigest()
-    return VllmSetup(config, fingerprint, groups.block_sizes, groups.groups)
+    publishing = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
+    if publishing and spec.recurrent_layers:
+        log.warning("hcache publishes no KV cache events for a model with recurrent layers (docs/vllm.md#kv-events)")
+    events = publishing and not spec.recurrent_layers
+    return VllmSetup(config, fingerprint, groups.block_sizes, groups.groups, events)
 
 
 def _resolve(vllm_config, kv_cache_config) -> tuple[ResolvedConfig, ModelSpec, _Groups]:

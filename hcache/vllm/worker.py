@@ -40,6 +40,7 @@ from ..restore.session import Session
 from ..serving.store_stack import StoreStack
 from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from ..storage.pins import PinnedPrefix
+from ..storage.residency import Residency
 from ..storage.stored_state import Format
 from .hidden import HiddenLayers, registering_model
 from .messages import Pinned, PinRequest, RequestStep, SchedulerStep
@@ -164,15 +165,16 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._failed: list[str] = []  # requests whose load fell short, for the scheduler
         self._short: set[str] = set()  # those among the loads the last ``finished`` reported
-        self._changes: deque[tuple[str, MissReason | None]] = (
-            deque()
-        )  # the tiers' gains and losses, for the scheduler's index
+        self._changes: deque[tuple[str, MissReason | None]] = deque()  # tiers' gains and losses: the index's
         self._pins: dict[str, PinnedPrefix] = {}  # by request: the stored prefix held for its load
         self._pinned: list[Pinned] = []  # how much of each, for the scheduler
+        self._residency: deque[Residency] = deque()  # where chunks are held, as it changed: for KV cache events
         if self.stack.store is not None:
             self.stack.store.watch(
                 lambda key, loss: self._changes.append((key, None if loss is None else MissReason.of(loss)))
             )
+            if setup.events:
+                self.stack.store.follow(self._residency.append)
         log_path = setup.config.settings.request_log
         self.request_log = Path(log_path) if log_path is not None else None
 
@@ -431,9 +433,11 @@ class WorkerSide:
         """The chunks the tiers gained and lost since the last step, for the scheduler's index, the loads
         that fell short, and how much of each prefix asked for this rank holds."""
         changes = [self._changes.popleft() for _ in range(len(self._changes))]
+        residency = [self._residency.popleft() for _ in range(len(self._residency))]
         failed, self._failed = self._failed, []
         pinned, self._pinned = self._pinned, []
-        return HCacheWorkerMetadata(changes, failed, pinned) if changes or failed or pinned else None
+        news = HCacheWorkerMetadata(changes, failed, pinned, residency)
+        return news if changes or failed or pinned or residency else None
 
     def close(self) -> None:
         for req_id in list(self._pins):

@@ -2,7 +2,7 @@
 or without), as a user runs it: ``python vllm_session.py SPEC.json OUT.json``.
 
 SPEC: ``model``, ``dtype``, ``engine_args`` (more of ``vllm.LLM``'s arguments, for every phase: an MLA
-model's ``attention_backend``, say), ``turns`` ({name: [previous turn, text]}: a turn's prompt is the
+model's ``attention_backend``, say, or ``kv_events_config`` as a dict), ``turns`` ({name: [previous turn, text]}: a turn's prompt is the
 previous turn's prompt, the first phase's reply to it, and its own text), ``max_tokens``, and ``phases``:
 each with
 ``connector`` (hcache's settings, ``kv_connector_extra_config``, or null for vLLM alone), ``before`` (a list
@@ -89,8 +89,13 @@ def _llm(
     engine_args: dict | None = None,
 ):
     from vllm import LLM, envs
+    from vllm.config import KVEventsConfig
 
     from hcache.bench.vllm import ranks_bound
+
+    engine_args = dict(engine_args or {})
+    if isinstance(engine_args.get("kv_events_config"), dict):  # vLLM's LLM takes only its config object
+        engine_args["kv_events_config"] = KVEventsConfig(**engine_args["kv_events_config"])
 
     kv = _transfer_config(connector) if connector is not None else None
     parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
@@ -109,7 +114,7 @@ def _llm(
             enable_prefix_caching=prefix_cache,
             kv_transfer_config=kv,
             **({"block_size": block_size} if block_size else {}),
-            **(engine_args or {}),
+            **engine_args,
             **parallel,
         )
 

@@ -1,0 +1,93 @@
+"""Where a chunk is held, as a host tier tells it: entering and leaving the pool, written to and evicted from
+the disk, discarded as bad, and what a restart finds on disk, parents before the chunks that continue them."""
+
+import torch
+from support.storage_chunks import FINGERPRINT, ROOT, publish
+
+from hcache.storage.chunk import Chunk, encode
+from hcache.storage.chunk_key import CHUNK_TOKENS, KeyChain
+from hcache.storage.chunk_store import Loss
+from hcache.storage.disk_store import DiskChunkStore
+from hcache.storage.host_pool import PAGE, HostPool
+from hcache.storage.host_tier import HostTier
+from hcache.storage.residency import HOST, Residency
+
+DISK = "disk"
+
+
+def _chain(n: int, seed: int = 0) -> list[Chunk]:
+    """``n`` chunks of one sequence, each naming the one before it as its parent."""
+    g = torch.Generator().manual_seed(seed)
+    chain = KeyChain(ROOT)
+    done = chain.extend(torch.randint(0, 1000, (n * CHUNK_TOKENS,), generator=g).tolist())
+    return [
+        Chunk(key, tokens, FINGERPRINT, {(0, "H"): torch.randn(CHUNK_TOKENS, 32, generator=g)}, chain.parent(i))
+        for i, (key, tokens) in enumerate(done)
+    ]
+
+
+def _tier(path, chunks_in_pool: int, **store) -> HostTier:
+    size = -(-len(encode(_chain(1)[0])) // PAGE) * PAGE
+    return HostTier([DiskChunkStore(path, fsync=False, **store)], HostPool(chunks_in_pool * size))
+
+
+def _held(c: Chunk, tier: str) -> Residency:
+    return Residency(c.key, tier, True, tuple(c.tokens), c.parent)
+
+
+def test_a_saved_chunk_enters_the_pool_then_the_disk_and_leaves_the_pool_when_it_makes_room(tmp_path):
+    tier, told = _tier(tmp_path, 2), []
+    tier.follow(told.append)
+    chain = _chain(3)
+    for c in chain:
+        publish(tier, c)
+        tier.flush()  # its write-back ends before the next chunk needs room
+    assert told[:2] == [_held(chain[0], HOST), _held(chain[0], DISK)]
+    assert Residency(chain[0].key, HOST, False) in told  # the third chunk took its slot
+    assert told.index(Residency(chain[0].key, HOST, False)) < told.index(_held(chain[2], HOST))
+    assert [r for r in told if r.tier == DISK] == [_held(c, DISK) for c in chain]
+    tier.close()
+
+
+def test_a_chunk_discarded_as_bad_leaves_the_pool_and_the_disk_with_why(tmp_path):
+    tier, told = _tier(tmp_path, 4), []
+    tier.follow(told.append)
+    c = _chain(1)[0]
+    publish(tier, c)
+    tier.flush()
+    tier.discard(c.key)
+    gone = [r for r in told if not r.held]
+    assert {(r.tier, r.why) for r in gone} == {(HOST, Loss.FAILED_VERIFICATION), (DISK, Loss.FAILED_VERIFICATION)}
+    tier.close()
+
+
+def test_a_chunk_the_disk_quota_evicts_leaves_the_disk(tmp_path):
+    one = len(encode(_chain(1)[0]))
+    tier, told = _tier(tmp_path, 4, quota_bytes=2 * one), []
+    tier.follow(told.append)
+    first, second = _chain(1, seed=1)[0], _chain(1, seed=2)[0]  # two chains: neither is kept for the other
+    third = _chain(1, seed=3)[0]
+    for c in (first, second, third):
+        publish(tier, c)
+        tier.flush()
+    assert Residency(first.key, DISK, False, why=Loss.EVICTED) in told
+    assert not tier.stores[0].contains(first.key)
+    tier.close()
+
+
+def test_a_restart_tells_what_the_disk_holds_parents_first(tmp_path):
+    tier = _tier(tmp_path, 8)
+    chains = [_chain(4, seed=5), _chain(3, seed=6)]
+    for chain in chains:
+        for c in chain:
+            publish(tier, c)
+    tier.close()
+    again, told = _tier(tmp_path, 8), []
+    again.follow(told.append)
+    assert sorted(told, key=lambda r: r.key) == sorted(
+        (_held(c, DISK) for ch in chains for c in ch), key=lambda r: r.key
+    )
+    order = [r.key for r in told]
+    for chain in chains:
+        assert [order.index(c.key) for c in chain] == sorted(order.index(c.key) for c in chain)
+    again.close()

