@@ -17,6 +17,8 @@ side.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -60,25 +62,33 @@ HashBlock = Callable[[object | None, Sequence[int], str | None], object]  # (par
 
 @dataclass
 class _Chunk:
-    """A chunk's place in vLLM's block chain, the same on every rank (each rank's own key names it)."""
+    """A chunk's place in vLLM's block chain, the same on every rank (each rank's own key names it). Token
+    ids are kept packed: an index of a large disk holds one of these a chunk."""
 
+    identity: tuple
     end: int  # tokens up to its end
     last: object | None  # the hash of the last full block at or before its end
-    carry: tuple[int, ...]  # the tokens after that block: the start of a block a later chunk ends
+    carry: array  # the tokens after that block: the start of a block a later chunk ends
     salt: str | None
-    owned: tuple[Block, ...]  # the blocks that end in it
+    hashes: tuple[object, ...]  # the blocks that end in it
+    first_parent: object | None  # the hash of the block before the first of them
+    tokens: array  # theirs
     span: tuple[tuple, ...]  # the chunks its blocks overlap, itself first
     parent: tuple | None  # the chunk before it
     keys: dict[str, set[str]] = field(default_factory=dict)  # each rank's key, and the tiers holding it
     announced: set[str] = field(default_factory=set)  # media its blocks are announced on
 
-    @property
-    def identity(self) -> tuple:
-        return _identity(self.end, self.last, self.carry, self.salt)
+    def blocks(self, size: int) -> tuple[Block, ...]:
+        parents = (self.first_parent, *self.hashes[:-1])
+        return tuple(
+            Block(h, p, tuple(self.tokens[i * size : (i + 1) * size]), self.salt)
+            for i, (h, p) in enumerate(zip(self.hashes, parents))
+        )
 
 
-def _identity(end: int, last: object | None, carry: tuple[int, ...], salt: str | None) -> tuple:
-    return (end, last, carry, salt if last is None else None)  # past the first block, the hashes hold the salt
+def _identity(end: int, last: object | None, carry: array, salt: str | None) -> tuple:
+    """Past the first block the hashes hold the salt, and the carry's digest its tokens."""
+    return (end, last, hashlib.blake2b(carry.tobytes(), digest_size=16).digest(), salt if last is None else None)
 
 
 class BlockEvents:
@@ -131,25 +141,35 @@ class BlockEvents:
             if not rooted:
                 self.unplaced += 1
                 return None
-            end, last, carry = 0, None, ()
+            end, last, carry = 0, None, array("q")
         else:
             end, last, carry, salt = parent.end, parent.last, parent.carry, parent.salt
-        tokens, owned, size = carry + tuple(change.tokens), [], self.block_size
-        while len(tokens) >= size:
-            block = Block(
-                self.hash_block(last, tokens[:size], salt if last is None else None), last, tokens[:size], salt
-            )
-            owned.append(block)
-            last, tokens = block.hash, tokens[size:]
+        tokens, size, first_parent = carry + array("q", change.tokens), self.block_size, last
+        hashes = []
+        for at in range(0, len(tokens) - size + 1, size):
+            last = self.hash_block(last, tokens[at : at + size].tolist(), salt if last is None else None)
+            hashes.append(last)
+        owned = len(hashes) * size
         end += len(change.tokens)
-        identity = _identity(end, last, tokens, salt)
+        identity = _identity(end, last, tokens[owned:], salt)
         chunk = self._chunks.get(identity)
         if chunk is None:  # the chunks its blocks overlap: back to where the first of them starts
-            start, span, at = end - len(tokens) - len(owned) * size, [identity], parent
+            start, span, at = end - len(tokens), [identity], parent
             while at is not None and at.end > start:
                 span.append(at.identity)
                 at = self._chunks.get(at.parent) if at.parent is not None else None
-            chunk = _Chunk(end, last, tokens, salt, tuple(owned), tuple(span), parent and parent.identity)
+            chunk = _Chunk(
+                identity,
+                end,
+                last,
+                tokens[owned:],
+                salt,
+                tuple(hashes),
+                first_parent,
+                tokens[:owned],
+                tuple(span),
+                parent and parent.identity,
+            )
             self._chunks[identity] = chunk
             for overlapped in span:
                 self._covers.setdefault(overlapped, set()).add(identity)
@@ -172,12 +192,12 @@ class BlockEvents:
     def _update(self, changed: tuple, on: str) -> None:
         for identity in self._covers.get(changed, ()):
             owner = self._chunks[identity]
-            if not owner.owned:
+            if not owner.hashes:
                 continue
             whole = all(self._held(i, on) for i in owner.span)
             if whole and on not in owner.announced:
                 owner.announced.add(on)
-                self._events.append(Stored(owner.owned, on))
+                self._events.append(Stored(owner.blocks(self.block_size), on))
             elif not whole and on in owner.announced:
                 owner.announced.discard(on)
-                self._events.append(Removed(tuple(b.hash for b in owner.owned), on))
+                self._events.append(Removed(owner.hashes, on))
