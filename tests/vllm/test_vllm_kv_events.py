@@ -33,7 +33,7 @@ TURNS = {
     "b": [None, "A wholly different story about a cat and a mouse in a big old house. " * 16],
     "a2": ["a", " And the fox?"],
 }
-POOL_BYTES = 6 << 20  # a few chunks of this model: B's chunks push A's out
+POOL_BYTES = 1 << 20  # a few chunks of this model (128 KiB of hidden states, or 256 KiB of K/V): B pushes A out
 
 
 class Indexer:
@@ -114,11 +114,11 @@ def session(tmp_path_factory):
         max_position_embeddings=2048,
         tie_word_embeddings=True,
     )
-    store, logs = tmp / "store", {name: tmp / f"{name}.jsonl" for name in ("saved", "restarted")}
+    store_dir, logs = tmp / "store", {name: tmp / f"{name}.jsonl" for name in ("saved", "restarted")}
     port = free_port()
 
-    def connector(log: str) -> dict:
-        return {"store_dirs": [str(store)], "request_log": str(logs[log]), "store": {"host_bytes": POOL_BYTES}}
+    def connector(log: str, **store) -> dict:
+        return {"store_dirs": [str(store_dir)], "request_log": str(logs[log]), "store": store}
 
     spec = {
         "model": str(save_checkpoint(model, tmp / "model")),
@@ -130,8 +130,12 @@ def session(tmp_path_factory):
             "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
         },
         "phases": [
-            {"connector": connector("saved"), "prefix_cache": True, "requests": [["a", None], ["b", None]]},
-            {"connector": connector("restarted"), "prefix_cache": True, "requests": [["a2", None]]},
+            {
+                "connector": connector("saved", host_bytes=POOL_BYTES),
+                "prefix_cache": True,
+                "requests": [["a", None], ["b", None]],
+            },
+            {"connector": connector("restarted"), "prefix_cache": True, "requests": [["a2", None]]},  # a whole pool
         ],
     }
     elsewhere = zmq.Context.instance().socket(zmq.PUB)  # another node, which holds nothing
