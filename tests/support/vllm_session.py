@@ -2,14 +2,15 @@
 or without), as a user runs it: ``python vllm_session.py SPEC.json OUT.json``.
 
 SPEC: ``model``, ``dtype``, ``engine_args`` (more of ``vllm.LLM``'s arguments, for every phase: an MLA
-model's ``attention_backend``, say, or ``kv_events_config`` as a dict), ``turns`` ({name: [previous turn, text]}: a turn's prompt is the
+model's ``attention_backend``, say, or ``kv_events_config`` as a dict; a phase's own ``engine_args`` add to
+them), ``turns`` ({name: [previous turn, text]}: a turn's prompt is the
 previous turn's prompt, the first phase's reply to it, and its own text), ``max_tokens``, and ``phases``:
 each with
 ``connector`` (hcache's settings, ``kv_connector_extra_config``, or null for vLLM alone), ``before`` (a list
 of actions: ``"corrupt DIR"``: flip a byte in the tensors of every chunk file under DIR (``"corrupt DIR
 largest"``: of the largest ones, a recurrent state's); ``"truncate DIR"``:
 cut 100 bytes off every chunk file under DIR; ``"delete DIR N"``: wait
-until N chunk files are written under DIR, then delete them all; ``"stop_redis"``), ``prefix_cache`` (vLLM's
+until N chunk files are written under DIR, then delete them all; ``"stop_redis"``; ``"sleep S"``), ``prefix_cache`` (vLLM's
 own, off by default), ``block_size`` (vLLM's KV block; 128 tokens by default on a CPU), ``tp`` (vLLM's
 ``tensor_parallel_size``, one process a rank, each bound to CPUs of its own), ``reserved_cpus`` (cores
 vLLM's CPU worker keeps off its OpenMP threads, ``VLLM_CPU_NUM_OF_RESERVED_CPU``; vLLM's default if
@@ -239,6 +240,8 @@ def _act(action: str, redis) -> None:
         _delete(args[0], int(args[1]))
     elif verb == "stop_redis":
         redis.stop()
+    elif verb == "sleep":
+        time.sleep(float(args[0]))
     else:
         raise ValueError(f"unknown action {action!r}")
 
@@ -270,7 +273,7 @@ def main() -> None:
                 phase.get("tp", 1),
                 phase.get("reserved_cpus"),
                 in_process,
-                engine_args=spec.get("engine_args"),
+                engine_args={**spec.get("engine_args", {}), **phase.get("engine_args", {})},
             )
             out, probs, steps = [], [], None
             for turn, salt, *actions in phase["requests"]:

@@ -5,8 +5,10 @@ hashed as the engine hashes its own, and what the disk holds after a restart.
 One session (tests/support/vllm_session.py), random-weight Llama, vLLM's 128-token blocks (two chunks
 each): an engine with the connector and a host pool of a few chunks serves conversation A, then B, which
 pushes A out of the pool; a new engine over the same disk serves A's next turn. Dynamo's standalone KV
-indexer (NVIDIA's, ``python -m dynamo.indexer``) subscribes to the same stream, beside a second node that
-holds nothing, and is asked afterwards where B lives: on the restarted node's disk.
+indexer (NVIDIA's, ``python -m dynamo.indexer``) subscribes to both engines' streams, beside a node that
+holds nothing, and is asked afterwards where B lives: on the restarted node's disk. The restarted engine
+publishes on a port of its own, as a new instance: its publisher numbers its batches from 0 again, and
+Dynamo's indexer drops batches numbered as ones it has had from an endpoint.
 """
 
 import json
@@ -37,15 +39,13 @@ POOL_BYTES = 1 << 20  # a few chunks of this model (128 KiB of hidden states, or
 
 
 class Indexer:
-    """Dynamo's KV indexer subscribed to each node's event stream (``{worker id: port}``), as Dynamo's router
-    runs it, at vLLM's 128-token blocks; ``query`` asks where a prompt's blocks are held."""
+    """Dynamo's KV indexer, as Dynamo's router runs it, at vLLM's 128-token blocks: :meth:`register` subscribes
+    it to a node's event stream, :meth:`query` asks where a prompt's blocks are held."""
 
-    def __init__(self, nodes: dict[int, int], log):
+    def __init__(self, log):
         self.url = f"http://127.0.0.1:{free_port()}"
-        workers = ",".join(f"{node}=tcp://127.0.0.1:{port}" for node, port in nodes.items())
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "dynamo.indexer", "--port", self.url.rsplit(":", 1)[1], "--threads", "1"]
-            + ["--block-size", "128", "--workers", workers],
+            [sys.executable, "-m", "dynamo.indexer", "--port", self.url.rsplit(":", 1)[1], "--threads", "1"],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -53,6 +53,22 @@ class Indexer:
         while not self._up():
             assert self._process.poll() is None and time.monotonic() < deadline, "Dynamo's indexer did not start"
             time.sleep(0.2)
+
+    def register(self, node: int, port: int, replay: int | None = None) -> None:
+        """``replay``: the port of the node's replay socket, where the indexer asks for batches it missed
+        (those sent before its subscription joined)."""
+        body = {"instance_id": node, "endpoint": f"tcp://127.0.0.1:{port}", "model_name": "default", "block_size": 128}
+        self._post("/register", {**body, **({"replay_endpoint": f"tcp://127.0.0.1:{replay}"} if replay else {})})
+
+    def unregister(self, node: int) -> None:
+        self._post("/unregister", {"instance_id": node, "model_name": "default"})
+
+    def _post(self, path: str, body: dict) -> dict | None:
+        request = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return json.loads(answer.read() or b"null")
 
     def _up(self) -> bool:
         try:
@@ -62,10 +78,7 @@ class Indexer:
             return False
 
     def query(self, tokens: list[int]) -> dict:
-        body = json.dumps({"token_ids": tokens, "model_name": "default"}).encode()
-        request = urllib.request.Request(self.url + "/query", body, {"content-type": "application/json"})
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            return json.loads(answer.read())
+        return self._post("/query", {"token_ids": tokens, "model_name": "default"})
 
     def close(self) -> None:
         self._process.terminate()
@@ -75,13 +88,14 @@ class Indexer:
 class Subscriber:
     """vLLM's KV event stream, as a router reads it: ZMQ SUB, each batch decoded by vLLM's msgspec types."""
 
-    def __init__(self, port: int):
+    def __init__(self, ports: list[int]):
         import msgspec
         from vllm.distributed.kv_events import KVEventBatch
 
         self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
         self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.connect(f"tcp://127.0.0.1:{port}")
+        for port in ports:
+            self._socket.connect(f"tcp://127.0.0.1:{port}")
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.events: list = []
         self._stop = threading.Event()
@@ -115,7 +129,11 @@ def session(tmp_path_factory):
         tie_word_embeddings=True,
     )
     store_dir, logs = tmp / "store", {name: tmp / f"{name}.jsonl" for name in ("saved", "restarted")}
-    port = free_port()
+    (port, replay), (restarted_port, restarted_replay) = (free_port(), free_port()), (free_port(), free_port())
+
+    def events(port: int, replay: int) -> dict:
+        endpoints = {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{replay}"}
+        return {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", **endpoints}}
 
     def connector(log: str, **store) -> dict:
         return {"store_dirs": [str(store_dir)], "request_log": str(logs[log]), "store": store}
@@ -126,25 +144,32 @@ def session(tmp_path_factory):
         "max_tokens": 8,
         "turns": TURNS,
         "in_process": True,
-        "engine_args": {
-            "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
-        },
         "phases": [
             {
                 "connector": connector("saved", host_bytes=POOL_BYTES),
                 "prefix_cache": True,
+                "engine_args": events(port, replay),
                 "requests": [["a", None], ["b", None]],
             },
-            {"connector": connector("restarted"), "prefix_cache": True, "requests": [["a2", None]]},  # a whole pool
+            {  # a whole pool
+                "connector": connector("restarted"),
+                "prefix_cache": True,
+                "engine_args": events(restarted_port, restarted_replay),
+                "requests": [["a2", None, "sleep 5"]],  # the subscriptions join before its first events
+            },
         ],
     }
     elsewhere = zmq.Context.instance().socket(zmq.PUB)  # another node, which holds nothing
-    subscriber, elsewhere_port = Subscriber(port), elsewhere.bind_to_random_port("tcp://127.0.0.1")
+    subscriber, elsewhere_port = Subscriber([port, restarted_port]), elsewhere.bind_to_random_port("tcp://127.0.0.1")
     with open(tmp / "indexer.log", "w") as log:
-        indexer = Indexer({1: port, 2: elsewhere_port}, log)
+        indexer = Indexer(log)
+        indexer.register(1, port, replay)
+        indexer.register(2, elsewhere_port)
+        indexer.register(3, restarted_port, restarted_replay)
         try:
             run_session(spec, tmp)
             time.sleep(1)  # the last batches reach the indexer
+            indexer.unregister(1)  # the engine before the restart is gone, as a router's discovery says
             tokenizer = AutoTokenizer.from_pretrained(spec["model"])
             where_b = indexer.query(tokenizer.encode(TURNS["b"][1], add_special_tokens=False))
         finally:
@@ -155,12 +180,14 @@ def session(tmp_path_factory):
     return subscriber.events, records, where_b
 
 
-def _engines(events: list) -> list[list]:
-    """The stream cut at each engine's start: hcache's connector clears what its node held before."""
+def _engines(events: list) -> tuple[list, list]:
+    """The stream before the restarted engine's start and after it: each engine's connector first clears what
+    its node held before (in the engine's first batch, after vLLM's own events of that step)."""
     from vllm.distributed.kv_events import AllBlocksCleared
 
     starts = [i for i, event in enumerate(events) if isinstance(event, AllBlocksCleared)]
-    return [events[i + 1 : j] for i, j in zip(starts, starts[1:] + [len(events)])]
+    assert len(starts) == 2, starts
+    return events[: starts[1]], events[starts[1] + 1 :]
 
 
 def _stored(events: list, medium: str) -> dict:
@@ -187,7 +214,7 @@ def test_the_host_pool_and_the_disk_are_announced_as_vllm_hashes_its_blocks_and_
     session,
 ):
     events, records, _ = session
-    saved, restarted = _engines(events)  # exactly two engines, each starting with a clear
+    saved, restarted = _engines(events)
     gpu, cpu = _stored(saved, "GPU"), _stored(saved, "CPU")
     assert len(cpu) >= 4  # A's and B's full blocks
     assert {h: gpu.get(h) for h in cpu} == cpu  # each one the engine's own block: same hash, same tokens
@@ -203,8 +230,10 @@ def test_the_host_pool_and_the_disk_are_announced_as_vllm_hashes_its_blocks_and_
 
 @pytest.mark.slow
 def test_dynamos_kv_indexer_fed_the_stream_finds_a_conversation_on_the_restarted_nodes_disk(session):
-    """B was served before the restart only: the restarted node's GPU holds none of it, its disk all."""
+    """B was served before the restart only: the restarted node (3) holds it on disk alone, the other live
+    node (2) nothing."""
     _, _, where_b = session
-    node = where_b["instances"]["1"]
-    assert node["gpu"] == 0 and node["disk"] >= 128 * 2 and node["longest_matched"] == node["disk"]
+    assert set(where_b["instances"]) <= {"2", "3"}  # node 1, gone, is no longer counted
+    restarted = where_b["instances"]["3"]
+    assert restarted["gpu"] == restarted["cpu"] == 0 and restarted["disk"] >= 128 * 2
     assert where_b["instances"].get("2", {"disk": 0})["disk"] == 0
