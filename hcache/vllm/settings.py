@@ -64,7 +64,7 @@ class VllmSetup:
     """``block_sizes``: each of vLLM's KV cache groups' block, in tokens (one group, but for a model with
     layers of several types under vLLM's hybrid KV cache manager); ``groups``: each layer's group;
     ``events``: vLLM publishes KV cache events (``--kv-events-config``), and hcache's with them (not for a
-    model with recurrent layers, whose blocks a load finds only at state checkpoints: none are told)."""
+    model whose layers are kept at some positions only, recurrent or windowed: none are told)."""
 
     config: ResolvedConfig
     fingerprint: str
@@ -136,9 +136,14 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
         f"vllm|{checkpoint_fingerprint(vllm_config.model_config.model, spec)}".encode(), digest_size=16
     ).hexdigest()
     publishing = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
-    if publishing and spec.recurrent_layers:
-        log.warning("hcache publishes no KV cache events for a model with recurrent layers (docs/vllm.md#kv-events)")
-    events = publishing and not spec.recurrent_layers
+    rule, partial = config.window_rule(spec), None  # layers stored at some positions: a block held is no prefix
+    if spec.recurrent_layers:
+        partial = "recurrent layers"
+    elif any(rule.window(layer) for layer in range(spec.num_layers)):
+        partial = "sliding-window layers kept by the window rule (sliding_layers='all' keeps every token)"
+    if publishing and partial:
+        log.warning("hcache publishes no KV cache events for a model with %s (docs/vllm.md#kv-events)", partial)
+    events = publishing and partial is None
     return VllmSetup(config, fingerprint, groups.block_sizes, groups.groups, events)
 
 

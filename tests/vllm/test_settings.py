@@ -31,6 +31,7 @@ def _config(
     mha: bool = False,
     tp: int = 1,
     pp: int = 1,
+    events: bool = False,
 ):
     from transformers import AutoConfig
 
@@ -56,6 +57,7 @@ def _config(
         compilation_config=compiled,
         cache_config=SimpleNamespace(block_size=128, cache_dtype=cache_dtype),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        kv_events_config=vllm_config.KVEventsConfig(enable_kv_cache_events=events) if events else None,
     )
 
 
@@ -351,3 +353,28 @@ def test_a_hybrid_passes_the_check_before_its_engine_starts_where_its_state_can_
     check_engine(_hybrid_config(store))
     with pytest.raises(UnsupportedModelError, match=r"recurrent \(Mamba or gated-delta-net\) layers"):
         check_engine(_hybrid_config(store, tp=2))
+
+
+def test_kv_cache_events_are_told_only_where_a_block_held_is_a_prefix_a_load_finds_whole(tmp_path, caplog):
+    """A model whose layers all store every token publishes; one whose sliding-window layers keep the last
+    window only, or whose recurrent layers keep a state at checkpoints, publishes nothing, saying why."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    store = {"store_dirs": [str(tmp_path)]}
+    assert resolve_setup(_config(store, events=True)).events and not resolve_setup(_config(store)).events
+    made = _config(store, events=True)
+    full = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    sliding = SlidingWindowSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=256)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(30)]
+    groups = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=sliding, layer_names=names[::2]),
+            SimpleNamespace(kv_cache_spec=full, layer_names=names[1::2]),
+        ]
+    )
+    assert not resolve_setup(made, groups).events
+    assert "no KV cache events for a model with sliding-window layers" in caplog.text
+    assert resolve_setup(_config({**store, "sliding_layers": "all"}, events=True), groups).events  # every token
+    made = _hybrid_config(store)
+    made.kv_events_config = vllm_config.KVEventsConfig(enable_kv_cache_events=True)
+    assert not resolve_setup(made).events and "recurrent layers" in caplog.text
