@@ -8,7 +8,8 @@ One session (tests/support/vllm_session.py), four engines in turn over one store
 by both ranks, the first turn under a new ``cache_salt`` saved, and the second under another, where nothing is
 stored (the reference: the TP=2 engine's own recompute, as a prefill of the whole prompt); at TP=2 again with
 every chunk file of rank 1 corrupted, the second turn offered, rank 1's load failing and vLLM recomputing it; at
-TP=1 (in the session's process), the turn saved only at TP=2 missed as ``other_layout``. Every reply equals the
+TP=1 (in the session's process), the turn saved only at TP=2 missed as ``other_layout``. The first TP=2 engine
+publishes KV cache events, which a ZMQ subscriber reads as a router would. Every reply equals the
 TP=2 engine's recompute of the same turn (replies against vLLM's alone, without the connector, are checked at
 TP=1: tests/vllm/test_connector.py and the family sessions; an engine of vLLM alone at TP=2 cost 40-60 s here,
 three fresh interpreters importing vLLM on a 2-core machine).
@@ -18,9 +19,11 @@ import json
 from pathlib import Path
 
 import pytest
+from support.kv_events import Subscriber, stored_blocks
 from support.vllm_session import logprobs_close, run_session
 
 from hcache.defaults import DEFAULT_MODEL
+from hcache.machine.ports import free_port
 from hcache.model.loader import model_dir, save_checkpoint
 from hcache.model.random_weights import random_model
 
@@ -60,6 +63,7 @@ def session(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-tp")
     store = tmp / "store"
     logs = {name: tmp / f"{name}.jsonl" for name in ("tp1", "tp2", "corrupt", "back")}
+    port = free_port()
 
     def connector(log: str) -> dict:
         return {"store_dirs": [str(store)], "request_log": str(logs[log])}
@@ -74,6 +78,7 @@ def session(tmp_path_factory):
             {
                 "connector": connector("tp2"),
                 "tp": 2,
+                "engine_args": {"kv_events_config": {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}},
                 "requests": [["first", "a"], ["second", "a"], ["first", "b"], ["second", "c"]],
             },
             {
@@ -85,9 +90,13 @@ def session(tmp_path_factory):
             {"connector": connector("back"), "in_process": True, "requests": [["first", "b"]]},
         ],
     }
-    out = run_session(spec, tmp)
+    subscriber = Subscriber([port])
+    try:
+        out = run_session(spec, tmp)
+    finally:
+        subscriber.close()
     records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
-    return out["tokens"], records, store, out["logprobs"]
+    return out["tokens"], records, store, out["logprobs"], subscriber.events
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +124,7 @@ def _reference(tokens: list, logprobs: list) -> tuple[list, list]:
 
 
 def test_each_rank_saves_its_own_heads_in_its_own_directory(session, stored):
-    tokens, _, store, logprobs = session
+    tokens, _, store, logprobs, _ = session
     reference, probs = _reference(tokens, logprobs)
     assert tokens[1] == [reference[0], reference[1], reference[0], reference[1]] and logprobs_close(
         logprobs[1], [probs[0], probs[1], probs[0], probs[1]]
@@ -127,7 +136,7 @@ def test_each_rank_saves_its_own_heads_in_its_own_directory(session, stored):
 
 
 def test_a_store_written_at_tp1_is_missed_at_tp2_as_another_layout_then_restored_by_both_ranks(session, stored):
-    _, records, _, _ = session
+    _, records, _, _, _ = session
     ranks = _by_rank(records["tp2"])  # vLLM numbers its requests in order
     first_a, second_a, first_b, second_c = ranks[0:2], ranks[2:4], ranks[4:6], ranks[6:8]
     for record in first_a:  # saved at TP=1 only: each rank's keys are rooted in its own fingerprint
@@ -144,7 +153,7 @@ def test_a_store_written_at_tp1_is_missed_at_tp2_as_another_layout_then_restored
 
 
 def test_one_ranks_corrupt_chunks_make_vllm_recompute_with_the_same_reply(session, stored):
-    tokens, records, _, logprobs = session
+    tokens, records, _, logprobs, _ = session
     reference, probs = _reference(tokens, logprobs)
     assert tokens[2] == [reference[1]] and logprobs_close(logprobs[2], [probs[1]])
     rank0, rank1 = _by_rank(records["corrupt"])
@@ -155,10 +164,30 @@ def test_one_ranks_corrupt_chunks_make_vllm_recompute_with_the_same_reply(sessio
 
 
 def test_a_store_written_at_tp2_is_missed_at_tp1_as_another_layout(session, stored):
-    tokens, records, _, logprobs = session
+    tokens, records, _, logprobs, _ = session
     reference, probs = _reference(tokens, logprobs)
     assert tokens[3] == [reference[0]] and logprobs_close(logprobs[3], [probs[0]])  # TP=1's reply, TP=2's
     assert tokens[3] == tokens[0] and logprobs_close(logprobs[3], logprobs[0])  # and TP=1's, saving it
     (record,) = records["back"]
     assert "tp_rank" not in record
     assert record["restored_tokens"] == 0 and record["miss_tokens"] == {"other_layout": stored["first"]}
+
+
+def test_a_block_is_announced_once_both_ranks_hold_it_as_vllm_hashes_it(session, stored):
+    """Each rank keys its own chunks; the scheduler announces a block when both hold it, hashed as vLLM hashes
+    the request's blocks (the first under its ``cache_salt``), with the prompt's own tokens."""
+    from transformers import AutoTokenizer
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
+
+    *_, events = session
+    hash_fn = get_hash_fn_by_name("sha256")  # vLLM's default, seeded as the engine seeds it
+    init_none_hash(hash_fn)
+    prompt = AutoTokenizer.from_pretrained(model_dir(DEFAULT_MODEL)).encode(TURNS["first"][1], add_special_tokens=False)
+    want, parent = {}, None
+    for start in range(0, stored["first"] - 127, 128):  # vLLM's 128-token blocks of the first turn's stored chunks
+        parent = hash_block_tokens(
+            hash_fn, parent, prompt[start : start + 128], (("cache_salt", "a"),) if not start else None
+        )
+        want[maybe_convert_block_hash(parent)] = prompt[start : start + 128]
+    assert want and stored_blocks(events, "CPU").items() >= want.items()

@@ -14,11 +14,11 @@ Dynamo's indexer drops batches numbered as ones it has had from an endpoint.
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
 import pytest
+from support.kv_events import Subscriber, stored_blocks
 from support.vllm_session import run_session
 from transformers import AutoTokenizer
 
@@ -83,35 +83,6 @@ class Indexer:
     def close(self) -> None:
         self._process.terminate()
         self._process.wait(10)
-
-
-class Subscriber:
-    """vLLM's KV event stream, as a router reads it: ZMQ SUB, each batch decoded by vLLM's msgspec types."""
-
-    def __init__(self, ports: list[int]):
-        import msgspec
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        for port in ports:
-            self._socket.connect(f"tcp://127.0.0.1:{port}")
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self.events: list = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._socket.poll(100):
-                _topic, _seq, payload = self._socket.recv_multipart()
-                self.events.extend(self._decode(payload).events)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._socket.close(linger=0)
 
 
 @pytest.fixture(scope="module")
@@ -190,19 +161,6 @@ def _engines(events: list) -> tuple[list, list]:
     return events[: starts[1]], events[starts[1] + 1 :]
 
 
-def _stored(events: list, medium: str) -> dict:
-    """Block hash -> its token ids, of every block stored on ``medium``."""
-    from vllm.distributed.kv_events import BlockStored
-
-    blocks = {}
-    for event in events:
-        if isinstance(event, BlockStored) and event.medium == medium:
-            size = event.block_size
-            for i, block in enumerate(event.block_hashes):
-                blocks[block] = event.token_ids[i * size : (i + 1) * size]
-    return blocks
-
-
 def _removed(events: list, medium: str) -> set:
     from vllm.distributed.kv_events import BlockRemoved
 
@@ -215,16 +173,16 @@ def test_the_host_pool_and_the_disk_are_announced_as_vllm_hashes_its_blocks_and_
 ):
     events, records, _ = session
     saved, restarted = _engines(events)
-    gpu, cpu = _stored(saved, "GPU"), _stored(saved, "CPU")
+    gpu, cpu = stored_blocks(saved, "GPU"), stored_blocks(saved, "CPU")
     assert len(cpu) >= 4  # A's and B's full blocks
     assert {h: gpu.get(h) for h in cpu} == cpu  # each one the engine's own block: same hash, same tokens
     assert _removed(saved, "CPU") & set(cpu)  # B pushed A's chunks out of the pool, and it was told
 
-    on_disk = _stored(restarted, "STORAGE")  # told before the first request: what the restart found
+    on_disk = stored_blocks(restarted, "STORAGE")  # told before the first request: what the restart found
     assert set(cpu) <= set(on_disk) and all(on_disk[h] == cpu[h] for h in cpu)
     (record,) = records["restarted"]
     assert record["fallback"] is None and record["tier_tokens"] == {"disk": record["restored_tokens"]}
-    announced_a = [h for h, tokens in _stored(restarted, "GPU").items() if h in on_disk]
+    announced_a = [h for h, tokens in stored_blocks(restarted, "GPU").items() if h in on_disk]
     assert announced_a and record["restored_tokens"] >= 128 * len(announced_a)  # announced: loaded
 
 
