@@ -56,6 +56,7 @@ def _config(
         compilation_config=compiled,
         cache_config=SimpleNamespace(block_size=128, cache_dtype=cache_dtype),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        kv_events_config=None,  # vLLM's default: no KV cache events
     )
 
 
