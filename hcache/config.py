@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -39,6 +40,53 @@ EngineKind = Literal["fastgen", "reference", "vllm"]
 EvictionPolicy = Literal["cost", "lru"]
 SelfCheck = Literal["on", "strict", "off"]
 SlidingLayers = Literal["window", "all"]
+
+
+_ENDPOINT = re.compile(r"tcp://[^\s/]+:(\d{1,5})|(ipc|inproc)://\S+")
+
+
+class KvEvents(BaseModel):
+    """Where ``hcache serve`` publishes what its tiers hold as vLLM's KV cache events
+    (:mod:`hcache.vllm.publisher`): the fields of vLLM's ``--kv-events-config`` (``endpoint``: a ``tcp://``
+    address with ``*`` binds, one with a host connects, as vLLM's; ``replay_endpoint``, ``buffer_steps``,
+    ``hwm``, ``max_queue_size``, ``topic``; ``enable_kv_cache_events=False`` publishes nothing), and the two
+    of vLLM's engine that its routers hash blocks by: ``block_size`` (``--block-size``) and
+    ``prefix_caching_hash_algo`` (``--prefix-caching-hash-algo``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enable_kv_cache_events: bool = True
+    publisher: Literal["zmq"] = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = Field(10_000, gt=0)
+    hwm: int = Field(100_000, ge=0)
+    max_queue_size: int = Field(100_000, gt=0)
+    topic: str = ""
+    block_size: int = Field(16, gt=0)
+    prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = "sha256"
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _endpoint(cls, endpoint: str | None) -> str | None:
+        found = _ENDPOINT.fullmatch(endpoint) if endpoint is not None else None
+        if endpoint is not None and (found is None or (found[1] is not None and int(found[1]) > 65535)):
+            raise ValueError("a ZMQ endpoint is tcp://HOST:PORT (* for every interface), ipc://PATH or inproc://NAME")
+        return endpoint
+
+    def listens(self) -> dict[str, tuple[str, int]]:
+        """The TCP addresses the publisher listens on, by field: ``endpoint`` where it binds (``*``: every
+        interface; with a host it connects), ``replay_endpoint`` always (a port 0 is the system's pick)."""
+        found = {}
+        for name, endpoint, binds in (
+            ("endpoint", self.endpoint, self.endpoint.startswith("tcp://*:")),
+            ("replay_endpoint", self.replay_endpoint, True),
+        ):
+            if endpoint is not None and endpoint.startswith("tcp://") and binds:
+                host, port = endpoint[len("tcp://") :].rsplit(":", 1)
+                if port != "0":
+                    found[name] = ("0.0.0.0" if host == "*" else host.strip("[]"), int(port))
+        return found
 
 
 class HCacheConfig(BaseModel):
@@ -77,7 +125,10 @@ class HCacheConfig(BaseModel):
     or ``"all"``, every token, as full-attention layers (conversations that branch far back restore too).
     ``state_every``: a recurrent (Mamba or gated-delta-net) layer's state is stored at the end of every
     ``state_every``-th chunk, and a prefix restores only to one of those ends (:mod:`hcache.planning.checkpoints`);
-    in vLLM, at every ``state_every``-th of vLLM's own checkpoints (its Mamba block).
+    in vLLM, at every ``state_every``-th of vLLM's own checkpoints (its Mamba block). ``kv_events``: publish
+    what this node's tiers hold as vLLM's KV cache events over ZMQ from its model server (``hcache serve``,
+    :mod:`hcache.mii`; :class:`KvEvents`), so that a router built for vLLM scores it (one rank, and no
+    recurrent layers; vLLM's connector publishes through vLLM's own ``--kv-events-config`` instead).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -104,6 +155,7 @@ class HCacheConfig(BaseModel):
     self_check: SelfCheck = "on"
     sliding_layers: SlidingLayers = "window"
     state_every: int = Field(1, gt=0)
+    kv_events: KvEvents | None = None
 
     @classmethod
     def of(cls, settings: HCacheConfig | Mapping | None = None, /, **overrides) -> HCacheConfig:
@@ -158,6 +210,11 @@ class HCacheConfig(BaseModel):
     @classmethod
     def _namespace(cls, namespace: object) -> str | None:
         return check_namespace(namespace, "namespace")  # before coercion: bytes are refused, as a request's are
+
+    @property
+    def published_events(self) -> KvEvents | None:
+        """``kv_events`` where it publishes (None: not set, or ``enable_kv_cache_events=False``)."""
+        return self.kv_events if self.kv_events is not None and self.kv_events.enable_kv_cache_events else None
 
     @model_validator(mode="after")
     def _somewhere_to_store(self) -> HCacheConfig:

@@ -9,7 +9,7 @@ from support.helpers import loaded
 
 from hcache.config import HCacheConfig, ResolvedConfig
 from hcache.resolve import resolve
-from hcache.errors import InvalidRequestError, StorageError
+from hcache.errors import HCacheError, InvalidRequestError, StorageError
 from hcache.mii import serve_command
 from hcache.planning.plan import RestorePlan
 from hcache.planning.profile import Profile
@@ -46,12 +46,60 @@ def test_the_former_name_of_the_shared_stores_is_taken_with_a_warning(tmp_path, 
         ({"namespace": "a\nb"}, "hcache setting 'namespace': namespace must be a non-empty string"),
         ({"store_dirs": []}, "store_dirs may be empty only when store.shared names a shared store"),
         ({"pln": "H"}, "hcache setting 'pln': Extra inputs are not permitted"),
+        (
+            {"kv_events": {"endpoint": "tcp://*"}},
+            "hcache setting 'kv_events.endpoint': a ZMQ endpoint is tcp://HOST:PORT",
+        ),
+        ({"kv_events": {"endpoint": "http://router:5557"}}, "hcache setting 'kv_events.endpoint'"),
+        ({"kv_events": {"replay_endpoint": "tcp://*:65536"}}, "hcache setting 'kv_events.replay_endpoint'"),
+        ({"kv_events": {"block_size": 0}}, "hcache setting 'kv_events.block_size': Input should be greater than 0"),
+        ({"kv_events": {"prefix_caching_hash_algo": "md5"}}, "'kv_events.prefix_caching_hash_algo': Input should be"),
+        ({"kv_events": {"publisher": "null"}}, "hcache setting 'kv_events.publisher': Input should be 'zmq'"),
+        ({"kv_events": {"hwm": -1}}, "hcache setting 'kv_events.hwm'"),
+        ({"kv_events": {"topc": "x"}}, "hcache setting 'kv_events.topc': Extra inputs are not permitted"),
+        ({"kv_events": "tcp://*:5557"}, "hcache setting 'kv_events': Input should be a valid dictionary"),
     ],
 )
 def test_each_bad_setting_is_refused_with_one_message(settings, message):
     with pytest.raises(InvalidRequestError) as refused:
         HCacheConfig.of(settings)
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_kv_events_take_vllms_kv_events_config_with_its_block_size_and_hash_and_travel_whole():
+    """vLLM's ``--kv-events-config`` as given to vLLM, and the two of vLLM's engine settings its blocks are
+    hashed by; ``enable_kv_cache_events=False`` publishes nothing."""
+    vllms = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}
+    events = HCacheConfig.of(kv_events={**vllms, "block_size": 128, "prefix_caching_hash_algo": "sha256_cbor"})
+    assert events.published_events == events.kv_events and events.kv_events.block_size == 128
+    assert events.kv_events.listens() == {"endpoint": ("0.0.0.0", 5557)}
+    defaults = HCacheConfig.of(kv_events={}).kv_events
+    assert (defaults.endpoint, defaults.block_size, defaults.prefix_caching_hash_algo) == ("tcp://*:5557", 16, "sha256")
+    assert HCacheConfig.of().published_events is None
+    assert HCacheConfig.of(kv_events={"enable_kv_cache_events": False}).published_events is None
+    connecting = HCacheConfig.of(
+        kv_events={"endpoint": "tcp://router.local:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}
+    ).kv_events
+    assert connecting.listens() == {"replay_endpoint": ("127.0.0.1", 5558)}  # the endpoint connects to a router
+    for endpoint in ("ipc:///tmp/hcache-events", "inproc://events", "tcp://[::1]:5557"):
+        assert HCacheConfig.of(kv_events={"endpoint": endpoint}).kv_events.endpoint == endpoint
+    spec = loaded("random:llama").spec
+    resolved = resolve({"kv_events": vllms}, spec, "m")
+    assert ResolvedConfig.model_validate_json(
+        resolved.model_dump_json()
+    ).settings.kv_events == events.kv_events.model_copy(update={"block_size": 16, "prefix_caching_hash_algo": "sha256"})
+
+
+def test_kv_events_are_refused_where_one_process_cannot_publish_them_whole():
+    spec = loaded("random:llama").spec
+    with pytest.raises(
+        InvalidRequestError, match="kv_events is published by one model server, and at tensor_parallel=2"
+    ):
+        resolve({"kv_events": {}}, local_spec(spec, TPGroup(0, 2)), "m", tensor_parallel=2)
+    resolve({"kv_events": {"enable_kv_cache_events": False}}, local_spec(spec, TPGroup(0, 2)), "m", tensor_parallel=2)
+    hybrid = loaded("random:granitemoehybrid").spec
+    with pytest.raises(HCacheError, match="kv_events: model_type 'granitemoehybrid' has recurrent layers"):
+        resolve({"kv_events": {}}, hybrid, "m")
 
 
 def test_two_bad_settings_are_both_named():

@@ -5,6 +5,7 @@ of what they were given."""
 
 import json
 import math
+import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from hcache import cli
 from hcache.config import HCacheConfig
 from hcache.errors import HCacheError, InvalidRequestError, StorageError
+from hcache.machine.ports import free_port
 from hcache.mii import deployment
 from hcache.storage.chunk_key import check_namespace
 from hcache.storage.disk_store import DiskChunkStore
@@ -35,6 +37,22 @@ def _serve(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
     monkeypatch.setattr(deployment, "serve", lambda *a, **kw: pytest.fail("a deployment was started"))
     code = cli.main(["serve", *argv])
     return code, capsys.readouterr().err.strip()
+
+
+def test_a_kv_events_port_that_is_taken_is_refused_before_a_deployment_starts(tmp_path, monkeypatch, capsys):
+    (tmp_path / "config.json").write_text("{}")  # the model directory
+    ports = [arg for flag in ("--port", "--zmq-port", "--rest-port") for arg in (flag, str(free_port()))]
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = tmp_path / "settings.json"
+        settings.write_text(json.dumps({"kv_events": {"endpoint": f"tcp://*:{port}"}}))
+        argv = ["--model", str(tmp_path), "--config", str(settings), "--engine", "reference", "--metrics-port", "0"]
+        code, err = _serve(argv + ports, monkeypatch, capsys)
+    assert code == 2 and err == f"hcache: error: kv_events.endpoint: cannot listen on 0.0.0.0:{port} " + (
+        "(Address already in use); is another server there?"
+    )
 
 
 @pytest.mark.parametrize("url", MISSPELT_URLS)

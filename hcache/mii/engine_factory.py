@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import HCacheConfig, ResolvedConfig, engine_and_device
+from ..config import HCacheConfig, KvEvents, ResolvedConfig, engine_and_device
 from ..engine.reference import ReferenceEngine
 from ..errors import InvalidRequestError, ModelNotFoundError, StorageError
 from ..model.fingerprint import checkpoint_fingerprint, model_fingerprint
@@ -52,6 +52,8 @@ def build_engine(model_config, hcache: ResolvedConfig) -> ServingEngine:
     if model_config.max_length is None:  # else MII reads it from FastGen's checkpoint engine
         model_config.max_length = context_length(hcache)
     serving = serving_engine(hcache, engine, fingerprint, tp, engine_config=config)  # after the self-check
+    if settings.published_events is not None:
+        _publish_events(serving, settings.published_events)
     if settings.metrics_port is not None:
         port = settings.metrics_port + tp.rank
         try:
@@ -59,6 +61,19 @@ def build_engine(model_config, hcache: ResolvedConfig) -> ServingEngine:
         except OSError as e:  # another replica on this host has the port: serve without the endpoint
             warnings.warn(f"hcache metrics not served on {settings.metrics_host}:{port}: {e}", stacklevel=2)
     return serving
+
+
+def _publish_events(serving: ServingEngine, settings: KvEvents) -> None:
+    """The ``kv_events`` setting: ``serving``'s tiers published as vLLM's KV cache events until it is closed
+    (:mod:`hcache.vllm.publisher`; one rank, no recurrent layers: :func:`~hcache.resolve.resolve` refused the
+    rest). A publisher that cannot start (its port taken since the check) stops the model server."""
+    from ..vllm.publisher import TierEvents  # imports vLLM
+
+    try:
+        serving.kv_events = TierEvents(settings, serving.fingerprint, serving.namespace, serving.stack.store)
+    except BaseException:
+        serving.close()
+        raise
 
 
 def resolve_deployment(settings: HCacheConfig, path: str, tensor_parallel: int = 1) -> ResolvedConfig:

@@ -293,6 +293,8 @@ def _ports(args: argparse.Namespace, config: HCacheConfig) -> dict[str, tuple[st
         ports["--openai-port"] = (args.host, args.openai_port)
     if config.metrics_port:
         ports["--metrics-port"] = (args.host, config.metrics_port)
+    if config.published_events is not None:
+        ports.update({f"kv_events.{name}": at for name, at in config.published_events.listens().items()})
     return ports
 
 

@@ -113,6 +113,7 @@ class ServingEngine:
         self.namespace = config.settings.namespace
         self.request_log = Path(config.settings.request_log) if config.settings.request_log is not None else None
         self.metrics = ServingMetrics(stack.store, stack.prefetcher, stack.gpu_cache)
+        self.kv_events = None  # the tiers' KV cache events' publisher, set by MII's model server (kv_events)
         self._seqs: dict[int, _Sequence] = {}
         self._announced: dict[int, int] = {}  # uid -> tokens queried before its first put
 
@@ -139,8 +140,14 @@ class ServingEngine:
 
     def _namespace(self, namespace: object) -> str | None:
         """A request's namespace, checked (a non-empty string: "" is refused, not read as none); None: the
-        deployment's (``settings.namespace``; None there too: the chunks every request without one shares)."""
-        return self.namespace if namespace is None else check_namespace(namespace, "namespace")
+        deployment's (``settings.namespace``; None there too: the chunks every request without one shares).
+        A request's own is its ``cache_salt``, under which the KV cache events announce its chunks."""
+        if namespace is None:
+            return self.namespace
+        namespace = check_namespace(namespace, "namespace")
+        if self.kv_events is not None:
+            self.kv_events.salted(namespace)
+        return namespace
 
     @torch.no_grad()
     def put(
@@ -379,8 +386,13 @@ class ServingEngine:
             log_requests(self.request_log, [({"uid": uid}, seq.record)])
 
     def close(self) -> None:
-        """Close the store stack (:meth:`StoreStack.close`); the engine serves no more requests."""
-        self.stack.close()
+        """Close the store stack (:meth:`StoreStack.close`), then the KV cache events' publisher, which tells
+        the last write-backs; the engine serves no more requests."""
+        try:
+            self.stack.close()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.close()
 
     def __enter__(self) -> "ServingEngine":
         return self

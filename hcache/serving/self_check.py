@@ -183,7 +183,7 @@ def _compare(
     chunk_bytes = CHUNK_TOKENS * spec.num_layers * sum(m.bytes_per_token_layer(spec) for m in (Method.H, Method.KV))
     results = {}
     with tempfile.TemporaryDirectory(prefix="hcache-self-check-") as tmp:
-        # its own store, saving every format, with none of the served store's tiers, logs or metrics
+        # its own store, saving every format, with none of the served store's tiers, logs, metrics or events
         settings = HCacheConfig.of(
             config.settings,
             store_dirs=[tmp],
@@ -195,6 +195,7 @@ def _compare(
             namespace=None,
             request_log=None,
             metrics_port=None,
+            kv_events=None,
             store=StoreConfig(host_bytes=8 * chunk_bytes, direct_io=False, fsync=False, writers=1),
         )
         check = resolve(settings, config.spec, config.model_name, tensor_parallel=config.tensor_parallel, engine=kind)

@@ -18,13 +18,17 @@ side.
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..storage.chunk_key import next_key, root_key
 from ..storage.residency import HOST, Residency
 
 CPU, STORAGE = "CPU", "STORAGE"  # vLLM's MEDIUM_CPU and MEDIUM_STORAGE
+SALTS_KEPT = 1024  # roots of the latest cache_salts used (one per rank each), whose chunks the events can place
 
 
 def medium(tier: str) -> str:
@@ -89,6 +93,38 @@ class _Chunk:
 def _identity(end: int, last: object | None, carry: array, salt: str | None) -> tuple:
     """Past the first block the hashes hold the salt, and the carry's digest its tokens."""
     return (end, last, hashlib.blake2b(carry.tobytes(), digest_size=16).digest(), salt if last is None else None)
+
+
+class Roots:
+    """Where this node's chains start, for :class:`BlockEvents`' ``first``: each rank's ``fingerprints`` under
+    the deployment's ``namespace`` (a request with no ``cache_salt``: announced with none), and under the
+    latest ``cache_salt`` values requests gave (:meth:`salted`; ``kept`` roots, one per rank for each salt;
+    announced with it, as vLLM hashes it into a request's first block). A chunk under an older salt, or one
+    no request here used, is not placed. The one rule of the vLLM connector's scheduler and of ``hcache serve``'s
+    publisher (:mod:`hcache.vllm.publisher`), where requests are noted on the serving loop's thread and
+    placed on the publisher's: a lock keeps the two apart."""
+
+    def __init__(self, fingerprints: Sequence[str], namespace: str | None, kept: int = SALTS_KEPT):
+        self._fingerprints, self._kept = tuple(fingerprints), kept
+        self._roots = {root_key(fp, namespace): None for fp in self._fingerprints}
+        self._salted: OrderedDict[str, str] = OrderedDict()  # the latest cache_salts' roots
+        self._lock = threading.Lock()
+
+    def salted(self, salt: str) -> None:
+        """A request keyed under its own ``cache_salt``: the chains rooted in it can be placed."""
+        roots = [root_key(fp, salt) for fp in self._fingerprints]
+        with self._lock:
+            for root in roots:
+                self._salted[root] = salt
+                self._salted.move_to_end(root)
+            while len(self._salted) > self._kept:
+                self._salted.popitem(last=False)
+
+    def __call__(self, key: str, tokens: Sequence[int]) -> tuple[bool, str | None]:
+        """Whether ``key`` is a first chunk of ``tokens`` under a root known here, and that root's cache_salt."""
+        with self._lock:
+            roots = [*self._roots.items(), *reversed(self._salted.items())]
+        return next(((True, salt) for root, salt in roots if next_key(root, tokens) == key), (False, None))
 
 
 class BlockEvents:

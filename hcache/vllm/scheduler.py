@@ -29,24 +29,19 @@ tokens not offered are told to the worker with their reason, for the request's r
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..paged.load_job import LoadJob
 from ..restore.records import MissReason
 from ..restore.restorable import restorable
-from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, next_key, root_key
-from .events import BlockEvents, Event, HashBlock
+from ..storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+from .events import BlockEvents, Event, HashBlock, Roots
 from .index import StoredIndex
 from .messages import Pinned, PinRequest, RequestStep, SchedulerStep
 
 if TYPE_CHECKING:  # resolved in the connector, which imports vLLM and torch
     from .settings import VllmSetup
-
-
-SALTS_KEPT = 1024  # cache_salts whose chunks KV cache events can place, the latest used
 
 
 @dataclass
@@ -69,10 +64,9 @@ class SchedulerSide:
     def __init__(self, setup: VllmSetup, hash_block: HashBlock | None = None, hash_block_size: int = 0):
         self.setup = setup
         self._fingerprints = setup.rank_fingerprints  # each rank's keys are rooted in its own
-        self._roots = {root_key(fp, setup.config.settings.namespace): None for fp in self._fingerprints}
-        self._salted: OrderedDict[str, str] = OrderedDict()  # the latest cache_salts' roots, for events
+        self._roots = Roots(self._fingerprints, setup.config.settings.namespace)  # where events place chains
         self.events = (
-            BlockEvents(hash_block, hash_block_size, len(self._fingerprints), self._rooted)
+            BlockEvents(hash_block, hash_block_size, len(self._fingerprints), self._roots)
             if hash_block is not None and setup.events
             else None
         )
@@ -93,11 +87,7 @@ class SchedulerSide:
         tracked = self._requests[request.request_id] = _Tracked(request, num_computed, failed=retry)
         salt = getattr(request, "cache_salt", None)
         if salt and self.events is not None:  # its chunks' chains are rooted in it: events can place them
-            for root in (root_key(fp, salt) for fp in self._fingerprints):
-                self._salted[root] = salt
-                self._salted.move_to_end(root)
-            while len(self._salted) > SALTS_KEPT:
-                self._salted.popitem(last=False)
+            self._roots.salted(salt)
         if (
             self.index is None or retry
         ):  # a load of it fell short: vLLM recomputes what it lacks, nothing is offered twice
@@ -160,11 +150,6 @@ class SchedulerSide:
         if tracked.pinning:
             self._unpins.append(tracked.request.request_id)
             tracked.pinning, tracked.answers = 0, {}
-
-    def _rooted(self, key: str, tokens) -> tuple[bool, str | None]:
-        """Whether ``key`` is a first chunk of ``tokens`` under a root known here, and that root's cache_salt."""
-        roots = itertools.chain(self._roots.items(), reversed(self._salted.items()))
-        return next(((True, salt) for root, salt in roots if next_key(root, tokens) == key), (False, None))
 
     def take_events(self) -> list[Event]:
         return self.events.take() if self.events is not None else []

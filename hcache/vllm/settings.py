@@ -43,6 +43,7 @@ VLLMS_OWN = (
     "self_check",
     "metrics_port",
     "metrics_host",
+    "kv_events",  # vLLM's --kv-events-config, which publishes hcache's events with its own
 )
 
 

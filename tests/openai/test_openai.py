@@ -8,6 +8,7 @@ meets the token."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -49,11 +50,22 @@ DRAIN_S, GRACE_S = 3.0, 6.0  # hcache serve's default drain; a grace shorter tha
 
 
 class Server:
+    """``events``: the deployment's KV cache events (the ``kv_events`` setting), subscribed to before it starts
+    (None where vLLM, whose publisher sends them, is not installed)."""
+
     def __init__(self, tmp: Path):
         self.path = str(resolve_model_dir(MODEL))
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.port, self.log, self.output = _free_port(), tmp / "requests.jsonl", tmp / "serve.out"
         self.url = f"http://localhost:{self.port}"
+        self.events, settings = None, {}
+        if importlib.util.find_spec("vllm") is not None:
+            from support.kv_events import Stream
+
+            events, replay = _free_port(), _free_port()
+            settings["kv_events"] = {"endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}"}
+            self.events = Stream(events, replay)
+        (tmp / "settings.json").write_text(json.dumps(settings))
         repo = str(REPO)
         env = dict(
             os.environ,
@@ -84,6 +96,8 @@ class Server:
             "0",
             "--shutdown-grace",
             str(GRACE_S),
+            "--config",
+            str(tmp / "settings.json"),
         ]
         with open(self.output, "w") as out:
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -144,6 +158,8 @@ def server(smollm2, tmp_path_factory):
             s.tree = process_tree.descendants(s.process.pid)
             s.process.kill()
         process_tree.kill(s.left_running())  # the deployment's processes lead sessions of their own
+        if s.events is not None:
+            s.events.close()
 
 
 def _greedy(client: openai.OpenAI, messages: list[dict], **kwargs) -> str:
@@ -563,6 +579,46 @@ def test_vllms_token_and_text_fields_are_honoured(server):
         extra_body={"truncate_prompt_tokens": 3},
     )
     assert cut.usage.prompt_tokens == 3 < whole.usage.prompt_tokens
+
+
+def test_kv_events_tell_a_router_what_this_node_stores_as_vllm_names_its_blocks(server):
+    """The ``kv_events`` setting: vLLM's event stream, read as a router reads it (tests/support/kv_events.py):
+    ``AllBlocksCleared`` first, then a chat's prompt stored, chunk by chunk, on ``CPU`` (the host pool)
+    and then on ``STORAGE`` (the disk), as vLLM's 16-token blocks with the hashes vLLM gives them and the
+    tokens the server tokenised."""
+    if server.events is None:
+        pytest.skip("vLLM is not installed: no kv_events publisher")
+    from support.kv_events import vllm_hashes
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)  # vLLM's fixed seed for sha256, as the server's
+    story = "The lighthouse keeper counted the ships that passed the northern cape each night. "
+    messages = [{"role": "user", "content": f"KV events {uuid.uuid4().hex}. " + story * 14 + "How many?"}]
+    tokens = server.tokenizer.encode(
+        server.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
+    assert 256 < len(tokens) < 316, len(tokens)  # four whole chunks; the four tokens of the reply end no fifth
+    reply = server.client().chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4)
+    assert reply.usage.prompt_tokens == len(tokens)
+    want = vllm_hashes(tokens[:256], 16)
+
+    def stored(events, medium: str) -> list:  # this prompt's: every block in its chain
+        return [
+            e for e in events if isinstance(e, BlockStored) and e.medium == medium and set(e.block_hashes) <= set(want)
+        ]
+
+    events = server.events.wait(lambda found: sum(len(e.block_hashes) for e in stored(found, "STORAGE")) >= 16)
+    assert events[0] == AllBlocksCleared() and AllBlocksCleared() not in events[1:]
+    at = {medium: [events.index(e) for e in stored(events, medium)] for medium in ("CPU", "STORAGE")}
+    for medium in ("CPU", "STORAGE"):
+        chunks = stored(events, medium)
+        assert [h for e in chunks for h in e.block_hashes] == want
+        assert [t for e in chunks for t in e.token_ids] == tokens[:256]  # as the server tokenised the prompt
+        assert [e.parent_block_hash for e in chunks] == [None] + [e.block_hashes[-1] for e in chunks[:-1]]
+        assert all(e.block_size == 16 and e.extra_keys is None and e.lora_name is None for e in chunks)
+    assert all(pool < disk for pool, disk in zip(at["CPU"], at["STORAGE"]))  # each chunk: the pool, then the disk
 
 
 def test_sigterm_drains_then_refuses_new_requests_and_ends_those_in_flight_with_an_error(server):

@@ -1,38 +1,112 @@
-"""vLLM's KV cache event stream as a router reads it: a ZMQ SUB socket, each batch decoded by vLLM's own
-msgspec types."""
+"""vLLM's KV event stream as a router reads it: a ZMQ SUB socket, each batch decoded by vLLM's msgspec types,
+and what was published before the subscription took (ZMQ drops it) asked of the publisher's replay
+socket; and vLLM's own block hashes of a token sequence, to compare with."""
+
+from __future__ import annotations
 
 import threading
+import time
 
 import zmq
 
 
-class Subscriber:
-    """Every event published on ``ports`` (each an engine's ``--kv-events-config`` endpoint), as they come."""
+class Stream:
+    """The batches published on ``port`` (``tcp://127.0.0.1``), from the first, by their sequence number:
+    those the SUB socket got, and those it missed from the replay socket on ``replay_port``, asked as soon as
+    a batch shows a gap (while the publisher is there to answer), or, for batches before any came, when
+    :meth:`batches` is asked."""
 
-    def __init__(self, ports: list[int]):
+    def __init__(self, port: int, replay_port: int):
         import msgspec
         from vllm.distributed.kv_events import KVEventBatch
 
         self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        for port in ports:
-            self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.RECONNECT_IVL, 20)
+        self._socket.connect(f"tcp://127.0.0.1:{port}")  # may be before the publisher binds: ZMQ retries
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self.events: list = []
+        self._replay = f"tcp://127.0.0.1:{replay_port}"
+        self.live: dict[int, object] = {}  # seq -> KVEventBatch
+        self._next = 0  # the batch expected next
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._socket.poll(100):
-                _topic, _seq, payload = self._socket.recv_multipart()
-                self.events.extend(self._decode(payload).events)
+            if self._socket.poll(50):
+                _topic, seq, payload = self._socket.recv_multipart()
+                seq = int.from_bytes(seq, "big")
+                found = self._gap(self._next) if seq > self._next else {}  # a gap: ask for it now
+                with self._lock:
+                    self.live.update({s: b for s, b in found.items() if s < seq})
+                    self.live[seq] = self._decode(payload)
+                self._next = seq + 1
+
+    def batches(self) -> list:
+        """Every batch from the first: the live ones, after those replayed from before them."""
+        with self._lock:
+            live = dict(self.live)
+        first = min(live, default=None)
+        replayed = self._replayed(0) if first is None or first > 0 else {}
+        merged = {**{s: b for s, b in replayed.items() if first is None or s < first}, **live}
+        assert sorted(merged) == list(range(len(merged))), f"batches missing: {sorted(merged)}"
+        return [merged[s] for s in sorted(merged)]
+
+    def events(self) -> list:
+        return [event for batch in self.batches() for event in batch.events]
+
+    def _gap(self, start: int) -> dict[int, object]:
+        """The batches from ``start`` the replay socket has, or none if it does not answer (the publisher is
+        closing): :meth:`batches` then finds the gap."""
+        try:
+            return self._replayed(start)
+        except AssertionError:
+            return {}
+
+    def _replayed(self, start: int) -> dict[int, object]:
+        dealer = self._context.socket(zmq.DEALER)
+        try:
+            dealer.connect(self._replay)
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            found = {}
+            while True:
+                assert dealer.poll(10_000), "the replay socket did not answer"
+                _, _topic, seq, payload = dealer.recv_multipart()
+                seq = int.from_bytes(seq, "big", signed=True)
+                if seq < 0:  # vLLM's end of the replay
+                    return found
+                found[seq] = self._decode(payload)
+        finally:
+            dealer.close(linger=0)
+
+    def wait(self, until, timeout_s: float = 60) -> list:
+        """The events once ``until(events)`` holds."""
+        deadline = time.monotonic() + timeout_s
+        while not until(events := self.events()):
+            assert time.monotonic() < deadline, f"the events did not come: {events[-10:]}"
+            time.sleep(0.2)
+        return events
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
         self._socket.close(linger=0)
+
+
+def vllm_hashes(tokens, block_size: int, salt: str | None = None) -> list[int]:
+    """vLLM's chain of block hashes over ``tokens`` (sha256, the process's seed), as its events carry them."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+
+    hashes, parent = [], None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        extra = (("cache_salt", salt),) if salt and parent is None else None
+        parent = hash_block_tokens(sha256, parent, tokens[start : start + block_size], extra)
+        hashes.append(maybe_convert_block_hash(parent))
+    return hashes
 
 
 def stored_blocks(events: list, medium: str) -> dict:

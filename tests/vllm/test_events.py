@@ -7,7 +7,7 @@ import hashlib
 from hcache.storage.chunk_key import CHUNK_TOKENS, KeyChain, root_key
 from hcache.storage.chunk_store import Loss
 from hcache.storage.residency import HOST, Residency
-from hcache.vllm.events import CPU, STORAGE, BlockEvents, Cleared, Removed, Stored
+from hcache.vllm.events import CPU, STORAGE, BlockEvents, Cleared, Removed, Roots, Stored
 
 FPS = ("rank-0", "rank-1")
 TOKENS = list(range(1000, 1000 + 4 * CHUNK_TOKENS))
@@ -114,3 +114,21 @@ def test_a_chunk_held_nowhere_is_forgotten_and_announced_again_when_it_returns()
     events.apply([_held(chunks[0]), _left(chunks[0]), _held(chunks[0])])
     stored, removed, again = events.take()
     assert again == stored and removed == Removed((stored.blocks[0].hash,), CPU)
+
+
+def test_roots_place_the_deployments_chains_unsalted_and_those_of_the_latest_cache_salts_under_theirs():
+    """One rule for vLLM's connector and ``hcache serve``: every rank's root under the deployment's namespace,
+    and under each of the latest cache_salts requests used (``kept`` roots); none other."""
+    roots = Roots(FPS, "team-a", kept=4)  # two salts of two ranks
+
+    def first(fp, salt):
+        key, tokens, _ = _chunks(fp, salt)[0]
+        return roots(key, tokens)
+
+    assert first(FPS[0], "team-a") == first(FPS[1], "team-a") == (True, None)
+    assert first(FPS[0], None) == first(FPS[0], "s1") == (False, None)
+    for salt in ("s1", "s2", "s1", "s3"):  # s1 used again: s2 is the oldest when s3 comes
+        roots.salted(salt)
+    assert [first(FPS[1], salt) for salt in ("s1", "s2", "s3")] == [(True, "s1"), (False, None), (True, "s3")]
+    key, tokens, _ = _chunks(FPS[0], "s1")[1]
+    assert roots(key, tokens) == (False, None)  # a chunk after the first is its parent's to place

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 from hcache.planning.checkpoints import StateRule
 from hcache.restore.records import MissReason
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
+from hcache.storage.residency import HOST, Residency
+from hcache.vllm.events import Cleared
 from hcache.vllm.messages import Pinned, WorkerReport
 from hcache.vllm.scheduler import SchedulerSide
 
@@ -16,24 +18,41 @@ NOTHING_CACHED = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_id
 NO_BATCH = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=NOTHING_CACHED)
 
 
-def _scheduler(states: StateRule | None = None) -> SchedulerSide:
+def _scheduler(states: StateRule | None = None, **events) -> SchedulerSide:
     """Both ranks' workers have reported holding the prompt's three chunks; no store is asked beyond that.
-    ``states``: the rule of a model with recurrent layers."""
+    ``states``: the rule of a model with recurrent layers; ``events``: ``hash_block`` and ``hash_block_size``,
+    for KV cache events."""
     setup = SimpleNamespace(
         states=states,
         rank_fingerprints=RANKS,
         store_lookup=lambda: None,
         block_sizes=(32,),
         config=SimpleNamespace(stored=True, settings=SimpleNamespace(namespace=None)),
+        events=bool(events),
     )
-    scheduler = SchedulerSide(setup)
+    scheduler = SchedulerSide(setup, **events)
     held = [key for rank in RANKS for key in chunk_keys(PROMPT[: 3 * CHUNK_TOKENS], root_key(rank))]
     scheduler.worker_output(WorkerReport(changes=[(key, None) for key in held]))
     return scheduler
 
 
-def _request(req_id: str = "r") -> SimpleNamespace:
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=PROMPT, all_token_ids=PROMPT, cache_salt=None)
+def _request(req_id: str = "r", cache_salt: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=PROMPT, all_token_ids=PROMPT, cache_salt=cache_salt)
+
+
+def test_kv_cache_events_place_the_chains_of_a_cache_salt_once_a_request_has_used_it():
+    scheduler = _scheduler(hash_block=lambda parent, tokens, salt: (parent, tuple(tokens), salt), hash_block_size=32)
+    first = [
+        Residency(key, HOST, True, tuple(PROMPT[:CHUNK_TOKENS]))
+        for key in (chunk_keys(PROMPT[:CHUNK_TOKENS], root_key(rank, "s"))[0] for rank in RANKS)
+    ]
+    scheduler.worker_output(WorkerReport(residency=first))
+    assert scheduler.take_events() == [Cleared()]  # no request has used the salt: its chains are not placed
+    assert scheduler.matched_tokens(_request(cache_salt="s"), 0) == 0  # none of it indexed, but the salt is noted
+    scheduler.worker_output(WorkerReport(residency=first))  # told again: a load put it in the pool
+    (stored,) = scheduler.take_events()
+    assert stored.medium == "CPU" and [b.salt for b in stored.blocks] == ["s", "s"]
+    assert stored.blocks[0].hash == (None, tuple(PROMPT[:32]), "s")  # the salt in the first block's hash alone
 
 
 def test_a_prefix_is_offered_once_every_rank_holds_it_as_far_as_the_shortest_holds():

@@ -158,6 +158,7 @@ def test_under_tensor_parallelism_each_rank_restores_its_kv_heads_and_h_is_refus
     [
         ({"store_dir": ["x"]}, "store_dir"),
         ({"engine": "fastgen"}, "vLLM decides"),
+        ({"kv_events": {"endpoint": "tcp://*:5557"}}, "does not take kv_events: vLLM decides"),
         ({"store_dirs": ["/proc/hcache"]}, "cannot use its store"),
     ],
 )

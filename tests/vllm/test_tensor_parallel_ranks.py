@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support.kv_events import Subscriber, stored_blocks
+from support.kv_events import Stream, stored_blocks
 from support.vllm_session import logprobs_close, run_session
 
 from hcache.defaults import DEFAULT_MODEL
@@ -63,7 +63,7 @@ def session(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-tp")
     store = tmp / "store"
     logs = {name: tmp / f"{name}.jsonl" for name in ("tp1", "tp2", "corrupt", "back")}
-    port = free_port()
+    port, replay = free_port(), free_port()
 
     def connector(log: str) -> dict:
         return {"store_dirs": [str(store)], "request_log": str(logs[log])}
@@ -78,7 +78,13 @@ def session(tmp_path_factory):
             {
                 "connector": connector("tp2"),
                 "tp": 2,
-                "engine_args": {"kv_events_config": {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}},
+                "engine_args": {
+                    "kv_events_config": {
+                        "enable_kv_cache_events": True,
+                        "endpoint": f"tcp://*:{port}",
+                        "replay_endpoint": f"tcp://*:{replay}",
+                    }
+                },
                 "requests": [["first", "a"], ["second", "a"], ["first", "b"], ["second", "c"]],
             },
             {
@@ -90,13 +96,13 @@ def session(tmp_path_factory):
             {"connector": connector("back"), "in_process": True, "requests": [["first", "b"]]},
         ],
     }
-    subscriber = Subscriber([port])
+    stream = Stream(port, replay)
     try:
         out = run_session(spec, tmp)
     finally:
-        subscriber.close()
+        stream.close()
     records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
-    return out["tokens"], records, store, out["logprobs"], subscriber.events
+    return out["tokens"], records, store, out["logprobs"], stream.events()
 
 
 @pytest.fixture(scope="module")

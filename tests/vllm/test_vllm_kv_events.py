@@ -18,7 +18,7 @@ import time
 import urllib.request
 
 import pytest
-from support.kv_events import Subscriber, stored_blocks
+from support.kv_events import Stream, stored_blocks
 from support.vllm_session import run_session
 from transformers import AutoTokenizer
 
@@ -131,7 +131,8 @@ def session(tmp_path_factory):
         ],
     }
     elsewhere = zmq.Context.instance().socket(zmq.PUB)  # another node, which holds nothing
-    subscriber, elsewhere_port = Subscriber([port, restarted_port]), elsewhere.bind_to_random_port("tcp://127.0.0.1")
+    streams = [Stream(port, replay), Stream(restarted_port, restarted_replay)]
+    elsewhere_port = elsewhere.bind_to_random_port("tcp://127.0.0.1")
     with open(tmp / "indexer.log", "w") as log:
         indexer = Indexer(log)
         indexer.register(1, port, replay)
@@ -144,21 +145,12 @@ def session(tmp_path_factory):
             tokenizer = AutoTokenizer.from_pretrained(spec["model"])
             where_b = indexer.query(tokenizer.encode(TURNS["b"][1], add_special_tokens=False))
         finally:
-            subscriber.close()
+            for stream in streams:
+                stream.close()
             indexer.close()
             elsewhere.close(linger=0)
     records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
-    return subscriber.events, records, where_b
-
-
-def _engines(events: list) -> tuple[list, list]:
-    """The stream before the restarted engine's start and after it: each engine's connector first clears what
-    its node held before (in the engine's first batch, after vLLM's own events of that step)."""
-    from vllm.distributed.kv_events import AllBlocksCleared
-
-    starts = [i for i, event in enumerate(events) if isinstance(event, AllBlocksCleared)]
-    assert len(starts) == 2, starts
-    return events[: starts[1]], events[starts[1] + 1 :]
+    return [stream.events() for stream in streams], records, where_b
 
 
 def _removed(events: list, medium: str) -> set:
@@ -171,8 +163,9 @@ def _removed(events: list, medium: str) -> set:
 def test_the_host_pool_and_the_disk_are_announced_as_vllm_hashes_its_blocks_and_a_restart_announces_the_disk(
     session,
 ):
-    events, records, _ = session
-    saved, restarted = _engines(events)
+    (saved, restarted), records, _ = session
+    for events in (saved, restarted):  # each engine's connector first clears what its node held before
+        assert type(next(e for e in events if getattr(e, "medium", None) != "GPU")).__name__ == "AllBlocksCleared"
     gpu, cpu = stored_blocks(saved, "GPU"), stored_blocks(saved, "CPU")
     assert len(cpu) >= 4  # A's and B's full blocks
     assert {h: gpu.get(h) for h in cpu} == cpu  # each one the engine's own block: same hash, same tokens
