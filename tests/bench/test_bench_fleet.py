@@ -4,6 +4,7 @@ the benchmark itself (docs/fleet.md)."""
 
 import zlib
 from argparse import Namespace
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +14,8 @@ from hcache.fleet.nodes import Reply
 
 
 def _args(scenario: str, **kw) -> Namespace:
-    workload = dict(model="m", engine="reference", nodes=2, conversations=6, turns=3, document_words=10, max_tokens=4)
-    return Namespace(scenario=scenario, seed=0, **{**workload, **kw})
+    workload = {"model": "m", "engine": "reference", "nodes": 2, "conversations": 6, "turns": 3}
+    return Namespace(scenario=scenario, seed=0, document_words=10, max_tokens=4, **{**workload, **kw})
 
 
 def test_routing_alternates_the_two_modes_and_refuses_a_round_robin_that_would_come_back_to_one_node():
@@ -42,7 +43,7 @@ def test_a_strict_round_robin_moves_every_round_robin_conversation_each_turn(con
             if how == bench.ROUND_ROBIN:
                 placed.setdefault(c, []).append(counter % nodes)
                 counter += 1
-    assert all(a != b for turns in placed.values() for a, b in zip(turns, turns[1:]))
+    assert all(a != b for turns in placed.values() for a, b in pairwise(turns))
 
 
 class _Balancer:

@@ -7,6 +7,7 @@ import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import pairwise
 
 import pytest
 
@@ -64,7 +65,7 @@ def test_sessions_keep_to_a_node_and_requests_without_one_alternate(balancer):
     assert [_node(fleet, s) for s in sessions] == owners and set(owners) == {"node0", "node1"}
     for session in (None, ""):
         nodes = [_node(fleet, session) for _ in range(12)]
-        assert all(a != b for a, b in zip(nodes, nodes[1:])), nodes
+        assert all(a != b for a, b in pairwise(nodes)), nodes
         mixed = [_node(fleet, s) for pair in zip(sessions[:6], [session] * 6) for s in pair]
         assert mixed[::2] == owners[:6]  # the hashed requests leave the round robin's turn alone
         assert all(a != b for a, b in zip(mixed[1::2], mixed[3::2])), mixed
