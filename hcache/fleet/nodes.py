@@ -4,7 +4,8 @@ Each node is an ``hcache serve`` process with MII's OpenAI-compatible server, it
 prefix cache (``--gpu-cache``) and the shared Redis store below (``--shared``). HAProxy, from the operating
 system's packages, routes each request by consistent hashing of its ``X-Session-Id`` header
 (``haproxy.cfg`` here, rendered for the nodes), so a conversation's turns find their history in one node's
-GPU cache; when that node is gone, the next node on the hash ring restores the history from Redis. Used
+GPU cache; when that node is gone, the next node on the hash ring restores the history from Redis. A
+request without the header goes round robin (another backend of the same nodes). Used
 by ``hcache fleet``, ``hcache bench fleet`` and the tests; on several machines, the same pieces by hand
 (docs/fleet.md).
 """
@@ -26,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-from ..machine import process_tree
 from ..defaults import DEFAULT_MODEL
 from ..errors import InvalidRequestError, StorageError
+from ..machine import process_tree
 from ..machine.ports import check_free, free_port
 
 SESSION_HEADER = "X-Session-Id"
@@ -165,46 +166,55 @@ class Node:
 @dataclass
 class Reply:
     text: str
-    node: str  # the node that gave it (the balancer's header)
+    node: str | None  # the node that gave it (the balancer's header; None straight from a node)
     ttft_s: float | None = None  # streamed: the time to the first token
     token_s: list[float] = field(default_factory=list)  # streamed: when each piece of text came, from the request
+    restored: dict[str, int] | None = None  # the prompt's tokens restored, by source (the answer's ``hcache`` object)
 
 
 def chat(
     base_url: str,
     model: str,
     messages: list[dict],
-    session: str,
+    session: str | None,
     max_tokens: int,
     *,
     cache_salt: str | None = None,
     stream: bool = False,
 ) -> Reply:
     """One greedy chat completion through an OpenAI API at ``base_url`` with the conversation's
-    ``session`` header (and cache namespace, if given); ``stream``: streamed, to time its first token."""
+    ``session`` header (none if None: the balancer sends it round robin) and cache namespace, if given;
+    ``stream``: streamed, to time its first token. The reply's ``node`` is the balancer's header (None
+    straight from a node)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "top_k": 1, "stream": stream}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
-    request = urllib.request.Request(
-        f"{base_url}/chat/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json", SESSION_HEADER: session},
-    )
+    headers = {"Content-Type": "application/json", **({SESSION_HEADER: session} if session is not None else {})}
+    request = urllib.request.Request(f"{base_url}/chat/completions", json.dumps(body).encode(), headers)
     start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
         node = answer.headers[NODE_HEADER]
         if not stream:
-            return Reply(json.loads(answer.read())["choices"][0]["message"]["content"], node)
-        text, times = "", []
+            whole = json.loads(answer.read())
+            return Reply(whole["choices"][0]["message"]["content"], node, restored=_restored(whole))
+        text, times, restored = "", [], None
         for line in answer:  # server-sent events: a role first, then one chunk of content a token
             data = line.removeprefix(b"data: ").strip()
             if not data or data == b"[DONE]":
                 continue
-            delta = json.loads(data)["choices"][0]["delta"]
-            if delta.get("content"):
-                times.append(time.perf_counter() - start)
-                text += delta["content"]
-        return Reply(text, node, times[0] if times else None, times)
+            chunk = json.loads(data)
+            restored = _restored(chunk) or restored  # on the chunk with the finish reason
+            for choice in chunk["choices"]:
+                if choice.get("delta", {}).get("content"):
+                    times.append(time.perf_counter() - start)
+                    text += choice["delta"]["content"]
+        return Reply(text, node, times[0] if times else None, times, restored)
+
+
+def _restored(answer: dict) -> dict[str, int] | None:
+    """An answer's (or stream chunk's) tokens restored by source, from its ``hcache`` object; None without one."""
+    report = answer.get("hcache")
+    return dict(report["tier_tokens"]) if report else None
 
 
 class Fleet:
@@ -284,17 +294,20 @@ class Fleet:
         return self
 
     def _start_haproxy(self) -> None:
-        servers = "\n".join(f"    server {n.name} {n.host}:{n.ports['openai']}" for n in self.nodes)
+        servers = [f"    server {n.name} {n.host}:{n.ports['openai']}" for n in self.nodes]
         template = Template((Path(__file__).parent / "haproxy.cfg").read_text())
         self.config_path.write_text(
             template.substitute(
                 bind=f"{self.host}:{self.port}",
-                servers=servers,
+                servers="\n".join(servers),
+                tracking_servers="\n".join(f"{s} track nodes/{n.name}" for s, n in zip(servers, self.nodes)),
                 timeout_s=TIMEOUT_S,
                 stats_socket=self.stats_socket.resolve(),
             )
         )
-        check = subprocess.run(["haproxy", "-c", "-q", "-f", str(self.config_path)], capture_output=True, text=True)
+        check = subprocess.run(
+            ["haproxy", "-c", "-q", "-f", str(self.config_path)], check=False, capture_output=True, text=True
+        )
         if check.returncode:
             raise InvalidRequestError(f"HAProxy refused {self.config_path}: {check.stdout}{check.stderr}")
         with open(self.directory / "haproxy.log", "ab") as log:
@@ -324,6 +337,10 @@ class Fleet:
                 raise InvalidRequestError(f"the balancer did not take {node.name} back within {seconds:g} s")
             time.sleep(0.2)
         return status
+
+    def node(self, name: str) -> Node:
+        """The node called ``name`` (as the balancer's ``X-Hcache-Node`` header names it)."""
+        return next(n for n in self.nodes if n.name == name)
 
     def node_for(self, session: str) -> str:
         """The node the balancer sends ``session``'s requests to now (asked with a ``GET /health``)."""
