@@ -310,6 +310,15 @@ class ResolvedConfig(BaseModel):
         one of its steps ends (:mod:`hcache.planning.checkpoints`)."""
         return StateRule(spec, self.settings.state_every, at_step_end=self.engine == "vllm")
 
+    def kept_in_part(self, spec: ModelSpec) -> str | None:
+        """Which of ``spec``'s layers keep their state at some positions only, if any: a prefix ending elsewhere
+        lacks it, so a block held is no prefix a load finds whole, and KV cache events announce none."""
+        if spec.recurrent_layers:
+            return "recurrent layers, whose state is kept at checkpoints"
+        if self.window_rule(spec).sliding_layers:
+            return "sliding-window layers, whose last window alone each save keeps (sliding_layers='all' keeps all)"
+        return None
+
     def check_engine(self, spec: ModelSpec) -> None:
         """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype
         too if a profile was: costs are measured in one dtype)."""

@@ -100,6 +100,10 @@ def test_kv_events_are_refused_where_one_process_cannot_publish_them_whole():
     hybrid = loaded("random:granitemoehybrid").spec
     with pytest.raises(HCacheError, match="kv_events: model_type 'granitemoehybrid' has recurrent layers"):
         resolve({"kv_events": {}}, hybrid, "m")
+    windowed = loaded("random:gemma3_text").spec  # sliding layers, of which the window rule keeps the last window
+    with pytest.raises(HCacheError, match="kv_events: model_type 'gemma3_text' has sliding-window layers"):
+        resolve({"kv_events": {}}, windowed, "m")
+    resolve({"kv_events": {}, "sliding_layers": "all"}, windowed, "m")  # every token kept: published
 
 
 def test_two_bad_settings_are_both_named():

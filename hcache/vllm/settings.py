@@ -137,11 +137,7 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
         f"vllm|{checkpoint_fingerprint(vllm_config.model_config.model, spec)}".encode(), digest_size=16
     ).hexdigest()
     publishing = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
-    rule, partial = config.window_rule(spec), None  # layers stored at some positions: a block held is no prefix
-    if spec.recurrent_layers:
-        partial = "recurrent layers"
-    elif any(rule.window(layer) for layer in range(spec.num_layers)):
-        partial = "sliding-window layers kept by the window rule (sliding_layers='all' keeps every token)"
+    partial = config.kept_in_part(spec)
     if publishing and partial:
         log.warning("hcache publishes no KV cache events for a model with %s (docs/vllm.md#kv-events)", partial)
     events = publishing and partial is None
