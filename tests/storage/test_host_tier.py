@@ -95,7 +95,9 @@ def test_lru_eviction_never_takes_a_referenced_slot(tmp_path):
 def _valued(tier: HostTier, monkeypatch, values: dict[str, float]) -> None:
     """Publish as the saver does, with the value it gives each chunk (1 unless ``values`` says)."""
     publish = tier.publish
-    monkeypatch.setattr(tier, "publish", lambda image, key, tokens: publish(image, key, tokens, values.get(key, 1.0)))
+    monkeypatch.setattr(
+        tier, "publish", lambda image, key, tokens, parent="": publish(image, key, tokens, values.get(key, 1.0), parent)
+    )
 
 
 @pytest.mark.parametrize("eviction, kept", [("cost", [True, False, True, True]), ("lru", [False, True, True, True])])
