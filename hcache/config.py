@@ -127,8 +127,9 @@ class HCacheConfig(BaseModel):
     ``state_every``-th chunk, and a prefix restores only to one of those ends (:mod:`hcache.planning.checkpoints`);
     in vLLM, at every ``state_every``-th of vLLM's own checkpoints (its Mamba block). ``kv_events``: publish
     what this node's tiers hold as vLLM's KV cache events over ZMQ from its model server (``hcache serve``,
-    :mod:`hcache.mii`; :class:`KvEvents`), so that a router built for vLLM scores it (one rank, and no
-    recurrent layers; vLLM's connector publishes through vLLM's own ``--kv-events-config`` instead).
+    :mod:`hcache.mii`; :class:`KvEvents`), so that a router built for vLLM scores it (one rank, and every layer
+    kept at every position: :meth:`ResolvedConfig.kept_in_part`; vLLM's connector publishes through vLLM's own
+    ``--kv-events-config`` instead).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
