@@ -177,7 +177,8 @@ def test_the_host_pool_and_the_disk_are_announced_as_vllm_hashes_its_blocks_and_
     assert {h: gpu.get(h) for h in cpu} == cpu  # each one the engine's own block: same hash, same tokens
     assert _removed(saved, "CPU") & set(cpu)  # B pushed A's chunks out of the pool, and it was told
 
-    on_disk = stored_blocks(restarted, "STORAGE")  # told before the first request: what the restart found
+    served = next(i for i, e in enumerate(restarted) if type(e).__name__ == "BlockStored" and e.medium == "GPU")
+    on_disk = stored_blocks(restarted[:served], "STORAGE")  # told before its request was served: the restart's
     assert set(cpu) <= set(on_disk) and all(on_disk[h] == cpu[h] for h in cpu)
     (record,) = records["restarted"]
     assert record["fallback"] is None and record["tier_tokens"] == {"disk": record["restored_tokens"]}
