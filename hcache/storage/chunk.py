@@ -289,8 +289,8 @@ class ChunkImage:
         layout, meta = _parse_header(bytes(data[: 8 + header_len].numpy()), key)
         if layout.nbytes != length:
             raise ChunkInvalid(f"chunk {key}: {length} bytes stored, its header describes {layout.nbytes}")
+        tokens = header_tokens(meta, key)
         try:
-            tokens = json.loads(meta.get("tokens", "null"))
             sums = dict(json.loads(meta.get("xxh3", "{}")))
         except (TypeError, ValueError) as exc:
             raise ChunkInvalid(f"chunk {key}: unreadable metadata ({exc})") from exc
@@ -382,6 +382,17 @@ def decode(data: bytes, key: str) -> Chunk:
     image = ChunkImage.parse(buffer, key, len(data))
     tensors = {k: image.tensor(*k).clone() for k in image.layout.entries}
     return Chunk(key, image.tokens, image.fingerprint, tensors, image.parent)
+
+
+def header_tokens(meta: dict, key: str) -> list[int] | None:
+    """A header's token ids (None: none recorded). Raises :class:`ChunkInvalid` for any but a list of ints."""
+    try:
+        tokens = json.loads(meta.get("tokens", "null"))
+    except (TypeError, ValueError) as exc:
+        raise ChunkInvalid(f"chunk {key}: unreadable metadata ({exc})") from exc
+    if tokens is not None and not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
+        raise ChunkInvalid(f"chunk {key}: its token ids are not a list of integers")
+    return tokens
 
 
 def read_header(file: BinaryIO, key: str, length: int) -> tuple[ChunkLayout, dict]:

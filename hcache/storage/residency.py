@@ -4,10 +4,10 @@ does not own the tiers follows to tell others what this node can load (vLLM's KV
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .chunk import ChunkInvalid, header_tokens
 from .chunk_store import ChunkStore, Loss
 
 HOST = "host"  # the host pool's tier; a store's is its ``kind`` (:class:`~.stored_state.Source`)
@@ -53,15 +53,18 @@ def pool_changes(changed: Callable[[str, Loss | None], None]) -> Callable[[Resid
 
 
 def stored_chunks(store: ChunkStore) -> list[Residency]:
-    """What ``store`` holds now, parents before the chunks that continue them (a chunk whose header cannot
-    be read is left out: a read of it would find it bad)."""
+    """What ``store`` holds now, parents before the chunks that continue them, read from their headers (one
+    read a chunk). A chunk whose header or token ids cannot be read is left out: a read of it would find it
+    bad, and one with no token ids cannot be placed in a chain."""
     chunks: dict[str, Residency] = {}
     for key in store.keys():
         header = store.header(key)
-        if header is not None:
-            meta = header[1]
-            tokens = json.loads(meta.get("tokens") or "[]")
-            chunks[key] = Residency(key, store.kind, True, tuple(tokens), meta.get("parent", ""))
+        try:
+            tokens = header_tokens(header[1], key) if header is not None else None
+        except ChunkInvalid:
+            continue
+        if tokens is not None:
+            chunks[key] = Residency(key, store.kind, True, tuple(tokens), header[1].get("parent", ""))
     depth: dict[str, int] = {}
 
     def depth_of(key: str) -> int:

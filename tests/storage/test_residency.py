@@ -2,6 +2,7 @@
 the disk, discarded as bad, and what a restart finds on disk, parents before the chunks that continue them."""
 
 import torch
+from support.damage import rewrite_header
 from support.storage_chunks import FINGERPRINT, ROOT, publish
 
 from hcache.storage.chunk import Chunk, encode
@@ -90,4 +91,21 @@ def test_a_restart_tells_what_the_disk_holds_parents_first(tmp_path):
     order = [r.key for r in told]
     for chain in chains:
         assert [order.index(c.key) for c in chain] == sorted(order.index(c.key) for c in chain)
+    again.close()
+
+
+def test_a_restart_leaves_out_a_chunk_whose_token_ids_cannot_be_read(tmp_path):
+    """Its header parses, its token ids do not: left out of what is told (a read of it finds it bad), and
+    the rest is told as ever."""
+    tier = _tier(tmp_path, 8)
+    chain = _chain(3, seed=7)
+    for c in chain:
+        publish(tier, c)
+    tier.close()
+    (path,) = tmp_path.glob(f"chunks/*/{chain[1].key}*")
+    rewrite_header(path, lambda header: header["__metadata__"].update(tokens='"not a list"'))
+    again, told = _tier(tmp_path, 8), []
+    again.follow(told.append)
+    assert again.stores[0].contains(chain[1].key)  # still stored: its header checks out as a whole
+    assert {r.key for r in told} == {chain[0].key, chain[2].key}
     again.close()
