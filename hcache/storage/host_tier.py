@@ -39,7 +39,8 @@ from .chunk_store import ChunkStore, Loss
 from .eviction import Values
 from .host_pool import HostPool, Slot
 from .lru_index import Entry, LruIndex
-from .residency import HOST, Followers, Residency, pool_changes, stored_chunks
+from .residency import HOST, Followers, Residency, pool_changes
+from .stored_chains import stored_chunks
 from .stored_state import Source
 from .uses import Uses
 from .write_back import DEFAULT_WRITERS, WriteBacks
@@ -112,7 +113,7 @@ class HostTier:
 
     def follow(self, tell: Callable[[Residency], None]) -> None:
         """Call ``tell`` with each change of where a chunk is held, first with what the local disk and the
-        pool hold now (:func:`~.residency.stored_chunks`: call it at start-up, before serving). A shared
+        pool hold now (:func:`~.stored_chains.stored_chunks`: call it at start-up, before serving). A shared
         store's chunks are the node's that saved them to tell. Called with a lock held: only note it."""
         for store in self.stores:
             if store.kind == Source.DISK.value:

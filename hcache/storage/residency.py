@@ -1,14 +1,14 @@
 """Where a chunk is held, as it changes: the host pool or one of the stores below it. What a process that
 does not own the tiers follows to tell others what this node can load (vLLM's KV events,
-:mod:`hcache.vllm.events`), and what its index of loadable chunks is kept by."""
+:mod:`hcache.vllm.events`), and what its index of loadable chunks is kept by. Free of torch: the scheduler's
+side of vLLM's connector reads these values."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .chunk import ChunkInvalid, header_tokens
-from .chunk_store import ChunkStore, Loss
+from .chunk_store import Loss
 
 HOST = "host"  # the host pool's tier; a store's is its ``kind`` (:class:`~.stored_state.Source`)
 
@@ -50,31 +50,3 @@ def pool_changes(changed: Callable[[str, Loss | None], None]) -> Callable[[Resid
             changed(change.key, change.why)
 
     return noted
-
-
-def stored_chunks(store: ChunkStore) -> list[Residency]:
-    """What ``store`` holds now, parents before the chunks that continue them, read from their headers (one
-    read a chunk). A chunk whose header or token ids cannot be read is left out: a read of it would find it
-    bad, and one with no token ids cannot be placed in a chain."""
-    chunks: dict[str, Residency] = {}
-    for key in store.keys():
-        header = store.header(key)
-        try:
-            tokens = header_tokens(header[1], key) if header is not None else None
-        except ChunkInvalid:
-            continue
-        if tokens is not None:
-            chunks[key] = Residency(key, store.kind, True, tuple(tokens), header[1].get("parent", ""))
-    depth: dict[str, int] = {}
-
-    def depth_of(key: str) -> int:
-        chain = []
-        while key in chunks and key not in depth and key not in chain:
-            chain.append(key)
-            key = chunks[key].parent
-        below = depth.get(key, -1)
-        for k in reversed(chain):
-            below = depth[k] = below + 1
-        return below
-
-    return sorted(chunks.values(), key=lambda c: depth_of(c.key))
