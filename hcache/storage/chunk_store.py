@@ -26,6 +26,14 @@ class Loss(str, Enum):
     )
 
 
+class Sight(str, Enum):
+    """What a follower of a store can be told of the changes to what it holds (:meth:`ChunkStore.watch`)."""
+
+    OWN = "own"  # no one else changes it: this node's writes and its own losses are every change
+    ALL = "all"  # it tells every change, this node's writes too, in its own order
+    NONE = "none"  # others change it unseen: what it holds cannot be told
+
+
 Why = TypeVar("Why")
 
 
@@ -107,6 +115,11 @@ class ChunkStore(Protocol):
     def follow(self, lost: Callable[[str, Loss], None]) -> None:
         """Call ``lost(key, why)`` for each chunk it loses from now on, as far as it knows (with its lock held:
         only note it)."""
+
+    def watch(self, stored: Callable[[str, dict], None], lost: Callable[[str, Loss], None]) -> Sight:
+        """Follow the changes anyone makes, where the store has others that change it and can tell them:
+        ``stored(key, metadata)`` for a chunk written (its header's metadata), ``lost(key, why)`` for one that
+        left, from a thread of the store's own, from now on. What it will tell (:class:`Sight`)."""
 
     @property
     def available(self) -> bool:

@@ -58,7 +58,7 @@ from ..errors import StorageError
 from . import direct_io as dio
 from .chunk import ChunkInvalid, ChunkLayout, read_header
 from .chunk_file import publish
-from .chunk_store import Loss, LossLog
+from .chunk_store import Loss, LossLog, Sight
 from .dir_scan import scan
 from .lru_index import Entry, LruIndex
 from .store_dir import CHUNK_KEY, chunk_path, directories, open_dir
@@ -440,6 +440,11 @@ class DiskChunkStore:
     def follow(self, lost: Callable[[str, Loss], None]) -> None:
         with self._lock:
             self._gone.listeners.append(lost)
+
+    def watch(self, stored: Callable[[str, dict], None], lost: Callable[[str, Loss], None]) -> Sight:
+        """A private directory has no other writer; a shared one's other nodes write and evict unseen (a scan of
+        its directories would be the only way to learn of it)."""
+        return Sight.NONE if self.shared else Sight.OWN
 
     def _unpin(self, entry: Entry) -> None:
         with self._lock:

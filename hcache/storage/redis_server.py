@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -31,11 +32,19 @@ def redis_missing() -> str | None:
 
 
 class RedisServer:
-    """One ``redis-server`` on 127.0.0.1; ``cluster``: started as a cluster node (see :class:`RedisCluster`)."""
+    """One ``redis-server`` on 127.0.0.1; ``cluster``: started as a cluster node (see :class:`RedisCluster`);
+    ``options``: more of its command line (``--name value`` ...)."""
 
-    def __init__(self, *, cluster: bool = False, maxmemory: str | None = None, port: int | None = None):
+    def __init__(
+        self,
+        *,
+        cluster: bool = False,
+        maxmemory: str | None = None,
+        port: int | None = None,
+        options: Sequence[str] = (),
+    ):
         self.port = port or free_port(also=[10000] if cluster else [])  # a cluster node's bus port too
-        self.cluster, self.maxmemory = cluster, maxmemory
+        self.cluster, self.maxmemory, self.options = cluster, maxmemory, tuple(options)
         self._dir = tempfile.mkdtemp(prefix="hcache-redis-")
         self.process: subprocess.Popen | None = None
 
@@ -61,6 +70,7 @@ class RedisServer:
             ]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
+        args += self.options
         # A session of its own: a Ctrl-C meant for its owner (``hcache fleet``) must not end it before the nodes
         # have drained into it.
         self.process = subprocess.Popen(

@@ -15,6 +15,9 @@ above); each failure is counted, a warning is logged for the first and every 100
 leaves the server alone for ``backoff_s`` so that a slow server costs one timeout, not one per chunk.
 A value of another type under a chunk's key (a list, say) is no failure of the server: it is a bad chunk,
 discarded when read and replaced when written.
+
+What others change on a shared server is seen only where someone follows it (:meth:`RedisChunkStore.watch`,
+for the KV cache events): through the server's keyspace notifications (:mod:`.redis_watch`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from urllib.parse import parse_qs, urlsplit
 
@@ -35,7 +39,8 @@ from redis.retry import Retry
 
 from ..errors import StorageError
 from .chunk import ChunkInvalid, ChunkLayout, read_header
-from .chunk_store import Loss, LossLog
+from .chunk_store import Loss, LossLog, Sight
+from .redis_watch import KeyspaceWatch
 from .stored_state import Source
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,8 @@ SCHEMES = ("redis", "rediss", "redis+cluster")
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_BACKOFF_S = 2.0
 _HEADER_PROBE = 64 << 10  # a chunk header is a few KiB: one GETRANGE reads it whole
+_HEALTH_CHECK_S = 5.0  # a watch idle this long pings the server: a silent connection is found lost
+_WRITES_KEPT = 4096  # headers of this node's latest writes, which its watch then need not read back
 
 
 class _Unavailable(Exception):
@@ -54,7 +61,7 @@ class RedisChunkStore:
     """A :class:`~hcache.storage.chunk_store.ChunkStore` on Redis; build it with :meth:`from_url`.
 
     ``connect``: makes the client (called lazily, so a server that is down at start-up is a miss, not an
-    error). ``ttl_s``: values expire after this long unused (each read renews it); None keeps them until
+    error); ``watch_connect``: one for :meth:`watch`, which does not retry (None: a cluster). ``ttl_s``: values expire after this long unused (each read renews it); None keeps them until
     the server evicts them (run it with ``maxmemory-policy allkeys-lru``)."""
 
     kind = Source.REDIS.value
@@ -64,6 +71,7 @@ class RedisChunkStore:
         connect: Callable[[], redis.Redis | RedisCluster],
         *,
         name: str,
+        watch_connect: Callable[[], redis.Redis] | None = None,
         prefix: str = "hcache",
         namespace: str = "default",
         ttl_s: float | None = None,
@@ -75,10 +83,14 @@ class RedisChunkStore:
             raise StorageError(f"{name}: prefix and namespace must be non-empty, and the namespace has no ':'")
         self.name, self.ttl_s, self.backoff_s = name, ttl_s, backoff_s
         self._prefix = f"{prefix}:{namespace}:"
-        self._connect = connect
+        self._connect, self._watch_connect = connect, watch_connect
         self._client: redis.Redis | RedisCluster | None = None
         self._lock = threading.Lock()
-        self._gone: LossLog[Loss] = LossLog()  # chunks this node found bad and deleted
+        self._gone: LossLog[Loss] = LossLog()  # chunks this node found bad and deleted (and, watched, others')
+        self._watch: KeyspaceWatch | None = None
+        self._watchers: list[tuple[Callable[[str, dict], None], Callable[[str, Loss | None], None]]] = []
+        self._told: set[str] = set()  # chunks the watchers were told are stored
+        self._written: OrderedDict[str, dict] = OrderedDict()  # this node's latest writes' header metadata
         self._down_until = 0.0
         self.errors = self.skipped = self.bytes_read = self.bytes_written = 0
 
@@ -114,13 +126,18 @@ class RedisChunkStore:
 
             def connect():
                 return RedisCluster(startup_nodes=nodes, **common)
+
+            watch_connect = None
         else:
 
-            def connect():
-                return redis.Redis.from_url(parts._replace(query="").geturl(), **common)
+            def connect(**extra):
+                return redis.Redis.from_url(parts._replace(query="").geturl(), **{**common, **extra})
+
+            def watch_connect():
+                return connect(retry=Retry(NoBackoff(), 0), health_check_interval=_HEALTH_CHECK_S)
 
         options = {k: query[k] for k in ("prefix", "namespace") if k in query}
-        return cls(connect, name=name, ttl_s=ttl, backoff_s=backoff, **options)
+        return cls(connect, name=name, watch_connect=watch_connect, ttl_s=ttl, backoff_s=backoff, **options)
 
     def ping(self) -> None:
         """Raise StorageError unless the server answers now: for a check at start-up, where a server that
@@ -218,7 +235,10 @@ class RedisChunkStore:
             client.set(self._prefix + key, value, px=ttl)
             return True
 
+        self._note_write(key, value)
         if not self._guard("write", call, False, quiet=True):
+            with self._lock:
+                self._written.pop(key, None)
             raise OSError(f"{self.name}: chunk {key} not written (server unavailable or full)")
         with self._lock:
             self.bytes_written += len(value)
@@ -231,7 +251,7 @@ class RedisChunkStore:
 
     def gone(self, key: str) -> Loss | None:
         """A chunk this node found bad and deleted; Redis's own evictions (``maxmemory``, TTL) and other
-        nodes' deletions are not seen here."""
+        nodes' deletions are seen only while watched."""
         with self._lock:
             return self._gone.get(key)
 
@@ -240,9 +260,84 @@ class RedisChunkStore:
             return list(self._gone)
 
     def follow(self, lost: Callable[[str, Loss], None]) -> None:
-        """Only the chunks this node finds bad: a TTL's expiry, or another node's delete, is not seen here."""
+        """Only the chunks this node finds bad: a TTL's expiry, or another node's delete, is told by
+        :meth:`watch`."""
         with self._lock:
             self._gone.listeners.append(lost)
+
+    def watch(self, stored: Callable[[str, dict], None], lost: Callable[[str, Loss | None], None]) -> Sight:
+        """Every node's writes and deletes and the server's expiries and evictions, through its keyspace
+        notifications (turned on where they are off). ``lost(key, None)`` for each chunk told stored when the
+        watch's connection was lost: it is not known to be stored any more. Not for a cluster (each of its
+        nodes notifies apart) or a server that will not notify: nothing is then told (a warning says why)."""
+        with self._lock:
+            if self._watch is None:
+                if self._watch_connect is None:
+                    log.warning("%s: a cluster's changes are not followed: its chunks are not told", self.name)
+                    return Sight.NONE
+                watch = KeyspaceWatch(
+                    self._watch_connect,
+                    self._prefix,
+                    name=self.name,
+                    event=self._changed,
+                    blind=self._blind,
+                    backoff_s=self.backoff_s,
+                )
+                try:
+                    watch.start()
+                except StorageError as exc:
+                    log.warning("%s; its chunks are not told", exc)
+                    return Sight.NONE
+                self._watch = watch
+            self._watchers.append((stored, lost))
+        return Sight.ALL
+
+    def _note_write(self, key: str, value: memoryview) -> None:
+        """Keep a watched write's header metadata, so that its notification need not read it back."""
+        if self._watch is None:
+            return
+        try:
+            meta = read_header(io.BytesIO(value[:_HEADER_PROBE]), key, len(value))[1]
+        except ChunkInvalid:
+            return  # a header past the probe: read back, as another node's
+        with self._lock:
+            self._written[key] = meta
+            while len(self._written) > _WRITES_KEPT:
+                self._written.popitem(last=False)
+
+    def _changed(self, key: str, what: str) -> None:
+        """A keyspace notification, on the watch's thread."""
+        if what == "set":
+            with self._lock:
+                meta = self._written.pop(key, None)
+            if meta is None:
+                header = self.header(key)
+                if header is None:  # gone again, or damaged: a read finds it so
+                    return
+                meta = header[1]
+            with self._lock:
+                self._told.add(key)
+                watchers = list(self._watchers)
+            for stored, _ in watchers:
+                stored(key, meta)
+            return
+        with self._lock:
+            if key not in self._told:
+                return
+            self._told.discard(key)
+            if self._gone.get(key) is None:
+                self._gone.add(key, Loss.EVICTED)
+            why, watchers = self._gone.get(key), list(self._watchers)
+        for _, lost in watchers:
+            lost(key, why)
+
+    def _blind(self) -> None:
+        with self._lock:
+            told, self._told, watchers = self._told, set(), list(self._watchers)
+            self._written.clear()
+        for key in told:
+            for _, lost in watchers:
+                lost(key, None)
 
     @property
     def available(self) -> bool:
@@ -269,7 +364,9 @@ class RedisChunkStore:
 
     def close(self) -> None:
         with self._lock:
-            client, self._client = self._client, None
+            client, self._client, watch, self._watch = self._client, None, self._watch, None
+        if watch is not None:
+            watch.close()
         if client is not None:
             client.close()
 

@@ -8,6 +8,16 @@ from .chunk_store import ChunkStore
 from .residency import Residency
 
 
+def stored_chunk(tier: str, key: str, meta: dict) -> Residency | None:
+    """Chunk ``key`` held in ``tier``, placed in its chain by its header's ``meta``; None where its token ids
+    cannot be read (a read of it would find it bad) or none were recorded (it cannot be placed)."""
+    try:
+        tokens = header_tokens(meta, key)
+    except ChunkInvalid:
+        return None
+    return None if tokens is None else Residency(key, tier, True, tuple(tokens), meta.get("parent", ""))
+
+
 def stored_chunks(store: ChunkStore) -> list[Residency]:
     """What ``store`` holds now, parents before the chunks that continue them, read from their headers (one
     read a chunk). A chunk whose header or token ids cannot be read is left out: a read of it would find it
@@ -15,12 +25,9 @@ def stored_chunks(store: ChunkStore) -> list[Residency]:
     chunks: dict[str, Residency] = {}
     for key in store.keys():
         header = store.header(key)
-        try:
-            tokens = header_tokens(header[1], key) if header is not None else None
-        except ChunkInvalid:
-            continue
-        if tokens is not None:
-            chunks[key] = Residency(key, store.kind, True, tuple(tokens), header[1].get("parent", ""))
+        held = stored_chunk(store.kind, key, header[1]) if header is not None else None
+        if held is not None:
+            chunks[key] = held
     depth: dict[str, int] = {}
 
     def depth_of(key: str) -> int:

@@ -1,12 +1,10 @@
 """Where a chunk is held, as a host tier tells it: entering and leaving the pool, written to and evicted from
 the disk, discarded as bad, and what a restart finds on disk, parents before the chunks that continue them."""
 
-import torch
 from support.damage import rewrite_header
-from support.storage_chunks import FINGERPRINT, ROOT, publish
+from support.storage_chunks import chained, publish
 
 from hcache.storage.chunk import Chunk, encode
-from hcache.storage.chunk_key import CHUNK_TOKENS, KeyChain
 from hcache.storage.chunk_store import Loss
 from hcache.storage.disk_store import DiskChunkStore
 from hcache.storage.host_pool import PAGE, HostPool
@@ -16,19 +14,8 @@ from hcache.storage.residency import HOST, Residency
 DISK = "disk"
 
 
-def _chain(n: int, seed: int = 0) -> list[Chunk]:
-    """``n`` chunks of one sequence, each naming the one before it as its parent."""
-    g = torch.Generator().manual_seed(seed)
-    chain = KeyChain(ROOT)
-    done = chain.extend(torch.randint(0, 1000, (n * CHUNK_TOKENS,), generator=g).tolist())
-    return [
-        Chunk(key, tokens, FINGERPRINT, {(0, "H"): torch.randn(CHUNK_TOKENS, 32, generator=g)}, chain.parent(i))
-        for i, (key, tokens) in enumerate(done)
-    ]
-
-
 def _tier(path, chunks_in_pool: int, **store) -> HostTier:
-    size = -(-len(encode(_chain(1)[0])) // PAGE) * PAGE
+    size = -(-len(encode(chained(1)[0])) // PAGE) * PAGE
     return HostTier([DiskChunkStore(path, fsync=False, **store)], HostPool(chunks_in_pool * size))
 
 
@@ -39,7 +26,7 @@ def _held(c: Chunk, tier: str) -> Residency:
 def test_a_saved_chunk_enters_the_pool_then_the_disk_and_leaves_the_pool_when_it_makes_room(tmp_path):
     tier, told = _tier(tmp_path, 2), []
     tier.follow(told.append)
-    chain = _chain(3)
+    chain = chained(3)
     for c in chain:
         publish(tier, c)
         tier.flush()  # its write-back ends before the next chunk needs room
@@ -53,7 +40,7 @@ def test_a_saved_chunk_enters_the_pool_then_the_disk_and_leaves_the_pool_when_it
 def test_a_chunk_discarded_as_bad_leaves_the_pool_and_the_disk_with_why(tmp_path):
     tier, told = _tier(tmp_path, 4), []
     tier.follow(told.append)
-    c = _chain(1)[0]
+    c = chained(1)[0]
     publish(tier, c)
     tier.flush()
     tier.discard(c.key)
@@ -63,11 +50,11 @@ def test_a_chunk_discarded_as_bad_leaves_the_pool_and_the_disk_with_why(tmp_path
 
 
 def test_a_chunk_the_disk_quota_evicts_leaves_the_disk(tmp_path):
-    one = len(encode(_chain(1)[0]))
+    one = len(encode(chained(1)[0]))
     tier, told = _tier(tmp_path, 4, quota_bytes=2 * one), []
     tier.follow(told.append)
-    first, second = _chain(1, seed=1)[0], _chain(1, seed=2)[0]  # two chains: neither is kept for the other
-    third = _chain(1, seed=3)[0]
+    first, second = chained(1, seed=1)[0], chained(1, seed=2)[0]  # two chains: neither is kept for the other
+    third = chained(1, seed=3)[0]
     for c in (first, second, third):
         publish(tier, c)
         tier.flush()
@@ -78,7 +65,7 @@ def test_a_chunk_the_disk_quota_evicts_leaves_the_disk(tmp_path):
 
 def test_a_restart_tells_what_the_disk_holds_parents_first(tmp_path):
     tier = _tier(tmp_path, 8)
-    chains = [_chain(4, seed=5), _chain(3, seed=6)]
+    chains = [chained(4, seed=5), chained(3, seed=6)]
     for chain in chains:
         for c in chain:
             publish(tier, c)
@@ -98,7 +85,7 @@ def test_a_restart_leaves_out_a_chunk_whose_token_ids_cannot_be_read(tmp_path):
     """Its header parses, its token ids do not: left out of what is told (a read of it finds it bad), and
     the rest is told as ever."""
     tier = _tier(tmp_path, 8)
-    chain = _chain(3, seed=7)
+    chain = chained(3, seed=7)
     for c in chain:
         publish(tier, c)
     tier.close()
@@ -109,3 +96,15 @@ def test_a_restart_leaves_out_a_chunk_whose_token_ids_cannot_be_read(tmp_path):
     assert again.stores[0].contains(chain[1].key)  # still stored: its header checks out as a whole
     assert {r.key for r in told} == {chain[0].key, chain[2].key}
     again.close()
+
+
+def test_a_shared_directory_is_not_told_for_its_other_nodes_change_it_unseen(tmp_path):
+    """Another node's eviction from it goes unseen: told held, a chunk could be gone when a load comes."""
+    tier, told = _tier(tmp_path, 4, shared=True), []
+    tier.follow(told.append)
+    c = chained(1)[0]
+    publish(tier, c)
+    tier.flush()
+    assert tier.stores[0].contains(c.key)
+    assert told == [_held(c, HOST)]
+    tier.close()

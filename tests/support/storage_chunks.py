@@ -7,7 +7,7 @@ import torch
 
 from hcache.bench.storage import publish as bench_publish
 from hcache.storage.chunk import Chunk, decode, encode
-from hcache.storage.chunk_key import CHUNK_TOKENS, next_key, root_key
+from hcache.storage.chunk_key import CHUNK_TOKENS, KeyChain, next_key, root_key
 
 FINGERPRINT = "test-model"
 ROOT = root_key(FINGERPRINT)
@@ -18,6 +18,17 @@ def chunk(i: int, width: int = 64, layers: int = 2) -> Chunk:
     tokens = torch.randint(0, 1000, (CHUNK_TOKENS,), generator=g).tolist()
     tensors = {(layer, "H"): torch.randn(CHUNK_TOKENS, width, generator=g) for layer in range(layers)}
     return Chunk(next_key(ROOT, tokens + [i]), tokens, FINGERPRINT, tensors)
+
+
+def chained(n: int, seed: int = 0) -> list[Chunk]:
+    """``n`` chunks of one sequence, each naming the one before it as its parent."""
+    g = torch.Generator().manual_seed(seed)
+    keys = KeyChain(ROOT)
+    done = keys.extend(torch.randint(0, 1000, (n * CHUNK_TOKENS,), generator=g).tolist())
+    return [
+        Chunk(key, tokens, FINGERPRINT, {(0, "H"): torch.randn(CHUNK_TOKENS, 32, generator=g)}, keys.parent(i))
+        for i, (key, tokens) in enumerate(done)
+    ]
 
 
 def chunk_bytes(i: int, **kw) -> tuple[str, bytes]:
