@@ -31,17 +31,16 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 
 from ..machine import helper_threads
 from ..defaults import DEFAULT_READERS
 from .chunk import ChunkImage, ChunkInvalid, ChunkLayout
-from .chunk_store import ChunkStore, Loss, Sight
+from .chunk_store import ChunkStore, Loss
 from .eviction import Values
 from .host_pool import HostPool, Slot
 from .lru_index import Entry, LruIndex
 from .residency import HOST, Followers, Residency, pool_changes
-from .stored_chains import stored_chunk, stored_chunks
+from .stored_chains import follow_stores
 from .stored_state import Source
 from .uses import Uses
 from .write_back import DEFAULT_WRITERS, WriteBacks
@@ -114,34 +113,18 @@ class HostTier:
 
     def follow(self, tell: Callable[[Residency], None]) -> None:
         """Call ``tell`` with each change of where a chunk is held, first with what the local disk and the
-        pool hold now (:func:`~.stored_chains.stored_chunks`: call it at start-up, before serving). A store
-        others change tells every change itself, this node's writes too, in its own order
-        (:meth:`~.chunk_store.ChunkStore.watch`: Redis, from now on); one whose changes go unseen (a shared
-        directory, a Redis cluster) is not told at all, for a chunk told held must be one a load finds.
-        Called with a lock held: only note it."""
-        sights = {}
-        for store in self.stores:
-            sights[store.kind] = store.watch(
-                partial(self._watched, tell, store.kind), partial(self._lost, tell, store.kind)
-            )
-            if sights[store.kind] is Sight.OWN:
-                for change in stored_chunks(store):
-                    tell(change)
-        own = {HOST, *(kind for kind, sight in sights.items() if sight is Sight.OWN)}
+        pool hold now (call it at start-up, before serving); a shared store's changes as it tells them, and
+        none where they go unseen (:func:`~.stored_chains.follow_stores`). With a lock held: only note it."""
+
+        def told(change: Residency) -> None:  # from a store's watch, on its thread
+            with self._cond:
+                tell(change)
+
+        own = {HOST, *follow_stores(self.stores, tell, told)}
         with self._cond:
             for key, entry in self._index.entries.items():
                 tell(Residency(key, HOST, True, tuple(entry.where.tokens), entry.where.parent))
             self._tell.add(lambda change: change.tier in own and tell(change))
-
-    def _watched(self, tell: Callable[[Residency], None], tier: str, key: str, meta: dict) -> None:
-        held = stored_chunk(tier, key, meta)
-        if held is not None:
-            with self._cond:
-                tell(held)
-
-    def _lost(self, tell: Callable[[Residency], None], tier: str, key: str, why: Loss | None) -> None:
-        with self._cond:
-            tell(Residency(key, tier, False, why=why))
 
     @property
     def eviction(self) -> str:

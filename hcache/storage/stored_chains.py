@@ -1,10 +1,13 @@
-"""The chains a store holds, read from its chunks' headers: what a restarted node tells it can load
-(:meth:`~hcache.storage.host_tier.HostTier.follow`)."""
+"""The chains the stores hold, read from their chunks' headers, and their changes as the stores tell them: what
+a node tells it can load (:meth:`~hcache.storage.host_tier.HostTier.follow`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
+
 from .chunk import ChunkInvalid, header_tokens
-from .chunk_store import ChunkStore
+from .chunk_store import ChunkStore, Sight
 from .residency import Residency
 
 
@@ -41,3 +44,28 @@ def stored_chunks(store: ChunkStore) -> list[Residency]:
         return below
 
     return sorted(chunks.values(), key=lambda c: depth_of(c.key))
+
+
+def follow_stores(
+    stores: Sequence[ChunkStore], tell: Callable[[Residency], None], told: Callable[[Residency], None]
+) -> set[str]:
+    """Follow ``stores``: ``tell`` at once the chains of each that only this node changes (a restart finds
+    them), and ``told`` each change that a store others change sees, from its watch's thread (a chunk whose
+    header cannot place it is left out). The kinds of the first: their later changes are this node's to tell."""
+
+    def stored(kind: str, key: str, meta: dict) -> None:
+        held = stored_chunk(kind, key, meta)
+        if held is not None:
+            told(held)
+
+    own = set()
+    for store in stores:
+        kind = store.kind
+        sight = store.watch(
+            partial(stored, kind), lambda key, why, kind=kind: told(Residency(key, kind, False, why=why))
+        )
+        if sight is Sight.OWN:
+            own.add(kind)
+            for change in stored_chunks(store):
+                tell(change)
+    return own
