@@ -61,8 +61,9 @@ class RedisChunkStore:
     """A :class:`~hcache.storage.chunk_store.ChunkStore` on Redis; build it with :meth:`from_url`.
 
     ``connect``: makes the client (called lazily, so a server that is down at start-up is a miss, not an
-    error); ``watch_connect``: one for :meth:`watch`, which does not retry (None: a cluster). ``ttl_s``: values expire after this long unused (each read renews it); None keeps them until
-    the server evicts them (run it with ``maxmemory-policy allkeys-lru``)."""
+    error); ``watch_connect``: one for :meth:`watch`, which does not retry (None: a cluster). ``ttl_s``:
+    values expire after this long unused (each read renews it); None keeps them until the server evicts them
+    (run it with ``maxmemory-policy allkeys-lru``)."""
 
     kind = Source.REDIS.value
 

@@ -5,7 +5,8 @@ Notifications are off on a new server, and a server forgets them when it restart
 it needs (``CONFIG SET notify-keyspace-events``) each time it subscribes. A managed server that refuses
 ``CONFIG`` must have them on already (:data:`FLAGS`), or the watch does not start. Pub/sub delivers at most
 once: while the connection is down, changes go unseen, so a lost connection is told (``blind``) before the
-watch subscribes again. A cluster's notifications are each node's own, and are not followed here.
+watch subscribes again. Nothing is notified of a ``FLUSHDB``. A cluster's notifications are each node's own,
+and are not followed here.
 """
 
 from __future__ import annotations
