@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .defaults import DEFAULT_READERS
+from .defaults import DEFAULT_LOAD_IN_STEP_TOKENS, DEFAULT_READERS
 from .errors import InvalidRequestError
 from .model.loader import model_dtype
 from .model.spec import ModelSpec
@@ -129,7 +129,12 @@ class HCacheConfig(BaseModel):
     what this node's tiers hold as vLLM's KV cache events over ZMQ from its model server (``hcache serve``,
     :mod:`hcache.mii`; :class:`KvEvents`), so that a router built for vLLM scores it (one rank, and every layer
     kept at every position: :meth:`ResolvedConfig.kept_in_part`; vLLM's connector publishes through vLLM's own
-    ``--kv-events-config`` instead).
+    ``--kv-events-config`` instead). ``load_in_step_tokens``: in vLLM, a stored prefix of at most this many
+    tokens past vLLM's own prefix-cache hit loads inside the step that computes its request, which waits for
+    it; a larger one loads while vLLM holds the request back and steps the others (0: every load so). Not for a
+    model of several KV cache groups (hybrids, windows), whose failed loads vLLM takes by request only, nor
+    under tensor parallelism.
+    hcache's own engines always restore within the request's step.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -157,6 +162,7 @@ class HCacheConfig(BaseModel):
     sliding_layers: SlidingLayers = "window"
     state_every: int = Field(1, gt=0)
     kv_events: KvEvents | None = None
+    load_in_step_tokens: int = Field(DEFAULT_LOAD_IN_STEP_TOKENS, ge=0)
 
     @classmethod
     def of(cls, settings: HCacheConfig | Mapping | None = None, /, **overrides) -> HCacheConfig:

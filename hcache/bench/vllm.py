@@ -63,8 +63,10 @@ other requests load (:mod:`hcache.bench._vllm_decode`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -76,7 +78,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import HCacheConfig
-from ..defaults import DEFAULT_MODEL
+from ..defaults import DEFAULT_LOAD_IN_STEP_TOKENS, DEFAULT_MODEL
 from ..errors import InvalidRequestError
 from ..model.random_weights import QWEN3_NEXT_FOR_VLLM, hybrid_layer_types
 from ..storage.chunk_key import CHUNK_TOKENS
@@ -119,6 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sliding-layers", default="window", help="hcache's sliding_layers settings, comma-separated (window,all)"
+    )
+    parser.add_argument(
+        "--in-step",
+        default=str(DEFAULT_LOAD_IN_STEP_TOKENS),
+        help="hcache's load_in_step_tokens settings, comma-separated (0: every load asynchronous): each restores "
+        "from every tier",
     )
     parser.add_argument(
         "--decode",
@@ -303,8 +311,14 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("hcache bench vllm: --conversations must be at least 1 and --history at least 64")
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     rules = [r.strip() for r in args.sliding_layers.split(",") if r.strip()]
-    if not plans or not rules:
-        raise SystemExit("hcache bench vllm: --plans and --sliding-layers name at least one value each")
+    try:
+        in_steps = [int(n) for n in args.in_step.split(",") if n.strip()]
+    except ValueError:
+        raise SystemExit(f"hcache bench vllm: --in-step takes whole numbers of tokens, not {args.in_step!r}") from None
+    if not plans or not rules or not in_steps or min(in_steps) < 0:
+        raise SystemExit(
+            "hcache bench vllm: --plans, --sliding-layers and --in-step name at least one value each (--in-step: 0 or more)"
+        )
     for rule in rules:  # before any engine starts
         try:
             HCacheConfig.of(sliding_layers=rule)
@@ -334,32 +348,39 @@ def run(args: argparse.Namespace) -> dict:
             "prefix_cache": (True, None, True),
         }
         savers: dict[str, dict] = {}  # by rule: what saves the histories that the disk and Redis engines restore
-        for plan in plans:
-            for rule in rules:
-                suffix = (f"_{plan}" if len(plans) > 1 else "") + (f"_{rule}" if len(rules) > 1 else "")
-                common = {
-                    "plan": plan,
-                    "save": "all" if len(plans) > 1 else "plan",
-                    "sliding_layers": rule,
-                    "namespace": rule if len(rules) > 1 else None,
-                }  # each rule stores apart (Redis: by namespace)
-                store = [str(Path(tmp) / f"store-{rule}")]
-                savers.setdefault(rule, {**common, "store_dirs": store, "store": {"shared": [url]}})
-                configs["hcache_host" + suffix] = (
-                    False,
-                    {**common, "store_dirs": [str(Path(tmp) / f"host{suffix}")]},
-                    True,
-                )
-                configs["hcache_disk" + suffix] = (
-                    False,
-                    {**common, "store_dirs": store, "store": {"shared": []}},
-                    False,
-                )
-                configs["hcache_redis" + suffix] = (
-                    False,
-                    {**common, "store_dirs": None, "store": {"shared": [url]}},
-                    False,
-                )
+        copies: dict[str, list[str]] = {}  # a saved store -> the disk engines' copies of it
+        for plan, rule, in_step in itertools.product(plans, rules, in_steps):
+            suffix = (
+                (f"_{plan}" if len(plans) > 1 else "")
+                + (f"_{rule}" if len(rules) > 1 else "")
+                + (f"_in_step{in_step}" if len(in_steps) > 1 else "")
+            )
+            common = {
+                "plan": plan,
+                "save": "all" if len(plans) > 1 else "plan",
+                "sliding_layers": rule,
+                "namespace": rule if len(rules) > 1 else None,
+                "load_in_step_tokens": in_step,
+            }  # each rule stores apart (Redis: by namespace)
+            saved = str(Path(tmp) / f"store-{rule}")
+            store = [saved + (f"-in-step{in_step}" if len(in_steps) > 1 else "")]  # a copy each: a disk engine's own
+            copies.setdefault(saved, []).append(store[0])
+            savers.setdefault(rule, {**common, "store_dirs": [saved], "store": {"shared": [url]}})
+            configs["hcache_host" + suffix] = (
+                False,
+                {**common, "store_dirs": [str(Path(tmp) / f"host{suffix}")]},
+                True,
+            )
+            configs["hcache_disk" + suffix] = (
+                False,
+                {**common, "store_dirs": store, "store": {"shared": []}},
+                False,
+            )
+            configs["hcache_redis" + suffix] = (
+                False,
+                {**common, "store_dirs": None, "store": {"shared": [url]}},
+                False,
+            )
         configs["hcache_miss"] = (False, {"store_dirs": [str(Path(tmp) / "empty")]}, False)
         spec = ModelSpec.from_config(AutoConfig.from_pretrained(model), args.dtype)
         hybrid = bool(spec.recurrent_layers)
@@ -377,6 +398,10 @@ def run(args: argparse.Namespace) -> dict:
                 llm.generate([{"prompt_token_ids": h + q} for h, q in zip(histories, first)], one, use_tqdm=False)
                 llm.llm_engine.engine_core.shutdown()
                 del llm
+            for saved, stores in copies.items():
+                for store in stores:
+                    if store != saved:
+                        shutil.copytree(saved, store)
             for name, (prefix_cache, connector, _) in tqdm(configs.items(), desc="vLLM engines", unit="engine"):
                 engines[name] = _engine(
                     args, str(model), prefix_cache, connector and {**connector, "request_log": str(logs[name])}, memory
@@ -504,6 +529,7 @@ def run(args: argparse.Namespace) -> dict:
         "window": args.window,
         "full_every": args.full_every if args.window else None,
         "sliding_layers": rules,
+        "load_in_step_tokens": in_steps,
         "conversations": args.conversations,
         "configurations": results,
         **reserved,

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 class LoadJob:
     """A request's stored positions ``[start, end)`` to load into its blocks (``block_ids``: every block it
     holds, in order, in each KV cache group). ``tokens``: its prompt up to ``end``, which keys the chunks;
-    ``namespace``: its root's."""
+    ``namespace``: its root's. ``in_step``: the step that computes the request waits for it (a small load,
+    scheduled with the request), where other loads run while the engine holds their request back."""
 
     req_id: str
     namespace: str | None
@@ -18,3 +19,4 @@ class LoadJob:
     block_ids: list[list[int]]
     start: int
     end: int
+    in_step: bool = False

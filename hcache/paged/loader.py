@@ -1,6 +1,6 @@
-"""Loads into a paged KV cache off the engine's step: a request's whole stored prefix read, verified and
-written into its blocks on a thread of its own, while the engine holds the request back (vLLM's
-``load_kv_async``) and keeps stepping the others. It needs torch and hcache's store stack, not vLLM: vLLM's
+"""Loads into a paged KV cache: a request's whole stored prefix read, verified and written into its blocks on
+a thread of its own, while the engine holds the request back (vLLM's ``load_kv_async``) and keeps stepping
+the others, or, for a small one, while the step that computes the request waits (:meth:`Loader.wait`). It needs torch and hcache's store stack, not vLLM: vLLM's
 worker (:mod:`hcache.vllm.worker`) drives it, and ``hcache bench paged`` times it on its own.
 
 A load fetches its chunks into the host pool (on the store's reader threads), verifies them as every
@@ -106,17 +106,22 @@ class Loader:
             futures.wait(
                 [future for _, future in self._inflight.values()], timeout=wait, return_when=futures.FIRST_COMPLETED
             )
-        done: dict[str, set[int]] = {}
-        for req_id, (job, future) in list(self._inflight.items()):
-            if not future.done():
-                continue
-            del self._inflight[req_id]
-            try:
-                done[req_id] = future.result()
-            except Exception:  # a bug, not a bad chunk: nothing it wrote is trusted
-                log.exception("hcache: loading request %s failed; it is recomputed", req_id)
-                done[req_id] = self._blocks(job, job.start)
-        return done
+        return {req_id: self._take(req_id) for req_id, (_, future) in list(self._inflight.items()) if future.done()}
+
+    def wait(self, req_ids: list[str]) -> dict[str, set[int]]:
+        """The loads of ``req_ids`` (a step's in-step loads), once they are done, as :meth:`finished` gives
+        them; other loads go on."""
+        futures.wait([self._inflight[req_id][1] for req_id in req_ids if req_id in self._inflight])
+        return {req_id: self._take(req_id) for req_id in req_ids if req_id in self._inflight}
+
+    def _take(self, req_id: str) -> set[int]:
+        """A done load's blocks it could not load, no longer in flight."""
+        job, future = self._inflight.pop(req_id)
+        try:
+            return future.result()
+        except Exception:  # a bug, not a bad chunk: nothing it wrote is trusted
+            log.exception("hcache: loading request %s failed; it is recomputed", req_id)
+            return self._blocks(job, job.start)
 
     def _blocks(self, job: LoadJob, end: int) -> set[int]:
         """The blocks of ``job``'s positions from ``end`` on: not loaded (of its first group: vLLM takes a

@@ -72,9 +72,10 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """None while the workers are holding the stored prefix found (vLLM asks again next step)."""
+        """None while the workers are holding the stored prefix found (vLLM asks again next step); a small
+        load is synchronous (loaded in the step that computes the request), a larger one asynchronous."""
         tokens = self._scheduler.matched_tokens(request, num_computed_tokens)
-        return tokens, bool(tokens)
+        return tokens, bool(tokens) and not self._scheduler.loads_in_step(request)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
@@ -108,10 +109,10 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.begin_step(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        pass  # the loads were handed to the loader when the metadata was bound
+        pass  # the loads were handed to the loader when the metadata was bound, in-step ones waited for
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # no layer waits: a request's load is done before vLLM schedules it
+        pass  # no layer waits: a request's load is done before its forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         self._worker.save_layer(layer_name)

@@ -54,8 +54,9 @@ class Pinned:
 
 @dataclass
 class SchedulerStep:
-    """``loads``: requests whose stored prefix the worker loads off the step, while vLLM holds them back;
-    ``pins``: prefixes to hold for loads to come; ``unpins``: requests whose held prefix will not be loaded."""
+    """``loads``: requests whose stored prefix the worker loads, off the step while vLLM holds them back, or
+    in it (:attr:`~hcache.paged.load_job.LoadJob.in_step`); ``pins``: prefixes to hold for loads to come;
+    ``unpins``: requests whose held prefix will not be loaded."""
 
     requests: list[RequestStep] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)

@@ -23,6 +23,12 @@ evicted before it is loaded:
 - **complete_load**: the worker lets the prefix go when the load is over, loaded or not; the scheduler tells
   it to (``unpins``) where no load follows (the request ended, or vLLM took none of it).
 
+A small load skips the lifecycle (``load_in_step_tokens``; one KV cache group, one rank): its prefix is offered at
+once, held by no one, and loaded in the step that computes the request, which waits for it (vLLM's
+synchronous load), so the request costs no engine step of its own. Two steps of the lifecycle would cost
+more than the load; a chunk that went meanwhile falls short, and vLLM recomputes its blocks in the
+request's next step.
+
 The last prompt token is never offered (:func:`~hcache.restore.restorable.restorable`). Stored-prefix
 tokens not offered are told to the worker with their reason, for the request's record.
 """
@@ -56,6 +62,8 @@ class _Tracked:
     pinning: int = 0  # chunks the workers were asked to hold for its load (0: none held for it)
     why: MissReason | None = None  # why the stored prefix found ends where it does
     answers: dict[int, Pinned] = field(default_factory=dict)  # by rank: how much each holds
+    in_step: bool = False  # its offer loads in the step that computes it (nothing held for it)
+    restart: bool = False  # that load fell short: vLLM recomputes from there, the worker's sequence starts again
 
 
 class SchedulerSide:
@@ -76,6 +84,15 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []  # to send with this step's metadata
         self._pins: list[PinRequest] = []
         self._unpins: list[str] = []
+        # vLLM takes an in-step load's failure by block, which names no request under several KV cache groups; under
+        # tensor parallelism, a rank whose load fell short could not keep the others from saving what followed
+        one = len(setup.block_sizes) == 1 and len(self._fingerprints) == 1
+        self._in_step_tokens = setup.config.settings.load_in_step_tokens if one else 0
+
+    def loads_in_step(self, request) -> bool:
+        """Whether the offer :meth:`matched_tokens` made ``request`` loads in the step that computes it."""
+        tracked = self._requests.get(request.request_id)
+        return tracked is not None and tracked.in_step
 
     def matched_tokens(self, request, num_computed: int) -> int | None:
         """Tokens past ``num_computed`` (vLLM's own prefix-cache hit) that can be loaded; None while the
@@ -108,6 +125,9 @@ class SchedulerSide:
             stored, why = self._checkpoint(stored, why)
         tracked.why = why
         if stored * CHUNK_TOKENS <= num_computed:  # nothing past vLLM's own hit: nothing to hold
+            return self._offer(tracked, num_computed, stored)
+        if stored * CHUNK_TOKENS - num_computed <= self._in_step_tokens:  # loaded at once: nothing to hold
+            tracked.in_step = True
             return self._offer(tracked, num_computed, stored)
         tracked.pinning = stored
         self._pins.append(PinRequest(request.request_id, namespace, prompt[: stored * CHUNK_TOKENS]))
@@ -162,7 +182,7 @@ class SchedulerSide:
         """The blocks for an offered load are allocated: the load goes to the worker with this step, and the
         held prefix with it (the worker lets it go when the load is over). vLLM may take none of the offer."""
         tracked = self._requests.get(request.request_id)
-        if tracked is None or not tracked.pinning:
+        if tracked is None or not (tracked.pinning or tracked.in_step):
             return
         if not num_external:
             self._let_go(tracked)
@@ -176,6 +196,7 @@ class SchedulerSide:
                 [list(g) for g in blocks.get_block_ids()],
                 tracked.computed,
                 end,
+                tracked.in_step,
             )
         )
         tracked.pinning, tracked.answers = 0, {}
@@ -225,6 +246,7 @@ class SchedulerSide:
     ) -> RequestStep:
         """``computed``: the request's tokens held before this step, loaded ones included."""
         length = scheduled.get(req_id, 0)
+        new, tracked.restart = new or tracked.restart, False
         if new:
             tracked.sent = 0
         tracked.block_ids = block_ids
@@ -250,7 +272,8 @@ class SchedulerSide:
             self.events.apply(report.residency)
         for req_id in report.failed:
             if req_id in self._requests:
-                self._requests[req_id].failed = True
+                tracked = self._requests[req_id]
+                tracked.failed, tracked.restart = True, tracked.in_step
         for answer in report.pinned:
             tracked = self._requests.get(answer.req_id)
             if tracked is not None and tracked.pinning:

@@ -265,8 +265,9 @@ class WorkerSide:
             self._pin(ask)
         for job in metadata.loads:
             self._loader.submit(job, self._records.setdefault(job.req_id, SequenceRecord()))
+        short = self._load_in_step([job.req_id for job in metadata.loads if job.in_step])
         requests = [(step, self._sequence(step)) for step in metadata.requests]
-        self._computing = [(step, seq) for step, seq in requests if step.length]
+        self._computing = [(step, seq) for step, seq in requests if step.length and step.req_id not in short]
         if not self._computing or self.stack.saver is None:
             return
         if self._hidden is not None:
@@ -285,6 +286,17 @@ class WorkerSide:
         for step, seq in self._computing:  # the blocks :meth:`_read_kv` reads the chunks this step fills from
             seq.track(step, self.setup.block_sizes)
         self.stack.capture.begin_batch(segments, read_kv=self._read_kv)
+
+    def _load_in_step(self, req_ids: list[str]) -> set[str]:
+        """Wait for the in-step loads ``req_ids``; those that fell short. Their blocks not loaded are load errors:
+        vLLM drops what this step computes of such a request and recomputes from them; nothing of it is saved."""
+        short = set()
+        for req_id, unloaded in (self._loader.wait(req_ids) if req_ids else {}).items():
+            self._errors |= unloaded
+            if unloaded:
+                short.add(req_id)
+                self._failed.append(req_id)
+        return short
 
     def _pin(self, ask: PinRequest) -> None:
         """Hold what the tiers have of a prefix the scheduler means to offer, until its load is over (every

@@ -13,8 +13,10 @@ a store of its own with a six-chunk host pool, restoring from the pool with the 
 file corrupted and Redis stopped, restoring nothing and recomputing; with every chunk file truncated
 before it starts, the same; last, vLLM alone (the reference, in float32: in bfloat16 a token's K/V computed in
 a decode step rounds apart from the same token's in a prefill, so a reply may part from vLLM's alone at a near
-tie, as it does with vLLM's own prefix cache). Every load is asynchronous, and every lossless restore's reply
-equals vLLM's alone. The second engine runs as users run ``vllm.LLM``, with its engine-core and worker
+tie, as it does with vLLM's own prefix cache). The second turn's loads (320 tokens) run in the step that computes
+their request (``load_in_step_tokens``, 1,024 by default), but in the Redis phase (0: every load asynchronous,
+after the worker holds what it offers); the long conversations' (1,216 tokens) run off the step. Every lossless
+restore's reply equals vLLM's alone. The second engine runs as users run ``vllm.LLM``, with its engine-core and worker
 processes (so do the tensor-parallel sessions' TP=2 engines): it steps decoders while loads run, timed against
 its steps without them, which the session's own thread would share in one process (a run so failed its 1.5x
 bound). The others run in the session's process (``in_process``: seconds to start, not the 40-50 s of two
@@ -97,7 +99,9 @@ def session(tmp_path_factory):
             },
             {
                 "in_process": True,
-                "connector": connector("redis", None, ["$REDIS"], store={"host_bytes": POOL_BYTES}),
+                "connector": connector(
+                    "redis", None, ["$REDIS"], store={"host_bytes": POOL_BYTES}, load_in_step_tokens=0
+                ),
                 "block_size": 32,
                 "requests": [["second", "a"], ["first", "r"], ["second", "r", "stop_redis"], ["second", "a"]],
             },
@@ -141,8 +145,8 @@ def test_a_returning_conversation_restores_from_the_host_pool_and_replies_as_vll
 
 
 def test_sixteen_concurrent_requests_half_loading_half_computing_reply_as_vllm_alone(session):
-    """One ``generate`` of 16 requests: eight load their stored prefix off the step while the eight new ones
-    are prefilled and decoded in the same steps, and every reply is vLLM's alone, token for token."""
+    """One ``generate`` of 16 requests: eight load their stored prefix in the steps that compute them while the
+    eight new ones are prefilled and decoded in the same steps, and every reply is vLLM's alone, token for token."""
     phases, logs, _ = session
     (first, second), concurrent = phases[0][:2], phases[1][3:19]
     assert concurrent == [second, first] * 4 + [first] * 8
@@ -161,7 +165,8 @@ def test_decoders_keep_stepping_while_long_conversations_load_from_the_disk(sess
     run's steps without loads. (A step that gives a joining request its first token computes the rest of
     its prompt, as vLLM alone would: set apart.) Then each replies as vLLM alone. A load made inside the
     step (tried: ``Loader.submit`` waiting for its load) fails this: the joining requests then wait two
-    steps, one of which holds every load."""
+    steps, one of which holds every load. So ``load_in_step_tokens``' default (1,024) leaves these 1,216-token
+    loads off the step."""
     phases, logs, steps = session
     assert phases[2][3:] == phases[0][2:] and len(phases[0][2:]) == len(LONG)
     loads = [r for r in logs["disk"] if r["request_id"].startswith("joining")]
@@ -212,8 +217,9 @@ def test_the_host_pool_is_offered_with_the_files_gone_or_redis_down(session):
 def test_a_chunk_lost_after_it_was_offered_is_recomputed_with_its_reason(session):
     """The other conversation's chunks left the six-chunk pool when the second's were saved, and their files
     were deleted: the index still offered them (it is told of pool gains and discards, not of evictions
-    from the pool, which the stores below still hold), the load found the first gone, and vLLM recomputed
-    the blocks it reported: the same reply, and the miss in the request log."""
+    from the pool, which the stores below still hold), the load, in the step that computes the request, found
+    the first gone, and vLLM dropped that step's work of it and recomputed from the blocks it reported: the
+    same reply, and the miss in the request log."""
     phases, logs, _ = session
     assert phases[4][3] == phases[0][1]
     lost = logs["lost"][3]
@@ -227,7 +233,8 @@ def test_a_chunk_lost_after_it_was_offered_is_recomputed_with_its_reason(session
 def test_a_chunk_found_in_a_stopped_redis_is_not_offered_and_is_recomputed_with_its_reason(session):
     """The Redis phase's engine loaded the second turn under salt "a" from Redis into its six-chunk host
     pool, which the next conversation's saves then left it out of (in Redis alone). With Redis stopped,
-    the scheduler's index, which asks no store, still found it; the worker, asked to hold it for the load,
+    the scheduler's index, which asks no store, still found it; the worker, asked to hold it for the load
+    (every load asynchronous in this phase),
     found the tier down, so nothing was offered and no load ran (``restore_s``): vLLM computed it, the reply
     of vLLM alone, and the reason in the request log."""
     phases, logs, _ = session
