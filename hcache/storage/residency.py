@@ -16,7 +16,8 @@ HOST = "host"  # the host pool's tier; a store's is its ``kind`` (:class:`~.stor
 @dataclass(frozen=True)
 class Residency:
     """``key`` entered (``held``) or left ``tier``. An entry carries the chunk's ``tokens`` and ``parent``
-    (where it sits in its chain); a departure says why (``None``: the pool made room, the stores keep it)."""
+    (where it sits in its chain) and the ``layers`` whose rows or state it holds (None: not said); a departure
+    says why (``None``: the pool made room, the stores keep it)."""
 
     key: str
     tier: str
@@ -24,6 +25,12 @@ class Residency:
     tokens: tuple[int, ...] = ()
     parent: str = ""
     why: Loss | None = None
+    layers: frozenset[int] | None = None
+
+    @classmethod
+    def entered(cls, tier: str, image) -> Residency:
+        """A chunk image (:class:`~.chunk.ChunkImage`, named) held in ``tier`` now."""
+        return cls(image.key, tier, True, tuple(image.tokens), image.parent, layers=image.layout.layers)
 
 
 class Followers:

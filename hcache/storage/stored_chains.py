@@ -20,7 +20,8 @@ def stored_chunks(store: ChunkStore) -> list[Residency]:
         except ChunkInvalid:
             continue
         if tokens is not None:
-            chunks[key] = Residency(key, store.kind, True, tuple(tokens), header[1].get("parent", ""))
+            parent = header[1].get("parent", "")
+            chunks[key] = Residency(key, store.kind, True, tuple(tokens), parent, layers=header[0].layers)
     depth: dict[str, int] = {}
 
     def depth_of(key: str) -> int:
