@@ -30,6 +30,7 @@ from .planning.policy import PlanPolicy, is_auto
 from .planning.profile import Profile
 from .planning.window import WindowRule
 from .storage.chunk_key import check_namespace
+from .storage.residency import Kept
 from .storage.store_config import StoreConfig
 from .storage.stored_state import Encoding, Format, code_dtypes, parse_stored_dtype
 
@@ -127,14 +128,13 @@ class HCacheConfig(BaseModel):
     ``state_every``-th chunk, and a prefix restores only to one of those ends (:mod:`hcache.planning.checkpoints`);
     in vLLM, at every ``state_every``-th of vLLM's own checkpoints (its Mamba block). ``kv_events``: publish
     what this node's tiers hold as vLLM's KV cache events over ZMQ from its model server (``hcache serve``,
-    :mod:`hcache.mii`; :class:`KvEvents`), so that a router built for vLLM scores it (one rank, and every layer
-    kept at every position: :meth:`ResolvedConfig.kept_in_part`; vLLM's connector publishes through vLLM's own
-    ``--kv-events-config`` instead). ``load_in_step_tokens``: in vLLM, a stored prefix of at most this many
-    tokens past vLLM's own prefix-cache hit loads inside the step that computes its request, which waits for
-    it; a larger one loads while vLLM holds the request back and steps the others (0: every load so). Not for a
-    model of several KV cache groups (hybrids, windows), whose failed loads vLLM takes by request only, nor
-    under tensor parallelism.
-    hcache's own engines always restore within the request's step.
+    :mod:`hcache.mii`; :class:`KvEvents`), so that a router built for vLLM scores it (one rank; vLLM's connector
+    publishes through vLLM's own ``--kv-events-config`` instead). ``load_in_step_tokens``: in vLLM, a
+    stored prefix of at most this many tokens past vLLM's own prefix-cache hit loads inside the step that
+    computes its request, which waits for it; a larger one loads while vLLM holds the request back and steps
+    the others (0: every load so). Not for a model of several KV cache groups (hybrids, windows), whose failed
+    loads vLLM takes by request only, nor under tensor parallelism. hcache's own engines always restore within
+    the request's step.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -317,14 +317,16 @@ class ResolvedConfig(BaseModel):
         one of its steps ends (:mod:`hcache.planning.checkpoints`)."""
         return StateRule(spec, self.settings.state_every, at_step_end=self.engine == "vllm")
 
-    def kept_in_part(self, spec: ModelSpec) -> str | None:
-        """Which of ``spec``'s layers keep their state at some positions only, if any: a prefix ending elsewhere
-        lacks it, so a block held is no prefix a load finds whole, and KV cache events announce none."""
-        if spec.recurrent_layers:
-            return "recurrent layers, whose state is kept at checkpoints"
-        if self.window_rule(spec).sliding_layers:
-            return "sliding-window layers, whose last window alone each save keeps (sliding_layers='all' keeps all)"
-        return None
+    def kept(self, spec: ModelSpec, layer: int) -> Kept:
+        """Which chunks keep what a load reads of ``layer``: a recurrent layer's state, those at checkpoints; a
+        sliding-window layer's rows under the window rule, the last window of each save; else every chunk (every
+        row, or none of a layer that is not stored, which a load recomputes). KV cache events announce a group's
+        blocks by it (:class:`~hcache.vllm.events.Group`)."""
+        if not self.save_formats[layer]:
+            return Kept.EVERY
+        if spec.is_recurrent(layer):
+            return Kept.CHECKPOINTS
+        return Kept.EVERY if self.window_rule(spec).window(layer) is None else Kept.WINDOW
 
     def check_engine(self, spec: ModelSpec) -> None:
         """Refuse an engine whose model differs from the one these settings were resolved for (in its dtype

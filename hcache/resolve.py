@@ -74,7 +74,7 @@ def resolve(
             "split the state (serve it with gpu_cache=False at tensor_parallel=1)"
         )
     if settings.published_events is not None:
-        _check_events(config, spec, tensor_parallel)
+        _check_events(tensor_parallel)
     config = config.model_copy(update={"save_formats": _save_formats(config)})
     if not spec.restores_hidden and (
         (config.plan is not None and Method.H in config.plan.layers)
@@ -93,18 +93,13 @@ def resolve(
     return config
 
 
-def _check_events(config: ResolvedConfig, spec: ModelSpec, tensor_parallel: int) -> None:
-    """Refuse ``kv_events`` where they cannot be published whole (:mod:`hcache.vllm.publisher`)."""
+def _check_events(tensor_parallel: int) -> None:
+    """Refuse ``kv_events`` where they cannot be published whole (:mod:`hcache.vllm.publisher`): every model is,
+    each kind of layer in a KV cache group of its own, but one process holds one rank's part of each chunk."""
     if tensor_parallel > 1:
         raise InvalidRequestError(
             f"kv_events is published by one model server, and at tensor_parallel={tensor_parallel} each rank "
             "holds its own part of every chunk: serve at tensor_parallel=1, or without kv_events"
-        )
-    partial = config.kept_in_part(spec)
-    if partial is not None:
-        raise UnsupportedModelError(
-            f"kv_events: model_type {spec.model_type!r} has {partial}: a block held is then no prefix a load finds "
-            "whole, and hcache announces none: serve it without kv_events"
         )
     if importlib.util.find_spec("vllm") is None:
         raise InvalidRequestError("kv_events is published by vLLM's own publisher: install vllm (scripts/install.sh)")

@@ -9,7 +9,7 @@ from support.helpers import loaded
 
 from hcache.config import HCacheConfig, ResolvedConfig
 from hcache.resolve import resolve
-from hcache.errors import HCacheError, InvalidRequestError, StorageError
+from hcache.errors import InvalidRequestError, StorageError
 from hcache.mii import serve_command
 from hcache.planning.plan import RestorePlan
 from hcache.planning.profile import Profile
@@ -97,13 +97,9 @@ def test_kv_events_are_refused_where_one_process_cannot_publish_them_whole():
     ):
         resolve({"kv_events": {}}, local_spec(spec, TPGroup(0, 2)), "m", tensor_parallel=2)
     resolve({"kv_events": {"enable_kv_cache_events": False}}, local_spec(spec, TPGroup(0, 2)), "m", tensor_parallel=2)
-    hybrid = loaded("random:granitemoehybrid").spec
-    with pytest.raises(HCacheError, match="kv_events: model_type 'granitemoehybrid' has recurrent layers"):
-        resolve({"kv_events": {}}, hybrid, "m")
-    windowed = loaded("random:gemma3_text").spec  # sliding layers, of which the window rule keeps the last window
-    with pytest.raises(HCacheError, match="kv_events: model_type 'gemma3_text' has sliding-window layers"):
-        resolve({"kv_events": {}}, windowed, "m")
-    resolve({"kv_events": {}, "sliding_layers": "all"}, windowed, "m")  # every token kept: published
+    # a hybrid's state at checkpoints, and a window rule's last windows, are published in groups of their own
+    resolve({"kv_events": {}}, loaded("random:granitemoehybrid").spec, "m")
+    resolve({"kv_events": {}}, loaded("random:gemma3_text").spec, "m")
 
 
 def test_two_bad_settings_are_both_named():

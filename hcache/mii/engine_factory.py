@@ -65,12 +65,14 @@ def build_engine(model_config, hcache: ResolvedConfig) -> ServingEngine:
 
 def _publish_events(serving: ServingEngine, settings: KvEvents) -> None:
     """The ``kv_events`` setting: ``serving``'s tiers published as vLLM's KV cache events until it is closed
-    (:mod:`hcache.vllm.publisher`; one rank, no recurrent layers: :func:`~hcache.resolve.resolve` refused the
-    rest). A publisher that cannot start (its port taken since the check) stops the model server."""
-    from ..vllm.publisher import TierEvents  # imports vLLM
+    (:mod:`hcache.vllm.publisher`; one rank: :func:`~hcache.resolve.resolve` refused more), in KV cache groups of
+    the engine's model. A publisher that cannot start (its port taken since the check) stops the model server."""
+    from ..vllm.publisher import TierEvents, model_groups  # imports vLLM
 
+    stack = serving.stack
+    groups = model_groups(stack.config, stack.window.spec, settings.block_size, stack.window.block)
     try:
-        serving.kv_events = TierEvents(settings, serving.fingerprint, serving.namespace, serving.stack.store)
+        serving.kv_events = TierEvents(settings, serving.fingerprint, serving.namespace, stack.store, groups)
     except BaseException:
         serving.close()
         raise

@@ -102,6 +102,7 @@ class ChunkLayout:
         self.nbytes = data_start + sum(e.nbytes for e in entries.values())
         self.names = {k: _name(*k) for k in entries}
         self.name_set = frozenset(self.names.values())
+        self.layers = frozenset(layer for layer, _ in entries)  # whose rows or state it holds, for KV cache events
         # What a restore checks of a chunk's tensors, so it checks each distinct layout once.
         self.signature = frozenset((k, e.shape, e.dtype) for k, e in entries.items())
 

@@ -116,9 +116,11 @@ class ChunkStore(Protocol):
         """Call ``lost(key, why)`` for each chunk it loses from now on, as far as it knows (with its lock held:
         only note it)."""
 
-    def watch(self, stored: Callable[[str, dict], None], lost: Callable[[str, Loss], None]) -> Sight:
+    def watch(
+        self, stored: Callable[[str, tuple[ChunkLayout, dict]], None], lost: Callable[[str, Loss | None], None]
+    ) -> Sight:
         """Follow the changes anyone makes, where the store has others that change it and can tell them:
-        ``stored(key, metadata)`` for a chunk written (its header's metadata), ``lost(key, why)`` for one that
+        ``stored(key, header)`` for a chunk written (its layout and metadata), ``lost(key, why)`` for one that
         left, from a thread of the store's own, from now on. What it will tell (:class:`Sight`)."""
 
     @property

@@ -441,7 +441,9 @@ class DiskChunkStore:
         with self._lock:
             self._gone.listeners.append(lost)
 
-    def watch(self, stored: Callable[[str, dict], None], lost: Callable[[str, Loss], None]) -> Sight:
+    def watch(
+        self, stored: Callable[[str, tuple[ChunkLayout, dict]], None], lost: Callable[[str, Loss | None], None]
+    ) -> Sight:
         """A private directory has no other writer; a shared one's other nodes write and evict unseen (a scan of
         its directories would be the only way to learn of it)."""
         return Sight.NONE if self.shared else Sight.OWN

@@ -122,8 +122,8 @@ class HostTier:
 
         own = {HOST, *follow_stores(self.stores, tell, told)}
         with self._cond:
-            for key, entry in self._index.entries.items():
-                tell(Residency(key, HOST, True, tuple(entry.where.tokens), entry.where.parent))
+            for entry in self._index.entries.values():
+                tell(Residency.entered(HOST, entry.where))
             self._tell.add(lambda change: change.tier in own and tell(change))
 
     @property
@@ -360,7 +360,7 @@ class HostTier:
     def _add(self, key: str, image: ChunkImage) -> None:
         """With the lock held: publish ``image`` in the pool as the most recently used chunk."""
         self._index.add(key, Entry(image.slot.nbytes, self._index.clock(), image, value=self._values.get(key)))
-        self._tell(Residency(key, HOST, True, tuple(image.tokens), image.parent))
+        self._tell(Residency.entered(HOST, image))
 
     def _alloc(self, nbytes: int, stalls: Stalls) -> Slot | None:
         """A new slot, evicting unreferenced chunks by the policy to make room, and waiting for

@@ -89,9 +89,11 @@ class RedisChunkStore:
         self._lock = threading.Lock()
         self._gone: LossLog[Loss] = LossLog()  # chunks this node found bad and deleted (and, watched, others')
         self._watch: KeyspaceWatch | None = None
-        self._watchers: list[tuple[Callable[[str, dict], None], Callable[[str, Loss | None], None]]] = []
+        self._watchers: list[
+            tuple[Callable[[str, tuple[ChunkLayout, dict]], None], Callable[[str, Loss | None], None]]
+        ] = []
         self._told: set[str] = set()  # chunks the watchers were told are stored
-        self._written: OrderedDict[str, dict] = OrderedDict()  # this node's latest writes' header metadata
+        self._written: OrderedDict[str, tuple[ChunkLayout, dict]] = OrderedDict()  # this node's latest writes' headers
         self._down_until = 0.0
         self.errors = self.skipped = self.bytes_read = self.bytes_written = 0
 
@@ -266,7 +268,9 @@ class RedisChunkStore:
         with self._lock:
             self._gone.listeners.append(lost)
 
-    def watch(self, stored: Callable[[str, dict], None], lost: Callable[[str, Loss | None], None]) -> Sight:
+    def watch(
+        self, stored: Callable[[str, tuple[ChunkLayout, dict]], None], lost: Callable[[str, Loss | None], None]
+    ) -> Sight:
         """Every node's writes and deletes and the server's expiries and evictions, through its keyspace
         notifications (turned on where they are off). ``lost(key, None)`` for each chunk told stored when the
         watch's connection was lost: it is not known to be stored any more. Not for a cluster (each of its
@@ -294,15 +298,15 @@ class RedisChunkStore:
         return Sight.ALL
 
     def _note_write(self, key: str, value: memoryview) -> None:
-        """Keep a watched write's header metadata, so that its notification need not read it back."""
+        """Keep a watched write's header, so that its notification need not read it back."""
         if self._watch is None:
             return
         try:
-            meta = read_header(io.BytesIO(value[:_HEADER_PROBE]), key, len(value))[1]
+            header = read_header(io.BytesIO(value[:_HEADER_PROBE]), key, len(value))
         except ChunkInvalid:
             return  # a header past the probe: read back, as another node's
         with self._lock:
-            self._written[key] = meta
+            self._written[key] = header
             while len(self._written) > _WRITES_KEPT:
                 self._written.popitem(last=False)
 
@@ -310,17 +314,15 @@ class RedisChunkStore:
         """A keyspace notification, on the watch's thread."""
         if what == "set":
             with self._lock:
-                meta = self._written.pop(key, None)
-            if meta is None:
-                header = self.header(key)
-                if header is None:  # gone again, or damaged: a read finds it so
-                    return
-                meta = header[1]
+                header = self._written.pop(key, None)
+            header = header or self.header(key)
+            if header is None:  # gone again, or damaged: a read finds it so
+                return
             with self._lock:
                 self._told.add(key)
                 watchers = list(self._watchers)
             for stored, _ in watchers:
-                stored(key, meta)
+                stored(key, header)
             return
         with self._lock:
             if key not in self._told:

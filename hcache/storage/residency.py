@@ -7,16 +7,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from .chunk_store import Loss
 
 HOST = "host"  # the host pool's tier; a store's is its ``kind`` (:class:`~.stored_state.Source`)
 
 
+class Kept(str, Enum):
+    """Which of a sequence's chunks keep a layer's rows (:meth:`~hcache.config.ResolvedConfig.kept`): every
+    chunk; the last window of each save (a sliding-window layer under the window rule,
+    :mod:`hcache.planning.window`); a recurrent layer's state at checkpoints only
+    (:mod:`hcache.planning.checkpoints`). What a chunk held says of such a layer is then in its ``layers``."""
+
+    EVERY = "every"
+    WINDOW = "window"
+    CHECKPOINTS = "checkpoints"
+
+
 @dataclass(frozen=True)
 class Residency:
     """``key`` entered (``held``) or left ``tier``. An entry carries the chunk's ``tokens`` and ``parent``
-    (where it sits in its chain); a departure says why (``None``: the pool made room, the stores keep it)."""
+    (where it sits in its chain) and the ``layers`` whose rows or state it holds (None: not said; a layer
+    kept in part, :class:`Kept`, then counts as missing); a departure says why (``None``: the pool made room,
+    the stores keep it)."""
 
     key: str
     tier: str
@@ -24,6 +38,12 @@ class Residency:
     tokens: tuple[int, ...] = ()
     parent: str = ""
     why: Loss | None = None
+    layers: frozenset[int] | None = None
+
+    @classmethod
+    def entered(cls, tier: str, image) -> Residency:
+        """A chunk image (:class:`~.chunk.ChunkImage`, named) held in ``tier`` now."""
+        return cls(image.key, tier, True, tuple(image.tokens), image.parent, layers=image.layout.layers)
 
 
 class Followers:

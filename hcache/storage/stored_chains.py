@@ -6,19 +6,23 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from .chunk import ChunkInvalid, header_tokens
+from .chunk import ChunkInvalid, ChunkLayout, header_tokens
 from .chunk_store import ChunkStore, Sight
 from .residency import Residency
 
 
-def stored_chunk(tier: str, key: str, meta: dict) -> Residency | None:
-    """Chunk ``key`` held in ``tier``, placed in its chain by its header's ``meta``; None where its token ids
-    cannot be read (a read of it would find it bad) or none were recorded (it cannot be placed)."""
+def stored_chunk(tier: str, key: str, header: tuple[ChunkLayout, dict]) -> Residency | None:
+    """Chunk ``key`` held in ``tier``, placed in its chain by its ``header`` (which layers it holds too); None
+    where its token ids cannot be read (a read of it would find it bad) or none were recorded (it cannot be
+    placed)."""
+    layout, meta = header
     try:
         tokens = header_tokens(meta, key)
     except ChunkInvalid:
         return None
-    return None if tokens is None else Residency(key, tier, True, tuple(tokens), meta.get("parent", ""))
+    if tokens is None:
+        return None
+    return Residency(key, tier, True, tuple(tokens), meta.get("parent", ""), layers=layout.layers)
 
 
 def stored_chunks(store: ChunkStore) -> list[Residency]:
@@ -28,7 +32,7 @@ def stored_chunks(store: ChunkStore) -> list[Residency]:
     chunks: dict[str, Residency] = {}
     for key in store.keys():
         header = store.header(key)
-        held = stored_chunk(store.kind, key, header[1]) if header is not None else None
+        held = stored_chunk(store.kind, key, header) if header is not None else None
         if held is not None:
             chunks[key] = held
     depth: dict[str, int] = {}
@@ -53,8 +57,8 @@ def follow_stores(
     them), and ``told`` each change that a store others change sees, from its watch's thread (a chunk whose
     header cannot place it is left out). The kinds of the first: their later changes are this node's to tell."""
 
-    def stored(kind: str, key: str, meta: dict) -> None:
-        held = stored_chunk(kind, key, meta)
+    def stored(kind: str, key: str, header: tuple[ChunkLayout, dict]) -> None:
+        held = stored_chunk(kind, key, header)
         if held is not None:
             told(held)
 

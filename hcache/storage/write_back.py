@@ -112,7 +112,7 @@ class WriteBacks:
                             errors,
                         )
                     continue
-                self.tell(Residency(image.key, store.kind, True, tuple(image.tokens), image.parent))
+                self.tell(Residency.entered(store.kind, image))
         finally:
             with self.cond:
                 self._submit(self._ended(image))

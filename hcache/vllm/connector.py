@@ -43,13 +43,13 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._hash_block_size = (
+            hash_block_size = (
                 resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
                 if kv_cache_config is not None
                 else vllm_config.cache_config.block_size
             )
             hashing = block_hasher(vllm_config.cache_config.prefix_caching_hash_algo)
-            self._scheduler = SchedulerSide(setup, hashing, self._hash_block_size)
+            self._scheduler = SchedulerSide(setup, hashing, hash_block_size)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -88,7 +88,7 @@ class HCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> list[KVCacheEvent]:
         """What hcache's tiers gained and lost, as vLLM's KV cache events (:mod:`hcache.vllm.events`)."""
-        return [vllm_event(event, self._hash_block_size) for event in self._scheduler.take_events()]
+        return [vllm_event(event) for event in self._scheduler.take_events()]
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.finished(request)

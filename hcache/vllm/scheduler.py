@@ -74,7 +74,7 @@ class SchedulerSide:
         self._fingerprints = setup.rank_fingerprints  # each rank's keys are rooted in its own
         self._roots = Roots(self._fingerprints, setup.config.settings.namespace)  # where events place chains
         self.events = (
-            BlockEvents(hash_block, hash_block_size, len(self._fingerprints), self._roots)
+            BlockEvents(hash_block, hash_block_size, len(self._fingerprints), self._roots, setup.event_groups)
             if hash_block is not None and setup.events
             else None
         )

@@ -28,6 +28,7 @@ from ..resolve import resolve
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.lookup import StoreLookup
 from . import CONNECTOR, MODULE
+from .events import Group
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +65,37 @@ def kv_transfer_config(settings: dict) -> dict:
 class VllmSetup:
     """``block_sizes``: each of vLLM's KV cache groups' block, in tokens (one group, but for a model with
     layers of several types under vLLM's hybrid KV cache manager); ``groups``: each layer's group;
-    ``events``: vLLM publishes KV cache events (``--kv-events-config``), and hcache's with them (not for a
-    model whose layers are kept at some positions only, recurrent or windowed: none are told)."""
+    ``kinds``: each group's kind and window as vLLM's KV cache events name them (None: not known);
+    ``events``: vLLM publishes KV cache events (``--kv-events-config``), and hcache's with them."""
 
     config: ResolvedConfig
     fingerprint: str
     block_sizes: tuple[int, ...]
     groups: tuple[int, ...]
+    kinds: tuple[tuple[str | None, int | None], ...]
     events: bool = False
 
     @property
     def window_block(self) -> int:
         """The block by which vLLM holds a sliding-window layer's positions (:mod:`hcache.planning.window`)."""
         return max(self.block_sizes)
+
+    @property
+    def event_groups(self) -> tuple[Group, ...]:
+        """vLLM's KV cache groups as hcache's KV cache events name them, each with the layers a chunk must hold
+        for its blocks there (:meth:`~hcache.config.ResolvedConfig.kept`)."""
+        spec, config = self.config.spec, self.config
+        return tuple(
+            Group.of(
+                g,
+                size,
+                kind,
+                window,
+                {layer: config.kept(spec, layer) for layer, group in enumerate(self.groups) if group == g},
+                self.window_block,
+            )
+            for g, (size, (kind, window)) in enumerate(zip(self.block_sizes, self.kinds))
+        )
 
     @property
     def states(self) -> StateRule | None:
@@ -136,12 +155,8 @@ def resolve_setup(vllm_config, kv_cache_config=None) -> VllmSetup:
     fingerprint = hashlib.blake2b(
         f"vllm|{checkpoint_fingerprint(vllm_config.model_config.model, spec)}".encode(), digest_size=16
     ).hexdigest()
-    publishing = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
-    partial = config.kept_in_part(spec)
-    if publishing and partial:
-        log.warning("hcache publishes no KV cache events for a model with %s (docs/vllm.md#kv-events)", partial)
-    events = publishing and partial is None
-    return VllmSetup(config, fingerprint, groups.block_sizes, groups.groups, events)
+    events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
+    return VllmSetup(config, fingerprint, groups.block_sizes, groups.groups, groups.kinds, events)
 
 
 def _resolve(vllm_config, kv_cache_config) -> tuple[ResolvedConfig, ModelSpec, _Groups]:
@@ -212,12 +227,14 @@ def _resolve(vllm_config, kv_cache_config) -> tuple[ResolvedConfig, ModelSpec, _
 
 @dataclass(frozen=True)
 class _Groups:
-    """vLLM's KV cache groups as hcache reads them: each group's block size, each layer's group and window
-    (None: none from vLLM), and the layers whose recurrent state vLLM keeps, that state's shape (as hcache's
+    """vLLM's KV cache groups as hcache reads them: each group's block size, each layer's group, each group's
+    kind and window as vLLM's KV cache events name them (None: not known), each layer's window (None: none
+    from vLLM), and the layers whose recurrent state vLLM keeps, that state's shape (as hcache's
     :class:`~hcache.model.spec.MambaSpec` sizes it) and the block at whose boundaries vLLM checkpoints it."""
 
     block_sizes: tuple[int, ...]
     groups: tuple[int, ...]
+    kinds: tuple[tuple[str | None, int | None], ...]
     windows: tuple[int | None, ...] | None = None
     state_layers: tuple[int, ...] = ()
     state: MambaSpec | None = None
@@ -232,9 +249,9 @@ def _cache_groups(kv_cache_config, num_layers: int, block_size: int) -> _Groups:
     (``mamba_cache_mode="align"``), which hcache then stores; elsewhere vLLM has no state at a position a
     returning prompt could restore to, and the model is refused."""
     if kv_cache_config is None:
-        return _Groups((block_size,), (0,) * num_layers)
+        return _Groups((block_size,), (0,) * num_layers, ((None, None),))
     from vllm.model_executor.models.utils import extract_layer_index
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
     from vllm.v1.kv_cache_interface import MambaSpec as VllmMambaSpec
 
     groups, windows, recurrent, state, state_block = [0] * num_layers, [None] * num_layers, [], None, 0
@@ -255,9 +272,11 @@ def _cache_groups(kv_cache_config, num_layers: int, block_size: int) -> _Groups:
             groups[layer], windows[layer] = g, getattr(kind, "sliding_window", None)
             if isinstance(kind, VllmMambaSpec):
                 recurrent.append(layer)
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
     return _Groups(
-        tuple(group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups),
+        tuple(spec.block_size for spec in specs),
         tuple(groups),
+        tuple((get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)) for spec in specs),
         tuple(windows),
         tuple(sorted(recurrent)),
         state,

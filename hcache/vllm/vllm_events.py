@@ -19,21 +19,29 @@ def block_hasher(algorithm: str) -> HashBlock:
     )
 
 
-def vllm_event(event: Event, block_size: int) -> KVCacheEvent:
-    """One of :mod:`hcache.vllm.events`' events as vLLM publishes its own: hashes as ints where vLLM's are."""
+def vllm_event(event: Event) -> KVCacheEvent:
+    """One of :mod:`hcache.vllm.events`' events as vLLM publishes its own: hashes as ints where vLLM's are, with
+    the KV cache group's index, kind and window as vLLM's scheduler sets them."""
     if isinstance(event, Stored):
         salts = [(("cache_salt", b.salt),) if b.parent is None and b.salt else None for b in event.blocks]
-        parent = event.blocks[0].parent
+        parent, group = event.blocks[0].parent, event.group
         return BlockStored(
             block_hashes=[maybe_convert_block_hash(b.hash) for b in event.blocks],
             parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
             token_ids=[t for b in event.blocks for t in b.tokens],
-            block_size=block_size,
+            block_size=group.block_size,
             lora_id=None,
             medium=event.medium,
             lora_name=None,
             extra_keys=to_event_extra_keys(salts) if any(salts) else None,
+            group_idx=group.index,
+            kv_cache_spec_kind=group.kind,
+            kv_cache_spec_sliding_window=group.window,
         )
     if isinstance(event, Removed):
-        return BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in event.hashes], medium=event.medium)
+        return BlockRemoved(
+            block_hashes=[maybe_convert_block_hash(h) for h in event.hashes],
+            medium=event.medium,
+            group_idx=event.group.index,
+        )
     return AllBlocksCleared()

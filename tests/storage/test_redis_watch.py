@@ -31,7 +31,8 @@ def _follow(url: str) -> tuple[HostTier, list[Residency]]:
 
 
 def _held(c: Chunk, tier: str = REDIS) -> Residency:
-    return Residency(c.key, tier, True, tuple(c.tokens), c.parent)
+    """``c`` held in ``tier``, with the layers it holds, read from its header as from its image."""
+    return Residency(c.key, tier, True, tuple(c.tokens), c.parent, layers=frozenset(layer for layer, _ in c.tensors))
 
 
 def _until(check, timeout_s: float = 10.0) -> None:

@@ -1,5 +1,6 @@
 """Where a chunk is held, as a host tier tells it: entering and leaving the pool, written to and evicted from
-the disk, discarded as bad, and what a restart finds on disk, parents before the chunks that continue them."""
+the disk, discarded as bad, and what a restart finds on disk, parents before the chunks that continue them;
+each entry with the layers the chunk holds."""
 
 from support.damage import rewrite_header
 from support.storage_chunks import chained, publish
@@ -20,7 +21,8 @@ def _tier(path, chunks_in_pool: int, **store) -> HostTier:
 
 
 def _held(c: Chunk, tier: str) -> Residency:
-    return Residency(c.key, tier, True, tuple(c.tokens), c.parent)
+    """``c`` held in ``tier``, with the layers whose rows it holds (for KV cache events' groups)."""
+    return Residency(c.key, tier, True, tuple(c.tokens), c.parent, layers=frozenset(layer for layer, _ in c.tensors))
 
 
 def test_a_saved_chunk_enters_the_pool_then_the_disk_and_leaves_the_pool_when_it_makes_room(tmp_path):

@@ -1,6 +1,7 @@
 """vLLM's KV event stream as a router reads it: a ZMQ SUB socket, each batch decoded by vLLM's msgspec types,
 and what was published before the subscription took (ZMQ drops it) asked of the publisher's replay
-socket; and vLLM's own block hashes of a token sequence, to compare with."""
+socket; vLLM's own block hashes of a token sequence, to compare with; and the prefix of a prompt a router
+finds announced, over every KV cache group as vLLM finds its own."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import threading
 import time
 
 import zmq
+
+from support.vllm_hits import vllm_hit
 
 
 class Stream:
@@ -97,10 +100,11 @@ class Stream:
 
 
 def vllm_hashes(tokens, block_size: int, salt: str | None = None) -> list[int]:
-    """vLLM's chain of block hashes over ``tokens`` (sha256, the process's seed), as its events carry them."""
+    """vLLM's chain of block hashes over ``tokens`` (sha256, vLLM's fixed seed for it), as its events carry them."""
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
 
+    init_none_hash(sha256)  # as an engine seeds it: without PYTHONHASHSEED, the same in every process
     hashes, parent = [], None
     for start in range(0, len(tokens) - block_size + 1, block_size):
         extra = (("cache_salt", salt),) if salt and parent is None else None
@@ -109,14 +113,42 @@ def vllm_hashes(tokens, block_size: int, salt: str | None = None) -> list[int]:
     return hashes
 
 
-def stored_blocks(events: list, medium: str) -> dict:
-    """Block hash -> its token ids, of every block stored on ``medium``."""
+def stored_blocks(events: list, medium: str, group: int | None = None) -> dict:
+    """Block hash -> its token ids, of every block stored on ``medium`` (in KV cache group ``group``: None, any)."""
     from vllm.distributed.kv_events import BlockStored
 
     blocks = {}
     for event in events:
-        if isinstance(event, BlockStored) and event.medium == medium:
+        if isinstance(event, BlockStored) and event.medium == medium and group in (None, event.group_idx):
             size = event.block_size
             for i, block in enumerate(event.block_hashes):
                 blocks[block] = event.token_ids[i * size : (i + 1) * size]
     return blocks
+
+
+def groups(events: list) -> dict[int, tuple]:
+    """Each KV cache group a stream's ``BlockStored`` events name (vLLM's own on ``GPU`` name every group of
+    its engine): its index, kind, window and block size."""
+    from vllm.distributed.kv_events import BlockStored
+
+    return {
+        e.group_idx: (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_size)
+        for e in events
+        if isinstance(e, BlockStored)
+    }
+
+
+def announced_hit(events: list, medium: str, prompt: list[int], hash_block: int) -> int:
+    """The tokens of ``prompt`` a router finds among the blocks ``events`` leave announced on ``medium``,
+    taking a hit as vLLM takes its own over every group of the stream (:func:`groups`), ``hash_block``
+    the engine's hash block; as vLLM, never the prompt's last token."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    held = set()
+    for e in events:
+        if isinstance(e, BlockStored) and e.medium == medium:
+            held |= {(e.group_idx, h) for h in e.block_hashes}
+        elif isinstance(e, BlockRemoved) and e.medium == medium:
+            held -= {(e.group_idx, h) for h in e.block_hashes}
+    hashes = vllm_hashes(prompt, hash_block)
+    return vllm_hit(lambda g, h: (g, h) in held, list(groups(events).values()), hashes, hash_block, len(prompt) - 1)

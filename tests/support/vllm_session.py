@@ -25,7 +25,8 @@ DECODERS, JOINING]`` (each ``[[turn, cache_salt], ...]``) steps the engine one s
 DECODERS decode, and JOINING join them a few steps in. ``"$REDIS"`` in a connector's settings is the URL of a
 redis-server this script starts.
 OUT: ``tokens``: per phase, each request's generated token ids (a ``steps`` request's: JOINING's);
-``logprobs``: the log-probability of each; ``steps``: per phase, its ``steps`` request's steps, or null.
+``logprobs``: the log-probability of each; ``steps``: per phase, its ``steps`` request's steps, or null;
+``prompts``: each turn's prompt token ids.
 """
 
 import contextlib
@@ -313,7 +314,8 @@ def main() -> None:
     finally:
         if redis is not None:
             redis.close()
-    Path(sys.argv[2]).write_text(json.dumps({"tokens": results, "logprobs": logprobs, "steps": timed}))
+    out = {"tokens": results, "logprobs": logprobs, "steps": timed, "prompts": prompts}
+    Path(sys.argv[2]).write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

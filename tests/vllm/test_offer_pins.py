@@ -50,7 +50,7 @@ class _Engine:
         store = {"quota_bytes": quota_bytes} if quota_bytes else {}
         settings = {"store_dirs": [str(tmp_path)], "plan": "KV", "store": store, "load_in_step_tokens": in_step}
         config = resolve(settings, spec, "random-llama", engine="vllm")
-        setup = VllmSetup(config, "pin-test", (BLOCK,), (0,) * LAYERS)
+        setup = VllmSetup(config, "pin-test", (BLOCK,), (0,) * LAYERS, ((None, None),))
         self.worker = WorkerSide(setup, torch.device("cpu"), {})
         self.scheduler = SchedulerSide(setup)
         shape = (64, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size)  # vLLM's CPU layout

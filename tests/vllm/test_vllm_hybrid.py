@@ -10,7 +10,8 @@ turns, whose prefills end on vLLM's checkpoints at 768 and 1152 tokens; a new en
 empty, restores the second turn to 1152 tokens from the disk; another, on Redis alone, restores it from
 there (a restarted node of a fleet); another restores the branch, which leaves the history between
 the two checkpoints, to 768 (no state stored past it that it shares); another finds the chunks holding a
-state corrupted and recomputes. Every reply equals vLLM's alone.
+state corrupted and recomputes. Every reply equals vLLM's alone. The saving engine and the first restarted
+one publish KV cache events (``--kv-events-config``), read off their ZMQ streams with vLLM's own classes.
 
 The same session runs a random Qwen3.5 text model (``qwen3_5_text``: the same gated delta nets and gated
 attention, a dense MLP) where torchvision is installed: vLLM 0.32's Qwen3.5 module, its text-only
@@ -22,8 +23,10 @@ import shutil
 
 import pytest
 import torch
+from support.kv_events import Stream, announced_hit, groups, stored_blocks, vllm_hashes
 from support.vllm_session import run_session
 
+from hcache.machine.ports import free_port
 from hcache.model.loader import save_checkpoint
 from hcache.model.random_weights import QWEN3_NEXT_FOR_VLLM
 
@@ -114,6 +117,10 @@ def session(request, tmp_path_factory):
     ]
     for phase in phases:
         phase["prefix_cache"] = True  # vLLM checkpoints a gated delta net's state in align mode alone
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    for phase, (port, replay) in zip(phases[1:3], ports):  # the saving engine's events, and the restarted one's
+        endpoints = {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{replay}"}
+        phase["engine_args"] = {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", **endpoints}}
     spec = {
         "model": str(_hybrid(request.param, tmp / "model")),
         "dtype": "bfloat16",
@@ -122,12 +129,17 @@ def session(request, tmp_path_factory):
         "in_process": True,
         "phases": phases,
     }
-    out = run_session(spec, tmp)
+    streams = [Stream(port, replay) for port, replay in ports]
+    try:
+        out = run_session(spec, tmp)
+    finally:
+        for stream in streams:
+            stream.close()
     records = {
         name: [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         for name, path in logs.items()
     }
-    return out["tokens"], out["logprobs"], records
+    return out["tokens"], out["logprobs"], records, [stream.events() for stream in streams], out["prompts"]
 
 
 def _as_vllm_alone(
@@ -139,7 +151,7 @@ def _as_vllm_alone(
 
 @pytest.mark.slow
 def test_a_returning_conversation_is_restored_with_its_state_as_vllm_alone(session):
-    tokens, logprobs, records = session
+    tokens, logprobs, records, *_ = session
     for turn in range(2):  # the saving engine's
         _as_vllm_alone(tokens[1][turn], logprobs[1][turn], tokens[0][turn], logprobs[0][turn])
     _as_vllm_alone(tokens[2][0], logprobs[2][0], tokens[0][1], logprobs[0][1])
@@ -151,7 +163,7 @@ def test_a_returning_conversation_is_restored_with_its_state_as_vllm_alone(sessi
 
 @pytest.mark.slow
 def test_a_returning_conversation_is_restored_with_its_state_from_redis_alone(session):
-    tokens, logprobs, records = session
+    tokens, logprobs, records, *_ = session
     _as_vllm_alone(tokens[3][0], logprobs[3][0], tokens[0][1], logprobs[0][1])
     (record,) = records["redis"]
     assert record["restored_tokens"] == 3 * BLOCK and record["tier_tokens"] == {"redis": 3 * BLOCK}
@@ -160,7 +172,7 @@ def test_a_returning_conversation_is_restored_with_its_state_from_redis_alone(se
 
 @pytest.mark.slow
 def test_a_branch_restores_to_the_last_checkpoint_it_shares(session):
-    tokens, logprobs, records = session
+    tokens, logprobs, records, *_ = session
     _as_vllm_alone(tokens[4][0], logprobs[4][0], tokens[0][2], logprobs[0][2])
     (record,) = records["branch"]
     assert record["restored_tokens"] == 2 * BLOCK and "no_state" in record["miss_tokens"]
@@ -168,9 +180,37 @@ def test_a_branch_restores_to_the_last_checkpoint_it_shares(session):
 
 @pytest.mark.slow
 def test_corrupt_state_chunks_are_recomputed_with_the_reason_named(session):
-    tokens, logprobs, records = session
+    tokens, logprobs, records, *_ = session
     # recomputed from the first token, in other steps than vLLM alone took (its own cache resumed it at 768 tokens):
     # bfloat16 rounds the two apart, by some 3e-4 here
     _as_vllm_alone(tokens[5][0], logprobs[5][0], tokens[0][1], logprobs[0][1], within=2e-3)
     (record,) = records["corrupt"]
     assert record["restored_tokens"] == 0 and "failed_verification" in record["miss_tokens"]
+
+
+@pytest.mark.slow
+def test_kv_events_tell_each_group_as_vllm_does_and_a_router_finds_what_a_load_restores(session):
+    """hcache's blocks are told in vLLM's two KV cache groups, each with the index, kind and block vLLM's own
+    events give it: the attention group's blocks as vLLM's own (same hashes, same tokens), the state group's only
+    where a chunk holds a checkpoint's state, at the two prefills' ends (768 and 1152 tokens). The restarted
+    engine announces its disk before serving, and a router taking a hit over both groups there, as vLLM takes
+    its own, finds what the returning turn then restores (1152 tokens) and what the branch restores (768)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    _, _, records, (saved, restarted), prompts = session
+    hcache = [e for e in saved if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+    vllms = groups([e for e in saved if getattr(e, "medium", None) == "GPU"])
+    assert groups(hcache) == vllms and sorted(kind for _, kind, _, _ in vllms.values()) == ["full_attention", "mamba"]
+    (attention,) = [g for g, kind, _, size in vllms.values() if kind == "full_attention" and size == BLOCK]
+    (state,) = [g for g, kind, _, size in vllms.values() if kind == "mamba" and size == BLOCK]
+    gpu, cpu = stored_blocks(saved, "GPU", attention), stored_blocks(saved, "CPU", attention)
+    assert len(cpu) == 3 and {h: gpu.get(h) for h in cpu} == cpu  # vLLM's own blocks: same hash, same tokens
+    states = {h for e in hcache if isinstance(e, BlockStored) and e.group_idx == state for h in e.block_hashes}
+    assert states == set(vllm_hashes(prompts["second"], BLOCK)[1:3])  # the checkpoints at 768 and 1152
+
+    served = next(i for i, e in enumerate(restarted) if isinstance(e, BlockStored) and e.medium == "GPU")
+    disk = restarted[:served]  # what the restarted engine told before serving
+    assert groups(disk) == vllms
+    (loaded,), (branch,) = records["loaded"], records["branch"]
+    assert announced_hit(disk, "STORAGE", prompts["second"], BLOCK) == loaded["restored_tokens"] == 3 * BLOCK
+    assert announced_hit(disk, "STORAGE", prompts["branch"], BLOCK) == branch["restored_tokens"] == 2 * BLOCK

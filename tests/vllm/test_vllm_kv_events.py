@@ -20,7 +20,7 @@ import time
 import urllib.request
 
 import pytest
-from support.kv_events import Stream, stored_blocks
+from support.kv_events import Stream, groups, stored_blocks
 from support.vllm_session import run_session
 from transformers import AutoTokenizer
 
@@ -174,6 +174,8 @@ def test_the_host_pool_and_the_disk_are_announced_as_vllm_hashes_its_blocks_and_
         assert type(next(e for e in events if getattr(e, "medium", None) != "GPU")).__name__ == "AllBlocksCleared"
     gpu, cpu = stored_blocks(saved, "GPU"), stored_blocks(saved, "CPU")
     assert len(cpu) >= 4  # A's and B's full blocks
+    hcache = [e for e in saved if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+    assert groups(hcache) == groups([e for e in saved if getattr(e, "medium", None) == "GPU"])  # vLLM's group, named
     assert {h: gpu.get(h) for h in cpu} == cpu  # each one the engine's own block: same hash, same tokens
     assert _removed(saved, "CPU") & set(cpu)  # B pushed A's chunks out of the pool, and it was told
 

@@ -9,14 +9,17 @@ For each, one session (tests/support/vllm_session.py): vLLM alone computes both 
 engine with the connector saves them (Gemma 3: both formats); a new engine, whose own cache is empty,
 restores the returning turn from the disk by KV (Gemma 3: then another by H); another finds every chunk file
 corrupted and recomputes it. Every reply equals vLLM's alone, token for token and each token's
-log-probability within 1e-4.
+log-probability within 1e-4. The saving engine and the restarted one publish KV cache events
+(``--kv-events-config``), read off their ZMQ streams with vLLM's own classes.
 """
 
 import json
 
 import pytest
+from support.kv_events import Stream, announced_hit, groups, stored_blocks
 from support.vllm_session import logprobs_close, run_session
 
+from hcache.machine.ports import free_port
 from hcache.model.loader import save_checkpoint
 from hcache.model.random_weights import random_model
 
@@ -81,17 +84,28 @@ def session(request, tmp_path_factory):
     }
     for phase in spec["phases"]:
         phase["block_size"] = BLOCK
-    out = run_session(spec, tmp)
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    for phase, (port, replay) in zip(phases[1:3], ports):  # the saving engine's events, and the restarted one's
+        endpoints = {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{replay}"}
+        phase["engine_args"] = {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", **endpoints}}
+    phases[2]["prefix_cache"] = True  # empty as it starts; its own events then name vLLM's groups
+    streams = [Stream(port, replay) for port, replay in ports]
+    try:
+        out = run_session(spec, tmp)
+    finally:
+        for stream in streams:
+            stream.close()
     records = {
         name: [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         for name, path in logs.items()
     }
-    return request.param, out["tokens"], out["logprobs"], records
+    events = [stream.events() for stream in streams]
+    return request.param, out["tokens"], out["logprobs"], records, events, out["prompts"]
 
 
 @pytest.mark.slow
 def test_a_returning_conversation_is_loaded_by_kv_and_by_h_where_it_applies_as_vllm_alone(session):
-    family, tokens, logprobs, records = session
+    family, tokens, logprobs, records, *_ = session
     reference, reference_logprobs = tokens[0][1], logprobs[0][1]
     for turn in range(2):  # the saving engine's
         _as_vllm_alone(tokens[1][turn], logprobs[1][turn], tokens[0][turn], logprobs[0][turn])
@@ -111,8 +125,35 @@ def test_a_returning_conversation_is_loaded_by_kv_and_by_h_where_it_applies_as_v
 
 @pytest.mark.slow
 def test_corrupt_chunks_are_recomputed_with_the_reason_named(session):
-    _, tokens, logprobs, records = session
+    _, tokens, logprobs, records, *_ = session
     ((reply,), (probs,)) = tokens[-1], logprobs[-1]
     _as_vllm_alone(reply, probs, tokens[0][1], logprobs[0][1])
     (record,) = records["corrupt"]
     assert record["restored_tokens"] == 0 and set(record["miss_tokens"]) == {"failed_verification"}
+
+
+@pytest.mark.slow
+def test_kv_events_tell_the_sliding_group_where_its_window_is_held_and_a_router_finds_what_a_load_restores(session):
+    """hcache's blocks are told in vLLM's two KV cache groups, each with the index, kind, window and block vLLM's
+    own events give it: the full-attention group's for every chunk held, as vLLM's own blocks (same hashes, same
+    tokens); the sliding group's only where the window a load reads is held, fewer (each save keeps its last
+    window). The restarted engine announces its disk before serving, and a router taking a hit over both groups
+    there, as vLLM takes its own, finds the whole chunks the returning turn then restores (the block a router
+    may count past them, in a chunk the prompt ends inside, is not loaded: a load restores whole chunks)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    _, _, _, records, (saved, restarted), prompts = session
+    hcache = [e for e in saved if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+    vllms = groups([e for e in restarted if getattr(e, "medium", None) == "GPU"])  # its own cache's
+    assert groups(hcache) == vllms and len(vllms) == 2
+    (full,) = [g for g, _, window, size in vllms.values() if window is None and size == BLOCK]
+    (sliding,) = [g for g, _, window, size in vllms.values() if window == WINDOW and size == BLOCK]
+    gpu, disk = stored_blocks(restarted, "GPU", full), stored_blocks(saved, "STORAGE", full)
+    assert disk and {h: gpu.get(h) for h in disk} == disk  # vLLM's own blocks: same hash, same tokens
+    windows = stored_blocks(saved, "STORAGE", sliding)
+    assert windows and set(windows) < set(disk)  # the last windows alone
+
+    served = next(i for i, e in enumerate(restarted) if isinstance(e, BlockStored) and e.medium == "GPU")
+    (loaded,) = records["loaded"]
+    found = announced_hit(restarted[:served], "STORAGE", prompts["second"], BLOCK)
+    assert found // 64 * 64 == loaded["restored_tokens"] >= 256

@@ -41,7 +41,9 @@ def _worker(tmp_path, bound=None):
     spec = ModelSpec.from_config(random_model("llama", num_hidden_layers=LAYERS).config, torch.float32)
     config = resolve({"store_dirs": [str(tmp_path)], "plan": "KV"}, spec, "random-llama", engine="vllm")
     attention = {}
-    worker = WorkerSide(VllmSetup(config, "worker-test", (BLOCK,), (0,) * LAYERS), torch.device("cpu"), attention)
+    worker = WorkerSide(
+        VllmSetup(config, "worker-test", (BLOCK,), (0,) * LAYERS, ((None, None),)), torch.device("cpu"), attention
+    )
     caches = {
         f"model.layers.{i}.self_attn.attn": torch.zeros(
             64, KERNEL_BLOCK, spec.num_kv_heads, 2 * spec.head_size
