@@ -67,9 +67,8 @@ class VllmModel:
 
 @dataclass(kw_only=True)
 class _Sequence(Session):
-    blocks: list[dict[int, int]] = field(
-        default_factory=list
-    )  # by KV cache group: block index in the request -> id, for the chunk being filled
+    # by KV cache group: block index in the request -> id, for the chunk being filled
+    blocks: list[dict[int, int]] = field(default_factory=list)
 
     def track(self, step: RequestStep, sizes: list[int]) -> None:
         """Note the blocks of ``step``'s tokens, forgetting those before the chunk it begins in: the blocks of
@@ -132,9 +131,8 @@ class WorkerSide:
 
     def __init__(self, setup: VllmSetup, device: torch.device, attention_layers: dict, rank: int = 0):
         self.setup, self.config = setup, setup.config
-        self.tp = TPGroup(
-            rank, setup.config.tensor_parallel
-        )  # no process group: the ranks never talk, vLLM's scheduler decides for them
+        # no process group: the ranks never talk, vLLM's scheduler decides for them
+        self.tp = TPGroup(rank, setup.config.tensor_parallel)
         spare = spare_cpus() if device.type == "cpu" else set()
         helper_threads.run_on(spare)  # before the store stack starts its threads
         if spare:
@@ -222,14 +220,12 @@ class WorkerSide:
             self._hidden = HiddenLayers(
                 spec, registering_model(self._attention), layers, saved if self.stack.saver else frozenset()
             )
-            self._hidden_group = self.setup.groups[
-                next(iter(layers))
-            ]  # HiddenLayers finds rows by its first layer's slots
+            # HiddenLayers finds rows by its first layer's slots
+            self._hidden_group = self.setup.groups[next(iter(layers))]
             if self.stack.capture is not None:
                 self._saves_hidden = {layers[index] for index in saved}
         if self.stack.store is not None:
             rebuild = self._hidden.rebuild if self._hidden is not None else None
-            lost = lambda key, reason: self._changes.append((key, reason))  # noqa: E731
             # a load process needs the caches moved in place: only where the layers hold the tensors registered (not
             # views of them), and no recurrent layer's state shares their pages (vLLM pairs a Mamba layer's pages with
             # an attention layer's; moved, the two would part)
@@ -243,16 +239,10 @@ class WorkerSide:
                     if self._states
                     else "vLLM's layers hold views of their caches, not the caches registered",
                 )
-            self._loader = Loader(
-                self.stack,
-                self.setup.block_sizes,
-                self._kernel_block,
-                list(self._layers.values()),
-                rebuild,
-                lost,
-                movable=movable,
-                states=tuple(self._states.values()),
-            )
+            layers, states = list(self._layers.values()), tuple(self._states.values())
+            lost = lambda key, reason: self._changes.append((key, reason))  # noqa: E731
+            args = (self.stack, self.setup.block_sizes, self._kernel_block, layers, rebuild, lost)
+            self._loader = Loader(*args, movable=movable, states=states)
 
     # ---- each step --------------------------------------------------------------------------------------
     def begin_step(self, metadata: SchedulerStep) -> None:
@@ -290,13 +280,10 @@ class WorkerSide:
     def _load_in_step(self, req_ids: list[str]) -> set[str]:
         """Wait for the in-step loads ``req_ids``; those that fell short. Their blocks not loaded are load errors:
         vLLM drops what this step computes of such a request and recomputes from them; nothing of it is saved."""
-        short = set()
-        for req_id, unloaded in (self._loader.wait(req_ids) if req_ids else {}).items():
-            self._errors |= unloaded
-            if unloaded:
-                short.add(req_id)
-                self._failed.append(req_id)
-        return short
+        done = self._loader.wait(req_ids) if req_ids else {}
+        self._errors.update(*done.values())
+        self._failed += [req_id for req_id, unloaded in done.items() if unloaded]
+        return {req_id for req_id, unloaded in done.items() if unloaded}
 
     def _pin(self, ask: PinRequest) -> None:
         """Hold what the tiers have of a prefix the scheduler means to offer, until its load is over (every
@@ -350,12 +337,10 @@ class WorkerSide:
         number of chunks."""
         seqs = {seq.uid: seq for _, seq in self._computing}
         elements: dict[tuple[int, int], Places] = {}  # shared by the layers of a layout and group
-        k = (
-            self._kernel_block
-        )  # segments of whole kernel blocks (a GPU's 16 tokens in a 64-token chunk) are read a block at a time
-        whole = (
-            sum(s.length for s in segments) // k if all(s.start % k == 0 and s.length % k == 0 for s in segments) else 0
-        )
+        # segments of whole kernel blocks (a GPU's 16 tokens in a 64-token chunk) are read a block at a time
+        k = self._kernel_block
+        aligned = all(s.start % k == 0 and s.length % k == 0 for s in segments)
+        whole = sum(s.length for s in segments) // k if aligned else 0
         rows = []
         for index in layers:
             layer = self._by_index[index]
