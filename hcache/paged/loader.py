@@ -169,8 +169,8 @@ class Loader:
         """Each layer's K/V of positions ``[job.start, end)`` into the cache (a sliding-window layer's from
         the first chunk it reads on, and from the first position its group holds in a real block), by the
         restore core's pipeline (:func:`~hcache.restore.layers.restore_layers`): a layer's rows gathered
-        from the pool in one call on the copier's side stream (one DMA per chunk from pinned slots, on a
-        GPU), KV decoded and scattered there too, while the layers before it that restore by H are decoded,
+        from the pool in one call on the copier's side stream (on a GPU, one kernel reading the pinned
+        slots in place, or, where it cannot, a DMA per chunk), KV decoded and scattered there too, while the layers before it that restore by H are decoded,
         rebuilt and scattered on the loader's own stream, each after its copy's event. This thread then
         waits for both streams (the step's stream never does): the pool's slots are released after this,
         and the load reported done. On a CPU with a load process, that process writes the KV layers
@@ -199,9 +199,11 @@ class Loader:
         }
         if NULL_BLOCK in state_blocks.values():  # vLLM holds no state there: nothing is written, it recomputes
             raise RuntimeError(f"vLLM holds no block for the recurrent state at token {end}")
-        shared = ImageRows.of(images) if self._scratch is not None else None
+        shared = ImageRows.of(images, copier.device)
         kv = [j for j in jobs if j.method is not Method.H and not j.state]
-        process = self._process if kv and shared is not None and self._in_pool(shared) else None
+        process = (
+            self._process if kv and self._scratch is not None and shared is not None and self._in_pool(shared) else None
+        )
         dtype = self.layers[0].cache.dtype
         rows = StoredRows(images, first, end, copier, dtype, self._scratch, shared)
         sent = False  # the KV layers to the load process, the H layers here, at once

@@ -47,9 +47,10 @@ class RestoreTarget(Protocol):
 
 class StoredRows:
     """A restore's verified chunks (``images``, the first of them chunk ``first`` of the sequence), read a
-    layer at a time, up to position ``end``. On a CPU, where the images share one arena and layout
-    (``shared``: :class:`~hcache.storage.image_rows.ImageRows`), a layer is one gather into ``scratch``'s
-    buffers; otherwise one copy per chunk (a DMA from its pinned slot, on a GPU: :meth:`Copier.gather`).
+    layer at a time, up to position ``end``. Where the images share one arena and layout and the device
+    reads it (``shared``: :class:`~hcache.storage.image_rows.ImageRows`), a layer is one gather, into
+    ``scratch``'s buffers if given (a CPU's); otherwise one copy per chunk (a DMA from its pinned slot, on a
+    GPU: :meth:`Copier.gather`).
     ``filler``: the rows of a chunk this rank lacks but the tensor-parallel agreement holds (past its own
     bad chunk: garbage the agreement cuts off)."""
 
@@ -76,16 +77,26 @@ class StoredRows:
         parts[0] = parts[0][job.begin - (self.first + chunks.start) * CHUNK_TOKENS :]
         return parts
 
+    def kv(self, job: LayerJob) -> list[torch.Tensor | QuantRows]:
+        """The layer's rows of positions ``[job.begin, end)`` for a target that writes them into its cache
+        itself: gathered in one transfer where they can be, else in place, one part per chunk (copied
+        straight into the cache, a DMA each)."""
+        return [self.rows(job, self.gather(job))] if self.shared is not None else self.parts(job)
+
     def gather(self, job: LayerJob) -> list[torch.Tensor | QuantRows]:
         """The layer's rows of its chunks, copied to the device: one run per encoding the chunks were
         stored in (one, unless they differ)."""
         if self.scratch is not None:
             self.scratch.next_job()
         if self.shared is not None:
-            return [self.shared.stored_rows(job.layer, job.method.value, job.chunks, self.scratch.empty)]
+            empty = self.scratch.empty if self.scratch is not None else self._empty
+            return [self.shared.stored_rows(job.layer, job.method.value, job.chunks, empty)]
         n = len(self.images)
         parts = [stored_rows(self.images[j], job.layer, job.method.value) if j < n else self.filler for j in job.chunks]
         return gather_runs(self.copier, parts, self.scratch)
+
+    def _empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.shared.base.device)
 
     def decode(self, runs: list[torch.Tensor | QuantRows]) -> torch.Tensor:
         """:meth:`gather`'s runs as one tensor in the model's dtype (8-bit rows dequantised into the scratch's

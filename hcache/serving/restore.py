@@ -31,6 +31,7 @@ from ..restore.records import MissReason
 from ..restore.stored_prefix import RestoreOutcome, StoredPrefix
 from ..storage.chunk_key import CHUNK_TOKENS
 from ..storage.host_tier import HostTier
+from ..storage.image_rows import ImageRows
 from ..transfer.copier import Copier
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,9 @@ def restore_prefix(
                     if tp.world_size > 1
                     else None
                 )
-                rows = StoredRows(prefix.images, first, base + end(n), copier, engine.spec.torch_dtype, filler=filler)
+                shared = ImageRows.of(prefix.images, copier.device) if filler is None else None
+                dtype = engine.spec.torch_dtype
+                rows = StoredRows(prefix.images, first, base + end(n), copier, dtype, shared=shared, filler=filler)
                 restore_layers(jobs, rows, EngineTarget(engine, uid, base + held), copier, tp, agreed)
             restored = tp.min(n)
             if restored < n:
@@ -133,7 +136,7 @@ class EngineTarget:
         self.engine, self.uid, self.start = engine, uid, start
 
     def write_kv(self, job: LayerJob, rows: StoredRows) -> None:
-        self.engine.restore_kv(self.uid, job.layer, rows.parts(job), job.begin - self.start)
+        self.engine.restore_kv(self.uid, job.layer, rows.kv(job), job.begin - self.start)
 
     def write_hidden(self, job: LayerJob, hidden: torch.Tensor) -> None:
         self.engine.restore_from_hidden(self.uid, job.layer, hidden, job.begin - self.start)

@@ -27,16 +27,18 @@ def round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
 
 
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
+# cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every CUDA context, and in the GPU's address
+# space, so a kernel reads a slot in place (:func:`~hcache.ops.device_copy.host_alias`)
+_HOST_REGISTER_FLAGS = 1 | 2
 
 
 def _register(owner: object, memory: mmap.mmap, arena: torch.Tensor) -> None:
-    """Page-lock ``arena`` (``memory``'s pages) for DMA to the GPU while ``owner`` lives (unregistering does
-    not free it). A forked child does not inherit the mapping: a copy-on-write page of the parent would move
+    """Page-lock ``arena`` (``memory``'s pages) for DMA to the GPU, and map them for its kernels, while
+    ``owner`` lives (unregistering does not free it). A forked child does not inherit the mapping: a copy-on-write page of the parent would move
     away from under the DMA that the registration points at."""
     memory.madvise(mmap.MADV_DONTFORK)
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), _HOST_REGISTER_PORTABLE)
+    err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), _HOST_REGISTER_FLAGS)
     if int(err) != 0:
         raise RuntimeError(f"cannot pin a host pool of {arena.numel()} bytes (cudaHostRegister error {int(err)})")
     weakref.finalize(owner, cudart.cudaHostUnregister, arena.data_ptr())

@@ -32,15 +32,20 @@ LAYERS, BLOCK, KERNEL_BLOCK = 3, 32, 16
 
 @pytest.fixture(scope="module")
 def model():
-    model = random_model("llama", num_hidden_layers=LAYERS, max_position_embeddings=2048)
+    model = random_model("llama", num_hidden_layers=LAYERS, max_position_embeddings=256 * CHUNK_TOKENS + 64)
     return model, ModelSpec.from_config(model.config, torch.float32)
 
 
 def _saved(model, tmp_path, rng, chunks: int, **settings):
     """A serving engine whose store holds a ``chunks``-chunk prompt, every format, and the prompt."""
     model, spec = model
+    blocks = max(40, chunks + 2)  # of the reference engine's 64 tokens
     serving = serving_engine(
-        ReferenceEngine(model, spec, num_blocks=40), model_fingerprint(model, spec), tmp_path, save="all", **settings
+        ReferenceEngine(model, spec, num_blocks=blocks),
+        model_fingerprint(model, spec),
+        tmp_path,
+        save="all",
+        **settings,
     )
     prompt = random_prompt(chunks * CHUNK_TOKENS + 1, spec.vocab_size, rng)
     serving.put([0], [prompt])
@@ -325,20 +330,23 @@ def test_a_load_reports_a_stored_prefix_as_the_serving_engines_restore_does(mode
         restoring.close()
 
 
+@pytest.mark.parametrize("many", [64, pytest.param(256, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("plan", ["KV", "H", "2H+1KV"])
 def test_a_load_never_syncs_its_work_does_not_grow_with_chunks_and_makes_no_stream(
-    model, tmp_path, rng, monkeypatch, plan
+    model, tmp_path, rng, monkeypatch, plan, many
 ):
     """Counted as tests/serving/test_gpu_budgets.py counts a restore: no host sync from a load's start to its
-    end; the same device ops for 2 chunks as for 6 (per layer one gather, one scatter, and for H one
-    rebuild); and, on the GPU branches, no stream, event or pinned buffer made by a load: its copies run on
-    the copier's side stream, its rebuilds on the loader's stream, both made once."""
+    end; one transfer from the pool per layer (a gather reading every chunk's slot in place), at 16 chunks
+    as at 256, and the same device ops (per layer one gather, one scatter, and for H one rebuild); and, on
+    the GPU branches, no stream, event or pinned buffer made by a load: its copies run on the copier's side
+    stream, its rebuilds on the loader's stream, both made once."""
     spec = model[1]
     cuda = FakeCuda(monkeypatch)
     counts = {}
-    for chunks in (2, 6):
+    for chunks in (16, many):
         serving, prompt = _saved(model, tmp_path / str(chunks), rng, chunks, plan=plan)
-        loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, _cache(spec, 40), _rebuild(spec, rng))
+        layers = _cache(spec, 4 * chunks)  # kernel blocks of 16 tokens
+        loader = Loader(serving.stack, (BLOCK,), KERNEL_BLOCK, layers, _rebuild(spec, rng))
         made = dict(cuda.made)
         job = LoadJob("r", None, prompt[: chunks * CHUNK_TOKENS], [list(range(2 * chunks))], 0, chunks * CHUNK_TOKENS)
         try:
@@ -348,11 +356,12 @@ def test_a_load_never_syncs_its_work_does_not_grow_with_chunks_and_makes_no_stre
             loader.close()
             serving.close()
         counts[chunks] = counter
-        print(f"\n{chunks} chunks: {dict(counter.ops)}; syncs {dict(counter.syncs)}")
+        print(f"\n{chunks} chunks: {dict(counter.ops)}; {counter.deviceward} transfers; syncs {dict(counter.syncs)}")
         assert not counter.syncs, f"host syncs in a load of {chunks} chunks: {dict(counter.syncs)}"
         assert cuda.made == made, f"made by a load: {dict(cuda.made)} after {made}"
-    assert counts[2].ops == counts[6].ops, (
-        f"device ops grow with chunks: {dict(counts[2].ops)} against {dict(counts[6].ops)}"
+        assert counter.deviceward == LAYERS, f"{counter.deviceward} transfers from the pool for {LAYERS} layers"
+    assert counts[16].ops == counts[many].ops, (
+        f"device ops grow with chunks: {dict(counts[16].ops)} against {dict(counts[many].ops)}"
     )
 
 

@@ -28,6 +28,8 @@ inline). hcache's one pinned buffer is the host pool, registered once per store 
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 
 import pytest
 import torch
@@ -41,21 +43,25 @@ from hcache.engine.reference import ReferenceEngine
 from hcache.model.fingerprint import model_fingerprint
 from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
+from hcache.planning.plan import Method, RestorePlan
 from hcache.storage.chunk_key import CHUNK_TOKENS
 
 LAYERS = 4
+FEW = 16  # chunks of a restore, whose budgets are those of many more
 PLANS = ["RE", "H", "KV", f"1RE+{LAYERS - 2}H+1KV"]
 
 
 @pytest.fixture(scope="module")
 def model():
-    model = random_model("llama", num_hidden_layers=LAYERS, max_position_embeddings=2048)
+    model = random_model(
+        "llama", num_hidden_layers=LAYERS, max_position_embeddings=256 * CHUNK_TOKENS + 64
+    )  # the longest history
     return model, ModelSpec.from_config(model.config, torch.float32)
 
 
-def _serving(model, tmp_path, plan: str, **settings):
+def _serving(model, tmp_path, plan: str, num_blocks: int = 40, **settings):
     model, spec = model
-    engine = ReferenceEngine(model, spec, num_blocks=40)
+    engine = ReferenceEngine(model, spec, num_blocks=num_blocks)
     return serving_engine(
         engine,
         model_fingerprint(model, spec),
@@ -85,6 +91,13 @@ class Restores:
         monkeypatch.setattr(serving_module, "restore_prefix", counted)
         for name in ("restore_kv", "restore_from_hidden"):
             self._count_calls(serving.engine, name)
+        recompute = serving.engine.recompute_layers
+
+        def recompute_apart(*args, **kwargs):  # the RE layers' compute, which grows with tokens as a prefill does
+            with self.counters[-1].apart():
+                return recompute(*args, **kwargs)
+
+        monkeypatch.setattr(serving.engine, "recompute_layers", recompute_apart)
 
     def _count_calls(self, engine, name: str) -> None:
         original = getattr(engine, name)
@@ -96,39 +109,82 @@ class Restores:
         self.monkeypatch.setattr(engine, name, call)
 
 
+@pytest.fixture(scope="module")
+def saved(model, tmp_path_factory):
+    """``saved(chunks, stored_dtype)``: a serving engine built on hcache's GPU branches (fake streams) that
+    has saved a history of that many chunks, every layer as H and KV, and the history; made once a module."""
+    made, tmp = {}, tmp_path_factory.mktemp("budgets")
+    with contextlib.ExitStack() as stack:
+
+        def history(chunks: int, stored_dtype: str):
+            if (chunks, stored_dtype) not in made:
+                rng = torch.Generator().manual_seed(chunks)
+                prompt = random_prompt(chunks * CHUNK_TOKENS + 1, model[1].vocab_size, rng)
+                blocks = 2 * -(-len(prompt) // ReferenceEngine.BLOCK_SIZE)  # the saved sequence's, a restore's
+                with pytest.MonkeyPatch.context() as patch:
+                    FakeCuda(patch)
+                    where = tmp / f"{chunks}-{stored_dtype}"
+                    serving = stack.enter_context(_serving(model, where, "KV", blocks, stored_dtype=stored_dtype))
+                    serving.put([0], [prompt])
+                    serving.flush(0)
+                    serving.stack.store.flush()  # its writers idle before another engine's restore is counted
+                made[chunks, stored_dtype] = serving, prompt
+            return made[chunks, stored_dtype]
+
+        yield history
+
+
 def _restore(
-    model, tmp_path, monkeypatch, rng, plan: str, chunks: int, stored_dtype: str = "auto"
+    saved, monkeypatch, plan: str, chunks: int, stored_dtype: str = "auto"
 ) -> tuple[Counter, collections.Counter]:
-    """Save a ``chunks``-chunk history, then restore it in one put; the restore's counts."""
-    spec = model[1]
-    prompt = random_prompt(chunks * CHUNK_TOKENS + 1, spec.vocab_size, rng)
-    with _serving(model, tmp_path / f"{plan}-{chunks}", plan, stored_dtype=stored_dtype) as serving:
-        serving.put([0], [prompt])
-        serving.flush(0)
-        restores = Restores(serving, monkeypatch)
-        serving.put([1], [prompt])
-        assert serving.record(1).restored_tokens == chunks * CHUNK_TOKENS
-        (counter,) = restores.counters
-        return counter, restores.calls
+    """Restore a saved ``chunks``-chunk history by ``plan`` in one put, on the GPU branches; its counts."""
+    serving, prompt = saved(chunks, stored_dtype)
+    FakeCuda(monkeypatch)
+    restores = Restores(serving, monkeypatch)
+    uid = next(_UIDS)
+    serving.open(uid, plan=plan)
+    serving.put([uid], [prompt])
+    assert serving.record(uid).restored_tokens == chunks * CHUNK_TOKENS
+    serving.flush(uid)
+    (counter,) = restores.counters
+    return counter, restores.calls
 
 
-@pytest.mark.parametrize("plan", PLANS)
-def test_a_restore_never_syncs_and_its_work_does_not_grow_with_chunks(model, tmp_path, monkeypatch, rng, plan):
-    """From a restore's start to its end: no host sync; the same device ops for 2 chunks as for 8 (a KV layer
-    is one batched copy, an H layer one gather and one projection); one engine call per stored layer."""
-    found = {n: _restore(model, tmp_path, monkeypatch, rng, plan, n) for n in (2, 8)}
+_UIDS = itertools.count(1)  # a restore's sequence (0 saved each history)
+
+
+def _holds_budgets(found: dict, plan: str, stored_dtype: str = "auto") -> None:
+    """No host sync; one engine call per stored layer; one transfer from the pool per stored layer (each
+    tensor of it, 8-bit codes and scales apart), however many chunks; the same device ops for few chunks as
+    for many."""
+    stored = sum(method is not Method.RE for method in RestorePlan.parse(plan, LAYERS).layers)
+    transfers_per_layer = 2 if stored_dtype == "8bit" else 1
+    plan = f"{plan} {stored_dtype}"
     for n, (counter, calls) in found.items():
         print(
-            f"\n{plan}, {n} chunks: {sum(counter.ops.values())} device ops {dict(counter.ops)}; syncs {dict(counter.syncs)}; "
-            f"engine calls {dict(calls)}"
+            f"\n{plan}, {n} chunks: {sum(counter.ops.values())} device ops {dict(counter.ops)}; "
+            f"{counter.deviceward} transfers from the pool; syncs {dict(counter.syncs)}; engine calls {dict(calls)}"
         )
     for n, (counter, calls) in found.items():
         assert not counter.syncs, f"{plan}, {n} chunks: host syncs during a restore: {dict(counter.syncs)}"
         assert set(calls.values()) <= {1}, f"{plan}, {n} chunks: engine calls per layer: {dict(calls)}"
-    (few, _), (many, _) = found[2], found[8]
-    assert many.ops == few.ops, (
-        f"{plan}: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
-    )
+        assert counter.deviceward == transfers_per_layer * stored, (
+            f"{plan}, {n} chunks: {counter.deviceward} transfers from the pool for {stored} stored layers"
+        )
+    (few, _), (many, _) = found.values()
+    assert many.ops == few.ops, f"{plan}: device ops grow with chunks: {dict(few.ops)}, then {dict(many.ops)}"
+
+
+MANY = [64, pytest.param(256, marks=pytest.mark.slow)]  # chunks, against 16: the quick check's, the suite's
+
+
+@pytest.mark.parametrize("many", MANY)
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_restore_never_syncs_and_its_work_does_not_grow_with_chunks(saved, monkeypatch, plan, many):
+    """From a restore's start to its end, on the GPU branches: a KV layer is one transfer from the pool (a
+    gather reading every chunk's slot in place) and one scatter, an H layer one gather and one projection,
+    at 16 chunks as at 256; an RE layer's compute aside."""
+    _holds_budgets({n: _restore(saved, monkeypatch, plan, n) for n in (FEW, many)}, plan)
 
 
 def test_a_put_hashes_each_chunk_once_for_its_lookups(model, tmp_path, monkeypatch, rng):
@@ -242,20 +298,10 @@ def test_a_restores_copies_wait_for_its_allocation_not_for_its_re_layers(model, 
     assert cuda.log[:3] == ["begin_restore", "copies wait for compute", "recompute_layers"], cuda.log
 
 
+@pytest.mark.parametrize("many", MANY)
 @pytest.mark.parametrize("plan", ["H", "KV"])
-def test_a_restore_from_8_bit_state_never_syncs_and_its_work_does_not_grow_with_chunks(
-    model, tmp_path, monkeypatch, rng, plan
-):
-    """Dequantising 8-bit state happens on the device inside the restore: no host sync, one engine call per
-    stored layer, the same device ops for 2 chunks as for 8."""
-    found = {n: _restore(model, tmp_path / str(n), monkeypatch, rng, plan, n, stored_dtype="8bit") for n in (2, 8)}
-    for n, (counter, calls) in found.items():
-        print(
-            f"\n{plan} 8bit, {n} chunks: {sum(counter.ops.values())} device ops; syncs {dict(counter.syncs)}; engine calls {dict(calls)}"
-        )
-        assert not counter.syncs, f"{plan} 8bit, {n} chunks: host syncs during a restore: {dict(counter.syncs)}"
-        assert set(calls.values()) <= {1}, f"{plan} 8bit, {n} chunks: engine calls per layer: {dict(calls)}"
-    (few, _), (many, _) = found[2], found[8]
-    assert many.ops == few.ops, (
-        f"{plan} 8bit: device ops grow with chunks: 2 chunks {dict(few.ops)}, 8 chunks {dict(many.ops)}"
-    )
+def test_a_restore_from_8_bit_state_never_syncs_and_its_work_does_not_grow_with_chunks(saved, monkeypatch, plan, many):
+    """Dequantising 8-bit state happens on the device inside the restore: its codes and its scales are a
+    transfer each."""
+    found = {n: _restore(saved, monkeypatch, plan, n, "8bit") for n in (FEW, many)}
+    _holds_budgets(found, plan, "8bit")

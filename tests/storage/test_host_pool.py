@@ -76,8 +76,9 @@ def test_pools_larger_than_memory_cost_nothing_until_used_and_the_process_can_st
     assert bytes(pools[0].buffer(slot)[:5]) == b"hello"
 
 
-def test_a_pinned_pool_is_registered_for_every_context_and_not_inherited_by_a_fork(monkeypatch):
-    """cudaHostRegisterPortable (flag 1): pinned in every CUDA context, not only the one current at open;
+def test_a_pinned_pool_is_registered_mapped_for_every_context_and_not_inherited_by_a_fork(monkeypatch):
+    """cudaHostRegisterPortable | cudaHostRegisterMapped (flags 1 | 2): pinned in every CUDA context, not
+    only the one current at open, and mapped for the GPU's kernels (a restore's gather reads slots in place);
     MADV_DONTFORK: a forked child neither shares nor copies-on-write the pinned pages (the kernel's "dc"
     flag on the mapping). cudart is faked, so this runs without a GPU."""
     calls = []
@@ -92,7 +93,7 @@ def test_a_pinned_pool_is_registered_for_every_context_and_not_inherited_by_a_fo
 
     monkeypatch.setattr(torch.cuda, "cudart", Cudart)
     pool = HostPool(4 * PAGE, pin=True)
-    assert calls == [(pool.arena.data_ptr(), 4 * PAGE, 1)]
+    assert calls == [(pool.arena.data_ptr(), 4 * PAGE, 1 | 2)]
     assert "dc" in _vm_flags(pool.arena.data_ptr())
 
 

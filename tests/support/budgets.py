@@ -41,6 +41,19 @@ class Counter(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.syncs: collections.Counter = collections.Counter()
         self.hostward = 0  # copies into host memory from a device tensor (each a PCIe transfer on a GPU)
+        # reads of the host pool onto the device: a copy's each (one DMA), or an op's that reads the pool in
+        # place (one kernel, across the bus, whatever it reads)
+        self.deviceward = 0
+        self._apart = 0
+
+    @contextlib.contextmanager
+    def apart(self):
+        """Nothing counted meanwhile: the engine's own compute (a recompute's layers) inside what is counted."""
+        self._apart += 1
+        try:
+            yield
+        finally:
+            self._apart -= 1
 
     def on_host(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() == self.host
@@ -54,6 +67,8 @@ class Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self._apart:
+            return out
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         device = [t for t in tensors if not self.on_host(t)]
         name = func.overloadpacket.__name__
@@ -68,8 +83,15 @@ class Counter(TorchDispatchMode):
             pairs = list(zip(args[0], args[1]) if name == "_foreach_copy_" else [(args[0], args[1])])
             hostward = sum(self.on_host(dst) and not self.on_host(src) for dst, src in pairs)
             self.hostward += hostward
+            self.deviceward += sum(self.on_host(src) and not self.on_host(dst) for dst, src in pairs)
             if hostward and not kwargs.get("non_blocking", len(args) > 2 and args[2]):
                 self.sync("blocking hostward copy")
+        elif (
+            device
+            and not func.is_view
+            and any(isinstance(t, torch.Tensor) and self.on_host(t) for t in torch.utils._pytree.tree_leaves(args))
+        ):
+            self.deviceward += 1
         return out
 
 
