@@ -34,8 +34,8 @@ _HOST_REGISTER_FLAGS = 1 | 2
 
 def _register(owner: object, memory: mmap.mmap, arena: torch.Tensor) -> None:
     """Page-lock ``arena`` (``memory``'s pages) for DMA to the GPU, and map them for its kernels, while
-    ``owner`` lives (unregistering does not free it). A forked child does not inherit the mapping: a copy-on-write page of the parent would move
-    away from under the DMA that the registration points at."""
+    ``owner`` lives (unregistering does not free it). A forked child does not inherit the mapping: a
+    copy-on-write page of the parent would move away from under the DMA that the registration points at."""
     memory.madvise(mmap.MADV_DONTFORK)
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), _HOST_REGISTER_FLAGS)
