@@ -78,10 +78,14 @@ class StoredRows:
         return parts
 
     def kv(self, job: LayerJob) -> list[torch.Tensor | QuantRows]:
-        """The layer's rows of positions ``[job.begin, end)`` for a target that writes them into its cache
-        itself: gathered in one transfer where they can be, else in place, one part per chunk (copied
-        straight into the cache, a DMA each)."""
-        return [self.rows(job, self.gather(job))] if self.shared is not None else self.parts(job)
+        """The layer's rows of positions ``[job.begin, end)``, as stored, for a target that writes (and
+        dequantises) them into its cache itself: gathered in one transfer where they can be, else in place,
+        one part per chunk (copied straight into the cache, a DMA each)."""
+        if self.shared is None:
+            return self.parts(job)
+        (run,) = self.gather(job)
+        origin = (self.first + job.chunks.start) * CHUNK_TOKENS
+        return [run[job.begin - origin : self.end - origin]]
 
     def gather(self, job: LayerJob) -> list[torch.Tensor | QuantRows]:
         """The layer's rows of its chunks, copied to the device: one run per encoding the chunks were
