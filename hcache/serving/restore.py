@@ -106,7 +106,9 @@ def restore_prefix(
                     if tp.world_size > 1
                     else None
                 )
-                shared = ImageRows.of(prefix.images, copier.device) if filler is None else None
+                # one gather a layer where copies run on a GPU's streams; a CPU copies chunks straight into
+                # its cache (a gather there costs a pass over the rows, and a fresh buffer's page faults)
+                shared = ImageRows.of(prefix.images, copier.device) if filler is None and copier.cuda else None
                 dtype = engine.spec.torch_dtype
                 rows = StoredRows(prefix.images, first, base + end(n), copier, dtype, shared=shared, filler=filler)
                 restore_layers(jobs, rows, EngineTarget(engine, uid, base + held), copier, tp, agreed)
