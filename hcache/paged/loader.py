@@ -171,9 +171,9 @@ class Loader:
         restore core's pipeline (:func:`~hcache.restore.layers.restore_layers`): a layer's rows gathered
         from the pool in one call on the copier's side stream (on a GPU, one kernel reading the pinned
         slots in place, or, where it cannot, a DMA per chunk), KV decoded and scattered there too, while
-        the layers before it that restore by H are decoded, rebuilt and scattered on the loader's own stream, each after its copy's event. This thread then
-        waits for both streams (the step's stream never does): the pool's slots are released after this,
-        and the load reported done. On a CPU with a load process, that process writes the KV layers
+        the layers before it that restore by H are decoded, rebuilt and scattered on the loader's own
+        stream, each after its copy's event. This thread then waits for both streams (the step's stream
+        never does): the pool's slots are released after this, and the load reported done. On a CPU with a load process, that process writes the KV layers
         meanwhile (:mod:`~hcache.paged.copy_process`), and this thread waits for it too."""
         copier = self.stack.copier
         slots = {}  # by group: the first position held in a real block, and the blocks and offsets from there to ``end``

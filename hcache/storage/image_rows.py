@@ -30,8 +30,7 @@ class ImageRows:
         self.base, self.starts, self.entries = base, starts, entries
         # a host pool's slots start on pages: its page size, or more (any, for one image at the start)
         self._step = functools.reduce(math.gcd, starts) or PAGE
-        index = torch.tensor([start // self._step for start in starts], dtype=torch.int64)
-        self._index = index.to(base.device, non_blocking=True)  # from pageable memory: staged, no sync
+        self._host_index = torch.tensor([start // self._step for start in starts], dtype=torch.int64)
         self._runs: dict[range, torch.Tensor] = {}
 
     @classmethod
@@ -75,6 +74,13 @@ class ImageRows:
         out = empty((len(chunks) * e.shape[0], *e.shape[1:]), e.dtype)
         torch.index_select(source, 0, index, out=out.view(torch.uint8).view(len(chunks), e.nbytes).view(torch.int64))
         return out
+
+    @functools.cached_property
+    def _index(self) -> torch.Tensor:
+        """The images' rows on the base's device, copied on the stream of the first gather, which the
+        gathers after it follow (a copier's side stream, not the stream that built this); from pageable
+        memory a copy is staged at once, with no sync."""
+        return self._host_index.to(self.base.device, non_blocking=True)
 
     @functools.cached_property
     def _words(self) -> torch.Tensor:
