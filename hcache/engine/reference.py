@@ -290,9 +290,9 @@ class ReferenceEngine:
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
-            # With a mask, SDPA may hold every head's queries-by-keys scores at once (the CPU's kernel, and
-            # CUDA's math path under enable_gqa: 16 GiB for a 16K-token prefill of 32 heads): queries
-            # are taken in tiles whose scores fit SCORES elements.
+            # With a mask, SDPA may hold every head's queries-by-keys scores at once (its math path, which
+            # CUDA takes under enable_gqa: 16 GiB for a 16K-token prefill of 32 heads): queries are taken in
+            # tiles whose scores fit SCORES elements.
             tile = max(1, SCORES // (self.spec.num_heads * k.shape[0]))
             k, v = k.transpose(0, 1), v.transpose(0, 1)
             if self.spec.attention_softcap is not None:  # the written-out path: each query head's own K/V
@@ -309,8 +309,10 @@ class ReferenceEngine:
         Soft-capped scores (Gemma 2) take the written-out path, as transformers' eager attention: SDPA has no
         cap."""
         cap, scale = self.spec.attention_softcap, self.spec.attention_scale
-        if cap is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        if cap is None:  # batched (4-D): the CPU takes its flash kernel only so, 3-4x the math path's speed
+            return F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+            )[0]
         scores = q @ k.transpose(1, 2) * (scale if scale is not None else q.shape[-1] ** -0.5)
         scores = (torch.tanh(scores / cap) * cap).masked_fill(~mask, float("-inf"))
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
