@@ -27,6 +27,9 @@ redis-server this script starts.
 OUT: ``tokens``: per phase, each request's generated token ids (a ``steps`` request's: JOINING's);
 ``logprobs``: the log-probability of each; ``steps``: per phase, its ``steps`` request's steps, or null;
 ``prompts``: each turn's prompt token ids.
+
+The tests run their sessions through :func:`run_session`, in one process of this script for them all
+(``--serve``), which imports vLLM once.
 """
 
 import contextlib
@@ -38,19 +41,81 @@ import time
 from pathlib import Path
 
 
-def run_session(spec: dict, directory: Path) -> dict:
-    """This script run on ``spec`` in a process of its own, as a test runs it (vLLM's engines start processes
-    of their own, and this one exits between sessions): its OUT. Fails with the script's output's tail."""
-    import subprocess
+SESSION_S = 1800  # a loaded 2-core machine takes minutes an engine; an idle one, seconds
 
+
+class _Server:
+    """This script in ``--serve`` mode: one process that runs the suite's sessions one after another, so that
+    vLLM is imported once (13 s on a 2-core machine), not once a session. Its output goes to a log file, read
+    back where a session fails; a session that fails ends the process (an engine of it may still be alive),
+    and the next one starts another."""
+
+    def __init__(self):
+        import subprocess
+        import tempfile
+
+        fd, name = tempfile.mkstemp(prefix="hcache-vllm-sessions-", suffix=".log")
+        self.log = Path(name)
+        with os.fdopen(fd, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def run(self, spec: Path, out: Path, status: Path) -> str | None:
+        """Run the session of ``spec`` (its OUT to ``out``): None, or why it failed with the output's tail."""
+        begin = self.log.stat().st_size
+        self.process.stdin.write((json.dumps([str(spec), str(out), str(status)]) + "\n").encode())
+        self.process.stdin.flush()
+        deadline = time.monotonic() + SESSION_S
+        while not status.exists() and self.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        error = json.loads(status.read_text())["error"] if status.exists() else None
+        if status.exists() and error is None:
+            return None
+        hung, tail = self.process.poll() is None and not status.exists(), self._tail(begin)
+        self.close(wait=0 if hung else 60)  # a failed session ends the process; a hung one is killed
+        if status.exists():
+            return f"{tail}\n{error}"
+        return f"the session process {'timed out' if hung else f'ended (exit code {self.process.returncode})'}:\n{tail}"
+
+    def _tail(self, begin: int) -> str:
+        with open(self.log, "rb") as log:
+            log.seek(begin)
+            return log.read().decode(errors="replace")[-8000:]
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self, wait: float = 60.0) -> None:
+        """End the process once it has ended its session, or after ``wait`` seconds, killed."""
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.stdin.close()  # the loop ends at its input's end
+            try:
+                self.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.unlink(missing_ok=True)
+
+
+_server: _Server | None = None
+
+
+def run_session(spec: dict, directory: Path) -> dict:
+    """``spec``'s session run in the suite's session process (:class:`_Server`, started on first use and
+    ended as the tests end), as this script runs it from the command line: its OUT. Fails with the output's
+    tail."""
+    import atexit
+
+    global _server
+    if _server is None or not _server.alive():
+        _server = _Server()
+        atexit.register(_server.close)
     (directory / "spec.json").write_text(json.dumps(spec))
-    run = subprocess.run(
-        [sys.executable, __file__, str(directory / "spec.json"), str(directory / "out.json")],
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a loaded 2-core machine takes minutes an engine; an idle one, seconds
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    failed = _server.run(directory / "spec.json", directory / "out.json", directory / "status.json")
+    assert failed is None, failed
     return json.loads((directory / "out.json").read_text())
 
 
@@ -247,12 +312,12 @@ def _act(action: str, redis) -> None:
         raise ValueError(f"unknown action {action!r}")
 
 
-def main() -> None:
+def session(spec: dict) -> dict:
+    """Run ``spec``'s phases: its OUT."""
     from vllm import SamplingParams
 
     from hcache.storage.redis_server import RedisServer
 
-    spec = json.loads(Path(sys.argv[1]).read_text())
     cpus = os.sched_getaffinity(0)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True, logprobs=0)
     redis = RedisServer().start() if "$REDIS" in json.dumps(spec) else None
@@ -314,10 +379,32 @@ def main() -> None:
     finally:
         if redis is not None:
             redis.close()
-    out = {"tokens": results, "logprobs": logprobs, "steps": timed, "prompts": prompts}
-    Path(sys.argv[2]).write_text(json.dumps(out))
+    return {"tokens": results, "logprobs": logprobs, "steps": timed, "prompts": prompts}
+
+
+def serve() -> None:
+    """Sessions named on stdin, a line each (``[SPEC, OUT, STATUS]``), run in turn; STATUS says, once OUT is
+    written, whether the session failed and how (JSON ``{"error": null | traceback}``). A failed session ends
+    the loop."""
+    import traceback
+
+    def told(status: str, error: str | None) -> None:  # whole or not at all: the test reads it as it appears
+        Path(status + ".part").write_text(json.dumps({"error": error}))
+        os.replace(status + ".part", status)
+
+    for line in sys.stdin:
+        spec, out, status = json.loads(line)
+        try:
+            Path(out).write_text(json.dumps(session(json.loads(Path(spec).read_text()))))
+        except BaseException:
+            told(status, traceback.format_exc())
+            raise
+        told(status, None)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    main()
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        Path(sys.argv[2]).write_text(json.dumps(session(json.loads(Path(sys.argv[1]).read_text()))))

@@ -242,58 +242,70 @@ def test_a_refusal_nothing_catches_is_printed_in_one_line(monkeypatch, capsys):
     )
 
 
+REFUSED = {  # each server's settings: (extra, kv_load_failure_policy), and what it is refused with
+    "store_dir": ({"store_dir": "x"}, "recompute", "hcache setting 'store_dir'"),  # refused as the config is built
+    "plan": ({"plan": "2RE+2KV"}, "recompute", "plan '2RE+2KV' covers 4 layers"),  # the rest once it is built
+    "store_dirs": ({"store_dirs": _a_file}, "recompute", "cannot use its store"),
+    "policy": ({}, "fail", "kv_load_failure_policy='recompute'"),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict[str, tuple[dict, subprocess.CompletedProcess, float]]:
+    """vLLM's OpenAI server started on each of :data:`REFUSED`'s settings, all at once (each is vLLM's imports,
+    13 s of one core on the 2-vCPU VM): by case, its ``kv_transfer_config``, how it ended and the seconds it
+    took."""
+    from hcache.machine.ports import free_port
+    from hcache.vllm import kv_transfer_config
+
+    began, configs, servers = time.monotonic(), {}, {}
+    for case, (extra, policy, _) in REFUSED.items():
+        tmp = tmp_path_factory.mktemp(case)
+        extra = {key: [value(tmp)] if callable(value) else value for key, value in extra.items()}
+        config = configs[case] = {
+            **kv_transfer_config({"store_dirs": [str(tmp / "store")]}),
+            "kv_connector_extra_config": {"store_dirs": [str(tmp / "store")], **extra},
+            "kv_load_failure_policy": policy,
+        }  # refused only by the plugin
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir(DEFAULT_MODEL))]
+        servers[case] = subprocess.Popen(
+            [*command, "--port", str(free_port()), "--kv-transfer-config", json.dumps(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    ended = {}
+    try:
+        for case, server in servers.items():
+            output, _ = server.communicate(timeout=300)
+            run = subprocess.CompletedProcess(server.args, server.returncode, output)
+            ended[case] = configs[case], run, time.monotonic() - began
+    finally:
+        for server in servers.values():
+            server.kill()
+            server.wait()
+    return ended
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "extra, policy, refused",
-    [
-        ({"store_dir": "x"}, "recompute", "hcache setting 'store_dir'"),  # refused as the config is built
-        ({"plan": "2RE+2KV"}, "recompute", "plan '2RE+2KV' covers 4 layers"),  # the rest once it is built
-        ({"store_dirs": _a_file}, "recompute", "cannot use its store"),
-        ({}, "fail", "kv_load_failure_policy='recompute'"),
-    ],
-)
-def test_vllms_openai_server_refuses_bad_settings_before_its_engine_starts(tmp_path, extra, policy, refused):
+@pytest.mark.parametrize("case", REFUSED)
+def test_vllms_openai_server_refuses_bad_settings_before_its_engine_starts(refusals, case):
     """vLLM imports the connector only in its engine's processes, once the model loads; hcache's vLLM plugin
     (entry point ``vllm.general_plugins``, installed with hcache) checks the settings in the process that
     starts the server, as vLLM builds its config and once it has: the server exits with hcache's message,
     having started no engine."""
-    from hcache.machine.ports import free_port
-    from hcache.vllm import kv_transfer_config
     from hcache.vllm.plugin import check_transfer_config
 
-    extra = {key: [value(tmp_path)] if callable(value) else value for key, value in extra.items()}
-    config = {
-        **kv_transfer_config({"store_dirs": [str(tmp_path / "store")]}),
-        "kv_connector_extra_config": {"store_dirs": [str(tmp_path / "store")], **extra},
-        "kv_load_failure_policy": policy,
-    }  # refused only by the plugin
     check_transfer_config(None)
+    config, run, elapsed = refusals[case]
     check_transfer_config({**config, "kv_connector": "OffloadingConnector"})  # not hcache's: not its to check
-    began = time.monotonic()
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir(DEFAULT_MODEL)),
-            "--port",
-            str(free_port()),
-            "--kv-transfer-config",
-            json.dumps(config),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    elapsed = time.monotonic() - began
-    output = run.stdout + run.stderr
-    assert run.returncode != 0 and refused in output, output[-3000:]
+    output = run.stdout
+    assert run.returncode != 0 and REFUSED[case][2] in output, output[-3000:]
     assert "EngineCore" not in output and "Starting to load model" not in output, output[-3000:]
     assert "hcache: error: " in output and "Traceback" not in output, output[-3000:]  # one line
     print(
-        f"refused in {elapsed:.1f} s"
-    )  # 13 s on the 2-vCPU VM, vLLM's own imports; it was 40 s to 3 min, after the model loaded
+        f"refused in {elapsed:.1f} s, four servers at once"
+    )  # 13 s alone on the 2-vCPU VM, vLLM's own imports; it was 40 s to 3 min, after the model loaded
 
 
 def _hybrid_config(extra: dict, tp: int = 1):
