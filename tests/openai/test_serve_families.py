@@ -42,20 +42,20 @@ TURNS = [
 ]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def served(request, smollm2, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"serve-{request.param}")
+def _start(family: str, vocab_size: int, tmp) -> tuple:
+    """``hcache serve`` on a random checkpoint of ``family``: its process, OpenAI port, checkpoint, request
+    log and output."""
     model = random_model(
-        request.param,
+        family,
         hidden_size=128,
         intermediate_size=256,
         num_attention_heads=4,
         num_key_value_heads=2,
         num_hidden_layers=6,
-        vocab_size=smollm2.spec.vocab_size,
+        vocab_size=vocab_size,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        **FAMILIES[request.param][0],
+        **FAMILIES[family][0],
     )
     path = save_checkpoint(model, tmp / "model")
     port, log, output = free_port(), tmp / "requests.jsonl", tmp / "serve.out"
@@ -64,14 +64,30 @@ def served(request, smollm2, tmp_path_factory):
     command += ["--no-rest", "--port", str(free_port()), "--zmq-port", str(free_port()), "--metrics-port", "0"]
     with open(output, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    return process, port, path, log, output
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2, tmp_path_factory) -> dict[str, tuple]:
+    """Every family's server (:func:`_start`), started at once: a start is mostly imports, a core each."""
+    started = {}
     try:
-        _wait_healthy(f"http://localhost:{port}/health", process, output)
-        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", timeout=120)
-        yield client, str(path), log, FAMILIES[request.param][1]
+        for family in FAMILIES:
+            started[family] = _start(family, smollm2.spec.vocab_size, tmp_path_factory.mktemp(f"serve-{family}"))
+        yield started
     finally:
-        tree = process_tree.descendants(process.pid)
-        process.kill()
-        process_tree.kill(process_tree.running(tree))
+        for process, *_ in started.values():
+            tree = process_tree.descendants(process.pid)
+            process.kill()
+            process_tree.kill(process_tree.running(tree))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def served(request, servers):
+    process, port, path, log, output = servers[request.param]
+    _wait_healthy(f"http://localhost:{port}/health", process, output)
+    client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", timeout=120)
+    return client, str(path), log, FAMILIES[request.param][1]
 
 
 def _wait_healthy(url: str, process: subprocess.Popen, output, timeout_s: float = 300) -> None:
