@@ -1,5 +1,5 @@
 """hcache's connector in vLLM's CPU build, as a user runs it: a conversation through ``vllm.LLM`` in a
-process of its own (tests/support/vllm_session.py), with and without the connector.
+process apart from the tests' (tests/support/vllm_session.py), with and without the connector.
 
 One session, seven vLLM engines in turn over one redis-server: the connector saving the
 first turn to the disk and Redis, then restoring the second from the host pool, and under another
