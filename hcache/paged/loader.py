@@ -173,8 +173,9 @@ class Loader:
         slots in place, or, where it cannot, a DMA per chunk), KV decoded and scattered there too, while
         the layers before it that restore by H are decoded, rebuilt and scattered on the loader's own
         stream, each after its copy's event. This thread then waits for both streams (the step's stream
-        never does): the pool's slots are released after this, and the load reported done. On a CPU with a load process, that process writes the KV layers
-        meanwhile (:mod:`~hcache.paged.copy_process`), and this thread waits for it too."""
+        never does): the pool's slots are released after this, and the load reported done. On a CPU with a
+        load process, that process writes the KV layers meanwhile (:mod:`~hcache.paged.copy_process`), and
+        this thread waits for it too."""
         copier = self.stack.copier
         slots = {}  # by group: the first position held in a real block, and the blocks and offsets from there to ``end``
         windowed = {
