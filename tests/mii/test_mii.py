@@ -328,6 +328,8 @@ def test_serve_fails_a_request_alone_and_ctrl_c_stops_a_hung_deployment(model_di
         str(rest),
         "--port",
         str(_free_port()),
+        "--zmq-port",
+        str(_free_port()),
         "--metrics-port",
         "0",
     ]
