@@ -1,14 +1,5 @@
-import os
-
-# The suite runs in pytest-xdist workers (pytest.ini), more processes than cores: OpenMP threads that spin
-# while they wait for work take the cores the other worker's engines need (two files side by side took twice
-# as long as with passive waits). Set before torch loads its OpenMP runtime, and inherited by every process
-# a test starts (vLLM's engines, `hcache serve`'s servers).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import psutil  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 from support.helpers import family_params, loaded
 
 from hcache.errors import ModelNotFoundError
@@ -17,15 +8,6 @@ from hcache.model.spec import SUPPORTED_MODEL_TYPES
 
 # A test that needs one of these servers is slow (pytest.ini's marker) wherever it is, without saying so.
 SERVER_FIXTURES = frozenset({"redis_url", "redis_cluster_url", "redis_server"})
-
-
-# What one worker's engines and servers may hold at once: two workers together peaked at 14.7 GB.
-WORKER_MEMORY = 8 << 30
-
-
-def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto``: a worker a core, as many as memory holds."""
-    return max(1, min(len(os.sched_getaffinity(0)), psutil.virtual_memory().total // WORKER_MEMORY))
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
