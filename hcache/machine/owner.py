@@ -3,32 +3,32 @@
 ``hcache serve``'s servers lead sessions of their own (so that Ctrl-C reaches only ``hcache serve``, which
 stops them in order): killing its process group, or SIGKILL, reached none of them, and they served on.
 ``prctl(PR_SET_PDEATHSIG)`` would reach only the process started (DeepSpeed's launcher), not the model server
-two launchers below it, so each server process watches its owner (the process of that pid and start time: a
-pid may be reused) and, once it is gone, ends its process group: SIGTERM, then SIGKILL ``KILL_AFTER_S`` later.
-The stores' chunk files are published whole (written, synced, renamed), so such a stop tears none; what a model
-server had not written yet is not stored."""
+two launchers below it, so each server process watches its owner (the process of that pid and start: a pid may
+be reused) and, once it is gone, ends its process group: SIGTERM, then SIGKILL ``KILL_AFTER_S`` later, and says
+so on its stderr. The start is the kernel's, in clock ticks since boot, which no clock step moves: psutil's
+start time adds the boot time, which moves with the wall clock (NTP), and a step once made a running owner look
+gone. The stores' chunk files are published whole (written, synced, renamed), so such a stop tears none; what a
+model server had not written yet is not stored."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import psutil
-
-OWNER_ENV = "HCACHE_OWNER"  # "<pid>:<start time>" of the process whose servers end with it
+OWNER_ENV = "HCACHE_OWNER"  # "<pid>:<start in clock ticks>" of the process whose servers end with it
 POLL_S = 0.5
 KILL_AFTER_S = 5.0
-# psutil derives a start time from boot time and the clock, so an NTP step moves it: compared once, loosely
-START_TOLERANCE_S = 2.0
 
 
 def owned_by_this_process() -> dict[str, str]:
     """The environment entry that makes a server started with it end with this process."""
-    return {OWNER_ENV: f"{os.getpid()}:{psutil.Process().create_time()!r}"}
+    pid = os.getpid()
+    return {OWNER_ENV: f"{pid}:{_started(pid)}"}
 
 
 @contextmanager
@@ -51,31 +51,35 @@ def end_with_owner() -> None:
     given = os.environ.get(OWNER_ENV)
     if given:
         pid, started = given.split(":", 1)
-        threading.Thread(target=_watch, args=(int(pid), float(started)), daemon=True, name="hcache-owner").start()
+        threading.Thread(target=_watch, args=(int(pid), int(started)), daemon=True, name="hcache-owner").start()
 
 
-def _watch(pid: int, started: float) -> None:
-    owner = _owner(pid, started)
-    while owner is not None and _alive(owner):
+def _watch(pid: int, started: int) -> None:
+    while _running(pid, started):
         time.sleep(POLL_S)
+    print(f"hcache: the process that started this server (pid {pid}) has ended; so does this server", file=sys.stderr)
+    sys.stderr.flush()
     group = os.getpgid(0)
     os.killpg(group, signal.SIGTERM)
     time.sleep(KILL_AFTER_S)
     os.killpg(group, signal.SIGKILL)
 
 
-def _owner(pid: int, started: float) -> psutil.Process | None:
-    """The owner's process, if ``pid`` is still the one that started at ``started`` (a pid may be reused)."""
-    try:
-        owner = psutil.Process(pid)
-        return owner if abs(owner.create_time() - started) <= START_TOLERANCE_S else None
-    except psutil.NoSuchProcess:
-        return None
+def _stat(pid: int) -> list[bytes]:
+    """``/proc/<pid>/stat``'s fields from the third (the state) on: the second, the name, may hold spaces."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return stat.read().rsplit(b")", 1)[1].split()
 
 
-def _alive(owner: psutil.Process) -> bool:
-    # is_running compares the start time psutil read when it made ``owner`` (pid reuse), not a fresh one
+def _started(pid: int) -> int:
+    """When ``pid`` started, in clock ticks since boot (the stat file's 22nd field)."""
+    return int(_stat(pid)[19])
+
+
+def _running(pid: int, started: int) -> bool:
+    """Whether ``pid`` is still the process that started at ``started`` and has not ended (a zombie has)."""
     try:
-        return owner.is_running() and owner.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        fields = _stat(pid)
+    except OSError:  # gone
         return False
+    return fields[0] != b"Z" and int(fields[19]) == started

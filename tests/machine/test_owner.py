@@ -54,13 +54,14 @@ def test_a_server_named_no_owner_runs_on_as_before():
         server.kill()
 
 
-def test_the_watch_outlasts_a_clock_step_and_ends_once_its_owner_exits(monkeypatch):
-    """A process's start time moves with the clock (NTP): once, a step made a running owner look gone."""
+def test_the_watch_outlasts_a_clock_step_and_ends_once_its_owner_exits(monkeypatch, capfd):
+    """A start time taken from the wall clock moves with it (NTP): once, a step made a running owner look gone.
+    Here every start time psutil gives is a minute late, as after a step between the owner's start and its
+    server's: the watch, which reads the kernel's start in ticks, waits on; then says why it ends the group."""
     started_owner = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    started = psutil.Process(started_owner.pid).create_time()
-    steps = iter([0.0])  # the first read as it was; every later one after the clock stepped a minute
+    started = owner._started(started_owner.pid)
     create_time = psutil.Process.create_time
-    monkeypatch.setattr(psutil.Process, "create_time", lambda self: create_time(self) + next(steps, 60.0))
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: create_time(self) + 60.0)
     monkeypatch.setattr(owner, "POLL_S", 0.05)
     monkeypatch.setattr(owner, "KILL_AFTER_S", 0.0)
     signals = []
@@ -74,10 +75,18 @@ def test_the_watch_outlasts_a_clock_step_and_ends_once_its_owner_exits(monkeypat
         started_owner.wait()
         watch.join(10)
         assert signals == [signal.SIGTERM, signal.SIGKILL]
+        said = f"hcache: the process that started this server (pid {started_owner.pid}) has ended; so does this server"
+        assert said in capfd.readouterr().err
     finally:  # the watch ends while os.killpg is still the stand-in
         started_owner.kill()
         started_owner.wait()
         watch.join(10)
+
+
+def test_a_reused_pid_is_not_the_owner():
+    """The pid of this process, named with another start, is an owner gone: its server does not serve on."""
+    assert owner._running(os.getpid(), owner._started(os.getpid()))
+    assert not owner._running(os.getpid(), owner._started(os.getpid()) - 1)
 
 
 def test_hcache_serve_called_in_this_process_leaves_it_owning_nothing_after(tmp_path, monkeypatch):
