@@ -239,18 +239,21 @@ def _steps(llm, decoders: list[dict], joining: list[dict], params) -> tuple[list
         if timed:
             steps.append({"s": took, "decoders": sum(base(out) in started for out in outs), "waiting": len(waiting)})
 
-    for _ in range(STEPS_ALONE):
-        step(set())
-    names = [f"joining{j}" for j in range(len(joining))]
-    for rid, request in zip(names, joining):
-        engine.add_request(rid, request, params)
-    waiting = set(names)
-    while waiting:
-        step(waiting)
-    while len(replies) < len(joining):  # their replies, decoded beside the decoders: not timed
-        step(set(), timed=False)
-    for _ in range(STEPS_ALONE):
-        step(set())
+    from cores import alone  # this script's directory leads its path
+
+    with alone():  # steps timed against each other: no other worker's engine beside them
+        for _ in range(STEPS_ALONE):
+            step(set())
+        names = [f"joining{j}" for j in range(len(joining))]
+        for rid, request in zip(names, joining):
+            engine.add_request(rid, request, params)
+        waiting = set(names)
+        while waiting:
+            step(waiting)
+        while len(replies) < len(joining):  # their replies, decoded beside the decoders: not timed
+            step(set(), timed=False)
+        for _ in range(STEPS_ALONE):
+            step(set())
     engine.abort_request(decoding)
     while engine.has_unfinished_requests():
         engine.step()

