@@ -5,8 +5,8 @@ import tempfile
 
 # In pytest-xdist's workers (pytest.ini) there are more processes than cores: OpenMP threads that spin while
 # they wait for work hold the cores the other worker's engines need (two files side by side took twice as long
-# as with passive waits; one after the other, a sixth less). Set before torch loads OpenMP, and inherited by
-# every process a test starts (vLLM's engines, `hcache serve`'s servers).
+# as with passive waits; one after the other, spinning was a sixth faster, so only workers wait passively). Set
+# before torch loads OpenMP, and inherited by every process a test starts (vLLM's engines, `hcache serve`'s).
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # A suite started in the background from a script (`cmd &`) inherits SIGINT ignored, as every process its tests
@@ -27,7 +27,7 @@ from hcache.model.spec import SUPPORTED_MODEL_TYPES
 
 # A test that needs one of these servers is slow (pytest.ini's marker) wherever it is, without saying so.
 SERVER_FIXTURES = frozenset({"redis_url", "redis_cluster_url", "redis_server"})
-# What one worker's engines and servers may hold at once: two workers together peaked at 15.4 GB in use.
+# What one worker's engines and servers may hold at once: two workers together peaked at 14.4-15.4 GB in use.
 WORKER_MEMORY = 8 << 30
 
 

@@ -208,6 +208,17 @@ STEPS_ALONE = 6  # the decoders' steps timed before the joining requests arrive,
 
 
 def _steps(llm, decoders: list[dict], joining: list[dict], params) -> tuple[list, list[dict]]:
+    """:func:`_stepping`, with the machine's cores to itself (``support/cores.py``: under pytest-xdist, no other
+    worker's test runs meanwhile), from before the decoders are added: an engine core in a process of its
+    own decodes them on its own while this process waits. Taken after, the wait let the decoders run on, their
+    outputs then read in steps of no time, until the KV cache was full and vLLM preempted a joining request."""
+    from cores import alone  # this script's directory leads its path
+
+    with alone():
+        return _stepping(llm, decoders, joining, params)
+
+
+def _stepping(llm, decoders: list[dict], joining: list[dict], params) -> tuple[list, list[dict]]:
     """``decoders`` decoding, stepped to their first tokens; then one step at a time: STEPS_ALONE steps, then
     ``joining`` added and stepped until every one of them has replied, then STEPS_ALONE steps again. Returns
     the joining requests' outputs, and each timed step: its seconds (``s``), how many decoders it gave a
@@ -239,21 +250,18 @@ def _steps(llm, decoders: list[dict], joining: list[dict], params) -> tuple[list
         if timed:
             steps.append({"s": took, "decoders": sum(base(out) in started for out in outs), "waiting": len(waiting)})
 
-    from cores import alone  # this script's directory leads its path
-
-    with alone():  # steps timed against each other: no other worker's engine beside them
-        for _ in range(STEPS_ALONE):
-            step(set())
-        names = [f"joining{j}" for j in range(len(joining))]
-        for rid, request in zip(names, joining):
-            engine.add_request(rid, request, params)
-        waiting = set(names)
-        while waiting:
-            step(waiting)
-        while len(replies) < len(joining):  # their replies, decoded beside the decoders: not timed
-            step(set(), timed=False)
-        for _ in range(STEPS_ALONE):
-            step(set())
+    for _ in range(STEPS_ALONE):
+        step(set())
+    names = [f"joining{j}" for j in range(len(joining))]
+    for rid, request in zip(names, joining):
+        engine.add_request(rid, request, params)
+    waiting = set(names)
+    while waiting:
+        step(waiting)
+    while len(replies) < len(joining):  # their replies, decoded beside the decoders: not timed
+        step(set(), timed=False)
+    for _ in range(STEPS_ALONE):
+        step(set())
     engine.abort_request(decoding)
     while engine.has_unfinished_requests():
         engine.step()
