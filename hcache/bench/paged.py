@@ -26,7 +26,7 @@ import torch
 
 from ..ops.kv_projection import KVProjection
 from ..ops.rope import apply_rope, rope_cos_sin
-from ..paged.layout import PagedLayout
+from ..ops.paged_layout import PagedLayout
 from ..paged.load_job import LoadJob
 from ..paged.loader import Loader
 from ..paged.target import PagedLayer

@@ -27,7 +27,8 @@ import torch
 from ..errors import CacheFullError, InvalidRequestError, UnsupportedModelError
 from ..model.spec import ModelSpec
 from ..ops import KVProjection, device_copy, read_kv, slot_mapping
-from ..ops.paged_kv import block_runs, gather_kv
+from ..ops.paged_kv import block_positions, gather_kv
+from ..ops.paged_layout import PagedLayout
 from ..ops.quant import QuantRows
 from ..ops.rope import layer_tables
 from .capture import LayerCapture
@@ -165,6 +166,7 @@ class FastGenEngine:
             n for n in ("_forward_transformer_layer", "_forward_transformer") if hasattr(self._model, n)
         )
         self._kv_proj = [self._layer_kv_projection(i) for i in range(self.spec.num_layers)]
+        self._layout = PagedLayout.blocked(cache)  # every layer's cache is shaped alike
         self._restoring: dict[int, RestoreState] = {}
         # Marks the uploads of the ragged batch's pinned host buffers that recompute queued last: those
         # buffers are rewritten by the next batch's finalize (see recompute_layers).
@@ -328,9 +330,8 @@ class FastGenEngine:
         self._model.maybe_allocate_kv(desc, num_tokens)
         positions = torch.arange(base, base + num_tokens, device=self.device)
         tables = layer_tables(self.spec, positions, self.dtype, rule="fastgen")  # as FastGen's forward rotates
-        slots = self._slots(uid, base, num_tokens)
-        runs = block_runs(_host_blocks(desc), base, num_tokens, self.block_size)
-        self._restoring[uid] = RestoreState(base, num_tokens, slots, tables, runs)
+        tokens = block_positions([(_host_blocks(desc), base, base + num_tokens)], self.block_size, self.block_size)
+        self._restoring[uid] = RestoreState(base, num_tokens, tables, self._layout, tokens)
 
     @torch.no_grad()
     def restore_from_hidden(self, uid: int, layer: int, hidden: torch.Tensor, start: int = 0) -> None:

@@ -22,7 +22,8 @@ from ..model.families import FAMILIES
 from ..model.spec import ModelSpec
 from ..ops import KVProjection, apply_rope, gather_kv, read_kv, rotate_and_write
 from ..ops.kv_projection import linear_rows
-from ..ops.paged_kv import block_runs, flat_slots
+from ..ops.paged_kv import block_positions, flat_slots
+from ..ops.paged_layout import PagedLayout
 from ..ops.quant import QuantRows
 from ..ops.rope import layer_tables
 from ..storage.chunk_key import CHUNK_TOKENS
@@ -120,6 +121,7 @@ class ReferenceEngine:
         self.dtype = spec.torch_dtype
         self.cache = BlockedKVCache(spec, num_blocks, block_size, self.device)
         self.block_size = block_size
+        self._layout = PagedLayout.blocked(self.cache.layers[0])  # every layer's cache is shaped alike
         self.decoder = _Decoder(model, spec)
         attention = [(i, layer) for i, layer in enumerate(self.decoder.layers) if not spec.is_recurrent(i)]
         self.kv_proj = {i: KVProjection.from_layer(spec, layer) for i, layer in attention}
@@ -325,10 +327,9 @@ class ReferenceEngine:
         start = len(seq.tokens)
         self._reserve(seq, start + num_tokens)
         positions = torch.arange(start, start + num_tokens, device=self.device)
-        slots = self._slots(seq, start, num_tokens)
-        runs = block_runs(seq.blocks, start, num_tokens, self.block_size)
+        tokens = block_positions([(seq.blocks, start, start + num_tokens)], self.block_size, self.block_size)
         self._restoring[uid] = RestoreState(
-            start, num_tokens, slots, layer_tables(self.spec, positions, self.dtype), runs
+            start, num_tokens, layer_tables(self.spec, positions, self.dtype), self._layout, tokens
         )
 
     @torch.no_grad()

@@ -45,9 +45,9 @@ def flat_slots(blocks: list[int], lo: int, hi: int, block_size: int, device: tor
     return (blocks_of * block_size + offsets).to(device)
 
 
-def block_slots(
+def block_positions(
     spans: list[tuple[list[int], int, int]], block_size: int, kernel_block: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[np.ndarray, np.ndarray]:
     """The cache blocks and offsets in them of positions ``[start, end)`` of each request in ``spans``
     (``(block_ids, start, end)``: it holds ``block_ids``, blocks of ``block_size`` tokens), one request after
     another: vLLM may split its blocks into smaller kernel blocks of ``kernel_block`` tokens, which the cache
@@ -67,32 +67,31 @@ def block_slots(
     positions = index - row_of[request] + np.array(first, dtype=np.int64)[request]
     blocks = np.array(ids, dtype=np.int64)[positions // block_size + np.array(first_block, dtype=np.int64)[request]]
     within = positions % block_size
-    return torch.from_numpy(blocks * (block_size // kernel_block) + within // kernel_block), torch.from_numpy(
-        within % kernel_block
-    )
+    return blocks * (block_size // kernel_block) + within // kernel_block, within % kernel_block
 
 
-def block_runs(blocks: list[int], start: int, length: int, block_size: int) -> list[tuple[int, int, int]]:
-    """``(first row, first slot, length)`` of each run of consecutive slots that rows ``[start, start +
-    length)`` of a sequence with block table ``blocks`` occupy: a run ends where the next block is not
-    adjacent. Computed on the host from the table, so a restore never reads slots back from the device."""
-    runs: list[tuple[int, int, int]] = []
-    row = 0
-    while row < length:
-        pos = start + row
-        n = min(block_size - pos % block_size, length - row)
-        slot = blocks[pos // block_size] * block_size + pos % block_size
-        if runs and runs[-1][1] + runs[-1][2] == slot:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
-        else:
-            runs.append((row, slot, n))
-        row += n
-    return runs
+def block_slots(
+    spans: list[tuple[list[int], int, int]], block_size: int, kernel_block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_positions` as tensors, on the host."""
+    blocks, offsets = block_positions(spans, block_size, kernel_block)
+    return torch.from_numpy(blocks), torch.from_numpy(offsets)
+
+
+def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(first row, first slot, length)`` of each run of consecutive slots in ``slots`` (a row's each): a run
+    ends where the next row's slot does not follow. Found on the host, from slots computed there from a
+    block table, so a restore never reads slots back from the device."""
+    if not len(slots):
+        return []
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(slots) != 1) + 1))
+    lengths = np.diff(np.append(starts, len(slots)))
+    return list(zip(starts.tolist(), slots[starts].tolist(), lengths.tolist()))
 
 
 def row_spans(runs: list[tuple[int, int, int]], lengths: Sequence[int], start: int):
     """``(part, first row in it, first slot, rows)`` of each overlap of consecutive parts of ``lengths`` rows,
-    placed at rows ``[start, ...)`` of a restore whose slots are ``runs`` (:func:`block_runs`)."""
+    placed at rows ``[start, ...)`` of a restore whose slots are ``runs`` (:func:`slot_runs`)."""
     i = bisect.bisect_right(runs, (start, float("inf"), 0)) - 1
     for p, part_length in enumerate(lengths):
         done = 0
@@ -110,7 +109,7 @@ def write_kv_rows(
 ) -> None:
     """Copy stored rows ``[T, 2, n_kv_heads, head_size]`` (K rotated, the cache's own row layout), given as
     consecutive ``parts`` (a chunk's rows each), into rows ``[start, start + T)`` of a restore whose slots
-    are ``runs`` (:func:`block_runs`): one batched call for the layer, one copy per (part, run) overlap,
+    are ``runs`` (:func:`slot_runs`): one batched call for the layer, one copy per (part, run) overlap,
     asynchronous from pinned host memory to a GPU."""
     flat = cache.view(-1, *cache.shape[2:])
     dst, src = [], []

@@ -192,7 +192,7 @@ class CopyProcess:
 
 def _serve(conn: Connection) -> None:
     from ..transfer.scratch import Scratch
-    from .layout import PagedLayout
+    from ..ops.paged_layout import PagedLayout
     from .target import PagedLayer, PagedTarget
 
     signal.signal(

@@ -17,7 +17,7 @@ from ..restore.reads import LayerJob
 from ..storage.image_rows import ImageRows
 from ..storage.stored_state import pack_state, unpack_state
 from ..transfer.scratch import Scratch
-from .layout import PagedLayout, Places
+from ..ops.paged_layout import PagedLayout, Places
 
 
 @dataclass(frozen=True)

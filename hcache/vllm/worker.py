@@ -31,7 +31,7 @@ from ..machine import helper_threads
 from ..model.spec import ModelSpec
 from ..model.tensor_parallel import TPGroup
 from ..ops.paged_kv import block_slots
-from ..paged.layout import CacheWrite, PagedLayout, Places
+from ..ops.paged_layout import CacheWrite, PagedLayout, Places
 from ..paged.loader import Loader
 from ..paged.target import PagedLayer, StateLayer
 from ..restore.miss_reasons import first_chunk_miss, lookup_miss, store_miss

@@ -54,10 +54,10 @@ def test_a_wrong_restore_fails_its_cases(monkeypatch):
 @pytest.mark.slow
 def test_a_wrong_8_bit_restore_fails_its_case(monkeypatch):
     """KV dequantised with scales 20% too large: the 8-bit KV case fails, and the lossless ones pass."""
-    import hcache.engine.restore_state as restore_state  # the KV restore's cache write, for both engines
+    import hcache.ops.paged_layout as paged_layout  # the KV restore's cache write, for every engine
     from hcache.ops.quant import QuantRows
 
-    write = restore_state.write_rows
+    write = paged_layout.write_rows
 
     def skewed(cache, runs, slots, parts, start):
         write(
@@ -68,7 +68,7 @@ def test_a_wrong_8_bit_restore_fails_its_case(monkeypatch):
             start,
         )
 
-    monkeypatch.setattr(restore_state, "write_rows", skewed)
+    monkeypatch.setattr(paged_layout, "write_rows", skewed)
     cases = {c["plan"]: c for c in check_restores(["reference"], ("llama",))}
     assert [plan for plan, c in cases.items() if not c["ok"]] == ["KV 8bit"]
     assert cases["KV 8bit"]["worst_excess"] > 0.1 and cases["KV 8bit"]["lossy"]

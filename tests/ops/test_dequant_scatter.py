@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hcache.ops.dequant_scatter import write_dequantised, write_rows
-from hcache.ops.paged_kv import block_runs, flat_slots, write_kv_rows
+from hcache.ops.paged_kv import flat_slots, slot_runs, write_kv_rows
 from hcache.ops.quant import QuantRows, dequantise, quantise
 
 INT8, FP8 = torch.int8, torch.float8_e4m3fn
@@ -53,7 +53,8 @@ def test_write_rows_mixes_lossless_and_encoded_parts_across_scattered_blocks(ker
     n_kv, head, blocks = 2, 64, [5, 2, 3, 9, 0, 7, 1]
     parts = [torch.randn(n, 2, n_kv, head, generator=rng).to(dtype) for n in (20, 30, 25, 11, 9)]
     encoded = [parts[0], quantise(parts[1], INT8), parts[2], quantise(parts[3], INT8), quantise(parts[4], FP8)]
-    runs, slots = block_runs(blocks, 7, 95, 16), flat_slots(blocks, 7, 7 + 95, 16, torch.device("cpu"))
+    slots = flat_slots(blocks, 7, 7 + 95, 16, torch.device("cpu"))
+    runs = slot_runs(slots.numpy())
     got, want = torch.zeros(10, 16, 2, n_kv, head, dtype=dtype), torch.zeros(10, 16, 2, n_kv, head, dtype=dtype)
     write_rows(got, runs, slots, encoded, 0)
     write_kv_rows(want, runs, [p if isinstance(p, torch.Tensor) else dequantise(p, dtype) for p in encoded], 0)

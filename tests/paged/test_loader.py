@@ -18,7 +18,7 @@ from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
 from hcache.paged import copy_process
 from hcache.ops.paged_kv import block_slots
-from hcache.paged.layout import PagedLayout
+from hcache.ops.paged_layout import PagedLayout
 from hcache.paged.load_job import LoadJob
 from hcache.paged.loader import Loader
 from hcache.paged.target import PagedLayer

@@ -10,6 +10,7 @@ import pytest
 from support.helpers import loaded, random_prompt
 
 import hcache.engine.restore_state as restore_state
+import hcache.ops.paged_layout as paged_layout
 from hcache.config import HCacheConfig
 from hcache.mii.engine_factory import build_engine, resolve_deployment
 from hcache.model.loader import model_dir
@@ -44,13 +45,13 @@ def wrong_rope(monkeypatch):
 @pytest.fixture
 def swapped_kv(monkeypatch):
     """The KV restore reads the stored layout ``[T, 2, n_kv, head]`` with K and V swapped."""
-    write = restore_state.write_rows
+    write = paged_layout.write_rows
 
     def swap(part):
         return QuantRows(part.codes.flip(1), part.scale.flip(1)) if isinstance(part, QuantRows) else part.flip(1)
 
     monkeypatch.setattr(
-        restore_state,
+        paged_layout,
         "write_rows",
         lambda cache, runs, slots, parts, start: write(cache, runs, slots, [swap(p) for p in parts], start),
     )

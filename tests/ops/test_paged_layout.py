@@ -5,9 +5,11 @@ allocates and views them, and any map is written and read where it says, through
 import pytest
 import torch
 
-from hcache.paged.layout import LayoutError, PagedLayout
+from hcache.ops.paged_layout import LayoutError, PagedLayout
+from hcache.ops.quant import QuantRows, dequantise, quantise
 
 BLOCKS, HEADS, BLOCK, HEAD = 5, 3, 32, 64
+INT8, FP8 = torch.int8, torch.float8_e4m3fn
 
 
 def _rows(n: int, dtype) -> torch.Tensor:
@@ -83,3 +85,38 @@ def test_a_layout_writes_and_reads_each_element_where_its_map_says(kind, tokens)
     expected[(blocks * offsets.numel()).view(-1, 1, 1, 1) + offsets[within]] = rows
     assert torch.equal(cache.view(-1), expected)
     assert torch.equal(layout.read(cache, elements), rows)
+
+
+@pytest.mark.parametrize("kind", ["flat (FastGen's)", "K and V apart", "no stride pattern"])
+def test_every_layout_writes_a_restores_parts_as_stored_lossless_and_8_bit(kind):
+    """The one paged writer, for every engine: a layer's rows as a restore has them, one part a chunk, some
+    lossless and some 8-bit, land dequantised where the map puts them. FastGen's layout (the reference
+    engine's) is flat: its tokens are slots, written a run of consecutive slots at a time, here across blocks
+    out of order and adjacent ones; the others write the parts decoded as one."""
+    if kind == "flat (FastGen's)":
+        cache = torch.zeros(BLOCKS, BLOCK, 2, HEADS, HEAD)
+        layout = PagedLayout.blocked(cache)
+        offsets = layout.offsets
+    else:
+        offsets = _cpu_backend_map()
+        if kind == "no stride pattern":
+            offsets = torch.randperm(offsets.numel(), generator=torch.Generator().manual_seed(2))[offsets]
+        cache = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * HEAD)
+        layout = PagedLayout(offsets, offsets.numel())
+    assert layout.flat == (kind == "flat (FastGen's)")
+    slots = torch.cat([torch.arange(3 * BLOCK + 7, 5 * BLOCK), torch.arange(BLOCK, BLOCK + 20)])  # 2 runs
+    blocks, within = slots // BLOCK, slots % BLOCK
+    rows = _rows(len(slots), torch.float32)
+    bounds = [0, 20, 50, 70, len(slots)]
+    parts = [rows[a:b] for a, b in zip(bounds, bounds[1:])]
+    parts[1], parts[3] = quantise(parts[1], INT8), quantise(parts[3], FP8)
+    decoded = torch.cat([dequantise(p, torch.float32) if isinstance(p, QuantRows) else p for p in parts])
+    places = layout.elements(blocks, within)
+    assert (places.runs is not None) == layout.flat
+    if layout.flat:
+        assert [(row, n) for row, _, n in places.runs] == [(0, 2 * BLOCK - 7), (2 * BLOCK - 7, 20)]
+    layout.write(cache, places, parts)
+    expected = torch.zeros(cache.numel())
+    expected[(blocks * offsets.numel()).view(-1, 1, 1, 1) + offsets[within]] = decoded
+    assert torch.equal(cache.view(-1), expected)
+    assert torch.equal(layout.read(cache, places), decoded)

@@ -21,12 +21,33 @@ or writes through them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-# Where tokens are in a cache, as a layout reads and writes them (:meth:`PagedLayout.elements`): index tensors
-Places = tuple[torch.Tensor, ...]
+from .dequant_scatter import write_rows
+from .paged_kv import slot_runs
+from .quant import QuantRows, dequantise
+
+
+@dataclass(frozen=True)
+class Places:
+    """Where tokens are in a cache, as a layout reads and writes them (:meth:`PagedLayout.elements`):
+    ``index``, the layout's index tensors; for a flat layout, the tokens' slots, and ``runs``, the runs of
+    consecutive slots they make (:func:`~hcache.ops.paged_kv.slot_runs`, on the host)."""
+
+    index: tuple[torch.Tensor, ...]
+    runs: list[tuple[int, int, int]] | None = None
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """A flat layout's tokens' slots, one a token, on the cache's device."""
+        if self.runs is None:
+            raise ValueError("only a flat layout places tokens by slot")
+        return self.index[0]
+
 
 # A backend's own cache write: (rows [T, parts, H, C], cache, slot_mapping [T]) -> None
 CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -41,16 +62,31 @@ class PagedLayout:
     (``kv=0``) or V (``kv=1``), or of an MLA latent row (``kv=0``, the one part), counted in elements from the
     block's first one; ``block_stride``: the
     elements from one block to the next. Where the map is strided (:func:`_strided_parts`), tokens are
-    read and written through views of the cache at those strides, rather than element by element."""
+    read and written through views of the cache at those strides, rather than element by element. Where it is
+    *flat* (each token's row whole, in order, and block after block: FastGen's layout, the reference
+    engine's), a token is a slot, ``block * block_size + offset``, and rows are written a run of consecutive
+    slots at a time, straight from where they are stored (:func:`~hcache.ops.dequant_scatter.write_rows`)."""
 
     def __init__(self, offsets: torch.Tensor, block_stride: int):
         self.offsets, self.block_stride = offsets.to(torch.int64), block_stride
         self.block_size, self.kv_parts, self.num_heads, self.head_size = offsets.shape
         self.parts = _strided_parts(self.offsets)
+        self.flat = block_stride == self.offsets.numel() and torch.equal(
+            self.offsets.flatten(), torch.arange(self.offsets.numel(), device=self.offsets.device)
+        )
         self._views: dict[
             tuple, list[torch.Tensor]
         ] = {}  # each cache's views, made once: a view costs as much as a decode step's gather
         self._flat: dict[tuple, torch.Tensor] = {}  # each cache's storage, flat, made once, likewise
+
+    @classmethod
+    def blocked(cls, cache: torch.Tensor) -> "PagedLayout":
+        """FastGen's layout, the reference engine's: ``cache`` ``[blocks, block_size, parts, H, C]``, contiguous
+        (flat)."""
+        _, block_size, parts, heads, head_size = cache.shape
+        per_block = block_size * parts * heads * head_size
+        offsets = torch.arange(per_block, device=cache.device).reshape(block_size, parts, heads, head_size)
+        return cls(offsets, per_block)
 
     @classmethod
     def split_kv(cls, cache: torch.Tensor, parts: int = 2) -> "PagedLayout":
@@ -113,19 +149,24 @@ class PagedLayout:
     def strided(self) -> bool:
         return self.parts is not None
 
-    def elements(self, blocks: torch.Tensor, offsets: torch.Tensor, whole: int = 0) -> Places:
+    def elements(self, blocks: torch.Tensor | np.ndarray, offsets: torch.Tensor | np.ndarray, whole: int = 0) -> Places:
         """Where tokens at ``blocks`` and ``offsets`` in them are, on the device of the layout's map, as
         :meth:`read` and :meth:`write` take them. ``whole``: how many blocks the leading tokens fill, each
         whole and in order (the caller knows: a load's positions from a block's start on), which a strided
         layout reads and writes a block at a time, and the rest by (block, offset). A map that is no stride
         pattern takes the tokens' ``[T, parts, H, C]`` element indices from a cache's first element."""
         device = self.offsets.device
+        if self.flat:  # the runs are found on the host, from host positions (numpy, as an engine has them)
+            slots = blocks * self.block_size + offsets
+            host = slots if isinstance(slots, np.ndarray) else slots.cpu().numpy()
+            slots = torch.from_numpy(host).to(device, torch.int64, non_blocking=True)  # staged at once: no stream wait
+            return Places((slots,), slot_runs(host))
         if self.strided:
             lead = whole * self.block_size
             rest = torch.stack((blocks[lead:], offsets[lead:])).to(device, torch.int64)  # one copy to the device
-            return blocks[: lead : self.block_size].to(device, torch.int64), *rest.unbind()
+            return Places((blocks[: lead : self.block_size].to(device, torch.int64), *rest.unbind()))
         base = blocks.to(device, torch.int64) * self.block_stride
-        return (base.view(-1, 1, 1, 1) + self.offsets[offsets.to(device, torch.int64)],)
+        return Places((base.view(-1, 1, 1, 1) + self.offsets[offsets.to(device, torch.int64)],))
 
     def _strided_views(self, cache: torch.Tensor) -> list[torch.Tensor]:
         """The cache as ``[blocks, block_size, parts, H, C]`` views, one per strided part."""
@@ -158,8 +199,10 @@ class PagedLayout:
     def read(self, cache: torch.Tensor, places: Places) -> torch.Tensor:
         """Tokens' K/V as ``[T, parts, H, C]`` (hcache's stored KV rows), from ``cache`` at their
         :meth:`elements`."""
+        if self.flat:
+            return self._strided_views(cache)[0].flatten(0, 1)[places.slots]
         if self.strided:
-            whole, blocks, offsets = places
+            whole, blocks, offsets = places.index
             parts = []
             for view in self._strided_views(cache):  # one gather where the tokens are all whole blocks or none are
                 pieces = [view[whole].flatten(0, 1)] if len(whole) else []
@@ -167,16 +210,29 @@ class PagedLayout:
                     pieces.append(view[blocks, offsets])
                 parts.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return self._storage(cache).take(places[0])  # take: half the time of indexing, for a decode step's few tokens
+        (elements,) = places.index
+        return self._storage(cache).take(elements)  # take: half the time of indexing, for a decode step's few tokens
 
-    def write(self, cache: torch.Tensor, places: Places, rows: torch.Tensor) -> None:
-        """Put ``rows`` (``[T, parts, H, C]``) into ``cache`` at the tokens' :meth:`elements`."""
+    def write(
+        self, cache: torch.Tensor, places: Places, rows: torch.Tensor | Sequence[torch.Tensor | QuantRows]
+    ) -> None:
+        """Put rows ``[T, parts, H, C]`` (K rotated: hcache's stored KV rows) into ``cache`` at the tokens'
+        :meth:`elements`: one tensor, or its consecutive parts as stored, 8-bit ones (:class:`QuantRows`)
+        dequantised. A flat layout copies each part straight from where it is, a run of slots at a time (on a
+        GPU, a DMA from pinned memory, in one batched call); other layouts write the parts decoded, as one."""
+        parts = [rows] if isinstance(rows, (torch.Tensor, QuantRows)) else rows
+        if self.flat:
+            write_rows(self._strided_views(cache)[0], places.runs, places.slots, parts, 0)
+            return
+        decoded = [dequantise(p, cache.dtype) if isinstance(p, QuantRows) else p for p in parts]
+        rows = decoded[0] if len(decoded) == 1 else torch.cat(decoded)
         if (rows.device, rows.dtype) != (cache.device, cache.dtype):
             rows = rows.to(cache.device, cache.dtype)
         if not self.strided:
-            self._storage(cache).put_(places[0], rows)
+            (elements,) = places.index
+            self._storage(cache).put_(elements, rows)
             return
-        whole, blocks, offsets = places
+        whole, blocks, offsets = places.index
         lead = len(whole) * self.block_size
         for (kv, _, _), view in zip(self.parts, self._strided_views(cache)):
             if lead:  # block by block: the copy runs along the cache's own strides, an index a block
