@@ -39,12 +39,12 @@ def anchor_label(fingerprint: str, namespace: str | None) -> str:
 
 
 def first_chunk_miss(
-    anchors: AnchorLog | None, label: str, chain: KeyChain, tokens: list[int], misses: dict[str, int]
-) -> dict[str, int]:
+    anchors: AnchorLog | None, label: str, chain: KeyChain, tokens: list[int], misses: dict[MissReason, int]
+) -> dict[MissReason, int]:
     """``misses``, where a conversation's first chunk (``tokens`` from the first, ``chain`` holding no full
     chunk yet) was never stored under the root ``label`` names: told apart if the anchor log says it was
     stored in this namespace at another tensor-parallel layout, or under another namespace or model."""
-    never = misses.get(MissReason.NEVER_STORED.value)
+    never = misses.get(MissReason.NEVER_STORED)
     if never is None or chain.chunks or anchors is None:
         return misses
     labels = anchors.labels(content_key(tokens))
@@ -59,15 +59,15 @@ def first_chunk_miss(
     return _relabel(misses, MissReason.OTHER_CACHE_SALT if same_model else MissReason.OTHER_MODEL)
 
 
-def store_miss(tier: HostTier | None, key: str, misses: dict[str, int]) -> dict[str, int]:
+def store_miss(tier: HostTier | None, key: str, misses: dict[MissReason, int]) -> dict[MissReason, int]:
     """``misses``, where a look-up made away from the stores (vLLM's scheduler reads the files, not the
     store's memory) said ``never_stored`` of the chunk ``key`` and the store knows it lost it (evicted it,
     or found it bad: at start-up, say)."""
-    lost = _lost(tier, key) if tier is not None and MissReason.NEVER_STORED.value in misses else None
+    lost = _lost(tier, key) if tier is not None and MissReason.NEVER_STORED in misses else None
     return misses if lost is None else _relabel(misses, lost)
 
 
-def _relabel(misses: dict[str, int], reason: MissReason) -> dict[str, int]:
+def _relabel(misses: dict[MissReason, int], reason: MissReason) -> dict[MissReason, int]:
     """``misses`` with its ``never_stored`` tokens counted under ``reason`` instead."""
-    never = misses[MissReason.NEVER_STORED.value]
-    return {**{r: n for r, n in misses.items() if r != MissReason.NEVER_STORED.value}, reason.value: never}
+    never = misses[MissReason.NEVER_STORED]
+    return {**{r: n for r, n in misses.items() if r != MissReason.NEVER_STORED}, reason: never}

@@ -43,6 +43,12 @@ class MissReason(str, Enum):
     OTHER_RANK = "other_rank"
     PLAN_RECOMPUTE = "plan_recompute"  # the plan recomputes every layer: stored state was not used
 
+    # a reason reads as its value wherever it is printed, logged or a label, as it hashes and compares
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
     @classmethod
     def of(cls, loss: Loss) -> MissReason:
         """The miss a store's loss of a chunk makes (the store knows why it let a chunk go; a restore names
@@ -84,7 +90,7 @@ class PutRestore:
     restore_s: float = 0.0
     fallback: str | None = None  # why stored state was used only in part, if it was
     lossy: bool = False  # some of it was stored in 8 bits, or adopted from a sequence that restored such
-    misses: dict[str, int] = field(default_factory=dict)  # stored-prefix tokens computed instead, by MissReason
+    misses: dict[MissReason, int] = field(default_factory=dict)  # stored-prefix tokens computed instead
 
 
 @dataclass
@@ -106,9 +112,7 @@ class SequenceRecord:
     fallback: str | None = None  # why stored state was used only in part, if it was
     lossy: bool = False  # restored state stored in 8 bits, or adopted from a sequence that restored such: not bit-identical to recompute
     restores: list[RestoreStep] = field(default_factory=list)  # one per put that restored tokens
-    miss_tokens: dict[str, int] = field(
-        default_factory=dict
-    )  # full-chunk tokens computed instead of restored, by MissReason
+    miss_tokens: dict[MissReason, int] = field(default_factory=dict)  # full-chunk tokens computed instead of restored
 
     def add(self, step: PutRestore) -> None:
         self.restored_tokens += step.gpu_tokens + step.tokens
@@ -131,7 +135,7 @@ class SequenceRecord:
         (not the tokens computed: a streamed reply sends this while decoding goes on). Whether another model,
         tenant or layout stored the prompt is the operator's to know, not the client's (it would let a client
         probe what others sent): each reads ``never_stored`` here."""
-        misses: Counter[str] = Counter()
+        misses: Counter[MissReason] = Counter()
         for reason, tokens in self.miss_tokens.items():
             misses[_REPLIED.get(reason, reason)] += tokens
         tiers = {GPU_CACHE: self.gpu_tokens, **self.tier_tokens} if self.gpu_tokens else dict(self.tier_tokens)
@@ -145,7 +149,7 @@ class SequenceRecord:
 
 
 _REPLIED = {
-    reason.value: MissReason.NEVER_STORED.value
+    reason: MissReason.NEVER_STORED
     for reason in (MissReason.OTHER_MODEL, MissReason.OTHER_CACHE_SALT, MissReason.OTHER_LAYOUT)
 }
 

@@ -41,7 +41,7 @@ class RestoreOutcome:
         default_factory=dict
     )  # tokens by where their chunk was read from (HostTier.take_source)
     lossy: bool = False  # some of it was stored in an 8-bit encoding
-    misses: dict[str, int] = field(default_factory=dict)  # full-chunk tokens wanted but not restored, by MissReason
+    misses: dict[MissReason, int] = field(default_factory=dict)  # full-chunk tokens wanted but not restored
     type_bytes: dict[str, int] = field(default_factory=dict)  # ``bytes_read`` by layer type (restore_accounting)
     windowed: bool = (
         False  # sliding-window layers were written from their window on only: the cache before it is not theirs
@@ -59,7 +59,7 @@ class RestoreOutcome:
         step.fallback, step.lossy, step.misses = self.fallback, step.lossy or self.lossy, dict(self.misses)
         step.type_bytes = dict(self.type_bytes)
         if plan.count(Method.RE) == len(plan.layers) and self.tokens:  # recomputed, not restored
-            step.misses[MissReason.PLAN_RECOMPUTE.value] = self.tokens
+            step.misses[MissReason.PLAN_RECOMPUTE] = self.tokens
         step.layer_tokens = {m.value: plan.count(m) * self.tokens for m in Method if plan.count(m)}
 
 
@@ -121,7 +121,7 @@ class StoredPrefix:
         past ``stop``."""
         read, lossy = restore_accounting(spec, self.images, reads, restored)
         sources = tokens_by_source(self.tier, self.images[:restored], self.first, start, stop)
-        misses = {self.why_short().value: missed} if missed else {}
+        misses = {self.why_short(): missed} if missed else {}
         return RestoreOutcome(stop - start, sum(read.values()), self.fallback, sources, lossy, misses, read, windowed)
 
     def verify(

@@ -283,7 +283,7 @@ class ServingEngine:
                     seq.label,
                     seq.chain,
                     aligned,
-                    {lookup_miss(self.stack.store, keys[0]).value: missed},
+                    {lookup_miss(self.stack.store, keys[0]): missed},
                 )
                 return 0
             seq.plan = self.config.policy.plan_for(None, history)

@@ -95,7 +95,7 @@ class ServingMetrics:
             (
                 "hcache_miss_tokens",
                 "Tokens of stored-size chunks computed instead of restored, by why the stored prefix ended",
-                {**{r.value: 0 for r in MissReason}, **self.miss_tokens},
+                {**{r: 0 for r in MissReason}, **self.miss_tokens},
                 "reason",
             ),
             ("hcache_fallbacks", "Restores that used stored state only in part", self.fallbacks, None),

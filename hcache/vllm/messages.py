@@ -27,7 +27,7 @@ class RequestStep:
     block_ids: list[list[int]]
     start: int
     length: int
-    misses: dict[str, int] = field(default_factory=dict)
+    misses: dict[MissReason, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -56,7 +56,7 @@ class _Tracked:
     computed: int  # vLLM's own prefix-cache hit when the store was asked
     block_ids: list[list[int]] = field(default_factory=list)  # in each KV cache group
     sent: int = 0  # token ids the worker has
-    misses: dict[str, int] = field(default_factory=dict)  # to send with the request's first step
+    misses: dict[MissReason, int] = field(default_factory=dict)  # to send with the request's first step
     failed: bool = False  # its load fell short: a later look-up is vLLM's retry, which recomputes
     usable: int = 0  # prompt tokens a load may cover: whole chunks, the last token left out
     pinning: int = 0  # chunks the workers were asked to hold for its load (0: none held for it)
@@ -145,7 +145,7 @@ class SchedulerSide:
         tracked.computed = num_computed
         end = stored * CHUNK_TOKENS
         if why is not None:
-            tracked.misses = {why.value: tracked.usable - max(end, num_computed)}
+            tracked.misses = {why: tracked.usable - max(end, num_computed)}
         offered = max(0, end - num_computed)
         if not offered:
             self._let_go(tracked)

@@ -48,6 +48,7 @@ def _reported(
     """The request, its log line and the counters all say ``expected``; the response's ``hcache`` object
     (made from the record the log line writes out) says ``told`` (by default, the same)."""
     assert result.miss_tokens == expected
+    assert all(type(reason) is MissReason for reason in result.miss_tokens)  # carried as a type, printed as a word
     logged = json.loads(log.read_text().splitlines()[-1])
     assert logged["miss_tokens"] == expected
     fields = ("restored_tokens", "gpu_tokens", "tier_tokens", "miss_tokens", "plan", "lossy")
