@@ -27,12 +27,16 @@ class RestoreState:
     tokens: tuple[np.ndarray, np.ndarray]  # each restored row's block and offset in it (:func:`block_positions`)
     _places: dict[int, Places] = field(default_factory=dict)
 
+    def __post_init__(self):
+        # the slots are copied to the device here, in ``begin_restore``, on the caller's stream: a layer's
+        # places from another row on are views of them, found on whichever stream writes the layer
+        self._places[0] = self.layout.elements(*self.tokens)
+
     def places(self, start: int) -> Places:
-        """Where rows ``[start, num_tokens)`` go, found once for each row a layer's restore starts at."""
+        """Where rows ``[start, num_tokens)`` go."""
         places = self._places.get(start)
         if places is None:
-            blocks, offsets = self.tokens
-            places = self._places[start] = self.layout.elements(blocks[start:], offsets[start:])
+            places = self._places[start] = self._places[0].tail(start)
         return places
 
     def write_projected(self, layer: int, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> None:

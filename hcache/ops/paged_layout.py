@@ -48,6 +48,14 @@ class Places:
             raise ValueError("only a flat layout places tokens by slot")
         return self.index[0]
 
+    def tail(self, start: int) -> Places:
+        """A flat layout's places of the tokens from the ``start``-th on: a view of the slots and the runs cut,
+        with no device op (nothing queued on whichever stream asks)."""
+        cut = [(row, slot, n, max(0, start - row)) for row, slot, n in self.runs if row + n > start]
+        return Places(
+            (self.slots[start:],), [(row + skip - start, slot + skip, n - skip) for row, slot, n, skip in cut]
+        )
+
 
 # A backend's own cache write: (rows [T, parts, H, C], cache, slot_mapping [T]) -> None
 CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]

@@ -120,3 +120,15 @@ def test_every_layout_writes_a_restores_parts_as_stored_lossless_and_8_bit(kind)
     expected[(blocks * offsets.numel()).view(-1, 1, 1, 1) + offsets[within]] = decoded
     assert torch.equal(cache.view(-1), expected)
     assert torch.equal(layout.read(cache, places), decoded)
+
+
+def test_a_flat_layouts_places_from_a_later_token_are_its_places_cut():
+    """What a layer restored from a later row writes through (``Places.tail``): the same slots and runs as
+    places found for those tokens alone, cut inside a run, at a run's end and past every run."""
+    layout = PagedLayout.blocked(torch.zeros(BLOCKS, BLOCK, 2, HEADS, HEAD))
+    slots = torch.cat([torch.arange(3 * BLOCK + 7, 5 * BLOCK), torch.arange(BLOCK, BLOCK + 20)])
+    places = layout.elements(slots // BLOCK, slots % BLOCK)
+    for start in (0, 5, 2 * BLOCK - 7, 2 * BLOCK, len(slots)):
+        alone = layout.elements(slots[start:] // BLOCK, slots[start:] % BLOCK)
+        cut = places.tail(start)
+        assert torch.equal(cut.slots, alone.slots) and cut.runs == alone.runs, start
