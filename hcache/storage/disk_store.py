@@ -1,45 +1,42 @@
 """Chunk files over several directories (one per SSD), with a crash-safe index, a quota, LRU and TTL.
 
-Layout: ``<dir>/chunks/<key[:2]>/<key>.safetensors`` in one of the store's directories, chosen round-robin
-when the chunk is written. Each directory is opened by :mod:`.store_dir` (its manifest and its lock).
+Layout: ``<dir>/chunks/<key[:2]>/<key>.safetensors`` in one of the store's directories, chosen round-robin when the
+chunk is written. Each directory is opened by :mod:`.store_dir` (its manifest and its lock).
 
 Crash safety. A chunk is written to a temporary name (``.<key>.<random>.tmp``), flushed to the device
-(``fdatasync``), and renamed into place, so a chunk name never refers to a torn file, whenever the writer
-dies. The directory is not fsynced after each rename: a power loss may forget the newest renames, which
-costs a recompute of those chunks, never a wrong answer. The index is in memory and rebuilt from the directories at start-up (:mod:`.dir_scan`): temporary files are deleted,
-every chunk file is checked (its header and length by default, every checksum with ``verify="full"``) and
-a bad one is deleted. So the index never lists a chunk that is not on disk whole.
+(``fdatasync``), and renamed into place, so a chunk name never refers to a torn file, whenever the writer dies. The
+directory is not fsynced after each rename: a power loss may forget the newest renames, which costs a recompute of
+those chunks, never a wrong answer. The index is in memory and rebuilt from the directories at start-up
+(:mod:`.dir_scan`): temporary files are deleted, every chunk file is checked (its header and length by default,
+every checksum with ``verify="full"``) and a bad one is deleted. So the index never lists a chunk that is not on
+disk whole.
 
-Capacity. ``quota_bytes`` bounds the bytes of chunk files; a put that does not fit evicts the least
-recently used chunks first, but not a chunk before the chunks after it in its chain (its parent is in
-its header) unless they are pinned and nothing else makes room: they are unreachable without it, so a
-conversation's first chunk, which every later turn and every conversation sharing that start looks up,
-goes last. A header's parent is trusted only when it names another, older chunk of this store and closes
-no cycle (:class:`~.lru_index.LruIndex`), so no damaged or hostile header can hold the store over its
-quota. ``ttl_s`` expires chunks unused for that long.
-A use is a look-up, a read, or a hit in a tier above passed down by :meth:`touch` (the host pool serves
-the most used chunks, so without it they would look the least used here); a look-up of a chain's chunks
-uses the last first, so a parent is always the more recent. The order and the TTL are rebuilt from file
-times at start-up, so a use also sets the file's time: at most once a second per chunk (``_STAMP_S``), on
-a thread of the store's own, never on the caller's (:mod:`.use_stamps`). A crash loses at most the uses of
-the last moments.
-A chunk is pinned while :meth:`read_into` reads it, or while a caller holds it (:meth:`pin`: a load to come), and
-a pinned chunk is never evicted.
+Capacity. ``quota_bytes`` bounds the bytes of chunk files; a put that does not fit evicts the least recently used
+chunks first, but not a chunk before the chunks after it in its chain (its parent is in its header) unless they are
+pinned and nothing else makes room: they are unreachable without it, so a conversation's first chunk, which every
+later turn and every conversation sharing that start looks up, goes last. A header's parent is trusted only when it
+names another, older chunk of this store and closes no cycle (:class:`~.lru_index.LruIndex`), so no damaged or
+hostile header can hold the store over its quota. ``ttl_s`` expires chunks unused for that long. A use is a look-up,
+a read, or a hit in a tier above passed down by :meth:`touch` (the host pool serves the most used chunks, so without
+it they would look the least used here); a look-up of a chain's chunks uses the last first, so a parent is always
+the more recent. The order and the TTL are rebuilt from file times at start-up, so a use also sets the file's time:
+at most once a second per chunk (``_STAMP_S``), on a thread of the store's own, never on the caller's
+(:mod:`.use_stamps`). A crash loses at most the uses of the last moments. A chunk is pinned while :meth:`read_into`
+reads it, or while a caller holds it (:meth:`pin`: a load to come), and a pinned chunk is never evicted.
 
-Losses. What the store evicted, what it found bad (at start-up, on a read, or a file whose length
-changed) and discarded, and what vanished behind its back, are remembered (the latest 16,384):
-:meth:`gone` says why a look-up misses a chunk it held.
+Losses. What the store evicted, what it found bad (at start-up, on a read, or a file whose length changed) and
+discarded, and what vanished behind its back, are remembered (the latest 16,384): :meth:`gone` says why a look-up
+misses a chunk it held.
 
 Privacy. Chunk files hold token ids in clear, so directories are 0700 and files 0600 whatever the umask.
 
-Shared mode (``shared=True``: several nodes over one NFS, Lustre or 3FS mount, each with a store object
-of its own). A chunk another node wrote is found on an index miss, by its path. Publishing stays atomic
-(temporary name, fsync, rename), so a reader sees a whole chunk or none. Each node's quota and LRU count
-only the chunks it has seen; a chunk one node evicts while another reads it is either read whole (the
-reader holds the file open) or fails to read (a stale handle): a clean miss, and any torn read is caught
-by the chunk's checksums. Start-up deletes only temporary files older than a day, since a young one may
-be another node's write in flight; so does a private store's start-up when another store object of the
-process has the directory open already (its writes may be in flight).
+Shared mode (``shared=True``: several nodes over one NFS, Lustre or 3FS mount, each with a store object of its own).
+A chunk another node wrote is found on an index miss, by its path. Publishing stays atomic (temporary name, fsync,
+rename), so a reader sees a whole chunk or none. Each node's quota and LRU count only the chunks it has seen; a
+chunk one node evicts while another reads it is either read whole (the reader holds the file open) or fails to read
+(a stale handle): a clean miss, and any torn read is caught by the chunk's checksums. Start-up deletes only
+temporary files older than a day, since a young one may be another node's write in flight; so does a private store's
+start-up when another store object of the process has the directory open already (its writes may be in flight).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ model it remakes, and its stored bytes by layer type."""
 
 import torch
 
-from hcache.bench.vllm import _family_fields, _tensor_bytes_by_type
+from hcache.bench._vllm_model import family_fields, stored_bytes_by_type
 from hcache.model.random_weights import random_model
 from hcache.model.spec import ModelSpec
 from hcache.storage.chunk import Chunk, encode
@@ -21,7 +21,7 @@ SIZE = {  # a checkpoint's config, as --model's: two query heads of 64 to one K/
 
 
 def _hybrid():
-    return random_model("qwen3_next", torch.bfloat16, **_family_fields("qwen3_next", SIZE, 64))
+    return random_model("qwen3_next", torch.bfloat16, **family_fields("qwen3_next", SIZE, 64))
 
 
 def test_a_remade_qwen3_next_keeps_the_size_and_is_the_hybrid_vllms_cpu_build_takes():
@@ -37,7 +37,7 @@ def test_a_remade_qwen3_next_keeps_the_size_and_is_the_hybrid_vllms_cpu_build_ta
     assert (config.linear_num_key_heads, config.linear_num_value_heads) == (1, 2)
     assert not config.tie_word_embeddings and config.mlp_only_layers == []
     assert ModelSpec.from_config(config).recurrent_layers == (0, 1, 2)
-    qwen3 = random_model("qwen3", **_family_fields("qwen3", SIZE, 64)).config
+    qwen3 = random_model("qwen3", **family_fields("qwen3", SIZE, 64)).config
     assert (qwen3.model_type, qwen3.num_hidden_layers, qwen3.head_dim) == ("qwen3", 4, 64)
 
 
@@ -52,5 +52,5 @@ def test_stored_bytes_are_counted_by_the_type_of_their_layer(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(encode(Chunk(key, list(range(64)), "f", tensors)))
         files.append(path)
-    by_type = _tensor_bytes_by_type(files, spec)
+    by_type = stored_bytes_by_type(files, spec)
     assert by_type == {"gated_delta_net": 2 * 2 * state.nbytes, "full_attention": 2 * kv.nbytes}
