@@ -168,9 +168,10 @@ def _schedule(engine: _Engine, request, blocks: list[int], computed: int, new: b
     if new:
         scheduled = SimpleNamespace(req_id=request.request_id, block_ids=(blocks,), num_computed_tokens=computed)
         return SimpleNamespace(
-            num_scheduled_tokens={request.request_id: length}, scheduled_new_reqs=[scheduled],
+            num_scheduled_tokens={request.request_id: length},
+            scheduled_new_reqs=[scheduled],
             scheduled_cached_reqs=NOTHING_CACHED,
-        )  # fmt: skip
+        )
     cached = SimpleNamespace(
         req_ids=[request.request_id], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[computed]
     )
