@@ -1,4 +1,5 @@
-"""Where a token's K and V live inside a paged KV cache laid out as vLLM's attention backends lay it out.
+"""Where a token's K and V live inside a paged KV cache, laid out as vLLM's attention backends lay it out or
+as FastGen (and the reference engine) does; and the one writer of a restore's stored K/V rows, every engine's.
 
 vLLM's per-layer cache is logically ``[blocks, kv_heads, block_size, 2 * head_size]`` (RFC #42082): K's
 head dim then V's on the last axis; an MLA layer's is ``[blocks, 1, block_size, head_size]``, one latent row a
